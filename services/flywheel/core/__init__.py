@@ -1,0 +1,1 @@
+"""Torch-free library shared by every service: settings, Sample codec, streams, errors."""

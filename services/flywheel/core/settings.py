@@ -1,0 +1,239 @@
+"""Typed settings for every Flywheel service (torch-free, importable everywhere).
+
+One `FlywheelSettings` holds a section per service. Values come, in increasing priority, from
+the defaults below, a TOML config file (`flywheel up --config FILE`, or `FLYWHEEL_CONFIG`), and
+environment variables `FLYWHEEL_<SECTION>__<FIELD>` (e.g. `FLYWHEEL_TRAINER__LR=1e-5`).
+Settings are parsed at start-up by `load_settings()`, never at import time.
+
+To add a setting: add a field with a docstring that names its unit and any sentinel value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class StreamSettings(BaseModel):
+    """Redis stream names and delivery policy (DESIGN.md section 4)."""
+
+    prefix: str = "flywheel"
+    """Prefix of every stream key; one prefix per deployment."""
+    rollouts: str = "rollouts"
+    """Gateway -> reward: finished episodes/turns."""
+    scored: str = "scored"
+    """Reward -> teacher."""
+    train: str = "train"
+    """Teacher (or reward, when the teacher is disabled) -> trainer."""
+    dead: str = "dead"
+    """Poison samples after `max_deliveries` failed deliveries, with the error."""
+    max_deliveries: int = Field(5, ge=1)
+    """Deliveries of one entry before it is moved to the dead-letter stream."""
+    min_idle_ms: int = Field(60_000, ge=0)
+    """Milliseconds an entry stays pending under a consumer before others reclaim it."""
+    block_ms: int = Field(1_000, ge=0)
+    """Milliseconds XREADGROUP blocks waiting for new entries."""
+    high_water: int = Field(10_000, ge=1)
+    """Stream lag (entries) above which producers apply backpressure."""
+
+    def key(self, name: str) -> str:
+        """Full Redis key of stream `name` (e.g. `flywheel:rollouts`)."""
+        return f"{self.prefix}:{getattr(self, name)}"
+
+
+class RedisSettings(BaseModel):
+    url: str = ""
+    """Redis URL; empty = `flywheel up` starts a local server and fills this in."""
+    port: int = Field(6379, ge=1, le=65535)
+    """Port for the local server started by `flywheel up` (next free port if busy)."""
+    data_dir: str = ".flywheel/redis"
+    """Directory of the local server's AOF and RDB files."""
+
+
+class EngineSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    """SGLang's default port."""
+    model_path: str = ""
+    """Hugging Face folder to serve; empty = SmolLM2-135M-Instruct converted from the GGUF."""
+    served_model_name: str = DEFAULT_MODEL_NAME
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype on CPU; bf16 is faster, fp32 matches the trainer's logprobs exactly."""
+    max_batch_size: int = Field(64, ge=1)
+    """Requests decoded together in one batch."""
+    batch_wait_ms: float = Field(20.0, ge=0)
+    """Milliseconds to wait for more requests before starting a batch."""
+    context_length: int = Field(2048, ge=16)
+    """Tokens (prompt + completion) per request."""
+    weight_version: str = "default"
+    """Initial weight version label (SGLang's `--weight-version`)."""
+    seed: int = 0
+    threads: int = Field(0, ge=0)
+    """torch threads; 0 = torch's default."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class GatewaySettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    engine_urls: list[str] = Field(default_factory=list)
+    """Engines (or one SGLang router); empty = the local engine's URL."""
+    tokenizer_path: str = ""
+    """Tokenizer/chat-template folder; empty = the engine's model folder."""
+    model_name: str = DEFAULT_MODEL_NAME
+    """Model id reported by `/v1/models` and accepted in requests."""
+    default_max_tokens: int = Field(256, ge=1)
+    """Completion tokens when the request sets neither max_tokens nor max_completion_tokens."""
+    request_timeout_s: float = Field(300.0, gt=0)
+    """Seconds to wait for one engine call."""
+    session_ttl_s: int = Field(86_400, ge=60)
+    """Seconds an idle session lives in Redis."""
+    record_unsessioned: bool = False
+    """Record requests made without a session (live mode); off = serve them unrecorded."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class RewardSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=1, le=65535)
+    """gRPC port."""
+    metrics_port: int = Field(9101, ge=0, le=65535)
+    """Prometheus /metrics port; 0 = disabled."""
+    default_verifier: Literal["last_integer", "exact", "none"] = "last_integer"
+    """Verifier used when a session's task metadata names none."""
+    consumer_name: str = ""
+    """Consumer name in the group; empty = host-pid."""
+
+
+class TeacherSettings(BaseModel):
+    enabled: bool = False
+    """Off = the reward service writes straight to the trainer's stream."""
+    host: str = "127.0.0.1"
+    port: int = Field(50052, ge=1, le=65535)
+
+
+class TrainerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    """HTTP port of /healthz, /metrics and /status."""
+    model_path: str = ""
+    """Initial policy folder; empty = the engine's model."""
+    checkpoint_dir: str = ".flywheel/checkpoints"
+    """Where each step's safetensors checkpoint is written (shared with the engines)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted."""
+    metrics_path: str = ".flywheel/trainer_metrics.jsonl"
+    """JSONL file with one line of metrics per step."""
+    groups_per_step: int = Field(4, ge=1)
+    """Complete groups (by group_id) per optimizer step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per group; a group is complete when it has this many."""
+    group_wait_s: float = Field(120.0, ge=0)
+    """Seconds to wait for a partial group before training on what arrived."""
+    lr: float = Field(5e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps_low: float = Field(0.2, ge=0)
+    """PPO clip: ratio lower bound 1 - clip_eps_low."""
+    clip_eps_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio upper bound 1 + clip_eps_high (clip-higher when > clip_eps_low)."""
+    std_floor: float = Field(1e-3, gt=0)
+    """Group reward std below this value is treated as 0 (advantages 0)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward pass (gradient accumulation over micro-batches)."""
+    max_staleness: int = Field(4, ge=0)
+    """Weight versions a sample may lag behind the trainer before it is dropped."""
+    engine_urls: list[str] = Field(default_factory=list)
+    """Engines to push weights to; empty = the local engine."""
+    seed: int = 0
+
+
+class FlywheelSettings(BaseSettings):
+    """All settings of one deployment. Sections are read by the service they name."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+    )
+
+    redis: RedisSettings = Field(default_factory=RedisSettings)
+    streams: StreamSettings = Field(default_factory=StreamSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    teacher: TeacherSettings = Field(default_factory=TeacherSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    log_level: str = "INFO"
+    state_dir: str = ".flywheel"
+    """Local state (Redis data, checkpoints, logs) of `flywheel up`."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (env_settings, init_settings)
+
+    def redis_url(self) -> str:
+        return self.redis.url or f"redis://127.0.0.1:{self.redis.port}/0"
+
+    def engine_urls(self) -> list[str]:
+        return self.gateway.engine_urls or [self.engine.url]
+
+    def trainer_engine_urls(self) -> list[str]:
+        return self.trainer.engine_urls or self.engine_urls()
+
+    def next_stream_after_reward(self) -> str:
+        return self.streams.key("scored" if self.teacher.enabled else "train")
+
+    def dump(self) -> str:
+        """Resolved settings as JSON (logged at start-up)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> FlywheelSettings:
+    """Parse settings from a TOML file (optional), then environment overrides.
+
+    Args:
+        config_file: TOML file with one table per section; None = `$FLYWHEEL_CONFIG` if set.
+        overrides: section dicts that take priority below the environment (used by tests).
+
+    Raises:
+        FileNotFoundError: the config file does not exist.
+        pydantic.ValidationError: a value is invalid or a key is unknown.
+    """
+    path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
+    data: dict[str, Any] = {}
+    if path:
+        data = tomllib.loads(Path(path).read_text())
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            data.setdefault(section, {}).update(values)
+        else:
+            data[section] = values
+    return FlywheelSettings(**data)

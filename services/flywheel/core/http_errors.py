@@ -1,0 +1,50 @@
+"""OpenAI-style error JSON for every FastAPI service: one handler set, installed by `install`.
+
+Body: `{"error": {"message", "type", "param", "code"}}`; status from the PlatformError class,
+400 for validation errors (as OpenAI and SGLang answer them).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flywheel.core.errors import BackpressureError, PlatformError
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers on `app`."""
+
+    @app.exception_handler(PlatformError)
+    async def _platform(_: Request, exc: PlatformError) -> JSONResponse:
+        headers = {}
+        if isinstance(exc, BackpressureError):
+            headers["Retry-After"] = str(int(round(exc.retry_after_s)))
+        if exc.http_status >= 500:
+            log.error("request failed: %s", exc.message)
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
+                            status_code=exc.http_status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)

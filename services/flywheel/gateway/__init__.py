@@ -1,0 +1,1 @@
+"""OpenAI-compatible gateway: sessions, chat-template rendering, token-faithful recording."""

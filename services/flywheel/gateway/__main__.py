@@ -1,0 +1,3 @@
+from flywheel.gateway.main import main
+
+main()

@@ -1,0 +1,217 @@
+"""The gateway's HTTP API: OpenAI chat completions, sessions, health and metrics.
+
+`create_app(deps)` builds the app from injected dependencies (house style C8): tests swap in
+fakes through `GatewayDeps`; `main.py` builds the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+
+from flywheel._proto import sample_pb2
+from flywheel.core import http_errors
+from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
+from flywheel.core.settings import GatewaySettings
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.recording import build_sample, prepare_prompt, record_generation
+from flywheel.gateway.schemas import ChatCompletionRequest, SessionCreate, SessionFinish
+from flywheel.gateway.sessions import SessionRecord, SessionStore
+from flywheel.gateway.tokenization import ChatRenderer
+
+log = logging.getLogger(__name__)
+PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published")
+UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
+FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class Engines(Protocol):
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       affinity: str = "") -> Generation: ...
+
+
+class Publisher(Protocol):
+    def publish(self, sample: sample_pb2.Sample) -> str: ...
+    def backlog(self) -> int: ...
+    high_water: int
+
+
+@dataclass
+class GatewayDeps:
+    settings: GatewaySettings
+    renderer: ChatRenderer
+    engines: Engines
+    sessions: SessionStore
+    publisher: Publisher
+    context_length: int = 2048
+    """Tokens (prompt + completion) the engine serves per request."""
+
+
+def create_app(deps: GatewayDeps) -> FastAPI:
+    app = FastAPI(title="Flywheel gateway")
+    http_errors.install(app)
+    app.state.deps = deps
+
+    def get_deps(request: Request) -> GatewayDeps:
+        return request.app.state.deps
+
+    Deps = Annotated[GatewayDeps, Depends(get_deps)]
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(d: Deps) -> dict[str, str]:
+        d.sessions.client.ping()
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    @app.get("/s/{session_id}/v1/models")
+    async def models(d: Deps) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": d.settings.model_name, "object": "model",
+                                            "created": 0, "owned_by": "flywheel"}]}
+
+    @app.post("/v1/sessions")
+    async def create_session(body: SessionCreate, request: Request, d: Deps) -> dict[str, Any]:
+        if not body.eval and d.publisher.high_water and (
+            await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
+        ):
+            raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
+        record = await asyncio.to_thread(d.sessions.create, **body.model_dump(exclude_none=True))
+        base = str(request.base_url).rstrip("/")
+        return {"session_id": record.session_id, "group_id": record.group_id,
+                "base_url": f"{base}/s/{record.session_id}/v1", "eval": record.eval}
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, d: Deps) -> dict[str, Any]:
+        record = await asyncio.to_thread(d.sessions.get, session_id)
+        seg = record.segment
+        return {"session_id": record.session_id, "group_id": record.group_id,
+                "status": record.status, "eval": record.eval, "turns": seg.turns,
+                "segment_index": seg.index, "samples_published": record.samples_published,
+                "token_ids": seg.token_ids, "loss_mask": seg.loss_mask}
+
+    @app.post("/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
+        return await asyncio.to_thread(_finish, d, session_id, body.reward)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, d: Deps) -> dict[str, Any]:
+        return await _chat(d, body, None)
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps
+                           ) -> dict[str, Any]:
+        return await _chat(d, body, session_id)
+
+    return app
+
+
+def _finish(d: GatewayDeps, session_id: str, reward: float | None) -> dict[str, Any]:
+    with d.sessions.locked(session_id) as record:
+        if record.status == "finished":
+            raise ConflictError(f"session {session_id} is already finished")
+        record.status = "finished"
+        published = 0
+        if not record.eval and record.segment.sampled_tokens:
+            _publish(d, record, build_sample(record, record.segment, reward))
+            published = 1
+    return {"session_id": session_id, "status": "finished", "samples_published": published}
+
+
+def _publish(d: GatewayDeps, record: SessionRecord, sample: sample_pb2.Sample) -> None:
+    d.publisher.publish(sample)
+    record.samples_published += 1
+    PUBLISHED.inc()
+    log.info("published sample %s of session %s (%d tokens)", sample.sample_id,
+             record.session_id, len(sample.token_ids))
+
+
+async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None
+                ) -> dict[str, Any]:
+    if body.stream:
+        raise InvalidRequestError("stream=true is not served yet; send stream=false",
+                                  param="stream")
+    messages = [m.for_template() for m in body.messages]
+    sampling = body.sampling_params(d.settings.default_max_tokens)
+    if session_id is None:
+        UNRECORDED.inc()
+        prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
+        gen = await d.engines.generate(prompt, sampling)
+        return _response(d, body, gen, len(prompt))
+    return await _session_turn(d, body, session_id, messages, sampling)
+
+
+@asynccontextmanager
+async def _locked(store: SessionStore, session_id: str) -> AsyncIterator[SessionRecord]:
+    """Async form of `SessionStore.locked`: saved on normal exit, untouched on error."""
+    lock = await asyncio.to_thread(store.acquire, session_id)
+    try:
+        record = await asyncio.to_thread(store.get, session_id)
+        yield record
+        await asyncio.to_thread(store.save, record)
+    finally:
+        await asyncio.to_thread(store.release, lock)
+
+
+async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: str,
+                        messages: list[dict[str, Any]], sampling: dict[str, Any]
+                        ) -> dict[str, Any]:
+    async with _locked(d.sessions, session_id) as record:
+        if record.status != "open":
+            raise ConflictError(f"session {session_id} is finished; create a new session")
+        prompt, closed = await asyncio.to_thread(
+            prepare_prompt, record, d.renderer, messages, body.tools)
+        if closed is not None and not record.eval:
+            await asyncio.to_thread(_publish, d, record, build_sample(record, closed))
+        limit = d.context_length
+        if len(prompt) + sampling["max_new_tokens"] > limit:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling['max_new_tokens']}) "
+                f"exceeds the context window of {limit} tokens; shorten the conversation or "
+                "lower max_tokens", param="messages", code="context_length_exceeded")
+        gen = await d.engines.generate(prompt, sampling, affinity=session_id)
+        reply = {"role": "assistant", "content": gen.text}
+        record_generation(record, gen, sampling, reply)
+        return _response(d, body, gen, len(prompt))
+
+
+def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prompt_tokens: int
+              ) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": gen.text},
+        "finish_reason": FINISH_MAP.get(gen.finish_type, gen.finish_type),
+        "logprobs": None,
+    }
+    if body.logprobs:
+        toks = d.renderer.tokenizer.convert_ids_to_tokens(gen.output_ids)
+        choice["logprobs"] = {"content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(toks, gen.output_logprobs, strict=True)]}
+    completion = len(gen.output_ids)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model or d.settings.model_name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion},
+        "metadata": {"weight_version": str(gen.weight_version)},
+    }

@@ -1,0 +1,132 @@
+"""Client for SGLang-protocol engines: session-affine choice, one retry elsewhere on failure.
+
+Speaks only `/generate` with `input_ids` (the gateway never asks an engine to render text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import Counter
+
+from flywheel.core.errors import InvalidRequestError, UpstreamError
+
+log = logging.getLogger(__name__)
+ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One engine result. `output_logprobs[i]` and `weight_version` belong to `output_ids[i]`."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    finish_type: str
+    """SGLang finish type: stop | length | abort."""
+    matched_eos: bool
+    """True when generation stopped on a stop token that is part of `output_ids`."""
+    weight_version: int
+    prompt_tokens: int
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang's version label as an int: "default" (initial weights) -> 0, "12" -> 12."""
+    if value in (None, "", "default"):
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        log.warning("non-integer weight_version %r recorded as 0", value)
+        return 0
+
+
+def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generation:
+    """Turn a `/generate` response into a `Generation`, checking ids against logprob rows.
+
+    Raises:
+        UpstreamError: the response lacks logprobs or they disagree with `output_ids`.
+    """
+    meta = body.get("meta_info") or {}
+    ids = list(body.get("output_ids") or [])
+    rows = meta.get("output_token_logprobs") or []
+    if len(rows) != len(ids) or any(int(r[1]) != t for r, t in zip(rows, ids, strict=True)):
+        raise UpstreamError("engine returned output_token_logprobs that do not match output_ids")
+    logprobs = [float(r[0]) if r[0] is not None else float("-inf") for r in rows]
+    finish = meta.get("finish_reason") or {}
+    matched = finish.get("matched")
+    matched_eos = (
+        finish.get("type") == "stop" and isinstance(matched, int) and bool(ids)
+        and ids[-1] == matched and matched in stop_token_ids
+    )
+    return Generation(
+        output_ids=ids,
+        output_logprobs=logprobs,
+        text=body.get("text", ""),
+        finish_type=finish.get("type", "abort"),
+        matched_eos=matched_eos,
+        weight_version=parse_weight_version(meta.get("weight_version")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+class EnginePool:
+    """Engines by URL; a session always goes to the same healthy engine.
+
+    Args:
+        urls: engine base URLs (SGLang servers, a router, or embedded engines).
+        timeout_s: seconds per call.
+        stop_token_ids: ids whose sampling ends a turn (the tokenizer's EOS).
+    """
+
+    def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int]):
+        if not urls:
+            raise InvalidRequestError("at least one engine URL is required")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.stop_token_ids = stop_token_ids
+        self.client = httpx.AsyncClient(timeout=timeout_s)
+
+    def order(self, affinity: str) -> list[str]:
+        """Engines in the order to try for this session key."""
+        start = int(hashlib.sha1(affinity.encode()).hexdigest(), 16) % len(self.urls)
+        return self.urls[start:] + self.urls[:start]
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = ""
+    ) -> Generation:
+        """`/generate` with input ids and logprobs; retried once on another engine on failure.
+
+        Raises:
+            InvalidRequestError: the engine rejected the request (4xx).
+            UpstreamError: every tried engine failed.
+        """
+        body = {"input_ids": input_ids, "sampling_params": sampling_params,
+                "return_logprob": True}
+        errors = []
+        for url in self.order(affinity)[:2]:
+            try:
+                resp = await self.client.post(f"{url}/generate", json=body)
+            except httpx.HTTPError as exc:
+                ENGINE_ERRORS.labels(url).inc()
+                errors.append(f"{url}: {exc!r}")
+                continue
+            if 400 <= resp.status_code < 500:
+                raise InvalidRequestError(f"engine rejected the request: {resp.text[:500]}")
+            if resp.status_code != 200:
+                ENGINE_ERRORS.labels(url).inc()
+                errors.append(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
+                continue
+            return parse_generation(resp.json(), self.stop_token_ids)
+        raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
+
+    async def model_info(self) -> dict[str, Any]:
+        resp = await self.client.get(f"{self.urls[0]}/model_info")
+        resp.raise_for_status()
+        return resp.json()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

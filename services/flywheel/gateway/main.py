@@ -1,0 +1,56 @@
+"""Gateway entry point: `python -m flywheel.gateway [--config FILE] [--port N]`.
+
+Parse settings -> connect Redis -> load the tokenizer -> build the engine pool and the Sample
+publisher -> serve the app with uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from flywheel.core.logs import setup_logging
+from flywheel.core.settings import load_settings
+
+log = logging.getLogger("flywheel.gateway")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flywheel-gateway", description=__doc__)
+    parser.add_argument("--config", default=None, help="TOML settings file")
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config)
+    if args.port:
+        settings.gateway.port = args.port
+    setup_logging(settings.log_level, service="gateway")
+    log.info("settings %s", settings.dump())
+
+    import uvicorn  # noqa: PLC0415  (heavy imports after settings parse)
+
+    from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.streams import StreamProducer  # noqa: PLC0415
+    from flywheel.gateway.app import GatewayDeps, create_app  # noqa: PLC0415
+    from flywheel.gateway.engine_pool import EnginePool  # noqa: PLC0415
+    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
+    from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
+
+    gw = settings.gateway
+    client = connect(settings.redis_url())
+    renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path))
+    stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
+    deps = GatewayDeps(
+        settings=gw,
+        renderer=renderer,
+        engines=EnginePool(settings.engine_urls(), gw.request_timeout_s, stop_ids),
+        sessions=SessionStore(client, settings.streams.prefix, gw.session_ttl_s),
+        publisher=StreamProducer(client, settings.streams.key("rollouts"),
+                                 high_water=settings.streams.high_water, watch_group="reward"),
+        context_length=settings.engine.context_length,
+    )
+    uvicorn.run(create_app(deps), host=gw.host, port=gw.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

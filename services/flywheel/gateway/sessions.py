@@ -1,0 +1,154 @@
+"""Session and trajectory store in Redis, so gateway replicas are stateless.
+
+A session is one episode (episode mode) or one live conversation. Its current `Segment` holds the
+exact token history: prompt ids, then for each turn the sampled ids (loss mask 1, the engine's
+logprobs and weight version) and the template ids between turns (mask 0). A request that no
+longer extends the recorded history closes the segment (it becomes its own Sample) and starts a
+new one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import redis
+from redis.lock import Lock
+from pydantic import BaseModel, Field
+
+from flywheel.core.errors import ConflictError, NotFoundError
+
+
+class Segment(BaseModel):
+    """Token-faithful record of consecutive turns. Per-token lists all have the same length."""
+
+    index: int = 0
+    token_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    """Engine logprob of each sampled token; 0.0 where loss_mask is 0."""
+    versions: list[int] = Field(default_factory=list)
+    """Weight version of each sampled token; -1 where loss_mask is 0."""
+    prompt_length: int = 0
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    """The conversation as recorded: request messages plus the assistant replies produced."""
+    tools: list[dict[str, Any]] | None = None
+    turns: int = 0
+    finish_reason: str = ""
+    ended_with_eos: bool = False
+    sampling: dict[str, float] = Field(default_factory=dict)
+
+    def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
+               versions: list[int] | None = None) -> None:
+        """Append template ids (`sampled=False`) or engine-sampled ids with logprobs/versions."""
+        n = len(ids)
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1 if sampled else 0] * n)
+        self.logprobs.extend(logprobs if sampled and logprobs is not None else [0.0] * n)
+        self.versions.extend(versions if sampled and versions is not None else [-1] * n)
+        if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)
+                == len(self.versions)):
+            raise AssertionError("segment per-token lists diverged in length")
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+class SessionRecord(BaseModel):
+    session_id: str
+    group_id: str = ""
+    task: dict[str, Any] = Field(default_factory=dict)
+    """Task metadata for the reward service (e.g. `answer`, `verifier`)."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    mode: Literal["episode", "live"] = "episode"
+    eval: bool = False
+    """Evaluation sessions are served but never become training data."""
+    status: Literal["open", "finished"] = "open"
+    created_at: float = Field(default_factory=time.time)
+    owner: str = ""
+    segment: Segment = Field(default_factory=Segment)
+    samples_published: int = 0
+    forks: int = 0
+
+
+class SessionStore:
+    """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock.
+
+    Args:
+        client: redis-py client.
+        prefix: key prefix of the deployment.
+        ttl_s: seconds an untouched session is kept.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int):
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+
+    def _key(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{session_id}"
+
+    def create(self, **fields: Any) -> SessionRecord:
+        """A new open session with a fresh id (or the given `session_id` if unused).
+
+        Raises:
+            ConflictError: `session_id` is given and already exists.
+        """
+        fields.setdefault("session_id", uuid.uuid4().hex)
+        record = SessionRecord(**fields)
+        ok = self.client.set(self._key(record.session_id), record.model_dump_json(),
+                             ex=self.ttl_s, nx=True)
+        if not ok:
+            raise ConflictError(f"session {record.session_id} already exists", param="session_id")
+        return record
+
+    def get(self, session_id: str) -> SessionRecord:
+        """Raises: NotFoundError: no such session (never created, or expired)."""
+        raw = self.client.get(self._key(session_id))
+        if raw is None:
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+        return SessionRecord.model_validate_json(raw)
+
+    def save(self, record: SessionRecord) -> None:
+        self.client.set(self._key(record.session_id), record.model_dump_json(), ex=self.ttl_s)
+
+    def acquire(self, session_id: str, timeout_s: float = 600.0) -> Lock:
+        """Take the session's lock (usable from any thread); release it with `release`.
+
+        Raises:
+            NotFoundError: no such session.
+            ConflictError: the lock was not obtained within `timeout_s` seconds.
+        """
+        if not self.client.exists(self._key(session_id)):
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+        lock = self.client.lock(f"{self._key(session_id)}:lock", timeout=timeout_s,
+                                blocking_timeout=timeout_s, thread_local=False)
+        if not lock.acquire():
+            raise ConflictError(f"session {session_id} is busy", param="session_id")
+        return lock
+
+    @staticmethod
+    def release(lock: Lock) -> None:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:
+            pass
+
+    @contextmanager
+    def locked(self, session_id: str) -> Iterator[SessionRecord]:
+        """Hold the session's lock while reading, changing and saving it.
+
+        The record is saved on normal exit; on an exception nothing is written, so what was
+        recorded before stays intact.
+        """
+        lock = self.acquire(session_id)
+        try:
+            record = self.get(session_id)
+            yield record
+            self.save(record)
+        finally:
+            self.release(lock)

@@ -216,7 +216,9 @@ class FlywheelSettings(BaseSettings):
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
 
 
-def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> FlywheelSettings:
+def load_settings(
+    config_file: str | os.PathLike[str] | None = None, **overrides: Any
+) -> FlywheelSettings:
     """Parse settings from a TOML file (optional), then environment overrides.
 
     Args:

@@ -72,7 +72,7 @@ class StreamProducer:
         self.watch_group = watch_group
 
     def backlog(self) -> int:
-        """Entries of `watch_group` not yet acked: its lag plus its pending count (0 if no group)."""
+        """Entries of `watch_group` not yet acked: its lag plus its pending count."""
         if not self.watch_group:
             return 0
         try:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
 import redis
-from redis.lock import Lock
 from pydantic import BaseModel, Field
+from redis.lock import Lock
 
 from flywheel.core.errors import ConflictError, NotFoundError
 
@@ -133,10 +133,8 @@ class SessionStore:
 
     @staticmethod
     def release(lock: Lock) -> None:
-        try:
+        with suppress(redis.exceptions.LockError):
             lock.release()
-        except redis.exceptions.LockError:
-            pass
 
     @contextmanager
     def locked(self, session_id: str) -> Iterator[SessionRecord]:

@@ -1,0 +1,1 @@
+"""Reward service: verifiable rewards (and, later, judges) over the rollouts stream and gRPC."""

@@ -1,0 +1,3 @@
+from flywheel.reward.main import main
+
+main()

@@ -1,0 +1,61 @@
+"""Score one Sample: verifier reward on its last assistant reply, plus a posted outcome reward.
+
+The combined scalar is the weighted sum of the components present. A Sample with no component
+(no verifier applies, no outcome posted) keeps `has_reward = false` and an `error` that says why;
+it is never scored as 0.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flywheel._proto import sample_pb2
+from flywheel.core.errors import InvalidRequestError
+from flywheel.reward.verifiers import VERIFIERS
+
+DEFAULT_WEIGHTS = {"verifier": 1.0, "outcome": 1.0}
+
+
+def last_reply(sample: sample_pb2.Sample) -> str:
+    """Text of the last assistant message of the Sample ("" if none)."""
+    for message in reversed(sample.messages):
+        if message.role == "assistant":
+            content = json.loads(message.content_json or "null")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+def score_sample(
+    sample: sample_pb2.Sample,
+    default_verifier: str,
+    weights: dict[str, float] | None = None,
+) -> sample_pb2.Sample:
+    """Fill `rewards`, `reward`, `has_reward` (and `error` when unscored); returns the Sample.
+
+    Args:
+        sample: the Sample; its `task_json` may name a `verifier` and must give the `answer`.
+        default_verifier: verifier used when the task names none; "none" = no verifier.
+        weights: component name -> weight of the combined reward (default 1.0 each).
+    """
+    weights = {**DEFAULT_WEIGHTS, **(weights or {})}
+    task: dict[str, Any] = json.loads(sample.task_json or "{}")
+    name = task.get("verifier", default_verifier)
+    errors = []
+    if name != "none" and "answer" in task:
+        verifier = VERIFIERS.get(name)
+        if verifier is None:
+            errors.append(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
+        else:
+            try:
+                sample.rewards["verifier"] = verifier(last_reply(sample), task)
+            except InvalidRequestError as exc:
+                errors.append(str(exc))
+    if sample.rewards:
+        sample.reward = sum(weights.get(k, 1.0) * v for k, v in sample.rewards.items())
+        sample.has_reward = True
+    else:
+        sample.has_reward = False
+        errors.append("no reward component: the task gives no answer and no outcome was posted")
+    sample.error = "; ".join(errors)
+    return sample

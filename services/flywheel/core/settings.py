@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -166,6 +166,38 @@ class TrainerSettings(BaseModel):
     engine_urls: list[str] = Field(default_factory=list)
     """Engines to push weights to; empty = the local engine."""
     seed: int = 0
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES)."""
+    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES)."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = (
+        "token_mean"
+    )
+    """How token losses become one scalar (flywheel.trainer.algorithms.losses.AGGREGATIONS)."""
+    dual_clip_c: float = Field(0.0, ge=0)
+    """Dual-clip bound c (> 1) on the loss of negative-advantage tokens; 0 = off."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Scored tokens per chunk of the lm-head + log-softmax (bounds its memory)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward (less memory, about 30% slower)."""
+    allow_truncated_sampling: bool = False
+    """Train on samples drawn with top_p < 1, top_k > 0 or min_p > 0. Their engine logprobs are
+    normalized over a kept set the trainer cannot rebuild (BUG-08); off = drop them, counted."""
+    push_timeout_s: float = Field(600.0, gt=0)
+    """Seconds to wait for one engine's /update_weights_from_disk answer."""
+    push_attempts: int = Field(5, ge=1)
+    """Attempts per engine (exponential backoff) before the weight push fails the trainer."""
+    consumer_name: str = ""
+    """Consumer name in the `trainer` group; empty = host-pid."""
+    max_steps: int = Field(0, ge=0)
+    """Optimizer steps after which the trainer exits; 0 = run until stopped."""
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float) -> float:
+        if 0 < value <= 1:
+            raise ValueError("dual_clip_c must be 0 (off) or > 1 (e.g. 3.0)")
+        return value
 
 
 class FlywheelSettings(BaseSettings):

@@ -1,0 +1,134 @@
+"""The `flywheel` command: `up`, `demo`, `status`, `config show`.
+
+`flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
+`flywheel demo --steps N --out DIR` runs the training demo on a running stack (started by
+`flywheel up` in the same state dir), or on a new one that it starts and stops itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flywheel.core.settings import FlywheelSettings, load_settings
+
+
+def _settings(args: argparse.Namespace) -> FlywheelSettings:
+    try:
+        return load_settings(args.config)
+    except FileNotFoundError as exc:
+        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML file.")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from flywheel.stack import Stack  # noqa: PLC0415
+
+    stack = Stack(_settings(args), config_file=args.config)
+    stack.start()
+    print("flywheel is up. Point an OpenAI client at "
+          f"{stack.services[1].url}/v1 (or a session's base_url). Ctrl-C stops everything.")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while True:
+            time.sleep(5)
+            dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
+            if dead:
+                print(f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
+                      "Stopping the stack.")
+                return 1
+    except KeyboardInterrupt:
+        print("\nstopping...")
+        return 0
+    finally:
+        stack.stop()
+        print("stopped.")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from flywheel.demo.runner import DemoConfig, DemoRunner  # noqa: PLC0415
+    from flywheel.stack import Stack, running_stack  # noqa: PLC0415
+
+    started = time.monotonic()
+    out = Path(args.out)
+    cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,
+                     group_size=args.group_size, seed=args.seed)
+    settings = _settings(args)
+    state = running_stack(settings.state_dir) if not args.new_stack else None
+    if state:
+        print(f"using the running stack at {state['gateway']}")
+        return _run_demo(DemoRunner(state["gateway"], state["engine"], cfg, out), started)
+    stack_dir = out / "stack"
+    shutil.rmtree(stack_dir, ignore_errors=True)
+    settings.state_dir = str(stack_dir)
+    settings.trainer.checkpoint_dir = str(stack_dir / "checkpoints")
+    settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
+    settings.trainer.groups_per_step = cfg.problems_per_step
+    settings.trainer.group_size = cfg.group_size
+    with Stack(settings, config_file=args.config) as stack:
+        urls = {s.name: s.url for s in stack.services}
+        return _run_demo(DemoRunner(urls["gateway"], urls["engine"], cfg, out), started)
+
+
+def _run_demo(runner, started: float) -> int:  # noqa: ANN001
+    summary = runner.run(started_at=started)
+    learned = summary["last5"] > summary["first5"] and summary["eval_after"] > summary[
+        "eval_before"]
+    print(f"wrote {runner.out / 'metrics.jsonl'} and {runner.out / 'reward_curve.png'}")
+    print("the policy learned." if learned else "no measurable learning in this run.")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flywheel.stack import running_stack  # noqa: PLC0415
+
+    state = running_stack(_settings(args).state_dir)
+    if not state:
+        print("no running stack (start one with `flywheel up`).")
+        return 1
+    print(json.dumps(state, indent=2))
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    print(json.dumps(_settings(args).model_dump(mode="json"), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=None, help="TOML settings file")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(
+        func=cmd_up)
+    demo = sub.add_parser("demo", help="run the training demo", parents=[common])
+    demo.add_argument("--steps", type=int, default=30, help="trainer steps (default 30)")
+    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    demo.add_argument("--problems-per-step", type=int, default=4)
+    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--new-stack", action="store_true",
+                      help="start a fresh stack even if one is running")
+    demo.set_defaults(func=cmd_demo)
+    sub.add_parser("status", help="show the running stack", parents=[common]).set_defaults(
+        func=cmd_status)
+    config = sub.add_parser("config", help="settings")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    config_sub.add_parser("show", help="print resolved settings", parents=[common]).set_defaults(
+        func=cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The demo: an ordinary OpenAI-SDK agent learns single-digit addition through the gateway."""

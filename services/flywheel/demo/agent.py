@@ -1,0 +1,21 @@
+"""The agent: an ordinary program on the official `openai` SDK. It knows nothing about RL.
+
+It gets a base_url (a gateway session URL) and a question, and returns the model's reply.
+"""
+
+from __future__ import annotations
+
+from openai import OpenAI
+
+
+def answer(base_url: str, question: str, *, model: str, temperature: float, max_tokens: int,
+           api_key: str = "flywheel-local") -> str:
+    """Ask the model one question through `base_url`; returns the reply text."""
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
+    completion = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": question}],
+        temperature=temperature,
+        max_tokens=max_tokens,
+    )
+    return completion.choices[0].message.content or ""

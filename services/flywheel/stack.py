@@ -1,0 +1,207 @@
+"""The local stack behind `flywheel up`: every service as its own process, health-gated.
+
+Order: Redis (a real server, or `FLYWHEEL_REDIS__URL`) -> model conversion (once, cached) ->
+engine -> gateway -> reward -> trainer. Each child gets the resolved ports and Redis URL through
+`FLYWHEEL_<SECTION>__<FIELD>` variables, logs to `<state_dir>/logs/<service>.log`, and is
+stopped in reverse order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from flywheel.core.redis_server import LocalRedis, free_port
+from flywheel.core.settings import FlywheelSettings
+
+STATE_FILE = "stack.json"
+"""File in the state dir that tells `flywheel demo`/`status` where a running stack listens."""
+
+
+@dataclass
+class Service:
+    name: str
+    url: str
+    module: str
+    health: Callable[[], bool]
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+def http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return httpx.get(url, timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def grpc_ok(target: str) -> Callable[[], bool]:
+    def check() -> bool:
+        import grpc  # noqa: PLC0415
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+        with grpc.insecure_channel(target) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=2)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    return check
+
+
+@dataclass
+class Stack:
+    """Start and stop the local stack. `with Stack(settings) as s:` starts it and waits for health.
+
+    Args:
+        settings: resolved settings; ports are moved to the next free port when busy.
+        config_file: TOML file passed on to every child (`FLYWHEEL_CONFIG`).
+        echo: called with one progress line per event (e.g. `print`).
+    """
+
+    settings: FlywheelSettings
+    config_file: str | None = None
+    echo: Callable[[str], None] = print
+    services: list[Service] = field(default_factory=list)
+    redis: LocalRedis | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.settings.state_dir)
+
+    def start(self, startup_timeout_s: float = 600.0) -> Stack:
+        s = self.settings
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "logs").mkdir(exist_ok=True)
+        self.env = dict(os.environ)
+        if self.config_file:
+            self.env["FLYWHEEL_CONFIG"] = str(Path(self.config_file).resolve())
+        if not s.redis.url:
+            self.redis = LocalRedis(self.state_dir / "redis", port=free_port(s.redis.port)).start()
+            s.redis.url = self.redis.url
+            self.echo(f"redis     {self.redis.url}  (local redis-server, AOF on)")
+        self.env["FLYWHEEL_REDIS__URL"] = s.redis_url()
+        self.env["FLYWHEEL_STATE_DIR"] = str(self.state_dir.resolve())
+        self._prepare_model()
+        for section in ("engine", "gateway", "trainer"):
+            sec = getattr(s, section)
+            sec.port = free_port(sec.port)
+            self.env[f"FLYWHEEL_{section.upper()}__PORT"] = str(sec.port)
+        s.reward.port = free_port(s.reward.port)
+        s.reward.metrics_port = free_port(s.reward.metrics_port)
+        self.env["FLYWHEEL_REWARD__PORT"] = str(s.reward.port)
+        self.env["FLYWHEEL_REWARD__METRICS_PORT"] = str(s.reward.metrics_port)
+        self.env["FLYWHEEL_TRAINER__CHECKPOINT_DIR"] = str(Path(s.trainer.checkpoint_dir).resolve())
+        self.env["FLYWHEEL_TRAINER__METRICS_PATH"] = str(Path(s.trainer.metrics_path).resolve())
+        engine_url = f"http://{s.engine.host}:{s.engine.port}"
+        gateway_url = f"http://{s.gateway.host}:{s.gateway.port}"
+        trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
+        reward_target = f"{s.reward.host}:{s.reward.port}"
+        plan = [
+            Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health")),
+            Service("gateway", gateway_url, "flywheel.gateway", http_ok(f"{gateway_url}/readyz")),
+            Service("reward", f"grpc://{reward_target}", "flywheel.reward", grpc_ok(reward_target)),
+            Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
+        ]
+        for service in plan:
+            self._launch(service)
+            self._wait_healthy(service, startup_timeout_s)
+        self._write_state()
+        return self
+
+    def _prepare_model(self) -> None:
+        s = self.settings
+        if s.engine.model_path:
+            return
+        from flywheel.core.paths import default_model_dir  # noqa: PLC0415
+
+        target = default_model_dir()
+        if not (target / "config.json").exists():
+            self.echo(f"model     converting SmolLM2-135M-Instruct GGUF -> {target} (once)")
+            subprocess.run([sys.executable, "-m", "flywheel.engine.convert"], check=True,
+                           env=self.env)
+        s.engine.model_path = str(target)
+        self.env["FLYWHEEL_ENGINE__MODEL_PATH"] = str(target)
+
+    def _launch(self, service: Service) -> None:
+        service.log_path = self.state_dir / "logs" / f"{service.name}.log"
+        log = open(service.log_path, "ab")  # noqa: SIM115  (owned by the child)
+        service.proc = subprocess.Popen([sys.executable, "-m", service.module], env=self.env,
+                                        stdout=log, stderr=subprocess.STDOUT)
+        self.services.append(service)
+
+    def _wait_healthy(self, service: Service, timeout_s: float) -> None:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            assert service.proc is not None
+            if service.proc.poll() is not None:
+                tail = service.log_path.read_text()[-3000:] if service.log_path else ""
+                self.stop()
+                raise RuntimeError(f"{service.name} exited with {service.proc.returncode} "
+                                   f"during start-up; log {service.log_path}:\n{tail}")
+            if service.health():
+                self.echo(f"{service.name:<9} {service.url}  healthy "
+                          f"({time.monotonic() - start:.1f}s)")
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{service.name} not healthy after {timeout_s}s; see {service.log_path}")
+
+    def _write_state(self) -> None:
+        s = self.settings
+        state = {"pid": os.getpid(), "redis_url": s.redis_url(),
+                 **{svc.name: svc.url for svc in self.services},
+                 "metrics_path": self.env["FLYWHEEL_TRAINER__METRICS_PATH"]}
+        (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    def health(self) -> dict[str, bool]:
+        return {svc.name: svc.health() for svc in self.services}
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Stop every child in reverse start order, then Redis."""
+        for service in reversed(self.services):
+            if service.proc and service.proc.poll() is None:
+                service.proc.terminate()
+        for service in reversed(self.services):
+            if service.proc:
+                try:
+                    service.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    service.proc.kill()
+                    service.proc.wait()
+        self.services.clear()
+        if self.redis:
+            self.redis.stop()
+            self.redis = None
+        (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def running_stack(state_dir: str) -> dict[str, str] | None:
+    """URLs of a stack started by `flywheel up` that is still alive, else None."""
+    path = Path(state_dir) / STATE_FILE
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    if not http_ok(f"{state.get('gateway', '')}/healthz")():
+        return None
+    return state

@@ -1,0 +1,51 @@
+import json
+
+import pytest
+
+from flywheel.core.codec import new_sample
+from flywheel.reward.scoring import score_sample
+from flywheel.reward.verifiers import exact, last_integer
+
+
+@pytest.mark.parametrize(("reply", "expected"), [
+    ("8", 1.0),
+    ("7 + 1 = 8", 1.0),            # the last integer is 8
+    ("The answer is 8.", 1.0),
+    ("8, or maybe 9", 0.0),        # the last integer is 9
+    ("eight", 0.0),                # no integer at all
+    ("1,008", 0.0),                # thousands separator removed: 1008 != 8
+])
+def test_last_integer(reply, expected):
+    assert last_integer(reply, {"answer": 8}) == expected
+
+
+def test_exact_strips_whitespace():
+    assert exact(" 8\n", {"answer": 8}) == 1.0
+    assert exact("8.", {"answer": 8}) == 0.0
+
+
+def _sample(reply, task):
+    s = new_sample(task_json=json.dumps(task))
+    s.messages.add(role="user", content_json=json.dumps("What is 7 + 1?"))
+    s.messages.add(role="assistant", content_json=json.dumps(reply))
+    return s
+
+
+def test_verifier_and_outcome_are_combined_by_weight():
+    s = _sample("8", {"answer": 8})
+    s.rewards["outcome"] = 0.5
+    score_sample(s, "last_integer", weights={"outcome": 2.0})
+    # 1.0 * verifier(1.0) + 2.0 * outcome(0.5) = 2.0
+    assert s.reward == pytest.approx(2.0)
+    assert s.has_reward and dict(s.rewards) == {"verifier": 1.0, "outcome": 0.5}
+
+
+def test_no_answer_and_no_outcome_is_unscored_not_zero():
+    s = score_sample(_sample("8", {}), "last_integer")
+    assert not s.has_reward
+    assert "no reward component" in s.error
+
+
+def test_unknown_verifier_is_an_error_not_a_zero():
+    s = score_sample(_sample("8", {"answer": 8, "verifier": "nope"}), "last_integer")
+    assert not s.has_reward and "unknown verifier" in s.error

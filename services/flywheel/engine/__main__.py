@@ -1,0 +1,3 @@
+from flywheel.engine.main import main
+
+main()

@@ -1,0 +1,281 @@
+"""HTTP surface of the embedded engine: SGLang's native routes with SGLang's shapes.
+
+`create_app(deps)` builds the FastAPI app around an `EngineLike` (the worker, or a fake in
+tests). Routes: /generate (also PUT), /update_weights_from_disk, /update_weight_version,
+/abort_request, /flush_cache, /health, /health_generate, /ready, /model_info (+ /get_model_info),
+/server_info (+ /get_server_info), /healthz (liveness) and /metrics (Prometheus).
+
+Errors: a /generate body that fails schema validation (unknown sampling key, wrong type) answers
+400 `{"error": "<text>"}` like SGLang's 0.5.22+ contract gate; every other error answers
+`{"error": {"message": "..."}}` with the error's status. Control routes need a JSON body (a bodyless
+POST is a 400, as in SGLang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Protocol, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+import flywheel
+from flywheel.core.errors import PlatformError
+from flywheel.core.settings import EngineSettings
+from flywheel.engine.metrics import EngineMetrics
+from flywheel.engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    RowSpec,
+    UpdateWeightsFromDiskRequest,
+    dumps,
+    expand_generate,
+    validation_message,
+)
+from flywheel.engine.sequence import Job
+
+_M = TypeVar("_M", bound=BaseModel)
+
+FLUSH_MESSAGE = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
+class EngineLike(Protocol):
+    status: str
+    weight_version: str
+    metrics: EngineMetrics
+
+    def submit(self, specs: list[RowSpec], *, probe: bool = False) -> list[Job]: ...
+    def abort(self, rid: str, abort_all: bool = False) -> int: ...
+    def probe(self) -> bool: ...
+    def set_weight_version(self, version: str) -> None: ...
+    def model_info(self) -> dict[str, Any]: ...
+    def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> tuple[bool, str]: ...
+
+
+@dataclass
+class EngineDeps:
+    engine: EngineLike
+    settings: EngineSettings
+    model_path: Path
+    """Resolved model folder (settings.model_path may be empty = the default model)."""
+
+
+def get_deps(request: Request) -> EngineDeps:
+    return request.app.state.deps  # type: ignore[no-any-return]  # set by create_app
+
+
+Deps = Annotated[EngineDeps, Depends(get_deps)]
+
+
+class _BadRequest(Exception):
+    def __init__(self, message: str, *, contract: bool = False):
+        super().__init__(message)
+        self.message = message
+        self.contract = contract
+
+
+class UpdateWeightVersionRequest(BaseModel):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def _error(message: str, status: int = 400) -> Response:
+    return _json({"error": {"message": message}}, status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        raise _BadRequest("a JSON body is required (send {} at minimum)")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise _BadRequest(f"invalid JSON body: {e}") from e
+    if not isinstance(data, dict):
+        raise _BadRequest("the JSON body must be an object")
+    return data
+
+
+def create_app(deps: EngineDeps) -> FastAPI:
+    app = FastAPI(title="flywheel engine", version=flywheel_version())
+    app.state.deps = deps
+
+    @app.exception_handler(_BadRequest)
+    async def bad_request(_: Request, exc: _BadRequest) -> Response:
+        return _json({"error": exc.message}, 400) if exc.contract else _error(exc.message)
+
+    @app.exception_handler(PlatformError)
+    async def platform_error(_: Request, exc: PlatformError) -> Response:
+        return _error(exc.message, exc.http_status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return _error(str(exc.errors()))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request, d: Deps) -> Response:
+        t0 = time.perf_counter()
+        try:
+            req = GenerateRequest.model_validate(await _body(request))
+            specs, is_batch = expand_generate(req)
+        except ValidationError as e:
+            raise _BadRequest(validation_message(e), contract=True) from e
+        jobs = d.engine.submit(specs)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(j.future) for j in jobs))
+        except BaseException:  # client gone or a row rejected: stop the rest of the batch
+            for job in jobs:
+                job.aborted = True
+            raise
+        latency = time.perf_counter() - t0
+        for r in results:
+            r["meta_info"]["e2e_latency"] = latency
+        if req.stream:
+            return StreamingResponse(_sse(results, is_batch), media_type="text/event-stream")
+        return _json(results if is_batch else results[0])
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request, d: Deps) -> Response:
+        req = _parse(UpdateWeightsFromDiskRequest, await _body(request))
+        ok, message = await asyncio.to_thread(
+            d.engine.update_weights_from_disk,
+            req.model_path,
+            req.weight_version,
+            abort_all_requests=req.abort_all_requests,
+            load_format=req.load_format,
+        )
+        body = {"success": ok, "message": message, "num_paused_requests": 0}
+        return _json(body, 200 if ok else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request, d: Deps) -> Response:
+        req = _parse(UpdateWeightVersionRequest, await _body(request))
+        if req.abort_all_requests:
+            d.engine.abort("", abort_all=True)
+        await asyncio.to_thread(d.engine.set_weight_version, req.new_version)
+        message = f"Weight version updated to {req.new_version}"
+        return _json({"success": True, "message": message, "new_version": req.new_version})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request, d: Deps) -> Response:
+        req = _parse(AbortRequest, await _body(request))
+        d.engine.abort(req.rid, abort_all=req.abort_all)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        return PlainTextResponse(FLUSH_MESSAGE)  # no prefix cache: nothing to flush
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health(d: Deps) -> Response:
+        if d.engine.status != "ready":
+            return Response(status_code=503)
+        ok = await asyncio.to_thread(d.engine.probe)
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/ready")
+    async def ready(d: Deps) -> Response:
+        return Response(status_code=200 if d.engine.status == "ready" else 503)
+
+    @app.get("/healthz")
+    async def healthz(d: Deps) -> Response:
+        return _json({"status": d.engine.status})
+
+    @app.get("/metrics")
+    async def metrics(d: Deps) -> Response:
+        return Response(d.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(d: Deps) -> Response:
+        return _json(model_info_body(d))
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(d: Deps) -> Response:
+        return _json(server_info_body(d))
+
+    return app
+
+
+def _parse(model: type[_M], data: dict[str, Any]) -> _M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _BadRequest(validation_message(e)) from e
+
+
+async def _sse(results: list[dict[str, Any]], is_batch: bool) -> AsyncIterator[bytes]:
+    """Streaming fallback: one cumulative (final) chunk per row, then [DONE]."""
+    for i, r in enumerate(results):
+        chunk = {**r, "index": i} if is_batch else r
+        yield b"data: " + dumps(chunk) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def flywheel_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("flywheel")
+    except Exception:  # not installed as a distribution (plain source checkout)
+        return getattr(flywheel, "__version__", "0.0.0")
+
+
+def model_info_body(d: EngineDeps) -> dict[str, Any]:
+    return {
+        "model_path": str(d.model_path),
+        "tokenizer_path": str(d.model_path),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": d.engine.weight_version,
+        "served_model_name": d.settings.served_model_name,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "load_format": "safetensors",
+        **d.engine.model_info(),
+    }
+
+
+def server_info_body(d: EngineDeps) -> dict[str, Any]:
+    s = d.settings
+    return {
+        **s.model_dump(mode="json"),
+        **model_info_body(d),
+        "status": d.engine.status,
+        "tp_size": 1,
+        "dp_size": 1,
+        "max_running_requests": s.max_batch_size,
+        "max_num_reqs": s.max_batch_size,
+        "max_prefill_tokens": s.context_length * s.max_batch_size,
+        "max_total_num_tokens": s.context_length * s.max_batch_size,
+        "max_req_input_len": s.context_length - 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "internal_states": [{}],
+        "frontend": "python",
+        "version": flywheel_version(),
+    }

@@ -1,0 +1,148 @@
+"""The model and tokenizer behind the engine: loading, forward passes, in-place weight updates.
+
+The decoder and the output projection are called separately, so logits are computed only for
+the positions that need them (the last position of each row, plus the scored prompt positions of
+requests that ask for input logprobs), never for a whole (B, T, V) block.
+
+Weight updates (`read_checkpoint` + `apply_weights`) validate every key and shape of a safetensors
+checkpoint against the live model before copying anything, so an incompatible checkpoint leaves
+the served weights untouched. Tied embeddings: a checkpoint may omit `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the served model (the message says how)."""
+
+
+class ModelRunner:
+    """Owns one causal LM; used only from the engine's worker thread (except shape checks)."""
+
+    def __init__(self, model_path: Path, dtype: str = "float32"):
+        self.model_path = Path(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[dtype])
+        self.model.eval()
+        self.config = self.model.config
+        self.decoder = getattr(self.model, self.model.base_model_prefix)
+        self.head = self.model.get_output_embeddings()
+        if getattr(self.config, "final_logit_softcapping", None):
+            raise ValueError("models with final logit soft-capping are not supported")
+        self.vocab_size = int(self.config.vocab_size)
+        self.eos_ids = frozenset(self._eos_ids())
+        self.pad_id = next(iter(sorted(self.eos_ids)), 0)
+        self._shapes = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self._tied = bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_path)
+        except OSError:
+            gen = None
+        eos = getattr(gen, "eos_token_id", None)
+        if eos is not None:
+            ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        return ids
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.config, "model_type", ""))
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.config, "architectures", None) or [type(self.model).__name__])
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def hidden(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache: DynamicCache
+    ) -> Tensor:
+        """Last hidden states (B, T, H) for new tokens (B, T); extends `cache` in place."""
+        out = self.decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Float32 logits (..., V) of hidden states (..., H)."""
+        return self.head(hidden).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def read_checkpoint(self, path: Path) -> dict[str, Tensor]:
+        """Load a safetensors checkpoint (folder or file) and check it fits the served model.
+
+        Raises:
+            CheckpointError: missing folder/files, unknown or missing keys, or shape mismatches.
+        """
+        files = _safetensors_files(Path(path))
+        state: dict[str, Tensor] = {}
+        for f in files:
+            try:
+                state.update(load_file(f))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"cannot read {f}: {e}") from e
+        unknown = sorted(set(state) - set(self._shapes))
+        missing = sorted(set(self._shapes) - set(state))
+        if self._tied and "lm_head.weight" in missing:
+            missing.remove("lm_head.weight")
+        wrong = [
+            f"{k}: {tuple(v.shape)} != {self._shapes[k]}"
+            for k, v in state.items()
+            if k in self._shapes and tuple(v.shape) != self._shapes[k]
+        ]
+        problems = []
+        if unknown:
+            problems.append(f"unknown keys {unknown[:5]}")
+        if missing:
+            problems.append(f"missing keys {missing[:5]}")
+        if wrong:
+            problems.append(f"shape mismatches {wrong[:5]}")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit the served model: " + "; ".join(problems)
+            )
+        return state
+
+    @torch.no_grad()
+    def apply_weights(self, state: dict[str, Tensor]) -> None:
+        """Copy a validated state dict into the live parameters (dtype converted)."""
+        self.model.load_state_dict(state, strict=False)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is neither a folder nor a .safetensors file")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path}")
+    return files

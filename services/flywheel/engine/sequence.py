@@ -1,0 +1,168 @@
+"""One request row inside the engine: its queued form (`Job`) and its decode state (`Sequence`).
+
+A `Sequence` owns everything per row that the batch loop must not mix up: the sampled ids and
+their logprobs, the stop conditions (EOS ids, stop_token_ids, stop strings), the per-row
+generator, and the finish reason in SGLang's shape. `result()` renders the finished row into the
+`meta_info` fields of a /generate response (logprob rows `[logprob, id, text|null]`).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from flywheel.engine.protocol import RowSpec
+from flywheel.engine.sampling import SamplingConfig
+
+
+class TokenizerLike(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Job:
+    """A queued row: the request spec, its future, and an abort flag set by /abort_request."""
+
+    spec: RowSpec
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+    aborted: bool = False
+    abort_message: str = "Aborted by /abort_request."
+    probe: bool = False
+    """Health probe: not counted in metrics."""
+    created: float = field(default_factory=time.perf_counter)
+
+
+class Sequence:
+    """Decode state of one row in a batch."""
+
+    def __init__(
+        self,
+        job: Job,
+        input_ids: list[int],
+        *,
+        max_new_tokens: int,
+        eos_ids: frozenset[int],
+        generator: torch.Generator,
+    ):
+        p = job.spec.params
+        self.job = job
+        self.input_ids = input_ids
+        self.max_new_tokens = max_new_tokens
+        self.config = SamplingConfig(p.temperature, p.top_p, p.top_k, p.min_p)
+        self.stop_ids = frozenset(p.stop_token_ids or ()) | (
+            frozenset() if p.ignore_eos else eos_ids
+        )
+        self.stop_strings = p.stop_strings()
+        self.generator = generator
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[tuple[list[float], list[int]]] = []
+        self.input_logprobs: list[float | None] = []
+        self.input_top: list[tuple[list[float], list[int]] | None] = []
+        self.finish_reason: dict[str, Any] | None = None
+        self.weight_version = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.job.spec.return_logprob and self.job.spec.logprob_start_len >= 0
+
+    def start(self) -> None:
+        """Check the finish conditions that hold before any token is sampled."""
+        if self.job.aborted:
+            self.finish_reason = {"type": "abort", "message": self.job.abort_message}
+        elif self.max_new_tokens == 0:
+            self.finish_reason = {"type": "length", "length": 0}
+
+    def append(self, token: int, logprob: float, tokenizer: TokenizerLike) -> None:
+        """Record one sampled token and set the finish reason if it ends the row."""
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = {"type": "stop", "matched": token}
+            return
+        if self.stop_strings:
+            text = tokenizer.decode(self.output_ids, skip_special_tokens=self.skip_special)
+            for stop in self.stop_strings:
+                if stop in text:
+                    self.finish_reason = {"type": "stop", "matched": stop}
+                    return
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.max_new_tokens}
+        elif self.job.aborted:
+            self.finish_reason = {"type": "abort", "message": self.job.abort_message}
+
+    @property
+    def skip_special(self) -> bool:
+        return self.job.spec.params.skip_special_tokens
+
+    def text(self, tokenizer: TokenizerLike) -> str:
+        """Detokenized output, trimmed at the matched stop token/string unless no_stop_trim."""
+        matched = (self.finish_reason or {}).get("matched")
+        trim = not self.job.spec.params.no_stop_trim
+        ids = self.output_ids
+        if trim and isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        if trim and isinstance(matched, str):
+            pos = text.find(matched)
+            text = text[:pos] if pos >= 0 else text
+        return text
+
+    def result(self, tokenizer: TokenizerLike) -> dict[str, Any]:
+        """The /generate response object of this row (e2e_latency is added by the caller)."""
+        spec = self.job.spec
+        meta: dict[str, Any] = {
+            "id": spec.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if spec.return_logprob:
+            with_text = spec.return_text_in_logprobs
+            out_rows = _rows(self.output_logprobs, self.output_ids, tokenizer, with_text)
+            meta["output_token_logprobs"] = out_rows
+            meta["output_token_logprobs_length"] = len(out_rows)
+            start = spec.logprob_start_len
+            in_ids = self.input_ids[start:] if start >= 0 else []
+            meta["input_token_logprobs"] = _rows(self.input_logprobs, in_ids, tokenizer, with_text)
+            if spec.top_logprobs_num > 0:
+                meta["output_top_logprobs"] = [
+                    _top(t, tokenizer, with_text) for t in self.output_top
+                ]
+                meta["input_top_logprobs"] = [_top(t, tokenizer, with_text) for t in self.input_top]
+        return {
+            "text": self.text(tokenizer),
+            "output_ids": list(self.output_ids),
+            "meta_info": meta,
+        }
+
+
+def _token_texts(ids: list[int], tokenizer: TokenizerLike, with_text: bool) -> list[str | None]:
+    if not with_text:
+        return [None] * len(ids)
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+def _rows(
+    logprobs: list[float | None], ids: list[int], tokenizer: TokenizerLike, with_text: bool
+) -> list[list[Any]]:
+    texts = _token_texts(ids, tokenizer, with_text)
+    return [[lp, i, t] for lp, i, t in zip(logprobs, ids, texts, strict=True)]
+
+
+def _top(
+    top: tuple[list[float], list[int]] | None, tokenizer: TokenizerLike, with_text: bool
+) -> list[list[Any]] | None:
+    if top is None:
+        return None
+    return _rows(list(top[0]), top[1], tokenizer, with_text)

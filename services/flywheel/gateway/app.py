@@ -57,15 +57,17 @@ class GatewayDeps:
     """Tokens (prompt + completion) the engine serves per request."""
 
 
+def get_deps(request: Request) -> GatewayDeps:
+    return request.app.state.deps
+
+
+Deps = Annotated[GatewayDeps, Depends(get_deps)]
+
+
 def create_app(deps: GatewayDeps) -> FastAPI:
     app = FastAPI(title="Flywheel gateway")
     http_errors.install(app)
     app.state.deps = deps
-
-    def get_deps(request: Request) -> GatewayDeps:
-        return request.app.state.deps
-
-    Deps = Annotated[GatewayDeps, Depends(get_deps)]
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -1,0 +1,115 @@
+"""Gateway routes with a fake engine (canned tokens), real Redis and the real tokenizer."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.settings import GatewaySettings
+from flywheel.core.streams import FIELD, StreamProducer
+from flywheel.gateway.app import GatewayDeps, create_app
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.tokenization import ChatRenderer
+
+
+class FakeEngine:
+    """Returns "8" + EOS with fixed logprobs; records the prompts it got."""
+
+    def __init__(self, renderer):
+        self.ids = renderer.encode("8") + [2]
+        self.prompts = []
+
+    async def generate(self, input_ids, sampling_params, affinity=""):
+        self.prompts.append((list(input_ids), dict(sampling_params)))
+        return Generation(output_ids=self.ids, output_logprobs=[-0.25, -0.5], text="8",
+                          finish_type="stop", matched_eos=True, weight_version=4,
+                          prompt_tokens=len(input_ids))
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm2_dir):
+    return ChatRenderer(smollm2_dir)
+
+
+@pytest.fixture
+def env(redis_client, prefix, renderer):
+    engine = FakeEngine(renderer)
+    producer = StreamProducer(redis_client, f"{prefix}:rollouts", high_water=2,
+                              watch_group="reward")
+    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
+                       sessions=SessionStore(redis_client, prefix, 3600), publisher=producer)
+    return TestClient(create_app(deps)), engine, redis_client, prefix
+
+
+def _chat(client, base, **body):
+    body.setdefault("messages", [{"role": "user", "content": "What is 7 + 1?"}])
+    return client.post(f"{base}/chat/completions", json={"model": "m", **body})
+
+
+def test_session_episode_publishes_one_faithful_sample(env):
+    client, engine, redis_client, prefix = env
+    created = client.post("/v1/sessions", json={"group_id": "g", "task": {"answer": 8}}).json()
+    base = created["base_url"].removeprefix("http://testserver")
+    reply = _chat(client, base, max_completion_tokens=7, temperature=0.5).json()
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": "8"}
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert reply["usage"]["completion_tokens"] == 2
+    prompt, sampling = engine.prompts[0]
+    assert sampling["max_new_tokens"] == 7 and sampling["temperature"] == 0.5  # BUG-30
+    done = client.post(f"/v1/sessions/{created['session_id']}/finish", json={"reward": 1.0})
+    assert done.json()["samples_published"] == 1
+    (_, fields), = redis_client.xrange(f"{prefix}:rollouts")
+    sample = decode_sample(fields[FIELD])
+    assert list(sample.token_ids) == prompt + engine.ids
+    assert list(sample.loss_mask) == [0] * len(prompt) + [1, 1]
+    assert list(sample.rollout_logprobs[len(prompt):]) == [-0.25, -0.5]
+    assert list(sample.weight_versions[len(prompt):]) == [4, 4]
+    assert sample.group_id == "g" and sample.rewards["outcome"] == 1.0
+
+
+def test_eval_session_is_served_but_never_published(env):
+    client, _, redis_client, prefix = env
+    created = client.post("/v1/sessions", json={"eval": True}).json()
+    base = created["base_url"].removeprefix("http://testserver")
+    assert _chat(client, base).status_code == 200
+    done = client.post(f"/v1/sessions/{created['session_id']}/finish", json={}).json()
+    assert done["samples_published"] == 0
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0
+
+
+def test_errors_are_openai_json(env):
+    client, _, _, _ = env
+    missing = _chat(client, "/s/nope/v1")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+    bad = _chat(client, "/v1", temperature=5)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    empty = _chat(client, "/v1", messages=[])
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+    created = client.post("/v1/sessions", json={}).json()
+    sid = created["session_id"]
+    client.post(f"/v1/sessions/{sid}/finish", json={})
+    again = client.post(f"/v1/sessions/{sid}/finish", json={})
+    assert again.status_code == 409 and "already finished" in again.json()["error"]["message"]
+    late = _chat(client, f"/s/{sid}/v1")
+    assert late.status_code == 409
+
+
+def test_backpressure_refuses_new_training_sessions_with_retry_after(env):
+    client, _, redis_client, prefix = env
+    redis_client.xgroup_create(f"{prefix}:rollouts", "reward", id="0", mkstream=True)
+    for _ in range(2):
+        sid = client.post("/v1/sessions", json={}).json()["session_id"]
+        _chat(client, f"/s/{sid}/v1")
+        client.post(f"/v1/sessions/{sid}/finish", json={})
+    refused = client.post("/v1/sessions", json={})
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
+    assert client.post("/v1/sessions", json={"eval": True}).status_code == 200
+    assert redis_client.xlen(f"{prefix}:rollouts") == 2  # nothing trimmed
+
+
+def test_unknown_fields_are_ignored_and_models_listed(env):
+    client, _, _, _ = env
+    assert _chat(client, "/v1", frobnicate=True, user="u").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"

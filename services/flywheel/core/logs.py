@@ -42,3 +42,5 @@ def setup_logging(level: str = "INFO", service: str = "flywheel") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

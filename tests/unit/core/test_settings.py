@@ -1,0 +1,38 @@
+import pytest
+from pydantic import ValidationError
+
+from flywheel.core.settings import load_settings
+
+
+def test_defaults_follow_the_port_conventions():
+    s = load_settings()
+    assert (s.gateway.port, s.engine.port, s.reward.port, s.teacher.port) == (
+        8000, 30000, 50051, 50052)
+    assert s.redis.port == 6379
+    assert s.streams.key("rollouts") == "flywheel:rollouts"
+    assert s.next_stream_after_reward() == "flywheel:train"  # teacher disabled by default
+
+
+def test_toml_file_then_environment_override(tmp_path, monkeypatch):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text('[trainer]\nlr = 2e-5\ngroup_size = 4\n[streams]\nprefix = "exp1"\n')
+    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "3e-6")
+    s = load_settings(cfg)
+    assert s.trainer.lr == 3e-6  # environment wins over the file
+    assert s.trainer.group_size == 4  # the file wins over the default
+    assert s.streams.key("train") == "exp1:train"
+
+
+def test_unknown_keys_and_bad_values_are_refused(tmp_path):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text("[trainer]\nlr = -1\n")
+    with pytest.raises(ValidationError, match="lr"):
+        load_settings(cfg)
+    cfg.write_text("[nonsense]\nx = 1\n")
+    with pytest.raises(ValidationError, match="nonsense"):
+        load_settings(cfg)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "absent.toml")

@@ -36,3 +36,26 @@ def smollm2_dir():
     from flywheel.engine.convert import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer random-weight Llama with the real SmolLM2 tokenizer (a few MB; fast tests)."""
+    from flywheel.engine.convert import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    """A started engine worker serving the tiny model (shared: tests must not change weights)."""
+    from flywheel.core.settings import EngineSettings
+    from flywheel.engine.worker import EngineWorker
+
+    settings = EngineSettings(
+        model_path=str(tiny_model_dir), max_batch_size=16, batch_wait_ms=5, context_length=256
+    )
+    worker = EngineWorker(settings, tiny_model_dir).start()
+    assert worker.wait_ready(120), worker.error
+    yield worker
+    worker.close()

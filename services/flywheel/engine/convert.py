@@ -105,17 +105,21 @@ def _convert_gguf(src: Path, dst: Path) -> None:
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: int = 0) -> Path:
     """Save a tiny random-weight LlamaForCausalLM with the real SmolLM2 tokenizer (for tests).
 
-    2 layers, hidden 64, 4 heads, vocab = the tokenizer's (49152 for SmolLM2), tied embeddings.
+    2 layers, hidden 64, 4 heads, vocab = the tokenizer's (49152 for SmolLM2), tied embeddings;
+    weights drawn with std 0.2, so greedy outputs vary from token to token (not a flat model).
 
     Args:
         out_dir: destination folder (created).
-        tokenizer_dir: folder with the SmolLM2 tokenizer; None = read it from the GGUF.
+        tokenizer_dir: folder with the SmolLM2 tokenizer; None = the converted default model's
+            if present, else the GGUF's (slower: about 4 s).
         seed: torch seed of the random weights.
     """
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
+    if tokenizer_dir is None and is_model_dir(default_model_dir()):
+        tokenizer_dir = default_model_dir()
     if tokenizer_dir is not None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     else:
@@ -130,6 +134,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path | None = None, *, seed: 
         num_key_value_heads=4,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
+        initializer_range=0.2,  # 0.02 makes a near-uniform model that repeats its last token
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

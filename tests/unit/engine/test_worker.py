@@ -1,0 +1,137 @@
+"""The worker thread: aborts, weight swaps between batches, version stamping, limits."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from flywheel.core.errors import InvalidRequestError
+from flywheel.core.settings import EngineSettings
+from flywheel.engine.protocol import RowSpec, SamplingParams
+from flywheel.engine.worker import EngineWorker
+
+
+@pytest.fixture
+def worker(tiny_model_dir):
+    settings = EngineSettings(
+        model_path=str(tiny_model_dir), max_batch_size=8, batch_wait_ms=1, context_length=256
+    )
+    w = EngineWorker(settings, tiny_model_dir).start()
+    assert w.wait_ready(60), w.error
+    yield w
+    w.close()
+
+
+def spec(rid: str, ids: list[int], **params) -> RowSpec:
+    return RowSpec(
+        rid=rid,
+        text=None,
+        input_ids=ids,
+        params=SamplingParams(**params),
+        return_logprob=True,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        return_text_in_logprobs=False,
+    )
+
+
+def generate(w: EngineWorker, rid: str, ids: list[int], **params) -> dict:
+    (job,) = w.submit([spec(rid, ids, **params)])
+    return job.future.result(timeout=60)
+
+
+def modified_checkpoint(src, dst, scale: float = 1.5):
+    state = load_file(src / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"] * scale
+    dst.mkdir()
+    save_file(state, dst / "model.safetensors")
+    return dst
+
+
+def wait_for_progress(w: EngineWorker, since: float) -> None:
+    deadline = time.monotonic() + 30
+    while w.last_progress <= since and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_abort_returns_the_partial_output(worker):
+    t0 = time.monotonic()
+    (job,) = worker.submit([spec("abc123", [1, 2, 3], max_new_tokens=240, ignore_eos=True)])
+    wait_for_progress(worker, t0)
+    assert worker.abort("abc") == 1
+    out = job.future.result(timeout=30)
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 240
+    assert len(out["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+
+
+def test_update_waits_for_the_inflight_batch_and_stamps_versions(worker, tiny_model_dir, tmp_path):
+    prompt = [1, 504, 3458, 314]
+    before = generate(worker, "b0", prompt, temperature=0, max_new_tokens=4)
+    ckpt = modified_checkpoint(tiny_model_dir, tmp_path / "ckpt")
+
+    t0 = time.monotonic()
+    (long_job,) = worker.submit([spec("long", prompt, max_new_tokens=200, ignore_eos=True)])
+    wait_for_progress(worker, t0)
+    result: dict = {}
+    updater = threading.Thread(
+        target=lambda: result.update(ok=worker.update_weights_from_disk(str(ckpt), "1"))
+    )
+    updater.start()
+    long_out = long_job.future.result(timeout=60)
+    updater.join(60)
+    assert result["ok"] == (True, "Succeeded to update model weights.")
+    # the in-flight request finished on the old weights, not aborted
+    assert long_out["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    assert long_out["meta_info"]["weight_version"] == "default"
+
+    after = generate(worker, "a0", prompt, temperature=0, max_new_tokens=4)
+    assert after["meta_info"]["weight_version"] == "1"
+    lp_before = [row[0] for row in before["meta_info"]["output_token_logprobs"]]
+    lp_after = [row[0] for row in after["meta_info"]["output_token_logprobs"]]
+    assert abs(lp_before[0] - lp_after[0]) > 1e-3
+
+
+def test_incompatible_checkpoint_is_refused_and_the_old_weights_keep_serving(
+    worker, tiny_model_dir, tmp_path
+):
+    prompt = [7, 8, 9]
+    before = generate(worker, "x0", prompt, temperature=0, max_new_tokens=3)
+    state = load_file(tiny_model_dir / "model.safetensors")
+    state["model.norm.weight"] = torch.zeros(65)  # wrong shape
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"] * 3
+    (tmp_path / "bad").mkdir()
+    save_file(state, tmp_path / "bad" / "model.safetensors")
+    ok, message = worker.update_weights_from_disk(str(tmp_path / "bad"), "9")
+    assert not ok
+    assert "model.norm.weight" in message
+    ok, message = worker.update_weights_from_disk(str(tmp_path / "missing"), "9")
+    assert not ok
+    after = generate(worker, "x1", prompt, temperature=0, max_new_tokens=3)
+    assert after["meta_info"]["weight_version"] == "default"
+    assert (
+        after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    )
+
+
+def test_duplicate_rid_context_limit_and_vocab_checks(worker):
+    (job,) = worker.submit([spec("dup", [1, 2], max_new_tokens=200, ignore_eos=True)])
+    with pytest.raises(InvalidRequestError, match="Duplicate"):
+        worker.submit([spec("dup", [1, 2])])
+    worker.abort("dup")
+    job.future.result(timeout=30)
+
+    # context 256: a 250-token prompt leaves 256 - 250 - 1 = 5 new tokens
+    out = generate(worker, "c0", [5] * 250, max_new_tokens=100, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    (job,) = worker.submit([spec("c1", [5] * 256)])
+    with pytest.raises(InvalidRequestError, match="Input length"):
+        job.future.result(timeout=30)
+    (job,) = worker.submit([spec("c2", [49152])])
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        job.future.result(timeout=30)

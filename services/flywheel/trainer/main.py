@@ -1,0 +1,58 @@
+"""`python -m flywheel.trainer [--config FILE]`: the online RL trainer.
+
+Parses settings (TOML file and/or `FLYWHEEL_TRAINER__*` environment variables), logs them
+resolved, serves /healthz, /readyz, /status and /metrics on `trainer.host:trainer.port`, loads
+or resumes the policy, then runs the loop in `service.py` until SIGTERM/SIGINT or
+`trainer.max_steps` steps. torch and transformers are imported only after the settings parse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from flywheel.core.settings import load_settings
+
+log = logging.getLogger("flywheel.trainer")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m flywheel.trainer", description=__doc__)
+    parser.add_argument(
+        "--config", default=None, help="TOML settings file (default: $FLYWHEEL_CONFIG, if set)"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = load_settings(args.config)
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log.info("resolved settings: %s", settings.dump())
+
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 (after settings)
+
+    from flywheel.trainer.http import create_app, serve_in_thread  # noqa: PLC0415
+    from flywheel.trainer.service import build_trainer  # noqa: PLC0415
+    from flywheel.trainer.telemetry import TrainerStatus  # noqa: PLC0415
+
+    hf_logging.disable_progress_bar()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    status = TrainerStatus()
+    server = serve_in_thread(create_app(status), settings.trainer.host, settings.trainer.port)
+    log.info("trainer HTTP on http://%s:%d", settings.trainer.host, settings.trainer.port)
+    trainer = build_trainer(settings, status=status)
+    try:
+        steps = trainer.run(stop)
+        log.info("trainer stopped after %d steps at weight version %d", steps, trainer.version)
+    finally:
+        trainer.close()
+        server.should_exit = True
+    return 0

@@ -1,0 +1,60 @@
+"""Torch-free facts and checks about one Sample that the trainer relies on."""
+
+from __future__ import annotations
+
+import math
+
+from flywheel._proto import sample_pb2
+from flywheel.core.errors import ContractError
+
+
+def check_trainable(sample: sample_pb2.Sample) -> None:
+    """The per-token invariants the trainer relies on.
+
+    Raises:
+        ContractError: per-token arrays of different lengths; a loss token at position 0 (it has
+            no context to be scored from); a loss token whose rollout logprob is not a finite
+            value <= 0.
+    """
+    n = len(sample.token_ids)
+    lengths = (len(sample.loss_mask), len(sample.rollout_logprobs), len(sample.weight_versions))
+    if any(length != n for length in lengths):
+        raise ContractError(
+            f"Sample {sample.sample_id!r}: token_ids has {n} entries, loss_mask/rollout_logprobs/"
+            f"weight_versions have {lengths}"
+        )
+    if n and sample.loss_mask[0]:
+        raise ContractError(
+            f"Sample {sample.sample_id!r}: loss_mask[0] is 1; token 0 has no context to score"
+        )
+    for position, (mask, logprob) in enumerate(
+        zip(sample.loss_mask, sample.rollout_logprobs, strict=True)
+    ):
+        if mask and not (math.isfinite(logprob) and logprob <= 1e-4):
+            raise ContractError(
+                f"Sample {sample.sample_id!r}: rollout logprob {logprob} at sampled position "
+                f"{position} is not a finite log-probability"
+            )
+
+
+def sample_temperature(sample: sample_pb2.Sample) -> float:
+    """The temperature the sample was drawn at; 0 (greedy or unset) counts as 1.0."""
+    temperature = sample.sampling.temperature
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def truncated_sampling(sample: sample_pb2.Sample) -> bool:
+    """Drawn from a truncated distribution (top_p < 1, top_k > 0, min_p > 0); 0 = unset."""
+    s = sample.sampling
+    return (0 < s.top_p < 1) or s.top_k > 0 or s.min_p > 0
+
+
+def sample_lag(sample: sample_pb2.Sample, trainer_version: int) -> int:
+    """Versions between the oldest sampled token's weights and the trainer's.
+
+    A sampled token without a version (< 0) counts as version 0, the initial weights.
+    """
+    versions = [
+        max(v, 0) for v, m in zip(sample.weight_versions, sample.loss_mask, strict=True) if m
+    ]
+    return trainer_version - min(versions) if versions else 0

@@ -1,0 +1,155 @@
+"""GroupAssembler: readiness, admission drops, partial groups, staleness."""
+
+from __future__ import annotations
+
+from flywheel.core.codec import encode_sample
+from flywheel.core.streams import StreamEntry
+from flywheel.trainer.groups import DropReason, GroupAssembler
+from flywheel.trainer.samples import sample_lag
+
+from .factories import make_sample
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_ids = iter(range(1, 10**6))
+
+
+def entry(**kw) -> StreamEntry:
+    sample = make_sample(**kw)
+    return StreamEntry(f"{next(_ids)}-0", encode_sample(sample), sample)
+
+
+def assembler(group_size=4, wait=10.0, **kw):
+    clock = Clock()
+    return GroupAssembler(group_size, wait, clock=clock, **kw), clock
+
+
+def test_complete_group_is_ready_and_step_waits_for_groups_per_step():
+    asm, _ = assembler(group_size=2)
+    for group in ["a", "a", "b"]:
+        assert asm.add(entry(group_id=group)) is None
+    assert asm.ready_count() == 1
+    assert not asm.should_step(groups_per_step=2)
+    asm.add(entry(group_id="b"))
+    assert asm.should_step(groups_per_step=2)
+    groups, drops, lags = asm.pop_ready(2, trainer_version=0, max_staleness=4)
+    assert sorted(g.group_id for g in groups) == ["a", "b"]
+    assert drops == [] and lags == [0, 0, 0, 0]
+    assert asm.pending == {} and asm.held_entry_ids() == []
+
+
+def test_partial_group_becomes_ready_after_wait_and_trains_with_two_members():
+    asm, clock = assembler(group_size=4, wait=10.0)
+    asm.add(entry(group_id="a"))
+    asm.add(entry(group_id="a"))
+    assert not asm.should_step(groups_per_step=1)
+    clock.now += 10.0
+    assert asm.should_step(groups_per_step=4)  # an overdue group does not wait for 3 more
+    groups, drops, _ = asm.pop_ready(4, 0, 4)
+    assert [len(g.entries) for g in groups] == [2] and drops == []
+
+
+def test_overdue_singleton_is_dropped():
+    asm, clock = assembler(group_size=4, wait=10.0)
+    lone = entry(group_id="a")
+    asm.add(lone)
+    clock.now += 11.0
+    groups, drops, _ = asm.pop_ready(4, 0, 4)
+    assert groups == []
+    assert [(d.entry, d.reason) for d in drops] == [(lone, DropReason.SINGLETON)]
+    assert not DropReason.SINGLETON.dead_letter
+
+
+def test_admission_drops_with_reasons():
+    asm, _ = assembler()
+    no_reward = entry(has_reward=False, error="judge timed out")
+    drop = asm.add(no_reward)
+    assert drop.reason == DropReason.NO_REWARD and "judge timed out" in drop.detail
+    assert drop.reason.dead_letter
+    assert asm.add(entry(group_id="")).reason == DropReason.NO_GROUP_ID
+
+    top_p = entry()
+    top_p.sample.sampling.top_p = 0.8
+    assert asm.add(top_p).reason == DropReason.TRUNCATED_SAMPLING
+    top_k = entry()
+    top_k.sample.sampling.top_k = 20
+    assert asm.add(top_k).reason == DropReason.TRUNCATED_SAMPLING
+    full = entry()
+    full.sample.sampling.top_p, full.sample.sampling.top_k = 1.0, -1
+    assert asm.add(full) is None
+
+    bad = entry()
+    bad.sample.loss_mask[0] = 1
+    drop = asm.add(bad)
+    assert drop.reason == DropReason.INVALID and drop.reason.dead_letter
+
+
+def test_truncated_sampling_admitted_when_allowed():
+    asm, _ = assembler(allow_truncated_sampling=True)
+    top_p = entry()
+    top_p.sample.sampling.top_p = 0.8
+    assert asm.add(top_p) is None
+
+
+def test_duplicates_and_redeliveries():
+    asm, _ = assembler(group_size=2)
+    first = entry(group_id="a", seed=1)
+    assert asm.add(first) is None
+    assert asm.add(first) is None  # the same entry re-delivered: ignored, still held once
+    assert asm.held_entry_ids() == [first.entry_id]
+    copy = StreamEntry("999999-0", first.payload, first.sample)  # re-published sample
+    assert asm.add(copy).reason == DropReason.DUPLICATE
+    asm.add(entry(group_id="a", seed=2))
+    groups, _, _ = asm.pop_ready(1, 0, 4)
+    asm.mark_trained(s.sample_id for s in groups[0].samples)
+    assert asm.add(StreamEntry("999998-0", first.payload, first.sample)).reason == "duplicate"
+
+
+def test_staleness_lag_from_the_oldest_sampled_token():
+    sample = make_sample(prompt_len=2, completion_len=3, version=4)
+    sample.weight_versions[3] = 2  # a sampled token from older weights
+    assert sample_lag(sample, trainer_version=5) == 3
+    sample.weight_versions[4] = -1  # unknown version counts as 0
+    assert sample_lag(sample, trainer_version=5) == 5
+    assert sample_lag(make_sample(completion_len=0), trainer_version=9) == 0
+
+
+def test_stale_members_dropped_and_lags_reported():
+    asm, _ = assembler(group_size=3)
+    fresh1 = entry(group_id="a", version=3)  # lag 5 - 3 = 2 <= 2: kept
+    fresh2 = entry(group_id="a", version=5)  # lag 0
+    stale = entry(group_id="a", version=2)  # lag 3 > 2: dropped
+    for e in (fresh1, fresh2, stale):
+        asm.add(e)
+    groups, drops, lags = asm.pop_ready(1, trainer_version=5, max_staleness=2)
+    assert [e.entry_id for e in groups[0].entries] == [fresh1.entry_id, fresh2.entry_id]
+    assert [(d.entry, d.reason) for d in drops] == [(stale, DropReason.STALE)]
+    assert sorted(lags) == [0, 2, 3]
+
+
+def test_group_left_with_one_fresh_member_is_dropped():
+    asm, _ = assembler(group_size=2)
+    asm.add(entry(group_id="a", version=0))
+    asm.add(entry(group_id="a", version=9))
+    groups, drops, _ = asm.pop_ready(1, trainer_version=9, max_staleness=1)
+    assert groups == []
+    assert sorted(d.reason for d in drops) == [DropReason.SINGLETON, DropReason.STALE]
+
+
+def test_pop_ready_takes_oldest_groups_first():
+    asm, clock = assembler(group_size=2)
+    for name in ["late", "early"]:
+        clock.now += 1
+        asm.add(entry(group_id=name))
+        asm.add(entry(group_id=name))
+    asm.pending["early"].first_seen_s = 0.0
+    groups, _, _ = asm.pop_ready(1, 0, 4)
+    assert [g.group_id for g in groups] == ["early"]
+    assert list(asm.pending) == ["late"]

@@ -1,0 +1,120 @@
+"""Checkpoints (atomic, self-contained, tied weights once, keep K, resume) and the weight push."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+
+from flywheel.core.errors import ContractError, UpstreamError
+from flywheel.trainer.weights import (
+    STATE_FILE,
+    CheckpointStore,
+    WeightPusher,
+    load_model,
+    verify_checkpoint,
+)
+
+from .factories import tiny_model
+
+
+@pytest.fixture
+def source_dir(tmp_path):
+    src = tmp_path / "initial"
+    tiny_model(seed=1).save_pretrained(src)
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "tokenizer_config.json").write_text("{}")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    return src
+
+
+def test_save_is_self_contained_with_tied_head_stored_once(tmp_path, source_dir):
+    model = load_model(source_dir)
+    store = CheckpointStore(tmp_path / "ckpt", keep=2, source_dir=source_dir)
+    path = store.save(model, 1, {"entry_ids": ["1-0"], "sample_ids": ["s1"]})
+    assert path.name == "step_00000001"
+    names = {p.name for p in path.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", STATE_FILE} <= names
+    assert not list((tmp_path / "ckpt").glob(".*"))  # no temporary folder left behind
+    state = json.loads((path / STATE_FILE).read_text())
+    assert state["step"] == 1 and state["weight_version"] == "1" and state["entry_ids"] == ["1-0"]
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())  # noqa: SIM118
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+
+    reloaded = load_model(path)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path, source_dir):
+    model = load_model(source_dir)
+    store = CheckpointStore(tmp_path / "ckpt", keep=2, source_dir=source_dir)
+    assert store.latest() is None
+    for step in (1, 2, 3):
+        store.save(model, step, {})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step_00000002", "step_00000003"]
+    (tmp_path / "ckpt" / "step_00000009").mkdir()  # incomplete (no weights, no state): ignored
+    (tmp_path / "ckpt" / ".step_00000010.tmp-1").mkdir()  # a crashed write
+    latest = store.latest()
+    assert latest.step == 3 and latest.state["weight_version"] == "3"
+
+
+def test_verify_rejects_a_checkpoint_of_another_shape(tmp_path):
+    small = tiny_model(hidden=32)
+    small.save_pretrained(tmp_path / "small")
+    with pytest.raises(ContractError, match="F32"):
+        verify_checkpoint(tmp_path / "small", tiny_model(hidden=64))
+
+
+class FakeEngine:
+    """httpx transport answering /update_weights_from_disk; fails the first `failures` calls."""
+
+    def __init__(self, failures: int = 0):
+        self.failures = failures
+        self.calls: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.calls.append({"url": str(request.url), **body})
+        if len(self.calls) <= self.failures:
+            return httpx.Response(400, json={"success": False, "message": "busy"})
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+
+def pusher(engine: FakeEngine, urls=("http://e1", "http://e2"), attempts=3) -> WeightPusher:
+    client = httpx.Client(transport=httpx.MockTransport(engine))
+    return WeightPusher(list(urls), timeout_s=5, attempts=attempts, client=client, backoff_s=0)
+
+
+def test_push_reaches_every_engine_with_the_step_as_version(tmp_path):
+    engine = FakeEngine()
+    pusher(engine).push(tmp_path / "step_00000007", 7)
+    assert [c["url"] for c in engine.calls] == [
+        "http://e1/update_weights_from_disk", "http://e2/update_weights_from_disk"]
+    assert engine.calls[0] | {"url": None} == {
+        "url": None,
+        "model_path": str((tmp_path / "step_00000007").resolve()),
+        "weight_version": "7",
+        "flush_cache": True,
+        "abort_all_requests": False,
+    }
+
+
+def test_push_retries_then_succeeds(tmp_path):
+    engine = FakeEngine(failures=2)
+    pusher(engine, urls=["http://e1"], attempts=3).push(tmp_path, 1)
+    assert len(engine.calls) == 3
+
+
+def test_push_raises_after_bounded_retries(tmp_path):
+    engine = FakeEngine(failures=100)
+    with pytest.raises(UpstreamError, match="busy"):
+        pusher(engine, urls=["http://e1"], attempts=3).push(tmp_path, 1)
+    assert len(engine.calls) == 3

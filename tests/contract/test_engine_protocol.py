@@ -260,3 +260,17 @@ def test_live_engine_generate_and_update_weights(live_engine, tiny_model_dir, tm
     lp_after = after["meta_info"]["output_token_logprobs"][0][0]
     assert abs(lp_before - lp_after) > 1e-3
     assert httpx.get(f"{live_engine}/model_info").json()["weight_version"] == "3"
+
+
+def test_health_is_503_while_the_model_loads(tiny_model_dir):
+    from flywheel.core.settings import EngineSettings
+    from flywheel.engine.worker import EngineWorker
+
+    settings = EngineSettings(model_path=str(tiny_model_dir))
+    loading = EngineWorker(settings, tiny_model_dir)  # not started: still "loading"
+    c = TestClient(create_app(EngineDeps(loading, settings, tiny_model_dir)))
+    assert c.get("/health").status_code == 503
+    assert c.get("/healthz").status_code == 200
+    assert c.get("/server_info").json()["status"] == "loading"
+    r = c.post("/generate", json={"input_ids": [1]})
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]

@@ -142,6 +142,8 @@ def _safetensors_files(path: Path) -> list[Path]:
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / n for n in names]
+    if (path / "model.safetensors").is_file():  # other *.safetensors (optimizer) are not weights
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no .safetensors files in {path}")

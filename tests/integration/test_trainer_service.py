@@ -1,0 +1,258 @@
+"""The trainer loop against a real Redis and a fake engine HTTP endpoint, with a tiny random model.
+
+Covers: one step end to end (stream -> step -> checkpoint -> push -> ack -> metrics line), drops
+(dead-lettered unscored samples), crash between checkpoint and ack (resume acks and re-pushes
+instead of training twice), the stream-lease refresh, and `python -m flywheel.trainer`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flywheel.core.codec import new_sample
+from flywheel.core.errors import UpstreamError
+from flywheel.core.redis_client import connect
+from flywheel.core.redis_server import free_port
+from flywheel.core.settings import load_settings
+from flywheel.core.streams import StreamProducer
+from flywheel.trainer.leases import LeaseKeeper
+from flywheel.trainer.logprobs import naive_token_logprobs
+from flywheel.trainer.service import CONSUMER_GROUP, build_trainer
+
+pytestmark = pytest.mark.integration
+VOCAB = 256
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    (path / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    return path
+
+
+class FakeEngine:
+    """An HTTP server that records /update_weights_from_disk calls; `fail` makes it refuse."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.fail = False
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                engine.calls.append({"path": self.path, **body})
+                ok = not engine.fail
+                reply = json.dumps({"success": ok, "message": "ok" if ok else "refused"}).encode()
+                self.send_response(200 if ok else 400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def engine():
+    fake = FakeEngine()
+    yield fake
+    fake.close()
+
+
+def trainer_settings(tmp_path, redis_server, prefix, engine_url, **trainer):
+    return load_settings(
+        redis={"url": redis_server.url},
+        streams={"prefix": prefix, "block_ms": 100},
+        trainer={
+            "model_path": str(trainer.pop("model_dir")),
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "metrics_path": str(tmp_path / "metrics.jsonl"),
+            "group_size": 4, "groups_per_step": 1, "group_wait_s": 30, "lr": 1e-2,
+            "engine_urls": [engine_url], "push_attempts": 1, "consumer_name": "trainer-a",
+            "port": free_port(),
+        } | trainer,
+    )
+
+
+def make_group(model_dir: Path, group_id: str, rewards=(1.0, 0.0, 0.0, 1.0), temperature=0.7):
+    """Samples whose rollout logprobs are the initial model's own, at `temperature`."""
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(len(group_id))
+    samples = []
+    for reward in rewards:
+        ids = torch.randint(1, VOCAB, (1, 11), generator=gen)
+        with torch.no_grad():
+            logprobs_T = naive_token_logprobs(
+                model, ids, torch.ones_like(ids), torch.tensor([temperature])
+            )[0].tolist()
+        mask = [0] * 5 + [1] * 6
+        sample = new_sample(
+            token_ids=ids[0].tolist(), loss_mask=mask, prompt_length=5,
+            rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs_T, mask, strict=True)],
+            weight_versions=[0 if m else -1 for m in mask],
+            group_id=group_id, reward=reward, has_reward=True,
+        )
+        sample.sampling.temperature = temperature
+        samples.append(sample)
+    return samples
+
+
+def publish(settings, samples) -> list[str]:
+    producer = StreamProducer(connect(settings.redis_url()), settings.streams.key("train"))
+    return [producer.publish(s) for s in samples]
+
+
+def pending_count(settings) -> int:
+    client = connect(settings.redis_url())
+    return int(client.xpending(settings.streams.key("train"), CONSUMER_GROUP)["pending"])
+
+
+def run_steps(trainer, steps=1, timeout_s=60.0) -> int:
+    stop = threading.Event()
+    timer = threading.Timer(timeout_s, stop.set)
+    timer.start()
+    try:
+        return trainer.run(stop, max_steps=steps)
+    finally:
+        timer.cancel()
+
+
+def test_one_step_end_to_end(tmp_path, redis_server, prefix, engine, model_dir):
+    settings = trainer_settings(tmp_path, redis_server, prefix, engine.url, model_dir=model_dir)
+    trainer = build_trainer(settings)
+    assert engine.calls == []  # nothing to re-push on a fresh start
+    unscored = new_sample(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0, -1, -1],
+                          weight_versions=[-1, 0, 0], group_id="g1", error="judge timed out")
+    publish(settings, [unscored, *make_group(model_dir, "g1")])
+
+    assert run_steps(trainer) == 1
+    ckpt = tmp_path / "ckpt" / "step_00000001"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "tokenizer_config.json").is_file()
+    before = load_file(model_dir / "model.safetensors")
+    after = load_file(ckpt / "model.safetensors")
+    assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert engine.calls == [{
+        "path": "/update_weights_from_disk", "model_path": str(ckpt.resolve()),
+        "weight_version": "1", "flush_cache": True, "abort_all_requests": False,
+    }]
+    assert pending_count(settings) == 0
+    dead = connect(settings.redis_url()).xrange(settings.streams.key("dead"))
+    assert len(dead) == 1 and b"no_reward: judge timed out" in dead[0][1][b"error"]
+
+    (line,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (line["step"], line["weight_version"], line["n_samples"]) == (1, "1", 4)
+    assert line["reward/mean"] == pytest.approx(0.5) and line["dropped/no_reward"] == 1
+    # same weights and temperature as the rollout: the ratio is 1 up to fp noise (BUG-07)
+    assert line["ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert line["logprob/abs_diff_mean"] < 1e-4
+    status = trainer.parts.status.snapshot()
+    assert status["step"] == 1 and status["samples_trained"] == 4
+    trainer.close()
+
+
+def test_crash_before_ack_resumes_without_training_twice(
+    tmp_path, redis_server, prefix, engine, model_dir
+):
+    settings = trainer_settings(tmp_path, redis_server, prefix, engine.url, model_dir=model_dir)
+    first = build_trainer(settings)
+    publish(settings, make_group(model_dir, "g1"))
+    engine.fail = True
+    with pytest.raises(UpstreamError):
+        run_steps(first)
+    first.close()
+    assert (tmp_path / "ckpt" / "step_00000001" / "trainer_state.json").is_file()
+    assert pending_count(settings) == 4  # checkpointed, not acked
+
+    engine.fail = False
+    engine.calls.clear()
+    resumed = build_trainer(
+        settings.model_copy(update={"trainer": settings.trainer.model_copy(
+            update={"consumer_name": "trainer-b"})})
+    )
+    assert resumed.version == 1
+    assert [c["weight_version"] for c in engine.calls] == ["1"]  # the checkpoint, pushed again
+    assert pending_count(settings) == 0  # acked from the checkpoint's record
+    assert resumed.parts.status.snapshot()["ready"]
+    resumed.close()
+
+
+def test_lease_keeper_resets_idle_time_without_counting_deliveries(redis_server, prefix):
+    client = connect(redis_server.url)
+    stream = f"{prefix}:leases"
+    entry_id = client.xadd(stream, {b"sample": b"x"}).decode()
+    client.xgroup_create(stream, "g", id="0")
+    client.xreadgroup("g", "c1", {stream: ">"})
+    time.sleep(0.3)
+    leases = LeaseKeeper(client, stream, "g", "c1", interval_s=60)
+    leases.hold([entry_id])
+    assert leases.refresh() == 1
+    (row,) = client.xpending_range(stream, "g", min="-", max="+", count=10)
+    assert row["time_since_delivered"] < 200 and row["times_delivered"] == 1
+
+
+@pytest.mark.slow
+def test_cli_runs_one_step_and_serves_http(tmp_path, redis_server, prefix, engine, model_dir):
+    port = free_port()
+    config = tmp_path / "flywheel.toml"
+    config.write_text(
+        f'[redis]\nurl = "{redis_server.url}"\n[streams]\nprefix = "{prefix}"\nblock_ms = 100\n'
+        f'[trainer]\nmodel_path = "{model_dir}"\ncheckpoint_dir = "{tmp_path / "ckpt"}"\n'
+        f'metrics_path = "{tmp_path / "m.jsonl"}"\ngroup_size = 4\ngroups_per_step = 1\n'
+        f'engine_urls = ["{engine.url}"]\nport = {port}\nmax_steps = 1\n'
+    )
+    env = os.environ | {"PYTHONPATH": str(REPO / "services")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.trainer", "--config", str(config)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.2)
+        status = httpx.get(f"http://127.0.0.1:{port}/status").json()
+        assert status["step"] == 0 and status["ready"]
+        publish(load_settings(config), make_group(model_dir, "g-cli"))
+        output, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output.decode()
+    assert b"resolved settings" in output
+    assert [c["weight_version"] for c in engine.calls] == ["1"]
+    assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 1

@@ -274,3 +274,13 @@ def test_health_is_503_while_the_model_loads(tiny_model_dir):
     assert c.get("/server_info").json()["status"] == "loading"
     r = c.post("/generate", json={"input_ids": [1]})
     assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+
+
+def test_pause_and_continue_generation(client):
+    assert client.post("/pause_generation").status_code == 400
+    r = client.post("/pause_generation", json={"mode": "in_place"})
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    assert client.get("/ready").status_code == 503
+    r = client.post("/continue_generation", json={})
+    assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
+    assert client.get("/ready").status_code == 200

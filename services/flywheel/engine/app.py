@@ -2,8 +2,9 @@
 
 `create_app(deps)` builds the FastAPI app around an `EngineLike` (the worker, or a fake in
 tests). Routes: /generate (also PUT), /update_weights_from_disk, /update_weight_version,
-/abort_request, /flush_cache, /health, /health_generate, /ready, /model_info (+ /get_model_info),
-/server_info (+ /get_server_info), /healthz (liveness) and /metrics (Prometheus).
+/pause_generation, /continue_generation, /abort_request, /flush_cache, /health,
+/health_generate, /ready, /model_info (+ /get_model_info), /server_info (+ /get_server_info),
+/healthz (liveness) and /metrics (Prometheus).
 
 Errors: a /generate body that fails schema validation (unknown sampling key, wrong type) answers
 400 `{"error": "<text>"}` like SGLang's 0.5.22+ contract gate; every other error answers
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Protocol, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +44,8 @@ from flywheel.engine.protocol import (
 from flywheel.engine.sequence import Job
 
 _M = TypeVar("_M", bound=BaseModel)
+DISCONNECT_POLL_S = 1.0
+"""Seconds between checks for a client that went away while its rows decode."""
 
 FLUSH_MESSAGE = (
     "Cache flushed.\nPlease check backend logs for more details. "
@@ -54,6 +57,11 @@ class EngineLike(Protocol):
     status: str
     weight_version: str
     metrics: EngineMetrics
+
+    @property
+    def paused(self) -> bool: ...
+    def pause(self, mode: str = "abort") -> None: ...
+    def resume(self) -> None: ...
 
     def submit(self, specs: list[RowSpec], *, probe: bool = False) -> list[Job]: ...
     def abort(self, rid: str, abort_all: bool = False) -> int: ...
@@ -90,6 +98,10 @@ class _BadRequest(Exception):
         super().__init__(message)
         self.message = message
         self.contract = contract
+
+
+class PauseRequest(BaseModel):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class UpdateWeightVersionRequest(BaseModel):
@@ -143,12 +155,7 @@ def create_app(deps: EngineDeps) -> FastAPI:
         except ValidationError as e:
             raise _BadRequest(validation_message(e), contract=True) from e
         jobs = d.engine.submit(specs)
-        try:
-            results = await asyncio.gather(*(asyncio.wrap_future(j.future) for j in jobs))
-        except BaseException:  # client gone or a row rejected: stop the rest of the batch
-            for job in jobs:
-                job.aborted = True
-            raise
+        results = await _wait(request, jobs)
         latency = time.perf_counter() - t0
         for r in results:
             r["meta_info"]["e2e_latency"] = latency
@@ -178,6 +185,18 @@ def create_app(deps: EngineDeps) -> FastAPI:
         message = f"Weight version updated to {req.new_version}"
         return _json({"success": True, "message": message, "new_version": req.new_version})
 
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request, d: Deps) -> Response:
+        req = _parse(PauseRequest, await _body(request))
+        await asyncio.to_thread(d.engine.pause, req.mode)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request, d: Deps) -> Response:
+        await _body(request)
+        d.engine.resume()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
     @app.post("/abort_request")
     async def abort_request(request: Request, d: Deps) -> Response:
         req = _parse(AbortRequest, await _body(request))
@@ -198,7 +217,8 @@ def create_app(deps: EngineDeps) -> FastAPI:
 
     @app.get("/ready")
     async def ready(d: Deps) -> Response:
-        return Response(status_code=200 if d.engine.status == "ready" else 503)
+        ok = d.engine.status == "ready" and not d.engine.paused
+        return Response(status_code=200 if ok else 503)
 
     @app.get("/healthz")
     async def healthz(d: Deps) -> Response:
@@ -219,6 +239,24 @@ def create_app(deps: EngineDeps) -> FastAPI:
         return _json(server_info_body(d))
 
     return app
+
+
+async def _wait(request: Request, jobs: list[Job]) -> list[dict[str, Any]]:
+    """Results of `jobs`; a client that disconnects aborts them (as SGLang does)."""
+    gathered = asyncio.gather(*(asyncio.wrap_future(j.future) for j in jobs))
+    try:
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return gathered.result()
+            if await request.is_disconnected():
+                for job in jobs:
+                    job.aborted = True
+                return await gathered
+    except BaseException:  # cancelled, or a row was rejected: stop the rest of the batch
+        for job in jobs:
+            job.aborted = True
+        raise
 
 
 def _parse(model: type[_M], data: dict[str, Any]) -> _M:

@@ -135,3 +135,45 @@ def test_duplicate_rid_context_limit_and_vocab_checks(worker):
     (job,) = worker.submit([spec("c2", [49152])])
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         job.future.result(timeout=30)
+
+
+def test_pause_holds_new_rows_until_continue_and_weights_can_swap_meanwhile(
+    worker, tiny_model_dir, tmp_path
+):
+    worker.pause("abort")
+    assert worker.paused
+    (job,) = worker.submit([spec("held", [1, 2, 3], max_new_tokens=2)])
+    ckpt = modified_checkpoint(tiny_model_dir, tmp_path / "ckpt")
+    assert worker.update_weights_from_disk(str(ckpt), "2")[0]  # controls run while paused
+    time.sleep(0.5)
+    assert not job.future.done()
+    worker.resume()
+    out = job.future.result(timeout=30)
+    assert out["meta_info"]["weight_version"] == "2"
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_aborting_a_held_row_releases_it_at_once(worker):
+    worker.pause("in_place")
+    (job,) = worker.submit([spec("held-abort", [1, 2, 3], max_new_tokens=2)])
+    worker.abort("held-abort")
+    out = job.future.result(timeout=10)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["output_ids"] == []
+    worker.resume()
+
+
+def test_a_disconnected_client_aborts_its_rows(worker, monkeypatch):
+    import asyncio
+
+    from flywheel.engine import app as app_module
+
+    class GoneRequest:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    monkeypatch.setattr(app_module, "DISCONNECT_POLL_S", 0.05)
+    jobs = worker.submit([spec("gone", [1, 2, 3], max_new_tokens=240, ignore_eos=True)])
+    (out,) = asyncio.run(app_module._wait(GoneRequest(), jobs))  # type: ignore[arg-type]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["completion_tokens"] < 240

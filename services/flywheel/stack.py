@@ -1,9 +1,10 @@
 """The local stack behind `flywheel up`: every service as its own process, health-gated.
 
 Order: Redis (a real server, or `FLYWHEEL_REDIS__URL`) -> model conversion (once, cached) ->
-engine -> gateway -> reward -> trainer. Each child gets the resolved ports and Redis URL through
-`FLYWHEEL_<SECTION>__<FIELD>` variables, logs to `<state_dir>/logs/<service>.log`, and is
-stopped in reverse order (SIGTERM, then SIGKILL after a grace period).
+engine -> gateway -> reward -> trainer. Each child reads the resolved settings (ports moved to
+free ones, the Redis URL, the model path) from `<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
+logs to `<state_dir>/logs/<service>.log`, and is stopped in reverse order (SIGTERM, then SIGKILL
+after a grace period).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Stack:
 
     Args:
         settings: resolved settings; ports are moved to the next free port when busy.
-        config_file: TOML file passed on to every child (`FLYWHEEL_CONFIG`).
+        config_file: the TOML file `settings` came from (shown in messages only).
         echo: called with one progress line per event (e.g. `print`).
     """
 
@@ -87,26 +88,25 @@ class Stack:
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "logs").mkdir(exist_ok=True)
-        self.env = dict(os.environ)
-        if self.config_file:
-            self.env["FLYWHEEL_CONFIG"] = str(Path(self.config_file).resolve())
+        # Children read exactly the resolved settings (file + environment, ports moved to free
+        # ones) from one JSON file; other FLYWHEEL_<SECTION>__ variables would override it.
+        self.env = {k: v for k, v in os.environ.items() if "__" not in k
+                    or not k.startswith("FLYWHEEL_")}
         if not s.redis.url:
             self.redis = LocalRedis(self.state_dir / "redis", port=free_port(s.redis.port)).start()
             s.redis.url = self.redis.url
             self.echo(f"redis     {self.redis.url}  (local redis-server, AOF on)")
-        self.env["FLYWHEEL_REDIS__URL"] = s.redis_url()
-        self.env["FLYWHEEL_STATE_DIR"] = str(self.state_dir.resolve())
         self._prepare_model()
         for section in ("engine", "gateway", "trainer"):
             sec = getattr(s, section)
             sec.port = free_port(sec.port)
-            self.env[f"FLYWHEEL_{section.upper()}__PORT"] = str(sec.port)
         s.reward.port = free_port(s.reward.port)
         s.reward.metrics_port = free_port(s.reward.metrics_port)
-        self.env["FLYWHEEL_REWARD__PORT"] = str(s.reward.port)
-        self.env["FLYWHEEL_REWARD__METRICS_PORT"] = str(s.reward.metrics_port)
-        self.env["FLYWHEEL_TRAINER__CHECKPOINT_DIR"] = str(Path(s.trainer.checkpoint_dir).resolve())
-        self.env["FLYWHEEL_TRAINER__METRICS_PATH"] = str(Path(s.trainer.metrics_path).resolve())
+        s.trainer.checkpoint_dir = str(Path(s.trainer.checkpoint_dir).resolve())
+        s.trainer.metrics_path = str(Path(s.trainer.metrics_path).resolve())
+        resolved = self.state_dir / "settings.json"
+        resolved.write_text(json.dumps(s.model_dump(mode="json"), indent=2))
+        self.env["FLYWHEEL_CONFIG"] = str(resolved.resolve())
         engine_url = f"http://{s.engine.host}:{s.engine.port}"
         gateway_url = f"http://{s.gateway.host}:{s.gateway.port}"
         trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
@@ -135,7 +135,6 @@ class Stack:
             subprocess.run([sys.executable, "-m", "flywheel.engine.convert"], check=True,
                            env=self.env)
         s.engine.model_path = str(target)
-        self.env["FLYWHEEL_ENGINE__MODEL_PATH"] = str(target)
 
     def _launch(self, service: Service) -> None:
         service.log_path = self.state_dir / "logs" / f"{service.name}.log"
@@ -165,7 +164,7 @@ class Stack:
         s = self.settings
         state = {"pid": os.getpid(), "redis_url": s.redis_url(),
                  **{svc.name: svc.url for svc in self.services},
-                 "metrics_path": self.env["FLYWHEEL_TRAINER__METRICS_PATH"]}
+                 "metrics_path": s.trainer.metrics_path}
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     def health(self) -> dict[str, bool]:

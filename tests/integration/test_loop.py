@@ -57,14 +57,16 @@ def _urls(stack):
     return {s.name: s.url for s in running.services}, settings
 
 
-def _episode(gateway: str, group_id: str, temperature: float) -> tuple[str, dict]:
+def _episode(gateway: str, group_id: str, temperature: float, outcome: float
+             ) -> tuple[str, dict]:
     session = httpx.post(f"{gateway}/v1/sessions",
                          json={"group_id": group_id, "task": {"answer": 7}}).json()
     client = openai.OpenAI(base_url=session["base_url"], api_key="test")
     completion = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
         temperature=temperature, max_tokens=12, logprobs=True)
-    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish", json={})
+    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
+                          json={"reward": outcome})
     assert finished.status_code == 200 and finished.json()["samples_published"] == 1
     return session["session_id"], completion.model_dump()
 
@@ -84,7 +86,10 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model):
     gateway, engine = urls["gateway"], urls["engine"]
     assert httpx.get(f"{engine}/model_info").json()["weight_version"] == "default"
 
-    results = [_episode(gateway, "grp-1", temperature=0.0), _episode(gateway, "grp-1", 1.0)]
+    # Outcome rewards 1 and 0 give the group a reward spread, hence nonzero GRPO advantages
+    # (the tiny random model's replies earn verifier reward 0 either way).
+    results = [_episode(gateway, "grp-1", 0.0, outcome=1.0),
+               _episode(gateway, "grp-1", 1.0, outcome=0.0)]
 
     client = connect(settings.redis_url())
     rollouts = {}
@@ -119,6 +124,7 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model):
     trained = [decode_sample(f[FIELD]) for _, f in client.xrange(settings.streams.key("train"))]
     assert {s.session_id for s in trained} == set(rollouts)
     assert all(s.has_reward and "verifier" in s.rewards for s in trained)
+    assert sorted(s.rewards["outcome"] for s in trained) == [0.0, 1.0]
 
     # The trainer stepped, pushed version 1 to the engine, and acked what it trained on.
     _wait(lambda: httpx.get(f"{engine}/model_info").json()["weight_version"] == "1")

@@ -58,8 +58,6 @@ class RedisSettings(BaseModel):
     """Redis URL; empty = `flywheel up` starts a local server and fills this in."""
     port: int = Field(6379, ge=1, le=65535)
     """Port for the local server started by `flywheel up` (next free port if busy)."""
-    data_dir: str = ".flywheel/redis"
-    """Directory of the local server's AOF and RDB files."""
 
 
 class EngineSettings(BaseModel):
@@ -254,7 +252,8 @@ def load_settings(
     """Parse settings from a TOML file (optional), then environment overrides.
 
     Args:
-        config_file: TOML file with one table per section; None = `$FLYWHEEL_CONFIG` if set.
+        config_file: TOML file with one table per section (or the same as JSON, `.json`);
+            None = `$FLYWHEEL_CONFIG` if set.
         overrides: section dicts that take priority below the environment (used by tests).
 
     Raises:
@@ -264,7 +263,8 @@ def load_settings(
     path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
     data: dict[str, Any] = {}
     if path:
-        data = tomllib.loads(Path(path).read_text())
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
     for section, values in overrides.items():
         if isinstance(values, dict):
             data.setdefault(section, {}).update(values)

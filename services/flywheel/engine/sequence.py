@@ -57,6 +57,7 @@ class Sequence:
             frozenset() if p.ignore_eos else eos_ids
         )
         self.stop_strings = p.stop_strings()
+        self._stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 8
         self.generator = generator
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
@@ -89,7 +90,9 @@ class Sequence:
             self.finish_reason = {"type": "stop", "matched": token}
             return
         if self.stop_strings:
-            text = tokenizer.decode(self.output_ids, skip_special_tokens=self.skip_special)
+            # a new match ends in the last token; it spans at most 4 bytes (= tokens) per char
+            tail = self.output_ids[-self._stop_window :]
+            text = tokenizer.decode(tail, skip_special_tokens=self.skip_special)
             for stop in self.stop_strings:
                 if stop in text:
                     self.finish_reason = {"type": "stop", "matched": stop}

@@ -77,3 +77,14 @@ def test_top_logprobs_most_likely_first():
     values, ids = top_logprobs(_lp([0.2, 0.5, 0.3])[0], 2)
     assert ids == [1, 2]
     assert_close(torch.tensor(values), torch.tensor([math.log(0.5), math.log(0.3)]))
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    # probs [0.1, 0.2, 0.7]: 4000 draws, each frequency within 0.03 (about 4.5 standard errors)
+    lp = _lp([0.1, 0.2, 0.7])
+    cfg = SamplingConfig(temperature=1.0)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    for _ in range(4000):
+        counts[int(sample_tokens(lp, [cfg], [g])[0])] += 1
+    assert_close(counts / 4000, torch.tensor([0.1, 0.2, 0.7]), atol=0.03, rtol=0)

@@ -284,3 +284,16 @@ def test_pause_and_continue_generation(client):
     r = client.post("/continue_generation", json={})
     assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
     assert client.get("/ready").status_code == 200
+
+
+def test_get_weights_by_name(client, tiny_model_dir):
+    state = load_file(tiny_model_dir / "model.safetensors")
+    r = client.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 5})
+    assert r.status_code == 200
+    assert r.json() == pytest.approx(state["model.norm.weight"][:5].tolist())
+    rows = client.post(
+        "/get_weights_by_name", json={"name": "model.embed_tokens.weight", "truncate_size": 2}
+    ).json()
+    assert len(rows) == 2 and len(rows[0]) == 64
+    r = client.post("/get_weights_by_name", json={"name": "nope"})
+    assert r.status_code == 400 and r.json()["error"]["message"]

@@ -2,9 +2,9 @@
 
 `create_app(deps)` builds the FastAPI app around an `EngineLike` (the worker, or a fake in
 tests). Routes: /generate (also PUT), /update_weights_from_disk, /update_weight_version,
-/pause_generation, /continue_generation, /abort_request, /flush_cache, /health,
-/health_generate, /ready, /model_info (+ /get_model_info), /server_info (+ /get_server_info),
-/healthz (liveness) and /metrics (Prometheus).
+/pause_generation, /continue_generation, /abort_request, /flush_cache, /get_weights_by_name,
+/health, /health_generate, /ready, /model_info (+ /get_model_info), /server_info
+(+ /get_server_info), /healthz (liveness) and /metrics (Prometheus).
 
 Errors: a /generate body that fails schema validation (unknown sampling key, wrong type) answers
 400 `{"error": "<text>"}` like SGLang's 0.5.22+ contract gate; every other error answers
@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 import flywheel
 from flywheel.core.errors import PlatformError
@@ -68,6 +68,7 @@ class EngineLike(Protocol):
     def probe(self) -> bool: ...
     def set_weight_version(self, version: str) -> None: ...
     def model_info(self) -> dict[str, Any]: ...
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]: ...
     def update_weights_from_disk(
         self,
         model_path: str,
@@ -98,6 +99,11 @@ class _BadRequest(Exception):
         super().__init__(message)
         self.message = message
         self.contract = contract
+
+
+class GetWeightsRequest(BaseModel):
+    name: str
+    truncate_size: int = Field(100, ge=1)
 
 
 class PauseRequest(BaseModel):
@@ -196,6 +202,17 @@ def create_app(deps: EngineDeps) -> FastAPI:
         await _body(request)
         d.engine.resume()
         return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request, d: Deps) -> Response:
+        req = _parse(GetWeightsRequest, await _body(request))
+        try:
+            values = await asyncio.to_thread(
+                d.engine.get_weights_by_name, req.name, req.truncate_size
+            )
+        except KeyError:
+            return _error("Get parameter by name failed")
+        return _json(values)
 
     @app.post("/abort_request")
     async def abort_request(request: Request, d: Deps) -> Response:

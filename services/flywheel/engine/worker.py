@@ -173,6 +173,20 @@ class EngineWorker:
 
         self._control(relabel)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """A parameter as float32 nested lists, first `truncate_size` rows (SGLang, for tests).
+
+        Raises:
+            KeyError: no parameter has that name.
+        """
+        runner = self.runner
+        if runner is None:
+            raise EngineNotReady("the engine is loading")
+        params = dict(runner.model.named_parameters())
+        if name not in params:
+            raise KeyError(name)
+        return self._control(lambda: params[name].detach().float().tolist()[:truncate_size])
+
     def model_info(self) -> dict[str, Any]:
         """model_type and architectures of the loaded model (None while loading)."""
         runner = self.runner

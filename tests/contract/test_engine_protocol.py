@@ -297,3 +297,17 @@ def test_get_weights_by_name(client, tiny_model_dir):
     assert len(rows) == 2 and len(rows[0]) == 64
     r = client.post("/get_weights_by_name", json={"name": "nope"})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_a_model_that_fails_to_load_is_reported(tmp_path):
+    from flywheel.core.settings import EngineSettings
+    from flywheel.engine.worker import EngineWorker
+
+    settings = EngineSettings(model_path=str(tmp_path))
+    broken = EngineWorker(settings, tmp_path).start()  # empty folder: no model
+    assert not broken.wait_ready(60)
+    c = TestClient(create_app(EngineDeps(broken, settings, tmp_path)))
+    assert c.get("/health").status_code == 503
+    r = c.get("/healthz")
+    assert r.status_code == 503 and r.json()["status"] == "failed"
+    assert c.post("/generate", json={"input_ids": [1]}).status_code == 503

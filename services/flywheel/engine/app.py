@@ -239,7 +239,8 @@ def create_app(deps: EngineDeps) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz(d: Deps) -> Response:
-        return _json({"status": d.engine.status})
+        """Liveness: 200 while loading or serving, 503 once loading the model failed."""
+        return _json({"status": d.engine.status}, 503 if d.engine.status == "failed" else 200)
 
     @app.get("/metrics")
     async def metrics(d: Deps) -> Response:

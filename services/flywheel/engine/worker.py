@@ -90,6 +90,11 @@ class EngineWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.status = "stopped"
+        with self._lock:
+            left, self._inflight = list(self._inflight.values()), {}
+        for job in left:  # queued rows that never ran: fail them rather than hang their callers
+            if not job.future.done():
+                job.future.set_exception(EngineNotReady("the engine stopped"))
 
     def _run(self) -> None:
         try:

@@ -189,6 +189,8 @@ class TrainerSettings(BaseModel):
     """Consumer name in the `trainer` group; empty = host-pid."""
     max_steps: int = Field(0, ge=0)
     """Optimizer steps after which the trainer exits; 0 = run until stopped."""
+    device: str = "auto"
+    """torch device of the policy (`cpu`, `cuda`, `cuda:1`); auto = cuda when available."""
 
     @field_validator("dual_clip_c")
     @classmethod

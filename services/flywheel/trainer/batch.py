@@ -41,6 +41,9 @@ class TrainBatch:
     def size(self) -> int:
         return int(self.input_ids_BT.shape[0])
 
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
     def rows(self, start: int, end: int) -> TrainBatch:
         """Rows [start, end), trimmed on the right to their longest real sequence."""
         length = max(int(self.attention_mask_BT[start:end].sum(dim=1).max()), 1)

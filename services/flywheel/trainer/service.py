@@ -75,7 +75,7 @@ def build_trainer(
     source = resolve_model_path(s.model_path or settings.engine.model_path)
     store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source)
     latest = store.latest()
-    model = load_model(latest.path if latest else source)
+    model = load_model(latest.path if latest else source, s.device)
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     client = redis_client or connect(settings.redis_url())
@@ -101,8 +101,8 @@ def build_trainer(
         status=status or TrainerStatus(),
         version=latest.step if latest else 0,
     )
-    log.info("policy loaded from %s at weight version %d", latest.path if latest else source,
-             parts.version)
+    log.info("policy loaded from %s at weight version %d on %s",
+             latest.path if latest else source, parts.version, model.device)
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer

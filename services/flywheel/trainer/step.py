@@ -133,11 +133,13 @@ def accumulate(
     to discard.
     """
     acc = Accumulated()
+    device = next(model.parameters()).device
     for mb in micro_batches(batch, cfg.micro_batch_size):
         acc.micro_batches += 1
         if not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += 1
             continue
+        mb = mb.to(device)
         lp = selected_token_logprobs(
             model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
             chunk_tokens=cfg.logprob_chunk_tokens,

@@ -54,9 +54,18 @@ class Checkpoint:
     """Contents of trainer_state.json."""
 
 
-def load_model(path: Path) -> PreTrainedModel:
-    """A causal LM in float32, in train mode (Llama-family models have no active dropout)."""
+def resolve_device(name: str) -> torch.device:
+    """`auto` = cuda when available, else cpu; anything else is passed to torch."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_model(path: Path, device: str = "cpu") -> PreTrainedModel:
+    """A causal LM in float32 on `device`, in train mode (Llama-family models have no active
+    dropout)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.to(resolve_device(device))
     model.train()
     return model
 

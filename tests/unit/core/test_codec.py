@@ -6,9 +6,9 @@ from flywheel.core.errors import ContractError
 
 
 def _sample(**overrides):
-    fields = dict(token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
-                  rollout_logprobs=[0.0, 0.0, -0.25, -1.5], weight_versions=[-1, -1, 3, 3],
-                  prompt_length=2, group_id="g1")
+    fields = {"token_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1],
+              "rollout_logprobs": [0.0, 0.0, -0.25, -1.5], "weight_versions": [-1, -1, 3, 3],
+              "prompt_length": 2, "group_id": "g1"}
     fields.update(overrides)
     return new_sample(**fields)
 

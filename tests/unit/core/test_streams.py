@@ -1,4 +1,4 @@
-"""Stream delivery against a real Redis: ack, redelivery after a crash, dead-letter, backpressure."""
+"""Stream delivery on a real Redis: ack, redelivery after a crash, dead letter, backpressure."""
 
 import pytest
 

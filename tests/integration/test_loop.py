@@ -138,3 +138,32 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model):
     before, after = load_file(tiny_model / "model.safetensors"), load_file(latest)
     changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
     assert changed, "no parameter changed after a training step"
+
+
+def test_streaming_and_async_clients_get_well_formed_results(stack):
+    import asyncio
+
+    urls, _ = _urls(stack)
+    gateway = urls["gateway"]
+    sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="test")
+    chunks = list(sdk.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
+    whole = sdk.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6, temperature=0)
+    assert text == whole.choices[0].message.content  # greedy: same text streamed or not
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    async def ask() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="test")
+        reply = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=6, temperature=0)
+        return reply.choices[0].message.content
+
+    assert asyncio.run(ask()) == text

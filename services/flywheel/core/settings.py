@@ -101,6 +101,8 @@ class GatewaySettings(BaseModel):
     """Seconds to wait for one engine call."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
+    tool_parser: Literal["hermes", "json"] = "hermes"
+    """How tool calls are parsed out of sampled text (the model family's format)."""
     record_unsessioned: bool = False
     """Record requests made without a session (live mode); off = serve them unrecorded."""
 

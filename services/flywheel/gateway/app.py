@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from flywheel._proto import sample_pb2
@@ -24,9 +24,11 @@ from flywheel.core import http_errors
 from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
 from flywheel.core.settings import GatewaySettings
 from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import build_sample, prepare_prompt, record_generation
 from flywheel.gateway.schemas import ChatCompletionRequest, SessionCreate, SessionFinish
 from flywheel.gateway.sessions import SessionRecord, SessionStore
+from flywheel.gateway.streaming import sse_chunks
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
@@ -112,16 +114,25 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
         return await asyncio.to_thread(_finish, d, session_id, body.reward)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, d: Deps) -> dict[str, Any]:
-        return await _chat(d, body, None)
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, d: Deps) -> dict[str, Any] | StreamingResponse:
+        return _maybe_stream(body, await _chat(d, body, None))
 
-    @app.post("/s/{session_id}/v1/chat/completions")
+    @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps
-                           ) -> dict[str, Any]:
-        return await _chat(d, body, session_id)
+                           ) -> dict[str, Any] | StreamingResponse:
+        return _maybe_stream(body, await _chat(d, body, session_id))
 
     return app
+
+
+def _maybe_stream(body: ChatCompletionRequest, completion: dict[str, Any]
+                  ) -> dict[str, Any] | StreamingResponse:
+    if not body.stream:
+        return completion
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(sse_chunks(completion, include_usage),
+                             media_type="text/event-stream")
 
 
 def _finish(d: GatewayDeps, session_id: str, reward: float | None) -> dict[str, Any]:
@@ -146,16 +157,13 @@ def _publish(d: GatewayDeps, record: SessionRecord, sample: sample_pb2.Sample) -
 
 async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None
                 ) -> dict[str, Any]:
-    if body.stream:
-        raise InvalidRequestError("stream=true is not served yet; send stream=false",
-                                  param="stream")
     messages = [m.for_template() for m in body.messages]
     sampling = body.sampling_params(d.settings.default_max_tokens)
     if session_id is None:
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
         gen = await d.engines.generate(prompt, sampling)
-        return _response(d, body, gen, len(prompt))
+        return _response(d, body, gen, len(prompt), _parse(d, body, gen))
     return await _session_turn(d, body, session_id, messages, sampling)
 
 
@@ -188,17 +196,25 @@ async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id:
                 f"exceeds the context window of {limit} tokens; shorten the conversation or "
                 "lower max_tokens", param="messages", code="context_length_exceeded")
         gen = await d.engines.generate(prompt, sampling, affinity=session_id)
-        reply = {"role": "assistant", "content": gen.text}
-        record_generation(record, gen, sampling, reply)
-        return _response(d, body, gen, len(prompt))
+        parsed = _parse(d, body, gen)
+        record_generation(record, gen, sampling, parsed.message())
+        return _response(d, body, gen, len(prompt), parsed)
 
 
-def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prompt_tokens: int
-              ) -> dict[str, Any]:
+def _parse(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
+    offered = bool(body.tools) and body.tool_choice != "none"
+    return parse_reply(gen.text, tools_offered=offered, tool_parser=d.settings.tool_parser)
+
+
+def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prompt_tokens: int,
+              parsed: ParsedReply) -> dict[str, Any]:
+    finish = FINISH_MAP.get(gen.finish_type, gen.finish_type)
+    if parsed.tool_calls and finish == "stop":
+        finish = "tool_calls"
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": gen.text},
-        "finish_reason": FINISH_MAP.get(gen.finish_type, gen.finish_type),
+        "message": parsed.message(),
+        "finish_reason": finish,
         "logprobs": None,
     }
     if body.logprobs:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ChatMessage(BaseModel):
@@ -43,11 +43,22 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="n > 1 is not served yet")
     stream: bool = False
-    tools: list[dict[str, Any]] | None = None
+    stream_options: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     logprobs: bool = False
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatCompletionRequest:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(
+                f"response_format type {kind!r} is not supported by this engine; use 'text'")
+        return self
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """SGLang `sampling_params` for this request (only keys SGLang accepts)."""

@@ -53,6 +53,8 @@ class ChatRenderer:
         Raises:
             InvalidRequestError: the template rejects the conversation (e.g. bad role order).
         """
+        # Templates concatenate content as text: a tool-call-only reply has content None.
+        messages = [{**m, "content": m.get("content") or ""} for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages,

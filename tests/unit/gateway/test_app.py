@@ -113,3 +113,60 @@ def test_unknown_fields_are_ignored_and_models_listed(env):
     assert _chat(client, "/v1", frobnicate=True, user="u").status_code == 200
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+
+
+class ToolEngine(FakeEngine):
+    """Samples a Hermes tool call, then EOS."""
+
+    def __init__(self, renderer):
+        super().__init__(renderer)
+        self.text = '<tool_call>{"name": "add", "arguments": {"a": 7, "b": 1}}</tool_call>'
+        self.ids = renderer.encode(self.text) + [2]
+
+    async def generate(self, input_ids, sampling_params, affinity=""):
+        self.prompts.append((list(input_ids), dict(sampling_params)))
+        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
+                          text=self.text, finish_type="stop", matched_eos=True,
+                          weight_version=0, prompt_tokens=len(input_ids))
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}]
+
+
+def test_openai_sdk_streaming_and_tool_calls_through_a_session(env, renderer):
+    import openai
+
+    client, _, redis_client, prefix = env
+    client.app.state.deps.engines = engine = ToolEngine(renderer)
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    sdk = openai.OpenAI(base_url=f"http://testserver/s/{sid}/v1", api_key="k",
+                        http_client=client)
+    messages = [{"role": "user", "content": "What is 7 + 1?"}]
+    stream = sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "add" and calls[0].index == 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == len(engine.ids)
+    # The agent sends the tool call back with the tool's result: history is extended, not forked.
+    messages += [{"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump(
+        exclude={"index"})]}, {"role": "tool", "tool_call_id": calls[0].id, "content": "8"}]
+    second = sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS)
+    assert second.choices[0].message.tool_calls[0].function.arguments == '{"a": 7, "b": 1}'
+    client.post(f"/v1/sessions/{sid}/finish", json={})
+    (_, fields), = redis_client.xrange(f"{prefix}:rollouts")
+    sample = decode_sample(fields[FIELD])
+    first_prompt, second_prompt = engine.prompts[0][0], engine.prompts[1][0]
+    assert second_prompt[:len(first_prompt) + len(engine.ids)] == first_prompt + engine.ids
+    assert sum(sample.loss_mask) == 2 * len(engine.ids)  # both turns in one Sample, no fork
+    assert sample.segment_index == 0
+
+
+def test_response_format_json_is_a_clear_400(env):
+    client, _, _, _ = env
+    bad = _chat(client, "/v1", response_format={"type": "json_object"})
+    assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]

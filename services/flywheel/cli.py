@@ -94,6 +94,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_fidelity(args: argparse.Namespace) -> int:
+    from flywheel.core.codec import decode_sample  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.streams import FIELD  # noqa: PLC0415
+    from flywheel.fidelity import check_fidelity  # noqa: PLC0415
+    from flywheel.stack import running_stack  # noqa: PLC0415
+
+    settings = _settings(args)
+    state = running_stack(settings.state_dir)
+    if not state:
+        print("no running stack (start one with `flywheel up`).")
+        return 1
+    client = connect(state["redis_url"])
+    samples = [s for s in (decode_sample(f[FIELD]) for _, f in
+                           client.xrange(settings.streams.key("rollouts")))
+               if s.session_id == args.session]
+    if not samples:
+        print(f"no recorded Sample of session {args.session} in "
+              f"{settings.streams.key('rollouts')}; finish the session first.")
+        return 1
+    ok = True
+    for sample in samples:
+        report = check_fidelity(sample, state["engine"])
+        ok &= report.ok(args.tol)
+        print(f"segment {sample.segment_index}: ids_match={report.ids_match} "
+              f"sampled_tokens={report.sampled_tokens} logprobs_compared="
+              f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}")
+    return 0 if ok else 2
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     print(json.dumps(_settings(args).model_dump(mode="json"), indent=2))
     return 0
@@ -118,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
     sub.add_parser("status", help="show the running stack", parents=[common]).set_defaults(
         func=cmd_status)
+    fidelity = sub.add_parser("check-fidelity", parents=[common],
+                              help="re-score a session's recorded Samples on the engine")
+    fidelity.add_argument("--session", required=True, help="session id")
+    fidelity.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff|")
+    fidelity.set_defaults(func=cmd_check_fidelity)
     config = sub.add_parser("config", help="settings")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     config_sub.add_parser("show", help="print resolved settings", parents=[common]).set_defaults(

@@ -167,3 +167,25 @@ def test_streaming_and_async_clients_get_well_formed_results(stack):
         return reply.choices[0].message.content
 
     assert asyncio.run(ask()) == text
+
+
+def test_fidelity_check_rescoring_a_recorded_sample(stack):
+    from flywheel.fidelity import check_fidelity
+
+    urls, settings = _urls(stack)
+    engine = urls["engine"]
+    # A lone group: the trainer waits for more members, so the weights stay as they are.
+    session_id, _ = _episode(urls["gateway"], "solo", 1.0, outcome=0.0)
+    client = connect(settings.redis_url())
+    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
+                             client.xrange(settings.streams.key("rollouts")))
+                 if s.session_id == session_id]
+    version = int(httpx.get(f"{engine}/model_info").json()["weight_version"])
+    assert set(sample.weight_versions[sample.prompt_length:]) == {version}
+    report = check_fidelity(sample, engine)
+    assert report.ids_match and report.logprobs_compared
+    assert report.sampled_tokens == len(sample.token_ids) - sample.prompt_length
+    assert report.max_abs_logprob_diff < 1e-4, report
+    # A tampered record is caught.
+    sample.rollout_logprobs[-1] += 0.5
+    assert not check_fidelity(sample, engine).ok(1e-4)

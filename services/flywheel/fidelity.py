@@ -1,0 +1,62 @@
+"""Fidelity check: re-score a recorded Sample through an engine and compare (DESIGN.md section 5).
+
+One prefill-only `/generate` call (`max_new_tokens: 0`, `return_logprob`,
+`logprob_start_len = 0`) scores every recorded token under the serving weights. Row k + 1 of
+`input_token_logprobs` is the logprob of `token_ids[k + 1]` (row 0 is SGLang's null row), so the
+rows must echo the recorded ids exactly, and on sampled tokens (loss mask 1) the logprobs must
+equal the recorded rollout logprobs within a tolerance.
+
+Prompt logprobs are untempered, so logprobs are compared only for Samples drawn at temperature
+1 or greedily (0); at other temperatures the check compares ids only and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from flywheel._proto import sample_pb2
+
+
+@dataclass(frozen=True)
+class FidelityReport:
+    ids_match: bool
+    """Every recorded token id came back in the engine's rows, in order."""
+    logprobs_compared: bool
+    max_abs_logprob_diff: float
+    """Over sampled tokens; 0.0 when not compared."""
+    sampled_tokens: int
+
+    def ok(self, tol: float) -> bool:
+        return self.ids_match and (not self.logprobs_compared
+                                   or self.max_abs_logprob_diff <= tol)
+
+
+def check_fidelity(sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 120.0
+                   ) -> FidelityReport:
+    """Re-score `sample` on the engine at `engine_url` and compare ids and logprobs.
+
+    The engine must serve the weights that produced the Sample (same `weight_versions`).
+
+    Raises:
+        httpx.HTTPError: the engine call failed.
+    """
+    ids = list(sample.token_ids)
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+    resp = httpx.post(f"{engine_url.rstrip('/')}/generate", json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    rows = resp.json()["meta_info"]["input_token_logprobs"]
+    ids_match = len(rows) == len(ids) and all(int(r[1]) == t for r, t in
+                                              zip(rows, ids, strict=True))
+    temperature = sample.sampling.temperature
+    comparable = ids_match and temperature in (0.0, 1.0)
+    diffs = [abs(float(rows[k][0]) - sample.rollout_logprobs[k])
+             for k in range(1, len(ids)) if sample.loss_mask[k] and rows[k][0] is not None]
+    return FidelityReport(
+        ids_match=ids_match,
+        logprobs_compared=comparable,
+        max_abs_logprob_diff=max(diffs, default=0.0) if comparable else 0.0,
+        sampled_tokens=sum(sample.loss_mask),
+    )

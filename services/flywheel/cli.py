@@ -1,4 +1,4 @@
-"""The `flywheel` command: `up`, `demo`, `status`, `config show`.
+"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`.
 
 `flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
 `flywheel demo --steps N --out DIR` runs the training demo on a running stack (started by

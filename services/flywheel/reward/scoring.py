@@ -12,7 +12,7 @@ from typing import Any
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
-from flywheel.reward.verifiers import VERIFIERS
+from flywheel.reward.verifiers import REQUIRED_KEY, VERIFIERS
 
 DEFAULT_WEIGHTS = {"verifier": 1.0, "outcome": 1.0}
 
@@ -42,7 +42,7 @@ def score_sample(
     task: dict[str, Any] = json.loads(sample.task_json or "{}")
     name = task.get("verifier", default_verifier)
     errors = []
-    if name != "none" and "answer" in task:
+    if name != "none" and REQUIRED_KEY.get(name, "answer") in task:
         verifier = VERIFIERS.get(name)
         if verifier is None:
             errors.append(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")

@@ -129,6 +129,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_algorithms_list(args: argparse.Namespace) -> int:
+    from flywheel.trainer.algorithms.catalog import format_table  # noqa: PLC0415
+
+    print(format_table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     config_sub.add_parser("show", help="print resolved settings", parents=[common]).set_defaults(
         func=cmd_config_show)
+    algorithms = sub.add_parser("algorithms", help="the trainer's algorithm library")
+    algorithms_sub = algorithms.add_subparsers(dest="algorithms_command", required=True)
+    algorithms_sub.add_parser(
+        "list", help="print every method: name, kind, paper, inputs"
+    ).set_defaults(func=cmd_algorithms_list)
     return parser
 
 

@@ -166,10 +166,21 @@ class TrainerSettings(BaseModel):
     engine_urls: list[str] = Field(default_factory=list)
     """Engines to push weights to; empty = the local engine."""
     seed: int = 0
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "quantile"] = "grpo"
     """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES)."""
-    policy_loss: Literal["ppo_clip"] = "ppo_clip"
-    """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES)."""
+    quantile_k: float = Field(0.5, ge=0, le=1)
+    """K of the `quantile` advantage baseline (group K-quantile; 0.5 = lower median)."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES). gspo wants tiny
+    clip_eps_low / clip_eps_high (paper: 3e-4 / 4e-4)."""
+    rollout_correction: Literal["none", "tis", "mis", "icepop"] = "none"
+    """Train-inference correction (flywheel.trainer.algorithms.corrections.CORRECTIONS): token
+    weights from the trainer/rollout logprob ratio; the policy ratio is then taken against the
+    trainer's own logprobs. none = ratio against the rollout logprobs, no weights."""
+    correction_cap: float = Field(2.0, gt=0)
+    """C of tis (weights truncated at C) and mis (tokens with ratio > C dropped)."""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """[alpha, beta] of icepop: tokens whose trainer/rollout ratio leaves it are dropped."""
     loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = (
         "token_mean"
     )

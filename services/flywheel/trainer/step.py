@@ -1,8 +1,9 @@
 """One optimizer step: groups -> advantages -> batch -> micro-batches -> loss -> backward -> AdamW.
 
     prepare_batch       advantages by group, then the padded (B, T) batch
-    accumulate          per micro-batch: chunked logprobs (fp32) -> policy loss -> aggregation
-                        with the step-wide normalizer -> backward; token statistics accumulated
+    accumulate          per micro-batch: chunked logprobs (fp32) -> [train-inference correction
+                        weights] -> policy loss -> aggregation with the step-wide normalizer ->
+                        backward; token statistics accumulated
     train_step          non-finite loss or grad norm => skip (grads zeroed, weights and AdamW
                         state untouched, reason logged and returned); else clip and step
 
@@ -24,6 +25,11 @@ from transformers import PreTrainedModel
 from flywheel._proto import sample_pb2
 from flywheel.core.settings import TrainerSettings
 from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
+from flywheel.trainer.algorithms.corrections import (
+    CORRECTIONS,
+    CorrectionConfig,
+    CorrectionInputs,
+)
 from flywheel.trainer.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
@@ -42,7 +48,14 @@ log = logging.getLogger(__name__)
 class StepConfig:
     advantage: str = "grpo"
     std_floor: float = 1e-3
+    quantile_k: float = 0.5
     policy_loss: str = "ppo_clip"
+    correction: str = "none"
+    """Key of CORRECTIONS. Not "none": the policy ratio is taken against the trainer's own
+    logprobs at the current weights (detached; equal to pi_train(theta_old) because every
+    micro-batch is scored before the single optimizer step) and each token loss is multiplied by
+    the correction's detached weight from the trainer/rollout ratio."""
+    correction_cfg: CorrectionConfig = field(default_factory=CorrectionConfig)
     aggregation: str = "token_mean"
     clip: PPOClipConfig = field(default_factory=PPOClipConfig)
     micro_batch_size: int = 8
@@ -55,7 +68,12 @@ class StepConfig:
         return cls(
             advantage=s.advantage,
             std_floor=s.std_floor,
+            quantile_k=s.quantile_k,
             policy_loss=s.policy_loss,
+            correction=s.rollout_correction,
+            correction_cfg=CorrectionConfig(
+                cap=s.correction_cap, low=s.icepop_bounds[0], high=s.icepop_bounds[1]
+            ),
             aggregation=s.loss_aggregation,
             clip=PPOClipConfig(s.clip_eps_low, s.clip_eps_high, s.dual_clip_c),
             micro_batch_size=s.micro_batch_size,
@@ -109,7 +127,8 @@ def prepare_batch(
     group_index_B = torch.tensor([g for g, group in enumerate(groups) for _ in group])
     rewards_B = torch.tensor([s.reward for s in samples_B], dtype=torch.float64)
     out = ADVANTAGES[cfg.advantage](
-        AdvantageInputs(rewards_B, group_index_B), AdvantageConfig(std_floor=cfg.std_floor)
+        AdvantageInputs(rewards_B, group_index_B),
+        AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k),
     )
     return collate(samples_B, out.advantages_B), out.metrics
 
@@ -144,11 +163,21 @@ def accumulate(
             model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
             chunk_tokens=cfg.logprob_chunk_tokens,
         )
+        old_logprobs_BT, correction_stats = mb.old_logprobs_BT, {}
+        weights_BT: Tensor | None = None
+        if cfg.correction != "none":
+            corr = CORRECTIONS[cfg.correction](
+                CorrectionInputs(lp.logprobs_BT, mb.old_logprobs_BT, mb.loss_mask_BT),
+                cfg.correction_cfg,
+            )
+            old_logprobs_BT = lp.logprobs_BT.detach()
+            weights_BT, correction_stats = corr.weights_BT, corr.token_stats
         out = POLICY_LOSSES[cfg.policy_loss](
-            LossInputs(lp.logprobs_BT, mb.old_logprobs_BT, mb.advantages_BT, mb.loss_mask_BT),
+            LossInputs(lp.logprobs_BT, old_logprobs_BT, mb.advantages_BT, mb.loss_mask_BT),
             cfg.clip,
         )
-        loss = AGGREGATIONS[cfg.aggregation](out.token_loss_BT, mb.loss_mask_BT, norm)
+        token_loss_BT = out.token_loss_BT if weights_BT is None else out.token_loss_BT * weights_BT
+        loss = AGGREGATIONS[cfg.aggregation](token_loss_BT, mb.loss_mask_BT, norm)
         if not bool(torch.isfinite(loss)):
             acc.nonfinite = True
             return acc
@@ -156,7 +185,7 @@ def accumulate(
         acc.loss += float(loss.detach())
         gap_BT = (lp.logprobs_BT.detach() - mb.old_logprobs_BT).abs()
         extra = {"entropy/mean": lp.entropy_BT, "logprob/abs_diff_mean": gap_BT}
-        acc.stats.add(out.token_stats | extra, mb.loss_mask_BT)
+        acc.stats.add(out.token_stats | correction_stats | extra, mb.loss_mask_BT)
     return acc
 
 

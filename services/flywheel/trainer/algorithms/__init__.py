@@ -1,12 +1,36 @@
-"""The token-level RL library: pure advantage estimators, policy losses and aggregations.
+"""The token-level RL library: pure advantage estimators, policy losses, aggregations,
+train-inference corrections and regularizers.
 
-Each part is chosen by name from a registry (`ADVANTAGES`, `POLICY_LOSSES`, `AGGREGATIONS`) keyed
-by the matching `TrainerSettings` field. To add a method: add its function (docstring with the
-formula, shapes and paper) and one registry line, plus a worked-example test in
-`tests/unit/trainer/`. The design notes' algorithm catalog lists what this grows towards.
+Each part is chosen by name from a registry keyed by the matching `TrainerSettings` field:
+`ADVANTAGES` (advantages.py), `POLICY_LOSSES` and `AGGREGATIONS` (losses.py), `CORRECTIONS`
+(corrections.py), `KL_ESTIMATORS` and `REGULARIZERS` (regularizers.py). To add a method: add its
+function (docstring with the formula, shapes, paper defaults and citation), one registry line, one
+row in `catalog.py` (what `flywheel algorithms list` prints, including the inputs it needs), and a
+worked-example test in `tests/unit/trainer/`. The design notes' algorithm catalog lists what this
+grows towards.
+
+Importing this package (or `catalog`) does not import torch; the registries load on first access.
 """
 
-from flywheel.trainer.algorithms.advantages import ADVANTAGES
-from flywheel.trainer.algorithms.losses import AGGREGATIONS, POLICY_LOSSES
+from __future__ import annotations
 
-__all__ = ["ADVANTAGES", "AGGREGATIONS", "POLICY_LOSSES"]
+import importlib
+from typing import Any
+
+_REGISTRY_MODULES = {
+    "ADVANTAGES": "advantages",
+    "POLICY_LOSSES": "losses",
+    "AGGREGATIONS": "losses",
+    "CORRECTIONS": "corrections",
+    "KL_ESTIMATORS": "regularizers",
+    "REGULARIZERS": "regularizers",
+}
+
+__all__ = sorted(_REGISTRY_MODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _REGISTRY_MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_REGISTRY_MODULES[name]}")
+    return getattr(module, name)

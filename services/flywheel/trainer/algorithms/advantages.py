@@ -1,11 +1,20 @@
-"""Advantage estimators: per-sample scalar rewards -> per-sample advantages, by group.
+"""Advantage estimators: per-sample rewards (and, for distillation, per-token teacher logprobs)
+-> advantages, by group.
 
 Every estimator has the signature `(AdvantageInputs, AdvantageConfig) -> AdvantageOutputs` and is
 registered in `ADVANTAGES` under the name `TrainerSettings.advantage` uses. To add one: write the
 function here (or in a sibling module) and add one registry line.
 
-Shapes: B = samples in the step; rewards and group indices are (B,). Groups are given by
-`group_index_B` (0..G-1), so partial groups of different sizes mix freely.
+Shapes: B = samples in the step, T = tokens (right-padded, aligned with `token_ids` as in
+`LossInputs`); rewards and group indices are (B,). Groups are given by `group_index_B` (0..G-1),
+so partial groups of different sizes mix freely.
+
+Input contract: `rewards_B` and `group_index_B` are always given. The per-token fields of
+`AdvantageInputs` are optional and default to None; an estimator that needs them (`opd`,
+`opd_plus_rl`: `teacher_logprobs_BT`, `rollout_logprobs_BT`, `teacher_mask_BT`) raises ValueError
+when they are missing, and `catalog.py` lists what each estimator reads. Sequence-level
+estimators return `advantages_B` only; token-level ones also return `advantages_BT`, which then
+takes precedence over `advantages_B` when the batch spreads advantages over tokens.
 
 Numerics (BUG-12): group statistics are computed in float64 with a two-pass variance clamped at 0,
 so identical rewards give a variance of exactly 0 (never a negative residue or NaN). A group whose
@@ -15,6 +24,7 @@ advantages are exactly 0 and it is counted in `adv/frac_reward_zero_std`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,12 +38,28 @@ class AdvantageInputs:
     """(B,) combined scalar reward of each sample (any float dtype)."""
     group_index_B: Tensor
     """(B,) int64 group of each sample, 0..G-1."""
+    teacher_logprobs_BT: Tensor | None = None
+    """(B, T) teacher logprob of each sampled token (e.g. under a hinted context); any value
+    where `teacher_mask_BT` is False. Needed by `opd`, `opd_plus_rl`."""
+    rollout_logprobs_BT: Tensor | None = None
+    """(B, T) student logprob of each sampled token as the rollout engine reported it."""
+    teacher_mask_BT: Tensor | None = None
+    """(B, T) bool: True where a teacher logprob exists for a trained token. None = wherever
+    `teacher_logprobs_BT` is finite."""
 
 
 @dataclass(frozen=True)
 class AdvantageConfig:
     std_floor: float = 1e-3
     """Group reward std (unbiased) below this is treated as 0: advantages 0 for that group."""
+    quantile_k: float = 0.5
+    """K of the `quantile` baseline, in [0, 1]; 0.5 = the (lower) group median."""
+    opd_weight: float = 1.0
+    """w_opd of `opd_plus_rl` (weight of the teacher - student token gap)."""
+    rl_weight: float = 1.0
+    """w_rl of `opd_plus_rl` (weight of the group reward advantage)."""
+    rl_advantage: str = "grpo"
+    """Group estimator (a key of ADVANTAGES) for the reward part of `opd_plus_rl`."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +68,9 @@ class AdvantageOutputs:
     """(B,) float32 advantage of each sample (spread over its sampled tokens by the batch)."""
     metrics: dict[str, float]
     """`adv/mean`, `adv/max_abs`, `adv/frac_reward_zero_std` (fraction of groups), `adv/groups`."""
+    advantages_BT: Tensor | None = None
+    """(B, T) float32 per-token advantage for token-level estimators; None for sequence-level
+    ones (the batch then spreads `advantages_B` over each sample's loss tokens)."""
 
 
 def _group_stats(rewards: Tensor) -> tuple[float, float]:
@@ -115,11 +144,118 @@ def rloo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     return _per_group(inputs, cfg, leave_one_out)
 
 
+def _lower_quantile(sorted_n: Tensor, k: float) -> Tensor:
+    """Inverse-CDF K-quantile of sorted values: the smallest r_(j) with j / n >= K (1-based)."""
+    n = sorted_n.numel()
+    j = min(max(math.ceil(k * n) - 1, 0), n - 1)
+    return sorted_n[j]
+
+
+def quantile(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
+    """Quantile Advantage Estimation (QAE): A_i = (r_i - Q_K(r_G)) / std(r_G).
+
+    "Quantile Advantage Estimation for Entropy-Safe Reasoning", Wu et al. 2025,
+    arXiv:2509.22611: the group mean baseline of GRPO/DAPO is replaced by the group K-quantile,
+    std normalization kept. Q_K is the inverse-CDF quantile (smallest r_(j), j = ceil(K n)), so
+    for binary rewards with success rate p the baseline is 0 when p <= 1 - K (only the rare
+    successes get signal) and 1 when p > 1 - K (only the remaining failures do): the paper's
+    two-regime gate. K = 0.5 is the lower median (as `torch.median`); the paper tunes K per
+    model (`cfg.quantile_k`). Groups without reward spread get exactly 0 (BUG-12).
+    """
+    if not 0.0 <= cfg.quantile_k <= 1.0:
+        raise ValueError(f"quantile_k must be in [0, 1], got {cfg.quantile_k}")
+
+    def centred(r: Tensor, mean: float, std: float) -> Tensor:
+        baseline = _lower_quantile(torch.sort(r).values, cfg.quantile_k)
+        return (r - baseline) / std
+
+    return _per_group(inputs, cfg, centred)
+
+
+def _teacher_gap(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """(B, T) float32 teacher - rollout logprob gap, exactly 0 where there is no teacher; mask."""
+    teacher_BT, rollout_BT = inputs.teacher_logprobs_BT, inputs.rollout_logprobs_BT
+    if teacher_BT is None or rollout_BT is None:
+        raise ValueError("opd needs teacher_logprobs_BT and rollout_logprobs_BT (B, T)")
+    if teacher_BT.shape != rollout_BT.shape:
+        raise ValueError(f"teacher {tuple(teacher_BT.shape)} != rollout {tuple(rollout_BT.shape)}")
+    mask_BT = inputs.teacher_mask_BT
+    mask_BT = torch.isfinite(teacher_BT) if mask_BT is None else mask_BT.bool()
+    gap_BT = (teacher_BT.double() - rollout_BT.double()).to(torch.float32)  # (B, T)
+    return torch.where(mask_BT, gap_BT, torch.zeros_like(gap_BT)), mask_BT
+
+
+def _token_metrics(adv_BT: Tensor, mask_BT: Tensor, groups: int) -> dict[str, float]:
+    selected = adv_BT[mask_BT]
+    return {
+        "adv/mean": float(selected.mean()) if selected.numel() else 0.0,
+        "adv/max_abs": float(selected.abs().max()) if selected.numel() else 0.0,
+        "adv/frac_reward_zero_std": 0.0,
+        "adv/groups": float(groups),
+        "adv/teacher_token_frac": float(mask_BT.float().mean()) if mask_BT.numel() else 0.0,
+    }
+
+
+def _per_sample_mean(adv_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """(B,) mean of each sample's advantage over its teacher tokens (0 without any)."""
+    return adv_BT.sum(dim=1) / mask_BT.sum(dim=1).clamp_min(1).to(adv_BT.dtype)
+
+
+def opd(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
+    """On-policy distillation token advantage: A_t = log p_teacher(y_t) - log p_student(y_t).
+
+    The per-token reverse-KL signal of on-policy distillation (Agarwal et al. 2024, "On-Policy
+    Distillation of Language Models: Learning from Self-Generated Mistakes", arXiv:2306.13649;
+    Thinking Machines "On-Policy Distillation" 2025), used as a per-token advantage with the
+    student's rollout logprob as in OpenClaw-RL's hindsight OPD. The student term is the rollout
+    logprob (the behaviour policy that sampled y_t), so the advantage is a constant w.r.t. the
+    trained weights. Tokens without a teacher logprob get exactly 0. No groups: works for
+    group-less (live) samples. Shapes: (B, T) in, `advantages_BT` (B, T) out; `advantages_B`
+    is each sample's mean over its teacher tokens (for metrics).
+    """
+    gap_BT, mask_BT = _teacher_gap(inputs)
+    groups = int(torch.unique(inputs.group_index_B).numel())
+    return AdvantageOutputs(
+        advantages_B=_per_sample_mean(gap_BT, mask_BT),
+        metrics=_token_metrics(gap_BT, mask_BT, groups),
+        advantages_BT=gap_BT,
+    )
+
+
+def opd_plus_rl(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
+    """OPD + RL: A_t = w_opd (log p_teacher(y_t) - log p_student(y_t)) + w_rl A_group(i).
+
+    OpenClaw-RL's combined objective: the distillation gap where a teacher token exists, plus
+    the sequence's group reward advantage (`cfg.rl_advantage`, default grpo) on every token.
+    With w_opd = 0 it reduces to the group estimator spread over tokens; with w_rl = 0 to `opd`.
+    Shapes: (B,) rewards and (B, T) teacher/rollout logprobs in, `advantages_BT` (B, T) out.
+    """
+    gap_BT, mask_BT = _teacher_gap(inputs)
+    rl = ADVANTAGES[cfg.rl_advantage](inputs, cfg)
+    if rl.advantages_BT is not None:
+        raise ValueError(f"rl_advantage must be a group estimator, got {cfg.rl_advantage!r}")
+    adv_BT = cfg.opd_weight * gap_BT + cfg.rl_weight * rl.advantages_B[:, None]  # (B, T)
+    metrics = rl.metrics | {
+        "adv/opd_mean": _token_metrics(gap_BT, mask_BT, 0)["adv/mean"],
+        "adv/teacher_token_frac": float(mask_BT.float().mean()) if mask_BT.numel() else 0.0,
+        "adv/max_abs": float(adv_BT.abs().max()) if adv_BT.numel() else 0.0,
+    }
+    return AdvantageOutputs(
+        advantages_B=cfg.opd_weight * _per_sample_mean(gap_BT, mask_BT)
+        + cfg.rl_weight * rl.advantages_B,
+        metrics=metrics,
+        advantages_BT=adv_BT.to(torch.float32),
+    )
+
+
 AdvantageFn = Callable[[AdvantageInputs, AdvantageConfig], AdvantageOutputs]
 
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "rloo": rloo,
+    "quantile": quantile,
+    "opd": opd,
+    "opd_plus_rl": opd_plus_rl,
 }
 """Advantage estimators by `TrainerSettings.advantage`."""

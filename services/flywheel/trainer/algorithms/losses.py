@@ -93,12 +93,18 @@ def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
     and `kl/k3_rollout` = (r - 1) - log r, Schulman's low-variance estimator of
     KL(rollout || current) from rollout samples.
     """
-    mask_BT = inputs.loss_mask_BT.bool()
-    adv_BT = inputs.advantages_BT
     log_ratio_BT = (inputs.logprobs_BT - inputs.old_logprobs_BT).clamp(
         -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT
     )
-    ratio_BT = torch.exp(log_ratio_BT)
+    return _clipped_surrogate(torch.exp(log_ratio_BT), log_ratio_BT, inputs, cfg)
+
+
+def _clipped_surrogate(
+    ratio_BT: Tensor, log_ratio_BT: Tensor, inputs: LossInputs, cfg: PPOClipConfig
+) -> LossOutputs:
+    """max(-A r, -A clip(r)), dual clip, masking and clip statistics for any (B, T) ratio."""
+    mask_BT = inputs.loss_mask_BT.bool()
+    adv_BT = inputs.advantages_BT
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
@@ -124,6 +130,36 @@ def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
             "kl/k3_rollout": (ratio - 1.0) - log_ratio_BT.detach(),
         }
     return LossOutputs(token_loss_BT=loss_BT, token_stats=stats)
+
+
+def gspo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """GSPO: one length-normalized sequence ratio per sequence, shared by its tokens, clipped.
+
+        log s_b   = (1 / |y_b|) sum_t m_bt (logp_bt - logp_old_bt)     (geometric-mean ratio)
+        s_bt      = sg[s_b] * exp(logp_bt - sg[logp_bt])               (GSPO-token form)
+        l_bt      = max(-A_bt s_bt, -A_bt clip(s_bt, 1 - eps_low, 1 + eps_high))
+
+    "Group Sequence Policy Optimization", Zheng et al. 2025, arXiv:2507.18071, eqs. (5)-(7) and
+    GSPO-token (eq. 13). s_bt equals s_b in value, so every token of a sequence is clipped
+    together; its gradient is s_b * grad logp_bt, so with a per-sequence advantage and the
+    `seq_mean_token_mean` aggregation this is exactly GSPO's sequence objective (the paper's
+    normalization: 1/G over sequences, 1/|y| inside). With per-token advantages it is
+    GSPO-token. Paper clip ranges are tiny because s is a geometric mean: eps_low = 3e-4,
+    eps_high = 4e-4 (set them in the config; the PPO defaults of 0.2 are far looser). Dual clip
+    applies as in `ppo_clip` when c > 1.
+
+    Shapes: every input and output is (B, T). If every token of a sequence has the same ratio
+    r, then s_b = r and the loss and its gradient equal `ppo_clip`'s for that sequence. Masked
+    positions (padding, prompt) never enter |y_b| or the sum, even when they hold NaN.
+    """
+    mask_BT = inputs.loss_mask_BT.bool()
+    diff_BT = inputs.logprobs_BT - inputs.old_logprobs_BT
+    diff_BT = torch.where(mask_BT, diff_BT, torch.zeros_like(diff_BT))  # (B, T)
+    lengths_B = mask_BT.sum(dim=1).clamp_min(1).to(diff_BT.dtype)
+    seq_log_ratio_B = (diff_BT.sum(dim=1) / lengths_B).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    logp_BT = torch.where(mask_BT, inputs.logprobs_BT, torch.zeros_like(inputs.logprobs_BT))
+    log_ratio_BT = seq_log_ratio_B.detach()[:, None] + logp_BT - logp_BT.detach()  # (B, T)
+    return _clipped_surrogate(torch.exp(log_ratio_BT), log_ratio_BT, inputs, cfg)
 
 
 def _masked(token_loss_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
@@ -164,7 +200,7 @@ def seq_mean_token_sum(
 PolicyLossFn = Callable[[LossInputs, PPOClipConfig], LossOutputs]
 AggregationFn = Callable[[Tensor, Tensor, LossNormalizer], Tensor]
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip}
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo}
 """Policy losses by `TrainerSettings.policy_loss`."""
 
 AGGREGATIONS: dict[str, AggregationFn] = {

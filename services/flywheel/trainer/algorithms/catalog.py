@@ -1,0 +1,89 @@
+"""What `flywheel algorithms list` prints: every registered part, its kind, paper and inputs.
+
+Torch-free on purpose (the CLI imports it without loading torch). One row per registry entry;
+`tests/unit/trainer/test_catalog.py` checks that rows and registries match both ways. `inputs`
+is the declared input contract: the tensors the part reads from the step, so the step computes
+extra model outputs (teacher logprobs, reference logprobs, entropy) only when a selected part
+names them.
+
+Kinds follow the design notes: advantage, weight (token weights / masks, incl. train-inference
+corrections), ratio (policy loss: ratio form and clip), aggregation, regularizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    """Registry key (the value of the matching TrainerSettings field)."""
+    kind: str
+    """advantage | weight | ratio | aggregation | regularizer."""
+    registry: str
+    """Name of the registry dict that holds it (`ADVANTAGES`, `POLICY_LOSSES`, ...)."""
+    paper: str
+    """Short citation: title or method name and arXiv id where one exists."""
+    inputs: str
+    """Comma-separated inputs it reads."""
+
+
+CATALOG: tuple[Algorithm, ...] = (
+    Algorithm("grpo", "advantage", "ADVANTAGES", "DeepSeekMath (GRPO), arXiv:2402.03300",
+              "rewards_B, group_index_B"),
+    Algorithm("dr_grpo", "advantage", "ADVANTAGES", "Dr. GRPO, arXiv:2503.20783",
+              "rewards_B, group_index_B"),
+    Algorithm("rloo", "advantage", "ADVANTAGES", "RLOO, arXiv:2402.14740",
+              "rewards_B, group_index_B"),
+    Algorithm("quantile", "advantage", "ADVANTAGES", "QAE, arXiv:2509.22611",
+              "rewards_B, group_index_B"),
+    Algorithm("opd", "advantage", "ADVANTAGES", "On-policy distillation, arXiv:2306.13649",
+              "teacher_logprobs_BT, rollout_logprobs_BT, teacher_mask_BT"),
+    Algorithm("opd_plus_rl", "advantage", "ADVANTAGES", "OpenClaw-RL OPD + RL",
+              "rewards_B, group_index_B, teacher_logprobs_BT, rollout_logprobs_BT, "
+              "teacher_mask_BT"),
+    Algorithm("ppo_clip", "ratio", "POLICY_LOSSES",
+              "PPO arXiv:1707.06347; DAPO clip-higher arXiv:2503.14476",
+              "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
+    Algorithm("gspo", "ratio", "POLICY_LOSSES", "GSPO, arXiv:2507.18071",
+              "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
+    Algorithm("token_mean", "aggregation", "AGGREGATIONS", "DAPO, arXiv:2503.14476",
+              "token_loss_BT, loss_mask_BT"),
+    Algorithm("seq_mean_token_mean", "aggregation", "AGGREGATIONS", "GRPO, arXiv:2402.03300",
+              "token_loss_BT, loss_mask_BT"),
+    Algorithm("seq_mean_token_sum", "aggregation", "AGGREGATIONS", "Dr. GRPO, arXiv:2503.20783",
+              "token_loss_BT, loss_mask_BT"),
+    Algorithm("none", "weight", "CORRECTIONS", "no train-inference correction",
+              "-"),
+    Algorithm("tis", "weight", "CORRECTIONS", "TIS, Yao et al. 2025 (off-policy RL blog)",
+              "train_logprobs_BT, rollout_logprobs_BT, loss_mask_BT"),
+    Algorithm("mis", "weight", "CORRECTIONS", "MIS, Liu, Li et al. 2025 (blog)",
+              "train_logprobs_BT, rollout_logprobs_BT, loss_mask_BT"),
+    Algorithm("icepop", "weight", "CORRECTIONS", "IcePop (Ring-1T), arXiv:2510.18855",
+              "train_logprobs_BT, rollout_logprobs_BT, loss_mask_BT"),
+    Algorithm("k1", "regularizer", "KL_ESTIMATORS", "Schulman, Approximating KL Divergence",
+              "logprobs_BT, ref_logprobs_BT"),
+    Algorithm("k2", "regularizer", "KL_ESTIMATORS", "Schulman, Approximating KL Divergence",
+              "logprobs_BT, ref_logprobs_BT"),
+    Algorithm("k3", "regularizer", "KL_ESTIMATORS",
+              "Schulman, Approximating KL Divergence; GRPO arXiv:2402.03300",
+              "logprobs_BT, ref_logprobs_BT"),
+    Algorithm("entropy_bonus", "regularizer", "REGULARIZERS", "PPO entropy bonus, arXiv:1707.06347",
+              "entropy_BT (with grad)"),
+)
+"""Every registered part, in registry order."""
+
+KINDS = ("advantage", "weight", "ratio", "aggregation", "regularizer")
+
+
+def format_table(rows: tuple[Algorithm, ...] = CATALOG) -> str:
+    """Plain-text table with the columns name, kind, paper, inputs (no trailing spaces)."""
+    header = ("name", "kind", "paper", "inputs")
+    cells = [header] + [(r.name, r.kind, r.paper, r.inputs) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    lines = []
+    for c in cells:
+        lines.append("  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3])
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[3]))
+    return "\n".join(lines)

@@ -111,16 +111,53 @@ class GatewaySettings(BaseModel):
         return f"http://{self.host}:{self.port}"
 
 
+class JudgeSettings(BaseModel):
+    """An OpenAI-compatible judge endpoint and its voting policy (flywheel.reward.judge)."""
+
+    enabled: bool = False
+    """Off = no "judge" component; samples are scored by verifiers and outcomes only."""
+    base_url: str = "http://127.0.0.1:30000/v1"
+    """Endpoint root including /v1; POST {base_url}/chat/completions."""
+    model: str = DEFAULT_MODEL_NAME
+    """Model name sent to the endpoint."""
+    api_key: str | None = None
+    """Bearer token; None = no Authorization header (local engines)."""
+    prompt: str = "prm_v1"
+    """Prompt file stem under flywheel/reward/prompts/; recorded as "prm@v1" in each Vote."""
+    votes: int = Field(3, ge=1, le=16)
+    """m: concurrent judge calls per turn; majority, ties -> mean of the tied values."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Seconds per judge HTTP call."""
+    max_concurrency: int = Field(8, ge=1)
+    """Judge calls in flight at once from this process."""
+    max_attempts: int = Field(3, ge=1)
+    """Tries per vote on timeout/connection error/429/5xx (1 = no retry)."""
+    backoff_s: float = Field(0.5, ge=0)
+    """First retry backoff in seconds; doubles per try with jitter, capped at 30x."""
+    temperature: float = Field(0.7, ge=0)
+    """Sampling temperature of the judge (votes need diversity)."""
+    max_tokens: int = Field(512, ge=16)
+    """Max tokens per judge reply (reasoning + final verdict line)."""
+    context_chars: int = Field(8000, ge=0)
+    """The turn's context is trimmed to its last N characters."""
+
+
 class RewardSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=1, le=65535)
     """gRPC port."""
     metrics_port: int = Field(9101, ge=0, le=65535)
     """Prometheus /metrics port; 0 = disabled."""
-    default_verifier: Literal["last_integer", "exact", "none"] = "last_integer"
+    default_verifier: Literal[
+        "last_integer", "exact", "math", "numeric", "regex", "json_schema", "code_tests", "none"
+    ] = "last_integer"
     """Verifier used when a session's task metadata names none."""
     consumer_name: str = ""
     """Consumer name in the group; empty = host-pid."""
+    weights: dict[str, float] = Field(default_factory=dict)
+    """Weight per reward component ("verifier", "judge", "outcome"); missing = 1.0."""
+    judge: JudgeSettings = Field(default_factory=lambda: JudgeSettings())
+    """Next-state PRM judge (flywheel.reward.judge); disabled by default."""
 
 
 class TeacherSettings(BaseModel):

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         default_consumer_name,
     )
     from flywheel.reward.grpc_api import serve  # noqa: PLC0415
+    from flywheel.reward.judge import judge_from_settings  # noqa: PLC0415
     from flywheel.reward.worker import RewardWorker  # noqa: PLC0415
 
     rs, streams = settings.reward, settings.streams
@@ -43,8 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         min_idle_ms=streams.min_idle_ms,
     )
     producer = StreamProducer(client, settings.next_stream_after_reward())
-    worker = RewardWorker(consumer, producer, rs.default_verifier, block_ms=streams.block_ms)
-    server = serve(rs.host, rs.port, rs.default_verifier)
+    judge = judge_from_settings(rs.judge)
+    worker = RewardWorker(consumer, producer, rs.default_verifier, block_ms=streams.block_ms,
+                          judge=judge, weights=rs.weights)
+    server = serve(rs.host, rs.port, rs.default_verifier, judge=judge, weights=rs.weights)
     if rs.metrics_port:
         start_http_server(rs.metrics_port, addr=rs.host)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())

@@ -12,6 +12,7 @@ import threading
 from prometheus_client import Counter
 
 from flywheel.core.streams import StreamConsumer, StreamProducer
+from flywheel.reward.judge import NextStateJudge
 from flywheel.reward.scoring import score_sample
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,15 @@ class RewardWorker:
         consumer: reader of the rollouts stream (group `reward`).
         producer: writer of the next stream (`scored`, or `train` when the teacher is off).
         default_verifier: verifier for tasks that name none.
+        judge: next-state judge; None = disabled.
+        weights: reward component -> weight; missing = 1.0.
     """
 
     def __init__(self, consumer: StreamConsumer, producer: StreamProducer,
-                 default_verifier: str, block_ms: int = 1000):
+                 default_verifier: str, block_ms: int = 1000,
+                 judge: NextStateJudge | None = None, weights: dict[str, float] | None = None):
+        self.judge = judge
+        self.weights = weights
         self.consumer = consumer
         self.producer = producer
         self.default_verifier = default_verifier
@@ -40,7 +46,7 @@ class RewardWorker:
         entries = self.consumer.read(count=count, block_ms=self.block_ms)
         done = []
         for entry in entries:
-            sample = score_sample(entry.sample, self.default_verifier)
+            sample = score_sample(entry.sample, self.default_verifier, self.weights, self.judge)
             if sample.has_reward:
                 SCORED.labels("scored").inc()
             else:

@@ -150,3 +150,13 @@ def test_judge_disabled_or_no_next_state_keeps_current_behaviour():
 def test_prompt_file_version_tag():
     tag, template = load_prompt("prm_v1")
     assert tag == "prm@v1" and "$next_state" in template.template
+
+
+def test_grpc_score_uses_the_configured_judge():
+    from flywheel._proto import reward_pb2  # noqa: PLC0415
+    from flywheel.reward.grpc_api import RewardServicer  # noqa: PLC0415
+
+    servicer = RewardServicer("none", judge=_judge(Script("fine\nFinal verdict: +1")),
+                              weights={"judge": 0.5})
+    resp = servicer.Score(reward_pb2.ScoreRequest(sample=_turn()), context=None)
+    assert resp.has_reward and resp.reward == 0.5 and resp.votes[0].judge == "prm@v1"

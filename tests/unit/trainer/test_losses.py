@@ -13,6 +13,7 @@ from flywheel.trainer.algorithms.losses import (
     POLICY_LOSSES,
     LossInputs,
     PPOClipConfig,
+    gspo,
     normalizer_for,
     ppo_clip,
     seq_mean_token_mean,
@@ -38,7 +39,7 @@ def five_tokens():
 
 
 def test_registries():
-    assert set(POLICY_LOSSES) == {"ppo_clip"}
+    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo"}
     assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum"}
 
 
@@ -137,3 +138,93 @@ def test_all_masked_step_batch_gives_zero_not_nan(name):
     mask = torch.zeros(2, 3, dtype=torch.bool)
     norm = normalizer_for(mask)  # clamped to 1 token, 1 sequence
     assert float(AGGREGATIONS[name](torch.ones(2, 3), mask, norm)) == 0.0
+
+
+def two_sequences():
+    # seq 0: token log ratios [0.2, -0.1, 0.5], all trained, A = +1
+    #        log s = (0.2 - 0.1 + 0.5) / 3 = 0.2 -> s = e^0.2 = 1.221403
+    # seq 1: token log ratios [0.1, -0.1, (5.0 masked, logp NaN)], A = -1
+    #        log s = (0.1 - 0.1) / 2 = 0 -> s = 1 (the masked token enters neither sum nor length)
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.5, -2.0]])
+    diff = torch.tensor([[0.2, -0.1, 0.5], [0.1, -0.1, 0.0]])
+    new = (old + diff).clone()
+    new[1, 2] = float("nan")
+    new.requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return LossInputs(new, old, adv, mask)
+
+
+def test_gspo_worked_example_clipped_sequence():
+    inputs = two_sequences()
+    out = gspo(inputs, PPOClipConfig(eps_low=0.2, eps_high=0.2))
+    # seq 0: max(-1 * 1.221403, -1 * clip(1.221403, 0.8, 1.2) = -1.2) = -1.2 on every token
+    # seq 1: max(+1 * 1, +1 * 1) = 1.0 on its two trained tokens; the masked token: 0
+    assert_close(out.token_loss_BT, torch.tensor([[-1.2, -1.2, -1.2], [1.0, 1.0, 0.0]]))
+    frac_high = masked_mean(out.token_stats["clip/frac_high"], inputs.loss_mask_BT)
+    assert frac_high == pytest.approx(3 / 5)
+    out.token_loss_BT.sum().backward()
+    # seq 0 clipped: gradient 0; seq 1: d(-A s_bt)/d logp_bt = -A * s = +1 per trained token
+    assert_close(inputs.logprobs_BT.grad, torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+
+
+def test_gspo_worked_example_unclipped_sequence():
+    inputs = two_sequences()
+    out = gspo(inputs, PPOClipConfig(eps_low=0.2, eps_high=0.3))
+    # seq 0: s = 1.221403 < 1.3: loss -A s = -1.221403 per token, gradient -A s = -1.221403
+    s = math.exp(0.2)
+    assert_close(out.token_loss_BT[0], torch.full((3,), -s))
+    out.token_loss_BT.sum().backward()
+    assert_close(inputs.logprobs_BT.grad[0], torch.full((3,), -s))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gspo_equals_ppo_clip_when_token_ratios_are_equal(seed):
+    # every token of a sequence has the same ratio r_b: s_b = r_b, so values and grads match
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.randn(3, 5, generator=gen)
+    log_r = (torch.randn(3, 1, generator=gen) * 0.3).expand(3, 5)
+    adv = torch.randn(3, 5, generator=gen)
+    mask = torch.rand(3, 5, generator=gen) > 0.2
+    cfg = PPOClipConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0)
+    results = []
+    for fn in (gspo, ppo_clip):
+        new = (old + log_r).clone().requires_grad_(True)
+        out = fn(LossInputs(new, old, adv, mask), cfg)
+        out.token_loss_BT.sum().backward()
+        results.append((out.token_loss_BT.detach(), new.grad))
+    assert_close(results[0][0], results[1][0], atol=1e-6, rtol=1e-5)
+    assert_close(results[0][1], results[1][1], atol=1e-6, rtol=1e-5)
+
+
+def test_gspo_with_seq_mean_token_mean_equals_the_sequence_objective():
+    # reference: J = 1/G sum_b max(-A_b s_b, -A_b clip(s_b)), s_b = exp(mean_t(logp - old))
+    gen = torch.Generator().manual_seed(0)
+    old = torch.randn(4, 6, generator=gen)
+    diff = torch.randn(4, 6, generator=gen) * 0.2
+    adv_B = torch.tensor([1.0, -0.5, 2.0, -1.0])
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    cfg = PPOClipConfig(eps_low=0.05, eps_high=0.08)
+
+    new_ref = (old + diff).clone().requires_grad_(True)
+    log_s = torch.stack([(new_ref[b] - old[b])[mask[b]].mean() for b in range(4)])
+    s = log_s.exp()
+    ref = torch.maximum(-adv_B * s, -adv_B * s.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)).mean()
+    ref.backward()
+
+    new = (old + diff).clone().requires_grad_(True)
+    out = gspo(LossInputs(new, old, adv_B[:, None].expand(4, 6), mask), cfg)
+    loss = seq_mean_token_mean(out.token_loss_BT, mask, normalizer_for(mask))
+    loss.backward()
+    assert_close(loss.detach(), ref.detach())
+    assert_close(new.grad, new_ref.grad)
+
+
+def test_gspo_sequence_without_loss_tokens_is_exact_zero():
+    new = torch.full((1, 3), float("nan"), requires_grad=True)
+    no_tokens = torch.zeros(1, 3, dtype=torch.bool)
+    out = gspo(LossInputs(new, torch.zeros(1, 3), torch.ones(1, 3), no_tokens), PPOClipConfig())
+    assert torch.equal(out.token_loss_BT.detach(), torch.zeros(1, 3))
+    out.token_loss_BT.sum().backward()
+    assert torch.equal(new.grad, torch.zeros(1, 3))

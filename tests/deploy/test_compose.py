@@ -50,5 +50,48 @@ def test_services_have_health_checks_and_only_gateway_is_published(compose):
     for name, service in services.items():
         if name != "model-init":
             assert "healthcheck" in service, name
-    published = [n for n, s in services.items() if s.get("ports")]
-    assert published == ["gateway"]
+    public = [n for n, s in services.items()
+              if any(not str(port).startswith("127.0.0.1:") for port in s.get("ports", []))]
+    assert public == ["gateway"]
+
+
+# Where each service serves Prometheus metrics: (settings section, field naming the port).
+METRICS_PORTS = {"gateway": ("gateway", "port"), "engine": ("engine", "port"),
+                 "reward": ("reward", "metrics_port"), "trainer": ("trainer", "port")}
+
+
+def _service_settings(service, monkeypatch):
+    for key, value in (service.get("environment") or {}).items():
+        if key.startswith("FLYWHEEL_") and key != "FLYWHEEL_CACHE":
+            monkeypatch.setenv(key, str(value).replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}",
+                                                      "pw"))
+    return load_settings()
+
+
+def test_observability_profile_scrapes_every_metrics_endpoint(compose, monkeypatch):
+    prometheus = compose["services"]["prometheus"]
+    assert prometheus["profiles"] == ["observability"]
+    assert ":" in prometheus["image"] and not prometheus["image"].endswith(":latest")
+    config_mount = next(v for v in prometheus["volumes"]
+                        if v.split(":")[1] == "/etc/prometheus/prometheus.yml")
+    config_file = ROOT / config_mount.split(":")[0]
+    assert f"--config.file={config_mount.split(':')[1]}" in prometheus["command"]
+    config = yaml.safe_load(config_file.read_text())
+    targets = {}
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
+        for static in job["static_configs"]:
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                targets[host] = int(port)
+    assert set(targets) == set(METRICS_PORTS), "every service with /metrics is scraped"
+    for name, (section, field) in METRICS_PORTS.items():
+        assert name in compose["services"], name
+        with monkeypatch.context() as m:
+            settings = _service_settings(compose["services"][name], m)
+        assert targets[name] == getattr(getattr(settings, section), field), name
+    # The scraped services really serve /metrics (FastAPI routes; reward: prometheus_client).
+    src = ROOT / "services" / "flywheel"
+    for routes in ("engine/app.py", "gateway/app.py", "trainer/http.py"):
+        assert '.get("/metrics")' in (src / routes).read_text(), routes
+    assert "start_http_server(rs.metrics_port" in (src / "reward/main.py").read_text()

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,7 +26,13 @@ from pydantic_settings import (
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-class StreamSettings(BaseModel):
+class Section(BaseModel):
+    """A settings section: unknown keys are errors, so a misspelled setting is never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamSettings(Section):
     """Redis stream names and delivery policy (DESIGN.md section 4)."""
 
     prefix: str = "flywheel"
@@ -53,14 +59,14 @@ class StreamSettings(BaseModel):
         return f"{self.prefix}:{getattr(self, name)}"
 
 
-class RedisSettings(BaseModel):
+class RedisSettings(Section):
     url: str = ""
     """Redis URL; empty = `flywheel up` starts a local server and fills this in."""
     port: int = Field(6379, ge=1, le=65535)
     """Port for the local server started by `flywheel up` (next free port if busy)."""
 
 
-class EngineSettings(BaseModel):
+class EngineSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
     """SGLang's default port."""
@@ -86,7 +92,7 @@ class EngineSettings(BaseModel):
         return f"http://{self.host}:{self.port}"
 
 
-class GatewaySettings(BaseModel):
+class GatewaySettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     engine_urls: list[str] = Field(default_factory=list)
@@ -111,7 +117,7 @@ class GatewaySettings(BaseModel):
         return f"http://{self.host}:{self.port}"
 
 
-class JudgeSettings(BaseModel):
+class JudgeSettings(Section):
     """An OpenAI-compatible judge endpoint and its voting policy (flywheel.reward.judge)."""
 
     enabled: bool = False
@@ -142,7 +148,7 @@ class JudgeSettings(BaseModel):
     """The turn's context is trimmed to its last N characters."""
 
 
-class RewardSettings(BaseModel):
+class RewardSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=1, le=65535)
     """gRPC port."""
@@ -160,14 +166,14 @@ class RewardSettings(BaseModel):
     """Next-state PRM judge (flywheel.reward.judge); disabled by default."""
 
 
-class TeacherSettings(BaseModel):
+class TeacherSettings(Section):
     enabled: bool = False
     """Off = the reward service writes straight to the trainer's stream."""
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=1, le=65535)
 
 
-class TrainerSettings(BaseModel):
+class TrainerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=1, le=65535)
     """HTTP port of /healthz, /metrics and /status."""

@@ -36,3 +36,13 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "absent.toml")
+
+
+def test_misspelled_section_key_is_refused_in_file_and_environment(tmp_path, monkeypatch):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text("[reward]\nmetric_port = 9100\n")
+    with pytest.raises(ValidationError, match="metric_port"):
+        load_settings(cfg)
+    monkeypatch.setenv("FLYWHEEL_TRAINER__LEARNING_RATE", "1e-5")
+    with pytest.raises(ValidationError, match="learning_rate"):
+        load_settings()

@@ -57,7 +57,7 @@ class SamplingParams(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = Field(1, ge=1)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream_interval: int | None = None
     custom_params: dict[str, Any] | None = None
     min_new_tokens: int = 0

@@ -111,7 +111,10 @@ class EngineWorker:
         finally:
             self._ready.set()
         while self.status == "ready" and not self._stop.is_set():
-            self._loop_once()
+            try:
+                self._loop_once()
+            except Exception:  # keep serving; the failed batch's rows were already failed
+                log.exception("engine loop iteration failed")
 
     def _warm_up(self) -> None:
         job = Job(_probe_spec(), probe=True)
@@ -287,6 +290,9 @@ class EngineWorker:
                 seqs.append(self._sequence(runner, job))
             except InvalidRequestError as e:
                 self._finish(job, error=e)
+            except Exception as e:  # a bad row must never take the worker thread down
+                log.exception("row %s could not be prepared", job.spec.rid)
+                self._finish(job, error=InvalidRequestError(f"{type(e).__name__}: {e}"))
         version = self.weight_version  # swaps happen only between batches
         for seq in seqs:
             seq.weight_version = version

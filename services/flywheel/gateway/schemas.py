@@ -1,7 +1,7 @@
 """HTTP request models of the gateway (OpenAI chat completions and Flywheel sessions).
 
-Unknown fields are ignored as OpenAI's API ignores them; invalid values fail validation and are
-answered with OpenAI error JSON (see `errors.py`).
+Unknown fields are ignored (as SGLang's OpenAI server does, so SDK `extra_body` keys pass);
+invalid values fail validation and are answered with OpenAI error JSON (core/http_errors.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=1, description="n > 1 is not served yet")
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -72,7 +72,7 @@ class ChatCompletionRequest(BaseModel):
         if self.stop:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if self.seed is not None:
-            params["sampling_seed"] = self.seed
+            params["sampling_seed"] = self.seed % 2**63  # OpenAI seeds are signed int64
         return params
 
 

@@ -65,9 +65,19 @@ def score_sample(
         judge: next-state judge; None = disabled. Used only when the Sample has a next_state.
     """
     weights = {**DEFAULT_WEIGHTS, **(weights or {})}
-    task: dict[str, Any] = json.loads(sample.task_json or "{}")
-    name = task.get("verifier", default_verifier)
     errors = []
+    try:
+        task: dict[str, Any] = json.loads(sample.task_json or "{}")
+    except json.JSONDecodeError as exc:
+        task = {}
+        errors.append(f"task metadata is not JSON: {exc}")
+    if not isinstance(task, dict):
+        errors.append("task metadata must be a JSON object")
+        task = {}
+    name = task.get("verifier", default_verifier)
+    if not isinstance(name, str):
+        errors.append(f"task 'verifier' must be a string, got {name!r}")
+        name = "none"
     if name != "none" and REQUIRED_KEY.get(name, "answer") in task:
         verifier = VERIFIERS.get(name)
         if verifier is None:
@@ -77,6 +87,8 @@ def score_sample(
                 sample.rewards["verifier"] = verifier(last_reply(sample), task)
             except InvalidRequestError as exc:
                 errors.append(str(exc))
+            except Exception as exc:  # a task the verifier cannot read: unscored, never a crash
+                errors.append(f"verifier {name!r} failed on this task: {type(exc).__name__}: {exc}")
     unjudged = ""
     if judge is not None and sample.HasField("next_state"):
         unjudged = judge_turn(sample, judge)

@@ -31,8 +31,13 @@ def last_integer(response: str, task: dict[str, Any]) -> float:
         InvalidRequestError: the task has no integer `answer`.
     """
     answer = _answer(task)
+    try:
+        expected = int(answer)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"last_integer needs an integer 'answer', got {answer!r}", param="task") from exc
     found = _INT.findall(response.replace(",", ""))
-    return 1.0 if found and int(found[-1]) == int(answer) else 0.0
+    return 1.0 if found and int(found[-1]) == expected else 0.0
 
 
 def exact(response: str, task: dict[str, Any]) -> float:

@@ -46,7 +46,15 @@ class RewardWorker:
         entries = self.consumer.read(count=count, block_ms=self.block_ms)
         done = []
         for entry in entries:
-            sample = score_sample(entry.sample, self.default_verifier, self.weights, self.judge)
+            try:
+                sample = score_sample(entry.sample, self.default_verifier, self.weights,
+                                      self.judge)
+            except Exception as exc:  # poison entry: dead-letter it, keep consuming
+                log.exception("scoring sample %s failed", entry.sample.sample_id)
+                self.consumer.dead_letter(entry.entry_id, entry.payload,
+                                          f"scoring failed: {type(exc).__name__}: {exc}")
+                SCORED.labels("dead_lettered").inc()
+                continue
             if sample.has_reward:
                 SCORED.labels("scored").inc()
             else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -39,10 +40,28 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            where = first.get("loc", ("body", "?"))[-1]
+            return JSONResponse(error_body(f"the request body is not valid JSON (error at "
+                                           f"character {where})", "invalid_request_error"),
+                                status_code=400)
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
                             status_code=400)
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis(_: Request, exc: redis.RedisError) -> JSONResponse:
+        log.error("Redis unavailable: %s", exc)
+        return JSONResponse(error_body("the session store (Redis) is unavailable; retry later",
+                                       "service_unavailable_error"),
+                            status_code=503, headers={"Retry-After": "5"})
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

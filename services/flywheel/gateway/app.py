@@ -187,8 +187,6 @@ async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id:
             raise ConflictError(f"session {session_id} is finished; create a new session")
         prompt, closed = await asyncio.to_thread(
             prepare_prompt, record, d.renderer, messages, body.tools)
-        if closed is not None and not record.eval:
-            await asyncio.to_thread(_publish, d, record, build_sample(record, closed))
         limit = d.context_length
         if len(prompt) + sampling["max_new_tokens"] > limit:
             raise InvalidRequestError(
@@ -198,6 +196,10 @@ async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id:
         gen = await d.engines.generate(prompt, sampling, affinity=session_id)
         parsed = _parse(d, body, gen)
         record_generation(record, gen, sampling, parsed.message())
+        # The closed segment is published only once the turn succeeded: a failed request leaves
+        # the stored record (and so the segment) untouched, and a retry must not publish twice.
+        if closed is not None and not record.eval:
+            await asyncio.to_thread(_publish, d, record, build_sample(record, closed))
         return _response(d, body, gen, len(prompt), parsed)
 
 
@@ -218,7 +220,7 @@ def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prom
         "logprobs": None,
     }
     if body.logprobs:
-        toks = d.renderer.tokenizer.convert_ids_to_tokens(gen.output_ids)
+        toks = [d.renderer.tokenizer.decode([t]) for t in gen.output_ids]
         choice["logprobs"] = {"content": [
             {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
             for t, lp in zip(toks, gen.output_logprobs, strict=True)]}

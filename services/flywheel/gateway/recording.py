@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from prometheus_client import Counter
@@ -97,6 +98,8 @@ def build_sample(
 ) -> sample_pb2.Sample:
     """The Sample of one segment (validated later by the codec on publish)."""
     sample = new_sample(
+        # Deterministic per segment, so a re-publish is a duplicate consumers can drop.
+        sample_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{record.session_id}/{seg.index}").hex,
         session_id=record.session_id,
         group_id=record.group_id,
         mode=record.mode,

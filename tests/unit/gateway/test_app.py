@@ -170,3 +170,34 @@ def test_response_format_json_is_a_clear_400(env):
     client, _, _, _ = env
     bad = _chat(client, "/v1", response_format={"type": "json_object"})
     assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]
+
+
+def test_failed_request_after_a_fork_publishes_nothing_twice(env):
+    client, engine, redis_client, prefix = env
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    base = f"/s/{sid}/v1"
+    assert _chat(client, base).status_code == 200
+    edited = [{"role": "user", "content": "something else entirely"}]
+    for _ in range(2):  # forks history, then fails the context check: nothing is recorded
+        assert _chat(client, base, messages=edited, max_tokens=10**6).status_code == 400
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0
+    assert _chat(client, base, messages=edited).status_code == 200  # the fork succeeds now
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    samples = [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
+    assert [s.segment_index for s in samples] == [0, 1]
+    assert len({s.sample_id for s in samples}) == 2
+    assert [dict(s.rewards) for s in samples] == [{}, {"outcome": 1.0}]
+
+
+def test_malformed_json_and_redis_outage_are_openai_errors(env):
+    from flywheel.core.redis_client import connect
+
+    client, _, _, _ = env
+    bad = client.post("/v1/chat/completions", content=b'{"messages": [',
+                      headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] is None
+    deps = client.app.state.deps
+    deps.sessions.client = connect("redis://127.0.0.1:1/0")  # nothing listens there
+    down = client.post("/v1/sessions", json={"eval": True})
+    assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable_error"

@@ -25,15 +25,28 @@ def _settings(args: argparse.Namespace) -> FlywheelSettings:
         sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML file.")
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from flywheel.stack import Stack  # noqa: PLC0415
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
-    stack = Stack(_settings(args), config_file=args.config)
-    stack.start()
-    print("flywheel is up. Point an OpenAI client at "
-          f"{stack.services[1].url}/v1 (or a session's base_url). Ctrl-C stops everything.")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from flywheel.stack import Stack, running_stack  # noqa: PLC0415
+
+    settings = _settings(args)
+    if running_stack(settings.state_dir):
+        print(f"flywheel: a stack is already running from {settings.state_dir}; stop it first "
+              "or use another state_dir.", file=sys.stderr)
+        return 1
+    stack = Stack(settings, config_file=args.config)
+    # Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM stop everything,
+    # also while the services are still starting.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
+        stack.start()
+        print("flywheel is up. Point an OpenAI client at "
+              f"{stack.services[1].url}/v1 (or a session's base_url). Ctrl-C stops everything.",
+              flush=True)
         while True:
             time.sleep(5)
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
@@ -46,7 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stop()
-        print("stopped.")
+        print("stopped.", flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -50,6 +50,9 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, smollm2_dir):
         stack = json.loads((state / "stack.json").read_text())
         assert stack["gateway"] == "http://127.0.0.1:8500"
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
+        second = subprocess.run([sys.executable, "-m", "flywheel.cli", "up", "--config",
+                                 str(cfg)], capture_output=True, text=True, env=env, timeout=60)
+        assert second.returncode == 1 and "already running" in second.stderr
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 5  # redis-server, engine, gateway, reward, trainer
     finally:

@@ -19,10 +19,15 @@ from flywheel.core.settings import FlywheelSettings, load_settings
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
+    from pydantic import ValidationError  # noqa: PLC0415
+
     try:
         return load_settings(args.config)
     except FileNotFoundError as exc:
         sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML file.")
+    except ValidationError as exc:
+        sys.exit(f"flywheel: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
+                 f"variables):\n{exc}")
 
 
 def _interrupt(*_: object) -> None:

@@ -109,8 +109,6 @@ class GatewaySettings(Section):
     """Seconds an idle session lives in Redis."""
     tool_parser: Literal["hermes", "json"] = "hermes"
     """How tool calls are parsed out of sampled text (the model family's format)."""
-    record_unsessioned: bool = False
-    """Record requests made without a session (live mode); off = serve them unrecorded."""
 
     @property
     def url(self) -> str:
@@ -168,7 +166,16 @@ class RewardSettings(Section):
 
 class TeacherSettings(Section):
     enabled: bool = False
-    """Off = the reward service writes straight to the trainer's stream."""
+    """Off = the reward service writes straight to the trainer's stream. The teacher stage is not
+    shipped yet, so `true` is refused at start-up (nothing would read the `scored` stream)."""
+
+    @field_validator("enabled")
+    @classmethod
+    def _available(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("the teacher service is not available yet; set teacher.enabled = "
+                             "false (the reward service then feeds the trainer directly)")
+        return value
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=1, le=65535)
 

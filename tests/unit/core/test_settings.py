@@ -46,3 +46,17 @@ def test_misspelled_section_key_is_refused_in_file_and_environment(tmp_path, mon
     monkeypatch.setenv("FLYWHEEL_TRAINER__LEARNING_RATE", "1e-5")
     with pytest.raises(ValidationError, match="learning_rate"):
         load_settings()
+
+
+def test_enabling_the_unshipped_teacher_is_refused():
+    with pytest.raises(ValidationError, match="teacher service is not available"):
+        load_settings(teacher={"enabled": True})
+
+
+def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
+    from flywheel.cli import main
+
+    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "abc")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "show"])
+    assert "invalid settings" in str(exit_info.value) and "lr" in str(exit_info.value)

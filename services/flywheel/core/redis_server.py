@@ -48,6 +48,8 @@ def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
     start = preferred or 0
     for port in ([start + i for i in range(100)] if start else [0]):
         with socket.socket() as sock:
+            # Servers bind with SO_REUSEADDR, so a port in TIME_WAIT from a stopped run is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError:

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     worker = EngineWorker(settings, model_path).start()
     app = create_app(EngineDeps(engine=worker, settings=settings, model_path=model_path))
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower())
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(),
+                    timeout_graceful_shutdown=5)
     finally:
         worker.close()
 

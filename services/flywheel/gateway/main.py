@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                                  high_water=settings.streams.high_water, watch_group="reward"),
         context_length=settings.engine.context_length,
     )
-    uvicorn.run(create_app(deps), host=gw.host, port=gw.port, log_level="warning")
+    uvicorn.run(create_app(deps), host=gw.host, port=gw.port, log_level="warning",
+                timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

@@ -110,11 +110,15 @@ class EngineWorker:
             self.status, self.error = "failed", f"{type(e).__name__}: {e}"
         finally:
             self._ready.set()
-        while self.status == "ready" and not self._stop.is_set():
-            try:
-                self._loop_once()
-            except Exception:  # keep serving; the failed batch's rows were already failed
-                log.exception("engine loop iteration failed")
+        try:
+            while self.status == "ready" and not self._stop.is_set():
+                try:
+                    self._loop_once()
+                except Exception:  # keep serving; the failed batch's rows were already failed
+                    log.exception("engine loop iteration failed")
+        finally:
+            if not self._stop.is_set() and self.status == "ready":  # /healthz turns 503
+                self.status, self.error = "failed", "the engine worker loop exited"
 
     def _warm_up(self) -> None:
         job = Job(_probe_spec(), probe=True)

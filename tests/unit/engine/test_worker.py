@@ -177,3 +177,24 @@ def test_a_disconnected_client_aborts_its_rows(worker, monkeypatch):
     (out,) = asyncio.run(app_module._wait(GoneRequest(), jobs))  # type: ignore[arg-type]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert out["meta_info"]["completion_tokens"] < 240
+
+
+def test_a_row_that_cannot_be_prepared_fails_alone_and_the_worker_keeps_serving(
+    worker, monkeypatch
+):
+    real = worker._sequence
+    calls = {"n": 0}
+
+    def flaky(runner, job):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OverflowError("seed out of range")
+        return real(runner, job)
+
+    monkeypatch.setattr(worker, "_sequence", flaky)
+    (bad,) = worker.submit([spec("bad-row", [1, 2, 3], max_new_tokens=2)])
+    with pytest.raises(InvalidRequestError, match="OverflowError"):
+        bad.future.result(timeout=30)
+    (good,) = worker.submit([spec("good-row", [1, 2, 3], max_new_tokens=2)])
+    assert len(good.future.result(timeout=30)["output_ids"]) >= 1
+    assert worker.status == "ready"

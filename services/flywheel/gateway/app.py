@@ -34,7 +34,6 @@ from flywheel.gateway.tokenization import ChatRenderer
 log = logging.getLogger(__name__)
 PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published")
 UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
-FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class Engines(Protocol):
@@ -162,9 +161,21 @@ async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
     if session_id is None:
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
-        gen = await d.engines.generate(prompt, sampling)
-        return _response(d, body, gen, len(prompt), _parse(d, body, gen))
+        gens = await asyncio.gather(*[d.engines.generate(prompt, _nth(sampling, i))
+                                      for i in range(body.n)])
+        return _response(d, body, gens, len(prompt), [_parse(d, body, g) for g in gens])
+    if body.n > 1:
+        raise InvalidRequestError(
+            "n > 1 is not recorded in a session yet: create one session per sample (same "
+            "group_id) or send n > 1 without a session", param="n")
     return await _session_turn(d, body, session_id, messages, sampling)
+
+
+def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sampling params of choice i: a given seed is offset so the n choices differ."""
+    if i and "sampling_seed" in sampling:
+        return {**sampling, "sampling_seed": (sampling["sampling_seed"] + i) % 2**63}
+    return sampling
 
 
 @asynccontextmanager
@@ -200,7 +211,7 @@ async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id:
         # the stored record (and so the segment) untouched, and a retry must not publish twice.
         if closed is not None and not record.eval:
             await asyncio.to_thread(_publish, d, record, build_sample(record, closed))
-        return _response(d, body, gen, len(prompt), parsed)
+        return _response(d, body, [gen], len(prompt), [parsed])
 
 
 def _parse(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
@@ -208,13 +219,31 @@ def _parse(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> Pars
     return parse_reply(gen.text, tools_offered=offered, tool_parser=d.settings.tool_parser)
 
 
-def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prompt_tokens: int,
-              parsed: ParsedReply) -> dict[str, Any]:
-    finish = FINISH_MAP.get(gen.finish_type, gen.finish_type)
+def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation],
+              prompt_tokens: int, parsed: list[ParsedReply]) -> dict[str, Any]:
+    """The `chat.completion` body: one choice per generation, usage summed over choices."""
+    choices = [_choice(d, body, i, gen, reply)
+               for i, (gen, reply) in enumerate(zip(gens, parsed, strict=True))]
+    completion = sum(len(gen.output_ids) for gen in gens)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model or d.settings.model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion},
+        "metadata": {"weight_version": str(max(gen.weight_version for gen in gens))},
+    }
+
+
+def _choice(d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Generation,
+            parsed: ParsedReply) -> dict[str, Any]:
+    finish = gen.finish_type
     if parsed.tool_calls and finish == "stop":
         finish = "tool_calls"
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "message": parsed.message(),
         "finish_reason": finish,
         "logprobs": None,
@@ -224,14 +253,4 @@ def _response(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation, prom
         choice["logprobs"] = {"content": [
             {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
             for t, lp in zip(toks, gen.output_logprobs, strict=True)]}
-    completion = len(gen.output_ids)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model or d.settings.model_name,
-        "choices": [choice],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": prompt_tokens + completion},
-        "metadata": {"weight_version": str(gen.weight_version)},
-    }
+    return choice

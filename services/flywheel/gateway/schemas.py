@@ -41,7 +41,8 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    n: int = Field(1, ge=1, le=1, description="n > 1 is not served yet")
+    n: int = Field(1, ge=1, le=16)
+    """Choices per request (served without a session; one engine call per choice)."""
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)

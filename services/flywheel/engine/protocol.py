@@ -39,7 +39,7 @@ _NEUTRAL = {
 class SamplingParams(BaseModel):
     """SGLang `sampling_params`; defaults are SGLang's constants, not generation_config's."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int | None = Field(128, ge=0)
     """Tokens to generate; 0 = prefill only (scoring); None = up to the context length."""

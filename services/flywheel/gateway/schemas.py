@@ -31,7 +31,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
@@ -39,7 +39,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, max_length=32)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
     """Choices per request (served without a session; one engine call per choice)."""
@@ -50,11 +50,13 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (whole vocabulary) or a positive integer")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ValueError(

@@ -213,3 +213,18 @@ def test_n_choices_without_a_session_and_a_clear_400_in_a_session(env):
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     refused = _chat(client, f"/s/{sid}/v1", n=2)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_k", 0), ("top_k", -5),
+                                              ("stop", ["x"] * 33), ("temperature", "Infinity")])
+def test_invalid_sampling_values_are_400_before_the_engine(env, field, value):
+    client, engine, _, _ = env
+    before = len(engine.prompts)
+    if value == "Infinity":
+        bad = client.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                          content=b'{"messages": [{"role": "user", "content": "hi"}], '
+                                  b'"temperature": Infinity}')
+    else:
+        bad = _chat(client, "/v1", **{field: value})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert len(engine.prompts) == before  # never reached the engine

@@ -167,9 +167,6 @@ class Stack:
                  "metrics_path": s.trainer.metrics_path}
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
-    def health(self) -> dict[str, bool]:
-        return {svc.name: svc.health() for svc in self.services}
-
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every child in reverse start order, then Redis."""
         for service in reversed(self.services):

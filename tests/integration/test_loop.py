@@ -28,19 +28,12 @@ QUESTION = "What is 3 + 4? Answer with just the number."
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm2_dir):
-    from flywheel.engine.convert import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, redis_server, tiny_model):
+def stack(tmp_path_factory, redis_server, tiny_model_dir):
     state = tmp_path_factory.mktemp("state")
     settings = load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": "itest", "block_ms": 200},
-        engine={"model_path": str(tiny_model), "port": 31000, "batch_wait_ms": 50},
+        engine={"model_path": str(tiny_model_dir), "port": 31000, "batch_wait_ms": 50},
         gateway={"port": 8800, "default_max_tokens": 12},
         reward={"port": 50151, "metrics_port": 9201},
         trainer={"port": 8900, "groups_per_step": 1, "group_size": 2, "lr": 1e-3,
@@ -81,7 +74,7 @@ def _wait(predicate, timeout_s: float = 120.0):
     raise AssertionError("condition not met in time")
 
 
-def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model):
+def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model_dir):
     urls, settings = _urls(stack)
     gateway, engine = urls["gateway"], urls["engine"]
     assert httpx.get(f"{engine}/model_info").json()["weight_version"] == "default"
@@ -135,7 +128,7 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model):
 
     # The new weights differ from the initial ones.
     latest = sorted(Path(settings.trainer.checkpoint_dir).glob("*/model.safetensors"))[-1]
-    before, after = load_file(tiny_model / "model.safetensors"), load_file(latest)
+    before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(latest)
     changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
     assert changed, "no parameter changed after a training step"
 

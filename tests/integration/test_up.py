@@ -17,10 +17,8 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, smollm2_dir):
-    from flywheel.engine.convert import build_tiny_model
-
-    tiny = build_tiny_model(tmp_path / "tiny", smollm2_dir)
+def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
+    tiny = tiny_model_dir
     state = tmp_path / "state"
     cfg = tmp_path / "flywheel.toml"
     cfg.write_text(

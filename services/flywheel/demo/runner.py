@@ -23,6 +23,7 @@ import httpx
 from flywheel.demo.agent import answer
 from flywheel.demo.plot import plot_rewards
 from flywheel.demo.tasks import Problem, split, training_batches
+from flywheel.gateway.engine_pool import parse_weight_version
 from flywheel.reward.verifiers import last_integer
 
 
@@ -80,8 +81,8 @@ class DemoRunner:
                                      temperature=self.cfg.temperature), jobs))
 
     def engine_version(self) -> int:
-        version = self.http.get(f"{self.engine}/model_info").json().get("weight_version")
-        return 0 if version in (None, "default") else int(version)
+        return parse_weight_version(
+            self.http.get(f"{self.engine}/model_info").json().get("weight_version"))
 
     def wait_for_version(self, version: int) -> None:
         deadline = time.monotonic() + self.cfg.step_timeout_s

@@ -123,10 +123,5 @@ class EnginePool:
             return parse_generation(resp.json(), self.stop_token_ids)
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
-    async def model_info(self) -> dict[str, Any]:
-        resp = await self.client.get(f"{self.urls[0]}/model_info")
-        resp.raise_for_status()
-        return resp.json()
-
     async def aclose(self) -> None:
         await self.client.aclose()

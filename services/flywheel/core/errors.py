@@ -43,6 +43,20 @@ class NotFoundError(PlatformError, KeyError):
         return self.message
 
 
+class AuthenticationError(PlatformError, PermissionError):
+    """No API key, or one that is unknown or revoked (HTTP 401)."""
+
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class PermissionDeniedError(PlatformError, PermissionError):
+    """A valid API key whose role does not allow the request (HTTP 403)."""
+
+    http_status = 403
+    error_type = "permission_error"
+
+
 class ConflictError(PlatformError, RuntimeError):
     http_status = 409
     error_type = "conflict_error"

@@ -26,6 +26,18 @@ from pydantic_settings import (
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and `localhost` (local mode); False for any other host."""
+    import ipaddress  # noqa: PLC0415
+
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class Section(BaseModel):
     """A settings section: unknown keys are errors, so a misspelled setting is never ignored."""
 
@@ -65,6 +77,19 @@ class RedisSettings(Section):
     port: int = Field(6379, ge=1, le=65535)
     """Port for the local server started by `flywheel up` (next free port if busy)."""
 
+    @field_validator("url")
+    @classmethod
+    def _password_outside_loopback(cls, value: str) -> str:
+        from urllib.parse import urlsplit  # noqa: PLC0415
+
+        parts = urlsplit(value)
+        host = parts.hostname or ""
+        if value and parts.scheme != "unix" and not is_loopback(host) and not parts.password:
+            raise ValueError(
+                f"Redis at {host!r} is not on loopback, so its URL must carry a password "
+                "(redis://:PASSWORD@host:6379/0 or rediss://...)")
+        return value
+
 
 class EngineSettings(Section):
     host: str = "127.0.0.1"
@@ -92,6 +117,43 @@ class EngineSettings(Section):
         return f"http://{self.host}:{self.port}"
 
 
+class SecuritySettings(Section):
+    """Gateway API keys, roles and request limits (flywheel.gateway.security, DESIGN.md 10).
+
+    Default (`auth = "auto"`): keys are required when the gateway binds a non-loopback host, or
+    as soon as any agent/admin key exists in the key store (`flywheel keys create`); a gateway on
+    loopback with no keys serves everyone as a local admin and logs that loudly.
+    """
+
+    auth: Literal["auto", "on", "off"] = "auto"
+    """API-key authentication: auto (see above), on (always), off (never; logged as an error
+    when the gateway binds a non-loopback host)."""
+    key_cache_s: float = Field(5.0, ge=0)
+    """Seconds a verified key (and the "any key exists" check) is cached; a revoked key stops
+    working within this time."""
+    metrics_require_admin: bool = False
+    """True = /metrics needs an admin key (false: scraped without a key, as Prometheus does)."""
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    """Largest request body in bytes; larger ones get 413."""
+    max_json_depth: int = Field(32, ge=4)
+    """Deepest nesting of arrays/objects in a JSON body (content parts, tool schemas)."""
+    max_messages: int = Field(1024, ge=1)
+    """Messages per chat request."""
+    max_tools: int = Field(128, ge=0)
+    """Tool definitions per chat request."""
+    max_tools_bytes: int = Field(256 * 1024, ge=0)
+    """Bytes of all tool definitions of one request, as compact JSON."""
+    rate_per_minute: float = Field(0.0, ge=0)
+    """Requests per minute per API key (token bucket, per gateway replica); 0 = unlimited."""
+    rate_burst: int = Field(20, ge=1)
+    """Requests a key may send at once before the per-minute rate applies."""
+    max_concurrent: int = Field(0, ge=0)
+    """Requests in flight per API key (per gateway replica); 0 = unlimited."""
+    request_timeout_s: float = Field(900.0, ge=0)
+    """Seconds a whole request may take before 504; 0 = no limit (engine calls also have
+    `gateway.request_timeout_s`)."""
+
+
 class GatewaySettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -109,6 +171,8 @@ class GatewaySettings(Section):
     """Seconds an idle session lives in Redis."""
     tool_parser: Literal["hermes", "json"] = "hermes"
     """How tool calls are parsed out of sampled text (the model family's format)."""
+    security: SecuritySettings = Field(default_factory=lambda: SecuritySettings())
+    """API keys, roles and limits (`[gateway.security]`)."""
 
     @property
     def url(self) -> str:

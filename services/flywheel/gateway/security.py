@@ -1,0 +1,533 @@
+"""Gateway access control and request limits: API keys, roles, session scoping, size/rate limits.
+
+`install(app, deps)` adds one ASGI middleware and the key-management routes. For every request
+the middleware, before any route runs:
+
+1. authenticates the bearer key (`Authorization: Bearer <key>`), or serves everyone as the local
+   admin when authentication is off (`SecuritySettings.auth`; logged loudly);
+2. authorizes by path: health is public; control paths (`/v1/admin/...`, `/dashboard...`, and
+   `/metrics` when `metrics_require_admin`) need `admin`; a session named by URL
+   (`/s/<id>/...`, `/v1/sessions/<id>...`) or by `X-Session-Id` must belong to the key (admin:
+   any); a per-session key is routed to its own session and can do nothing else;
+3. applies per-key rate (token bucket) and concurrency limits (429 with Retry-After);
+4. bounds the body (413), checks UTF-8, JSON nesting depth and chat-request shape (messages,
+   tools, tool-schema bytes), answering in OpenAI error JSON;
+5. bounds the whole request in time (504).
+
+A session owned by another key is answered exactly like a missing one (404), so keys cannot
+probe which session ids exist. Routes use `require_role("admin")` as a dependency for their own
+checks (e.g. the dashboard): `dependencies=[Depends(require_role("admin"))]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict
+
+from flywheel.core.auth import KeyRecord, KeyStore, Role
+from flywheel.core.errors import (
+    AuthenticationError,
+    BackpressureError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    PlatformError,
+)
+from flywheel.core.http_errors import error_body
+from flywheel.core.settings import SecuritySettings, is_loopback
+from flywheel.gateway.sessions import SessionStore
+
+log = logging.getLogger(__name__)
+REJECTED = Counter("flywheel_gateway_rejected_requests_total",
+                   "Requests refused before reaching a route", ["reason"])
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+ADMIN_PREFIXES = ("/v1/admin", "/dashboard", "/admin")
+SESSION_KEY_DENIED = ("/v1/sessions", "/v1/admin")
+
+ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request. `key_id` "" = the local admin (authentication off)."""
+
+    key_id: str
+    role: Role
+    session_id: str = ""
+    """For session keys: the only session this principal may use."""
+    limit_id: str = "local"
+    """Identity rate and concurrency limits count against."""
+
+    @classmethod
+    def of(cls, record: KeyRecord) -> Principal:
+        return cls(record.key_id, record.role, record.session_id, record.limit_id)
+
+
+LOCAL_ADMIN = Principal(key_id="", role="admin")
+
+
+def principal(request: Request) -> Principal:
+    """The authenticated principal of a request (set by the middleware).
+
+    Raises:
+        AuthenticationError: the security middleware is not installed on this app.
+    """
+    found = request.scope.get("state", {}).get("principal")
+    if found is None:
+        raise AuthenticationError("no authenticated principal on this request")
+    return found
+
+
+def owner_of(request: Request) -> str:
+    """The owner id a session created by this request gets ("" when authentication is off)."""
+    return principal(request).key_id
+
+
+def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
+    """A FastAPI dependency allowing only `roles` (admin is always allowed).
+
+    Usage: `@router.get("/dashboard", dependencies=[Depends(require_role("admin"))])`, or
+    `who: Annotated[Principal, Depends(require_role("agent"))]`.
+
+    Raises (from the dependency):
+        AuthenticationError: no principal (middleware not installed).
+        PermissionDeniedError: the key's role is not allowed.
+    """
+    allowed = set(roles) | {"admin"}
+
+    async def dependency(request: Request) -> Principal:
+        who = principal(request)
+        if who.role not in allowed:
+            raise PermissionDeniedError(
+                f"this endpoint needs a key with role {' or '.join(sorted(allowed))}; "
+                f"yours has role {who.role}")
+        return who
+
+    return dependency
+
+
+class _Limiter:
+    """Per-identity token bucket and in-flight counter (one gateway replica)."""
+
+    def __init__(self, settings: SecuritySettings):
+        self.rate_per_s = settings.rate_per_minute / 60.0
+        self.burst = float(settings.rate_burst)
+        self.max_concurrent = settings.max_concurrent
+        self.buckets: dict[str, tuple[float, float]] = {}
+        self.in_flight: dict[str, int] = {}
+
+    def admit(self, ident: str, now: float) -> None:
+        """Take one token and one concurrency slot; release the slot with `done`.
+
+        Raises:
+            BackpressureError: out of tokens (Retry-After = seconds to the next token) or
+                at the concurrency limit (Retry-After 1 s).
+        """
+        if self.rate_per_s > 0:
+            tokens, last = self.buckets.get(ident, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - last) * self.rate_per_s)
+            if tokens < 1.0:
+                wait = math.ceil((1.0 - tokens) / self.rate_per_s)
+                self.buckets[ident] = (tokens, now)
+                raise _rate_error(f"rate limit of {self.rate_per_s * 60:g} requests per "
+                                  f"minute reached for this key; retry in {wait} s", wait)
+            self.buckets[ident] = (tokens - 1.0, now)
+        if self.max_concurrent:
+            if self.in_flight.get(ident, 0) >= self.max_concurrent:
+                raise _rate_error(f"this key already has {self.max_concurrent} requests in "
+                                  "flight; wait for one to finish", 1)
+            self.in_flight[ident] = self.in_flight.get(ident, 0) + 1
+
+    def done(self, ident: str) -> None:
+        if self.max_concurrent and ident in self.in_flight:
+            self.in_flight[ident] -= 1
+            if not self.in_flight[ident]:
+                del self.in_flight[ident]
+
+
+def _rate_error(message: str, retry_after_s: float) -> BackpressureError:
+    exc = BackpressureError(message, retry_after_s=retry_after_s)
+    exc.code = "rate_limit_exceeded"
+    return exc
+
+
+class TooLargeError(PlatformError, ValueError):
+    http_status = 413
+    error_type = "invalid_request_error"
+
+
+class TimeoutError_(PlatformError, TimeoutError):
+    http_status = 504
+    error_type = "timeout_error"
+
+
+class SecurityMiddleware:
+    """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
+
+    def __init__(self, app: ASGIApp, *, keys: KeyStore, sessions: SessionStore,
+                 settings: SecuritySettings, bind_host: str):
+        self.app = app
+        self.keys = keys
+        self.sessions = sessions
+        self.settings = settings
+        self.loopback = is_loopback(bind_host)
+        self.limiter = _Limiter(settings)
+        self._key_cache: dict[str, tuple[KeyRecord | None, float]] = {}
+        self._required: tuple[bool, float] = (False, 0.0)
+        self._announced: bool | None = None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            who = await self._authenticate(scope)
+            scope = await self._authorize(scope, who)
+            if scope["path"] not in PUBLIC_PATHS:
+                self.limiter.admit(who.limit_id, time.monotonic())
+        except PlatformError as exc:
+            await _send_error(send, exc)
+            return
+        try:
+            receive = await self._checked_body(scope, receive)
+        except PlatformError as exc:
+            self.limiter.done(who.limit_id)
+            await _send_error(send, exc)
+            return
+        scope.setdefault("state", {})["principal"] = who
+        try:
+            await self._run(scope, receive, send)
+        finally:
+            if scope["path"] not in PUBLIC_PATHS:
+                self.limiter.done(who.limit_id)
+
+    async def _run(self, scope: dict, receive: Callable, send: Callable) -> None:
+        started = False
+
+        async def tracking_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        limit = self.settings.request_timeout_s
+        try:
+            async with asyncio.timeout(limit or None):
+                await self.app(scope, receive, tracking_send)
+        except TimeoutError:
+            if started:
+                raise
+            REJECTED.labels("timeout").inc()
+            await _send_error(send, TimeoutError_(
+                f"the request took longer than {limit:g} s and was stopped; retry, or ask for "
+                "fewer tokens", code="timeout"))
+
+    # -- authentication -------------------------------------------------------------------
+
+    async def _auth_required(self) -> bool:
+        mode = self.settings.auth
+        if mode != "auto":
+            required = mode == "on"
+        elif not self.loopback:
+            required = True
+        else:
+            cached, until = self._required
+            if time.monotonic() < until:
+                return cached
+            required = await asyncio.to_thread(self.keys.any_keys)
+            self._required = (required, time.monotonic() + self.settings.key_cache_s)
+        if required is not self._announced:
+            self._announced = required
+            if required:
+                log.info("API keys required (gateway.security.auth=%s)", mode)
+            else:
+                (log.error if not self.loopback else log.warning)(
+                    "AUTHENTICATION IS OFF: every client is served as admin (auth=%s, "
+                    "loopback=%s, no API keys). Create one with `flywheel keys create --role "
+                    "admin` or set gateway.security.auth = \"on\".", mode, self.loopback)
+        return required
+
+    async def _lookup(self, secret: str) -> KeyRecord | None:
+        now = time.monotonic()
+        hit = self._key_cache.get(secret)
+        if hit is not None and now < hit[1]:
+            return hit[0]
+        record = await asyncio.to_thread(self.keys.verify, secret)
+        if len(self._key_cache) > 10_000:
+            self._key_cache.clear()
+        self._key_cache[secret] = (record, now + self.settings.key_cache_s)
+        return record
+
+    async def _authenticate(self, scope: dict) -> Principal:
+        secret = _bearer(scope)
+        required = await self._auth_required()
+        if not required and not secret.startswith(("fwk-", "fws-")):
+            return LOCAL_ADMIN
+        record = await self._lookup(secret) if secret else None
+        if not required:
+            # Session keys still route to their session; other keys change nothing.
+            return Principal.of(record) if record and record.role == "session" else LOCAL_ADMIN
+        if record is not None:
+            return Principal.of(record)
+        if scope["path"] in PUBLIC_PATHS or (scope["path"] == "/metrics"
+                                             and not self.settings.metrics_require_admin):
+            return Principal(key_id="anonymous", role="agent", limit_id="anonymous")
+        REJECTED.labels("unauthenticated").inc()
+        raise AuthenticationError(
+            "missing API key: send `Authorization: Bearer <key>` (create keys with `flywheel "
+            "keys create`)" if not secret else "invalid or revoked API key",
+            code="invalid_api_key")
+
+    # -- authorization --------------------------------------------------------------------
+
+    async def _authorize(self, scope: dict, who: Principal) -> dict:
+        path = scope["path"]
+        if path in PUBLIC_PATHS:
+            return scope
+        if path.startswith(ADMIN_PREFIXES) or (path == "/metrics"
+                                              and self.settings.metrics_require_admin):
+            if who.role != "admin":
+                REJECTED.labels("forbidden").inc()
+                raise PermissionDeniedError(f"{path} needs an admin key")
+            return scope
+        if who.role == "session":
+            return self._route_session_key(scope, who)
+        for session_id in _named_sessions(scope):
+            await self._check_owner(session_id, who)
+        return scope
+
+    def _route_session_key(self, scope: dict, who: Principal) -> dict:
+        """A session key reaches only its session; `/v1/...` is rewritten to `/s/<id>/v1/...`."""
+        path = scope["path"]
+        if path.startswith(SESSION_KEY_DENIED):
+            REJECTED.labels("forbidden").inc()
+            raise PermissionDeniedError("a session key can only chat in its own session; "
+                                        "use an agent key to create, read or finish sessions")
+        if any(sid != who.session_id for sid in _named_sessions(scope)):
+            REJECTED.labels("foreign_session").inc()
+            raise NotFoundError("session not found", param="session_id")
+        if path.startswith("/v1/"):
+            scope = dict(scope)
+            scope["path"] = f"/s/{who.session_id}{path}"
+            scope["raw_path"] = scope["path"].encode()
+        return scope
+
+    async def _check_owner(self, session_id: str, who: Principal) -> None:
+        if who.role == "admin":
+            return
+        try:
+            record = await asyncio.to_thread(self.sessions.get, session_id)
+        except NotFoundError:
+            return  # the route answers 404 (or creates it, for live sessions)
+        if record.owner != who.key_id:
+            REJECTED.labels("foreign_session").inc()
+            log.warning("key %s refused access to session %s of another key", who.key_id,
+                        session_id)
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+
+    # -- body limits ----------------------------------------------------------------------
+
+    async def _checked_body(self, scope: dict, receive: Callable) -> Callable:
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return receive
+        limit = self.settings.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise _too_large(size, limit)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        if body:
+            self._check_json(scope["path"], body)
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return replay
+
+    def _check_json(self, path: str, body: bytes) -> None:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            REJECTED.labels("bad_body").inc()
+            raise InvalidRequestError(f"the request body is not valid UTF-8 (byte "
+                                      f"{exc.start})", code="invalid_encoding") from None
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            data = None
+            depth = math.inf
+        except ValueError:
+            return  # the route's parser answers with the position of the JSON error
+        else:
+            depth = _depth(data, self.settings.max_json_depth)
+        if depth > self.settings.max_json_depth:
+            REJECTED.labels("bad_body").inc()
+            raise InvalidRequestError(f"the JSON body nests deeper than "
+                                      f"{self.settings.max_json_depth} levels",
+                                      code="json_too_deep")
+        if path.endswith("/chat/completions") and isinstance(data, dict):
+            self._check_chat(data)
+
+    def _check_chat(self, data: dict[str, Any]) -> None:
+        s = self.settings
+        messages, tools = data.get("messages"), data.get("tools")
+        if isinstance(messages, list) and len(messages) > s.max_messages:
+            raise InvalidRequestError(f"{len(messages)} messages; at most {s.max_messages} "
+                                      "per request", param="messages", code="too_many_messages")
+        if isinstance(tools, list):
+            if len(tools) > s.max_tools:
+                raise InvalidRequestError(f"{len(tools)} tools; at most {s.max_tools} per "
+                                          "request", param="tools", code="too_many_tools")
+            size = len(json.dumps(tools, separators=(",", ":")).encode())
+            if size > s.max_tools_bytes:
+                raise InvalidRequestError(f"tool definitions take {size} bytes; at most "
+                                          f"{s.max_tools_bytes}", param="tools",
+                                          code="tools_too_large")
+
+
+def _depth(data: Any, cap: int) -> int:
+    """Nesting depth of arrays/objects in `data` (a scalar is 0), counted up to `cap` + 1."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > cap:
+            return deepest
+        stack.extend((c, level + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def _too_large(size: int, limit: int) -> TooLargeError:
+    REJECTED.labels("too_large").inc()
+    return TooLargeError(f"the request body has {size} bytes; at most {limit} are accepted",
+                         code="request_too_large")
+
+
+def _header(scope: dict, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+def _bearer(scope: dict) -> str:
+    value = _header(scope, b"authorization")
+    if value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return _header(scope, b"x-api-key").strip()
+
+
+def _named_sessions(scope: dict) -> list[str]:
+    """Session ids a request names: URL `/s/<id>/...`, `/v1/sessions/<id>...`, `X-Session-Id`."""
+    parts = scope["path"].split("/")
+    found = []
+    if len(parts) > 2 and parts[1] == "s":
+        found.append(parts[2])
+    elif len(parts) > 3 and parts[1] == "v1" and parts[2] == "sessions" and parts[3]:
+        found.append(parts[3])
+    header = _header(scope, b"x-session-id").strip()
+    if header:
+        found.append(header)
+    return found
+
+
+async def _send_error(send: Callable, exc: PlatformError) -> None:
+    body = json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if isinstance(exc, BackpressureError):
+        headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
+    if isinstance(exc, AuthenticationError):
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": exc.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# -- key management routes ------------------------------------------------------------------
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["agent", "admin"] = "agent"
+    name: str = ""
+
+
+def _store(request: Request) -> KeyStore:
+    return request.app.state.key_store
+
+
+router = APIRouter()
+
+
+@router.post("/v1/sessions/{session_id}/keys")
+async def mint_session_key(session_id: str, request: Request) -> dict[str, Any]:
+    """A key routed to this session (for harnesses that can only set base_url and api_key)."""
+    who = principal(request)
+    sessions: SessionStore = request.app.state.deps.sessions
+    await asyncio.to_thread(sessions.get, session_id)  # 404 when missing
+    secret, record = await asyncio.to_thread(
+        _store(request).create, "session", session_id=session_id,
+        parent=who.limit_id if who.key_id else "", ttl_s=sessions.ttl_s)
+    base = str(request.base_url).rstrip("/")
+    return {"api_key": secret, "key_id": record.key_id, "session_id": session_id,
+            "base_url": f"{base}/v1"}
+
+
+@router.get("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])
+async def list_keys(request: Request) -> dict[str, Any]:
+    records = await asyncio.to_thread(_store(request).list)
+    return {"object": "list", "data": [r.model_dump() for r in records]}
+
+
+@router.post("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])
+async def create_key(body: KeyCreate, request: Request) -> dict[str, Any]:
+    secret, record = await asyncio.to_thread(_store(request).create, body.role, body.name)
+    return {"api_key": secret, **record.model_dump()}
+
+
+@router.delete("/v1/admin/keys/{key_id}", dependencies=[Depends(require_role("admin"))])
+async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    record = await asyncio.to_thread(_store(request).revoke, key_id)
+    return {"key_id": record.key_id, "revoked": True}
+
+
+def install(app: FastAPI, deps: Any) -> None:
+    """Add the security middleware and key routes to the gateway app built from `deps`
+    (a GatewayDeps: `settings` with `.security` and `.host`, `sessions` a SessionStore)."""
+    store = KeyStore(deps.sessions.client, deps.sessions.prefix)
+    app.state.key_store = store
+    app.include_router(router)
+    app.add_middleware(SecurityMiddleware, keys=store, sessions=deps.sessions,
+                       settings=deps.settings.security, bind_host=deps.settings.host)

@@ -27,6 +27,8 @@ from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import build_sample, prepare_prompt, record_generation
 from flywheel.gateway.schemas import ChatCompletionRequest, SessionCreate, SessionFinish
+from flywheel.gateway.security import install as install_security
+from flywheel.gateway.security import owner_of
 from flywheel.gateway.sessions import SessionRecord, SessionStore
 from flywheel.gateway.streaming import sse_chunks
 from flywheel.gateway.tokenization import ChatRenderer
@@ -69,6 +71,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     app = FastAPI(title="Flywheel gateway")
     http_errors.install(app)
     app.state.deps = deps
+    install_security(app, deps)  # API keys, roles, session scoping, limits
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -95,7 +98,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
             await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
         ):
             raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
-        record = await asyncio.to_thread(d.sessions.create, **body.model_dump(exclude_none=True))
+        record = await asyncio.to_thread(d.sessions.create, owner=owner_of(request),
+                                         **body.model_dump(exclude_none=True))
         base = str(request.base_url).rstrip("/")
         return {"session_id": record.session_id, "group_id": record.group_id,
                 "base_url": f"{base}/s/{record.session_id}/v1", "eval": record.eval}

@@ -7,15 +7,14 @@ fakes through `GatewayDeps`; `main.py` builds the real ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
@@ -23,18 +22,23 @@ from flywheel._proto import sample_pb2
 from flywheel.core import http_errors
 from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
 from flywheel.core.settings import GatewaySettings
+from flywheel.gateway import turns
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.parsers import ParsedReply, parse_reply
-from flywheel.gateway.recording import build_sample, prepare_prompt, record_generation
-from flywheel.gateway.schemas import ChatCompletionRequest, SessionCreate, SessionFinish
+from flywheel.gateway.parsers import ParsedReply
+from flywheel.gateway.schemas import (
+    SESSION_ID_PATTERN,
+    ChatCompletionRequest,
+    RewardPost,
+    SessionCreate,
+    SessionFinish,
+)
 from flywheel.gateway.security import install as install_security
 from flywheel.gateway.security import owner_of
-from flywheel.gateway.sessions import SessionRecord, SessionStore
+from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.streaming import sse_chunks
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
-PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published")
 UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
 
 
@@ -65,6 +69,10 @@ def get_deps(request: Request) -> GatewayDeps:
 
 
 Deps = Annotated[GatewayDeps, Depends(get_deps)]
+SessionHeader = Annotated[str | None, Header(description="Session id (live mode; created on "
+                                                         "first use)")]
+TurnHeader = Annotated[str | None, Header(description="main (recorded, default) | side "
+                                                      "(served, not recorded)")]
 
 
 def create_app(deps: GatewayDeps) -> FastAPI:
@@ -94,10 +102,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
 
     @app.post("/v1/sessions")
     async def create_session(body: SessionCreate, request: Request, d: Deps) -> dict[str, Any]:
-        if not body.eval and d.publisher.high_water and (
-            await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
-        ):
-            raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
+        if not body.eval:
+            await _check_backlog(d)
         record = await asyncio.to_thread(d.sessions.create, owner=owner_of(request),
                                          **body.model_dump(exclude_none=True))
         base = str(request.base_url).rstrip("/")
@@ -109,22 +115,32 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         record = await asyncio.to_thread(d.sessions.get, session_id)
         seg = record.segment
         return {"session_id": record.session_id, "group_id": record.group_id,
-                "status": record.status, "eval": record.eval, "turns": seg.turns,
+                "status": record.status, "eval": record.eval, "mode": record.mode,
+                "turns": record.turns, "segment_turns": seg.turns,
                 "segment_index": seg.index, "samples_published": record.samples_published,
+                "forks": record.forks, "fork_reasons": record.fork_reasons,
                 "token_ids": seg.token_ids, "loss_mask": seg.loss_mask}
 
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
-        return await asyncio.to_thread(_finish, d, session_id, body.reward)
+        following = [body.next_state.for_template()] if body.next_state else None
+        return await asyncio.to_thread(turns.finish, d, session_id, body.reward, following)
+
+    @app.post("/v1/sessions/{session_id}/reward")
+    async def post_reward(session_id: str, body: RewardPost, d: Deps) -> dict[str, Any]:
+        return await asyncio.to_thread(turns.post_reward, d, session_id, body.name, body.reward)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, d: Deps) -> dict[str, Any] | StreamingResponse:
-        return _maybe_stream(body, await _chat(d, body, None))
+    async def chat(body: ChatCompletionRequest, request: Request, d: Deps,
+                   x_session_id: SessionHeader = None,
+                   x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+        session_id = await _header_session(d, x_session_id, owner_of(request))
+        return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
-    async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps
-                           ) -> dict[str, Any] | StreamingResponse:
-        return _maybe_stream(body, await _chat(d, body, session_id))
+    async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,
+                           x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+        return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     return app
 
@@ -138,89 +154,48 @@ def _maybe_stream(body: ChatCompletionRequest, completion: dict[str, Any]
                              media_type="text/event-stream")
 
 
-def _finish(d: GatewayDeps, session_id: str, reward: float | None) -> dict[str, Any]:
-    with d.sessions.locked(session_id) as record:
-        if record.status == "finished":
-            raise ConflictError(f"session {session_id} is already finished")
-        record.status = "finished"
-        published = 0
-        if not record.eval and record.segment.sampled_tokens:
-            _publish(d, record, build_sample(record, record.segment, reward))
-            published = 1
-    return {"session_id": session_id, "status": "finished", "samples_published": published}
+async def _check_backlog(d: GatewayDeps) -> None:
+    if d.publisher.high_water and (
+        await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
+    ):
+        raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
 
 
-def _publish(d: GatewayDeps, record: SessionRecord, sample: sample_pb2.Sample) -> None:
-    d.publisher.publish(sample)
-    record.samples_published += 1
-    PUBLISHED.inc()
-    log.info("published sample %s of session %s (%d tokens)", sample.sample_id,
-             record.session_id, len(sample.token_ids))
+async def _header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
+                          ) -> str | None:
+    """The session named by `X-Session-Id`, created in live mode on first use."""
+    if session_id is None:
+        return None
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise InvalidRequestError(
+            "X-Session-Id must be 1-128 characters of letters, digits and _ . : -",
+            param="X-Session-Id")
+    if not await asyncio.to_thread(d.sessions.exists, session_id):
+        await _check_backlog(d)
+        with contextlib.suppress(ConflictError):  # a concurrent request created it first
+            await asyncio.to_thread(d.sessions.create, session_id=session_id, mode="live",
+                                    owner=owner)
+    return session_id
 
 
-async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None
-                ) -> dict[str, Any]:
+async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
+                turn_type: str | None = None) -> dict[str, Any]:
     messages = [m.for_template() for m in body.messages]
     sampling = body.sampling_params(d.settings.default_max_tokens)
+    turn_type = (turn_type or "main").lower()
+    if turn_type not in turns.TURN_TYPES:
+        raise InvalidRequestError(
+            f"X-Turn-Type must be one of {list(turns.TURN_TYPES)}, got {turn_type!r}",
+            param="X-Turn-Type")
     if session_id is None:
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
-        gens = await asyncio.gather(*[d.engines.generate(prompt, _nth(sampling, i))
-                                      for i in range(body.n)])
-        return _response(d, body, gens, len(prompt), [_parse(d, body, g) for g in gens])
-    if body.n > 1:
-        raise InvalidRequestError(
-            "n > 1 is not recorded in a session yet: create one session per sample (same "
-            "group_id) or send n > 1 without a session", param="n")
-    return await _session_turn(d, body, session_id, messages, sampling)
-
-
-def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
-    """Sampling params of choice i: a given seed is offset so the n choices differ."""
-    if i and "sampling_seed" in sampling:
-        return {**sampling, "sampling_seed": (sampling["sampling_seed"] + i) % 2**63}
-    return sampling
-
-
-@asynccontextmanager
-async def _locked(store: SessionStore, session_id: str) -> AsyncIterator[SessionRecord]:
-    """Async form of `SessionStore.locked`: saved on normal exit, untouched on error."""
-    lock = await asyncio.to_thread(store.acquire, session_id)
-    try:
-        record = await asyncio.to_thread(store.get, session_id)
-        yield record
-        await asyncio.to_thread(store.save, record)
-    finally:
-        await asyncio.to_thread(store.release, lock)
-
-
-async def _session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: str,
-                        messages: list[dict[str, Any]], sampling: dict[str, Any]
-                        ) -> dict[str, Any]:
-    async with _locked(d.sessions, session_id) as record:
-        if record.status != "open":
-            raise ConflictError(f"session {session_id} is finished; create a new session")
-        prompt, closed = await asyncio.to_thread(
-            prepare_prompt, record, d.renderer, messages, body.tools)
-        limit = d.context_length
-        if len(prompt) + sampling["max_new_tokens"] > limit:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling['max_new_tokens']}) "
-                f"exceeds the context window of {limit} tokens; shorten the conversation or "
-                "lower max_tokens", param="messages", code="context_length_exceeded")
-        gen = await d.engines.generate(prompt, sampling, affinity=session_id)
-        parsed = _parse(d, body, gen)
-        record_generation(record, gen, sampling, parsed.message())
-        # The closed segment is published only once the turn succeeded: a failed request leaves
-        # the stored record (and so the segment) untouched, and a retry must not publish twice.
-        if closed is not None and not record.eval:
-            await asyncio.to_thread(_publish, d, record, build_sample(record, closed))
-        return _response(d, body, [gen], len(prompt), [parsed])
-
-
-def _parse(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
-    offered = bool(body.tools) and body.tool_choice != "none"
-    return parse_reply(gen.text, tools_offered=offered, tool_parser=d.settings.tool_parser)
+        gens = await turns.generate_n(d, prompt, sampling, body.n)
+        return _response(d, body, gens, len(prompt),
+                         [turns.parse_choice(d, body, g) for g in gens])
+    gens, prompt_tokens, parsed = await turns.session_turn(
+        d, body, session_id, messages, sampling, turn_type)
+    return _response(d, body, gens, prompt_tokens, parsed)
 
 
 def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation],

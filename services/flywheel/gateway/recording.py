@@ -3,7 +3,16 @@
 Rule (DESIGN.md section 5): a request extends the recorded segment when its messages start with
 the recorded conversation (the assistant replies as produced here). Then the prompt is the
 recorded ids followed by the template's rendering of only the new messages. Otherwise the
-segment is closed (published as its own Sample) and a new one starts from a fresh rendering.
+segment is closed and a new one starts from a fresh rendering; the fork is counted per reason
+(`flywheel_gateway_segment_forks_total{reason}`, see `fork_reason`).
+
+Samples come from segments in three shapes (all share `session_id` and `group_id`):
+
+- episode mode: one Sample per segment, loss mask 1 on every token sampled in it;
+- live mode: one Sample per assistant turn: the turn's exact prompt ids + its sampled ids, loss
+  mask 1 only on that turn's tokens (earlier turns are context, mask 0);
+- n > 1 choices of a turn that the client did not continue with: the segment so far + that
+  choice's ids, loss mask 1 only on the choice.
 """
 
 from __future__ import annotations
@@ -18,16 +27,23 @@ from prometheus_client import Counter
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import new_sample
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.sessions import Segment, SessionRecord
+from flywheel.gateway.sessions import Candidate, Segment, SessionRecord
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
-FORKS = Counter("flywheel_gateway_segment_forks_total", "Requests that did not extend history")
+FORKS = Counter("flywheel_gateway_segment_forks_total",
+                "Requests that did not extend the recorded history (a new segment started)",
+                ["reason"])
+FORK_REASONS = ("tool_arguments_reformatted", "assistant_edited", "history_edited",
+                "history_truncated", "regenerated", "template_rewrites_history")
+"""Fork reasons, in the order `fork_reason` checks them."""
+for _reason in FORK_REASONS:
+    FORKS.labels(_reason)
+_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
 def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    keys = ("role", "content", "tool_calls", "tool_call_id", "name")
-    return all((a.get(k) or None) == (b.get(k) or None) for k in keys)
+    return all((a.get(k) or None) == (b.get(k) or None) for k in _KEYS)
 
 
 def extends(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> bool:
@@ -35,6 +51,37 @@ def extends(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> b
     if len(messages) <= len(recorded):
         return False
     return all(_same_message(r, m) for r, m in zip(recorded, messages, strict=False))
+
+
+def _arguments(calls: list[dict[str, Any]] | None) -> list[Any]:
+    out = []
+    for call in calls or []:
+        fn = call.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "null")
+        except (TypeError, json.JSONDecodeError):
+            args = fn.get("arguments")
+        out.append((fn.get("name"), args))
+    return out
+
+
+def fork_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
+    """Why `messages` does not extend `recorded` as messages (one of `FORK_REASONS`).
+
+    `template_rewrites_history` is decided by the renderer (`prepare_prompt`), not here.
+    """
+    for r, m in zip(recorded, messages, strict=False):
+        if _same_message(r, m):
+            continue
+        if r.get("role") == m.get("role") == "assistant":
+            same_calls = _arguments(r.get("tool_calls")) == _arguments(m.get("tool_calls"))
+            if same_calls and (r.get("content") or None) == (m.get("content") or None):
+                return "tool_arguments_reformatted"
+            return "assistant_edited"
+        return "history_edited"
+    if recorded and len(messages) == len(recorded) - 1 and recorded[-1]["role"] == "assistant":
+        return "regenerated"
+    return "history_truncated"
 
 
 def prepare_prompt(
@@ -58,11 +105,15 @@ def prepare_prompt(
             seg.messages = messages
             seg.tools = tools
             return list(seg.token_ids), None
+        reason = "template_rewrites_history"
+    else:
+        reason = fork_reason(seg.messages, messages)
     if seg.turns:
-        FORKS.inc()
+        FORKS.labels(reason).inc()
         record.forks += 1
-        log.info("session %s: request does not extend segment %d; starting a new segment",
-                 record.session_id, seg.index)
+        record.fork_reasons[reason] = record.fork_reasons.get(reason, 0) + 1
+        log.info("session %s: request does not extend segment %d (%s); starting a new segment",
+                 record.session_id, seg.index, reason)
         closed = seg if seg.sampled_tokens else None
         seg = Segment(index=seg.index + 1)
         record.segment = seg
@@ -74,11 +125,22 @@ def prepare_prompt(
     return list(seg.token_ids), closed
 
 
+def set_sampling(seg: Segment, sampling: dict[str, Any]) -> None:
+    """Store the sampling params of the segment's latest turn (what the engine got)."""
+    seg.sampling = {k: float(sampling[k]) for k in ("temperature", "top_p", "top_k", "min_p")}
+    seg.sampling["max_new_tokens"] = float(sampling["max_new_tokens"])
+
+
+def _finish(finish_type: str, reply: dict[str, Any]) -> str:
+    return "tool_calls" if finish_type == "stop" and reply.get("tool_calls") else finish_type
+
+
 def record_generation(
     record: SessionRecord, gen: Generation, sampling: dict[str, Any], reply: dict[str, Any]
 ) -> None:
     """Append the engine's sampled ids, logprobs and weight version, and the reply message."""
     seg = record.segment
+    seg.turn_start = len(seg.token_ids)
     seg.append(
         gen.output_ids,
         sampled=True,
@@ -87,29 +149,123 @@ def record_generation(
     )
     seg.messages = [*seg.messages, reply]
     seg.turns += 1
-    seg.finish_reason = gen.finish_type
+    seg.finish_reason = _finish(gen.finish_type, reply)
     seg.ended_with_eos = gen.matched_eos
-    seg.sampling = {k: float(sampling[k]) for k in ("temperature", "top_p", "top_k", "min_p")}
-    seg.sampling["max_new_tokens"] = float(sampling["max_new_tokens"])
+    set_sampling(seg, sampling)
+
+
+def candidate(gen: Generation, reply: dict[str, Any]) -> Candidate:
+    """One choice of an n > 1 turn, kept until the client picks which one it continues with."""
+    return Candidate(output_ids=gen.output_ids, logprobs=gen.output_logprobs,
+                     weight_version=gen.weight_version,
+                     finish_reason=_finish(gen.finish_type, reply),
+                     matched_eos=gen.matched_eos, message=reply)
+
+
+def as_generation(c: Candidate) -> Generation:
+    return Generation(output_ids=c.output_ids, output_logprobs=c.logprobs, text="",
+                      finish_type=c.finish_reason if c.finish_reason != "tool_calls" else "stop",
+                      matched_eos=c.matched_eos, weight_version=c.weight_version,
+                      prompt_tokens=0)
+
+
+def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> int | None:
+    """Index of the choice the request continues with: the assistant message sent back right
+    after the recorded request messages equals that choice's message; None if none does."""
+    pos = len(record.segment.messages)
+    if len(messages) <= pos:
+        return None
+    sent = messages[pos]
+    for k, c in enumerate(record.candidates):
+        if _same_message(c.message, sent):
+            return k
+    return None
+
+
+def candidate_segment(seg: Segment, c: Candidate) -> Segment:
+    """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
+    out = seg.model_copy(deep=True)
+    out.turn_start = len(out.token_ids)
+    out.append(c.output_ids, sampled=True, logprobs=c.logprobs,
+               versions=[c.weight_version] * len(c.output_ids))
+    out.messages = [*out.messages, c.message]
+    out.turns += 1
+    out.finish_reason = c.finish_reason
+    return out
+
+
+def next_state(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """The messages that followed the recorded assistant turn, as the new request shows them.
+
+    When the request extends the recorded conversation they are exactly the new messages; when
+    the client rewrote history they are the trailing run of non-assistant, non-system messages
+    (the newest user reply or tool output). Empty when nothing followed (a regenerated turn).
+    """
+    if extends(recorded, messages):
+        return messages[len(recorded):]
+    if len(messages) == len(recorded) - 1 and all(
+            _same_message(r, m) for r, m in zip(recorded, messages, strict=False)):
+        return []  # the same request again: nothing followed the turn
+    trailing: list[dict[str, Any]] = []
+    for m in reversed(messages):
+        if m["role"] in ("assistant", "system"):
+            break
+        trailing.append(m)
+    return trailing[::-1]
+
+
+def next_state_message(following: list[dict[str, Any]]) -> sample_pb2.Message | None:
+    """`Sample.next_state` for the messages that followed a turn (None when there are none).
+
+    role: the first following message's role. content_json: its content (JSON text) when one
+    message followed; when several did (parallel tool results, a tool result then a user
+    message), their text contents joined by a blank line. extra_json: the first message's other
+    fields (e.g. tool_call_id) and, when several followed, all of them under "messages".
+    """
+    if not following:
+        return None
+    first = following[0]
+    if len(following) == 1:
+        content: Any = first.get("content")
+    else:
+        content = "\n\n".join(str(m.get("content") or "") for m in following)
+    extra = {k: v for k, v in first.items() if k not in ("role", "content")}
+    if len(following) > 1:
+        extra["messages"] = following
+    return sample_pb2.Message(role=first["role"], content_json=json.dumps(content),
+                              extra_json=json.dumps(extra) if extra else "")
 
 
 def build_sample(
-    record: SessionRecord, seg: Segment, reward: float | None = None
+    record: SessionRecord, seg: Segment, reward: float | None = None, *,
+    turn_only: bool = False, sample_key: str = "", turn_index: int | None = None,
 ) -> sample_pb2.Sample:
-    """The Sample of one segment (validated later by the codec on publish)."""
+    """The Sample of one segment (validated later by the codec on publish).
+
+    Args:
+        record: the session.
+        seg: the segment; with `turn_only` only its last turn is trainable (mask, logprobs and
+            versions are cleared before `seg.turn_start`).
+        reward: an outcome reward, stored as `rewards["outcome"]`.
+        sample_key: what makes the sample id unique in the session (default: the segment).
+        turn_index: the session-wide turn index (default: the segment's last turn).
+    """
+    start = seg.turn_start if turn_only else 0
     sample = new_sample(
-        # Deterministic per segment, so a re-publish is a duplicate consumers can drop.
-        sample_id=uuid.uuid5(uuid.NAMESPACE_URL, f"{record.session_id}/{seg.index}").hex,
+        # Deterministic, so a re-publish is a duplicate consumers can drop.
+        sample_id=uuid.uuid5(uuid.NAMESPACE_URL,
+                             f"{record.session_id}/{sample_key or seg.index}").hex,
         session_id=record.session_id,
         group_id=record.group_id,
         mode=record.mode,
         segment_index=seg.index,
-        turn_index=max(seg.turns - 1, 0),
+        turn_index=max(seg.turns - 1, 0) if turn_index is None else turn_index,
         token_ids=seg.token_ids,
-        loss_mask=seg.loss_mask,
-        rollout_logprobs=seg.logprobs,
-        weight_versions=seg.versions,
-        prompt_length=seg.prompt_length,
+        loss_mask=[0] * start + seg.loss_mask[start:],
+        rollout_logprobs=[0.0] * start + seg.logprobs[start:],
+        weight_versions=[-1] * start + seg.versions[start:],
+        prompt_length=start if turn_only else seg.prompt_length,
         finish_reason=seg.finish_reason,
         task_json=json.dumps(record.task),
         tools_json=json.dumps(seg.tools) if seg.tools else "",

@@ -6,9 +6,13 @@ invalid values fail validation and are answered with OpenAI error JSON (core/htt
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+"""Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
 
 
 class ChatMessage(BaseModel):
@@ -82,7 +86,7 @@ class ChatCompletionRequest(BaseModel):
 class SessionCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    session_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    session_id: str | None = Field(None, pattern=f"^{SESSION_ID_PATTERN.pattern}$")
     group_id: str = Field("", max_length=256)
     task: dict[str, Any] = Field(default_factory=dict)
     """Task metadata for the reward service, e.g. {"answer": "8", "verifier": "last_integer"}."""
@@ -93,7 +97,18 @@ class SessionCreate(BaseModel):
 
 
 class SessionFinish(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     reward: float | None = None
     """Outcome reward posted by the environment; combined with the others by the reward service."""
+    next_state: ChatMessage | None = None
+    """Live mode: what followed the last turn (e.g. the user's final reply), if anything."""
+
+
+class RewardPost(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    reward: float
+    """The environment's reward; stored as `rewards[name]` of the session's next Sample."""
+    name: str = Field("outcome", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    """Reward component name (the reward service weights components by name)."""

@@ -40,6 +40,8 @@ class Segment(BaseModel):
     finish_reason: str = ""
     ended_with_eos: bool = False
     sampling: dict[str, float] = Field(default_factory=dict)
+    turn_start: int = 0
+    """Offset of the last turn's first sampled token (live mode masks everything before it)."""
 
     def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
                versions: list[int] | None = None) -> None:
@@ -58,6 +60,18 @@ class Segment(BaseModel):
         return sum(self.loss_mask)
 
 
+class Candidate(BaseModel):
+    """One choice of an n > 1 turn, not yet part of the segment (the client picks one)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    finish_reason: str
+    matched_eos: bool
+    message: dict[str, Any]
+    """The assistant message the client got for this choice."""
+
+
 class SessionRecord(BaseModel):
     session_id: str
     group_id: str = ""
@@ -73,6 +87,16 @@ class SessionRecord(BaseModel):
     segment: Segment = Field(default_factory=Segment)
     samples_published: int = 0
     forks: int = 0
+    fork_reasons: dict[str, int] = Field(default_factory=dict)
+    """Forks of this session per reason (recording.FORK_REASONS)."""
+    turns: int = 0
+    """Assistant turns recorded in the whole session (across segments): the next turn's index."""
+    rewards: dict[str, float] = Field(default_factory=dict)
+    """Rewards posted for the episode Sample (episode mode), published with it at finish."""
+    pending: str = ""
+    """Live mode: the last turn's Sample (base64 protobuf) waiting for its next state."""
+    candidates: list[Candidate] = Field(default_factory=list)
+    """n > 1 in a session: the choices of the last turn until the client sends one back."""
 
 
 class SessionStore:
@@ -105,6 +129,9 @@ class SessionStore:
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
         return record
+
+    def exists(self, session_id: str) -> bool:
+        return bool(self.client.exists(self._key(session_id)))
 
     def get(self, session_id: str) -> SessionRecord:
         """Raises: NotFoundError: no such session (never created, or expired)."""

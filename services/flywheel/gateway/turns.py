@@ -1,0 +1,293 @@
+"""Session turns: what a request in a session records and publishes, in both session modes.
+
+Episode mode: the segment is one Sample, published when the session finishes (or when a
+request forks history, DESIGN.md section 5).
+
+Live mode (DESIGN.md section 7): every assistant turn is one Sample, published when its next
+state arrives: the next main request of the session (its messages after the turn: the user's
+reply, tool output) or the session's finish (with the optional `next_state` of the finish
+body). The Sample of a live turn:
+
+- `token_ids`: the exact prompt ids the engine got for the turn (earlier turns' sampled ids
+  included as sampled, never re-tokenized) followed by the turn's sampled ids (with the sampled
+  EOS); `prompt_length` = len(prompt ids);
+- `loss_mask` 1, `rollout_logprobs` the engine's logprobs and `weight_versions` the engine's
+  version only on the turn's sampled ids (0 / 0.0 / -1 elsewhere);
+- `messages`: the request's messages + the assistant reply as the client got it (the last
+  message is the judged turn); `tools_json`, `sampling`, `finish_reason` of the turn;
+- `next_state`: role + content of what followed (`recording.next_state_message`; absent when
+  the session finished without one or the turn was regenerated);
+- `turn_index`: the turn's index in the session (0, 1, ...), `segment_index` its segment;
+  `sample_id` = uuid5(session/turn/<turn_index>[/choice/<k>]), so a re-publish is a duplicate;
+- `rewards`: whatever was posted to `/v1/sessions/<id>/reward` while the turn was pending.
+
+Turn types (header `X-Turn-Type`): `main` (default) turns are recorded as above; `side` turns
+(a harness's auxiliary calls: summaries, titles, memory) are served with the session's engine
+affinity but neither recorded nor counted as the next state of the pending turn.
+
+n > 1 in a session: the choices share the session's `group_id`. The client continues with one
+of them by sending it back as the assistant message of its next request; that choice joins the
+segment (and, in live mode, waits for its next state), every other choice is published at once
+as its own Sample (the segment so far + that choice, loss mask on the choice only). Choices never
+sent back (the session finished, or the next request sent none of them) are all published so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+
+from flywheel._proto import sample_pb2
+from flywheel.core.codec import encode_sample
+from flywheel.core.errors import ConflictError, InvalidRequestError
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.parsers import ParsedReply, parse_reply
+from flywheel.gateway.recording import (
+    FORKS,
+    as_generation,
+    build_sample,
+    candidate,
+    candidate_segment,
+    chosen_candidate,
+    next_state,
+    next_state_message,
+    prepare_prompt,
+    record_generation,
+    set_sampling,
+)
+from flywheel.gateway.schemas import ChatCompletionRequest
+from flywheel.gateway.sessions import Segment, SessionRecord, SessionStore
+
+if TYPE_CHECKING:
+    from flywheel.gateway.app import GatewayDeps
+
+log = logging.getLogger(__name__)
+PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])
+NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
+                        "Live turns published without a next state (finished or regenerated)")
+SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
+                     "Side turns served in a session without being recorded")
+FORKS.labels("choice_not_sent_back")
+TURN_TYPES = ("main", "side")
+
+
+def parse_choice(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
+    offered = bool(body.tools) and body.tool_choice != "none"
+    return parse_reply(gen.text, tools_offered=offered, tool_parser=d.settings.tool_parser)
+
+
+def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
+    """Sampling params of choice i: a given seed is offset so the n choices differ."""
+    if i and "sampling_seed" in sampling:
+        return {**sampling, "sampling_seed": (sampling["sampling_seed"] + i) % 2**63}
+    return sampling
+
+
+async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], n: int,
+                     affinity: str = "") -> list[Generation]:
+    """n engine calls for one prompt (distinct seeds when a seed is given)."""
+    return list(await asyncio.gather(*[d.engines.generate(prompt, _nth(sampling, i), affinity)
+                                       for i in range(n)]))
+
+
+@asynccontextmanager
+async def locked(store: SessionStore, session_id: str) -> AsyncIterator[SessionRecord]:
+    """Async form of `SessionStore.locked`: saved on normal exit, untouched on error."""
+    lock = await asyncio.to_thread(store.acquire, session_id)
+    try:
+        record = await asyncio.to_thread(store.get, session_id)
+        yield record
+        await asyncio.to_thread(store.save, record)
+    finally:
+        await asyncio.to_thread(store.release, lock)
+
+
+def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:
+    """Publish `samples` (nothing for evaluation sessions)."""
+    if record.eval:
+        return
+    for sample in samples:
+        d.publisher.publish(sample)
+        record.samples_published += 1
+        PUBLISHED.labels(record.mode).inc()
+        log.info("published sample %s of session %s turn %d (%d tokens, next_state %s)",
+                 sample.sample_id, record.session_id, sample.turn_index, len(sample.token_ids),
+                 sample.next_state.role or "-")
+
+
+def _store_pending(record: SessionRecord, sample: sample_pb2.Sample) -> None:
+    record.pending = base64.b64encode(encode_sample(sample)).decode()
+
+
+def _take_pending(record: SessionRecord) -> sample_pb2.Sample | None:
+    if not record.pending:
+        return None
+    sample = sample_pb2.Sample()
+    sample.ParseFromString(base64.b64decode(record.pending))
+    record.pending = ""
+    return sample
+
+
+def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
+                 ) -> sample_pb2.Sample:
+    key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
+    return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn)
+
+
+def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None
+                        ) -> list[sample_pb2.Sample]:
+    """Settle an n > 1 turn: the chosen choice joins the segment, the others become Samples."""
+    if not record.candidates:
+        return []
+    seg, turn = record.segment, record.turns - 1
+    k = None if messages is None else chosen_candidate(record, messages)
+    out = [_turn_sample(record, candidate_segment(seg, c), turn, i)
+           for i, c in enumerate(record.candidates) if i != k]
+    if k is not None:
+        chosen = record.candidates[k]
+        record_generation(record, as_generation(chosen), seg.sampling, chosen.message)
+        if record.mode == "live":
+            _store_pending(record, _turn_sample(record, record.segment, turn, k))
+    elif messages is not None:
+        FORKS.labels("choice_not_sent_back").inc()
+        record.forks += 1
+        record.fork_reasons["choice_not_sent_back"] = (
+            record.fork_reasons.get("choice_not_sent_back", 0) + 1)
+        if seg.sampled_tokens and record.mode == "episode":
+            out.append(build_sample(record, seg))
+        record.segment = Segment(index=seg.index + 1 if seg.sampled_tokens else seg.index)
+    record.candidates = []
+    return out
+
+
+def _emit_pending(record: SessionRecord, following: list[dict[str, Any]]
+                  ) -> list[sample_pb2.Sample]:
+    sample = _take_pending(record)
+    if sample is None:
+        return []
+    message = next_state_message(following)
+    if message is None:
+        NO_NEXT_STATE.inc()
+        log.info("session %s: live turn %d published without a next state",
+                 record.session_id, sample.turn_index)
+    else:
+        sample.next_state.CopyFrom(message)
+    return [sample]
+
+
+async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: str,
+                       messages: list[dict[str, Any]], sampling: dict[str, Any],
+                       turn_type: str = "main"
+                       ) -> tuple[list[Generation], int, list[ParsedReply]]:
+    """Serve one request of a session and record it.
+
+    Returns:
+        (the generations, prompt tokens, the parsed replies), one per choice.
+
+    Raises:
+        NotFoundError: no such session. ConflictError: the session is finished.
+        InvalidRequestError: prompt + max_tokens exceed the context window.
+    """
+    if turn_type == "side":
+        record = await asyncio.to_thread(d.sessions.get, session_id)
+        if record.status != "open":
+            raise ConflictError(f"session {session_id} is finished; create a new session")
+        SIDE_TURNS.inc()
+        prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
+        _check_context(d, prompt, sampling)
+        gens = await generate_n(d, prompt, sampling, body.n, affinity=session_id)
+        return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
+    async with locked(d.sessions, session_id) as record:
+        if record.status != "open":
+            raise ConflictError(f"session {session_id} is finished; create a new session")
+        out = _resolve_candidates(record, messages)
+        if record.mode == "live":
+            out += _emit_pending(record, next_state(record.segment.messages, messages))
+        prompt, closed = await asyncio.to_thread(
+            prepare_prompt, record, d.renderer, messages, body.tools)
+        _check_context(d, prompt, sampling)
+        gens = await generate_n(d, prompt, sampling, body.n, affinity=session_id)
+        parsed = [parse_choice(d, body, g) for g in gens]
+        if closed is not None and record.mode == "episode":
+            out.append(build_sample(record, closed))
+        turn = record.turns
+        record.turns += 1
+        if body.n == 1:
+            record_generation(record, gens[0], sampling, parsed[0].message())
+            if record.mode == "live":
+                _store_pending(record, _turn_sample(record, record.segment, turn))
+        else:
+            set_sampling(record.segment, sampling)
+            record.candidates = [candidate(g, p.message())
+                                 for g, p in zip(gens, parsed, strict=True)]
+        # Samples are published only once the turn succeeded: a failed request leaves the
+        # stored record untouched, and a retry republishes the same sample ids at most.
+        await asyncio.to_thread(publish, d, record, out)
+        return gens, len(prompt), parsed
+
+
+def _check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]) -> None:
+    limit = d.context_length
+    if len(prompt) + sampling["max_new_tokens"] > limit:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling['max_new_tokens']}) "
+            f"exceeds the context window of {limit} tokens; shorten the conversation or "
+            "lower max_tokens", param="messages", code="context_length_exceeded")
+
+
+def finish(d: GatewayDeps, session_id: str, reward: float | None,
+           following: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Finish a session and publish what it still holds (see the module docstring).
+
+    `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
+    Sample published here. Raises: NotFoundError, ConflictError (already finished).
+    """
+    with d.sessions.locked(session_id) as record:
+        if record.status == "finished":
+            raise ConflictError(f"session {session_id} is already finished")
+        record.status = "finished"
+        out = _resolve_candidates(record, None)
+        if record.mode == "live":
+            out += _emit_pending(record, following or [])
+        elif record.segment.sampled_tokens:
+            out.append(build_sample(record, record.segment))
+        rewards = dict(record.rewards)
+        if reward is not None:
+            rewards["outcome"] = reward
+        for sample in out:
+            for name, value in rewards.items():
+                sample.rewards[name] = value
+        publish(d, record, out)
+        published = 0 if record.eval else len(out)
+    return {"session_id": session_id, "status": "finished", "samples_published": published}
+
+
+def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:
+    """Attach an environment reward `rewards[name] = value` to the session's next Sample.
+
+    Episode mode: the episode Sample(s) published at finish. Live mode: the turn waiting for
+    its next state. Raises: NotFoundError; ConflictError when the session is finished or (live)
+    no turn is waiting.
+    """
+    with d.sessions.locked(session_id) as record:
+        if record.status == "finished":
+            raise ConflictError(f"session {session_id} is finished; post rewards before finish")
+        if record.mode == "episode":
+            record.rewards[name] = value
+            return {"session_id": session_id, "applies_to": "episode",
+                    "rewards": dict(record.rewards)}
+        sample = _take_pending(record)
+        if sample is None:
+            raise ConflictError(
+                f"session {session_id} has no turn waiting for a reward: post it after the "
+                "assistant turn and before the next request", param="session_id")
+        sample.rewards[name] = value
+        _store_pending(record, sample)
+        return {"session_id": session_id, "applies_to": f"turn {sample.turn_index}",
+                "rewards": dict(sample.rewards)}

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -193,44 +188,6 @@ def test_info_health_flush_abort_metrics(client, tiny_model_dir):
     metrics = client.get("/metrics").text
     assert "flywheel_engine_generated_tokens_total" in metrics
     assert 'flywheel_engine_weight_info{version="default"} 1.0' in metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def live_engine(tiny_model_dir):
-    port = free_port()
-    env = {**os.environ, "FLYWHEEL_ENGINE__CONTEXT_LENGTH": "512", "FLYWHEEL_ENGINE__THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "flywheel.engine",
-        "--model-path",
-        str(tiny_model_dir),
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "engine did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.mark.integration

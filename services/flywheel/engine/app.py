@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar
@@ -32,6 +32,7 @@ import flywheel
 from flywheel.core.errors import PlatformError
 from flywheel.core.settings import EngineSettings
 from flywheel.engine.metrics import EngineMetrics
+from flywheel.engine.openai_routes import register_openai_routes
 from flywheel.engine.protocol import (
     AbortRequest,
     GenerateRequest,
@@ -63,7 +64,18 @@ class EngineLike(Protocol):
     def pause(self, mode: str = "abort") -> None: ...
     def resume(self) -> None: ...
 
-    def submit(self, specs: list[RowSpec], *, probe: bool = False) -> list[Job]: ...
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def generation_defaults(self) -> dict[str, Any]: ...
+
+    def submit(
+        self,
+        specs: list[RowSpec],
+        *,
+        probe: bool = False,
+        listeners: list[Callable[[dict[str, Any]], None]] | None = None,
+    ) -> list[Job]: ...
     def abort(self, rid: str, abort_all: bool = False) -> int: ...
     def probe(self) -> bool: ...
     def set_weight_version(self, version: str) -> None: ...
@@ -160,13 +172,14 @@ def create_app(deps: EngineDeps) -> FastAPI:
             specs, is_batch = expand_generate(req)
         except ValidationError as e:
             raise _BadRequest(validation_message(e), contract=True) from e
+        if req.stream:
+            rows = open_stream(request, d.engine, specs)
+            return StreamingResponse(_sse(rows, is_batch), media_type="text/event-stream")
         jobs = d.engine.submit(specs)
         results = await _wait(request, jobs)
         latency = time.perf_counter() - t0
         for r in results:
             r["meta_info"]["e2e_latency"] = latency
-        if req.stream:
-            return StreamingResponse(_sse(results, is_batch), media_type="text/event-stream")
         return _json(results if is_batch else results[0])
 
     @app.post("/update_weights_from_disk")
@@ -256,7 +269,57 @@ def create_app(deps: EngineDeps) -> FastAPI:
     async def server_info(d: Deps) -> Response:
         return _json(server_info_body(d))
 
+    register_openai_routes(app, _wait, open_stream)
     return app
+
+
+def open_stream(
+    request: Request, engine: EngineLike, specs: list[RowSpec]
+) -> AsyncIterator[tuple[int, dict[str, Any], bool]]:
+    """Submit rows for streaming (errors raise here, before any byte is sent) and return an
+    iterator of `(row index, cumulative response, final)`: one item per sampled token of each
+    row, then the row's final response (with e2e_latency). A disconnect aborts the rows."""
+    loop = asyncio.get_running_loop()
+    updates: asyncio.Queue[tuple[int, Any, bool]] = asyncio.Queue()
+
+    def listener(i: int) -> Callable[[dict[str, Any]], None]:
+        return lambda result: loop.call_soon_threadsafe(updates.put_nowait, (i, result, False))
+
+    t0 = time.perf_counter()
+    jobs = engine.submit(specs, listeners=[listener(i) for i in range(len(specs))])
+    for i, job in enumerate(jobs):
+        job.future.add_done_callback(
+            lambda f, i=i: loop.call_soon_threadsafe(updates.put_nowait, (i, f, True))
+        )
+    return _stream_items(request, jobs, updates, t0)
+
+
+async def _stream_items(
+    request: Request,
+    jobs: list[Job],
+    updates: asyncio.Queue[tuple[int, Any, bool]],
+    t0: float,
+) -> AsyncIterator[tuple[int, dict[str, Any], bool]]:
+    left = len(jobs)
+    try:
+        while left:
+            try:
+                i, item, final = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError from None
+                continue
+            if final:
+                left -= 1
+                result = item.result()  # raises the row's error (PlatformError -> error chunk)
+                result["meta_info"]["e2e_latency"] = time.perf_counter() - t0
+                yield i, result, True
+            elif not jobs[i].future.done():
+                yield i, item, False
+    finally:
+        if left:  # client went away or the consumer stopped early: abort the rest
+            for job in jobs:
+                job.aborted = True
 
 
 async def _wait(request: Request, jobs: list[Job]) -> list[dict[str, Any]]:
@@ -284,11 +347,19 @@ def _parse(model: type[_M], data: dict[str, Any]) -> _M:
         raise _BadRequest(validation_message(e)) from e
 
 
-async def _sse(results: list[dict[str, Any]], is_batch: bool) -> AsyncIterator[bytes]:
-    """Streaming fallback: one cumulative (final) chunk per row, then [DONE]."""
-    for i, r in enumerate(results):
-        chunk = {**r, "index": i} if is_batch else r
-        yield b"data: " + dumps(chunk) + b"\n\n"
+async def _sse(
+    rows: AsyncIterator[tuple[int, dict[str, Any], bool]], is_batch: bool
+) -> AsyncIterator[bytes]:
+    """SGLang /generate streaming: one cumulative chunk per sampled token (text, output_ids and
+    logprob arrays so far, finish_reason null), the final chunk, then [DONE]. Batch chunks
+    carry "index". A row error becomes an error chunk, then [DONE]."""
+    try:
+        async for i, result, _final in rows:
+            chunk = {**result, "index": i} if is_batch else result
+            yield b"data: " + dumps(chunk) + b"\n\n"
+    except PlatformError as e:
+        error = {"message": e.message, "type": e.error_type, "code": e.http_status}
+        yield b"data: " + dumps({"error": {**error, "retryable": False}}) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

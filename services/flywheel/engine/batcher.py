@@ -106,7 +106,20 @@ def _sample_step(runner: ModelRunner, seqs: list[Sequence], logits: Tensor) -> T
         if seq.job.spec.top_logprobs_num > 0:
             seq.output_top.append(top_logprobs(logprobs[i], seq.job.spec.top_logprobs_num))
         seq.append(token, picked[i], runner.tokenizer)
+        if seq.job.listener is not None and not seq.finished:
+            notify(seq, runner)
     return tokens
+
+
+def notify(seq: Sequence, runner: ModelRunner) -> None:
+    """Send a streaming row its cumulative response; a listener that fails is dropped."""
+    listener = seq.job.listener
+    if listener is None:
+        return
+    try:
+        listener(seq.result(runner.tokenizer))
+    except Exception:  # the client's event loop is gone: nobody is listening any more
+        seq.job.listener = None
 
 
 def _prune(batch: _Batch, rows: Tensor) -> Tensor:

@@ -57,6 +57,12 @@ class ModelRunner:
             gen = GenerationConfig.from_pretrained(self.model_path)
         except OSError:
             gen = None
+        self.generation_defaults = {
+            key: getattr(gen, key)
+            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if gen is not None and key in gen.to_diff_dict()
+        }
+        """Sampling fields the model's generation_config.json sets (SGLang's chat defaults)."""
         eos = getattr(gen, "eos_token_id", None)
         if eos is not None:
             ids.update(int(e) for e in ([eos] if isinstance(eos, int) else eos))

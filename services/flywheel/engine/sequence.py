@@ -9,6 +9,7 @@ generator, and the finish reason in SGLang's shape. `result()` renders the finis
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +35,9 @@ class Job:
     probe: bool = False
     """Health probe: not counted in metrics."""
     created: float = field(default_factory=time.perf_counter)
+    listener: Callable[[dict[str, Any]], None] | None = None
+    """Streaming: called from the worker thread with the cumulative (unfinished) response
+    object after every sampled token; the final object arrives through `future`."""
 
 
 class Sequence:

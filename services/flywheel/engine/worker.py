@@ -127,8 +127,17 @@ class EngineWorker:
 
     # -- public API (any thread) ------------------------------------------------------------------
 
-    def submit(self, specs: list[RowSpec], *, probe: bool = False) -> list[Job]:
+    def submit(
+        self,
+        specs: list[RowSpec],
+        *,
+        probe: bool = False,
+        listeners: list[Callable[[dict[str, Any]], None]] | None = None,
+    ) -> list[Job]:
         """Queue rows for generation; each Job's future resolves to its response object.
+
+        `listeners` (one per row) receive the cumulative response after every sampled token
+        (streaming); they run on the worker thread and must not block.
 
         Raises:
             EngineNotReady: the model is still loading or failed to load.
@@ -139,6 +148,8 @@ class EngineWorker:
                 f"the engine is {self.status}" + (f": {self.error}" if self.error else "")
             )
         jobs = [Job(spec, probe=probe) for spec in specs]
+        for job, listener in zip(jobs, listeners or [None] * len(jobs), strict=True):
+            job.listener = listener
         with self._lock:
             rids = [j.spec.rid for j in jobs]
             if len(set(rids)) != len(rids) or any(r in self._inflight for r in rids):
@@ -198,6 +209,16 @@ class EngineWorker:
         if name not in params:
             raise KeyError(name)
         return self._control(lambda: params[name].detach().float().tolist()[:truncate_size])
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (None while loading); encode/decode are thread-safe."""
+        return self.runner.tokenizer if self.runner is not None else None
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Sampling defaults from generation_config.json (used by /v1/chat/completions only)."""
+        return self.runner.generation_defaults if self.runner is not None else {}
 
     def model_info(self) -> dict[str, Any]:
         """model_type and architectures of the loaded model (None while loading)."""

@@ -303,8 +303,9 @@ class SecurityMiddleware:
             return scope
         if who.role == "session":
             return self._route_session_key(scope, who)
+        header = _header(scope, b"x-session-id").strip()
         for session_id in _named_sessions(scope):
-            await self._check_owner(session_id, who)
+            await self._check_owner(session_id, who, may_create=session_id == header)
         return scope
 
     def _route_session_key(self, scope: dict, who: Principal) -> dict:
@@ -323,13 +324,18 @@ class SecurityMiddleware:
             scope["raw_path"] = scope["path"].encode()
         return scope
 
-    async def _check_owner(self, session_id: str, who: Principal) -> None:
+    async def _check_owner(self, session_id: str, who: Principal, may_create: bool) -> None:
+        """A non-admin key may use only its own sessions; another key's session is answered
+        like a missing one. `may_create`: a missing session named by `X-Session-Id` passes (the
+        route creates it in live mode, owned by this key)."""
         if who.role == "admin":
             return
         try:
             record = await asyncio.to_thread(self.sessions.get, session_id)
         except NotFoundError:
-            return  # the route answers 404 (or creates it, for live sessions)
+            if may_create:
+                return
+            raise
         if record.owner != who.key_id:
             REJECTED.labels("foreign_session").inc()
             log.warning("key %s refused access to session %s of another key", who.key_id,

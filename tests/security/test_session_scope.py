@@ -1,0 +1,165 @@
+"""Scoped sessions: no key reads, rewards, finishes or sends turns into another key's session.
+
+Every session endpoint is tried in each way a session can be named (URL prefix, /v1/sessions/<id>
+path, X-Session-Id header, per-session key); a foreign key gets the same 404 as for a missing
+session, and the session is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
+
+# (method, path, body, use the X-Session-Id header instead of the path)
+SESSION_ENDPOINTS = [
+    ("GET", "/v1/sessions/{sid}", None, False),
+    ("GET", "/s/{sid}/v1/models", None, False),
+    ("POST", "/v1/sessions/{sid}/reward", {"reward": 1.0}, False),
+    ("POST", "/s/{sid}/v1/chat/completions", CHAT, False),
+    ("POST", "/v1/chat/completions", CHAT, True),
+    ("POST", "/v1/sessions/{sid}/keys", {}, False),
+    ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}, False),
+]
+
+
+def _call(gw, secret, method, path, body, header, sid):
+    headers = gw.auth(secret)
+    if header:
+        headers["X-Session-Id"] = sid
+    return gw.client.request(method, path.format(sid=sid), json=body, headers=headers)
+
+
+def _create(gw, secret, **body):
+    resp = gw.client.post("/v1/sessions", json={"group_id": "g", **body},
+                          headers=gw.auth(secret))
+    assert resp.status_code == 200, resp.text
+    return resp.json()["session_id"]
+
+
+def _snapshot(gw, sid):
+    record = gw.sessions.get(sid)
+    return (record.status, record.turns, dict(record.rewards), record.segment.token_ids,
+            gw.redis.xlen(f"{gw.prefix}:rollouts"))
+
+
+@pytest.mark.parametrize(("method", "path", "body", "header"), SESSION_ENDPOINTS)
+def test_foreign_agent_key_gets_404_and_changes_nothing(gateway, method, path, body, header):
+    owner, intruder = gateway.key("agent", "owner"), gateway.key("agent", "intruder")
+    sid = _create(gateway, owner)
+    before = _snapshot(gateway, sid)
+    resp = _call(gateway, intruder, method, path, body, header, sid)
+    assert resp.status_code == 404, resp.text
+    assert resp.json()["error"]["type"] == "not_found_error"
+    if not header:  # (an unknown X-Session-Id creates a live session for the key instead)
+        missing = _call(gateway, intruder, method, path, body, header, "no-such-session")
+        assert missing.status_code == 404  # indistinguishable from a missing session
+    assert _snapshot(gateway, sid) == before
+    assert gateway.engine.calls == []
+
+
+@pytest.mark.parametrize(("method", "path", "body", "header"), SESSION_ENDPOINTS)
+def test_owner_and_admin_may_use_the_session(gateway, method, path, body, header):
+    owner, admin = gateway.key("agent"), gateway.key("admin")
+    for secret in (owner, admin):
+        sid = _create(gateway, owner)
+        resp = _call(gateway, secret, method, path, body, header, sid)
+        assert resp.status_code == 200, resp.text
+
+
+def test_every_session_endpoint_is_listed():
+    """A new session route must be added to SESSION_ENDPOINTS (and so get the foreign-key test)."""
+    from flywheel.core.settings import GatewaySettings  # noqa: PLC0415
+    from flywheel.gateway.app import create_app  # noqa: PLC0415
+
+    class Deps:  # create_app only stores deps; routes are not called here
+        settings = GatewaySettings()
+
+        class sessions:  # noqa: N801
+            client = None
+            prefix = "x"
+
+    app = create_app(Deps())
+    listed = {(m, p) for m, p, _, header in SESSION_ENDPOINTS if not header}
+    routes = {(m, r.path.replace("{session_id}", "{sid}"))
+              for r in app.routes for m in getattr(r, "methods", ()) or ()
+              if "{session_id}" in getattr(r, "path", "")}
+    assert routes <= listed, routes - listed
+
+
+def test_turns_with_a_foreign_key_do_not_reach_the_engine_or_the_record(gateway):
+    owner, intruder = gateway.key("agent"), gateway.key("agent")
+    sid = _create(gateway, owner)
+    ok = gateway.client.post(f"/s/{sid}/v1/chat/completions", json=CHAT,
+                             headers=gateway.auth(owner))
+    assert ok.status_code == 200
+    before = _snapshot(gateway, sid)
+    hijack = gateway.client.post("/v1/chat/completions", json=CHAT,
+                                 headers={**gateway.auth(intruder), "X-Session-Id": sid})
+    assert hijack.status_code == 404
+    assert _snapshot(gateway, sid) == before and len(gateway.engine.calls) == 1
+
+
+def test_live_session_created_by_header_belongs_to_its_key(gateway):
+    owner, intruder = gateway.key("agent"), gateway.key("agent")
+    headers = {**gateway.auth(owner), "X-Session-Id": "live-1"}
+    assert gateway.client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code \
+        == 200
+    assert gateway.sessions.get("live-1").owner == gateway.keys.verify(owner).key_id
+    stolen = gateway.client.get("/v1/sessions/live-1", headers=gateway.auth(intruder))
+    assert stolen.status_code == 404
+
+
+class TestSessionKey:
+    """A key minted for one session: routed to it, and good for nothing else."""
+
+    def _mint(self, gw):
+        owner = gw.key("agent")
+        sid = _create(gw, owner)
+        minted = gw.client.post(f"/v1/sessions/{sid}/keys", json={}, headers=gw.auth(owner))
+        assert minted.status_code == 200, minted.text
+        return owner, sid, minted.json()
+
+    def test_plain_v1_requests_are_routed_to_its_session(self, gateway):
+        _, sid, minted = self._mint(gateway)
+        assert minted["base_url"] == "http://testserver/v1"
+        resp = gateway.client.post("/v1/chat/completions", json=CHAT,
+                                   headers=gateway.auth(minted["api_key"]))
+        assert resp.status_code == 200, resp.text
+        assert gateway.sessions.get(sid).turns == 1  # recorded in the session, not unrecorded
+
+    @pytest.mark.parametrize(("method", "path", "body"), [
+        ("GET", "/v1/sessions/{sid}", None),
+        ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}),
+        ("POST", "/v1/sessions/{sid}/reward", {"reward": 1.0}),
+        ("POST", "/v1/sessions/{sid}/keys", {}),
+        ("POST", "/v1/sessions", {}),
+        ("GET", "/v1/admin/keys", None),
+    ])
+    def test_cannot_read_reward_finish_or_create(self, gateway, method, path, body):
+        _, sid, minted = self._mint(gateway)
+        resp = gateway.client.request(method, path.format(sid=sid), json=body,
+                                      headers=gateway.auth(minted["api_key"]))
+        assert resp.status_code == 403, resp.text
+        assert resp.json()["error"]["type"] == "permission_error"
+        assert gateway.sessions.get(sid).status == "open"
+
+    def test_cannot_reach_another_session(self, gateway):
+        owner, _, minted = self._mint(gateway)
+        other = _create(gateway, owner)
+        key = gateway.auth(minted["api_key"])
+        by_url = gateway.client.post(f"/s/{other}/v1/chat/completions", json=CHAT, headers=key)
+        by_header = gateway.client.post("/v1/chat/completions", json=CHAT,
+                                        headers={**key, "X-Session-Id": other})
+        assert by_url.status_code == 404 and by_header.status_code == 404
+        assert gateway.sessions.get(other).turns == 0 and gateway.engine.calls == []
+
+    def test_works_in_local_mode_too(self, make_gateway):
+        gw = make_gateway()  # auto, loopback, no keys: authentication off
+        sid = _create(gw, None)
+        minted = gw.client.post(f"/v1/sessions/{sid}/keys", json={}).json()
+        resp = gw.client.post("/v1/chat/completions", json=CHAT,
+                              headers=gw.auth(minted["api_key"]))
+        assert resp.status_code == 200 and gw.sessions.get(sid).turns == 1
+        # a session key is not an agent/admin key: authentication stays off for everyone else
+        assert gw.client.post("/v1/chat/completions", json=CHAT).status_code == 200

@@ -1,4 +1,4 @@
-"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`.
+"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`, `keys`.
 
 `flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
 `flywheel demo --steps N --out DIR` runs the training demo on a running stack (started by
@@ -142,6 +142,30 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     return 0 if ok else 2
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`flywheel keys create|list|revoke`: API keys in the deployment's Redis (stored hashed)."""
+    from flywheel.core.auth import KeyStore  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.stack import running_stack  # noqa: PLC0415
+
+    settings = _settings(args)
+    state = running_stack(settings.state_dir)
+    url = settings.redis.url or (state or {}).get("redis_url") or settings.redis_url()
+    store = KeyStore(connect(url), settings.streams.prefix)
+    try:
+        if args.keys_command == "create":
+            secret, record = store.create(args.role, args.name)
+            print(f"created {record.role} key {record.key_id}; it is shown only once:\n{secret}")
+        elif args.keys_command == "list":
+            for r in store.list():
+                print(f"{r.key_id}  {r.role:6}  {r.name}")
+        else:
+            print(f"revoked {store.revoke(args.key_id).key_id}")
+    except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)
+        sys.exit(f"flywheel: {exc} (Redis at {url.split('@')[-1]}; is the stack up?)")
+    return 0
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
     print(json.dumps(_settings(args).model_dump(mode="json"), indent=2))
     return 0
@@ -182,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     config_sub.add_parser("show", help="print resolved settings", parents=[common]).set_defaults(
         func=cmd_config_show)
+    keys = sub.add_parser("keys", help="gateway API keys (agent, admin)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="mint a key (printed once)", parents=[common])
+    create.add_argument("--role", choices=["agent", "admin"], default="agent")
+    create.add_argument("--name", default="", help="a label shown by `keys list`")
+    keys_sub.add_parser("list", help="key ids, roles and names", parents=[common])
+    revoke = keys_sub.add_parser("revoke", help="delete a key by id", parents=[common])
+    revoke.add_argument("key_id")
+    keys.set_defaults(func=cmd_keys)
     algorithms = sub.add_parser("algorithms", help="the trainer's algorithm library")
     algorithms_sub = algorithms.add_subparsers(dest="algorithms_command", required=True)
     algorithms_sub.add_parser(

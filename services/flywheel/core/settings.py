@@ -228,10 +228,25 @@ class RewardSettings(Section):
     """Next-state PRM judge (flywheel.reward.judge); disabled by default."""
 
 
+class HintJudgeSettings(JudgeSettings):
+    """The teacher's hindsight-hint judge (flywheel.teacher.hints): an OpenAI-compatible endpoint,
+    m votes, a fixed reply format and a selection rule."""
+
+    prompt: str = "hint_v1"
+    """Prompt file stem under flywheel/teacher/prompts/."""
+    selection: Literal["longest", "most_agreed", "none"] = "longest"
+    """longest = the longest valid hint; most_agreed = the hint most votes gave (needs a
+    majority of valid decisions for a hint); none = never a hint."""
+    min_chars: int = Field(10, ge=1)
+    """Hints shorter than this many characters are invalid votes."""
+
+
 class TeacherSettings(Section):
+    """On-policy distillation teacher (flywheel.teacher): `scored` stream -> `train` stream."""
+
     enabled: bool = False
-    """Off = the reward service writes straight to the trainer's stream. The teacher stage is not
-    shipped yet, so `true` is refused at start-up (nothing would read the `scored` stream)."""
+    """Off = the reward service writes straight to the trainer's stream. Not wired into the local
+    stack yet, so `true` is refused at start-up (nothing would read the `scored` stream)."""
 
     @field_validator("enabled")
     @classmethod
@@ -242,6 +257,51 @@ class TeacherSettings(Section):
         return value
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=1, le=65535)
+    """gRPC port (TeacherService, health, reflection)."""
+    metrics_port: int = Field(9102, ge=0, le=65535)
+    """Prometheus /metrics port; 0 = disabled."""
+    engine_urls: list[str] = Field(default_factory=list)
+    """Teacher engines (SGLang protocol). Empty = the local stack's own teacher engine (or the
+    policy engines when `self_teacher`). Keep them out of `trainer.engine_urls`: a teacher
+    engine never receives the trainer's weight pushes unless it is a self-teacher."""
+    self_teacher: bool = False
+    """Score on the policy engines, so the teacher follows the policy's weights (on-policy
+    self-distillation with privileged context). Off = a separate, frozen teacher engine."""
+    model_path: str = ""
+    """Model the local stack's teacher engine serves; empty = the engine's model, i.e. a frozen
+    copy of the base policy that never receives weight pushes."""
+    engine_port: int = Field(30100, ge=1, le=65535)
+    """Port of the local stack's teacher engine (next free port if busy)."""
+    model_name: str = ""
+    """Recorded as `teacher_model` on each Sample; empty = the teacher model folder's name."""
+    tokenizer_path: str = ""
+    """The teacher's tokenizer and chat template; empty = `model_path`, else the engine's."""
+    student_tokenizer_path: str = ""
+    """The student's tokenizer, for the vocabulary check; empty = the gateway's tokenizer."""
+    top_k: int = Field(0, ge=0, le=64)
+    """Top-k teacher logprobs stored per token; 0 = none."""
+    hint_placement: Literal["last_user", "system_note"] = "last_user"
+    """Where the hint goes in the teacher context: appended to the last user message, or as a
+    system note."""
+    require_hint: bool = True
+    """No valid hint -> no teacher logprobs (status "no_hint", counted). Off = such turns are
+    scored under the unhinted context (plain OPD with an external teacher)."""
+    hint_judge: HintJudgeSettings = Field(default_factory=lambda: HintJudgeSettings())
+    """The hint judge; off = hints only from task metadata (`hint`, `privileged_context`)."""
+    max_batch: int = Field(16, ge=1)
+    """Scoring requests coalesced into one /generate call; 1 = one by one."""
+    batch_wait_ms: float = Field(10.0, ge=0)
+    """Milliseconds to wait for more scoring requests after the first of a batch."""
+    max_concurrency: int = Field(2, ge=1)
+    """/generate calls in flight per teacher engine."""
+    concurrency: int = Field(8, ge=1)
+    """Samples the stream stage processes at once."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Seconds per teacher /generate call."""
+    max_attempts: int = Field(3, ge=1)
+    """Tries per /generate call on transport errors, 429 and 5xx."""
+    consumer_name: str = ""
+    """Consumer name in the `teacher` group; empty = host-pid."""
 
 
 class TrainerSettings(Section):

@@ -25,21 +25,35 @@ _sym_db = _symbol_database.Default()
 from flywheel._proto import sample_pb2 as sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rteacher.proto\x12\x0b\x66lywheel.v1\x1a\x0csample.proto\"R\n\x0eTeacherRequest\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample\x12\x0c\n\x04hint\x18\x02 \x01(\t\x12\r\n\x05top_k\x18\x03 \x01(\r\"f\n\x0fTeacherResponse\x12\x1c\n\x10teacher_logprobs\x18\x01 \x03(\x02\x42\x02\x10\x01\x12\x18\n\x0cteacher_mask\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04hint\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t2T\n\x0eTeacherService\x12\x42\n\x05Score\x12\x1b.flywheel.v1.TeacherRequest\x1a\x1c.flywheel.v1.TeacherResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rteacher.proto\x12\x0b\x66lywheel.v1\x1a\x0csample.proto\"\xbb\x01\n\x12ScoreTokensRequest\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.flywheel.v1.Message\x12\x12\n\ntools_json\x18\x02 \x01(\t\x12\x17\n\x0b\x63ontext_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x18\n\x0cresponse_ids\x18\x04 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04hint\x18\x05 \x01(\t\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x19\n\x11vocab_fingerprint\x18\x07 \x01(\t\"\xce\x01\n\x13ScoreTokensResponse\x12\x14\n\x08logprobs\x18\x01 \x03(\x02\x42\x02\x10\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x14\n\x08topk_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x19\n\rtopk_logprobs\x18\x04 \x03(\x02\x42\x02\x10\x01\x12\x15\n\rteacher_model\x18\x05 \x01(\t\x12\x1e\n\x16teacher_weight_version\x18\x06 \x01(\t\x12\x15\n\rprompt_tokens\x18\x07 \x01(\r\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\"9\n\x12\x45xtractHintRequest\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample\"g\n\x13\x45xtractHintResponse\x12\x0c\n\x04hint\x18\x01 \x01(\t\x12\x10\n\x08has_hint\x18\x02 \x01(\x08\x12 \n\x05votes\x18\x03 \x03(\x0b\x32\x11.flywheel.v1.Vote\x12\x0e\n\x06status\x18\x04 \x01(\t\"9\n\x12ScoreSampleRequest\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample\":\n\x13ScoreSampleResponse\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample2\x86\x02\n\x0eTeacherService\x12P\n\x0bScoreTokens\x12\x1f.flywheel.v1.ScoreTokensRequest\x1a .flywheel.v1.ScoreTokensResponse\x12P\n\x0b\x45xtractHint\x12\x1f.flywheel.v1.ExtractHintRequest\x1a .flywheel.v1.ExtractHintResponse\x12P\n\x0bScoreSample\x12\x1f.flywheel.v1.ScoreSampleRequest\x1a .flywheel.v1.ScoreSampleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'teacher_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TEACHERRESPONSE'].fields_by_name['teacher_logprobs']._loaded_options = None
-  _globals['_TEACHERRESPONSE'].fields_by_name['teacher_logprobs']._serialized_options = b'\020\001'
-  _globals['_TEACHERRESPONSE'].fields_by_name['teacher_mask']._loaded_options = None
-  _globals['_TEACHERRESPONSE'].fields_by_name['teacher_mask']._serialized_options = b'\020\001'
-  _globals['_TEACHERREQUEST']._serialized_start=44
-  _globals['_TEACHERREQUEST']._serialized_end=126
-  _globals['_TEACHERRESPONSE']._serialized_start=128
-  _globals['_TEACHERRESPONSE']._serialized_end=230
-  _globals['_TEACHERSERVICE']._serialized_start=232
-  _globals['_TEACHERSERVICE']._serialized_end=316
+  _globals['_SCORETOKENSREQUEST'].fields_by_name['context_ids']._loaded_options = None
+  _globals['_SCORETOKENSREQUEST'].fields_by_name['context_ids']._serialized_options = b'\020\001'
+  _globals['_SCORETOKENSREQUEST'].fields_by_name['response_ids']._loaded_options = None
+  _globals['_SCORETOKENSREQUEST'].fields_by_name['response_ids']._serialized_options = b'\020\001'
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['logprobs']._loaded_options = None
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['logprobs']._serialized_options = b'\020\001'
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['topk_ids']._loaded_options = None
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['topk_ids']._serialized_options = b'\020\001'
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['topk_logprobs']._loaded_options = None
+  _globals['_SCORETOKENSRESPONSE'].fields_by_name['topk_logprobs']._serialized_options = b'\020\001'
+  _globals['_SCORETOKENSREQUEST']._serialized_start=45
+  _globals['_SCORETOKENSREQUEST']._serialized_end=232
+  _globals['_SCORETOKENSRESPONSE']._serialized_start=235
+  _globals['_SCORETOKENSRESPONSE']._serialized_end=441
+  _globals['_EXTRACTHINTREQUEST']._serialized_start=443
+  _globals['_EXTRACTHINTREQUEST']._serialized_end=500
+  _globals['_EXTRACTHINTRESPONSE']._serialized_start=502
+  _globals['_EXTRACTHINTRESPONSE']._serialized_end=605
+  _globals['_SCORESAMPLEREQUEST']._serialized_start=607
+  _globals['_SCORESAMPLEREQUEST']._serialized_end=664
+  _globals['_SCORESAMPLERESPONSE']._serialized_start=666
+  _globals['_SCORESAMPLERESPONSE']._serialized_end=724
+  _globals['_TEACHERSERVICE']._serialized_start=727
+  _globals['_TEACHERSERVICE']._serialized_end=989
 # @@protoc_insertion_point(module_scope)

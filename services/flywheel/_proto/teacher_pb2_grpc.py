@@ -34,18 +34,41 @@ class TeacherServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Score = channel.unary_unary(
-                '/flywheel.v1.TeacherService/Score',
-                request_serializer=teacher__pb2.TeacherRequest.SerializeToString,
-                response_deserializer=teacher__pb2.TeacherResponse.FromString,
+        self.ScoreTokens = channel.unary_unary(
+                '/flywheel.v1.TeacherService/ScoreTokens',
+                request_serializer=teacher__pb2.ScoreTokensRequest.SerializeToString,
+                response_deserializer=teacher__pb2.ScoreTokensResponse.FromString,
+                _registered_method=True)
+        self.ExtractHint = channel.unary_unary(
+                '/flywheel.v1.TeacherService/ExtractHint',
+                request_serializer=teacher__pb2.ExtractHintRequest.SerializeToString,
+                response_deserializer=teacher__pb2.ExtractHintResponse.FromString,
+                _registered_method=True)
+        self.ScoreSample = channel.unary_unary(
+                '/flywheel.v1.TeacherService/ScoreSample',
+                request_serializer=teacher__pb2.ScoreSampleRequest.SerializeToString,
+                response_deserializer=teacher__pb2.ScoreSampleResponse.FromString,
                 _registered_method=True)
 
 
 class TeacherServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Score(self, request, context):
+    def ScoreTokens(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtractHint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreSample(self, request, context):
+        """The stream stage's whole pipeline on one Sample (hint, teacher context, scoring).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -53,10 +76,20 @@ class TeacherServiceServicer:
 
 def add_TeacherServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Score': grpc.unary_unary_rpc_method_handler(
-                    servicer.Score,
-                    request_deserializer=teacher__pb2.TeacherRequest.FromString,
-                    response_serializer=teacher__pb2.TeacherResponse.SerializeToString,
+            'ScoreTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreTokens,
+                    request_deserializer=teacher__pb2.ScoreTokensRequest.FromString,
+                    response_serializer=teacher__pb2.ScoreTokensResponse.SerializeToString,
+            ),
+            'ExtractHint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtractHint,
+                    request_deserializer=teacher__pb2.ExtractHintRequest.FromString,
+                    response_serializer=teacher__pb2.ExtractHintResponse.SerializeToString,
+            ),
+            'ScoreSample': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreSample,
+                    request_deserializer=teacher__pb2.ScoreSampleRequest.FromString,
+                    response_serializer=teacher__pb2.ScoreSampleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -70,7 +103,7 @@ class TeacherService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Score(request,
+    def ScoreTokens(request,
             target,
             options=(),
             channel_credentials=None,
@@ -83,9 +116,63 @@ class TeacherService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/flywheel.v1.TeacherService/Score',
-            teacher__pb2.TeacherRequest.SerializeToString,
-            teacher__pb2.TeacherResponse.FromString,
+            '/flywheel.v1.TeacherService/ScoreTokens',
+            teacher__pb2.ScoreTokensRequest.SerializeToString,
+            teacher__pb2.ScoreTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtractHint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.TeacherService/ExtractHint',
+            teacher__pb2.ExtractHintRequest.SerializeToString,
+            teacher__pb2.ExtractHintResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreSample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.TeacherService/ScoreSample',
+            teacher__pb2.ScoreSampleRequest.SerializeToString,
+            teacher__pb2.ScoreSampleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,3 @@
+from flywheel.teacher.main import main
+
+main()

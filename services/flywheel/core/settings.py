@@ -241,19 +241,6 @@ class HintJudgeSettings(JudgeSettings):
     """Hints shorter than this many characters are invalid votes."""
 
 
-class HintJudgeSettings(JudgeSettings):
-    """The teacher's hindsight-hint judge (flywheel.teacher.hints): an OpenAI-compatible endpoint,
-    m votes, a fixed reply format and a selection rule."""
-
-    prompt: str = "hint_v1"
-    """Prompt file stem under flywheel/teacher/prompts/."""
-    selection: Literal["longest", "most_agreed", "none"] = "longest"
-    """longest = the longest valid hint; most_agreed = the hint most votes gave (needs a
-    majority of valid decisions for a hint); none = never a hint."""
-    min_chars: int = Field(10, ge=1)
-    """Hints shorter than this many characters are invalid votes."""
-
-
 class TeacherSettings(Section):
     """On-policy distillation teacher (flywheel.teacher): `scored` stream -> `train` stream."""
 

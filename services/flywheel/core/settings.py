@@ -340,11 +340,11 @@ class TrainerSettings(Section):
     engine_urls: list[str] = Field(default_factory=list)
     """Engines to push weights to; empty = the local engine."""
     seed: int = 0
-    advantage: Literal["grpo", "dr_grpo", "rloo", "quantile"] = "grpo"
+    advantage: str = "grpo"
     """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES)."""
     quantile_k: float = Field(0.5, ge=0, le=1)
     """K of the `quantile` advantage baseline (group K-quantile; 0.5 = lower median)."""
-    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    policy_loss: str = "ppo_clip"
     """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES). gspo wants tiny
     clip_eps_low / clip_eps_high (paper: 3e-4 / 4e-4)."""
     rollout_correction: Literal["none", "tis", "mis", "icepop"] = "none"
@@ -355,9 +355,7 @@ class TrainerSettings(Section):
     """C of tis (weights truncated at C) and mis (tokens with ratio > C dropped)."""
     icepop_bounds: tuple[float, float] = (0.5, 5.0)
     """[alpha, beta] of icepop: tokens whose trainer/rollout ratio leaves it are dropped."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = (
-        "token_mean"
-    )
+    loss_aggregation: str = "token_mean"
     """How token losses become one scalar (flywheel.trainer.algorithms.losses.AGGREGATIONS)."""
     dual_clip_c: float = Field(0.0, ge=0)
     """Dual-clip bound c (> 1) on the loss of negative-advantage tokens; 0 = off."""
@@ -378,6 +376,32 @@ class TrainerSettings(Section):
     """Optimizer steps after which the trainer exits; 0 = run until stopped."""
     device: str = "auto"
     """torch device of the policy (`cpu`, `cuda`, `cuda:1`); auto = cuda when available."""
+
+    token_weights: list[str] = Field(default_factory=list)
+    """Token weight / mask parts applied in order to the advantages (WEIGHTS in
+    flywheel.trainer.algorithms.weights), e.g. ["high_entropy_only"]."""
+    regularizers: dict[str, float] = Field(default_factory=dict)
+    """Regularizer terms and their coefficients, e.g. {k3 = 0.001, entropy_min = 0.01}
+    (KL_ESTIMATORS against the rollout policy, TERMS in ...algorithms.regularizers)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: groups without reward spread are left out of the step."""
+    algorithm_params: dict[str, dict[str, float | int | bool | str]] = Field(
+        default_factory=dict)
+    """Per-part hyperparameters over the paper defaults, by part name:
+    `[trainer.algorithm_params.high_entropy_only]` / `top_frac = 0.2`."""
+
+    @field_validator("advantage", "policy_loss", "loss_aggregation", "token_weights",
+                     "regularizers", "algorithm_params")
+    @classmethod
+    def _known_parts(cls, value: Any, info: Any) -> Any:
+        from flywheel.trainer.algorithms.catalog import names_for  # noqa: PLC0415
+
+        known = names_for(info.field_name)
+        for name in [value] if isinstance(value, str) else list(value):
+            if name not in known:
+                raise ValueError(f"unknown {info.field_name} part {name!r}; choose from "
+                                 f"{sorted(known)} (`flywheel algorithms list`)")
+        return value
 
     @field_validator("dual_clip_c")
     @classmethod

@@ -391,7 +391,7 @@ class SecurityMiddleware:
         except ValueError:
             return  # the route's parser answers with the position of the JSON error
         else:
-            depth = _depth(data, self.settings.max_json_depth)
+            depth = _scan(data, self.settings.max_json_depth)
         if depth > self.settings.max_json_depth:
             REJECTED.labels("bad_body").inc()
             raise InvalidRequestError(f"the JSON body nests deeper than "
@@ -417,13 +417,18 @@ class SecurityMiddleware:
                                           code="tools_too_large")
 
 
-def _depth(data: Any, cap: int) -> int:
-    """Nesting depth of arrays/objects in `data` (a scalar is 0), counted up to `cap` + 1."""
+def _scan(data: Any, cap: int) -> int:
+    """Nesting depth of arrays/objects in `data` (a scalar is 0), counted up to `cap` + 1.
+
+    Raises:
+        InvalidRequestError: a string holds an unpaired UTF-16 surrogate (`"\\ud800"`), which
+            is valid JSON but no text: the tokenizer cannot encode it.
+    """
     deepest, stack = 0, [(data, 1)]
     while stack:
         node, level = stack.pop()
         if isinstance(node, dict):
-            children = node.values()
+            children = [*node.keys(), *node.values()]
         elif isinstance(node, list):
             children = node
         else:
@@ -431,7 +436,18 @@ def _depth(data: Any, cap: int) -> int:
         deepest = max(deepest, level)
         if deepest > cap:
             return deepest
-        stack.extend((c, level + 1) for c in children if isinstance(c, dict | list))
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, level + 1))
+            elif isinstance(child, str):
+                try:
+                    child.encode("utf-8")
+                except UnicodeEncodeError:
+                    REJECTED.labels("bad_body").inc()
+                    raise InvalidRequestError(
+                        "a string in the body holds an unpaired UTF-16 surrogate escape "
+                        "(e.g. \\ud800); send valid Unicode text",
+                        code="invalid_encoding") from None
     return deepest
 
 

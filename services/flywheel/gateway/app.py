@@ -190,6 +190,7 @@ async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
     if session_id is None:
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
+        turns._check_context(d, prompt, sampling)  # noqa: SLF001  (same rule as in sessions)
         gens = await turns.generate_n(d, prompt, sampling, body.n)
         return _response(d, body, gens, len(prompt),
                          [turns.parse_choice(d, body, g) for g in gens])

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -190,16 +190,16 @@ class JudgeSettings(Section):
     """Model name sent to the endpoint."""
     api_key: str | None = None
     """Bearer token; None = no Authorization header (local engines)."""
-    prompt: str = "prm_v1"
-    """Prompt file stem under flywheel/reward/prompts/; recorded as "prm@v1" in each Vote."""
+    prompt: str = "prm_v2"
+    """Prompt file stem under flywheel/reward/prompts/; recorded as "prm@v2" in each Vote."""
     votes: int = Field(3, ge=1, le=16)
     """m: concurrent judge calls per turn; majority, ties -> mean of the tied values."""
     timeout_s: float = Field(30.0, gt=0)
-    """Seconds per judge HTTP call."""
+    """Seconds per judge HTTP call (the whole call)."""
     max_concurrency: int = Field(8, ge=1)
-    """Judge calls in flight at once from this process."""
-    max_attempts: int = Field(3, ge=1)
-    """Tries per vote on timeout/connection error/429/5xx (1 = no retry)."""
+    """This judge's calls in flight at once from this process."""
+    max_attempts: int = Field(3, ge=1, le=10)
+    """Tries per vote on timeout/connection error/429/5xx/unparseable reply (1 = no retry)."""
     backoff_s: float = Field(0.5, ge=0)
     """First retry backoff in seconds; doubles per try with jitter, capped at 30x."""
     temperature: float = Field(0.7, ge=0)
@@ -208,6 +208,26 @@ class JudgeSettings(Section):
     """Max tokens per judge reply (reasoning + final verdict line)."""
     context_chars: int = Field(8000, ge=0)
     """The turn's context is trimmed to its last N characters."""
+
+
+class RubricJudgeSettings(JudgeSettings):
+    """A rubric outcome judge: a score in the declared range [score_min, score_max]."""
+
+    prompt: str = "rubric_v1"
+    """Prompt file stem; recorded as "rubric@v1" in each Vote."""
+    score_min: float = 0.0
+    """Lowest valid score; a vote below it is invalid (never clipped)."""
+    score_max: float = 10.0
+    """Highest valid score; a vote above it is invalid (never clipped)."""
+    default_rubric: str = ""
+    """Rubric for tasks that give none; "" = only tasks with a "rubric" are judged."""
+
+    @model_validator(mode="after")
+    def _range(self) -> RubricJudgeSettings:
+        if not self.score_min < self.score_max:
+            raise ValueError(f"score_min {self.score_min} must be below score_max "
+                             f"{self.score_max}")
+        return self
 
 
 class RewardSettings(Section):
@@ -223,9 +243,22 @@ class RewardSettings(Section):
     consumer_name: str = ""
     """Consumer name in the group; empty = host-pid."""
     weights: dict[str, float] = Field(default_factory=dict)
-    """Weight per reward component ("verifier", "judge", "outcome"); missing = 1.0."""
+    """Weight per reward component ("verifier", "outcome", "judge", "step", "rubric");
+    missing = 1.0."""
     judge: JudgeSettings = Field(default_factory=lambda: JudgeSettings())
-    """Next-state PRM judge (flywheel.reward.judge); disabled by default."""
+    """Next-state PRM judge on live turns (flywheel.reward.judge); disabled by default."""
+    step_judge: JudgeSettings = Field(default_factory=lambda: JudgeSettings())
+    """Per-turn PRM on episodes ("step/<k>" segment rewards, "step" = their mean); off."""
+    rubric_judge: RubricJudgeSettings = Field(default_factory=lambda: RubricJudgeSettings())
+    """Rubric outcome judge on the final reply of tasks with a "rubric"; off."""
+    max_in_flight: int = Field(16, ge=1)
+    """Samples the stream worker scores concurrently (one slow judge never blocks the rest)."""
+    sample_timeout_s: float = Field(600.0, gt=0)
+    """Seconds to score one Sample; past it the attempt fails and the entry is retried."""
+    max_failures: int = Field(3, ge=1)
+    """Failed scoring attempts (scorer exception or deadline) before an entry is dead-lettered."""
+    max_batch: int = Field(256, ge=1)
+    """Most Samples in one gRPC ScoreBatch request."""
 
 
 class HintJudgeSettings(JudgeSettings):
@@ -366,6 +399,10 @@ class TrainerSettings(Section):
     allow_truncated_sampling: bool = False
     """Train on samples drawn with top_p < 1, top_k > 0 or min_p > 0. Their engine logprobs are
     normalized over a kept set the trainer cannot rebuild (BUG-08); off = drop them, counted."""
+    unjudged: Literal["drop", "keep"] = "drop"
+    """Samples a configured judge could not judge (error "unjudged: ...", has_reward false):
+    drop = dead-letter them as no_reward; keep = train on their other reward components (their
+    `reward` is the weighted sum of those) when they have any (`samples.keepable_unjudged`)."""
     push_timeout_s: float = Field(600.0, gt=0)
     """Seconds to wait for one engine's /update_weights_from_disk answer."""
     push_attempts: int = Field(5, ge=1)

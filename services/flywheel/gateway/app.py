@@ -44,7 +44,7 @@ UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests ser
 
 class Engines(Protocol):
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
-                       affinity: str = "") -> Generation: ...
+                       affinity: str = "", top_logprobs_num: int = 0) -> Generation: ...
 
 
 class Publisher(Protocol):
@@ -191,7 +191,7 @@ async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
         turns._check_context(d, prompt, sampling)  # noqa: SLF001  (same rule as in sessions)
-        gens = await turns.generate_n(d, prompt, sampling, body.n)
+        gens = await turns.generate_n(d, prompt, sampling, body)
         return _response(d, body, gens, len(prompt),
                          [turns.parse_choice(d, body, g) for g in gens])
     gens, prompt_tokens, parsed = await turns.session_turn(
@@ -217,6 +217,18 @@ def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation
     }
 
 
+def _token_entry(d: GatewayDeps, token_id: int, logprob: float) -> dict[str, Any]:
+    text = d.renderer.tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _logprobs(d: GatewayDeps, gen: Generation) -> list[dict[str, Any]]:
+    """OpenAI `logprobs.content`: each sampled token, its logprob and its top alternatives."""
+    tops = gen.output_top_logprobs or [[] for _ in gen.output_ids]
+    return [{**_token_entry(d, t, lp), "top_logprobs": [_token_entry(d, i, x) for x, i in top]}
+            for t, lp, top in zip(gen.output_ids, gen.output_logprobs, tops, strict=True)]
+
+
 def _choice(d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Generation,
             parsed: ParsedReply) -> dict[str, Any]:
     finish = gen.finish_type
@@ -229,8 +241,5 @@ def _choice(d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Genera
         "logprobs": None,
     }
     if body.logprobs:
-        toks = [d.renderer.tokenizer.decode([t]) for t in gen.output_ids]
-        choice["logprobs"] = {"content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in zip(toks, gen.output_logprobs, strict=True)]}
+        choice["logprobs"] = {"content": _logprobs(d, gen)}
     return choice

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -32,6 +32,10 @@ class Generation:
     """True when generation stopped on a stop token that is part of `output_ids`."""
     weight_version: int
     prompt_tokens: int
+    matched: int | str | None = None
+    """The stop token id or stop string that ended generation (SGLang `finish_reason.matched`)."""
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Per output token, the engine's most likely (logprob, token id) pairs; empty unless asked."""
 
 
 def parse_weight_version(value: Any) -> int:
@@ -63,7 +67,11 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
         finish.get("type") == "stop" and isinstance(matched, int) and bool(ids)
         and ids[-1] == matched and matched in stop_token_ids
     )
+    tops = [[(float(r[0]), int(r[1])) for r in row or [] if r[0] is not None]
+            for row in meta.get("output_top_logprobs") or []]
     return Generation(
+        matched=matched if isinstance(matched, int | str) else None,
+        output_top_logprobs=tops,
         output_ids=ids,
         output_logprobs=logprobs,
         text=body.get("text", ""),
@@ -96,16 +104,21 @@ class EnginePool:
         return self.urls[start:] + self.urls[:start]
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = ""
+        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = "",
+        top_logprobs_num: int = 0,
     ) -> Generation:
         """`/generate` with input ids and logprobs; retried once on another engine on failure.
+
+        `top_logprobs_num` > 0 also asks for that many alternatives per output token.
 
         Raises:
             InvalidRequestError: the engine rejected the request (4xx).
             UpstreamError: every tried engine failed.
         """
-        body = {"input_ids": input_ids, "sampling_params": sampling_params,
-                "return_logprob": True}
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": True}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
         errors = []
         for url in self.order(affinity)[:2]:
             try:

@@ -6,7 +6,8 @@ structured. Parsers are chosen per model family by name (`TOOL_PARSERS`).
 - `hermes`: Hermes/Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 - `json`: the whole reply is one JSON object `{"name": ..., "arguments"|"parameters": {...}}`
   (or a list of them); used as the fallback when no hermes block is present.
-- Reasoning: a leading `<think>...</think>` block becomes `reasoning_content`.
+- Reasoning: a leading `<think>...</think>` block becomes `reasoning_content` (an unclosed one,
+  cut by the token limit, is all reasoning and leaves the content empty).
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def parse_reply(text: str, *, tools_offered: bool, tool_parser: str = "hermes") 
     if match:
         reasoning = match.group(1).strip()
         text = text[match.end():]
+    elif text.lstrip().startswith("<think>"):
+        # Reasoning cut off by the token limit (BUG-11 a): all of it is reasoning, no content.
+        reasoning, text = text.lstrip()[len("<think>"):].strip(), ""
     calls: list[dict[str, Any]] = []
     if tools_offered:
         for name in dict.fromkeys([tool_parser, "json"]):

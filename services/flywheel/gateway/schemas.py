@@ -1,7 +1,7 @@
 """HTTP request models of the gateway (OpenAI chat completions and Flywheel sessions).
 
-Unknown fields are ignored (as SGLang's OpenAI server does, so SDK `extra_body` keys pass);
-invalid values fail validation and are answered with OpenAI error JSON (core/http_errors.py).
+Invalid values and unrecognized fields fail validation and are answered with OpenAI error JSON
+(core/http_errors.py); see `ChatCompletionRequest` for the field policy.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 """Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
@@ -34,8 +34,43 @@ class ChatMessage(BaseModel):
         return data
 
 
+_NEUTRAL: dict[str, Any] = {
+    # OpenAI fields that change sampling; the engine cannot honor them, so only their neutral
+    # values are accepted (a silently ignored penalty would record tokens drawn from another
+    # distribution than the client asked for).
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "prediction": (None,),
+    "audio": (None,),
+    "web_search_options": (None,),
+    "functions": (None, []),
+    "function_call": (None,),
+    # SGLang extensions (the SDK's extra_body) the embedded engine does not implement.
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "regex": (None,),
+    "json_schema": (None,),
+    "ebnf": (None,),
+    "chat_template_kwargs": (None, {}),
+}
+
+
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """`POST /v1/chat/completions` body.
+
+    Field policy (BUG-30): every OpenAI chat-completion parameter is declared. Those that do not
+    change the sampled tokens (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls`,
+    `prompt_cache_*`, `safety_identifier`, `verbosity`, `reasoning_effort`, `moderation`,
+    `modalities`) are accepted and have no effect; those that would change sampling and that
+    the engine cannot honor (penalties, `logit_bias`, legacy `functions`, ...) are a 400 unless
+    they hold their neutral value. Any other field is a 400 naming it, as OpenAI answers an
+    unrecognized argument: nothing that could change sampling is ignored silently.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
@@ -46,25 +81,84 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = Field(None, max_length=32)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
-    """Choices per request (served without a session; one engine call per choice)."""
+    """Choices per request; in a session each choice is recorded (turns.py)."""
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    """Most likely alternatives per token (needs `logprobs: true`)."""
+    # Accepted without effect on the sampled tokens.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    reasoning_effort: str | None = None
+    moderation: Any = None
+    modalities: list[Literal["text"]] | None = None
+    # Changes sampling: neutral values only (see _NEUTRAL).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    prediction: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    regex: str | None = None
+    json_schema: Any = None
+    ebnf: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool | None = None
+    skip_special_tokens: bool | None = None
 
-    @model_validator(mode="after")
-    def _supported(self) -> ChatCompletionRequest:
-        if self.top_k == 0:
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v == 0:
             raise ValueError("top_k must be -1 (whole vocabulary) or a positive integer")
-        kind = (self.response_format or {}).get("type", "text")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (v or {}).get("type", "text")
         if kind != "text":
             raise ValueError(
-                f"response_format type {kind!r} is not supported by this engine; use 'text'")
+                f"response_format type {kind!r} is not supported: the engine has no "
+                "constrained decoding; use 'text' and ask for JSON in the prompt")
+        return v
+
+    @field_validator(*_NEUTRAL, mode="after")
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in _NEUTRAL[info.field_name]:
+            raise ValueError(f"{info.field_name}={v!r} is not supported by the engine; "
+                             "leave it unset")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCompletionRequest:
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise ValueError(
+                f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) disagree; "
+                "send only max_completion_tokens")
         return self
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:

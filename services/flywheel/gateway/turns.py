@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ from prometheus_client import Counter
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
-from flywheel.core.errors import ConflictError, InvalidRequestError
+from flywheel.core.errors import ConflictError, InvalidRequestError, UpstreamError
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import (
@@ -74,6 +74,8 @@ NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
 SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
                      "Side turns served in a session without being recorded")
 FORKS.labels("choice_not_sent_back")
+STOP_LEAKS = Counter("flywheel_gateway_stop_leaks_total",
+                     "Generations refused for tokens after their matched stop string")
 TURN_TYPES = ("main", "side")
 
 
@@ -89,11 +91,34 @@ def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
     return sampling
 
 
-async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], n: int,
-                     affinity: str = "") -> list[Generation]:
-    """n engine calls for one prompt (distinct seeds when a seed is given)."""
-    return list(await asyncio.gather(*[d.engines.generate(prompt, _nth(sampling, i), affinity)
-                                       for i in range(n)]))
+async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any],
+                     body: ChatCompletionRequest, affinity: str = "") -> list[Generation]:
+    """`body.n` engine calls for one prompt (distinct seeds when a seed is given)."""
+    extra = {"top_logprobs_num": body.top_logprobs} if body.logprobs and body.top_logprobs else {}
+    gens = list(await asyncio.gather(*[
+        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra)
+        for i in range(body.n)]))
+    for gen in gens:
+        check_stop(gen, d.renderer.decode)
+    return gens
+
+
+def check_stop(gen: Generation, decode: Callable[[list[int]], str]) -> None:
+    """Refuse a generation that kept tokens after its matched stop string (BUG-10).
+
+    The token completing the stop string is the last one kept, so the text of every earlier
+    token must not contain the stop string yet.
+
+    Raises:
+        UpstreamError: the engine returned tokens past the stop (nothing is recorded).
+    """
+    if gen.finish_type != "stop" or not isinstance(gen.matched, str) or not gen.matched:
+        return
+    if len(gen.output_ids) > 1 and gen.matched in decode(gen.output_ids[:-1]):
+        STOP_LEAKS.inc()
+        log.error("engine kept tokens after stop string %r; generation refused", gen.matched)
+        raise UpstreamError(f"the engine returned tokens after the stop string "
+                            f"{gen.matched!r}; the generation was not recorded")
 
 
 @asynccontextmanager
@@ -201,7 +226,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         SIDE_TURNS.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
         _check_context(d, prompt, sampling)
-        gens = await generate_n(d, prompt, sampling, body.n, affinity=session_id)
+        gens = await generate_n(d, prompt, sampling, body, affinity=session_id)
         return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
@@ -212,7 +237,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         prompt, closed = await asyncio.to_thread(
             prepare_prompt, record, d.renderer, messages, body.tools)
         _check_context(d, prompt, sampling)
-        gens = await generate_n(d, prompt, sampling, body.n, affinity=session_id)
+        gens = await generate_n(d, prompt, sampling, body, affinity=session_id)
         parsed = [parse_choice(d, body, g) for g in gens]
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))

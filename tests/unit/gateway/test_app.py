@@ -108,9 +108,11 @@ def test_backpressure_refuses_new_training_sessions_with_retry_after(env):
     assert redis_client.xlen(f"{prefix}:rollouts") == 2  # nothing trimmed
 
 
-def test_unknown_fields_are_ignored_and_models_listed(env):
+def test_unrecognized_fields_are_a_400_naming_them_and_models_listed(env):
     client, _, _, _ = env
-    assert _chat(client, "/v1", frobnicate=True, user="u").status_code == 200
+    unknown = _chat(client, "/v1", frobnicate=True, user="u")  # BUG-30 (d): never ignored
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "frobnicate"
+    assert _chat(client, "/v1", user="u", store=False, parallel_tool_calls=True).status_code == 200
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
 

@@ -38,7 +38,7 @@ FLYWHEEL_HTTP = {
     "trainer": {"routes": "trainer/http.py", "paths": {"/healthz", "/readyz"},
                 "liveness": {"/healthz"}},
 }
-FLYWHEEL_GRPC = {"reward"}  # grpc.health.v1 on settings.reward.port
+FLYWHEEL_GRPC = {"reward", "teacher"}  # grpc.health.v1 on settings.<service>.port
 OTHER_IMAGES = {
     "lmsysorg/sglang": {"http": {30000: {"/health", "/health_generate"}}},
     "redis": {"tcp": {6379}, "exec": True},
@@ -211,6 +211,7 @@ def test_every_overlay_renders_and_passes_strict_schema_validation(rendered):
 def test_expected_workloads_and_kinds(docs):
     kinds = {d["metadata"]["name"]: d["kind"] for d in _workloads(docs)}
     assert kinds == {"engine": "Deployment", "gateway": "Deployment", "reward": "Deployment",
+                     "teacher": "Deployment", "teacher-engine": "Deployment",
                      "trainer": "StatefulSet", "redis": "StatefulSet"}
     (redis,) = [d for d in _workloads(docs) if d["metadata"]["name"] == "redis"]
     args = _pod_spec(redis)["containers"][0]["args"]
@@ -289,15 +290,19 @@ def test_every_container_has_probes_on_real_endpoints(docs, tmp_path, monkeypatc
                     else:
                         assert known.get(how), (repo, kind, how)
             checked.add(workload["metadata"]["name"])
-    assert checked == {"engine", "gateway", "reward", "trainer", "redis"}
+    assert checked == {"engine", "gateway", "reward", "teacher", "teacher-engine", "trainer",
+                       "redis"}
 
 
-def test_reward_metrics_port_matches_settings(docs, tmp_path, monkeypatch):
+def test_grpc_services_metrics_port_matches_settings(docs, tmp_path, monkeypatch):
+    seen = set()
     for workload, container, service in _flywheel_containers(docs):
-        if service == "reward":
+        if service in FLYWHEEL_GRPC:
             settings = _settings_for(docs, workload, container, tmp_path, monkeypatch)
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            assert ports["metrics"] == settings.reward.metrics_port
+            assert ports["metrics"] == getattr(settings, service).metrics_port, service
+            seen.add(service)
+    assert seen == FLYWHEEL_GRPC
 
 
 def test_services_select_workloads_and_target_declared_ports(docs):
@@ -332,21 +337,28 @@ def test_config_and_env_parse_into_settings_that_point_at_real_services(
                     if k.startswith("FLYWHEEL_") and k not in ("FLYWHEEL_CONFIG", "FLYWHEEL_CACHE")}
         nested: dict = {}
         for dotted in env_keys:
-            section, _, field = dotted.partition(".")
-            nested.setdefault(section, {})[field] = None
+            *parents, leaf = dotted.split(".")
+            node = nested
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = None
         assert not _unknown_keys(nested, FlywheelSettings, "env:"), service
         if service != "engine":
             url = urlparse(settings.redis_url())
             assert url.password and url.password.startswith("secret-from-"), service
             assert url.hostname in services and url.port in services[url.hostname], service
         urls = {"gateway": settings.engine_urls(),
-                "trainer": settings.trainer_engine_urls()}.get(service, [])
+                "trainer": settings.trainer_engine_urls(),
+                "teacher": settings.teacher.engine_urls}.get(service, [])
+        if service == "teacher":
+            assert urls and not set(urls) & set(settings.trainer_engine_urls()), (
+                "the teacher's frozen engine must never receive weight pushes")
         for engine_url in urls:
             url = urlparse(engine_url)
             assert url.hostname in services and url.port in services[url.hostname], engine_url
         seen.add(service)
-    assert seen == {"engine", "gateway", "reward", "trainer"} or seen == {
-        "gateway", "reward", "trainer"}
+    assert seen == {"engine", "gateway", "reward", "teacher", "trainer"} or seen == {
+        "gateway", "reward", "teacher", "trainer"}
 
 
 def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, monkeypatch):
@@ -397,7 +409,7 @@ def test_pdbs_and_hpa_target_real_workloads(docs):
                                                              _pod_labels(w))]
         assert len(hits) == 1, pdb["metadata"]["name"]
         covered.add(hits[0])
-    assert {"gateway", "reward"} <= covered
+    assert {"gateway", "reward", "teacher"} <= covered
     (hpa,) = _of_kind(docs, "HorizontalPodAutoscaler")
     ref = hpa["spec"]["scaleTargetRef"]
     assert workloads[ref["name"]]["kind"] == ref["kind"] and ref["name"] == "gateway"
@@ -454,14 +466,18 @@ def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
         return _pod_labels(w[name])
 
     needed = [("gateway", "engine", 30000), ("trainer", "engine", 30000),
-              ("gateway", "redis", 6379), ("reward", "redis", 6379), ("trainer", "redis", 6379)]
+              ("gateway", "redis", 6379), ("reward", "redis", 6379), ("trainer", "redis", 6379),
+              ("teacher", "redis", 6379), ("teacher", "teacher-engine", 30000),
+              ("trainer", "teacher", 50052), ("trainer", "reward", 50051)]
     for src, dst, port in needed:
         assert _allowed(docs, labels(src), w[dst], port), f"{src} cannot reach {dst}:{port}"
     assert _allowed(docs, None, w["gateway"], 8000), "the gateway is not reachable"
-    for dst, port in [("engine", 30000), ("redis", 6379), ("trainer", 8100), ("reward", 50051)]:
+    for dst, port in [("engine", 30000), ("redis", 6379), ("trainer", 8100), ("reward", 50051),
+                      ("teacher", 50052), ("teacher-engine", 30000)]:
         assert not _allowed(docs, None, w[dst], port), f"{dst}:{port} is open to outside"
     forbidden = [("gateway", "trainer", 8100), ("engine", "redis", 6379),
-                 ("reward", "engine", 30000)]
+                 ("reward", "engine", 30000), ("gateway", "teacher-engine", 30000),
+                 ("trainer", "teacher-engine", 30000)]
     for src, dst, port in forbidden:
         assert not _allowed(docs, labels(src), w[dst], port), f"{src} may reach {dst}:{port}"
 
@@ -486,3 +502,37 @@ def test_no_real_secret_values_are_committed(rendered):
             assert refs <= secret_names
     base = "\n".join(p.read_text() for p in (K8S / "base").glob("*"))
     assert "kind: Secret" not in base and "secretGenerator" not in base
+
+
+def _all_keys(data: dict) -> set[str]:
+    keys = set(data)
+    for value in data.values():
+        if isinstance(value, dict):
+            keys |= _all_keys(value)
+    return keys
+
+
+def test_credentials_come_only_from_secrets(rendered):
+    """API keys, tokens and the Redis password reach containers through secretKeyRef (never a
+    literal or the ConfigMap), and every required key exists in the dev overlay's Secret."""
+    sensitive = re.compile(r"(API_KEY|PASSWORD|TOKEN)$")
+    for overlay, objs in rendered.items():
+        required, optional = set(), set()
+        for workload in _workloads(objs):
+            spec = _pod_spec(workload)
+            for container in spec.get("initContainers", []) + spec["containers"]:
+                for item in container.get("env", []):
+                    if not sensitive.search(item["name"]):
+                        continue
+                    ref = item.get("valueFrom", {}).get("secretKeyRef")
+                    assert ref, f"{overlay} {container['name']}: {item['name']} is not a secret"
+                    (optional if ref.get("optional") else required).add(ref["key"])
+        assert "redis-password" in required and "judge-api-key" in optional, overlay
+        for cm in _of_kind(objs, "ConfigMap"):
+            for name, text in cm["data"].items():
+                keys = _all_keys(tomllib.loads(text)) if name.endswith(".toml") else set()
+                assert not keys & {"api_key", "password", "token"}, (name, keys)
+                assert "redis://:" not in text, f"{name} carries a Redis password"
+        if overlay == "cpu-dev":
+            (secret,) = _of_kind(objs, "Secret")
+            assert required <= set(secret.get("data", {})), required

@@ -369,7 +369,7 @@ class TrainerSettings(Section):
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward/backward pass (gradient accumulation over micro-batches)."""
     max_staleness: int = Field(4, ge=0)
-    """Weight versions a sample may lag behind the trainer before it is dropped."""
+    """Weight versions a sample may lag behind the trainer before `stale_policy` applies."""
     engine_urls: list[str] = Field(default_factory=list)
     """Engines to push weights to; empty = the local engine."""
     seed: int = 0
@@ -413,6 +413,76 @@ class TrainerSettings(Section):
     """Optimizer steps after which the trainer exits; 0 = run until stopped."""
     device: str = "auto"
     """torch device of the policy (`cpu`, `cuda`, `cuda:1`); auto = cuda when available."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the per-token KL(pi || reference) term added to the loss; 0 = off (no
+    reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (flywheel.trainer.algorithms.regularizers.KL_ESTIMATORS)."""
+    reference_model_path: str = ""
+    """Frozen reference policy for the KL term; empty = the initial policy (`model_path`)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Coefficient of the entropy bonus (-coef * H per loss token, nats); 0 = off."""
+    precision: Literal["fp32", "bf16_autocast"] = "fp32"
+    """fp32 everywhere, or the decoder under bf16 autocast (fp32 master weights, fp32 AdamW
+    state; the lm head and logprobs stay fp32). bf16 autocast needs a CPU with bf16 support or a
+    CUDA device."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank (peft); 0 = full fine-tuning. Checkpoints hold the merged weights."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Module names that get LoRA adapters."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Padded tokens (rows x longest row) per forward/backward pass; 0 = only
+    `micro_batch_size` limits a micro-batch."""
+    step_tokens: int = Field(0, ge=0)
+    """Tokens per optimizer step: a step starts once ready groups hold this many and takes
+    groups up to it (at least one); 0 = by sample count (`groups_per_step * group_size`)."""
+    partial_groups: Literal["train", "drop"] = "train"
+    """A group still partial after `group_wait_s`: train it (with >= `min_group_size` fresh
+    members) or drop it (counted as `partial_group`)."""
+    min_group_size: int = Field(2, ge=1)
+    """Fresh members a partial group needs to be trained."""
+    live_advantage: Literal["drop", "reward", "opd"] = "reward"
+    """Samples without a group_id (live mode): `reward` = advantage is the sample's reward
+    (e.g. a judge's +1/-1), `opd` = per-token teacher - rollout logprob gap, `drop` = dropped
+    as `no_group_id`."""
+    stale_policy: Literal["drop", "downweight", "is_correct"] = "drop"
+    """Samples that lag more than `max_staleness` versions: dropped, down-weighted by
+    `stale_decay ** (lag - max_staleness)`, or IS-corrected (ratio against the trainer's own
+    logprobs, tokens weighted by min(pi_train / pi_rollout, correction_cap))."""
+    stale_decay: float = Field(0.5, gt=0, le=1)
+    """Per-version loss weight decay of `downweight`."""
+    stale_hard_limit: int = Field(0, ge=0)
+    """Lag above which a sample is dropped whatever `stale_policy` says; 0 = no limit."""
+    source: Literal["redis", "replay", "fake"] = "redis"
+    """Where Samples come from: the train stream, a recorded dump (`replay_path`), or random
+    well-formed groups (to run and profile the step alone)."""
+    replay_path: str = ""
+    """Dump to replay with `source = "replay"` (.jsonl or length-prefixed .bin of Samples)."""
+    record_path: str = ""
+    """Append every Sample read from the source to this dump (.jsonl or .bin); empty = off."""
+    fake_prompt_tokens: int = Field(32, ge=1)
+    """Prompt tokens of each fake Sample."""
+    fake_completion_tokens: int = Field(32, ge=1)
+    """Sampled tokens of each fake Sample."""
+    lr_schedule: Literal["constant", "linear_warmup", "cosine"] = "constant"
+    """Learning-rate schedule over optimizer steps (warm-up is linear from 0)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up (linear_warmup, cosine)."""
+    total_steps: int = Field(1000, ge=1)
+    """Horizon of the cosine decay (to 0) in steps."""
+    save_optimizer: bool = True
+    """Keep AdamW, scheduler and RNG state in each checkpoint (exact resume; about twice the
+    model's fp32 size on disk)."""
+    push_every: int = Field(1, ge=1)
+    """Push weights to the engines every k committed steps (checkpoints every step)."""
+    tensorboard: bool = True
+    """Write per-step metrics as TensorBoard scalars to `<metrics_path folder>/tensorboard`."""
+    wandb_project: str = ""
+    """Also log metrics to this Weights & Biases project when wandb is installed; empty = off."""
 
     token_weights: list[str] = Field(default_factory=list)
     """Token weight / mask parts applied in order to the advantages (WEIGHTS in

@@ -3,6 +3,11 @@
 Shapes: B = samples, T = the longest sample in the batch (a micro-batch is trimmed to its own
 longest row). Per-token tensors are aligned with `Sample.token_ids`; padding sits on the right,
 with attention 0, loss mask 0 and advantage 0.
+
+Micro-batches are cut by sample count and, optionally, by a token budget (rows x longest row,
+the padded tokens one forward pass holds). Rows are taken longest first, so rows of similar
+length share a micro-batch and little padding is computed; the loss normalizer is step-wide, so
+the order never changes the gradient (BUG-14).
 """
 
 from __future__ import annotations
@@ -36,6 +41,18 @@ class TrainBatch:
     """(B,) float32 sampling temperature of each sample (greedy/unset -> 1.0)."""
     rewards_B: Tensor
     """(B,) float32 Sample.reward (for metrics)."""
+    sample_weight_B: Tensor
+    """(B,) float32 multiplier of each sample's token losses (stale down-weighting; 1.0)."""
+    is_correct_B: Tensor
+    """(B,) bool: take this sample's ratio against the trainer's own logprobs and weight its
+    tokens by the truncated IS weight pi_train / pi_rollout (a stale sample, IS-corrected)."""
+    group_index_B: Tensor
+    """(B,) int64 group of each sample (0..G-1), for token-level algorithm parts."""
+    teacher_logprobs_BT: Tensor
+    """(B, T) float32 Sample.teacher_logprobs (0 where absent)."""
+    teacher_mask_BT: Tensor
+    """(B, T) bool: a teacher logprob exists (Sample.teacher_mask, or 1 wherever the sample has
+    teacher_logprobs and no mask)."""
 
     @property
     def size(self) -> int:
@@ -44,18 +61,40 @@ class TrainBatch:
     def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    @property
+    def lengths_B(self) -> Tensor:
+        """(B,) int64 real tokens of each row."""
+        return self.attention_mask_BT.sum(dim=1)
+
     def rows(self, start: int, end: int) -> TrainBatch:
         """Rows [start, end), trimmed on the right to their longest real sequence."""
-        length = max(int(self.attention_mask_BT[start:end].sum(dim=1).max()), 1)
+        return self.select(torch.arange(start, end))
+
+    def select(self, index_N: Tensor) -> TrainBatch:
+        """Rows `index_N` (in that order), trimmed on the right to their longest sequence."""
+        length = max(int(self.lengths_B[index_N].max()), 1) if index_N.numel() else 1
         parts = {}
         for f in fields(self):
-            value = getattr(self, f.name)[start:end]
+            value = getattr(self, f.name)[index_N]
             parts[f.name] = value[:, :length] if f.name.endswith("_BT") else value
         return TrainBatch(**parts)
 
 
-def collate(samples_B: Sequence[sample_pb2.Sample], advantages_B: Tensor) -> TrainBatch:
+def collate(
+    samples_B: Sequence[sample_pb2.Sample],
+    advantages_B: Tensor,
+    *,
+    sample_weight_B: Tensor | None = None,
+    is_correct_B: Tensor | None = None,
+    group_index_B: Tensor | None = None,
+) -> TrainBatch:
     """Pad `samples_B` on the right into one batch; each sample's advantage fills its loss tokens.
+
+    Args:
+        samples_B: B valid Samples.
+        advantages_B: (B,) advantage of each sample.
+        sample_weight_B: (B,) loss multiplier per sample; None = 1.0.
+        is_correct_B: (B,) bool, samples to IS-correct against the trainer; None = none.
 
     Raises:
         ContractError: a sample breaks `check_trainable` (a bug upstream: it should have been
@@ -68,6 +107,8 @@ def collate(samples_B: Sequence[sample_pb2.Sample], advantages_B: Tensor) -> Tra
     attention_mask_BT = torch.zeros(batch, seq, dtype=torch.int64)
     loss_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
     old_logprobs_BT = torch.zeros(batch, seq, dtype=torch.float32)
+    teacher_BT = torch.zeros(batch, seq, dtype=torch.float32)
+    teacher_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
     for row, sample in enumerate(samples_B):
         check_trainable(sample)
         n = len(sample.token_ids)
@@ -75,6 +116,10 @@ def collate(samples_B: Sequence[sample_pb2.Sample], advantages_B: Tensor) -> Tra
         attention_mask_BT[row, :n] = 1
         loss_mask_BT[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.bool)
         old_logprobs_BT[row, :n] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        if len(sample.teacher_logprobs):
+            teacher_BT[row, :n] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
+            mask = sample.teacher_mask if len(sample.teacher_mask) else [1] * n
+            teacher_mask_BT[row, :n] = torch.tensor(list(mask), dtype=torch.bool)
     old_logprobs_BT = torch.where(loss_mask_BT, old_logprobs_BT, 0.0)
     advantages_BT = torch.where(loss_mask_BT, advantages_B.float()[:, None], 0.0)
     return TrainBatch(
@@ -85,10 +130,41 @@ def collate(samples_B: Sequence[sample_pb2.Sample], advantages_B: Tensor) -> Tra
         advantages_BT=advantages_BT,
         temperature_B=torch.tensor([sample_temperature(s) for s in samples_B]),
         rewards_B=torch.tensor([s.reward for s in samples_B], dtype=torch.float32),
+        sample_weight_B=(
+            torch.ones(batch) if sample_weight_B is None else sample_weight_B.float()
+        ),
+        is_correct_B=(
+            torch.zeros(batch, dtype=torch.bool) if is_correct_B is None else is_correct_B.bool()
+        ),
+        group_index_B=(
+            torch.arange(batch) if group_index_B is None else group_index_B.long()
+        ),
+        teacher_logprobs_BT=torch.where(teacher_mask_BT, teacher_BT, 0.0),
+        teacher_mask_BT=teacher_mask_BT & loss_mask_BT,
     )
 
 
-def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    """Consecutive micro-batches of at most `size` rows, each trimmed to its longest row."""
-    starts = range(0, batch.size, size)
-    return [batch.rows(start, min(start + size, batch.size)) for start in starts]
+def micro_batches(batch: TrainBatch, size: int, token_budget: int = 0) -> list[TrainBatch]:
+    """Split `batch` into micro-batches of at most `size` rows and, when `token_budget` > 0, at
+    most `token_budget` padded tokens (rows x longest row; a longer row goes alone).
+
+    Without a token budget the rows stay in order (consecutive slices). With one, rows are taken
+    longest first, so each micro-batch holds rows of similar length.
+    """
+    if token_budget <= 0:
+        starts = range(0, batch.size, size)
+        return [batch.rows(start, min(start + size, batch.size)) for start in starts]
+    lengths_B = batch.lengths_B
+    order = sorted(range(batch.size), key=lambda i: (-int(lengths_B[i]), i))
+    out, current, longest = [], [], 0
+    for row in order:
+        n = max(int(lengths_B[row]), 1)
+        full = len(current) >= size or (len(current) + 1) * max(longest, n) > token_budget
+        if current and full:
+            out.append(batch.select(torch.tensor(current)))
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, n)
+    if current:
+        out.append(batch.select(torch.tensor(current)))
+    return out

@@ -7,15 +7,19 @@ reason, which the service counts and logs: data loss is never silent.
 
 Policy:
 - A group is ready when it has `group_size` samples, or when its first sample has waited
-  `group_wait_s` (a partial group). A step starts when `groups_per_step` groups are ready, or
-  earlier when any ready group has waited `group_wait_s` (then with the ready groups there are).
-- A ready group trains only with at least 2 fresh members. A lone sample has no group baseline
-  (its advantage would be 0: no gradient, only a diluted token mean), so it is dropped as
-  `partial_group_singleton`. With `group_size` 1 every sample is dropped this way.
+  `group_wait_s` (a partial group). A step starts when the ready groups hold
+  `groups_per_step * group_size` samples (or `step_tokens` tokens, when set), or earlier when any
+  ready group has waited `group_wait_s` (then with the ready groups there are).
+- Partial groups (`partial_groups`): `train` trains a partial group if it has at least
+  `min_group_size` fresh members, else drops them as `partial_group_singleton` (a lone sample has
+  no group baseline: its advantage would be 0); `drop` drops every partial group as
+  `partial_group` (acked).
+- Live mode (`live_samples`): a sample without a `group_id` is its own group, ready at once; it
+  gets a per-sample advantage in the step (its judge reward, or OPD token gaps). When live
+  samples are off they are dropped as `no_group_id` (acked).
 - Admission drops (on arrival): `no_reward` (has_reward false: scoring failed; dead-lettered with
   the scorer's error, so it can be inspected and replayed), `invalid` (breaks a per-token
-  invariant; dead-lettered), `no_group_id` (live-mode samples: they get their own advantage
-  estimators later; acked), `truncated_sampling` (top_p < 1, top_k > 0 or min_p > 0 and not
+  invariant; dead-lettered), `truncated_sampling` (top_p < 1, top_k > 0 or min_p > 0 and not
   allowed: BUG-08; acked), `duplicate` (a sample_id already held or recently trained; acked).
 - Step drops: `nonfinite_step` (the step that used the sample had a non-finite loss or gradient
   norm and was skipped; dead-lettered), `no_loss_tokens` (the whole step had no sampled token
@@ -24,7 +28,8 @@ Policy:
 - Staleness, at the time a group is taken for a step: lag = trainer version - the oldest weight
   version of the sample's sampled tokens (staleness is measured from dispatch, BUG-19). A sampled
   token without a version (< 0) counts as version 0, the initial weights. Samples with lag >
-  `max_staleness` are dropped as `stale` (acked).
+  `max_staleness` are dropped as `stale` (acked), down-weighted or IS-corrected, by the
+  `StalenessPolicy` (staleness.py); the group keeps each member's lag and treatment.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ from flywheel._proto import sample_pb2
 from flywheel.core.errors import ContractError
 from flywheel.core.streams import StreamEntry
 from flywheel.trainer.samples import check_trainable, sample_lag, truncated_sampling
+from flywheel.trainer.staleness import StalenessPolicy, Treatment
+
+LIVE_PREFIX = "live/"
+"""Internal group key prefix of a group-less (live-mode) sample: `live/<sample_id>`."""
 
 
 class DropReason(StrEnum):
@@ -49,6 +58,7 @@ class DropReason(StrEnum):
     DUPLICATE = "duplicate"
     STALE = "stale"
     SINGLETON = "partial_group_singleton"
+    PARTIAL_GROUP = "partial_group"
     NONFINITE_STEP = "nonfinite_step"
     NO_LOSS_TOKENS = "no_loss_tokens"
 
@@ -71,10 +81,23 @@ class Group:
     first_seen_s: float
     """Clock time (seconds) the first member arrived."""
     entries: list[StreamEntry] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)
+    """Lag (versions) of each entry when the group was taken for a step; [] before."""
+    treatments: list[tuple[Treatment, float]] = field(default_factory=list)
+    """Staleness treatment and loss weight of each entry (aligned with `entries`)."""
 
     @property
     def samples(self) -> list[sample_pb2.Sample]:
         return [e.sample for e in self.entries]
+
+    @property
+    def live(self) -> bool:
+        """A group-less (live-mode) sample on its own."""
+        return self.group_id.startswith(LIVE_PREFIX)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(e.sample.token_ids) for e in self.entries)
 
 
 class GroupAssembler:
@@ -84,6 +107,9 @@ class GroupAssembler:
         group_size: members that make a group complete.
         group_wait_s: seconds after its first member that a partial group becomes ready.
         allow_truncated_sampling: admit top-p/top-k/min-p samples (see module docstring).
+        live_samples: admit group-less samples as their own groups (else drop `no_group_id`).
+        partial_groups: `train` or `drop` partial groups (see module docstring).
+        min_group_size: fresh members a partial group needs to train (>= 1).
         clock: monotonic seconds (injected by tests).
         remember: trained sample_ids remembered to reject duplicates.
     """
@@ -94,12 +120,20 @@ class GroupAssembler:
         group_wait_s: float,
         *,
         allow_truncated_sampling: bool = False,
+        live_samples: bool = False,
+        partial_groups: str = "train",
+        min_group_size: int = 2,
         clock: Callable[[], float] = time.monotonic,
         remember: int = 100_000,
     ):
+        if partial_groups not in ("train", "drop"):
+            raise ValueError(f"partial_groups must be 'train' or 'drop', got {partial_groups!r}")
         self.group_size = group_size
         self.group_wait_s = group_wait_s
         self.allow_truncated_sampling = allow_truncated_sampling
+        self.live_samples = live_samples
+        self.partial_groups = partial_groups
+        self.min_group_size = max(min_group_size, 1)
         self.clock = clock
         self.remember = remember
         self.pending: dict[str, Group] = {}
@@ -116,9 +150,10 @@ class GroupAssembler:
         if drop is not None:
             return drop
         sample = entry.sample
-        group = self.pending.get(sample.group_id)
+        key = sample.group_id or f"{LIVE_PREFIX}{sample.sample_id}"
+        group = self.pending.get(key)
         if group is None:
-            group = self.pending[sample.group_id] = Group(sample.group_id, self.clock())
+            group = self.pending[key] = Group(key, self.clock())
         group.entries.append(entry)
         self._held_ids.add(entry.entry_id)
         self._held_samples.add(sample.sample_id)
@@ -132,7 +167,7 @@ class GroupAssembler:
             check_trainable(sample)
         except ContractError as exc:
             return Drop(entry, DropReason.INVALID, str(exc))
-        if not sample.group_id:
+        if not sample.group_id and not self.live_samples:
             return Drop(entry, DropReason.NO_GROUP_ID)
         if truncated_sampling(sample) and not self.allow_truncated_sampling:
             s = sample.sampling
@@ -143,51 +178,96 @@ class GroupAssembler:
         return None
 
     def _is_ready(self, group: Group, now: float) -> bool:
-        return len(group.entries) >= self.group_size or self._overdue(group, now)
+        return group.live or len(group.entries) >= self.group_size or self._overdue(group, now)
 
     def _overdue(self, group: Group, now: float) -> bool:
         return now - group.first_seen_s >= self.group_wait_s
 
-    def ready_count(self) -> int:
-        now = self.clock()
-        return sum(self._is_ready(g, now) for g in self.pending.values())
+    def _ready(self, now: float) -> list[Group]:
+        """Ready groups, oldest first."""
+        ready = (g for g in self.pending.values() if self._is_ready(g, now))
+        return sorted(ready, key=lambda g: g.first_seen_s)
 
-    def should_step(self, groups_per_step: int) -> bool:
-        """Enough ready groups for a step, or a ready group that has waited `group_wait_s`."""
+    def ready_count(self) -> int:
+        return len(self._ready(self.clock()))
+
+    def should_step(self, groups_per_step: int, step_tokens: int = 0) -> bool:
+        """Ready groups hold `groups_per_step * group_size` samples (or `step_tokens` tokens when
+        > 0), or a ready group has waited `group_wait_s`."""
         now = self.clock()
-        ready = [g for g in self.pending.values() if self._is_ready(g, now)]
-        return len(ready) >= groups_per_step or any(self._overdue(g, now) for g in ready)
+        ready = self._ready(now)
+        samples = sum(len(g.entries) for g in ready)
+        tokens = sum(g.tokens for g in ready) if step_tokens else 0
+        return (
+            samples >= groups_per_step * self.group_size
+            or (step_tokens > 0 and tokens >= step_tokens)
+            or any(self._overdue(g, now) for g in ready)
+        )
 
     def pop_ready(
-        self, max_groups: int, trainer_version: int, max_staleness: int
+        self,
+        max_groups: int,
+        trainer_version: int,
+        staleness: StalenessPolicy | int,
+        step_tokens: int = 0,
     ) -> tuple[list[Group], list[Drop], list[int]]:
-        """Take up to `max_groups` ready groups (oldest first), minus stale members.
+        """Take ready groups (oldest first) up to `max_groups * group_size` samples and, when
+        `step_tokens` > 0, up to that many tokens (at least one group), minus stale members.
+
+        Args:
+            staleness: the policy, or just `max_staleness` (mode drop).
 
         Returns:
-            (groups to train, drops, lag of every sample examined in versions).
+            (groups to train with their members' lags and treatments, drops, lag of every
+            sample examined in versions).
         """
-        now = self.clock()
-        ready = sorted(
-            (g for g in self.pending.values() if self._is_ready(g, now)),
-            key=lambda g: g.first_seen_s,
-        )[:max_groups]
+        policy = (
+            staleness if isinstance(staleness, StalenessPolicy)
+            else StalenessPolicy(max_staleness=staleness)
+        )
+        taken, samples, tokens = [], 0, 0
+        for group in self._ready(self.clock()):
+            if taken and (
+                samples + len(group.entries) > max_groups * self.group_size
+                or (step_tokens > 0 and tokens + group.tokens > step_tokens)
+            ):
+                break
+            taken.append(group)
+            samples += len(group.entries)
+            tokens += group.tokens
         groups, drops, lags = [], [], []
-        for group in ready:
+        for group in taken:
             del self.pending[group.group_id]
             self._release(group.entries)
-            fresh = []
-            for entry in group.entries:
-                lag = sample_lag(entry.sample, trainer_version)
-                lags.append(lag)
-                if lag > max_staleness:
-                    drops.append(Drop(entry, DropReason.STALE, f"lag {lag} > {max_staleness}"))
-                else:
-                    fresh.append(entry)
-            if len(fresh) >= 2:
-                groups.append(Group(group.group_id, group.first_seen_s, fresh))
+            kept = self._examine(group, trainer_version, policy, drops, lags)
+            partial = not group.live and len(group.entries) < self.group_size
+            if partial and self.partial_groups == "drop":
+                detail = f"{group.group_id}: {len(group.entries)} of {self.group_size}"
+                drops.extend(Drop(e, DropReason.PARTIAL_GROUP, detail) for e in kept.entries)
+            elif group.live or len(kept.entries) >= min(self.min_group_size, self.group_size):
+                groups.append(kept)
             else:
-                drops.extend(Drop(e, DropReason.SINGLETON, group.group_id) for e in fresh)
+                drops.extend(Drop(e, DropReason.SINGLETON, group.group_id) for e in kept.entries)
         return groups, drops, lags
+
+    @staticmethod
+    def _examine(
+        group: Group, version: int, policy: StalenessPolicy, drops: list[Drop], lags: list[int]
+    ) -> Group:
+        """The group's members that are not dropped as stale, with their lags and treatments."""
+        kept = Group(group.group_id, group.first_seen_s)
+        for entry in group.entries:
+            lag = sample_lag(entry.sample, version)
+            lags.append(lag)
+            treatment, weight = policy.treat(lag)
+            if treatment == Treatment.DROP:
+                detail = f"lag {lag} > {policy.max_staleness}"
+                drops.append(Drop(entry, DropReason.STALE, detail))
+                continue
+            kept.entries.append(entry)
+            kept.lags.append(lag)
+            kept.treatments.append((treatment, weight))
+        return kept
 
     def held_entry_ids(self) -> list[str]:
         """Entries admitted and not yet handed out (still pending in Redis)."""

@@ -13,6 +13,11 @@ through the lm head, `chunk_tokens` rows at a time, in `TemperedHeadLogprob`: a 
 linear + log-softmax + gather whose backward recomputes the chunk's logits in place instead of
 keeping them. About two (chunk_tokens, V) float32 blocks exist at a time, whatever B and T are.
 
+Precision: the head always runs in float32 (autocast is switched off inside it and bf16 hidden
+states are upcast), so the logprobs that enter the importance ratio have the same precision
+whether or not the decoder runs under bf16 autocast. The entropy output carries a gradient, so
+an entropy bonus can be trained (its backward is fused the same way).
+
 Assumes `logits = lm_head(base_model(x).last_hidden_state)` (Llama, Qwen, Mistral families); a
 model with logit soft-capping or scaling would need its own head function here.
 """
@@ -34,25 +39,30 @@ class TokenLogprobs:
     """(B, T) logprob of token t given tokens < t; 0 where not scored (and at t = 0). float32
     (float64 for a float64 model)."""
     entropy_BT: Tensor
-    """(B, T) entropy (nats) of the tempered next-token distribution; no gradient; 0 where not
-    scored."""
+    """(B, T) entropy (nats) of the tempered next-token distribution (differentiable); 0 where
+    not scored."""
 
 
 def _logits(hidden_CH: Tensor, weight_VH: Tensor, temperature_C: Tensor) -> Tensor:
-    """(C, V) logits / T in at least float32 (bf16/fp16 models are upcast)."""
-    logits_CV = F.linear(hidden_CH, weight_VH)
-    if logits_CV.element_size() < 4:
-        logits_CV = logits_CV.float()
+    """(C, V) float32 logits / T, computed in float32 with autocast off (bf16 inputs upcast)."""
+    with torch.autocast(device_type=hidden_CH.device.type, enabled=False):
+        logits_CV = F.linear(_at_least_fp32(hidden_CH), _at_least_fp32(weight_VH))
     return logits_CV.div_(temperature_C.to(logits_CV.dtype)[:, None])
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.float() if x.element_size() < 4 else x
 
 
 class TemperedHeadLogprob(torch.autograd.Function):
     """For one chunk of C positions: logprob_c = log_softmax(h_c W^T / T_c)[y_c] and the entropy
-    of that distribution, keeping only (C,) statistics for backward.
+    H_c of that distribution, keeping only (C,) statistics for backward.
 
-    Backward, with g = dL/dlogprob and p = softmax(z / T):
-        dL/dz_cv = g_c (onehot(y_c)_v - p_cv) / T_c;   dL/dh = (dL/dz) W;   dL/dW = (dL/dz)^T h
-    The entropy output is a statistic and carries no gradient.
+    Backward, with g = dL/dlogprob, e = dL/dH, p = softmax(z / T), log p its log:
+        dL/dz_cv = [g_c (onehot(y_c)_v - p_cv) - e_c p_cv (log p_cv + H_c)] / T_c
+        dL/dh = (dL/dz) W;   dL/dW = (dL/dz)^T h
+    (dH/ds_v = -p_v (log p_v + H) for s = z / T.) Gradients are returned in the dtype of the
+    inputs.
     """
 
     @staticmethod
@@ -68,22 +78,35 @@ class TemperedHeadLogprob(torch.autograd.Function):
         logprobs_C = logits_CV.gather(1, targets_C[:, None]).squeeze(1) - lse_C
         logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: the full log-softmax
         entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
-        ctx.save_for_backward(hidden_CH, weight_VH, targets_C, temperature_C, lse_C)
-        ctx.mark_non_differentiable(entropy_C)
+        ctx.save_for_backward(hidden_CH, weight_VH, targets_C, temperature_C, lse_C, entropy_C)
+        ctx.set_materialize_grads(False)
         return logprobs_C, entropy_C
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad_C: Tensor, _grad_entropy: Tensor | None
+        ctx: FunctionCtx, grad_C: Tensor | None, grad_entropy_C: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, None, None]:
-        hidden_CH, weight_VH, targets_C, temperature_C, lse_C = ctx.saved_tensors
-        scale_C = grad_C / temperature_C
-        grad_CV = _logits(hidden_CH, weight_VH, temperature_C)
-        grad_CV.sub_(lse_C[:, None]).exp_().mul_(-scale_C[:, None])  # -g p / T
-        grad_CV.scatter_add_(1, targets_C[:, None], scale_C[:, None])  # + g onehot / T
-        grad_CV = grad_CV.to(weight_VH.dtype)
-        grad_hidden = grad_CV @ weight_VH if ctx.needs_input_grad[0] else None
-        grad_weight = grad_CV.T @ hidden_CH if ctx.needs_input_grad[1] else None
+        hidden_CH, weight_VH, targets_C, temperature_C, lse_C, entropy_C = ctx.saved_tensors
+        if grad_C is None and grad_entropy_C is None:
+            return None, None, None, None
+        logp_CV = _logits(hidden_CH, weight_VH, temperature_C).sub_(lse_C[:, None])
+        inv_t_C = 1.0 / temperature_C.to(logp_CV.dtype)
+        g_C = grad_C.to(logp_CV.dtype) if grad_C is not None else torch.zeros_like(lse_C)
+        if grad_entropy_C is None:
+            grad_CV = logp_CV.exp_().mul_(-(g_C * inv_t_C)[:, None])  # -g p / T
+        else:
+            e_C = grad_entropy_C.to(logp_CV.dtype)
+            p_CV = logp_CV.exp()
+            # -p (g + e (log p + H)) / T
+            logp_CV.add_(entropy_C[:, None]).mul_(e_C[:, None]).add_(g_C[:, None])
+            grad_CV = p_CV.mul_(logp_CV).mul_(-inv_t_C[:, None])
+        grad_CV.scatter_add_(1, targets_C[:, None], (g_C * inv_t_C)[:, None])  # + g onehot / T
+        grad_hidden = grad_weight = None
+        with torch.autocast(device_type=hidden_CH.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (grad_CV @ _at_least_fp32(weight_VH)).to(hidden_CH.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_CV.T @ _at_least_fp32(hidden_CH)).to(weight_VH.dtype)
         return grad_hidden, grad_weight, None, None
 
 
@@ -118,7 +141,7 @@ def selected_token_logprobs(
     select_BT1 = score_BT[:, 1:]  # (B, T-1): token t+1 is predicted from hidden t
     hidden_NH = hidden_BTH[:, :-1][select_BT1]
     targets_N = input_ids_BT[:, 1:][select_BT1]
-    out_dtype = torch.promote_types(hidden_BTH.dtype, torch.float32)
+    out_dtype = torch.promote_types(hidden_BTH.dtype, torch.float32)  # float32 under autocast
     temperature_N = temperature_B.to(out_dtype)[:, None].expand(batch, seq - 1)[select_BT1]
     head_weight_VH = model.get_output_embeddings().weight
 

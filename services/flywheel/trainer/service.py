@@ -32,7 +32,14 @@ from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.leases import LeaseKeeper
-from flywheel.trainer.step import StepConfig, build_optimizer, prepare_batch, train_step
+from flywheel.trainer.staleness import StalenessPolicy
+from flywheel.trainer.step import (
+    StepConfig,
+    build_optimizer,
+    build_scheduler,
+    prepare_batch,
+    train_step,
+)
 from flywheel.trainer.telemetry import PUSH_FAILURES, SAMPLE_LAG, JsonlSink, TrainerStatus
 from flywheel.trainer.weights import Checkpoint, CheckpointStore, WeightPusher, load_model
 
@@ -55,6 +62,9 @@ class TrainerParts:
     status: TrainerStatus
     version: int
     """Committed optimizer steps of the loaded weights (0 = the initial model)."""
+    reference: PreTrainedModel | None = None
+    """Frozen reference policy for the KL term (None when kl_coef is 0)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
 
 def build_trainer(
@@ -88,9 +98,17 @@ def build_trainer(
         min_idle_ms=settings.streams.min_idle_ms,
     )
     interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
+    reference = None
+    if s.kl_coef > 0:
+        ref_path = resolve_model_path(s.reference_model_path) if s.reference_model_path else source
+        reference = load_model(ref_path, s.device).requires_grad_(False).eval()
+        log.info("KL reference policy (frozen) loaded from %s", ref_path)
+    optimizer = build_optimizer(model, s)
     parts = TrainerParts(
         model=model,
-        optimizer=build_optimizer(model, s),
+        optimizer=optimizer,
+        reference=reference,
+        scheduler=build_scheduler(optimizer, s),
         consumer=consumer,
         pusher=WeightPusher(
             settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
@@ -120,6 +138,12 @@ class Trainer:
         self.assembler = GroupAssembler(
             self.s.group_size, self.s.group_wait_s,
             allow_truncated_sampling=self.s.allow_truncated_sampling,
+            live_samples=self.s.live_advantage != "drop",
+            partial_groups=self.s.partial_groups,
+            min_group_size=self.s.min_group_size,
+        )
+        self.staleness = StalenessPolicy(
+            self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit
         )
         self._drops: Tally[str] = Tally()
         self._last_step_end = time.monotonic()
@@ -150,7 +174,7 @@ class Trainer:
 
     def poll(self) -> None:
         """One iteration: train if enough groups are ready, else read more entries."""
-        if self.assembler.should_step(self.s.groups_per_step):
+        if self.assembler.should_step(self.s.groups_per_step, self.s.step_tokens):
             self.train_ready()
             return
         entries = self.parts.consumer.read(
@@ -187,7 +211,7 @@ class Trainer:
     def train_ready(self) -> None:
         """Take the ready groups, run one step, and commit (or skip) it."""
         groups, drops, lags = self.assembler.pop_ready(
-            self.s.groups_per_step, self.version, self.s.max_staleness
+            self.s.groups_per_step, self.version, self.staleness, self.s.step_tokens
         )
         self.handle_drops(drops)
         for lag in lags:
@@ -195,8 +219,12 @@ class Trainer:
         if not groups:
             return
         wait_s = time.monotonic() - self._last_step_end
-        batch, adv_metrics = prepare_batch([g.samples for g in groups], self.step_cfg)
-        result = train_step(self.parts.model, self.parts.optimizer, batch, self.step_cfg)
+        treatments = [t for g in groups for t in g.treatments]
+        batch, adv_metrics = prepare_batch([g.samples for g in groups], self.step_cfg, treatments)
+        result = train_step(
+            self.parts.model, self.parts.optimizer, batch, self.step_cfg,
+            reference=self.parts.reference, scheduler=self.parts.scheduler,
+        )
         metrics = result.metrics | adv_metrics | _lag_metrics(lags) | {"time/wait_s": wait_s}
         if result.skipped:
             self._skip(groups, result.skipped, metrics)

@@ -1,30 +1,33 @@
 """One optimizer step: groups -> advantages -> batch -> micro-batches -> loss -> backward -> AdamW.
 
-    prepare_batch       advantages by group, then the padded (B, T) batch
-    accumulate          per micro-batch: chunked logprobs (fp32) -> [train-inference correction
-                        weights] -> policy loss -> aggregation with the step-wide normalizer ->
-                        backward; token statistics accumulated
-    train_step          non-finite loss or grad norm => skip (grads zeroed, weights and AdamW
-                        state untouched, reason logged and returned); else clip and step
+    prepare_batch       advantages by group (live samples per sample), the padded (B, T) batch
+                        (prepare.py)
+    accumulate          per micro-batch: chunked logprobs (fp32 head, decoder optionally under
+                        bf16 autocast) -> [reference logprobs, no grad] -> token loss ->
+                        aggregation with the step-wide normalizer -> backward; token statistics
+    token_loss          policy loss against the rollout logprobs (or, for a correction or an
+                        IS-corrected stale sample, against the trainer's own with the detached
+                        weight) x the sample's staleness weight, + kl_coef * KL(pi || ref) +
+                        the entropy bonus
+    train_step          non-finite loss or grad norm => skip (grads zeroed, weights, AdamW and
+                        scheduler state untouched, reason logged and returned); else clip, step
 
 Metric keys are slash-namespaced and unit-suffixed where they have a unit (`time/step_s`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from flywheel._proto import sample_pb2
 from flywheel.core.settings import TrainerSettings
-from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
 from flywheel.trainer.algorithms.corrections import (
     CORRECTIONS,
     CorrectionConfig,
@@ -38,8 +41,13 @@ from flywheel.trainer.algorithms.losses import (
     PPOClipConfig,
     normalizer_for,
 )
-from flywheel.trainer.batch import TrainBatch, collate, micro_batches
-from flywheel.trainer.logprobs import selected_token_logprobs
+from flywheel.trainer.algorithms.pipeline import AlgoConfig, batch_stage, token_terms
+from flywheel.trainer.algorithms.regularizers import KL_ESTIMATORS
+from flywheel.trainer.batch import TrainBatch, micro_batches
+from flywheel.trainer.logprobs import TokenLogprobs, selected_token_logprobs
+from flywheel.trainer.prepare import prepare_batch
+
+__all__ = ["StepConfig", "StepResult", "accumulate", "prepare_batch", "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +68,22 @@ class StepConfig:
     clip: PPOClipConfig = field(default_factory=PPOClipConfig)
     micro_batch_size: int = 8
     """Samples per forward/backward pass."""
+    micro_batch_tokens: int = 0
+    """Padded tokens per forward/backward pass; 0 = no token budget."""
     max_grad_norm: float = 1.0
     logprob_chunk_tokens: int = 1024
+    live_advantage: str = "reward"
+    """Estimator of group-less samples: `reward` or `opd` (see prepare.py)."""
+    kl_coef: float = 0.0
+    """Weight of kl_estimator(logp, ref_logp) per loss token; 0 = off."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus -H per loss token; 0 = off."""
+    bf16_autocast: bool = False
+    """Run the decoder forward under bf16 autocast (the head stays fp32)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """Token weights, regularizer terms, dynamic sampling and per-part parameters
+    (flywheel.trainer.algorithms.pipeline)."""
 
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> StepConfig:
@@ -75,10 +97,18 @@ class StepConfig:
                 cap=s.correction_cap, low=s.icepop_bounds[0], high=s.icepop_bounds[1]
             ),
             aggregation=s.loss_aggregation,
-            clip=PPOClipConfig(s.clip_eps_low, s.clip_eps_high, s.dual_clip_c),
+            clip=PPOClipConfig(s.clip_eps_low, s.clip_eps_high, s.dual_clip_c,
+                               params=s.algorithm_params.get(s.policy_loss, {})),
             micro_batch_size=s.micro_batch_size,
+            micro_batch_tokens=s.micro_batch_tokens,
             max_grad_norm=s.max_grad_norm,
             logprob_chunk_tokens=s.logprob_chunk_tokens,
+            live_advantage=s.live_advantage,
+            kl_coef=s.kl_coef,
+            kl_estimator=s.kl_estimator,
+            entropy_coef=s.entropy_coef,
+            bf16_autocast=s.precision == "bf16_autocast",
+            algo=AlgoConfig.from_settings(s),
         )
 
 
@@ -119,23 +149,11 @@ class TokenStats:
         }
 
 
-def prepare_batch(
-    groups: Sequence[Sequence[sample_pb2.Sample]], cfg: StepConfig
-) -> tuple[TrainBatch, dict[str, float]]:
-    """Advantages by group (the configured estimator), then the padded batch of all samples."""
-    samples_B = [sample for group in groups for sample in group]
-    group_index_B = torch.tensor([g for g, group in enumerate(groups) for _ in group])
-    rewards_B = torch.tensor([s.reward for s in samples_B], dtype=torch.float64)
-    out = ADVANTAGES[cfg.advantage](
-        AdvantageInputs(rewards_B, group_index_B),
-        AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k),
-    )
-    return collate(samples_B, out.advantages_B), out.metrics
-
-
 @dataclass
 class Accumulated:
     loss: float = 0.0
+    terms: dict[str, float] = field(default_factory=dict)
+    """Aggregated value of each loss term (pg, kl, entropy), summed over micro-batches."""
     stats: TokenStats = field(default_factory=TokenStats)
     micro_batches: int = 0
     empty_micro_batches: int = 0
@@ -143,50 +161,114 @@ class Accumulated:
 
 
 def accumulate(
-    model: PreTrainedModel, batch: TrainBatch, cfg: StepConfig, norm: LossNormalizer
+    model: PreTrainedModel,
+    batch: TrainBatch,
+    cfg: StepConfig,
+    norm: LossNormalizer,
+    reference: PreTrainedModel | None = None,
 ) -> Accumulated:
     """Forward + backward every micro-batch; grads add up to the full-batch gradient (BUG-14).
 
     A micro-batch without loss tokens contributes exactly 0 and is skipped (counted). Stops at
     the first non-finite micro-batch loss (`nonfinite`), leaving partial grads for the caller
-    to discard.
+    to discard. `reference` (frozen) is scored without grad when `cfg.kl_coef` > 0.
+
+    Raises:
+        ValueError: kl_coef > 0 without a reference model.
     """
+    if cfg.kl_coef > 0 and reference is None:
+        raise ValueError("kl_coef > 0 needs a reference model")
     acc = Accumulated()
     device = next(model.parameters()).device
-    for mb in micro_batches(batch, cfg.micro_batch_size):
+    for mb in micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens):
         acc.micro_batches += 1
         if not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += 1
             continue
         mb = mb.to(device)
-        lp = selected_token_logprobs(
-            model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
-            chunk_tokens=cfg.logprob_chunk_tokens,
-        )
-        old_logprobs_BT, correction_stats = mb.old_logprobs_BT, {}
-        weights_BT: Tensor | None = None
-        if cfg.correction != "none":
-            corr = CORRECTIONS[cfg.correction](
-                CorrectionInputs(lp.logprobs_BT, mb.old_logprobs_BT, mb.loss_mask_BT),
-                cfg.correction_cfg,
-            )
-            old_logprobs_BT = lp.logprobs_BT.detach()
-            weights_BT, correction_stats = corr.weights_BT, corr.token_stats
-        out = POLICY_LOSSES[cfg.policy_loss](
-            LossInputs(lp.logprobs_BT, old_logprobs_BT, mb.advantages_BT, mb.loss_mask_BT),
-            cfg.clip,
-        )
-        token_loss_BT = out.token_loss_BT if weights_BT is None else out.token_loss_BT * weights_BT
-        loss = AGGREGATIONS[cfg.aggregation](token_loss_BT, mb.loss_mask_BT, norm)
+        lp = _logprobs(model, mb, cfg)
+        ref_logprobs_BT = None
+        if cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
+        terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT)
+        aggregate = AGGREGATIONS[cfg.aggregation]
+        loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
         if not bool(torch.isfinite(loss)):
             acc.nonfinite = True
             return acc
         loss.backward()
         acc.loss += float(loss.detach())
-        gap_BT = (lp.logprobs_BT.detach() - mb.old_logprobs_BT).abs()
-        extra = {"entropy/mean": lp.entropy_BT, "logprob/abs_diff_mean": gap_BT}
-        acc.stats.add(out.token_stats | correction_stats | extra, mb.loss_mask_BT)
+        for name, term_BT in terms_BT.items():
+            value = float(aggregate(term_BT.detach(), mb.loss_mask_BT, norm))
+            acc.terms[name] = acc.terms.get(name, 0.0) + value
+        acc.stats.add(stats, mb.loss_mask_BT)
     return acc
+
+
+def _logprobs(model: PreTrainedModel, mb: TrainBatch, cfg: StepConfig) -> TokenLogprobs:
+    device_type = mb.input_ids_BT.device.type
+    autocast = (
+        torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+        if cfg.bf16_autocast else contextlib.nullcontext()
+    )
+    with autocast:
+        return selected_token_logprobs(
+            model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
+            chunk_tokens=cfg.logprob_chunk_tokens,
+        )
+
+
+def token_loss(
+    lp: TokenLogprobs, mb: TrainBatch, cfg: StepConfig, ref_logprobs_BT: Tensor | None = None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The (B, T) loss terms of one micro-batch and its (B, T) token statistics.
+
+    pg: the policy loss. Its ratio is against the rollout logprobs; with a correction (all
+    rows) or for IS-corrected stale rows (`mb.is_correct_B`, tis weights) it is against the
+    trainer's own detached logprobs and each token is multiplied by the detached weight. Every
+    row is multiplied by its staleness weight `mb.sample_weight_B`.
+    kl: kl_coef * KL_ESTIMATORS[kl_estimator](logp, ref_logp) (only when a reference is given;
+    Schulman's k1/k2/k3, k3 as in GRPO, arXiv:2402.03300 eq. 4).
+    entropy: -entropy_coef * H_t (only when entropy_coef > 0): the entropy bonus of PPO
+    (arXiv:1707.06347 eq. 9) with the exact entropy of the tempered next-token distribution and
+    its exact gradient from the fused head (not a sampled-token estimate).
+    """
+    mask_BT = mb.loss_mask_BT
+    old_BT, stats = mb.old_logprobs_BT, {}
+    weights_BT = mb.sample_weight_B[:, None].expand_as(mask_BT).to(lp.logprobs_BT.dtype)
+    correct_B = torch.ones_like(mb.is_correct_B) if cfg.correction != "none" else mb.is_correct_B
+    if bool(correct_B.any()):
+        name = cfg.correction if cfg.correction != "none" else "tis"
+        corr = CORRECTIONS[name](
+            CorrectionInputs(lp.logprobs_BT, mb.old_logprobs_BT, mask_BT), cfg.correction_cfg
+        )
+        rows_BT = correct_B[:, None].expand_as(mask_BT)
+        old_BT = torch.where(rows_BT, lp.logprobs_BT.detach(), old_BT)
+        weights_BT = torch.where(rows_BT, weights_BT * corr.weights_BT, weights_BT)
+        stats |= corr.token_stats
+    out = POLICY_LOSSES[cfg.policy_loss](
+        LossInputs(lp.logprobs_BT, old_BT, mb.advantages_BT, mask_BT,
+                   entropy_BT=lp.entropy_BT.detach()), cfg.clip
+    )
+    terms = {"pg": out.token_loss_BT * weights_BT}
+    if ref_logprobs_BT is not None:
+        kl_BT = KL_ESTIMATORS[cfg.kl_estimator](lp.logprobs_BT, ref_logprobs_BT)
+        terms["kl"] = cfg.kl_coef * kl_BT
+        stats[f"kl/ref_{cfg.kl_estimator}"] = kl_BT.detach()
+    if cfg.entropy_coef > 0:  # exact entropy of the tempered distribution, with its gradient
+        terms["entropy"] = -cfg.entropy_coef * lp.entropy_BT
+    reg_BT, reg_stats = token_terms(cfg.algo, lp.logprobs_BT, mb)
+    if reg_BT is not None:
+        terms["reg"] = reg_BT
+        stats |= reg_stats
+    gap_BT = (lp.logprobs_BT.detach() - mb.old_logprobs_BT).abs()
+    stats |= out.token_stats | {
+        "entropy/mean": lp.entropy_BT.detach(),
+        "logprob/abs_diff_mean": gap_BT,
+        "logprob/abs_diff/max": gap_BT,
+    }
+    return terms, stats
 
 
 def batch_metrics(batch: TrainBatch) -> dict[str, float]:
@@ -199,6 +281,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
         "samples/trained": float(batch.size),
         "tokens/trained": float(batch.loss_mask_BT.sum()),
         "tokens/total": float(batch.attention_mask_BT.sum()),
+        "tokens/masked_frac": 1.0 - float(batch.loss_mask_BT.sum())
+        / max(float(batch.attention_mask_BT.sum()), 1.0),
     }
 
 
@@ -207,21 +291,32 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
     cfg: StepConfig,
+    *,
+    reference: PreTrainedModel | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
 ) -> StepResult:
-    """One optimizer step on `batch`, or a logged skip that leaves weights and optimizer as is."""
+    """One optimizer step on `batch`, or a logged skip that leaves weights, optimizer and
+    scheduler as they are.
+
+    Args:
+        reference: frozen reference policy for the KL term (needed when cfg.kl_coef > 0).
+        scheduler: stepped after a committed optimizer step only.
+    """
     t0 = time.perf_counter()
-    metrics = batch_metrics(batch)
+    batch, algo_metrics = batch_stage(model, optimizer, batch, cfg)
+    metrics = batch_metrics(batch) | algo_metrics
     optimizer.zero_grad(set_to_none=True)
     if metrics["tokens/trained"] == 0:
         return _skip(optimizer, metrics, "no_loss_tokens", t0)
-    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
+    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT), reference)
     t1 = time.perf_counter()
-    metrics |= acc.stats.result() | {
-        "loss/pg": acc.loss,
+    metrics |= acc.stats.result() | {f"loss/{k}": v for k, v in acc.terms.items()} | {
+        "loss/total": acc.loss,
         "batch/micro_batches": float(acc.micro_batches),
         "batch/empty_micro_batches": float(acc.empty_micro_batches),
         "time/forward_backward_s": t1 - t0,
     }
+    metrics.setdefault("loss/pg", acc.loss)
     if acc.nonfinite:
         return _skip(optimizer, metrics, "nonfinite_loss", t0)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -229,14 +324,17 @@ def train_step(
     metrics["grad/norm"] = grad_norm
     if not math.isfinite(grad_norm):
         return _skip(optimizer, metrics, "nonfinite_grad_norm", t0)
+    lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if scheduler is not None:
+        scheduler.step()
     elapsed = time.perf_counter() - t0
     metrics |= {
         "time/optimizer_s": time.perf_counter() - t1,
         "time/step_s": elapsed,
         "tokens/per_s": metrics["tokens/total"] / elapsed,
-        "lr": float(optimizer.param_groups[0]["lr"]),
+        "lr": lr,
         "step/skipped": 0.0,
     }
     return StepResult(metrics)
@@ -249,6 +347,27 @@ def _skip(
     log.warning("optimizer step skipped: %s (weights unchanged); metrics %s", reason, metrics)
     metrics |= {"step/skipped": 1.0, "time/step_s": time.perf_counter() - t0}
     return StepResult(metrics, skipped=reason)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, s: TrainerSettings
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Learning-rate multiplier per committed step: `constant` (1), `linear_warmup` (k / W for
+    k < W, then 1), `cosine` (warm-up, then 0.5 (1 + cos(pi min(k - W, H - W) / (H - W))) with
+    H = total_steps). Example: W = 4 -> multipliers 0.25, 0.5, 0.75, 1, 1, ...
+    """
+
+    def multiplier(step: int) -> float:
+        k = step + 1  # the multiplier of the (k)th optimizer step
+        if s.lr_schedule != "constant" and k <= s.warmup_steps:
+            return k / s.warmup_steps
+        if s.lr_schedule == "cosine":
+            span = max(s.total_steps - s.warmup_steps, 1)
+            done = min(k - s.warmup_steps, span)
+            return 0.5 * (1.0 + math.cos(math.pi * done / span))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def build_optimizer(model: PreTrainedModel, s: TrainerSettings) -> torch.optim.AdamW:

@@ -39,7 +39,7 @@ def test_complete_group_is_ready_and_step_waits_for_groups_per_step():
     assert not asm.should_step(groups_per_step=2)
     asm.add(entry(group_id="b"))
     assert asm.should_step(groups_per_step=2)
-    groups, drops, lags = asm.pop_ready(2, trainer_version=0, max_staleness=4)
+    groups, drops, lags = asm.pop_ready(2, trainer_version=0, staleness=4)
     assert sorted(g.group_id for g in groups) == ["a", "b"]
     assert drops == [] and lags == [0, 0, 0, 0]
     assert asm.pending == {} and asm.held_entry_ids() == []
@@ -128,7 +128,7 @@ def test_stale_members_dropped_and_lags_reported():
     stale = entry(group_id="a", version=2)  # lag 3 > 2: dropped
     for e in (fresh1, fresh2, stale):
         asm.add(e)
-    groups, drops, lags = asm.pop_ready(1, trainer_version=5, max_staleness=2)
+    groups, drops, lags = asm.pop_ready(1, trainer_version=5, staleness=2)
     assert [e.entry_id for e in groups[0].entries] == [fresh1.entry_id, fresh2.entry_id]
     assert [(d.entry, d.reason) for d in drops] == [(stale, DropReason.STALE)]
     assert sorted(lags) == [0, 2, 3]
@@ -138,7 +138,7 @@ def test_group_left_with_one_fresh_member_is_dropped():
     asm, _ = assembler(group_size=2)
     asm.add(entry(group_id="a", version=0))
     asm.add(entry(group_id="a", version=9))
-    groups, drops, _ = asm.pop_ready(1, trainer_version=9, max_staleness=1)
+    groups, drops, _ = asm.pop_ready(1, trainer_version=9, staleness=1)
     assert groups == []
     assert sorted(d.reason for d in drops) == [DropReason.SINGLETON, DropReason.STALE]
 

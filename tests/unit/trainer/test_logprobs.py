@@ -128,3 +128,64 @@ def test_fused_head_backward_passes_gradcheck():
     # and the forward equals log_softmax(h W^T / T) gathered
     expected = torch.log_softmax((hidden_CH @ weight_VH.T) / temperature_C[:, None], dim=-1)
     assert_close(logprobs(hidden_CH, weight_VH), expected[torch.arange(5), targets_C])
+
+
+def naive_entropy(model, input_ids_BT, attention_mask_BT, temperature_B):
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits.float()
+    logp_BTV = torch.log_softmax(logits_BTV / temperature_B[:, None, None], dim=-1)
+    entropy_BT1 = -(logp_BTV.exp() * logp_BTV).sum(-1)[:, :-1]
+    return torch.nn.functional.pad(entropy_BT1, (1, 0))
+
+
+def test_entropy_and_its_gradient_match_the_naive_log_softmax():
+    # loss = sum_t (w1_t logprob_t + w2_t H_t): both outputs carry a gradient through the fused
+    # head (dH/ds = -p (log p + H)); compared with autograd through the full log-softmax.
+    ids, attn, score = padded_batch()
+    temps = torch.tensor([0.7, 1.0, 1.3])
+    w1 = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+    w2 = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
+    fused_model, naive_model = tiny_model(seed=4), tiny_model(seed=4)
+    out = selected_token_logprobs(fused_model, ids, attn, temps, score, chunk_tokens=5)
+    ((out.logprobs_BT * w1).sum() + (out.entropy_BT * w2).sum()).backward()
+    lp_ref = torch.where(score, naive_token_logprobs(naive_model, ids, attn, temps), 0.0)
+    ent_ref = torch.where(score, naive_entropy(naive_model, ids, attn, temps), 0.0)
+    ((lp_ref * w1).sum() + (ent_ref * w2).sum()).backward()
+    assert_close(out.entropy_BT.detach(), ent_ref.detach(), atol=1e-5, rtol=1e-5)
+    for (name, p_fused), p_naive in zip(
+        fused_model.named_parameters(), naive_model.parameters(), strict=True
+    ):
+        assert_close(p_fused.grad, p_naive.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_bf16_autocast_keeps_the_head_and_logprobs_in_float32():
+    # Under bf16 autocast the decoder runs in bf16, but the head is float32: the logprobs are
+    # float32 and within bf16 decoder noise of the fp32 ones; the entropy gradient still flows.
+    ids, attn, score = padded_batch()
+    temps = torch.tensor([1.0, 0.7, 1.0])
+    model = tiny_model(seed=6)
+    fp32 = selected_token_logprobs(model, ids, attn, temps, score).logprobs_BT.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = selected_token_logprobs(model, ids, attn, temps, score)
+    assert out.logprobs_BT.dtype == torch.float32
+    assert_close(out.logprobs_BT.detach(), fp32, atol=5e-2, rtol=0)
+    (out.logprobs_BT.sum() + out.entropy_BT.sum()).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for p in model.parameters())
+
+
+def test_fused_head_entropy_backward_passes_gradcheck():
+    # both outputs (logprob and entropy) against float64 finite differences
+    gen = torch.Generator().manual_seed(1)
+    hidden_CH = torch.randn(4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight_VH = torch.randn(6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    targets_C = torch.tensor([5, 0, 2, 2])
+    temperature_C = torch.tensor([0.6, 1.0, 1.5, 1.0], dtype=torch.float64)
+
+    def both(h, w):
+        return TemperedHeadLogprob.apply(h, w, targets_C, temperature_C)
+
+    def entropy_only(h, w):
+        return TemperedHeadLogprob.apply(h, w, targets_C, temperature_C)[1]
+
+    assert torch.autograd.gradcheck(both, (hidden_CH, weight_VH))
+    assert torch.autograd.gradcheck(entropy_only, (hidden_CH, weight_VH))

@@ -10,7 +10,9 @@ import torch
 from torch.testing import assert_close
 
 from flywheel.trainer.algorithms.losses import AGGREGATIONS, PPOClipConfig, normalizer_for
-from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, train_step
+from flywheel.trainer.batch import collate
+from flywheel.trainer.logprobs import TokenLogprobs
+from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, token_loss, train_step
 
 from .factories import make_sample, tiny_model
 
@@ -144,3 +146,145 @@ def test_prepare_batch_spreads_group_advantages_over_loss_tokens():
     assert_close(batch.advantages_BT[0], expected_row0, atol=1e-5, rtol=0)
     assert_close(batch.advantages_BT[1], -expected_row0, atol=1e-5, rtol=0)
     assert metrics["adv/max_abs"] == pytest.approx(0.707107, abs=1e-5)
+
+
+def test_token_budget_micro_batches_give_the_same_gradient():
+    # micro-batches cut at 24 padded tokens (longest rows first) vs one pass: same loss and grads
+    whole, whole_grads = grads_after_accumulate("token_mean", micro_batch_size=8)
+    model = tiny_model(seed=3)
+    cfg = dataclasses.replace(config("token_mean", 8), micro_batch_tokens=24)
+    batch, _ = prepare_batch(groups_of_samples(), cfg)
+    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
+    assert acc.micro_batches >= 3
+    assert acc.loss == pytest.approx(whole.loss, rel=1e-5, abs=1e-7)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, whole_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def one_token_batch(rollout_logprob, advantage, *, is_correct=False, weight=1.0):
+    sample = make_sample(prompt_len=1, completion_len=1, logprob=rollout_logprob)
+    batch = collate([sample], torch.tensor([advantage]),
+                    sample_weight_B=torch.tensor([weight]),
+                    is_correct_B=torch.tensor([is_correct]))
+    return batch
+
+
+def fixed_logprobs(value):
+    logprobs_BT = torch.tensor([[0.0, value]], requires_grad=True)
+    return TokenLogprobs(logprobs_BT, torch.tensor([[0.0, 2.0]]))
+
+
+def test_stale_is_corrected_sample_uses_the_trainer_ratio_and_a_tis_weight():
+    # trainer logprob -1.0, rollout -1.5, A = +1, clip 0.2/0.28, tis cap C = 2:
+    # plain:        r = e^0.5 = 1.648721, clipped at 1.28 -> loss = max(-1.6487, -1.28) = -1.28
+    # IS-corrected: r = 1 (against its own detached logprob), w = min(e^0.5, 2) = 1.648721
+    #               -> loss = -1 * 1 * 1.648721 = -1.648721
+    cfg = config()
+    plain, _ = token_loss(fixed_logprobs(-1.0), one_token_batch(-1.5, 1.0), cfg)
+    corrected, stats = token_loss(
+        fixed_logprobs(-1.0), one_token_batch(-1.5, 1.0, is_correct=True), cfg
+    )
+    assert float(plain["pg"][0, 1]) == pytest.approx(-1.28, abs=1e-6)
+    assert float(corrected["pg"][0, 1]) == pytest.approx(-1.648721, abs=1e-6)
+    assert float(stats["correction/weight_mean"][0, 1]) == pytest.approx(1.648721, abs=1e-6)
+    # past the cap: rollout -4.0 -> k = e^3 = 20.09 -> w = 2 -> loss = -2
+    capped, _ = token_loss(
+        fixed_logprobs(-1.0), one_token_batch(-4.0, 1.0, is_correct=True), cfg
+    )
+    assert float(capped["pg"][0, 1]) == pytest.approx(-2.0, abs=1e-6)
+
+
+def test_downweighted_sample_scales_its_loss():
+    # same token as above with staleness weight 0.25: -1.28 * 0.25 = -0.32
+    terms, _ = token_loss(fixed_logprobs(-1.0), one_token_batch(-1.5, 1.0, weight=0.25), config())
+    assert float(terms["pg"][0, 1]) == pytest.approx(-0.32, abs=1e-6)
+
+
+def test_kl_and_entropy_terms_worked_example():
+    # logp = -1.0, ref = -1.5: log r = ref - logp = -0.5
+    # k1 = 0.5; k2 = 0.125; k3 = e^-0.5 - 1 + 0.5 = 0.106531; kl term = 0.1 * k
+    # entropy H = 2.0 (given), coef 0.01 -> entropy term = -0.02
+    for estimator, value in [("k1", 0.5), ("k2", 0.125), ("k3", 0.106531)]:
+        cfg = dataclasses.replace(config(), kl_coef=0.1, kl_estimator=estimator,
+                                  entropy_coef=0.01)
+        terms, stats = token_loss(fixed_logprobs(-1.0), one_token_batch(-1.0, 0.0), cfg,
+                                  torch.tensor([[0.0, -1.5]]))
+        assert float(terms["kl"][0, 1]) == pytest.approx(0.1 * value, abs=1e-6), estimator
+        assert float(stats[f"kl/ref_{estimator}"][0, 1]) == pytest.approx(value, abs=1e-6)
+        assert float(terms["entropy"][0, 1]) == pytest.approx(-0.02, abs=1e-7)
+        assert float(terms["pg"][0, 1]) == 0.0  # A = 0
+
+
+def test_kl_against_an_identical_reference_is_zero_and_leaves_the_k3_gradient_unchanged():
+    # ref = pi: k3 = 0 and d k3 / d logp = 1 - e^(ref - logp) = 0, so grads equal plain PPO's
+    batch, _ = prepare_batch(groups_of_samples(), config())
+    plain_model = tiny_model(seed=3)
+    accumulate(plain_model, batch, config(), normalizer_for(batch.loss_mask_BT))
+    model, reference = tiny_model(seed=3), tiny_model(seed=3)
+    reference.requires_grad_(False)
+    cfg = dataclasses.replace(config(), kl_coef=0.5, kl_estimator="k3")
+    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT), reference)
+    assert acc.terms["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert acc.stats.result()["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters(), strict=True):
+        assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert all(p.grad is None for p in reference.parameters())
+    with pytest.raises(ValueError, match="reference"):
+        accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
+
+
+def test_entropy_bonus_changes_the_update_and_reports_its_term():
+    batch, _ = prepare_batch(groups_of_samples(), config())
+    model = tiny_model(seed=3)
+    cfg = dataclasses.replace(config(), entropy_coef=0.05)
+    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
+    entropy = acc.stats.result()["entropy/mean"]
+    # token_mean: the term is -0.05 * mean entropy over loss tokens
+    assert acc.terms["entropy"] == pytest.approx(-0.05 * entropy, rel=1e-5)
+    assert acc.loss == pytest.approx(acc.terms["pg"] + acc.terms["entropy"], rel=1e-6)
+    _, plain_grads = grads_after_accumulate("token_mean", 8)
+    diff = (model.model.norm.weight.grad - plain_grads["model.norm.weight"]).abs().max()
+    assert float(diff) > 1e-6
+
+
+def test_live_samples_get_their_reward_as_advantage_next_to_a_group():
+    # group g0 rewards [1, 0] -> grpo [+0.7071, -0.7071]; live samples (no group_id) with judge
+    # rewards +1 and -1 -> advantages +1 and -1 on their sampled tokens
+    group = [make_sample(reward=1.0, seed=1), make_sample(reward=0.0, seed=2)]
+    live = [make_sample(reward=1.0, group_id="", seed=3),
+            make_sample(reward=-1.0, group_id="", seed=4)]
+    batch, metrics = prepare_batch([group, live[:1], live[1:]], config())
+    sampled = batch.loss_mask_BT
+    assert batch.advantages_BT[0][sampled[0]].tolist() == pytest.approx([0.707107] * 4, abs=1e-5)
+    assert batch.advantages_BT[2][sampled[2]].tolist() == [1.0] * 4
+    assert batch.advantages_BT[3][sampled[3]].tolist() == [-1.0] * 4
+    assert float(batch.advantages_BT[~sampled].abs().sum()) == 0.0
+    assert metrics["samples/live"] == 2 and metrics["adv/groups"] == 1
+
+
+def test_live_samples_with_opd_get_the_teacher_gap_per_token():
+    # teacher logprobs [-0.5, -2.0] on the 2 sampled tokens, rollout -1.0:
+    # A_t = teacher - rollout = [+0.5, -1.0]; tokens without a teacher entry get 0
+    sample = make_sample(prompt_len=2, completion_len=3, group_id="", logprob=-1.0)
+    sample.teacher_logprobs.extend([0.0, 0.0, -0.5, -2.0, 0.0])
+    sample.teacher_mask.extend([0, 0, 1, 1, 0])
+    cfg = dataclasses.replace(config(), live_advantage="opd")
+    batch, metrics = prepare_batch([[sample]], cfg)
+    assert batch.advantages_BT[0].tolist() == pytest.approx([0, 0, 0.5, -1.0, 0])
+    assert metrics["adv_live/teacher_token_frac"] > 0
+
+
+def test_scheduler_steps_only_on_committed_steps():
+    model = tiny_model(seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+    batch, _ = prepare_batch(groups_of_samples(), config())
+    first = train_step(model, optimizer, batch, config(), scheduler=scheduler)
+    assert first.metrics["lr"] == pytest.approx(1e-2 * 0.25)
+    poisoned = dataclasses.replace(
+        batch, advantages_BT=torch.where(batch.loss_mask_BT, float("nan"), 0.0)
+    )
+    assert train_step(model, optimizer, poisoned, config(), scheduler=scheduler).skipped
+    assert scheduler.last_epoch == 1  # the skipped step did not advance the schedule
+    second = train_step(model, optimizer, batch, config(), scheduler=scheduler)
+    assert second.metrics["lr"] == pytest.approx(1e-2 * 0.5)

@@ -33,7 +33,11 @@ GROUP_ESTIMATORS = ["grpo", "dr_grpo", "rloo", "quantile"]
 
 
 def test_registry_names_match_settings():
-    assert set(ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "quantile", "opd", "opd_plus_rl"}
+    from flywheel.core.settings import TrainerSettings  # noqa: PLC0415
+
+    assert {"grpo", "dr_grpo", "rloo", "quantile", "opd", "opd_plus_rl"} <= set(ADVANTAGES)
+    for name in ADVANTAGES:
+        assert TrainerSettings(advantage=name).advantage == name
 
 
 def test_grpo_worked_example_two_groups():

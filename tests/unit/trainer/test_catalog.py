@@ -6,10 +6,13 @@ import subprocess
 import sys
 import typing
 
+import pydantic
+import pytest
+
 from flywheel import cli
 from flywheel.core.settings import TrainerSettings
 from flywheel.trainer import algorithms
-from flywheel.trainer.algorithms.catalog import CATALOG, KINDS, format_table
+from flywheel.trainer.algorithms.catalog import CATALOG, KINDS, format_table, names_for
 
 
 def registries() -> dict[str, dict]:
@@ -26,11 +29,26 @@ def test_every_registry_entry_has_exactly_one_catalog_row_and_back():
 
 def test_every_settings_choice_is_registered():
     fields = TrainerSettings.model_fields
-    for field, registry in [("advantage", "ADVANTAGES"), ("policy_loss", "POLICY_LOSSES"),
-                            ("loss_aggregation", "AGGREGATIONS"),
-                            ("rollout_correction", "CORRECTIONS")]:
-        choices = typing.get_args(fields[field].annotation)
-        assert set(choices) <= set(registries()[registry]), field
+    choices = typing.get_args(fields["rollout_correction"].annotation)
+    assert set(choices) <= set(registries()["CORRECTIONS"])
+    for field, registry in [("advantage", ["ADVANTAGES"]), ("policy_loss", ["POLICY_LOSSES"]),
+                            ("loss_aggregation", ["AGGREGATIONS"]),
+                            ("token_weights", ["WEIGHTS"]),
+                            ("regularizers", ["KL_ESTIMATORS", "TERMS"])]:
+        registered = set().union(*(registries()[r] for r in registry))
+        assert names_for(field) == registered, field
+        for name in registered:
+            value = {"token_weights": [name], "regularizers": {name: 0.1}}.get(field, name)
+            TrainerSettings(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("advantage", "grpo_typo"), ("policy_loss", "ppo"), ("token_weights", ["entropy"]),
+    ("regularizers", {"k4": 0.1}), ("algorithm_params", {"nope": {"x": 1}}),
+])
+def test_settings_refuse_unknown_parts_naming_the_choices(field, value):
+    with pytest.raises(pydantic.ValidationError, match="flywheel algorithms list"):
+        TrainerSettings(**{field: value})
 
 
 def test_catalog_imports_without_torch():

@@ -24,6 +24,8 @@ _REGISTRY_MODULES = {
     "CORRECTIONS": "corrections",
     "KL_ESTIMATORS": "regularizers",
     "REGULARIZERS": "regularizers",
+    "TERMS": "regularizers",
+    "WEIGHTS": "weights",
 }
 
 __all__ = sorted(_REGISTRY_MODULES)

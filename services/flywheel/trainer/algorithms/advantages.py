@@ -25,8 +25,9 @@ advantages are exactly 0 and it is counted in `adv/frac_reward_zero_std`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,6 +47,20 @@ class AdvantageInputs:
     teacher_mask_BT: Tensor | None = None
     """(B, T) bool: True where a teacher logprob exists for a trained token. None = wherever
     `teacher_logprobs_BT` is finite."""
+    token_ids_BT: Tensor | None = None
+    """(B, T) int64 token ids (right-padded). Needed by `tempo`, `ktae`."""
+    loss_mask_BT: Tensor | None = None
+    """(B, T) bool: True on sampled (trained) tokens. Needed by every token-level estimator."""
+    entropy_BT: Tensor | None = None
+    """(B, T) detached predictive entropy (nats) under the current weights; given only to
+    estimators that declare it (`zero_variance`, `miner`): the step scores the batch for it."""
+    turn_index_B: Tensor | None = None
+    """(B,) int64 turn of each sample within its episode (`turn_level`)."""
+    step_rewards_BT: Tensor | None = None
+    """(B, T) per-step (PRM / judge) score placed on the last token of each step, NaN
+    elsewhere (`segment`)."""
+    wrong_hint_logprobs_BT: Tensor | None = None
+    """(B, T) teacher logprob of each token under a wrong hint (`contrastive_sd`)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,9 @@ class AdvantageConfig:
     """w_rl of `opd_plus_rl` (weight of the group reward advantage)."""
     rl_advantage: str = "grpo"
     """Group estimator (a key of ADVANTAGES) for the reward part of `opd_plus_rl`."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the selected estimator's own parameter dataclass (token-level estimators in
+    `advantages_token.py`), from `[trainer.algorithm_params.<name>]`."""
 
 
 @dataclass(frozen=True)
@@ -259,3 +277,7 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "opd_plus_rl": opd_plus_rl,
 }
 """Advantage estimators by `TrainerSettings.advantage`."""
+
+from flywheel.trainer.algorithms.advantages_token import TOKEN_ADVANTAGES  # noqa: E402
+
+ADVANTAGES.update(TOKEN_ADVANTAGES)

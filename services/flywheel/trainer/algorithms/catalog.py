@@ -43,6 +43,50 @@ CATALOG: tuple[Algorithm, ...] = (
     Algorithm("opd_plus_rl", "advantage", "ADVANTAGES", "OpenClaw-RL OPD + RL",
               "rewards_B, group_index_B, teacher_logprobs_BT, rollout_logprobs_BT, "
               "teacher_mask_BT"),
+    Algorithm("tempo", "advantage", "ADVANTAGES", "TEMPO / Prefix-to-Tree (prefix-tree TD)",
+              "rewards_B, group_index_B, token_ids_BT, loss_mask_BT"),
+    Algorithm("ktae", "advantage", "ADVANTAGES", "KTAE, arXiv:2505.16826",
+              "rewards_B, group_index_B, token_ids_BT, loss_mask_BT"),
+    Algorithm("zero_variance", "advantage", "ADVANTAGES", "RL-ZVP, arXiv:2509.21880",
+              "rewards_B, group_index_B, loss_mask_BT, entropy_BT"),
+    Algorithm("miner", "advantage", "ADVANTAGES", "Miner (intrinsic mastery)",
+              "rewards_B, group_index_B, loss_mask_BT, rollout_logprobs_BT"),
+    Algorithm("a3po", "advantage", "ADVANTAGES", "A3PO (asymmetric token advantage shaping)",
+              "rewards_B, group_index_B, loss_mask_BT, rollout_logprobs_BT"),
+    Algorithm("turn_level", "advantage", "ADVANTAGES", "turn-PPO, StepPO (turn-level MDP)",
+              "rewards_B, group_index_B, turn_index_B"),
+    Algorithm("segment", "advantage", "ADVANTAGES",
+              "DeepSeekMath process supervision arXiv:2402.03300; CAPO, SPAE, MA-RLHF",
+              "rewards_B, group_index_B, loss_mask_BT, step_rewards_BT"),
+    Algorithm("rlsd", "advantage", "ADVANTAGES", "RLSD (RLVR with self-distillation)",
+              "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT"),
+    Algorithm("sdar_gate", "advantage", "ADVANTAGES", "SDAR (self-distilled agentic RL)",
+              "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT"),
+    Algorithm("contrastive_sd", "advantage", "ADVANTAGES", "RLCSD (contrastive self-distillation)",
+              "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, "
+              "rollout_logprobs_BT, wrong_hint_logprobs_BT"),
+    Algorithm("high_entropy_only", "weight", "WEIGHTS",
+              "Beyond the 80/20 Rule (forking tokens), arXiv:2506.01939",
+              "advantages_BT, loss_mask_BT, entropy_BT"),
+    Algorithm("entropy_gate", "weight", "WEIGHTS", "EGSPO (entropy-gated selective PO)",
+              "advantages_BT, loss_mask_BT, entropy_BT"),
+    Algorithm("entropy_weighted", "weight", "WEIGHTS", "GTPO / GRPO-S, arXiv:2508.04349",
+              "advantages_BT, loss_mask_BT, entropy_BT"),
+    Algorithm("surprisal_reweight", "weight", "WEIGHTS", "STARE (surprisal-guided reweighting)",
+              "advantages_BT, loss_mask_BT, old_logprobs_BT, entropy_BT"),
+    Algorithm("entropy_change", "weight", "WEIGHTS",
+              "STEER; entropy mechanism arXiv:2505.22617",
+              "advantages_BT, loss_mask_BT, old_logprobs_BT, entropy_BT"),
+    Algorithm("uncertainty_shaping", "weight", "WEIGHTS", "UCAS (uncertainty-aware shaping)",
+              "advantages_BT, loss_mask_BT, old_logprobs_BT"),
+    Algorithm("d3s", "weight", "WEIGHTS", "D^3S (dual-level down-sampling)",
+              "advantages_BT, loss_mask_BT, group_index_B, entropy_BT, step"),
+    Algorithm("nat", "weight", "WEIGHTS", "NAT (Not All Tokens Are Needed): URS, RPC",
+              "advantages_BT, loss_mask_BT, step"),
+    Algorithm("prefix_focus", "weight", "WEIGHTS", "PPPO (progressive prefix retention)",
+              "advantages_BT, loss_mask_BT, step"),
+    Algorithm("delta_logp", "weight", "WEIGHTS", "Delta log p direction (low-prob focus)",
+              "advantages_BT, loss_mask_BT, old_logprobs_BT"),
     Algorithm("ppo_clip", "ratio", "POLICY_LOSSES",
               "PPO arXiv:1707.06347; DAPO clip-higher arXiv:2503.14476",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
@@ -71,6 +115,18 @@ CATALOG: tuple[Algorithm, ...] = (
               "logprobs_BT, ref_logprobs_BT"),
     Algorithm("entropy_bonus", "regularizer", "REGULARIZERS", "PPO entropy bonus, arXiv:1707.06347",
               "entropy_BT (with grad)"),
+    Algorithm("entropy_bonus_sampled", "regularizer", "TERMS",
+              "PPO entropy bonus arXiv:1707.06347 (sampled-token estimator)", "logprobs_BT"),
+    Algorithm("entropy_min", "regularizer", "TERMS", "EM-RL, arXiv:2505.15134",
+              "logprobs_BT"),
+    Algorithm("distill_rkl", "regularizer", "TERMS", "On-policy distillation, "
+              "arXiv:2306.13649", "logprobs_BT, teacher_logprobs_BT"),
+    Algorithm("distill_fkl", "regularizer", "TERMS", "KL-direction study (forward KL)",
+              "logprobs_BT, teacher_logprobs_BT"),
+    Algorithm("distill_mixed", "regularizer", "TERMS", "KL mixing (forward + reverse)",
+              "logprobs_BT, teacher_logprobs_BT"),
+    Algorithm("grsp", "regularizer", "TERMS", "GRSP (group relative segment penalty)",
+              "logprobs_BT, loss_mask_BT, group_index_B"),
 )
 """Every registered part, in registry order."""
 
@@ -87,3 +143,21 @@ def format_table(rows: tuple[Algorithm, ...] = CATALOG) -> str:
         lines.append("  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3])
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(header[3]))
     return "\n".join(lines)
+
+
+_FIELD_REGISTRIES = {
+    "advantage": ("ADVANTAGES",),
+    "policy_loss": ("POLICY_LOSSES",),
+    "loss_aggregation": ("AGGREGATIONS",),
+    "rollout_correction": ("CORRECTIONS",),
+    "token_weights": ("WEIGHTS",),
+    "regularizers": ("KL_ESTIMATORS", "TERMS"),
+}
+
+
+def names_for(settings_field: str) -> set[str]:
+    """Part names a `TrainerSettings` field accepts (`algorithm_params`: any part name)."""
+    if settings_field == "algorithm_params":
+        return {row.name for row in CATALOG}
+    registries = _FIELD_REGISTRIES[settings_field]
+    return {row.name for row in CATALOG if row.registry in registries}

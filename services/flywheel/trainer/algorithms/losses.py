@@ -17,8 +17,9 @@ micro-batch without loss tokens contributes exactly 0 (masked positions go throu
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ class LossInputs:
     """(B, T) advantage of each token."""
     loss_mask_BT: Tensor
     """(B, T) bool: True on sampled tokens that are trained."""
+    entropy_BT: Tensor | None = None
+    """(B, T) detached predictive entropy (nats); read by `dhpo` with entropy-guided mixing."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class PPOClipConfig:
     """The ratio is clipped above at 1 + eps_high (clip-higher when > eps_low)."""
     dual_clip_c: float = 0.0
     """Dual clip: loss of negative-advantage tokens capped at -A * c (c > 1); 0 = off."""
+    params: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of the selected loss' own parameters (`[trainer.algorithm_params.<loss>]`)."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,16 @@ arXiv id), for KL(pi || ref) from tokens sampled from pi, with log r = ref_logp 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from flywheel.trainer.algorithms.context import TokenContext, require
 from flywheel.trainer.algorithms.losses import LOG_RATIO_LIMIT
+from flywheel.trainer.algorithms.params import resolve
 
 
 def _log_r(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
@@ -46,20 +50,167 @@ def kl_k3(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
     return torch.expm1(log_r_BT) - log_r_BT
 
 
+def _surrogate(value_BT: Tensor, score_BT: Tensor, logprobs_BT: Tensor) -> Tensor:
+    """A (B, T) term whose value is sg(value) and whose gradient is sg(score) grad logp: the
+    score-function (REINFORCE) form of a sampled-token estimator."""
+    return value_BT.detach() + score_BT.detach() * (logprobs_BT - logprobs_BT.detach())
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A part without hyperparameters (its coefficient is set in `trainer.regularizers`)."""
+
+
 def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
     """Entropy bonus as a loss term: l_t = -coef * H_t, (B, T), H_t in nats.
 
     Minimizing it raises the policy entropy (Williams & Peng 1991; used as in PPO,
-    arXiv:1707.06347 eq. 9, c2 ~ 0.01). Needs an entropy with a gradient: the step's
-    `selected_token_logprobs` entropy is a detached statistic, so this is not wired yet.
+    arXiv:1707.06347 eq. 9, c2 ~ 0.01). Only as differentiable as `entropy_BT`: the step's fused
+    head returns a detached entropy, so use `entropy_bonus_sampled` for a gradient.
     """
     return -coef * entropy_BT
+
+
+def entropy_bonus_sampled(ctx: TokenContext, p: NoParams) -> Tensor:
+    """Entropy bonus as a loss term: l_t ~ -H_t (B, T), nats; minimizing it raises entropy.
+
+    Sampled-token estimator (the step's fused head keeps no full distribution with a gradient):
+    with y_t ~ pi, E[-log pi(y_t)] = H_t and grad H = -E[log pi(y) grad log pi(y)], so
+
+        l_t = sg(log pi(y_t)) + sg(log pi(y_t)) (log pi(y_t) - sg(log pi(y_t)))
+
+    has E[l_t] = -H_t and E[grad l_t] = -grad H_t. PPO, Schulman et al. 2017, arXiv:1707.06347
+    eq. 9 (coefficient c2 ~ 0.01, set in `trainer.regularizers`).
+    """
+    logp_BT = require(ctx, "logprobs_BT", "entropy_bonus_sampled")
+    return _surrogate(logp_BT, logp_BT, logp_BT)
+
+
+def entropy_min(ctx: TokenContext, p: NoParams) -> Tensor:
+    """Entropy minimization: l_t ~ +H_t (B, T), the negative of `entropy_bonus_sampled`.
+
+    EM-RL / EM-FT of "The Unreasonable Effectiveness of Entropy Minimization in LLM Reasoning",
+    Agarwal et al. 2025, arXiv:2505.15134: negative entropy as the only reward (use it with
+    coefficient 1 and advantage "none"-like zero rewards) or as a term beside the RL loss.
+    """
+    return -entropy_bonus_sampled(ctx, p)
+
+
+def _teacher_log_ratio(ctx: TokenContext, part: str) -> tuple[Tensor, Tensor]:
+    logp_BT = require(ctx, "logprobs_BT", part)
+    teacher_BT = require(ctx, "teacher_logprobs_BT", part)
+    return logp_BT, (logp_BT - teacher_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def distill_rkl(ctx: TokenContext, p: NoParams) -> Tensor:
+    """Reverse KL(pi || teacher) per token from student samples (on-policy distillation).
+
+        value  d_t = log pi(y_t) - log q(y_t)        (E_pi[d] = KL(pi || q))
+        grad   sg(d_t) grad log pi(y_t)             (E = grad KL, since E_pi[grad log pi] = 0)
+
+    "On-Policy Distillation of Language Models", Agarwal et al. 2024, arXiv:2306.13649; the
+    RL-style reverse-KL objective of the KL-direction study (abstract in shared/reference).
+    Zero where the teacher has no logprob (teacher_logprobs_BT 0 and mask off: mask it out).
+    """
+    logp_BT, d_BT = _teacher_log_ratio(ctx, "distill_rkl")
+    return _surrogate(d_BT, d_BT, logp_BT)
+
+
+def distill_fkl(ctx: TokenContext, p: NoParams) -> Tensor:
+    """Forward KL(teacher || pi) per token from student samples, importance weighted.
+
+        w_t = q(y_t) / pi(y_t);   value w_t (log q - log pi);   grad -sg(w_t) grad log pi(y_t)
+
+    E_pi[w (log q - log pi)] = KL(q || pi) and E_pi[-w grad log pi] = grad KL(q || pi). The SFT-
+    style forward-KL direction of the KL-direction study (abstract in shared/reference);
+    w is clamped through the log-ratio limit.
+    """
+    logp_BT, d_BT = _teacher_log_ratio(ctx, "distill_fkl")
+    w_BT = torch.exp(-d_BT)
+    return _surrogate(-w_BT * d_BT, -w_BT, logp_BT)
+
+
+@dataclass(frozen=True)
+class MixedKLParams:
+    forward_weight: float = 0.5
+    """lambda: l = lambda FKL + (1 - lambda) RKL (KL mixing)."""
+
+
+def distill_mixed(ctx: TokenContext, p: MixedKLParams) -> Tensor:
+    """KL mixing: lambda * forward KL + (1 - lambda) * reverse KL to the teacher, per token.
+
+    Decoupled KL directions of the distillation design-space study (abstract in
+    shared/reference); lambda = 0.5 is this library's default. lambda = 0 is `distill_rkl`,
+    lambda = 1 is `distill_fkl`.
+    """
+    return (p.forward_weight * distill_fkl(ctx, NoParams())
+            + (1 - p.forward_weight) * distill_rkl(ctx, NoParams()))
+
+
+@dataclass(frozen=True)
+class GRSPParams:
+    scale: float = 1.0
+    """Penalty of one group-std of extra length, in advantage units."""
+
+
+def grsp(ctx: TokenContext, p: GRSPParams) -> Tensor:
+    """Group-relative length penalty as a policy-gradient term (GRSP-style).
+
+        z_i = (n_i - mean_G(n)) / std_G(n)        n_i = loss tokens of sample i
+        l_t = -A^pen_i log pi(y_t)  with  A^pen_i = -scale * z_i       (value sg(A^pen) ...)
+
+    so longer-than-group responses are pushed down and shorter ones up, relative to their
+    group. "Group Relative Segment Penalization" (GRSP, abstract in shared/reference) weights
+    penalties by reasoning segments; without segment boundaries in the Sample, each response is
+    one segment here. Groups with equal lengths (std 0) or one member give exactly 0.
+    """
+    logp_BT = require(ctx, "logprobs_BT", "grsp")
+    n_B = ctx.loss_mask_BT.sum(dim=1).double()
+    z_B = torch.zeros_like(n_B)
+    for g in torch.unique(ctx.group_index_B).tolist():
+        idx = (ctx.group_index_B == g).nonzero(as_tuple=True)[0]
+        if idx.numel() > 1:
+            std = float(n_B[idx].std())
+            if std > 0:
+                z_B[idx] = (n_B[idx] - n_B[idx].mean()) / std
+    adv_BT = (-p.scale * z_B).to(logp_BT.dtype)[:, None].expand_as(logp_BT)
+    return -adv_BT * logp_BT
 
 
 KLEstimatorFn = Callable[[Tensor, Tensor], Tensor]
 
 KL_ESTIMATORS: dict[str, KLEstimatorFn] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
-"""Per-token KL(pi || ref) estimators by name."""
+"""Per-token KL(pi || ref) estimators by name; as regularizer terms the reference is the rollout
+policy (`old_logprobs_BT`), since the stack keeps no separate reference model."""
+
+TermFn = Callable[[TokenContext, Any], Tensor]
 
 REGULARIZERS: dict[str, Callable[[Tensor, float], Tensor]] = {"entropy_bonus": entropy_bonus}
-"""Other per-token regularizer terms by name."""
+"""Per-token regularizers on a given entropy: `(entropy_BT, coef) -> (B, T)`."""
+
+TERMS: dict[str, TermFn] = {
+    "entropy_bonus_sampled": entropy_bonus_sampled,
+    "entropy_min": entropy_min,
+    "distill_rkl": distill_rkl,
+    "distill_fkl": distill_fkl,
+    "distill_mixed": distill_mixed,
+    "grsp": grsp,
+}
+"""Regularizer terms selected by `TrainerSettings.regularizers` (with the KL estimators):
+`(TokenContext, params) -> (B, T)`, added to the token loss times their coefficient."""
+
+TERM_PARAMS: dict[str, type] = {
+    "k1": NoParams, "k2": NoParams, "k3": NoParams,
+    "entropy_bonus_sampled": NoParams, "entropy_min": NoParams, "distill_rkl": NoParams,
+    "distill_fkl": NoParams, "distill_mixed": MixedKLParams, "grsp": GRSPParams,
+}
+
+
+def apply_term(name: str, ctx: TokenContext, overrides: Mapping[str, Any] | None = None
+               ) -> Tensor:
+    """The (B, T) term of regularizer `name` (KL estimators against the rollout logprobs)."""
+    params = resolve(TERM_PARAMS[name], overrides, name)
+    if name in KL_ESTIMATORS:
+        logp_BT = require(ctx, "logprobs_BT", name)
+        return KL_ESTIMATORS[name](logp_BT, ctx.old_logprobs_BT)
+    return TERMS[name](ctx, params)

@@ -1,0 +1,123 @@
+"""Compare training recipes on the demo task: same seed, same budget, one stack per recipe.
+
+    .venv/bin/python bench/recipes.py recipes/grpo.toml recipes/dapo.toml recipes/gspo.toml \
+        --steps 8 --out runs/recipes
+
+For each recipe (a TOML config file, `flywheel demo --config` format) a fresh local stack
+starts, the demo runs `--steps` trainer steps of `--problems-per-step` x `--group-size`
+rollouts with `--seed`, and held-out greedy accuracy is measured before and after. Writes
+`OUT/<recipe>/` (the demo's files), `OUT/reward_curves.png` (every recipe's per-step mean
+reward on one plot) and `OUT/summary.json`, and prints a table of final held-out accuracy and
+wall-clock per recipe. Recipes run one after another on the same machine; wall-clock includes
+stack start-up and both evaluations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+from flywheel.core.settings import load_settings
+from flywheel.demo.runner import DemoConfig, DemoRunner
+from flywheel.stack import Stack
+
+
+def run_recipe(recipe: Path, out: Path, cfg: DemoConfig) -> dict[str, float]:
+    """One recipe on a fresh stack; returns the demo summary plus `wall_s`."""
+    started = time.monotonic()
+    settings = load_settings(recipe)
+    stack_dir = out / "stack"
+    shutil.rmtree(stack_dir, ignore_errors=True)
+    settings.state_dir = str(stack_dir)
+    settings.trainer.checkpoint_dir = str(stack_dir / "checkpoints")
+    settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
+    settings.trainer.groups_per_step = cfg.problems_per_step
+    settings.trainer.group_size = cfg.group_size
+    settings.trainer.seed = cfg.seed
+    with Stack(settings, config_file=str(recipe)) as stack:
+        urls = {s.name: s.url for s in stack.services}
+        summary = DemoRunner(urls["gateway"], urls["engine"], cfg, out).run(started_at=started)
+    shutil.rmtree(stack_dir / "checkpoints", ignore_errors=True)
+    return summary | {"wall_s": time.monotonic() - started}
+
+
+def read_curve(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["reward_mean"] for row in rows]
+
+
+def plot(curves: dict[str, list[float]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, rewards in curves.items():
+        ax.plot(range(1, len(rewards) + 1), rewards, marker="o", label=name)
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("mean training reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def table(results: dict[str, dict[str, float]]) -> str:
+    lines = [f"{'recipe':<22} {'eval_before':>11} {'eval_after':>10} {'reward_first':>12} "
+             f"{'reward_last':>11} {'wall_min':>8}"]
+    for name, r in results.items():
+        lines.append(f"{name:<22} {r['eval_before']:>11.3f} {r['eval_after']:>10.3f} "
+                     f"{r['reward_first']:>12.3f} {r['reward_last']:>11.3f} "
+                     f"{r['wall_s'] / 60:>8.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipes", nargs="+", type=Path, help="recipe TOML files (3 or more)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--problems-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("runs/recipes"))
+    args = parser.parse_args(argv)
+    for recipe in args.recipes:
+        load_settings(recipe)  # fail before any stack starts
+    cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,
+                     group_size=args.group_size, seed=args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, float]] = {}
+    curves: dict[str, list[float]] = {}
+    for recipe in args.recipes:
+        name = recipe.stem
+        print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} problems x "
+              f"{args.group_size} samples, seed {args.seed}", flush=True)
+        summary = run_recipe(recipe, args.out / name, cfg)
+        curves[name] = read_curve(args.out / name)
+        half = max(len(curves[name]) // 2, 1)
+        results[name] = summary | {
+            "reward_first": sum(curves[name][:half]) / half,
+            "reward_last": sum(curves[name][-half:]) / half,
+        }
+        (args.out / "summary.json").write_text(json.dumps(
+            {"budget": vars(args) | {"recipes": [str(r) for r in args.recipes],
+                                     "out": str(args.out)}, "results": results},
+            indent=2, default=str))
+        plot(curves, args.out / "reward_curves.png")
+    print(f"budget: {args.steps} steps x {args.problems_per_step} problems x {args.group_size} "
+          f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
+          f"reward over the first / last {max(args.steps // 2, 1)} steps")
+    print(table(results))
+    print(f"wrote {args.out / 'reward_curves.png'} and {args.out / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,12 +7,13 @@ and a wall-clock timeout, after which the whole process group is killed. A timeo
 hit is a failed test, never a hang. The cwd is a fresh temp dir, deleted afterwards.
 
 Isolation modes (chosen once per process by probing, see `isolation_mode()`):
-- "unshare": root with `unshare` available: the child runs in new network and PID namespaces
-  (`unshare -n -p -f --kill-child`), so it has only a down loopback and no route anywhere, and
-  killing the namespace's first process kills every descendant. The child then drops to uid/gid
-  65534 (nobody) so RLIMIT_NPROC applies (root ignores it), but only when nobody can reach the
-  interpreter's files (`can_drop_uid()`); else it stays root and a fork bomb is bounded only by
-  the wall-clock timeout plus the PID-namespace kill (e.g. a pyenv Python under a 0700 /root).
+- "unshare": root with `unshare` and `chroot` available: the child runs in new network, PID,
+  mount, IPC and UTS namespaces (`unshare -n -p -f -m -i -u --kill-child`), so it has only a down
+  loopback and no route anywhere, sees only its own processes (a fresh /proc), and killing the
+  namespace's first process kills every descendant. `_JAIL` then chroots it into a root holding
+  only read-only binds of /usr (+ /lib, /bin links) and the interpreter's prefix, /dev/null,
+  /dev/zero, /dev/urandom, and its temp dir as `/work`, and the harness drops to uid/gid 65534
+  (nobody), so RLIMIT_NPROC applies and nothing outside /work is writable or even visible.
 - "audit-hook" (fallback, not root or no `unshare`): a `sys.addaudithook` hook in the child,
   which Python code cannot remove, refuses socket creation/connection and spawning processes
   (subprocess, os.system, exec, fork). Best-effort: native extension code could bypass it.
@@ -48,20 +49,58 @@ from flywheel.core.errors import InvalidRequestError
 _CODE_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 NOBODY = 65534
 
+# Runs as root in fresh namespaces: $1 = jail root, $2 = the test's dir, $3 = interpreter prefix,
+# then the command. Mounts are private to the namespace and vanish with it.
+_JAIL = r"""
+set -e
+J=$1; W=$2; P=$3; shift 3
+mount --make-rprivate /
+for d in /usr /lib /lib64 /bin /sbin "$P"; do
+  if [ -L "$d" ]; then mkdir -p "$J$(dirname "$d")"; cp -P "$d" "$J$d"
+  elif [ -d "$d" ]; then
+    mkdir -p "$J$d"; mount --bind "$d" "$J$d"; mount -o remount,bind,ro,nosuid,nodev "$J$d"
+  fi
+done
+mkdir -p "$J/work" "$J/proc" "$J/dev"
+mount --bind "$W" "$J/work"
+mount -t proc -o nosuid,nodev,noexec proc "$J/proc"
+for f in null zero urandom; do touch "$J/dev/$f"; mount --bind "/dev/$f" "$J/dev/$f"; done
+exec chroot "$J" "$@"
+"""
+
 _HARNESS = r"""
 import json, os, sys
 def _run():
     spec = json.loads(sys.stdin.read())
     sys.stdin.close()
+    os.chdir(spec["cwd"])
     if spec["drop_uid"] and os.getuid() == 0:
         os.setgroups([]); os.setgid(65534); os.setuid(65534)
     if spec["audit_hook"]:
         blocked = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
                    "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-                   "os.fork", "os.forkpty", "pty.spawn")
+                   "os.fork", "os.forkpty", "pty.spawn", "os.kill", "os.killpg",
+                   "ctypes.dlopen", "ctypes.dlsym", "os.chroot", "os.setuid")
+        paths = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown",
+                 "os.symlink", "os.link", "os.truncate", "os.utime", "os.listdir", "os.scandir",
+                 "shutil.rmtree", "os.chdir")
+        home = os.path.realpath(".") + os.sep
+        stdlib = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)})
+        writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        def inside(path, roots):
+            if isinstance(path, int) or path is None:
+                return True
+            return (os.path.realpath(os.fsdecode(path)) + os.sep).startswith(roots)
         def hook(event, args):
             if event in blocked:
                 raise PermissionError("sandbox: " + event + " is not allowed")
+            if event == "open" and args:
+                mode, flags = args[1] or "", args[2] or 0
+                write = any(c in str(mode) for c in "wax+") or flags & writes
+                if not inside(args[0], (home,) if write else (home, *stdlib)):
+                    raise PermissionError("sandbox: files outside the work dir are off limits")
+            elif event in paths and args and not inside(args[0], (home,)):
+                raise PermissionError("sandbox: files outside the work dir are off limits")
         sys.addaudithook(hook)
     token = spec.pop("token")
     scope = {"__name__": "__main__"}
@@ -94,29 +133,30 @@ class TestResult:
 
 
 @functools.cache
-def can_drop_uid() -> bool:
-    """True when uid 65534 can traverse to the interpreter, its stdlib and site-packages."""
-    import stat  # noqa: PLC0415
-
-    for root in {sys.base_prefix, sys.prefix, os.path.dirname(os.path.abspath(__file__))}:
-        path = os.path.abspath(root)
-        while True:
-            if not os.stat(path).st_mode & stat.S_IXOTH:
-                return False
-            if path == "/":
-                break
-            path = os.path.dirname(path)
-    return True
-
-
-@functools.cache
 def isolation_mode() -> str:
-    """"unshare" when network/PID namespaces work here (root + util-linux), else "audit-hook"."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
+    """"unshare" when the namespaces and the chroot jail work here (root + util-linux + an
+    interpreter inside its prefix), else "audit-hook"."""
+    if os.geteuid() != 0 or not all(map(shutil.which, ("unshare", "mount", "chroot"))):
         return "audit-hook"
-    probe = subprocess.run(["unshare", "-n", "-p", "-f", "--kill-child", "true"],
-                           capture_output=True, timeout=10, check=False)
+    if not _interpreter().startswith(os.path.realpath(sys.base_prefix) + os.sep):
+        return "audit-hook"
+    with tempfile.TemporaryDirectory(prefix="flywheel-sandbox-") as tmp:
+        argv = _jail_argv(tmp, [_interpreter(), "-I", "-c", "import os; os.chdir('/work')"])
+        probe = subprocess.run(argv, capture_output=True, timeout=30, check=False)
     return "unshare" if probe.returncode == 0 else "audit-hook"
+
+
+def _interpreter() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def _jail_argv(tmp: str, command: list[str]) -> list[str]:
+    """`command` in new namespaces, chrooted into `<tmp>/jail` with `<tmp>/work` as /work."""
+    jail, work = os.path.join(tmp, "jail"), os.path.join(tmp, "work")
+    os.makedirs(jail, exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    return ["unshare", "-n", "-p", "-f", "-m", "-i", "-u", "--kill-child", "--", "sh", "-c",
+            _JAIL, "sh", jail, work, os.path.realpath(sys.base_prefix), *command]
 
 
 def extract_code(response: str) -> str:
@@ -129,18 +169,21 @@ def run_test(code: str, test: str, limits: Limits = Limits()) -> TestResult:
     """Run `code` then `test` in one sandboxed child; passed = both ran to the end."""
     mode = isolation_mode()
     token = secrets.token_hex(16)
-    spec = {"code": code, "test": test, "token": token,
-            "drop_uid": mode == "unshare" and can_drop_uid(), "audit_hook": mode != "unshare"}
-    argv = [sys.executable, "-I", "-c", _HARNESS]
-    if mode == "unshare":
-        argv = ["unshare", "-n", "-p", "-f", "--kill-child", "--", *argv]
+    jailed = mode == "unshare"
+    spec = {"code": code, "test": test, "token": token, "cwd": "/work" if jailed else ".",
+            "drop_uid": jailed, "audit_hook": not jailed}
     with tempfile.TemporaryDirectory(prefix="flywheel-sandbox-") as tmp:
-        os.chmod(tmp, 0o777)  # the child may run as nobody
+        argv = [_interpreter() if jailed else sys.executable, "-I", "-c", _HARNESS]
+        if jailed:
+            argv = _jail_argv(tmp, argv)
+            tmp = os.path.join(tmp, "work")
+        os.chmod(tmp, 0o777)  # the child runs as nobody
         out_path = os.path.join(tmp, ".out")
         with open(out_path, "w+b") as out:
             proc = subprocess.Popen(
                 argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
-                env={"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp},
+                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/work" if jailed else tmp,
+                     "TMPDIR": "/work" if jailed else tmp},
                 start_new_session=True, preexec_fn=functools.partial(_set_limits, limits),
             )
             try:

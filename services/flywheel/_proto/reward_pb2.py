@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from flywheel._proto import sample_pb2 as sample__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0creward.proto\x12\x0b\x66lywheel.v1\x1a\x0csample.proto\"3\n\x0cScoreRequest\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample\"\xce\x01\n\rScoreResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x38\n\x07rewards\x18\x03 \x03(\x0b\x32\'.flywheel.v1.ScoreResponse.RewardsEntry\x12 \n\x05votes\x18\x04 \x03(\x0b\x32\x11.flywheel.v1.Vote\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32O\n\rRewardService\x12>\n\x05Score\x12\x19.flywheel.v1.ScoreRequest\x1a\x1a.flywheel.v1.ScoreResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0creward.proto\x12\x0b\x66lywheel.v1\x1a\x0csample.proto\"3\n\x0cScoreRequest\x12#\n\x06sample\x18\x01 \x01(\x0b\x32\x13.flywheel.v1.Sample\"\xe1\x01\n\rScoreResponse\x12\x0e\n\x06reward\x18\x01 \x01(\x01\x12\x12\n\nhas_reward\x18\x02 \x01(\x08\x12\x38\n\x07rewards\x18\x03 \x03(\x0b\x32\'.flywheel.v1.ScoreResponse.RewardsEntry\x12 \n\x05votes\x18\x04 \x03(\x0b\x32\x11.flywheel.v1.Vote\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x11\n\tsample_id\x18\x06 \x01(\t\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"9\n\x11ScoreBatchRequest\x12$\n\x07samples\x18\x01 \x03(\x0b\x32\x13.flywheel.v1.Sample\"C\n\x12ScoreBatchResponse\x12-\n\tresponses\x18\x01 \x03(\x0b\x32\x1a.flywheel.v1.ScoreResponse2\x9e\x01\n\rRewardService\x12>\n\x05Score\x12\x19.flywheel.v1.ScoreRequest\x1a\x1a.flywheel.v1.ScoreResponse\x12M\n\nScoreBatch\x12\x1e.flywheel.v1.ScoreBatchRequest\x1a\x1f.flywheel.v1.ScoreBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,9 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_start=43
   _globals['_SCOREREQUEST']._serialized_end=94
   _globals['_SCORERESPONSE']._serialized_start=97
-  _globals['_SCORERESPONSE']._serialized_end=303
-  _globals['_SCORERESPONSE_REWARDSENTRY']._serialized_start=257
-  _globals['_SCORERESPONSE_REWARDSENTRY']._serialized_end=303
-  _globals['_REWARDSERVICE']._serialized_start=305
-  _globals['_REWARDSERVICE']._serialized_end=384
+  _globals['_SCORERESPONSE']._serialized_end=322
+  _globals['_SCORERESPONSE_REWARDSENTRY']._serialized_start=276
+  _globals['_SCORERESPONSE_REWARDSENTRY']._serialized_end=322
+  _globals['_SCOREBATCHREQUEST']._serialized_start=324
+  _globals['_SCOREBATCHREQUEST']._serialized_end=381
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=383
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=450
+  _globals['_REWARDSERVICE']._serialized_start=453
+  _globals['_REWARDSERVICE']._serialized_end=611
 # @@protoc_insertion_point(module_scope)

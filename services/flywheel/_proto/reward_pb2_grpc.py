@@ -39,13 +39,27 @@ class RewardServiceStub:
                 request_serializer=reward__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=reward__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreBatch = channel.unary_unary(
+                '/flywheel.v1.RewardService/ScoreBatch',
+                request_serializer=reward__pb2.ScoreBatchRequest.SerializeToString,
+                response_deserializer=reward__pb2.ScoreBatchResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Score(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Score one Sample (a live turn or a whole episode).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreBatch(self, request, context):
+        """Score many Samples concurrently; one invalid Sample fails the whole call (INVALID_ARGUMENT
+        with the index of each offending Sample), so nothing is half-scored.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -57,6 +71,11 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=reward__pb2.ScoreRequest.FromString,
                     response_serializer=reward__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreBatch,
+                    request_deserializer=reward__pb2.ScoreBatchRequest.FromString,
+                    response_serializer=reward__pb2.ScoreBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +105,33 @@ class RewardService:
             '/flywheel.v1.RewardService/Score',
             reward__pb2.ScoreRequest.SerializeToString,
             reward__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flywheel.v1.RewardService/ScoreBatch',
+            reward__pb2.ScoreBatchRequest.SerializeToString,
+            reward__pb2.ScoreBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,103 +1,72 @@
-"""Next-state PRM judge (OpenClaw-RL style) over any OpenAI-compatible chat endpoint.
+"""LLM judges over any OpenAI-compatible endpoint: the next-state PRM (OpenClaw-RL style, also
+used per turn for episode step scores) and the rubric outcome judge.
 
-One turn is judged by `votes` concurrent calls. Each reply is parsed strictly: only its last
-non-empty line counts and it must read `Final verdict: <v>` with v in the declared set
-{-1, 0, +1}; anything else is an invalid vote ("parse"). Timeouts, connection errors, 429 and
-5xx are retried with exponential backoff and jitter, then the vote is invalid ("infra").
-
-Aggregation: majority of the valid votes; on a tie, the mean of the tied values (so +1 vs -1
-gives 0.0, +1 vs 0 gives 0.5: no side wins a tie). No valid vote = the turn is *unjudged*,
-never 0.0 (field-failures BUG-20, BUG-22); the reason is "infra" when every vote failed on
-infrastructure, else "parse".
+A judgment is m concurrent votes on one rendered prompt (flywheel.reward.judge_client retries
+each vote), parsed strictly (flywheel.reward.parsing) and aggregated:
+- verdict judges (declared set {-1, 0, +1}): majority of the valid votes; a tie gives the mean of
+  the tied values, so no side wins a tie;
+- score judges (declared range [low, high]): mean of the valid votes.
+No valid vote = the judgment is *unjudged* (value None) with the most common failure kind as its
+reason, never 0.0 (field-failures BUG-20, BUG-22).
 
 The judged text goes inside blocks delimited by a random per-call nonce, so a response cannot
-close the block, and a verdict line planted in the response is never the judge's last line.
+close its block, and a verdict line planted in the response is never the judge's last line.
 
-Prompts are versioned files `prompts/<name>_v<N>.txt` (string.Template: $context, $response,
-$next_state, $next_role, $nonce); each Vote's `judge` field records "<name>@v<N>".
-To change a prompt, add a new version file; never edit a released one.
+Prompts are versioned files `prompts/<name>_v<N>.txt` (string.Template). Each Vote's `judge` field
+records "<label>:<name>@v<N>" (e.g. "judge:prm@v2", "step/1:prm@v2"), so every judgment carries
+its prompt version. To change a prompt add a new version file; never edit a released one.
 """
 
 from __future__ import annotations
 
-import logging
-import re
+import asyncio
 import secrets
-import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from string import Template
 
-import httpx
-import tenacity
-from prometheus_client import Counter as MetricCounter
-
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ConfigurationError
-from flywheel.core.settings import JudgeSettings
+from flywheel.reward import metrics
+from flywheel.reward.judge_client import (  # noqa: F401  (JudgeClient, JudgeInfraError: teacher)
+    INFRA_KINDS,
+    AsyncJudgeClient,
+    JudgeClient,
+    JudgeInfraError,
+)
+from flywheel.reward.parsing import Parsed, agreement, majority, mean, parse_score, parse_verdict
 
-log = logging.getLogger(__name__)
 PROMPTS = Path(__file__).parent / "prompts"
-VERDICTS = (-1, 0, 1)
-_VERDICT_LINE = re.compile(r"final\s+verdict\s*:\s*([+-]?\d+(?:\.\d+)?)\s*\.?", re.IGNORECASE)
-JUDGE_VOTES = MetricCounter("flywheel_reward_judge_votes_total", "Judge votes", ["outcome"])
-
-
-class JudgeInfraError(Exception):
-    """Transient: timeout, connection error, 429 or 5xx. Retried, then an "infra" vote."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    value: int | None
-    """The verdict in VERDICTS; None = invalid."""
-    reason: str
-    """"ok", or why the vote is invalid, prefixed "parse:" or "infra:"."""
+_KIND_ORDER = (*INFRA_KINDS, "no_verdict", "invalid_value")
 
 
 @dataclass(frozen=True)
 class Judgment:
     value: float | None
-    """Aggregated verdict; None = unjudged."""
+    """Aggregated vote; None = unjudged."""
     votes: list[sample_pb2.Vote]
-    error: str
-    """"" when judged, else "infra" or "parse"."""
+    reason: str
+    """"" when judged, else the most common failure kind of the votes (e.g. "timeout")."""
+    prompt: str
+    """Prompt version, "<name>@v<N>"."""
 
-
-def parse_verdict(reply: str, allowed: tuple[int, ...] = VERDICTS) -> Verdict:
-    """Parse only the last non-empty line of a judge reply.
-
-    "...\\nFinal verdict: +1" -> 1; "**Final verdict: -1**" -> -1; "Final verdict: 10" -> invalid
-    (out of set); "Reward: 1" or a verdict followed by more text -> invalid (no final line).
-    """
-    lines = [ln.strip().strip("*`_ ").strip() for ln in reply.strip().splitlines() if ln.strip()]
-    if not lines:
-        return Verdict(None, "parse: empty reply")
-    match = _VERDICT_LINE.fullmatch(lines[-1])
-    if match is None:
-        return Verdict(None, "parse: last line is not 'Final verdict: <v>'")
-    text = match.group(1)
-    if "." in text or int(text) not in allowed:
-        return Verdict(None, f"parse: verdict {text} not in {list(allowed)}")
-    return Verdict(int(text), "ok")
-
-
-def aggregate(values: list[int]) -> float | None:
-    """Majority of valid votes; tie -> mean of the tied values; no votes -> None.
-
-    [1, 1, -1] -> 1.0; [1, -1] -> 0.0; [1, 0] -> 0.5; [] -> None.
-    """
-    if not values:
-        return None
-    counts = Counter(values).most_common()
-    top = [v for v, n in counts if n == counts[0][1]]
-    return sum(top) / len(top)
+    @property
+    def error(self) -> str:
+        """"" or "infra/<kind>" / "parse/<kind>" for the sample's error text."""
+        if not self.reason:
+            return ""
+        return f"{'infra' if self.reason in INFRA_KINDS else 'parse'}/{self.reason}"
 
 
 def load_prompt(name: str) -> tuple[str, Template]:
-    """(version tag, template) of `prompts/<name>.txt`; "prm_v1" -> ("prm@v1", ...)."""
+    """(version tag, template) of `prompts/<name>.txt`; "prm_v1" -> ("prm@v1", ...).
+
+    Raises:
+        ConfigurationError: no such prompt file (the message lists the known ones).
+    """
     path = PROMPTS / f"{name}.txt"
     if not path.is_file():
         known = sorted(p.stem for p in PROMPTS.glob("*.txt"))
@@ -106,121 +75,106 @@ def load_prompt(name: str) -> tuple[str, Template]:
     return f"{base}@{version}", Template(path.read_text())
 
 
-class JudgeClient:
-    """Calls one OpenAI-compatible endpoint; thread-safe, at most `max_concurrency` in flight.
+class VotingJudge:
+    """m concurrent votes on one prompt, parsed by `parse`, aggregated by `combine`.
 
     Args:
-        base_url: endpoint root including /v1 (e.g. "http://127.0.0.1:30000/v1").
-        model: model name sent in each request.
-        api_key: bearer token; None = no Authorization header.
-        timeout_s: seconds per HTTP call.
-        max_concurrency: calls in flight at once across all threads.
-        max_attempts: tries per vote on infra errors (1 = no retry).
-        backoff_s: first backoff in seconds, doubled per retry (with jitter), capped at 30x.
-        transport: httpx transport override (tests use httpx.MockTransport).
+        client: the endpoint (its own concurrency limit and timeout).
+        prompt: prompt file stem, e.g. "prm_v2".
+        votes: m.
+        parse: reply -> Parsed.
+        combine: valid vote values -> aggregated value (None when empty).
     """
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 timeout_s: float = 30.0, max_concurrency: int = 8, max_attempts: int = 3,
-                 backoff_s: float = 0.5, temperature: float = 0.7, max_tokens: int = 512,
-                 transport: httpx.BaseTransport | None = None):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
-                                 timeout=timeout_s, transport=transport)
-        self.model = model
-        self.temperature = temperature
-        self.max_tokens = max_tokens
-        self.slots = threading.BoundedSemaphore(max_concurrency)
-        self.retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                  + tenacity.wait_random(0, backoff_s)),
-            retry=tenacity.retry_if_exception_type(JudgeInfraError), reraise=True,
-        )
-
-    def complete(self, prompt: str) -> str:
-        """Text of one chat completion, retried on infra errors; raises JudgeInfraError."""
-        return self.retrying(self._complete_once, prompt)
-
-    def _complete_once(self, prompt: str) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "temperature": self.temperature, "max_tokens": self.max_tokens}
-        with self.slots:
-            try:
-                resp = self.http.post("/chat/completions", json=body)
-            except httpx.TransportError as exc:  # timeouts, refused connections, resets
-                raise JudgeInfraError(f"{type(exc).__name__}: {exc}") from exc
-        if resp.status_code == 429 or resp.status_code >= 500:
-            raise JudgeInfraError(f"HTTP {resp.status_code}")
-        if resp.status_code != 200:
-            raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        try:
-            return resp.json()["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"not an OpenAI chat completion: {resp.text[:200]}") from exc
-
-    def close(self) -> None:
-        self.http.close()
-
-
-class NextStateJudge:
-    """m votes on one turn from its context, response and next state.
-
-    Args:
-        client: the endpoint.
-        prompt: prompt file stem, e.g. "prm_v1".
-        votes: m, concurrent calls per turn.
-        context_chars: the context is trimmed to its last `context_chars` characters.
-    """
-
-    def __init__(self, client: JudgeClient, prompt: str = "prm_v1", votes: int = 3,
-                 context_chars: int = 8000):
+    def __init__(self, client: AsyncJudgeClient, prompt: str, votes: int,
+                 parse: Callable[[str], Parsed],
+                 combine: Callable[[list[float]], float | None]):
         self.client = client
         self.tag, self.template = load_prompt(prompt)
         self.votes = votes
-        self.context_chars = context_chars
-        self.pool = ThreadPoolExecutor(max_workers=votes, thread_name_prefix="judge")
+        self.parse = parse
+        self.combine = combine
 
-    def render(self, context: str, response: str, next_state: str, next_role: str) -> str:
-        return self.template.substitute(
-            nonce=secrets.token_hex(8), context=context[-self.context_chars:],
-            response=response, next_state=next_state, next_role=next_role)
+    @property
+    def name(self) -> str:
+        return self.client.name
 
-    def judge(self, context: str, response: str, next_state: str, next_role: str) -> Judgment:
-        prompt = self.render(context, response, next_state, next_role)
-        votes = list(self.pool.map(lambda _: self._vote(prompt), range(self.votes)))
-        values = [int(v.value) for v in votes if v.has_value]
-        value = aggregate(values)
+    def render(self, **fields: str) -> str:
+        """The prompt with `fields` and a fresh nonce; unknown template names raise KeyError."""
+        return self.template.substitute(nonce=secrets.token_hex(8), **fields)
+
+    async def run(self, label: str, **fields: str) -> Judgment:
+        """Render, vote m times concurrently, aggregate; `label` prefixes each Vote's judge."""
+        prompt = self.render(**fields)
+        results = await asyncio.gather(
+            *(self.client.vote(prompt, self.parse) for _ in range(self.votes)))
+        judge = f"{label}:{self.tag}"
+        votes = [sample_pb2.Vote(judge=judge, has_value=r.value is not None,
+                                 value=r.value or 0.0,
+                                 explanation=r.detail if r.value is not None
+                                 else f"{r.kind}: {r.detail}")
+                 for r in results]
+        for r in results:
+            metrics.VOTES.labels(self.name, "valid" if r.value is not None else r.kind).inc()
+        values = [r.value for r in results if r.value is not None]
+        value = self.combine(values)
         if value is not None:
-            return Judgment(value, votes, "")
-        infra = all(v.explanation.startswith("infra:") for v in votes)
-        return Judgment(None, votes, "infra" if infra else "parse")
-
-    def _vote(self, prompt: str) -> sample_pb2.Vote:
-        try:
-            reply = self.client.complete(prompt)
-        except JudgeInfraError as exc:
-            JUDGE_VOTES.labels("infra").inc()
-            return sample_pb2.Vote(judge=self.tag, has_value=False, explanation=f"infra: {exc}")
-        except ValueError as exc:
-            JUDGE_VOTES.labels("parse").inc()
-            return sample_pb2.Vote(judge=self.tag, has_value=False, explanation=f"parse: {exc}")
-        verdict = parse_verdict(reply)
-        if verdict.value is None:
-            JUDGE_VOTES.labels("parse").inc()
-            return sample_pb2.Vote(judge=self.tag, has_value=False,
-                                   explanation=f"{verdict.reason}; reply tail: {reply[-200:]}")
-        JUDGE_VOTES.labels("valid").inc()
-        return sample_pb2.Vote(judge=self.tag, has_value=True, value=float(verdict.value),
-                               explanation=reply[-1000:])
+            metrics.JUDGED.labels(self.name).inc()
+            metrics.AGREEMENT.labels(self.name).observe(agreement(values) or 0.0)
+            return Judgment(value, votes, "", self.tag)
+        kinds = Counter(r.kind for r in results)
+        reason = min(kinds, key=lambda k: (-kinds[k], _KIND_ORDER.index(k)
+                                           if k in _KIND_ORDER else len(_KIND_ORDER)))
+        metrics.UNJUDGED.labels(self.name, reason).inc()
+        return Judgment(None, votes, reason, self.tag)
 
 
-def judge_from_settings(js: JudgeSettings) -> NextStateJudge | None:
-    """The configured judge, or None when `js.enabled` is false."""
-    if not js.enabled:
-        return None
-    client = JudgeClient(js.base_url, js.model, api_key=js.api_key, timeout_s=js.timeout_s,
-                         max_concurrency=js.max_concurrency, max_attempts=js.max_attempts,
-                         backoff_s=js.backoff_s, temperature=js.temperature,
-                         max_tokens=js.max_tokens)
-    return NextStateJudge(client, js.prompt, js.votes, js.context_chars)
+class NextStateJudge(VotingJudge):
+    """Did the response move the user's goal forward, judging from the next state? +1 / 0 / -1.
+
+    Args:
+        client, prompt, votes: as VotingJudge.
+        context_chars: the turn's context is trimmed to its last `context_chars` characters.
+    """
+
+    def __init__(self, client: AsyncJudgeClient, prompt: str = "prm_v2", votes: int = 3,
+                 context_chars: int = 8000):
+        super().__init__(client, prompt, votes, parse_verdict, majority)
+        self.context_chars = context_chars
+
+    async def judge(self, context: str, response: str, next_state: str, next_role: str, *,
+                    truncated: bool = False, label: str = "judge") -> Judgment:
+        """Judge one turn. `truncated`: the response hit the token limit (finish_reason
+        "length"); the judge is told so, so a cut-off answer is not graded as complete."""
+        status = ("cut off at the token limit (finish_reason=length): it is incomplete"
+                  if truncated else "complete")
+        return await self.run(
+            label, context=context[-self.context_chars:] if self.context_chars else "",
+            response=response, next_state=next_state, next_role=next_role,
+            response_status=status)
+
+
+class RubricJudge(VotingJudge):
+    """Outcome judge for open-ended tasks: a score in [low, high] under a rubric.
+
+    Args:
+        client, prompt, votes: as VotingJudge.
+        low, high: the declared score range; a vote outside it is invalid (never clipped).
+        context_chars: the task text is trimmed to its last `context_chars` characters.
+    """
+
+    def __init__(self, client: AsyncJudgeClient, prompt: str = "rubric_v1", votes: int = 3,
+                 low: float = 0.0, high: float = 10.0, context_chars: int = 8000):
+        super().__init__(client, prompt, votes, partial(parse_score, low=low, high=high), mean)
+        self.low, self.high = low, high
+        self.context_chars = context_chars
+
+    async def judge(self, task: str, response: str, rubric: str, *,
+                    truncated: bool = False, label: str = "rubric") -> Judgment:
+        """Score one final response against `rubric`."""
+        status = ("cut off at the token limit (finish_reason=length): it is incomplete"
+                  if truncated else "complete")
+        return await self.run(
+            label, task=task[-self.context_chars:] if self.context_chars else "",
+            response=response, rubric=rubric, low=f"{self.low:g}", high=f"{self.high:g}",
+            response_status=status)

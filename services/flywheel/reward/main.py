@@ -1,39 +1,42 @@
 """Reward service entry point: `python -m flywheel.reward [--config FILE]`.
 
-Parse settings -> gRPC server (Score + health) -> Prometheus metrics -> stream worker loop
-(rollouts -> scored, or -> train when the teacher is disabled) until SIGTERM.
+Parse settings -> scorers (verifiers, enabled judges) -> gRPC server (Score, ScoreBatch, health,
+reflection) -> Prometheus /metrics -> stream worker (rollouts -> scored, or -> train when the
+teacher is disabled), all on one asyncio loop until SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
 import signal
 
 from flywheel.core.logs import setup_logging
-from flywheel.core.settings import load_settings
+from flywheel.core.settings import FlywheelSettings, load_settings
 
 log = logging.getLogger("flywheel.reward")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flywheel-reward", description=__doc__)
-    parser.add_argument("--config", default=None, help="TOML settings file")
-    args = parser.parse_args(argv)
-    settings = load_settings(args.config)
-    setup_logging(settings.log_level, service="reward")
-    log.info("settings %s", settings.dump())
+def _redacted(settings: FlywheelSettings) -> str:
+    data = json.loads(settings.dump())
+    for name in ("judge", "step_judge", "rubric_judge"):
+        if data["reward"][name].get("api_key"):
+            data["reward"][name]["api_key"] = "<redacted>"
+    return json.dumps(data, sort_keys=True)
 
-    from prometheus_client import start_http_server  # noqa: PLC0415
 
+async def serve(settings: FlywheelSettings) -> None:
+    """Run the gRPC server and the stream worker until SIGTERM/SIGINT."""
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.streams import (  # noqa: PLC0415
         StreamConsumer,
         StreamProducer,
         default_consumer_name,
     )
-    from flywheel.reward.grpc_api import serve  # noqa: PLC0415
-    from flywheel.reward.judge import judge_from_settings  # noqa: PLC0415
+    from flywheel.reward.factory import build_scorer  # noqa: PLC0415
+    from flywheel.reward.grpc_api import start_server  # noqa: PLC0415
     from flywheel.reward.worker import RewardWorker  # noqa: PLC0415
 
     rs, streams = settings.reward, settings.streams
@@ -44,20 +47,34 @@ def main(argv: list[str] | None = None) -> None:
         min_idle_ms=streams.min_idle_ms,
     )
     producer = StreamProducer(client, settings.next_stream_after_reward())
-    judge = judge_from_settings(rs.judge)
-    worker = RewardWorker(consumer, producer, rs.default_verifier, block_ms=streams.block_ms,
-                          judge=judge, weights=rs.weights)
-    server = serve(rs.host, rs.port, rs.default_verifier, judge=judge, weights=rs.weights)
-    if rs.metrics_port:
-        start_http_server(rs.metrics_port, addr=rs.host)
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    scorer = build_scorer(rs)
+    worker = RewardWorker(consumer, producer, scorer, block_ms=streams.block_ms,
+                          max_in_flight=rs.max_in_flight, sample_timeout_s=rs.sample_timeout_s,
+                          max_failures=rs.max_failures)
+    server = await start_server(rs.host, rs.port, scorer, max_batch=rs.max_batch,
+                                max_concurrency=rs.max_in_flight)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
     log.info("reward service on %s:%d -> %s", rs.host, rs.port, producer.stream)
     try:
-        worker.run()
-    except KeyboardInterrupt:
-        pass
+        await worker.run()
     finally:
-        server.stop(grace=2)
+        await server.stop(grace=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flywheel-reward", description=__doc__)
+    parser.add_argument("--config", default=None, help="TOML settings file")
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config)
+    setup_logging(settings.log_level, service="reward")
+    log.info("settings %s", _redacted(settings))
+    if settings.reward.metrics_port:
+        from prometheus_client import start_http_server  # noqa: PLC0415
+
+        start_http_server(settings.reward.metrics_port, addr=settings.reward.host)
+    asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":

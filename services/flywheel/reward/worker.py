@@ -1,70 +1,165 @@
 """Stream stage: read `rollouts` in group `reward`, score, write the next stream, then ack.
 
-At-least-once: the next stream is written before the ack, so a crash in between re-delivers the
-entry and the next stage sees it twice; consumers are idempotent by `sample_id`.
+Several entries are scored at once (`max_in_flight` asyncio tasks), each acked as soon as it is
+done, so one slow judge never blocks the stream. The blocking Redis calls run in threads.
+
+Delivery (at-least-once): the next stream is written before the ack, so a crash in between
+re-delivers the entry and the next stage sees it twice; consumers are idempotent by `sample_id`.
+- Entries left pending by a dead consumer are reclaimed by the consumer's XAUTOCLAIM after
+  `min_idle_ms`; entries this worker is still scoring have their idle time refreshed (XCLAIM
+  JUSTID every `min_idle_ms / 3`) so no replica steals them, and a reclaimed copy of an entry
+  already in flight here is skipped.
+- A failed attempt (a scorer exception, or the `sample_timeout_s` deadline) leaves the entry
+  pending; it is retried when reclaimed. After `max_failures` failed attempts in this process, or
+  more than `max_deliveries` deliveries across processes, it goes to the dead-letter stream with
+  its error: never silently dropped. An unjudged Sample is not a failure: it is forwarded with
+  `has_reward = false` and its reason.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
+from collections import Counter
 
-from prometheus_client import Counter
+import redis
 
-from flywheel.core.streams import StreamConsumer, StreamProducer
-from flywheel.reward.judge import NextStateJudge
-from flywheel.reward.scoring import score_sample
+from flywheel.core.errors import BackpressureError
+from flywheel.core.streams import StreamConsumer, StreamEntry, StreamProducer
+from flywheel.reward import metrics
+from flywheel.reward.scoring import Scorer, is_unjudged
 
 log = logging.getLogger(__name__)
-SCORED = Counter("flywheel_reward_samples_total", "Samples scored", ["outcome"])
 
 
 class RewardWorker:
-    """Consumes rollouts until `stop` is set.
+    """Consumes rollouts until `stop()`.
 
     Args:
         consumer: reader of the rollouts stream (group `reward`).
         producer: writer of the next stream (`scored`, or `train` when the teacher is off).
-        default_verifier: verifier for tasks that name none.
-        judge: next-state judge; None = disabled.
-        weights: reward component -> weight; missing = 1.0.
+        scorer: the configured scorers.
+        block_ms: milliseconds one read blocks waiting for new entries.
+        max_in_flight: entries scored concurrently.
+        sample_timeout_s: seconds one scoring attempt may take.
+        max_failures: failed attempts of one entry before it is dead-lettered.
     """
 
-    def __init__(self, consumer: StreamConsumer, producer: StreamProducer,
-                 default_verifier: str, block_ms: int = 1000,
-                 judge: NextStateJudge | None = None, weights: dict[str, float] | None = None):
-        self.judge = judge
-        self.weights = weights
+    def __init__(self, consumer: StreamConsumer, producer: StreamProducer, scorer: Scorer, *,
+                 block_ms: int = 1000, max_in_flight: int = 16, sample_timeout_s: float = 600.0,
+                 max_failures: int = 3):
         self.consumer = consumer
         self.producer = producer
-        self.default_verifier = default_verifier
+        self.scorer = scorer
         self.block_ms = block_ms
-        self.stop = threading.Event()
+        self.max_in_flight = max_in_flight
+        self.sample_timeout_s = sample_timeout_s
+        self.max_failures = max_failures
+        self.failures: Counter[str] = Counter()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._stop = asyncio.Event()
+        self._lease_task: asyncio.Task[None] | None = None
 
-    def run_once(self, count: int = 32) -> int:
-        """Process one batch of entries; returns how many were forwarded."""
-        entries = self.consumer.read(count=count, block_ms=self.block_ms)
-        done = []
+    def stop(self) -> None:
+        """Ask `run` to finish (in-flight entries are completed first)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Read, schedule and finish entries until stopped; then wait for the ones in flight."""
+        while not self._stop.is_set():
+            await self.step()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()))
+
+    async def step(self) -> int:
+        """One read (or one wait for a free slot); returns how many entries were scheduled."""
+        if self._lease_task is None or self._lease_task.done():
+            self._lease_task = asyncio.create_task(self._keep_leases())
+        free = self.max_in_flight - len(self.tasks)
+        if free <= 0:
+            await asyncio.wait(list(self.tasks.values()), timeout=self.block_ms / 1000,
+                               return_when=asyncio.FIRST_COMPLETED)
+            return 0
+        block = self.block_ms if not self.tasks else min(self.block_ms, 50)
+        try:
+            entries = await asyncio.to_thread(self.consumer.read, count=free, block_ms=block)
+        except redis.RedisError as exc:  # bounded: the next step retries
+            log.warning("reading %s failed: %s", self.consumer.stream, exc)
+            await asyncio.sleep(self.block_ms / 1000)
+            return 0
+        scheduled = 0
         for entry in entries:
-            try:
-                sample = score_sample(entry.sample, self.default_verifier, self.weights,
-                                      self.judge)
-            except Exception as exc:  # poison entry: dead-letter it, keep consuming
-                log.exception("scoring sample %s failed", entry.sample.sample_id)
-                self.consumer.dead_letter(entry.entry_id, entry.payload,
-                                          f"scoring failed: {type(exc).__name__}: {exc}")
-                SCORED.labels("dead_lettered").inc()
+            if entry.entry_id in self.tasks:  # our own in-flight entry, reclaimed: skip
                 continue
-            if sample.has_reward:
-                SCORED.labels("scored").inc()
-            else:
-                SCORED.labels("unscored").inc()
-                log.warning("sample %s unscored: %s", sample.sample_id, sample.error)
-            self.producer.publish(sample)
-            done.append(entry.entry_id)
-        self.consumer.ack(done)
-        return len(done)
+            task = asyncio.create_task(self._process(entry))
+            self.tasks[entry.entry_id] = task
+            task.add_done_callback(lambda _t, eid=entry.entry_id: self.tasks.pop(eid, None))
+            scheduled += 1
+        if not entries and self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=0.01)
+        metrics.IN_FLIGHT.set(len(self.tasks))
+        return scheduled
 
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.run_once()
+    async def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait for every in-flight entry (tests, shutdown)."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks.values()), timeout=timeout_s)
+
+    async def _process(self, entry: StreamEntry) -> None:
+        sample = entry.sample
+        try:
+            await asyncio.wait_for(self.scorer.score(sample), self.sample_timeout_s)
+        except Exception as exc:  # noqa: BLE001  (deliberate: a poison entry must not stop us)
+            kind = "timeout" if isinstance(exc, TimeoutError) else "exception"
+            detail = (f"scoring took over {self.sample_timeout_s:g} s" if kind == "timeout"
+                      else f"{type(exc).__name__}: {exc}")
+            await self._failed(entry, kind, detail)
+            return
+        try:
+            await asyncio.to_thread(self.producer.publish, sample)
+            await asyncio.to_thread(self.consumer.ack, [entry.entry_id])
+        except (BackpressureError, redis.RedisError) as exc:  # left pending: retried later
+            metrics.FAILURES.labels("publish").inc()
+            log.warning("sample %s scored but not forwarded (%s); it stays pending",
+                        sample.sample_id, exc)
+            return
+        self.failures.pop(entry.entry_id, None)
+        if sample.has_reward:
+            metrics.SAMPLES.labels("scored").inc()
+        elif is_unjudged(sample):
+            metrics.SAMPLES.labels("unjudged").inc()
+            log.warning("sample %s unjudged: %s", sample.sample_id, sample.error)
+        else:
+            metrics.SAMPLES.labels("unscored").inc()
+            log.warning("sample %s unscored: %s", sample.sample_id, sample.error)
+
+    async def _failed(self, entry: StreamEntry, kind: str, detail: str) -> None:
+        metrics.FAILURES.labels(kind).inc()
+        self.failures[entry.entry_id] += 1
+        n = self.failures[entry.entry_id]
+        log.error("scoring sample %s failed (%d of %d): %s", entry.sample.sample_id, n,
+                  self.max_failures, detail)
+        if n < self.max_failures:
+            return
+        try:
+            await asyncio.to_thread(self.consumer.dead_letter, entry.entry_id, entry.payload,
+                                    f"scoring failed {n} times: {detail}")
+        except redis.RedisError as exc:
+            log.warning("dead-lettering %s failed: %s", entry.entry_id, exc)
+            return
+        self.failures.pop(entry.entry_id, None)
+        metrics.SAMPLES.labels("dead_lettered").inc()
+
+    async def _keep_leases(self) -> None:
+        """Every min_idle_ms / 3, reset the idle time of the entries in flight here."""
+        c = self.consumer
+        while not self._stop.is_set():
+            await asyncio.sleep(c.min_idle_ms / 3000)
+            if not self.tasks:
+                continue
+            try:
+                await asyncio.to_thread(c.client.xclaim, c.stream, c.group, c.consumer,
+                                        min_idle_time=0, message_ids=list(self.tasks),
+                                        justid=True)
+            except redis.RedisError as exc:  # bounded: the next round retries
+                log.warning("could not refresh in-flight entries: %s", exc)

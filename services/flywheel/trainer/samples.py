@@ -58,3 +58,10 @@ def sample_lag(sample: sample_pb2.Sample, trainer_version: int) -> int:
         max(v, 0) for v, m in zip(sample.weight_versions, sample.loss_mask, strict=True) if m
     ]
     return trainer_version - min(versions) if versions else 0
+
+
+def keepable_unjudged(sample: sample_pb2.Sample) -> bool:
+    """Unjudged by the reward service but with other reward components; its `reward` is their
+    weighted sum (what `trainer.unjudged = "keep"` trains on)."""
+    return (not sample.has_reward and sample.error.startswith("unjudged:")
+            and any("/" not in name for name in sample.rewards))

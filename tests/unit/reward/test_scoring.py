@@ -56,32 +56,3 @@ def test_unknown_verifier_is_an_error_not_a_zero():
 def test_unreadable_task_is_unscored_not_a_crash(task):
     s = score_sample(_sample("8", task), "last_integer")
     assert not s.has_reward and s.error
-
-
-def test_worker_survives_a_poison_entry_and_dead_letters_it(redis_client, prefix, monkeypatch):
-    from flywheel.core.streams import StreamConsumer, StreamProducer
-    from flywheel.reward import worker as worker_mod
-    from flywheel.reward.worker import RewardWorker
-
-    src = StreamProducer(redis_client, f"{prefix}:rollouts")
-    consumer = StreamConsumer(redis_client, f"{prefix}:rollouts", "reward", "c1",
-                              dead_stream=f"{prefix}:dead", min_idle_ms=60_000)
-    out = StreamProducer(redis_client, f"{prefix}:train")
-    good, bad = _sample("8", {"answer": 8}), _sample("8", {"answer": 8})
-    bad.group_id = "boom"
-    src.publish(bad)
-    src.publish(good)
-    real = worker_mod.score_sample
-
-    def flaky(sample, *args, **kwargs):
-        if sample.group_id == "boom":
-            raise RuntimeError("scorer bug")
-        return real(sample, *args, **kwargs)
-
-    monkeypatch.setattr(worker_mod, "score_sample", flaky)
-    w = RewardWorker(consumer, out, "last_integer", block_ms=10)
-    assert w.run_once() == 1
-    assert redis_client.xlen(f"{prefix}:train") == 1
-    (_, dead), = redis_client.xrange(f"{prefix}:dead")
-    assert b"scorer bug" in dead[b"error"]
-    assert redis_client.xpending(f"{prefix}:rollouts", "reward")["pending"] == 0

@@ -1,0 +1,227 @@
+"""Async client of one OpenAI-compatible judge endpoint (SGLang, the embedded engine, a hosted
+API): POST {base_url}/chat/completions with a model name and an optional bearer key.
+
+One `vote` = one chat completion parsed by the caller's parser, retried with bounded exponential
+backoff and jitter (tenacity) on timeouts, connection errors, 429/5xx, replies that are not chat
+completions, and replies that do not parse. A 4xx other than 429 (bad model name, bad key) is not
+retried: it will not get better. When the tries are spent the vote is invalid with the kind of
+its last failure; the caller never sees an exception and never a 0.
+
+Each client has its own concurrency limit (calls in flight, an asyncio semaphore held only during
+the HTTP call, not during backoff) and its own per-call timeout (seconds, the whole call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import tenacity
+
+from flywheel.reward import metrics
+from flywheel.reward.parsing import Parsed
+
+log = logging.getLogger(__name__)
+
+INFRA_KINDS = ("timeout", "connection", "server_error", "client_error", "bad_response")
+"""Failure kinds of the call itself; the others (no_verdict, invalid_value) are the reply's."""
+
+
+class JudgeCallError(Exception):
+    """One failed try. `kind` is one of INFRA_KINDS or a parsing kind; `retryable` says whether
+    another try may help."""
+
+    def __init__(self, kind: str, detail: str, retryable: bool = True, reply: str = ""):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+        self.retryable = retryable
+        self.reply = reply
+
+
+@dataclass(frozen=True)
+class VoteResult:
+    value: float | None
+    """The parsed vote; None = invalid after every try."""
+    kind: str
+    """"ok" or the failure kind of the last try."""
+    detail: str
+    """The judge's reply (tail) when valid; the failure detail otherwise."""
+    attempts: int
+
+
+class AsyncJudgeClient:
+    """Calls one endpoint; safe to share between concurrent tasks of one event loop.
+
+    Args:
+        base_url: endpoint root including /v1 (e.g. "http://127.0.0.1:30000/v1").
+        model: model name sent in each request.
+        name: judge name for metrics and logs ("judge", "step", "rubric").
+        api_key: bearer token; None = no Authorization header.
+        timeout_s: seconds per HTTP call (connect + send + whole reply).
+        max_concurrency: calls in flight at once on this client.
+        max_attempts: tries per vote (1 = no retry).
+        backoff_s: first backoff in seconds; doubles per retry, plus jitter in [0, backoff_s],
+            capped at 30 x backoff_s.
+        temperature, max_tokens: sampling of the judge.
+        transport: httpx async transport override (tests).
+    """
+
+    def __init__(self, base_url: str, model: str, *, name: str = "judge",
+                 api_key: str | None = None, timeout_s: float = 30.0, max_concurrency: int = 8,
+                 max_attempts: int = 3, backoff_s: float = 0.5, temperature: float = 0.7,
+                 max_tokens: int = 512, transport: httpx.AsyncBaseTransport | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.name = name
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.transport = transport
+        self._http: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, asyncio.Semaphore]]
+        self._http = {}
+        self.retrying = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(max_attempts),
+            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
+                  + tenacity.wait_random(0, backoff_s)),
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, JudgeCallError) and exc.retryable),
+            before_sleep=self._before_sleep, reraise=True,
+        )
+
+    def _session(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        if loop not in self._http:  # clients and semaphores belong to one event loop
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            limits = httpx.Limits(max_connections=self.max_concurrency)
+            http = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
+                                     timeout=self.timeout_s, transport=self.transport)
+            self._http[loop] = (http, asyncio.Semaphore(self.max_concurrency))
+        return self._http[loop]
+
+    async def vote(self, prompt: str, parse: Callable[[str], Parsed]) -> VoteResult:
+        """One vote: complete `prompt`, parse the reply, retrying as described above."""
+        attempts = 0
+        try:
+            async for attempt in self.retrying.copy():
+                with attempt:
+                    attempts += 1
+                    reply = await self.complete(prompt)
+                    parsed = parse(reply)
+                    if parsed.value is None:
+                        raise JudgeCallError(parsed.kind, parsed.detail, reply=reply)
+                    return VoteResult(parsed.value, "ok", reply[-1000:], attempts)
+        except JudgeCallError as exc:
+            tail = f"; reply tail: {exc.reply[-200:]!r}" if exc.reply else ""
+            return VoteResult(None, exc.kind, f"{exc.detail}{tail}", attempts)
+        raise AssertionError("unreachable: tenacity either returns or raises")
+
+    async def complete(self, prompt: str) -> str:
+        """Text of one chat completion (one try).
+
+        Raises:
+            JudgeCallError: kinds timeout, connection, server_error (429/5xx), client_error
+                (other 4xx, not retryable), bad_response (not a chat completion).
+        """
+        http, slots = self._session()
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        async with slots:
+            start = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    resp = await http.post("/chat/completions", json=body)
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                raise JudgeCallError("timeout", f"no reply in {self.timeout_s:g} s") from exc
+            except httpx.TransportError as exc:
+                raise JudgeCallError("connection", f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                metrics.CALL_SECONDS.labels(self.name).observe(time.perf_counter() - start)
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
+        if resp.status_code != 200:
+            raise JudgeCallError("client_error", f"HTTP {resp.status_code}: {resp.text[:200]}",
+                                 retryable=False)
+        try:
+            content = resp.json()["choices"][0]["message"]["content"]
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise JudgeCallError("bad_response",
+                                 f"not an OpenAI chat completion: {resp.text[:200]!r}") from exc
+        return content if isinstance(content, str) else ""
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        kind = getattr(exc, "kind", "unknown")
+        metrics.RETRIES.labels(self.name, kind).inc()
+        log.info("judge %s try %d failed (%s); retrying", self.name, state.attempt_number, exc)
+
+    async def aclose(self) -> None:
+        """Close this loop's HTTP client."""
+        loop = asyncio.get_running_loop()
+        pair = self._http.pop(loop, None)
+        if pair is not None:
+            await pair[0].aclose()
+
+
+class JudgeInfraError(Exception):
+    """Sync client: timeout, connection error, 429 or 5xx after every try."""
+
+
+class JudgeClient:
+    """Blocking client of one endpoint for thread-based callers (the teacher's hint judge).
+
+    `complete(prompt)` returns the reply text, retrying infra failures like AsyncJudgeClient.
+
+    Raises (from complete):
+        JudgeInfraError: timeout, connection error, 429 or 5xx on every try.
+        ValueError: another 4xx, or a reply that is not a chat completion.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
+                 timeout_s: float = 30.0, max_concurrency: int = 8, max_attempts: int = 3,
+                 backoff_s: float = 0.5, temperature: float = 0.7, max_tokens: int = 512,
+                 transport: httpx.BaseTransport | None = None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
+                                 timeout=timeout_s, transport=transport)
+        self.model = model
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.slots = threading.BoundedSemaphore(max_concurrency)
+        self.retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(max_attempts),
+            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
+                  + tenacity.wait_random(0, backoff_s)),
+            retry=tenacity.retry_if_exception_type(JudgeInfraError), reraise=True,
+        )
+
+    def complete(self, prompt: str) -> str:
+        """Text of one chat completion, retried on infra errors."""
+        return self.retrying(self._complete_once, prompt)
+
+    def _complete_once(self, prompt: str) -> str:
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        with self.slots:
+            try:
+                resp = self.http.post("/chat/completions", json=body)
+            except httpx.TransportError as exc:
+                raise JudgeInfraError(f"{type(exc).__name__}: {exc}") from exc
+        if resp.status_code == 429 or resp.status_code >= 500:
+            raise JudgeInfraError(f"HTTP {resp.status_code}")
+        if resp.status_code != 200:
+            raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            return resp.json()["choices"][0]["message"]["content"] or ""
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"not an OpenAI chat completion: {resp.text[:200]}") from exc
+
+    def close(self) -> None:
+        self.http.close()

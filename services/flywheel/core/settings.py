@@ -99,11 +99,13 @@ class EngineSettings(Section):
     """Hugging Face folder to serve; empty = SmolLM2-135M-Instruct converted from the GGUF."""
     served_model_name: str = DEFAULT_MODEL_NAME
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights dtype on CPU; bf16 is faster, fp32 matches the trainer's logprobs exactly."""
+    """Weights dtype; bf16 is faster, fp32 matches the trainer's logprobs exactly."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = CUDA when a GPU is visible, else CPU."""
     max_batch_size: int = Field(64, ge=1)
-    """Requests decoded together in one batch."""
+    """Rows in the running batch at once (continuous batching: rows join between steps)."""
     batch_wait_ms: float = Field(20.0, ge=0)
-    """Milliseconds to wait for more requests before starting a batch."""
+    """Milliseconds an idle engine waits for more requests before the first prefill."""
     context_length: int = Field(2048, ge=16)
     """Tokens (prompt + completion) per request."""
     weight_version: str = "default"

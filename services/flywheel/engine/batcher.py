@@ -1,20 +1,21 @@
-"""Decode a batch of sequences together with one KV cache (static batching).
+"""Continuous batching: one running batch whose rows join and leave between decode steps.
 
-Prompts are left-padded to a common length; the attention mask marks real tokens and position
-ids are `cumsum(mask) - 1`, so a row's numbers do not depend on its neighbours (greedy ids in a
-batch equal the same request alone). One prefill pass over all prompts, then one token per step
-for every unfinished row; finished rows are dropped from the cache (`batch_select_indices`), so
-they stop costing compute.
+`RunningBatch` keeps every unfinished row's KV cache in one `DynamicCache` (B, heads, T, dim),
+left-padded to a common width; the attention mask marks real tokens and each row keeps its own
+position id (`cumsum(mask) - 1` at prefill, +1 per step), so a row's numbers do not depend on
+its neighbours. Each `step()` samples one token for every row from the logits of the previous
+forward pass, drops rows that finished (their cache rows too), and runs one forward pass over
+the last sampled token of each remaining row.
 
-Continuous batching would add rows between steps: a new row needs its own prefill and a cache
-merge (pad the shorter cache on the left); `decode_batch` keeps the per-step state in
-`_Batch`, so that change stays local.
+`add()` prefills newly admitted rows together (their own left-padded pass, which also yields
+their prompt logprobs), then merges their cache into the running one: the narrower of the two
+caches is padded on the left (mask 0) and the batch dimension concatenated. Leading columns that
+are padding in every row are trimmed after rows leave, so the width tracks the longest live row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,15 +29,9 @@ _LOGIT_CHUNK = 512
 """Prompt positions projected to vocabulary logits at a time (bounds memory for long prompts)."""
 
 
-@dataclass
-class _Batch:
-    seqs: list[Sequence]
-    cache: DynamicCache
-    mask: Tensor  # (B, T) 1 = real token
-    positions: Tensor  # (B,) position id of the last token of each row
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor, Tensor]:
     """Left-padded ids (B, T), attention mask (B, T) and position ids (B, T) from the mask."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -45,7 +40,171 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor, Ten
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, positions
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+class RunningBatch:
+    """The rows being decoded, their shared KV cache and the logits of their next token.
+
+    Invariants: `len(seqs) == mask.shape[0] == positions.shape[0] == next_logits.shape[0]`,
+    and every cache layer holds (B, heads, mask.shape[1] - 1 or mask.shape[1], dim) entries
+    (the cache covers every token fed so far; the mask covers the same columns).
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.seqs: list[Sequence] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=runner.device)  # (B, T)
+        self.positions = torch.zeros((0,), dtype=torch.long, device=runner.device)  # (B,)
+        self.next_logits: Tensor | None = None  # (B, V) float32
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    # -- rows joining ---------------------------------------------------------------------------
+
+    def add(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill `seqs` (started sequences) and merge the unfinished ones into the batch.
+
+        Rows already finished at start (prefill-only scoring, aborted while queued) still get
+        their prompt logprobs; they are returned and never join.
+
+        Returns:
+            the rows that are finished after the prefill.
+        """
+        runner = self.runner
+        with torch.inference_mode():
+            ids, mask, positions = left_pad([s.input_ids for s in seqs], runner.pad_id,
+                                            runner.device)
+            cache = runner.new_cache()
+            hidden = runner.hidden(ids, mask, positions, cache)  # (B2, T2, H)
+            for i, seq in enumerate(seqs):
+                if seq.wants_input_logprobs:
+                    _input_logprobs(runner, seq, hidden[i, ids.shape[1] - len(seq.input_ids) :])
+            keep = [i for i, s in enumerate(seqs) if not s.finished]
+            done = [s for s in seqs if s.finished]
+            if not keep:
+                return done
+            index = torch.tensor(keep, dtype=torch.long, device=runner.device)
+            logits = runner.logits(hidden[index, -1])  # (B2', V)
+            if len(keep) < len(seqs):
+                cache.batch_select_indices(index)
+            self._merge([seqs[i] for i in keep], cache, mask[index], positions[index, -1], logits)
+        return done
+
+    def _merge(
+        self, seqs: list[Sequence], cache: DynamicCache, mask: Tensor, last_pos: Tensor,
+        logits: Tensor,
+    ) -> None:
+        if self.cache is None or not self.seqs:
+            self.seqs, self.cache, self.mask = list(seqs), cache, mask
+            self.positions, self.next_logits = last_pos, logits
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)])
+            old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)])
+        self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+        self.positions = torch.cat([self.positions, last_pos])
+        assert self.next_logits is not None
+        self.next_logits = torch.cat([self.next_logits, logits])
+        self.seqs.extend(seqs)
+
+    # -- one decode step ------------------------------------------------------------------------
+
+    def step(self, on_token: Callable[[Sequence], None] | None = None) -> list[Sequence]:
+        """Sample one token for every row, drop finished rows, feed the rest one position.
+
+        Rows aborted since the last step finish with `abort` before sampling.
+
+        Returns:
+            the rows that finished in this step (their results are complete).
+        """
+        finished: list[Sequence] = []
+        if not self.seqs:
+            return finished
+        with torch.inference_mode():
+            for seq in self.seqs:
+                seq.check_abort()
+            finished += self._prune()
+            if not self.seqs:
+                return finished
+            assert self.next_logits is not None
+            tokens = _sample_step(self.runner, self.seqs, self.next_logits)  # (B,)
+            if on_token is not None:
+                for seq in self.seqs:
+                    on_token(seq)
+            before = self.seqs
+            keep_tokens = self._prune_rows(tokens)
+            finished += [s for s in before if s.finished]
+            if self.seqs:
+                self.next_logits = self._forward(keep_tokens)
+        return finished
+
+    def finish_aborted(self) -> list[Sequence]:
+        """Drop rows aborted while the batch is not stepping (paused); returns them."""
+        for seq in self.seqs:
+            seq.check_abort()
+        return self._prune()
+
+    def _prune(self) -> list[Sequence]:
+        before = self.seqs
+        if self.next_logits is not None and before:
+            self.next_logits = self._prune_rows(self.next_logits)
+        return [s for s in before if s.finished]
+
+    def _prune_rows(self, rows: Tensor) -> Tensor:
+        """Drop finished rows from the batch state and the cache; return `rows` of kept ones."""
+        keep = [i for i, s in enumerate(self.seqs) if not s.finished]
+        if len(keep) == len(self.seqs):
+            return rows
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        self.seqs = [self.seqs[i] for i in keep]
+        if not keep:
+            self.cache, self.next_logits = None, None
+            self.mask = self.mask[:0]
+            self.positions = self.positions[:0]
+            return rows[index]
+        assert self.cache is not None
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        self.positions = self.positions[index]
+        self._trim()
+        return rows[index]
+
+    def _trim(self) -> None:
+        """Drop leading columns that are padding in every remaining row."""
+        live = self.mask.any(dim=0).nonzero()
+        first = int(live[0]) if len(live) else 0
+        if first == 0 or self.cache is None:
+            return
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, first:]
+            layer.values = layer.values[:, :, first:]
+
+    def _forward(self, tokens: Tensor) -> Tensor:
+        """Feed the last sampled token of every row; return next-token logits (B, V)."""
+        assert self.cache is not None
+        ones = torch.ones((len(tokens), 1), dtype=torch.long, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        self.positions = self.positions + 1
+        hidden = self.runner.hidden(
+            tokens.unsqueeze(1), self.mask, self.positions.unsqueeze(1), self.cache
+        )
+        return self.runner.logits(hidden[:, -1])
+
+
+def _pad_left(x: Tensor, width: int) -> Tensor:
+    """Zero-pad the sequence axis of a mask (B, T) or a cache tensor (B, heads, T, dim) left."""
+    seq_dim = 1 if x.dim() == 2 else 2
+    missing = width - x.shape[seq_dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[seq_dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=seq_dim)
 
 
 def decode_batch(
@@ -53,30 +212,20 @@ def decode_batch(
     seqs: list[Sequence],
     on_step: Callable[[int], None] | None = None,
 ) -> None:
-    """Generate for every sequence until each one finishes; results stay on the sequences.
+    """Generate for `seqs` together until each one finishes (static batch; tests and tools).
 
     Args:
         runner: the model.
-        seqs: started sequences (`Sequence.start()` called); rows already finished still get
-            their input logprobs.
-        on_step: called with the number of tokens sampled in each step (metrics).
+        seqs: started sequences (`Sequence.start()` called).
+        on_step: called with the number of tokens sampled in each step.
     """
-    with torch.inference_mode():
-        ids, mask, positions = left_pad([s.input_ids for s in seqs], runner.pad_id)
-        cache = runner.new_cache()
-        hidden = runner.hidden(ids, mask, positions, cache)  # (B, T, H)
-        for i, seq in enumerate(seqs):
-            if seq.wants_input_logprobs:
-                _input_logprobs(runner, seq, hidden[i, ids.shape[1] - len(seq.input_ids) :])
-        batch = _Batch(seqs, cache, mask, positions[:, -1])
-        logits = _prune(batch, runner.logits(hidden[:, -1]))  # (B, V)
-        while batch.seqs:
-            tokens = _sample_step(runner, batch.seqs, logits)  # (B,)
-            if on_step is not None:
-                on_step(len(tokens))
-            tokens = _prune(batch, tokens)
-            if batch.seqs:
-                logits = _step(runner, batch, tokens)
+    batch = RunningBatch(runner)
+    batch.add(seqs)
+    while batch.seqs:
+        rows = len(batch.seqs)
+        batch.step()
+        if on_step is not None:
+            on_step(rows)
 
 
 def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
@@ -86,7 +235,7 @@ def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
     ids = seq.input_ids
     seq.input_logprobs = [None] if start < len(ids) else []
     seq.input_top = [None] if start < len(ids) else []
-    targets = torch.tensor(ids[start + 1 :], dtype=torch.long)
+    targets = torch.tensor(ids[start + 1 :], dtype=torch.long, device=hidden.device)
     for lo in range(start, len(ids) - 1, _LOGIT_CHUNK):
         hi = min(lo + _LOGIT_CHUNK, len(ids) - 1)
         logprobs = torch.log_softmax(runner.logits(hidden[lo:hi]), dim=-1)  # (C, V)
@@ -120,27 +269,3 @@ def notify(seq: Sequence, runner: ModelRunner) -> None:
         listener(seq.result(runner.tokenizer))
     except Exception:  # the client's event loop is gone: nobody is listening any more
         seq.job.listener = None
-
-
-def _prune(batch: _Batch, rows: Tensor) -> Tensor:
-    """Drop finished rows from the batch state and the cache; return `rows` of the kept ones."""
-    keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
-    if len(keep) == len(batch.seqs):
-        return rows
-    index = torch.tensor(keep, dtype=torch.long)
-    batch.seqs = [batch.seqs[i] for i in keep]
-    if keep:
-        batch.cache.batch_select_indices(index)
-        batch.mask = batch.mask[index]
-        batch.positions = batch.positions[index]
-    return rows[index]
-
-
-def _step(runner: ModelRunner, batch: _Batch, tokens: Tensor) -> Tensor:
-    """Feed the last sampled token of every row; return next-token logits (B, V)."""
-    batch.mask = torch.cat([batch.mask, torch.ones((len(tokens), 1), dtype=torch.long)], dim=1)
-    batch.positions = batch.positions + 1
-    hidden = runner.hidden(
-        tokens.unsqueeze(1), batch.mask, batch.positions.unsqueeze(1), batch.cache
-    )
-    return runner.logits(hidden[:, -1])

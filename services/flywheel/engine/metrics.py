@@ -25,12 +25,12 @@ class EngineMetrics:
         )
         self.batch_size = Histogram(
             "flywheel_engine_batch_size",
-            "Rows per decoded batch.",
+            "Rows in the running batch per decode step.",
             buckets=_BATCH_BUCKETS,
             registry=r,
         )
         self.batch_seconds = Histogram(
-            "flywheel_engine_batch_seconds", "Wall time of one batch, seconds.", registry=r
+            "flywheel_engine_batch_seconds", "Wall time of one decode step, seconds.", registry=r
         )
         self.queue_depth = Gauge(
             "flywheel_engine_queue_depth", "Rows waiting for the next batch.", registry=r

@@ -33,10 +33,12 @@ class CheckpointError(ValueError):
 class ModelRunner:
     """Owns one causal LM; used only from the engine's worker thread (except shape checks)."""
 
-    def __init__(self, model_path: Path, dtype: str = "float32"):
+    def __init__(self, model_path: Path, dtype: str = "float32", device: str = "auto"):
         self.model_path = Path(model_path)
+        self.device = pick_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[dtype])
+        self.model.to(self.device)
         self.model.eval()
         self.config = self.model.config
         self.decoder = getattr(self.model, self.model.base_model_prefix)
@@ -137,6 +139,19 @@ class ModelRunner:
     def apply_weights(self, state: dict[str, Tensor]) -> None:
         """Copy a validated state dict into the live parameters (dtype converted)."""
         self.model.load_state_dict(state, strict=False)
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    """"auto" = CUDA when a GPU is visible, else CPU; "cpu"/"cuda" force one.
+
+    Raises:
+        ValueError: "cuda" asked for on a machine without a CUDA device.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("engine.device is cuda but no CUDA device is visible; use auto or cpu")
+    return torch.device(device)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -53,7 +53,8 @@ def tempered_logprobs(logits: Tensor, configs: list[SamplingConfig]) -> Tensor:
     temps = [1.0 if c.temperature < GREEDY_BELOW else c.temperature for c in configs]
     logits = logits.float()
     if any(t != 1.0 for t in temps):
-        logits = logits / torch.tensor(temps, dtype=torch.float32).unsqueeze(1)  # (B, V)
+        t = torch.tensor(temps, dtype=torch.float32, device=logits.device)
+        logits = logits / t.unsqueeze(1)  # (B, V)
     return torch.log_softmax(logits, dim=-1)
 
 
@@ -72,10 +73,12 @@ def truncated_probs(logprobs: Tensor, configs: list[SamplingConfig]) -> Tensor:
         return probs
     vocab = probs.shape[-1]
     sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V)
-    rank = torch.arange(vocab).unsqueeze(0)  # (1, V)
-    top_k = torch.tensor([c.top_k if 0 < c.top_k < vocab else vocab for c in configs]).unsqueeze(1)
-    top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float32).unsqueeze(1)
-    min_p = torch.tensor([c.min_p for c in configs], dtype=torch.float32).unsqueeze(1)
+    dev = probs.device
+    rank = torch.arange(vocab, device=dev).unsqueeze(0)  # (1, V)
+    top_k = torch.tensor([c.top_k if 0 < c.top_k < vocab else vocab for c in configs], device=dev)
+    top_k = top_k.unsqueeze(1)  # (B, 1)
+    top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float32, device=dev).unsqueeze(1)
+    min_p = torch.tensor([c.min_p for c in configs], dtype=torch.float32, device=dev).unsqueeze(1)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # (B, V)
     keep = (rank < top_k) & (mass_before < top_p) & (sorted_p >= min_p * sorted_p[:, :1])
     keep[:, 0] = True
@@ -105,7 +108,8 @@ def sample_tokens(
         for i in sampled_rows:
             # exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability
             # p_i / sum(p) (exact, like vLLM's sampler) and is cheaper than torch.multinomial
-            race = torch.empty_like(probs[i]).exponential_(generator=generators[i])
+            race = torch.empty(probs.shape[-1]).exponential_(generator=generators[i])
+            race = race.to(probs.device)
             tokens[i] = (probs[i] / race).argmax()
     return tokens
 

@@ -1,12 +1,18 @@
 """The worker's inbox: generation jobs and control items in arrival order, with pausing.
 
-`next_batch()` takes the first waiting job, then waits up to `batch_wait_s` for more, up to
-`max_batch_size`. A control item (weight swap, pause barrier) ends the collection: the jobs
-collected before it run first, then the control, so a control never interrupts a batch and
-never overtakes jobs that arrived before it.
+Items arrive on a thread-safe inbox and are moved, in order, into `waiting` by the worker
+thread (`pull`). Between decode steps the worker asks `admit()` for the jobs that may join the
+running batch (up to the free room) and the controls that may run now:
 
-While paused (SGLang /pause_generation), controls still run but new jobs are held until
-`/continue_generation`; held jobs that get aborted are released at once (as abort results).
+* an urgent control (`drain=False`: pause barriers, weight reads, relabels) runs at the next
+  step boundary, whatever is running;
+* a draining control (`drain=True`: weight swaps) keeps its place in line: jobs that arrived
+  before it are admitted first, jobs after it wait, and it runs once no row is running, so an
+  update never mixes weights inside a request (SGLang's writer lock). While paused it runs at
+  once (SGLang: an update on a paused engine proceeds immediately).
+
+While paused (SGLang /pause_generation) no job is admitted; queued jobs that get aborted are
+released at once (as abort results).
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ POLL_S = 0.2
 
 @dataclass
 class Control:
-    """A function the worker runs between batches; its result resolves `future`."""
+    """A function the worker runs between decode steps; its result resolves `future`."""
 
     fn: Callable[[], Any]
+    drain: bool = False
+    """Run only when no row is running (or at once while paused)."""
     future: Future[Any] = field(default_factory=Future)
 
     def run(self) -> None:
@@ -43,54 +51,64 @@ class Control:
 class WorkQueue:
     def __init__(self) -> None:
         self._inbox: queue.Queue[Job | Control] = queue.Queue()
-        self._held: deque[Job] = deque()
+        self.waiting: deque[Job | Control] = deque()
+        self.urgent: deque[Control] = deque()
         self.paused = threading.Event()
 
     def put(self, item: Job | Control) -> None:
         self._inbox.put(item)
 
-    def _get(self, timeout: float) -> Job | Control | None:
-        try:
-            return self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
-        except queue.Empty:
-            return None
+    def pull(self, block_s: float = 0.0, linger_s: float = 0.0) -> None:
+        """Move everything in the inbox into `waiting` / `urgent`.
 
-    def next_batch(self, max_size: int, wait_s: float) -> tuple[list[Job], list[Control]]:
-        """Jobs to decode together and the controls to run after them (both may be empty)."""
-        if self.paused.is_set():
-            return self._while_paused()
-        if self._held:
-            first: Job | Control | None = self._held.popleft()
-        else:
-            first = self._get(POLL_S)
-        if first is None:
-            return [], []
-        if isinstance(first, Control):
-            return [], [first]
-        jobs: list[Job] = [first]
-        deadline = time.monotonic() + wait_s
-        while len(jobs) < max_size:
-            if self._held:
-                jobs.append(self._held.popleft())
-                continue
-            item = self._get(deadline - time.monotonic())
-            if item is None:
-                break
-            if isinstance(item, Control):
-                return jobs, [item]
-            jobs.append(item)
-        return jobs, []
+        Args:
+            block_s: seconds to wait for a first item when the inbox is empty.
+            linger_s: after a first item arrived, seconds to keep collecting (so requests sent
+                together are prefilled together).
+        """
+        timeout = block_s
+        deadline: float | None = None
+        while True:
+            try:
+                item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Control) and not item.drain:
+                self.urgent.append(item)
+            else:
+                self.waiting.append(item)
+            if deadline is None:
+                deadline = time.monotonic() + linger_s
+            timeout = max(0.0, deadline - time.monotonic())
 
-    def _while_paused(self) -> tuple[list[Job], list[Control]]:
-        aborted = [j for j in self._held if j.aborted]
+    def take_aborted(self) -> list[Job]:
+        """Remove and return queued jobs whose abort flag is set."""
+        aborted = [j for j in self.waiting if isinstance(j, Job) and j.aborted]
         if aborted:
-            self._held = deque(j for j in self._held if not j.aborted)
-            return aborted, []
-        item = self._get(POLL_S)
-        if isinstance(item, Control):
-            return [], [item]
-        if item is not None:
-            if item.aborted:
-                return [item], []
-            self._held.append(item)
-        return [], []
+            self.waiting = deque(j for j in self.waiting if not (isinstance(j, Job) and j.aborted))
+        return aborted
+
+    def admit(self, room: int, running: int) -> tuple[list[Control], list[Job]]:
+        """Controls to run now (before the jobs), then up to `room` jobs to prefill."""
+        if self.paused.is_set():
+            controls = [c for c in self.waiting if isinstance(c, Control)]
+            self.waiting = deque(j for j in self.waiting if isinstance(j, Job))
+            return controls, []
+        controls: list[Control] = []
+        jobs: list[Job] = []
+        while self.waiting:
+            item = self.waiting[0]
+            if isinstance(item, Control):
+                if running or jobs:
+                    break  # wait until the rows that arrived before it are done
+                controls.append(item)
+                self.waiting.popleft()
+                continue
+            if len(jobs) >= room:
+                break
+            jobs.append(item)
+            self.waiting.popleft()
+        return controls, jobs
+
+    def __len__(self) -> int:
+        return sum(isinstance(j, Job) for j in self.waiting) + self._inbox.qsize()

@@ -70,6 +70,8 @@ class Sequence:
         self.input_top: list[tuple[list[float], list[int]] | None] = []
         self.finish_reason: dict[str, Any] | None = None
         self.weight_version = ""
+        self._version_starts: list[tuple[str, int]] = []
+        """(version, first output index) per weight version seen, when more than one."""
 
     @property
     def finished(self) -> bool:
@@ -78,6 +80,20 @@ class Sequence:
     @property
     def wants_input_logprobs(self) -> bool:
         return self.job.spec.return_logprob and self.job.spec.logprob_start_len >= 0
+
+    def set_weight_version(self, version: str) -> None:
+        """Stamp the weights that sample from now on (a swap while this row was paused in
+        place records a span, reported as SGLang's `meta_info.weight_versions`)."""
+        if self.weight_version and version != self.weight_version:
+            if not self._version_starts:
+                self._version_starts.append((self.weight_version, 0))
+            self._version_starts.append((version, len(self.output_ids)))
+        self.weight_version = version
+
+    def check_abort(self) -> None:
+        """Finish with `abort` if /abort_request (or a pause/update) flagged the row."""
+        if self.job.aborted and not self.finished:
+            self.finish_reason = {"type": "abort", "message": self.job.abort_message}
 
     def start(self) -> None:
         """Check the finish conditions that hold before any token is sampled."""
@@ -134,6 +150,12 @@ class Sequence:
             "cached_tokens": 0,
             "weight_version": self.weight_version,
         }
+        if self._version_starts:
+            bounds = [start for _, start in self._version_starts[1:]] + [len(self.output_ids)]
+            meta["weight_versions"] = [
+                {"version": v, "start": start, "end": end}
+                for (v, start), end in zip(self._version_starts, bounds, strict=True)
+            ]
         if spec.return_logprob:
             with_text = spec.return_text_in_logprobs
             out_rows = _rows(self.output_logprobs, self.output_ids, tokenizer, with_text)

@@ -14,11 +14,6 @@ from flywheel.engine.sequence import Job, Sequence
 PROMPTS = [[1, 9038, 2683, 28], [1, 504, 3458, 314, 260, 1789, 253, 2683, 30, 198], [1719], [5, 6]]
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_model_dir) -> ModelRunner:
-    return ModelRunner(tiny_model_dir)
-
-
 def make_seq(
     runner: ModelRunner, ids: list[int], *, seed: int = 0, logprob_start_len: int = -1, **params
 ) -> Sequence:

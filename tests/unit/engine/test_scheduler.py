@@ -1,4 +1,4 @@
-"""Batch collection order, controls as barriers, pausing (no model needed)."""
+"""Admission order, draining vs urgent controls, pausing (no model needed)."""
 
 from __future__ import annotations
 
@@ -11,42 +11,64 @@ def job(rid: str) -> Job:
     return Job(RowSpec(rid, None, [1], SamplingParams(), False, -1, 0, False))
 
 
-def test_jobs_before_a_control_run_first_and_the_control_ends_the_batch():
+def test_a_draining_control_waits_for_earlier_rows_and_holds_later_ones():
     q = WorkQueue()
     a, b, c = job("a"), job("b"), job("c")
-    ctl = Control(lambda: "swapped")
-    for item in (a, b, ctl, c):
+    swap = Control(lambda: "swapped", drain=True)
+    for item in (a, b, swap, c):
         q.put(item)
-    jobs, controls = q.next_batch(max_size=8, wait_s=0.0)
-    assert jobs == [a, b] and controls == [ctl]
-    jobs, controls = q.next_batch(max_size=8, wait_s=0.0)
-    assert jobs == [c] and controls == []
+    q.pull()
+    assert q.admit(room=8, running=0) == ([], [a, b])
+    # a and b still decoding: the swap waits, and c (behind it) is not admitted
+    assert q.admit(room=6, running=2) == ([], [])
+    # a and b done: the swap runs, then c joins in the same round (after the swap)
+    assert q.admit(room=8, running=0) == ([swap], [c])
 
 
-def test_max_batch_size_splits_the_queue():
+def test_urgent_controls_skip_the_line():
     q = WorkQueue()
-    all_jobs = [job(str(i)) for i in range(5)]
-    for j in all_jobs:
+    a = job("a")
+    barrier = Control(lambda: None)
+    q.put(a)
+    q.put(barrier)
+    q.pull()
+    assert list(q.urgent) == [barrier] and list(q.waiting) == [a]
+
+
+def test_room_limits_admission_and_the_rest_joins_later():
+    q = WorkQueue()
+    jobs = [job(str(i)) for i in range(5)]
+    for j in jobs:
         q.put(j)
-    assert q.next_batch(max_size=3, wait_s=0.0)[0] == all_jobs[:3]
-    assert q.next_batch(max_size=3, wait_s=0.0)[0] == all_jobs[3:]
-    assert q.next_batch(max_size=3, wait_s=0.0) == ([], [])
+    q.pull()
+    assert q.admit(room=3, running=0)[1] == jobs[:3]
+    assert q.admit(room=0, running=3)[1] == []
+    assert q.admit(room=1, running=2)[1] == jobs[3:4]  # a late row joins a running batch
+    assert q.admit(room=8, running=3)[1] == jobs[4:]
+    assert q.admit(room=8, running=0) == ([], [])
 
 
-def test_paused_queue_holds_jobs_runs_controls_and_releases_aborted_jobs():
+def test_paused_queue_holds_jobs_runs_draining_controls_and_releases_aborted_jobs():
     q = WorkQueue()
     q.paused.set()
     a, b = job("a"), job("b")
-    ctl = Control(lambda: None)
-    for item in (a, b, ctl):
+    swap = Control(lambda: None, drain=True)
+    for item in (a, b, swap):
         q.put(item)
-    assert q.next_batch(8, 0.0) == ([], [])  # a held
-    assert q.next_batch(8, 0.0) == ([], [])  # b held
-    assert q.next_batch(8, 0.0) == ([], [ctl])
+    q.pull()
+    assert q.admit(8, running=2) == ([swap], [])  # paused: the swap runs at once
+    assert q.admit(8, running=0) == ([], [])  # jobs held
     b.aborted = True
-    assert q.next_batch(8, 0.0) == ([b], [])
+    assert q.take_aborted() == [b]
     q.paused.clear()
-    assert q.next_batch(8, 0.0) == ([a], [])
+    assert q.admit(8, running=0) == ([], [a])
+
+
+def test_pull_lingers_for_requests_sent_together():
+    q = WorkQueue()
+    q.put(job("a"))
+    q.pull(block_s=0.1, linger_s=0.0)
+    assert len(q.waiting) == 1
 
 
 def test_control_reports_its_exception():

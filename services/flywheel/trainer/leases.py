@@ -78,3 +78,19 @@ class LeaseKeeper:
                 self.refresh()
             except redis.RedisError as exc:  # bounded: the next refresh retries
                 log.warning("could not refresh held stream entries: %s", exc)
+
+
+class NullLeases:
+    """The lease keeper of sources without idle reclaim (replay, fake): does nothing."""
+
+    def hold(self, entry_ids: Iterable[str]) -> None:
+        pass
+
+    def release(self, entry_ids: Iterable[str]) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

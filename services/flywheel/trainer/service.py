@@ -1,23 +1,32 @@
 """The trainer loop (DESIGN.md section 8):
 
-    read train stream -> admit into groups -> (enough ready groups) -> drop stale -> advantages
-    -> optimizer step -> checkpoint -> push weights to every engine -> ack -> JSONL metrics line
+    read source -> admit into groups -> (enough ready) -> stale: drop / down-weight / IS-correct
+    -> advantages -> optimizer step -> checkpoint -> push weights to every engine -> ack -> metrics
 
-Delivery: an entry is acked only after the step that used it is checkpointed and pushed. The
-checkpoint records the entry ids it trained on, so a trainer that crashes between checkpoint
-and ack acks them when it resumes (and pushes that checkpoint again) instead of training them
-twice. Dropped samples are acked or dead-lettered at once (see `groups.DropReason`), each counted
-and logged.
+Delivery (exactly once with respect to the source): an entry is acked only after the step that
+used it is committed to a checkpoint. The checkpoint records the entry ids and sample_ids it
+trained on, the source position, and the AdamW, scheduler and RNG state, so a trainer that
+crashes between checkpoint and ack acks them when it resumes (and pushes that checkpoint again)
+instead of training them twice, and one that crashes mid-step leaves its entries pending, to be
+read again (by itself under a stable consumer name, or by XAUTOCLAIM after `min_idle_ms`).
+Sample ids already trained are dropped as duplicates (idempotency by `sample_id`). Dropped
+samples are acked or dead-lettered at once (see `groups.DropReason`), each counted and logged.
+
+Weight push: every `push_every` committed steps, to every engine. An engine that fails all its
+attempts is counted (`flywheel_trainer_weight_push_failures_total{engine}`), logged, shown in
+`/status` as behind, and given the newest checkpoint again at the next step; if every engine
+fails, the trainer stops with the error (a restart pushes the newest checkpoint again).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +40,15 @@ from flywheel.core.redis_client import connect
 from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
-from flywheel.trainer.leases import LeaseKeeper
+from flywheel.trainer.leases import LeaseKeeper, NullLeases
+from flywheel.trainer.sources import (
+    FakeSource,
+    RecordingSource,
+    RedisSource,
+    ReplaySource,
+    SampleDump,
+    SampleSource,
+)
 from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import (
     StepConfig,
@@ -40,8 +57,20 @@ from flywheel.trainer.step import (
     prepare_batch,
     train_step,
 )
-from flywheel.trainer.telemetry import PUSH_FAILURES, SAMPLE_LAG, JsonlSink, TrainerStatus
-from flywheel.trainer.weights import Checkpoint, CheckpointStore, WeightPusher, load_model
+from flywheel.trainer.telemetry import (
+    SAMPLE_LAG,
+    MetricsSink,
+    TrainerStatus,
+    build_sink,
+    record_push,
+)
+from flywheel.trainer.weights import (
+    Checkpoint,
+    CheckpointStore,
+    WeightPusher,
+    load_model,
+    load_training_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +83,55 @@ class TrainerParts:
 
     model: PreTrainedModel
     optimizer: torch.optim.Optimizer
-    consumer: StreamConsumer
+    consumer: SampleSource
+    """The source of entries (redis stream, replay or fake)."""
     pusher: WeightPusher
     store: CheckpointStore
-    leases: LeaseKeeper
-    sink: JsonlSink
+    leases: LeaseKeeper | NullLeases
+    sink: MetricsSink
     status: TrainerStatus
     version: int
     """Committed optimizer steps of the loaded weights (0 = the initial model)."""
     reference: PreTrainedModel | None = None
     """Frozen reference policy for the KL term (None when kl_coef is 0)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_source(
+    settings: FlywheelSettings,
+    vocab_size: int,
+    latest: Checkpoint | None,
+    redis_client: redis.Redis | None = None,
+) -> tuple[SampleSource, LeaseKeeper | NullLeases]:
+    """The configured source (and its lease keeper), positioned after `latest`."""
+    s = settings.trainer
+    source: SampleSource
+    leases: LeaseKeeper | NullLeases = NullLeases()
+    if s.source == "redis":
+        client = redis_client or connect(settings.redis_url())
+        consumer_name = s.consumer_name or default_consumer_name()
+        stream = settings.streams.key("train")
+        source = RedisSource(StreamConsumer(
+            client, stream, CONSUMER_GROUP, consumer_name,
+            dead_stream=settings.streams.key("dead"),
+            max_deliveries=settings.streams.max_deliveries,
+            min_idle_ms=settings.streams.min_idle_ms,
+        ))
+        interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
+        leases = LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s)
+    elif s.source == "replay":
+        if not s.replay_path:
+            raise ValueError("trainer.source = 'replay' needs trainer.replay_path (a dump)")
+        position = (latest.state.get("source_position") or {}) if latest else {}
+        source = ReplaySource(s.replay_path, int(position.get("position", 1)),
+                              list(position.get("done", [])))
+    else:
+        source = FakeSource(vocab_size, s.group_size, s.fake_prompt_tokens,
+                            s.fake_completion_tokens, seed=s.seed)
+    if s.record_path:
+        source = RecordingSource(source, SampleDump(s.record_path))
+    return source, leases
 
 
 def build_trainer(
@@ -73,7 +140,7 @@ def build_trainer(
     status: TrainerStatus | None = None,
     redis_client: redis.Redis | None = None,
 ) -> Trainer:
-    """Load (or resume) the policy, connect to the stream, and return a resumed `Trainer`.
+    """Load (or resume) the policy, connect to the source, and return a resumed `Trainer`.
 
     Args:
         settings: resolved settings (the trainer reads `trainer`, `streams`, `redis`, engines).
@@ -82,48 +149,67 @@ def build_trainer(
     """
     s = settings.trainer
     torch.manual_seed(s.seed)
-    source = resolve_model_path(s.model_path or settings.engine.model_path)
-    store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source)
+    random.seed(s.seed)
+    source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
+    store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source_dir)
     latest = store.latest()
-    model = load_model(latest.path if latest else source, s.device)
+    model = load_model(latest.path if latest else source_dir, s.device)
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    client = redis_client or connect(settings.redis_url())
-    consumer_name = s.consumer_name or default_consumer_name()
-    stream = settings.streams.key("train")
-    consumer = StreamConsumer(
-        client, stream, CONSUMER_GROUP, consumer_name,
-        dead_stream=settings.streams.key("dead"),
-        max_deliveries=settings.streams.max_deliveries,
-        min_idle_ms=settings.streams.min_idle_ms,
-    )
-    interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
+    if s.lora_rank > 0:
+        from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
+
+        model = add_lora(model, s)
     reference = None
     if s.kl_coef > 0:
-        ref_path = resolve_model_path(s.reference_model_path) if s.reference_model_path else source
+        ref_path = resolve_model_path(s.reference_model_path) if s.reference_model_path else (
+            source_dir
+        )
         reference = load_model(ref_path, s.device).requires_grad_(False).eval()
         log.info("KL reference policy (frozen) loaded from %s", ref_path)
     optimizer = build_optimizer(model, s)
+    scheduler = build_scheduler(optimizer, s)
+    source, leases = build_source(settings, model.config.vocab_size, latest, redis_client)
     parts = TrainerParts(
         model=model,
         optimizer=optimizer,
         reference=reference,
-        scheduler=build_scheduler(optimizer, s),
-        consumer=consumer,
+        scheduler=scheduler,
+        consumer=source,
         pusher=WeightPusher(
             settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
         ),
         store=store,
-        leases=LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s),
-        sink=JsonlSink(Path(s.metrics_path)),
+        leases=leases,
+        sink=build_sink(s),
         status=status or TrainerStatus(),
         version=latest.step if latest else 0,
     )
-    log.info("policy loaded from %s at weight version %d on %s",
-             latest.path if latest else source, parts.version, model.device)
+    if isinstance(source, FakeSource):
+        source.version = lambda: parts.version
+    if latest is not None:
+        restore_training_state(parts, latest)
+    log.info("policy loaded from %s at weight version %d on %s; source %s",
+             latest.path if latest else source_dir, parts.version, model.device, source.kind)
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer
+
+
+def restore_training_state(parts: TrainerParts, latest: Checkpoint) -> None:
+    """AdamW, scheduler and RNG state of `latest`, where it has them (logged when not)."""
+    optimizer_state = load_training_state(latest.path, "optimizer")
+    if optimizer_state is not None:
+        parts.optimizer.load_state_dict(optimizer_state)
+    else:
+        log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
+    scheduler_state = load_training_state(latest.path, "scheduler")
+    if scheduler_state is not None and parts.scheduler is not None:
+        parts.scheduler.load_state_dict(scheduler_state)
+    rng = load_training_state(latest.path, "rng")
+    if rng is not None:
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
 
 
 class Trainer:
@@ -145,6 +231,8 @@ class Trainer:
         self.staleness = StalenessPolicy(
             self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit
         )
+        self.behind: dict[str, str] = {}
+        """Engines whose last push failed -> the error (pushed again at the next step)."""
         self._drops: Tally[str] = Tally()
         self._last_step_end = time.monotonic()
 
@@ -159,14 +247,17 @@ class Trainer:
         self.parts.status.set_ready(self.version)
 
     def run(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
-        """Loop until `stop` is set or `max_steps` optimizer steps (None = settings; 0 = no
-        limit) are committed; returns the steps committed."""
+        """Loop until `stop` is set, `max_steps` optimizer steps (None = settings; 0 = no
+        limit) are committed, or a finite source is used up; returns the steps committed."""
         limit = self.s.max_steps if max_steps is None else max_steps
         stop = stop or threading.Event()
         start_version = self.version
         self.parts.leases.start()
         try:
             while not stop.is_set() and not (limit and self.version - start_version >= limit):
+                if self.parts.consumer.exhausted and not self.assembler.pending:
+                    log.info("source %s is used up", self.parts.consumer.kind)
+                    break
                 self.poll()
         finally:
             self.parts.leases.stop()
@@ -174,6 +265,9 @@ class Trainer:
 
     def poll(self) -> None:
         """One iteration: train if enough groups are ready, else read more entries."""
+        if self.parts.consumer.exhausted:
+            for group in self.assembler.pending.values():  # nothing more will arrive
+                group.first_seen_s = -float("inf")
         if self.assembler.should_step(self.s.groups_per_step, self.s.step_tokens):
             self.train_ready()
             return
@@ -210,6 +304,7 @@ class Trainer:
 
     def train_ready(self) -> None:
         """Take the ready groups, run one step, and commit (or skip) it."""
+        t0 = time.perf_counter()
         groups, drops, lags = self.assembler.pop_ready(
             self.s.groups_per_step, self.version, self.staleness, self.s.step_tokens
         )
@@ -221,16 +316,31 @@ class Trainer:
         wait_s = time.monotonic() - self._last_step_end
         treatments = [t for g in groups for t in g.treatments]
         batch, adv_metrics = prepare_batch([g.samples for g in groups], self.step_cfg, treatments)
+        t1 = time.perf_counter()
+        log.info("step %d: training on %d samples", self.version + 1, batch.size)
         result = train_step(
             self.parts.model, self.parts.optimizer, batch, self.step_cfg,
             reference=self.parts.reference, scheduler=self.parts.scheduler,
         )
-        metrics = result.metrics | adv_metrics | _lag_metrics(lags) | {"time/wait_s": wait_s}
+        metrics = result.metrics | adv_metrics | _lag_metrics(lags) | {
+            "time/wait_s": wait_s, "time/prepare_s": t1 - t0,
+        }
         if result.skipped:
             self._skip(groups, result.skipped, metrics)
         else:
             self._commit(groups, metrics)
         self._last_step_end = time.monotonic()
+
+    def _training_state(self) -> dict[str, Any]:
+        if not self.s.save_optimizer:
+            return {}
+        state: dict[str, Any] = {
+            "optimizer": self.parts.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        if self.parts.scheduler is not None:
+            state["scheduler"] = self.parts.scheduler.state_dict()
+        return state
 
     def _commit(self, groups: Sequence[Group], metrics: dict[str, Any]) -> None:
         entries = [e for g in groups for e in g.entries]
@@ -238,16 +348,21 @@ class Trainer:
         sample_ids = [e.sample.sample_id for e in entries]
         version = self.version + 1
         t0 = time.perf_counter()
-        path = self.parts.store.save(
-            self.parts.model, version, {"entry_ids": entry_ids, "sample_ids": sample_ids}
-        )
+        state = {"entry_ids": entry_ids, "sample_ids": sample_ids,
+                 "source_position": self.parts.consumer.position()}
+        path = self.parts.store.save(self.parts.model, version, state, self._training_state())
         t1 = time.perf_counter()
         self.version = version
-        self._push(path)
+        if version % self.s.push_every == 0 or self.behind:
+            self._push(path)
+        t2 = time.perf_counter()
         self.parts.consumer.ack(entry_ids)
         self.parts.leases.release(entry_ids)
         self.assembler.mark_trained(sample_ids)
-        metrics |= {"time/checkpoint_s": t1 - t0, "time/push_s": time.perf_counter() - t1}
+        metrics |= {
+            "time/checkpoint_s": t1 - t0, "time/push_s": t2 - t1,
+            "time/ack_s": time.perf_counter() - t2, "push/engines_behind": len(self.behind),
+        }
         self.parts.status.record_step(version, len(entries), metrics)
         self._write_line(version, groups, metrics, skip_reason="")
         log.info(
@@ -259,7 +374,7 @@ class Trainer:
     def _skip(self, groups: Sequence[Group], reason: str, metrics: dict[str, Any]) -> None:
         """A skipped step trains nothing. Its samples are dropped: dead-lettered when they made
         the loss or gradient non-finite (kept for inspection), acked when they had no loss
-        tokens. Weights and version stay as they were."""
+        tokens. Weights, optimizer, scheduler and version stay as they were."""
         drop_reason = (
             DropReason.NO_LOSS_TOKENS if reason == "no_loss_tokens" else DropReason.NONFINITE_STEP
         )
@@ -269,15 +384,24 @@ class Trainer:
         self._write_line(self.version, groups, metrics, skip_reason=reason)
 
     def _push(self, path: Path) -> None:
+        """Push `path` to every engine; engines that fail are reported and kept as behind."""
         try:
-            self.parts.pusher.push(path, self.version)
+            report = self.parts.pusher.push(path, self.version)
         except UpstreamError:
-            PUSH_FAILURES.inc()
+            failed = dict.fromkeys(self.parts.pusher.engine_urls, "failed")
+            record_push(self.version, [], failed, 0.0)
+            self.parts.status.set_engines_behind(failed)
             log.exception(
-                "weight push of version %d failed after retries; the checkpoint %s is kept and "
+                "weight push of version %d failed on every engine; the checkpoint %s is kept and "
                 "is pushed again when the trainer restarts", self.version, path,
             )
             raise
+        record_push(self.version, report.ok, report.failed, report.seconds)
+        self.behind = dict(report.failed)
+        self.parts.status.set_engines_behind(self.behind)
+        for url, error in report.failed.items():
+            log.error("engine %s is behind: weight version %d failed (%s); it gets the newest "
+                      "checkpoint again at the next step", url, self.version, error)
 
     def _write_line(
         self, version: int, groups: Sequence[Group], metrics: dict[str, Any], skip_reason: str
@@ -297,6 +421,7 @@ class Trainer:
     def close(self) -> None:
         self.parts.leases.stop()
         self.parts.pusher.close()
+        self.parts.sink.close()
 
 
 def _lag_metrics(lags: Sequence[int]) -> dict[str, float]:

@@ -1,21 +1,29 @@
-"""The trainer's metrics channels: Prometheus series, the JSONL step log, and the live status.
+"""The trainer's metrics channels: Prometheus series, the per-step sinks, and the live status.
 
-Prometheus (`/metrics`): counters and gauges named `flywheel_trainer_*`. JSONL
-(`trainer.metrics_path`): one line per optimizer step (or skipped step) with the step's metrics
-under their slash-namespaced keys. `TrainerStatus` is what `/status` shows; the training thread
-writes it and the HTTP thread reads it, under a lock.
+Prometheus (`/metrics`): counters, gauges and histograms named `flywheel_trainer_*` with their
+unit in the name. Per step, `MetricsSink` writes the step's metrics under their slash-namespaced
+keys to JSONL (`trainer.metrics_path`, one line per optimizer step or skipped step), to
+TensorBoard scalars (`<metrics_path folder>/tensorboard`, when `trainer.tensorboard` and the
+`tensorboard` package is installed) and to Weights & Biases (`trainer.wandb_project`, when
+`wandb` is installed). `TrainerStatus` is what `/status` shows; the training thread writes it
+and the HTTP thread reads it, under a lock.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import math
 import threading
 import time
 from collections import Counter as Tally
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, Histogram
+
+log = logging.getLogger(__name__)
 
 STEPS = Counter("flywheel_trainer_steps_total", "Optimizer steps committed (checkpoint + push)")
 STEPS_SKIPPED = Counter(
@@ -26,7 +34,33 @@ SAMPLES_DROPPED = Counter(
     "flywheel_trainer_samples_dropped_total", "Samples dropped before training", ["reason"]
 )
 PUSH_FAILURES = Counter(
-    "flywheel_trainer_weight_push_failures_total", "Weight pushes that failed after retries"
+    "flywheel_trainer_weight_push_failures_total",
+    "Weight pushes to one engine that failed after every retry", ["engine"],
+)
+PUSH_SECONDS = Histogram(
+    "flywheel_trainer_weight_push_seconds",
+    "Seconds to push one checkpoint to every engine",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+ENGINE_VERSION = Gauge(
+    "flywheel_trainer_engine_weight_version",
+    "Weight version the trainer last pushed successfully to each engine", ["engine"],
+)
+ENGINES_BEHIND = Gauge(
+    "flywheel_trainer_engines_behind", "Engines whose last weight push failed"
+)
+TOKENS_PER_SECOND = Gauge(
+    "flywheel_trainer_tokens_per_second", "Tokens (incl. prompt) per second of the last step"
+)
+TOKENS_TRAINED = Counter(
+    "flywheel_trainer_tokens_trained_total", "Sampled (loss) tokens in committed steps"
+)
+CLIP_FRACTION = Gauge(
+    "flywheel_trainer_clip_fraction_ratio", "Fraction of loss tokens clipped in the last step"
+)
+LOGPROB_GAP = Gauge(
+    "flywheel_trainer_logprob_abs_diff_nats",
+    "Mean |trainer - rollout| logprob of the last step's loss tokens",
 )
 WEIGHT_VERSION = Gauge("flywheel_trainer_weight_version", "Committed weight version (steps)")
 REWARD_MEAN = Gauge("flywheel_trainer_reward_mean", "Mean reward of the last step's samples")
@@ -42,6 +76,13 @@ SAMPLE_LAG = Histogram(
 )
 
 
+class MetricsSink(Protocol):
+    def write(self, record: dict[str, Any]) -> None:
+        """One step's record: `step` plus slash-namespaced metrics."""
+
+    def close(self) -> None: ...
+
+
 class JsonlSink:
     """Appends one JSON object per line to `path` (parent folders created), flushed per line."""
 
@@ -52,6 +93,96 @@ class JsonlSink:
     def write(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardSink:
+    """Every finite numeric metric of a record as a scalar at global step `record["step"]`."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (optional package)
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        for key, value in _scalars(record).items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Logs each record to a Weights & Biases run (project `project`)."""
+
+    def __init__(self, project: str, config: dict[str, Any]):
+        import wandb  # noqa: PLC0415 (optional package)
+
+        self.run = wandb.init(project=project, config=config)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.run.log(_scalars(record), step=int(record.get("step", 0)))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MultiSink:
+    """Writes each record to every sink."""
+
+    def __init__(self, sinks: list[Any]):
+        self.sinks = sinks
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def build_sink(s: Any) -> MultiSink:
+    """JSONL always; TensorBoard and W&B when configured and their package is installed (a
+    configured one that is missing is logged once, not fatal)."""
+    sinks: list[Any] = [JsonlSink(Path(s.metrics_path))]
+    if s.tensorboard:
+        if importlib.util.find_spec("tensorboard") is None:
+            log.warning("trainer.tensorboard is on but the tensorboard package is missing; "
+                        "install the trainer extra (pip install 'flywheel[trainer]')")
+        else:
+            sinks.append(TensorBoardSink(Path(s.metrics_path).parent / "tensorboard"))
+    if s.wandb_project:
+        if importlib.util.find_spec("wandb") is None:
+            log.warning("trainer.wandb_project is set but wandb is not installed; skipped")
+        else:
+            sinks.append(WandbSink(s.wandb_project, s.model_dump(mode="json")))
+    return MultiSink(sinks)
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key, value in record.items():
+        if key in ("step", "time") or isinstance(value, bool | str):
+            continue
+        if isinstance(value, int | float) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def record_push(version: int, ok: list[str], failed: dict[str, str], seconds: float) -> None:
+    """Prometheus series of one push: per-engine versions and failures, push seconds."""
+    for url in ok:
+        ENGINE_VERSION.labels(url).set(version)
+    for url in failed:
+        PUSH_FAILURES.labels(url).inc()
+    ENGINES_BEHIND.set(len(failed))
+    if ok:
+        PUSH_SECONDS.observe(seconds)
 
 
 class TrainerStatus:
@@ -65,7 +196,12 @@ class TrainerStatus:
         self.steps_skipped = 0
         self.samples_dropped: Tally[str] = Tally()
         self.last_metrics: dict[str, Any] = {}
+        self.engines_behind: dict[str, str] = {}
         self.started_at = time.time()
+
+    def set_engines_behind(self, behind: dict[str, str]) -> None:
+        with self._lock:
+            self.engines_behind = dict(behind)
 
     def set_ready(self, step: int) -> None:
         with self._lock:
@@ -88,6 +224,10 @@ class TrainerStatus:
         WEIGHT_VERSION.set(step)
         REWARD_MEAN.set(metrics.get("reward/mean", 0.0))
         STEP_SECONDS.observe(metrics.get("time/step_s", 0.0))
+        TOKENS_PER_SECOND.set(metrics.get("tokens/per_s", 0.0))
+        TOKENS_TRAINED.inc(metrics.get("tokens/trained", 0.0))
+        CLIP_FRACTION.set(metrics.get("clip/frac", 0.0))
+        LOGPROB_GAP.set(metrics.get("logprob/abs_diff_mean", 0.0))
 
     def record_skip(self, reason: str, metrics: dict[str, Any]) -> None:
         with self._lock:
@@ -105,5 +245,6 @@ class TrainerStatus:
                 "samples_dropped": dict(self.samples_dropped),
                 "steps_skipped": self.steps_skipped,
                 "last_metrics": dict(self.last_metrics),
+                "engines_behind": dict(self.engines_behind),
                 "uptime_s": time.time() - self.started_at,
             }

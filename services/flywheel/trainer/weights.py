@@ -1,11 +1,15 @@
 """Policy weights: load or resume, atomic checkpoints, and the push to every engine.
 
 Checkpoints are self-contained Hugging Face folders `checkpoint_dir/step_00000012/`: config,
-`model.safetensors` (fp32; a tied lm_head is stored once, as the embedding), the tokenizer files
-copied from the initial model folder, and `trainer_state.json` (step, weight_version, and the
-stream entries the step trained on). Each is written to a hidden temporary sibling, verified
-(every parameter present with its shape and dtype, BUG-17), then renamed into place, so an engine
-or a resuming trainer never sees a partial folder. The newest `keep` folders are kept.
+`model.safetensors` (fp32; a tied lm_head is stored once, as the embedding; LoRA adapters merged
+in), the tokenizer files copied from the initial model folder, `trainer_state.json` (step,
+weight_version, the stream entries and sample_ids the step trained on, the source position) and
+`training/` (AdamW state, LR scheduler state and RNG states, `torch.save` files; only the newest
+checkpoint keeps `optimizer.pt`, the largest). Engines read the top-level safetensors only;
+`export_hf` copies a plain folder without the trainer's files. Each checkpoint is written to a
+hidden temporary sibling, verified (every parameter present with its shape and dtype, BUG-17),
+then renamed into place, so an engine or a resuming trainer never sees a partial folder. The
+newest `keep` folders are kept.
 
 Weight version = the number of committed optimizer steps: the initial model is version 0, the
 checkpoint of step k is pushed as weight_version "k".
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
+TRAINING_DIR = "training"
+"""Subfolder with optimizer.pt, scheduler.pt and rng.pt (resume state, not served)."""
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _NOT_COPIED = re.compile(r"(\.safetensors|\.bin|\.pt|\.gguf|\.index\.json|\.lock)$")
 """Files of the initial folder not copied into checkpoints (weights, indexes, locks)."""
@@ -97,15 +103,33 @@ class CheckpointStore:
                 return Checkpoint(path=path, step=step, state=state)
         return None
 
-    def save(self, model: PreTrainedModel, step: int, state: dict[str, Any]) -> Path:
-        """Write, verify and atomically publish the checkpoint of `step`; prune old ones."""
+    def save(
+        self,
+        model: PreTrainedModel,
+        step: int,
+        state: dict[str, Any],
+        training: dict[str, Any] | None = None,
+    ) -> Path:
+        """Write, verify and atomically publish the checkpoint of `step`; prune old ones.
+
+        Args:
+            model: the policy (a peft model is saved with its adapters merged).
+            step: the committed optimizer step (= weight version).
+            state: JSON-serializable trainer state (entry ids, sample ids, source position).
+            training: objects saved with torch.save under `training/<name>.pt` (optimizer,
+                scheduler, rng); None = none.
+        """
         final = self.path_for(step)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
+        base, state_dict = servable_state(model)
+        base.save_pretrained(tmp, state_dict=state_dict)
         self._copy_tokenizer(tmp)
-        verify_checkpoint(tmp, model)
+        verify_checkpoint(tmp, base, state_dict)
+        for name, value in (training or {}).items():
+            (tmp / TRAINING_DIR).mkdir(exist_ok=True)
+            torch.save(value, tmp / TRAINING_DIR / f"{name}.pt")
         full_state = {"step": step, "weight_version": str(step), "saved_at": time.time()} | state
         (tmp / STATE_FILE).write_text(json.dumps(full_state))
         if final.exists():  # a step re-run after a crash before its ack: replace it whole
@@ -115,9 +139,13 @@ class CheckpointStore:
         return final
 
     def prune(self) -> None:
-        """Delete all but the newest `keep` checkpoints, and leftover temporary folders."""
-        for step in sorted(self._steps(), reverse=True)[self.keep :]:
+        """Delete all but the newest `keep` checkpoints, and leftover temporary folders; only
+        the newest keeps its optimizer state."""
+        steps = sorted(self._steps(), reverse=True)
+        for step in steps[self.keep :]:
             shutil.rmtree(self.path_for(step), ignore_errors=True)
+        for step in steps[1 : self.keep]:
+            (self.path_for(step) / TRAINING_DIR / "optimizer.pt").unlink(missing_ok=True)
         for leftover in self.root.glob(".step_*.tmp-*"):
             if not leftover.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -136,9 +164,61 @@ class CheckpointStore:
                 shutil.copy2(src, target)
 
 
-def verify_checkpoint(path: Path, model: PreTrainedModel) -> None:
-    """Every parameter of `model` is in `path/model.safetensors` with its shape and dtype, or is
-    a tied alias (same storage) of one that is.
+def load_training_state(path: Path, name: str) -> Any | None:
+    """`training/<name>.pt` of checkpoint `path`, or None when it was not saved."""
+    file = Path(path) / TRAINING_DIR / f"{name}.pt"
+    return torch.load(file, weights_only=False) if file.is_file() else None
+
+
+def servable_state(model: Any) -> tuple[PreTrainedModel, dict[str, torch.Tensor] | None]:
+    """(the plain transformers model, the state dict to save): for a peft model, the base
+    model's weights with the LoRA deltas merged in (W + scale B A) under the base names; for a
+    plain model, (model, None) = its own state dict."""
+    if not hasattr(model, "get_base_model"):
+        return model, None
+    base = model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    modules = dict(base.named_modules())
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        owner = modules.get(name.rsplit(".base_layer.", 1)[0]) if ".base_layer." in name else None
+        if owner is not None and name.endswith("base_layer.weight"):
+            tensor = tensor + owner.get_delta_weight("default").to(tensor.dtype)
+        merged[clean] = tensor.detach()  # unmerged tensors keep their storage (tied aliases)
+    return base, merged
+
+
+def export_hf(checkpoint: Path, out: Path) -> Path:
+    """Copy checkpoint `checkpoint` to `out` as a plain Hugging Face folder (config, weights,
+    tokenizer, generation config) without the trainer's state; atomic (temporary sibling, then
+    rename). Returns `out`.
+
+    Raises:
+        FileNotFoundError: `checkpoint` has no model.safetensors.
+        FileExistsError: `out` exists.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{checkpoint} has no {WEIGHTS_FILE}; pass a step_* folder")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for src in checkpoint.iterdir():
+        if src.is_file() and src.name != STATE_FILE:
+            shutil.copy2(src, tmp / src.name)
+    tmp.rename(out)
+    return out
+
+
+def verify_checkpoint(
+    path: Path, model: PreTrainedModel, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Every tensor of `state_dict` (default: the model's) is in `path/model.safetensors` with
+    its shape and dtype, or is a tied alias (same storage) of one that is.
 
     Raises:
         ContractError: a tensor is missing, or has another shape or dtype.
@@ -147,7 +227,7 @@ def verify_checkpoint(path: Path, model: PreTrainedModel) -> None:
         saved = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
         shapes = {name: list(s.get_shape()) for name, s in saved.items()}
         dtypes = {name: s.get_dtype() for name, s in saved.items()}
-    state = model.state_dict()
+    state = state_dict if state_dict is not None else model.state_dict()
     saved_ptrs = {state[n].data_ptr() for n in shapes if n in state}
     for name, tensor in state.items():
         if name not in shapes:
@@ -161,12 +241,24 @@ def verify_checkpoint(path: Path, model: PreTrainedModel) -> None:
             )
 
 
+@dataclass
+class PushReport:
+    version: int
+    ok: list[str]
+    """Engines that now serve `version`."""
+    failed: dict[str, str]
+    """Engine URL -> last error, for engines that failed every attempt."""
+    seconds: float
+
+
 class WeightPusher:
     """Loads a checkpoint into every engine with SGLang's `/update_weights_from_disk`.
 
     `flush_cache` is on (no stale prefix cache, BUG-15) and in-flight requests are not aborted
-    (BUG-16). Each engine gets `attempts` tries with exponential backoff and jitter; then
-    `UpstreamError` is raised.
+    (BUG-16). Each engine gets `attempts` tries with exponential backoff and jitter. An engine
+    that still fails is reported in the `PushReport` (the caller counts it, logs it and pushes
+    the newest checkpoint to it again at the next step); only when every engine fails is
+    `UpstreamError` raised.
 
     Args:
         engine_urls: engine base URLs.
@@ -191,14 +283,16 @@ class WeightPusher:
         self.client = client or httpx.Client()
         self.backoff_s = backoff_s
 
-    def push(self, model_path: Path, version: int) -> None:
+    def push(self, model_path: Path, version: int) -> PushReport:
         """Push to every engine in turn.
 
         Raises:
-            UpstreamError: an engine failed `attempts` times.
+            UpstreamError: every engine failed `attempts` times (the message has the last).
         """
+        t0 = time.perf_counter()
         backoff = wait_exponential(multiplier=self.backoff_s, max=30.0)
         jitter = wait_random(0, self.backoff_s)
+        report = PushReport(version, [], {}, 0.0)
         for url in self.engine_urls:
             retrying = Retrying(
                 stop=stop_after_attempt(self.attempts),
@@ -206,9 +300,21 @@ class WeightPusher:
                 retry=retry_if_exception_type((httpx.HTTPError, UpstreamError)),
                 reraise=True,
             )
-            for attempt in retrying:
-                with attempt:
-                    self._push_one(url, model_path, version)
+            try:
+                for attempt in retrying:
+                    with attempt:
+                        self._push_one(url, model_path, version)
+                report.ok.append(url)
+            except (httpx.HTTPError, UpstreamError) as exc:
+                report.failed[url] = str(exc) or type(exc).__name__
+        report.seconds = time.perf_counter() - t0
+        if self.engine_urls and not report.ok:
+            last = next(reversed(report.failed.values()))
+            raise UpstreamError(
+                f"no engine took weight version {version} after {self.attempts} attempts "
+                f"each: {last}"
+            )
+        return report
 
     def _push_one(self, url: str, model_path: Path, version: int) -> None:
         body = {

@@ -1,8 +1,9 @@
 """The local stack behind `flywheel up`: every service as its own process, health-gated.
 
 Order: Redis (a real server, or `FLYWHEEL_REDIS__URL`) -> model conversion (once, cached) ->
-engine -> gateway -> reward -> trainer. Each child reads the resolved settings (ports moved to
-free ones, the Redis URL, the model path) from `<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
+engine -> (teacher engine) -> gateway -> reward -> (teacher, when enabled) -> trainer. Each child
+reads the resolved settings (ports moved to free ones, the Redis URL, the model path) from
+`<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
 logs to `<state_dir>/logs/<service>.log`, and is stopped in reverse order (SIGTERM, then SIGKILL
 after a grace period).
 """
@@ -35,6 +36,8 @@ class Service:
     health: Callable[[], bool]
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    args: list[str] = field(default_factory=list)
+    """Command-line arguments after `python -m <module>`."""
 
 
 def http_ok(url: str) -> Callable[[], bool]:
@@ -102,6 +105,7 @@ class Stack:
             sec.port = free_port(sec.port)
         s.reward.port = free_port(s.reward.port)
         s.reward.metrics_port = free_port(s.reward.metrics_port)
+        teacher_engine = self._teacher_ports()
         s.trainer.checkpoint_dir = str(Path(s.trainer.checkpoint_dir).resolve())
         s.trainer.metrics_path = str(Path(s.trainer.metrics_path).resolve())
         resolved = self.state_dir / "settings.json"
@@ -113,8 +117,10 @@ class Stack:
         reward_target = f"{s.reward.host}:{s.reward.port}"
         plan = [
             Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health")),
+            *teacher_engine,
             Service("gateway", gateway_url, "flywheel.gateway", http_ok(f"{gateway_url}/readyz")),
             Service("reward", f"grpc://{reward_target}", "flywheel.reward", grpc_ok(reward_target)),
+            *self._teacher_service(),
             Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
         ]
         for service in plan:
@@ -122,6 +128,30 @@ class Stack:
             self._wait_healthy(service, startup_timeout_s)
         self._write_state()
         return self
+
+    def _teacher_ports(self) -> list[Service]:
+        """Free ports for the teacher (when enabled) and its own engine process, which serves a
+        frozen copy of `teacher.model_path` (default: the policy's base model) and is not among
+        the engines the trainer pushes weights to. None with `engine_urls` or `self_teacher`."""
+        t, e = self.settings.teacher, self.settings.engine
+        if not t.enabled:
+            return []
+        t.port = free_port(t.port)
+        if t.metrics_port:
+            t.metrics_port = free_port(t.metrics_port)
+        if t.engine_urls or t.self_teacher:
+            return []
+        t.engine_port = free_port(t.engine_port)
+        url = f"http://{e.host}:{t.engine_port}"
+        args = ["--port", str(t.engine_port), "--model-path", t.model_path or e.model_path]
+        return [Service("teacher-engine", url, "flywheel.engine", http_ok(f"{url}/health"),
+                        args=args)]
+
+    def _teacher_service(self) -> list[Service]:
+        t = self.settings.teacher
+        target = f"{t.host}:{t.port}"
+        return [Service("teacher", f"grpc://{target}", "flywheel.teacher", grpc_ok(target))
+                ] if t.enabled else []
 
     def _prepare_model(self) -> None:
         s = self.settings
@@ -139,8 +169,8 @@ class Stack:
     def _launch(self, service: Service) -> None:
         service.log_path = self.state_dir / "logs" / f"{service.name}.log"
         log = open(service.log_path, "ab")  # noqa: SIM115  (owned by the child)
-        service.proc = subprocess.Popen([sys.executable, "-m", service.module], env=self.env,
-                                        stdout=log, stderr=subprocess.STDOUT)
+        service.proc = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
+                                        env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.services.append(service)
 
     def _wait_healthy(self, service: Service, timeout_s: float) -> None:

@@ -280,16 +280,8 @@ class TeacherSettings(Section):
     """On-policy distillation teacher (flywheel.teacher): `scored` stream -> `train` stream."""
 
     enabled: bool = False
-    """Off = the reward service writes straight to the trainer's stream. Not wired into the local
-    stack yet, so `true` is refused at start-up (nothing would read the `scored` stream)."""
-
-    @field_validator("enabled")
-    @classmethod
-    def _available(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("the teacher service is not available yet; set teacher.enabled = "
-                             "false (the reward service then feeds the trainer directly)")
-        return value
+    """On = the reward service writes `scored`, the teacher reads it and writes `train`;
+    `flywheel up` starts the teacher (and its engine). Off = reward writes `train` directly."""
     host: str = "127.0.0.1"
     port: int = Field(50052, ge=1, le=65535)
     """gRPC port (TeacherService, health, reflection)."""

@@ -58,11 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     ts, streams = settings.teacher, settings.streams
     engine_model = resolve_model_path(settings.engine.model_path)
     teacher_model = Path(ts.model_path) if ts.model_path and not ts.self_teacher else engine_model
-    renderer = TeacherRenderer(ts.tokenizer_path or teacher_model)
-    student = TeacherRenderer(ts.student_tokenizer_path or settings.gateway.tokenizer_path
-                              or engine_model)
-    student_fp, teacher_fp = (vocab_fingerprint(student.tokenizer),
-                              vocab_fingerprint(renderer.tokenizer))
+    teacher_tok = Path(ts.tokenizer_path or teacher_model)
+    student_tok = Path(ts.student_tokenizer_path or settings.gateway.tokenizer_path
+                       or engine_model)
+    renderer = TeacherRenderer(teacher_tok)
+    teacher_fp = vocab_fingerprint(renderer.tokenizer)
+    student_fp = teacher_fp if student_tok.resolve() == teacher_tok.resolve() else \
+        vocab_fingerprint(TeacherRenderer(student_tok).tokenizer)
     check_same_vocab(student_fp, teacher_fp)  # refuse to start rather than score foreign ids
     urls = teacher_engine_urls(settings)
     scorer = TeacherScorer(urls, max_batch=ts.max_batch, batch_wait_ms=ts.batch_wait_ms,

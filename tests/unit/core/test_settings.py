@@ -48,9 +48,11 @@ def test_misspelled_section_key_is_refused_in_file_and_environment(tmp_path, mon
         load_settings()
 
 
-def test_enabling_the_unshipped_teacher_is_refused():
-    with pytest.raises(ValidationError, match="teacher service is not available"):
-        load_settings(teacher={"enabled": True})
+def test_enabling_the_teacher_puts_it_between_reward_and_trainer():
+    s = load_settings(teacher={"enabled": True})
+    assert s.next_stream_after_reward() == "flywheel:scored"
+    with pytest.raises(ValidationError, match="selection"):
+        load_settings(teacher={"hint_judge": {"selection": "shortest"}})
 
 
 def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):

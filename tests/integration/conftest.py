@@ -1,0 +1,54 @@
+"""A local stack serving the real SmolLM2-135M-Instruct, shared by the gateway client tests.
+
+The trainer is configured never to step (its groups never fill), so the engine keeps the weights
+that produced every recorded Sample and fidelity checks compare like with like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from flywheel.core.redis_client import connect
+from flywheel.core.settings import FlywheelSettings, load_settings
+from flywheel.stack import Stack
+
+
+@dataclass
+class SmolStack:
+    gateway: str
+    engine: str
+    settings: FlywheelSettings
+
+    def rollouts(self) -> list:
+        """Every Sample published to the rollouts stream so far, oldest first."""
+        from flywheel.core.codec import decode_sample  # noqa: PLC0415
+        from flywheel.core.streams import FIELD  # noqa: PLC0415
+
+        client = connect(self.settings.redis_url())
+        key = self.settings.streams.key("rollouts")
+        return [decode_sample(fields[FIELD]) for _, fields in client.xrange(key)]
+
+    def session_samples(self, session_id: str) -> list:
+        return [s for s in self.rollouts() if s.session_id == session_id]
+
+
+@pytest.fixture(scope="session")
+def smol_stack(tmp_path_factory, redis_server, smollm2_dir) -> Iterator[SmolStack]:
+    state = tmp_path_factory.mktemp("smol_state")
+    settings = load_settings(
+        redis={"url": redis_server.url},
+        streams={"prefix": "clients", "block_ms": 200},
+        engine={"model_path": str(smollm2_dir), "port": 31100, "batch_wait_ms": 5},
+        gateway={"port": 8810, "default_max_tokens": 48},
+        reward={"port": 50161, "metrics_port": 9211},
+        trainer={"port": 8910, "groups_per_step": 1000, "group_size": 8,
+                 "checkpoint_dir": str(state / "ckpt"),
+                 "metrics_path": str(state / "trainer_metrics.jsonl")},
+        state_dir=str(state),
+    )
+    with Stack(settings, echo=lambda _: None) as running:
+        urls = {s.name: s.url for s in running.services}
+        yield SmolStack(gateway=urls["gateway"], engine=urls["engine"], settings=settings)

@@ -133,7 +133,11 @@ class EnginePool:
                 ENGINE_ERRORS.labels(url).inc()
                 errors.append(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
                 continue
-            return parse_generation(resp.json(), self.stop_token_ids)
+            try:
+                return parse_generation(resp.json(), self.stop_token_ids)
+            except (ValueError, UpstreamError) as exc:  # a 200 that is not a /generate answer
+                ENGINE_ERRORS.labels(url).inc()
+                errors.append(f"{url}: unusable response ({exc})")
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:

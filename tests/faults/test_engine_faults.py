@@ -1,0 +1,56 @@
+"""Engine faults seen by a real gateway process: 500, a connection dropped mid-body, a non-JSON
+200 and a hang. One retry on the other engine serves the turn, recorded once; when every engine
+fails the client gets a clear 502 and the session is left exactly as it was."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.streams import FIELD
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
+        "max_tokens": 8}
+SESSIONS = 6  # the session-affine order puts the faulty engine first for some of them
+
+
+@pytest.mark.parametrize("fault", ["500", "drop", "garbage", "hang"])
+def test_one_faulty_engine_is_retried_elsewhere_and_recorded_once(
+        procs, inproc_gateway, redis_client, prefix, fault):
+    bad, good = procs.stub(fault), procs.stub("ok")
+    gw = inproc_gateway([bad, good], request_timeout_s=1.0)
+    with httpx.Client(base_url=gw, timeout=30) as client:
+        for i in range(SESSIONS):
+            sid = client.post("/v1/sessions", json={"group_id": f"g{i}"}).json()["session_id"]
+            reply = client.post(f"/s/{sid}/v1/chat/completions", json=CHAT)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == "8"
+            assert client.post(f"/v1/sessions/{sid}/finish", json={}).status_code == 200
+        metrics = client.get("/metrics").text
+    assert procs.calls(bad) >= 1, "the faulty engine was never tried first"
+    assert procs.calls(good) == SESSIONS
+    samples = [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
+    assert len(samples) == SESSIONS and len({s.sample_id for s in samples}) == SESSIONS
+    for s in samples:  # the good engine's tokens, once: prompt + [28, 2]
+        assert list(s.token_ids[-2:]) == [28, 2] and sum(s.loss_mask) == 2
+    assert f'flywheel_gateway_engine_errors_total{{engine="{bad}"}}' in metrics
+
+
+@pytest.mark.parametrize("fault", ["500", "drop", "garbage"])
+def test_every_engine_failing_is_a_clear_502_and_records_nothing(
+        procs, inproc_gateway, redis_client, prefix, fault):
+    engines = [procs.stub(fault), procs.stub(fault)]
+    gw = inproc_gateway(engines)
+    with httpx.Client(base_url=gw, timeout=30) as client:
+        sid = client.post("/v1/sessions", json={}).json()["session_id"]
+        reply = client.post(f"/s/{sid}/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 502, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "upstream_error" and "no engine could serve" in error["message"]
+        state = client.get(f"/v1/sessions/{sid}").json()
+        assert state["turns"] == 0 and state["token_ids"] == []
+        assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()[
+            "samples_published"] == 0
+    assert sum(procs.calls(e) for e in engines) == 2  # one try each: bounded
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0

@@ -6,6 +6,7 @@ from flywheel.core.codec import encode_sample
 from flywheel.core.streams import StreamEntry
 from flywheel.trainer.groups import DropReason, GroupAssembler
 from flywheel.trainer.samples import sample_lag
+from flywheel.trainer.staleness import StalenessPolicy, Treatment
 
 from .factories import make_sample
 
@@ -153,3 +154,51 @@ def test_pop_ready_takes_oldest_groups_first():
     groups, _, _ = asm.pop_ready(1, 0, 4)
     assert [g.group_id for g in groups] == ["early"]
     assert list(asm.pending) == ["late"]
+
+
+def test_live_samples_are_their_own_ready_groups_when_enabled():
+    asm, _ = assembler(group_size=4, live_samples=True)
+    live = [entry(group_id="", seed=i) for i in range(2)]
+    for e in live:
+        assert asm.add(e) is None
+    assert asm.ready_count() == 2
+    assert not asm.should_step(groups_per_step=1)  # 2 samples < 1 x 4
+    asm.add(entry(group_id="", seed=7))
+    asm.add(entry(group_id="", seed=8))
+    assert asm.should_step(groups_per_step=1)
+    groups, drops, _ = asm.pop_ready(1, 0, 4)
+    assert drops == [] and [len(g.entries) for g in groups] == [1, 1, 1, 1]
+    assert all(g.live for g in groups)
+
+
+def test_partial_groups_dropped_when_configured():
+    asm, clock = assembler(group_size=4, wait=10.0, partial_groups="drop")
+    members = [entry(group_id="a", seed=i) for i in range(3)]
+    for e in members:
+        asm.add(e)
+    clock.now += 10.0
+    groups, drops, _ = asm.pop_ready(4, 0, 4)
+    assert groups == []
+    assert [d.reason for d in drops] == [DropReason.PARTIAL_GROUP] * 3
+    assert "3 of 4" in drops[0].detail and not DropReason.PARTIAL_GROUP.dead_letter
+
+
+def test_token_budget_starts_and_bounds_a_step():
+    # each sample has 4 + 4 = 8 tokens; a group of 2 holds 16
+    asm, _ = assembler(group_size=2)
+    for name in ["a", "a", "b", "b", "c", "c"]:
+        asm.add(entry(group_id=name))
+    assert not asm.should_step(groups_per_step=8)
+    assert asm.should_step(groups_per_step=8, step_tokens=40)
+    groups, _, _ = asm.pop_ready(8, 0, 4, step_tokens=40)
+    assert [g.group_id for g in groups] == ["a", "b"]  # 32 tokens; a third group would be 48
+
+
+def test_stale_members_down_weighted_or_is_corrected_by_policy():
+    asm, _ = assembler(group_size=2)
+    asm.add(entry(group_id="a", version=5))
+    asm.add(entry(group_id="a", version=1))  # lag 4 > 2
+    policy = StalenessPolicy(max_staleness=2, mode="downweight", decay=0.5)
+    groups, drops, lags = asm.pop_ready(1, trainer_version=5, staleness=policy)
+    assert drops == [] and lags == [0, 4]
+    assert groups[0].treatments == [(Treatment.FRESH, 1.0), (Treatment.DOWNWEIGHT, 0.25)]

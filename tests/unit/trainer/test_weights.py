@@ -10,11 +10,14 @@ import torch
 from safetensors import safe_open
 
 from flywheel.core.errors import ContractError, UpstreamError
+from flywheel.trainer.export import main as export_main
 from flywheel.trainer.weights import (
     STATE_FILE,
     CheckpointStore,
     WeightPusher,
+    export_hf,
     load_model,
+    load_training_state,
     verify_checkpoint,
 )
 
@@ -118,3 +121,82 @@ def test_push_raises_after_bounded_retries(tmp_path):
     with pytest.raises(UpstreamError, match="busy"):
         pusher(engine, urls=["http://e1"], attempts=3).push(tmp_path, 1)
     assert len(engine.calls) == 3
+
+
+def test_push_reports_an_engine_that_fails_and_still_serves_the_others(tmp_path):
+    class HalfBroken(FakeEngine):
+        def __call__(self, request):
+            if "e2" in str(request.url):
+                self.calls.append({"url": str(request.url)})
+                return httpx.Response(503, json={"success": False, "message": "loading"})
+            return super().__call__(request)
+
+    engine = HalfBroken()
+    report = pusher(engine, attempts=2).push(tmp_path, 4)
+    assert report.ok == ["http://e1"] and list(report.failed) == ["http://e2"]
+    assert "loading" in report.failed["http://e2"]
+    assert sum("e2" in c["url"] for c in engine.calls) == 2  # retried, then reported
+
+
+def test_checkpoint_keeps_training_state_and_only_the_newest_optimizer(tmp_path, source_dir):
+    model = load_model(source_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    store = CheckpointStore(tmp_path / "ckpt", keep=3, source_dir=source_dir)
+    training = {"optimizer": optimizer.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+    first = store.save(model, 1, {}, training)
+    second = store.save(model, 2, {}, training)
+    assert not (first / "training" / "optimizer.pt").exists()  # pruned from older ones
+    assert (first / "training" / "rng.pt").exists()
+    restored = load_training_state(second, "optimizer")
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fresh.load_state_dict(restored)
+    for key, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(fresh.state_dict()["state"][key]["exp_avg"], state["exp_avg"])
+    assert load_training_state(second, "scheduler") is None
+
+
+def test_export_writes_a_plain_servable_folder(tmp_path, source_dir):
+    model = load_model(source_dir)
+    store = CheckpointStore(tmp_path / "ckpt", keep=2, source_dir=source_dir)
+    path = store.save(model, 5, {"entry_ids": ["1-0"]}, {"rng": {"x": 1}})
+    out = export_hf(path, tmp_path / "export")
+    names = {p.name for p in out.iterdir()}
+    assert STATE_FILE not in names and "training" not in names
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    served = load_model(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, served.state_dict()[name]), name
+    with pytest.raises(FileExistsError):
+        export_hf(path, out)
+    assert export_main([str(tmp_path / "ckpt"), str(tmp_path / "export2")]) == 0
+    assert (tmp_path / "export2" / "model.safetensors").is_file()
+    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "export3")]) == 2
+
+
+def test_lora_checkpoint_holds_the_merged_weights(tmp_path, source_dir):
+    # after a LoRA update, the saved plain model's logits equal the adapted model's logits
+    from types import SimpleNamespace
+
+    from flywheel.trainer.lora import add_lora
+
+    settings = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj",
+                                                                                "v_proj"])
+    model = add_lora(load_model(source_dir), settings)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model(input_ids=ids).logits.square().mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    path = CheckpointStore(tmp_path / "ckpt", 2, source_dir).save(model, 1, {})
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert not [k for k in f.keys() if "lora" in k or "base_layer" in k]  # noqa: SIM118
+    with torch.no_grad():
+        served = load_model(path)(input_ids=ids).logits
+    torch.testing.assert_close(served, adapted, atol=1e-5, rtol=1e-5)
+    initial = load_model(source_dir)(input_ids=ids).logits.detach()
+    assert float((served - initial).abs().max()) > 1e-4  # the update is in the saved weights

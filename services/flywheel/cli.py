@@ -102,14 +102,22 @@ def _run_demo(runner, started: float) -> int:  # noqa: ANN001
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from flywheel.stack import running_stack  # noqa: PLC0415
+    from rich.console import Console  # noqa: PLC0415
 
-    state = running_stack(_settings(args).state_dir)
-    if not state:
-        print("no running stack (start one with `flywheel up`).")
-        return 1
-    print(json.dumps(state, indent=2))
-    return 0
+    from flywheel.stack import STATE_FILE  # noqa: PLC0415
+    from flywheel.status import collect_status, render  # noqa: PLC0415
+
+    settings = _settings(args)
+    # The local stack's actual addresses when `flywheel up` runs from this state dir; else the
+    # configured ones (compose, a port-forwarded cluster).
+    state_file = Path(settings.state_dir) / STATE_FILE
+    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    report = collect_status(settings, state)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        Console().print(render(report))
+    return 0 if report.healthy else 1
 
 
 def cmd_check_fidelity(args: argparse.Namespace) -> int:
@@ -195,8 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-stack", action="store_true",
                       help="start a fresh stack even if one is running")
     demo.set_defaults(func=cmd_demo)
-    sub.add_parser("status", help="show the running stack", parents=[common]).set_defaults(
-        func=cmd_status)
+    status = sub.add_parser("status", parents=[common],
+                            help="health, streams and lag, weight versions, trainer progress")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=cmd_status)
     fidelity = sub.add_parser("check-fidelity", parents=[common],
                               help="re-score a session's recorded Samples on the engine")
     fidelity.add_argument("--session", required=True, help="session id")

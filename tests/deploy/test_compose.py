@@ -346,10 +346,10 @@ def test_flywheel_env_parses_and_points_at_real_services(compose, profiles, monk
 
 def test_teacher_switch_moves_the_reward_output_to_the_teacher(compose, monkeypatch):
     reward = compose["services"]["reward"]
+    assert _settings(reward, monkeypatch).next_stream_after_reward() == "flywheel:train"
+    monkeypatch.setenv("FLYWHEEL_TEACHER_ENABLED", "true")
     env = _env(reward, {**REQUIRED_ENV, "FLYWHEEL_TEACHER_ENABLED": "true"})
-    for key, value in env.items():
-        if key.startswith("FLYWHEEL_") and key != "FLYWHEEL_CACHE":
-            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FLYWHEEL_TEACHER__ENABLED", env["FLYWHEEL_TEACHER__ENABLED"])
     assert load_settings().next_stream_after_reward() == "flywheel:scored"
 
 

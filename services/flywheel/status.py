@@ -1,0 +1,339 @@
+"""The operator's view of a running Flywheel: `flywheel status` and the stream gauges.
+
+`collect_status()` asks the live system, never a cache: each service's health endpoint, Redis
+for every stream's length and each consumer group's lag and pending entries (XINFO GROUPS), the
+dead-letter stream's length, each engine's served weight version (`/model_info`, SGLang and the
+embedded engine alike) and the trainer's `/status` (step, last reward and loss). `render()` turns
+it into one rich screen. `StreamStatsCollector` exports the same stream numbers as Prometheus
+gauges (`flywheel_stream_{length,lag,pending}_entries`) from whichever process registers it (the
+gateway does, for its /metrics).
+
+To show another service: add it to `service_targets()` with its health URL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from flywheel.core.settings import FlywheelSettings, StreamSettings
+
+log = logging.getLogger(__name__)
+
+STREAMS = ("rollouts", "scored", "train", "dead")
+"""Stream names (StreamSettings fields) in pipeline order."""
+LAG_SCAN_LIMIT = 10_000
+"""Most entries counted by XRANGE when the server does not report lag (Redis < 7)."""
+
+
+@dataclass
+class GroupStat:
+    """One consumer group of one stream."""
+
+    group: str
+    consumers: int
+    pending: int
+    """Entries delivered to a consumer and not acked yet."""
+    lag: int | None
+    """Entries not delivered to the group yet; None = unknown (Redis could not say)."""
+    lag_capped: bool = False
+    """True when lag was counted by scanning and reached LAG_SCAN_LIMIT (it is at least that)."""
+
+
+@dataclass
+class StreamStat:
+    name: str
+    key: str
+    length: int
+    groups: list[GroupStat] = field(default_factory=list)
+
+
+def _lag_by_scan(client: redis.Redis, key: str, last_id: str) -> tuple[int, bool]:
+    """Entries after `last_id` (exclusive), counted up to LAG_SCAN_LIMIT."""
+    start = f"({last_id}" if last_id not in ("", "0-0") else "-"
+    n = len(client.xrange(key, min=start, max="+", count=LAG_SCAN_LIMIT))
+    return n, n >= LAG_SCAN_LIMIT
+
+
+def stream_stats(client: redis.Redis, streams: StreamSettings) -> list[StreamStat]:
+    """Length of every pipeline stream and, per consumer group, its lag and pending entries.
+
+    Lag comes from XINFO GROUPS (`lag`, Redis >= 7); older servers, or a lag Redis reports as
+    unknown (after XDEL/XTRIM), are counted by scanning the entries after the group's
+    last-delivered id. A missing stream has length 0 and no groups.
+
+    Raises:
+        redis.RedisError: Redis is unreachable (callers show it as unhealthy).
+    """
+    out = []
+    for name in STREAMS:
+        key = streams.key(name)
+        if not client.exists(key):
+            out.append(StreamStat(name, key, 0))
+            continue
+        stat = StreamStat(name, key, int(client.xlen(key)))
+        for info in client.xinfo_groups(key):
+            group = _text(info["name"])
+            lag = info.get("lag")
+            capped = False
+            if lag is None:
+                lag, capped = _lag_by_scan(client, key, _text(info["last-delivered-id"]))
+            stat.groups.append(GroupStat(group, int(info["consumers"]), int(info["pending"]),
+                                         int(lag), capped))
+        out.append(stat)
+    return out
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class StreamStatsCollector(Collector):
+    """Prometheus gauges read from Redis at scrape time (one XLEN + XINFO GROUPS per stream).
+
+    flywheel_stream_length_entries{stream}: entries in the stream (XLEN).
+    flywheel_stream_lag_entries{stream,group}: entries not yet delivered to the group.
+    flywheel_stream_pending_entries{stream,group}: delivered, not acked.
+    A scrape while Redis is down yields the families without samples (and logs it).
+    """
+
+    def __init__(self, client: redis.Redis, streams: StreamSettings):
+        self.client = client
+        self.streams = streams
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return list(self._families())
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("flywheel_stream_length_entries", "Entries in the stream (XLEN)",
+                              labels=["stream"]),
+            GaugeMetricFamily("flywheel_stream_lag_entries",
+                              "Entries not yet delivered to the consumer group",
+                              labels=["stream", "group"]),
+            GaugeMetricFamily("flywheel_stream_pending_entries",
+                              "Entries delivered to the group and not acked",
+                              labels=["stream", "group"]),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        length, lag, pending = self._families()
+        try:
+            stats = stream_stats(self.client, self.streams)
+        except redis.RedisError as exc:
+            log.warning("stream gauges: Redis unavailable (%s)", exc)
+            stats = []
+        for s in stats:
+            length.add_metric([s.name], s.length)
+            for g in s.groups:
+                if g.lag is not None:
+                    lag.add_metric([s.name, g.group], g.lag)
+                pending.add_metric([s.name, g.group], g.pending)
+        yield from (length, lag, pending)
+
+
+# ---------------------------------------------------------------- services
+
+
+@dataclass
+class ServiceHealth:
+    name: str
+    target: str
+    healthy: bool
+    detail: str
+
+
+def service_targets(settings: FlywheelSettings,
+                    state: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+    """(name, kind, target) of each service to probe: kind `http` (target = health URL) or
+    `grpc` (host:port). `state` = the running local stack's URLs (`stack.json`), which take
+    priority over the configured addresses."""
+    state = state or {}
+
+    def url(name: str, default: str) -> str:
+        return state.get(name, default).rstrip("/")
+
+    s = settings
+    targets = [("engine", "http", url("engine", s.engine.url) + "/health"),
+               ("gateway", "http", url("gateway", s.gateway.url) + "/readyz"),
+               ("reward", "grpc", url("reward", f"{s.reward.host}:{s.reward.port}"))]
+    if s.teacher.enabled or "teacher" in state:
+        targets.append(("teacher", "grpc", url("teacher", f"{s.teacher.host}:{s.teacher.port}")))
+    targets.append(("trainer", "http", url("trainer", f"http://{s.trainer.host}:"
+                                                      f"{s.trainer.port}") + "/readyz"))
+    return [(n, k, t.removeprefix("grpc://")) for n, k, t in targets]
+
+
+def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceHealth:
+    """One health check: HTTP 200, or grpc.health.v1 SERVING."""
+    if kind == "grpc":
+        import grpc  # noqa: PLC0415  (only the CLI needs grpc here)
+        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+        with grpc.insecure_channel(target) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                return ServiceHealth(name, target, False, exc.code().name)
+        ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return ServiceHealth(name, target, ok, health_pb2.HealthCheckResponse.ServingStatus.Name(
+            reply.status))
+    try:
+        r = httpx.get(target, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return ServiceHealth(name, target, False, type(exc).__name__)
+    return ServiceHealth(name, target, r.status_code == 200, f"HTTP {r.status_code}")
+
+
+def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> str | None:
+    """The weight version an engine serves (`/model_info`, or `/get_model_info` on older
+    SGLang); None when the engine does not answer."""
+    for path in ("/model_info", "/get_model_info"):
+        try:
+            r = httpx.get(base_url.rstrip("/") + path, timeout=timeout_s)
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 200:
+            return str(r.json().get("weight_version", "default"))
+    return None
+
+
+def trainer_status(base_url: str, timeout_s: float = 3.0) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/status", timeout=timeout_s)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass
+class StatusReport:
+    services: list[ServiceHealth]
+    redis_url: str
+    redis_ok: bool
+    redis_error: str
+    streams: list[StreamStat]
+    engines: dict[str, str | None]
+    """Engine URL -> served weight version (None = no answer)."""
+    trainer: dict[str, Any] | None
+
+    @property
+    def dead_letters(self) -> int:
+        return sum(s.length for s in self.streams if s.name == "dead")
+
+    @property
+    def healthy(self) -> bool:
+        return self.redis_ok and all(s.healthy for s in self.services)
+
+    def to_json(self) -> dict[str, Any]:
+        from dataclasses import asdict  # noqa: PLC0415
+
+        return {"healthy": self.healthy, "redis": {"url": _mask_url(self.redis_url),
+                                                   "ok": self.redis_ok, "error": self.redis_error},
+                "services": [asdict(s) for s in self.services],
+                "streams": [asdict(s) for s in self.streams],
+                "dead_letters": self.dead_letters, "engines": self.engines,
+                "trainer": self.trainer}
+
+
+def _mask_url(url: str) -> str:
+    """redis://:secret@host -> redis://:***@host (the password never reaches a screen)."""
+    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def collect_status(settings: FlywheelSettings,
+                   state: dict[str, str] | None = None) -> StatusReport:
+    """Probe everything once (a few seconds at most: every call has a 3 s timeout)."""
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+
+    state = state or {}
+    redis_url = state.get("redis_url") or settings.redis_url()
+    services = [probe(*t) for t in service_targets(settings, state)]
+    streams: list[StreamStat] = []
+    redis_ok, redis_error = True, ""
+    try:
+        client = connect(redis_url)
+        streams = stream_stats(client, settings.streams)
+    except redis.RedisError as exc:
+        redis_ok, redis_error = False, str(exc)
+    engine_urls = [state["engine"]] if "engine" in state else settings.engine_urls()
+    engines = {u: engine_weight_version(u) for u in engine_urls}
+    trainer_url = state.get("trainer", f"http://{settings.trainer.host}:{settings.trainer.port}")
+    return StatusReport(services, redis_url, redis_ok, redis_error, streams, engines,
+                        trainer_status(trainer_url))
+
+
+# ---------------------------------------------------------------- the screen
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return "-" if value is None else str(value)
+
+
+def render(report: StatusReport) -> Any:
+    """One rich renderable: services, streams and groups, engines, trainer."""
+    from rich.console import Group  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+    from rich.text import Text  # noqa: PLC0415
+
+    ok, bad = Text("healthy", style="green"), Text("DOWN", style="bold red")
+    services = Table(title="services", title_justify="left", expand=False)
+    for col in ("service", "address", "health", "detail"):
+        services.add_column(col)
+    services.add_row("redis", _mask_url(report.redis_url), ok if report.redis_ok else bad,
+                     report.redis_error or "PING")
+    for s in report.services:
+        services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)
+
+    streams = Table(title="streams", title_justify="left")
+    for col in ("stream", "length", "group", "consumers", "lag", "pending"):
+        streams.add_column(col, justify="right" if col not in ("stream", "group") else "left")
+    for s in report.streams:
+        if not s.groups:
+            streams.add_row(s.key, str(s.length), "-", "-", "-", "-")
+        for i, g in enumerate(s.groups):
+            lag = "?" if g.lag is None else f"{g.lag}{'+' if g.lag_capped else ''}"
+            streams.add_row(s.key if i == 0 else "", str(s.length) if i == 0 else "", g.group,
+                            str(g.consumers), Text(lag, style="yellow" if g.lag else ""),
+                            str(g.pending))
+    dead = Text(f"dead letters: {report.dead_letters}",
+                style="bold red" if report.dead_letters else "green")
+
+    engines = Table(title="engines", title_justify="left")
+    engines.add_column("engine")
+    engines.add_column("weight version", justify="right")
+    for url, version in report.engines.items():
+        engines.add_row(url, Text(version) if version is not None else bad)
+
+    t = report.trainer
+    if t is None:
+        trainer = Text("trainer: no answer from /status", style="bold red")
+    else:
+        m = t.get("last_metrics") or {}
+        trainer = Text(
+            f"trainer: step {t.get('step')}  weight version {t.get('weight_version')}  "
+            f"samples trained {t.get('samples_trained')}  last reward "
+            f"{_fmt(m.get('reward/mean'))}  loss {_fmt(m.get('loss/pg'))}  "
+            f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}")
+    return Group(services, streams, dead, engines, trainer)

@@ -1,0 +1,76 @@
+"""A whole local stack on the tiny model that has trained one step, for the operator's views
+(`flywheel status`, the gateway's /dashboard).
+
+Real Redis, engine, gateway, reward and trainer processes (flywheel.stack.Stack). Two episodes of
+one group go through the gateway with outcome rewards 0 and 1 (so the group has a reward
+spread); the reward service scores them, the trainer takes one GRPO step on them, checkpoints
+it and pushes it to the engine (weight version 1). Use it from a test module with
+`from ops_stack import ops_stack  # noqa: F401`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from flywheel.core.settings import FlywheelSettings, load_settings
+from flywheel.stack import Stack
+
+GROUP_SIZE = 2
+
+
+@dataclass
+class OpsStack:
+    settings: FlywheelSettings
+    urls: dict[str, str]
+    state_dir: Path
+    metrics_path: Path
+
+
+def _episode(gateway: str, content: str, outcome: float) -> str:
+    s = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "ops-g1",
+                                                  "task": {"answer": 8}}).json()
+    r = httpx.post(f"{s['base_url']}/chat/completions", timeout=120, json={
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 1.0,
+        "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    f = httpx.post(f"{gateway}/v1/sessions/{s['session_id']}/finish", json={"reward": outcome})
+    assert f.status_code == 200, f.text
+    return s["session_id"]
+
+
+@pytest.fixture(scope="session")
+def ops_stack(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[OpsStack]:
+    state = tmp_path_factory.mktemp("ops_state")
+    metrics_path = state / "trainer_metrics.jsonl"
+    settings = load_settings(
+        redis={"url": redis_server.url},
+        streams={"prefix": "ops", "block_ms": 100},
+        engine={"model_path": str(tiny_model_dir), "port": 31350, "batch_wait_ms": 5,
+                "context_length": 512},
+        gateway={"port": 8850, "default_max_tokens": 8},
+        reward={"port": 50181, "metrics_port": 9241},
+        trainer={"port": 8950, "groups_per_step": 1, "group_size": GROUP_SIZE,
+                 "group_wait_s": 5, "checkpoint_dir": str(state / "ckpt"),
+                 "metrics_path": str(metrics_path)},
+        state_dir=str(state),
+    )
+    with Stack(settings, echo=lambda _: None) as running:
+        urls = {s.name: s.url for s in running.services}
+        for i in range(GROUP_SIZE):
+            _episode(urls["gateway"], f"What is 7 + 1? ({i})", outcome=float(i % 2))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{urls['trainer']}/status").json()
+            if status["step"] >= 1:
+                break
+            time.sleep(0.5)
+        assert status["step"] >= 1, status
+        assert json.loads(metrics_path.read_text().splitlines()[-1])["step"] == 1
+        yield OpsStack(settings, urls, state, metrics_path)

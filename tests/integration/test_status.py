@@ -1,0 +1,99 @@
+"""`flywheel status` against a real running stack (tiny model, one committed trainer step).
+
+Checks what an operator reads off the screen: every service healthy, each stream's length and
+each consumer group's lag and pending count (matching XINFO GROUPS arithmetic), the dead-letter
+count, the weight version each engine serves, and the trainer's step and last reward; then a
+service going down turns the screen (and the exit status) unhealthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from ops_stack import ops_stack  # noqa: F401  (session fixture)
+
+from flywheel.core.redis_client import connect
+from flywheel.status import StreamStatsCollector, collect_status, stream_stats
+
+pytestmark = pytest.mark.integration
+
+
+def _cli_status(stack, *args: str) -> subprocess.CompletedProcess:
+    config = stack.state_dir / "status-config.json"
+    config.write_text(json.dumps({"state_dir": str(stack.state_dir),
+                                  "streams": {"prefix": "ops"}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    return subprocess.run([sys.executable, "-m", "flywheel.cli", "status", "--config",
+                           str(config), *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # noqa: F811
+    s = ops_stack
+    client = connect(s.settings.redis_url())
+    rollouts, dead = s.settings.streams.key("rollouts"), s.settings.streams.key("dead")
+    # An extra group that has read nothing: its lag is the whole stream. One dead letter.
+    client.xgroup_create(rollouts, "audit", id="0")
+    client.xadd(dead, {"sample": b"x", "error": "test: poison sample"})
+    try:
+        run = _cli_status(s, "--json")
+        assert run.returncode == 0, run.stdout + run.stderr
+        report = json.loads(run.stdout)
+        assert report["healthy"] is True
+        assert {x["name"]: x["healthy"] for x in report["services"]} == {
+            "engine": True, "gateway": True, "reward": True, "trainer": True}
+        assert report["redis"]["ok"] and "***" not in report["redis"]["url"]  # no password here
+        streams = {x["name"]: x for x in report["streams"]}
+        length = client.xlen(rollouts)
+        assert streams["rollouts"]["length"] == length == 2  # two finished episodes
+        groups = {g["group"]: g for g in streams["rollouts"]["groups"]}
+        # reward consumed and acked both; audit was created at 0 and read nothing.
+        assert (groups["reward"]["lag"], groups["reward"]["pending"]) == (0, 0)
+        assert (groups["audit"]["lag"], groups["audit"]["pending"]) == (length, 0)
+        train_groups = {g["group"]: g for g in streams["train"]["groups"]}
+        assert train_groups["trainer"]["lag"] == 0
+        assert report["dead_letters"] == 1
+        # The engine serves the checkpoint of step 1 (weight version "1"), as does the trainer.
+        assert list(report["engines"].values()) == ["1"]
+        trainer = report["trainer"]
+        assert trainer["step"] == 1 and trainer["weight_version"] == "1"
+        last = json.loads(s.metrics_path.read_text().splitlines()[-1])
+        assert trainer["last_metrics"]["reward/mean"] == pytest.approx(last["reward/mean"])
+
+        screen = _cli_status(s)
+        assert screen.returncode == 0
+        for text in ("ops:rollouts", "audit", "dead letters: 1", "trainer: step 1",
+                     "weight version 1", s.urls["engine"]):
+            assert text in screen.stdout, (text, screen.stdout)
+    finally:
+        client.xgroup_destroy(rollouts, "audit")
+        client.delete(dead)
+
+
+def test_stream_gauges_match_the_status(ops_stack):  # noqa: F811
+    s = ops_stack
+    client = connect(s.settings.redis_url())
+    stats = {st.name: st for st in stream_stats(client, s.settings.streams)}
+    families = {f.name: f for f in StreamStatsCollector(client, s.settings.streams).collect()}
+    samples = {(m.name, tuple(sorted(m.labels.items()))): m.value
+               for f in families.values() for m in f.samples}
+    assert samples[("flywheel_stream_length_entries", (("stream", "rollouts"),))] == (
+        stats["rollouts"].length)
+    reward = next(g for g in stats["rollouts"].groups if g.group == "reward")
+    key = (("group", "reward"), ("stream", "rollouts"))
+    assert samples[("flywheel_stream_lag_entries", key)] == reward.lag
+    assert samples[("flywheel_stream_pending_entries", key)] == reward.pending
+
+
+def test_a_service_that_stops_answering_shows_as_down(ops_stack):  # noqa: F811
+    s = ops_stack
+    state = json.loads((s.state_dir / "stack.json").read_text())
+    state["trainer"] = "http://127.0.0.1:9"  # nothing listens on the discard port
+    report = collect_status(s.settings, state)
+    assert not report.healthy and report.trainer is None
+    down = [x.name for x in report.services if not x.healthy]
+    assert down == ["trainer"]

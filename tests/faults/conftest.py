@@ -128,13 +128,14 @@ def inproc_gateway(redis_client, prefix, renderer):
 
     servers = []
 
-    def start(engine_urls: list[str], high_water: int = 10_000, **gateway) -> str:
+    def start(engine_urls: list[str], high_water: int = 10_000, client=None, **gateway) -> str:
         settings = GatewaySettings(**gateway)
+        client = client or redis_client
         deps = GatewayDeps(
             settings=settings, renderer=renderer,
             engines=EnginePool(engine_urls, settings.request_timeout_s, {2}),
-            sessions=SessionStore(redis_client, prefix, 3600),
-            publisher=StreamProducer(redis_client, f"{prefix}:rollouts", high_water=high_water,
+            sessions=SessionStore(client, prefix, 3600),
+            publisher=StreamProducer(client, f"{prefix}:rollouts", high_water=high_water,
                                      watch_group="reward"),
             context_length=2048)
         servers.append(ThreadServer(create_app(deps)))

@@ -1,0 +1,96 @@
+"""Redis killed (SIGKILL) and restarted on its append-only file: nothing acked or unacked is lost,
+acked entries are not redelivered, and the gateway answers 503 (not 500) while Redis is down."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis
+
+from flywheel.core.codec import decode_sample, new_sample
+from flywheel.core.redis_client import connect
+from flywheel.core.redis_server import LocalRedis
+from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
+
+CHAT = {"model": "m", "max_tokens": 8}
+
+
+def _sample(i: int):
+    return new_sample(token_ids=[i, i + 1], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1],
+                      weight_versions=[-1, 0], group_id=f"g{i}")
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def _crash_and_restart(server: LocalRedis) -> None:
+    server.proc.kill()  # SIGKILL: no shutdown handler, no final AOF rewrite
+    server.proc.wait()
+    server.start()
+
+
+def test_stream_survives_sigkill_with_acks_and_pending_intact(own_redis, prefix):
+    client = connect(own_redis.url)
+    stream = f"{prefix}:train"
+    producer = StreamProducer(client, stream)
+    consumer = StreamConsumer(client, stream, "trainer", "c1", dead_stream=f"{prefix}:dead",
+                              min_idle_ms=0)
+    ids = [producer.publish(_sample(i)) for i in range(20)]  # every XADD was acknowledged
+    read = consumer.read(count=12, block_ms=10)
+    acked, pending = [e.entry_id for e in read[:8]], [e.entry_id for e in read[8:]]
+    assert consumer.ack(acked) == 8
+
+    _crash_and_restart(own_redis)
+
+    assert [i.decode() for i, _ in client.xrange(stream)] == ids  # nothing acked-by-Redis lost
+    info = client.xpending(stream, "trainer")
+    assert info["pending"] == 4  # unacked deliveries still pending, owned by c1
+    survivor = StreamConsumer(client, stream, "trainer", "c2", dead_stream=f"{prefix}:dead",
+                              min_idle_ms=0)
+    got = []
+    for _ in range(4):
+        batch = survivor.read(count=5, block_ms=10)
+        got += [e.entry_id for e in batch]
+        survivor.ack([e.entry_id for e in batch])
+    assert sorted(got) == sorted(pending + ids[12:])  # the 8 acked ones never come back
+    assert [decode_sample(f[FIELD]).group_id for _, f in client.xrange(stream)] == \
+        [f"g{i}" for i in range(20)]
+
+
+def test_gateway_answers_503_while_redis_is_down_and_loses_no_turn(
+        own_redis, procs, inproc_gateway, prefix):
+    client = connect(own_redis.url)
+    gw = inproc_gateway([procs.stub("ok")], client=client)
+    msgs = [{"role": "user", "content": "What is 7 + 1?"}]
+    with httpx.Client(base_url=gw, timeout=30) as http:
+        sid = http.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+        first = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        assert first.status_code == 200
+        msgs += [first.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
+
+        own_redis.proc.kill()
+        own_redis.proc.wait()
+        down = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        assert down.status_code == 503, down.text
+        assert down.headers["retry-after"] and down.json()["error"]["type"] == \
+            "service_unavailable_error"
+        own_redis.start()
+
+        second = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        assert second.status_code == 200, second.text
+        assert http.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 1
+    (_, fields), = client.xrange(f"{prefix}:rollouts")
+    sample = decode_sample(fields[FIELD])
+    assert sum(sample.loss_mask) == 4  # both turns' sampled tokens (2 each), recorded once
+
+
+def test_client_gives_up_within_bounds_while_redis_is_down(own_redis):
+    client = connect(own_redis.url)
+    own_redis.proc.kill()
+    own_redis.proc.wait()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -61,6 +62,27 @@ class Procs:
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", 60)
         return url
+
+    def reward(self, redis_url: str, prefix: str, **reward: object) -> subprocess.Popen:
+        """A reward service process (python -m flywheel.reward); returns once its gRPC port is
+        open. `streams` settings may be passed as `streams={...}`."""
+        streams = {"prefix": prefix, "block_ms": 100, **reward.pop("streams", {})}
+        port = free_port()
+        cfg = {"redis": {"url": redis_url}, "streams": streams,
+               "reward": {"port": port, "metrics_port": 0, **reward}}
+        path = self.tmp / f"reward-{port}.json"
+        path.write_text(json.dumps(cfg))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+        proc = self.spawn([sys.executable, "-m", "flywheel.reward", "--config", str(path)],
+                          f"reward-{port}", env=env)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (self.tmp / f"reward-{port}.log").read_text()[-3000:]
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return proc
+            time.sleep(0.2)
+        raise TimeoutError("reward service did not open its port within 90 s")
 
     @staticmethod
     def calls(url: str) -> int:

@@ -46,7 +46,9 @@ async def serve(settings: FlywheelSettings) -> None:
         dead_stream=streams.key("dead"), max_deliveries=streams.max_deliveries,
         min_idle_ms=streams.min_idle_ms,
     )
-    producer = StreamProducer(client, settings.next_stream_after_reward())
+    producer = StreamProducer(client, settings.next_stream_after_reward(),
+                              high_water=streams.high_water,
+                              watch_group="teacher" if settings.teacher.enabled else "trainer")
     scorer = build_scorer(rs)
     worker = RewardWorker(consumer, producer, scorer, block_ms=streams.block_ms,
                           max_in_flight=rs.max_in_flight, sample_timeout_s=rs.sample_timeout_s,

@@ -82,6 +82,8 @@ class RewardWorker:
             return 0
         block = self.block_ms if not self.tasks else min(self.block_ms, 50)
         try:
+            if await self._downstream_full():
+                return 0
             entries = await asyncio.to_thread(self.consumer.read, count=free, block_ms=block)
         except redis.RedisError as exc:  # bounded: the next step retries
             log.warning("reading %s failed: %s", self.consumer.stream, exc)
@@ -99,6 +101,22 @@ class RewardWorker:
             await asyncio.wait(list(self.tasks.values()), timeout=0.01)
         metrics.IN_FLIGHT.set(len(self.tasks))
         return scheduled
+
+    async def _downstream_full(self) -> bool:
+        """True (after waiting `block_ms`) while the next stream is at its high-water mark: no new
+        entries are read, so they wait unread in `rollouts` (whose lag is the gateway's
+        backpressure signal) instead of being scored, refused and redelivered into the dead
+        letter."""
+        high = getattr(self.producer, "high_water", 0)
+        full = bool(high) and await asyncio.to_thread(self.producer.backlog) >= high
+        if full != getattr(self, "_paused", False):
+            self._paused = full
+            log.warning("%s %s its high-water mark (%d): %s new rollouts", self.producer.stream,
+                        "is at" if full else "is below", high,
+                        "not reading" if full else "reading")
+        if full:
+            await asyncio.sleep(self.block_ms / 1000)
+        return full
 
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Wait for every in-flight entry (tests, shutdown)."""

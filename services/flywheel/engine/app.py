@@ -43,6 +43,7 @@ from flywheel.engine.protocol import (
     validation_message,
 )
 from flywheel.engine.sequence import Job
+from flywheel.engine.weight_routes import register_weight_routes
 
 _M = TypeVar("_M", bound=BaseModel)
 DISCONNECT_POLL_S = 1.0
@@ -81,6 +82,8 @@ class EngineLike(Protocol):
     def set_weight_version(self, version: str) -> None: ...
     def model_info(self) -> dict[str, Any]: ...
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]: ...
+    @property
+    def weights(self) -> Any: ...
     def update_weights_from_disk(
         self,
         model_path: str,
@@ -270,6 +273,7 @@ def create_app(deps: EngineDeps) -> FastAPI:
         return _json(server_info_body(d))
 
     register_openai_routes(app, _wait, open_stream)
+    register_weight_routes(app, _body, _parse)
     return app
 
 

@@ -113,8 +113,24 @@ class ModelRunner:
                 state.update(load_file(f))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"cannot read {f}: {e}") from e
+        self.validate(state, f"checkpoint {path}")
+        return state
+
+    def validate(self, state: dict[str, Tensor], source: str, *, complete: bool = True) -> None:
+        """Check names and shapes of `state` against the served model.
+
+        Args:
+            state: parameter name -> tensor.
+            source: what the tensors came from (for the message).
+            complete: every parameter must be present (a disk checkpoint); False for partial
+                (distributed) updates. A tied `lm_head.weight` is never required.
+
+        Raises:
+            CheckpointError: unknown or missing names, or shape mismatches.
+        """
+        path = source
         unknown = sorted(set(state) - set(self._shapes))
-        missing = sorted(set(self._shapes) - set(state))
+        missing = sorted(set(self._shapes) - set(state)) if complete else []
         if self._tied and "lm_head.weight" in missing:
             missing.remove("lm_head.weight")
         wrong = [
@@ -130,15 +146,28 @@ class ModelRunner:
         if wrong:
             problems.append(f"shape mismatches {wrong[:5]}")
         if problems:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit the served model: " + "; ".join(problems)
-            )
-        return state
+            raise CheckpointError(f"{path} does not fit the served model: " + "; ".join(problems))
 
     @torch.no_grad()
     def apply_weights(self, state: dict[str, Tensor]) -> None:
-        """Copy a validated state dict into the live parameters (dtype converted)."""
+        """Copy a validated (possibly partial) state dict into the live parameters, dtype and
+        device converted. Tied embeddings share one tensor, so updating either name updates
+        both roles."""
         self.model.load_state_dict(state, strict=False)
+
+    def parameter(self, name: str) -> Tensor:
+        """A parameter or buffer by its state-dict name (tied aliases included).
+
+        Raises:
+            KeyError: no such name.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        if name in params:
+            return params[name]
+        return dict(self.model.named_buffers())[name]
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        return self._shapes.get(name)
 
 
 def pick_device(device: str = "auto") -> torch.device:

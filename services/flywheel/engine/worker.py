@@ -31,15 +31,15 @@ from flywheel.core.settings import EngineSettings
 from flywheel.engine.batcher import RunningBatch
 from flywheel.engine.metrics import EngineMetrics
 from flywheel.engine.protocol import RowSpec, SamplingParams
-from flywheel.engine.runner import CheckpointError, ModelRunner
+from flywheel.engine.runner import ModelRunner
 from flywheel.engine.scheduler import POLL_S, Control, WorkQueue
 from flywheel.engine.sequence import Job, Sequence
+from flywheel.engine.weights import WeightUpdater
 
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
 """Seconds a /health probe generation may take (SGLANG_HEALTH_CHECK_TIMEOUT)."""
-SUPPORTED_LOAD_FORMATS = (None, "auto", "safetensors")
 
 
 class EngineNotReady(PlatformError, RuntimeError):
@@ -67,7 +67,8 @@ class EngineWorker:
         self._work = WorkQueue()
         self._inflight: dict[str, Job] = {}
         self._lock = threading.Lock()
-        self._update_lock = threading.Lock()
+        self.weights = WeightUpdater(self)
+        """Disk and distributed weight updates, weight reads."""
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._rng = random.Random(settings.seed)
@@ -196,9 +197,9 @@ class EngineWorker:
     def set_weight_version(self, version: str) -> None:
         """Relabel the served weights between batches (SGLang /update_weight_version)."""
 
-        self._control(lambda: self._relabel(version))
+        self.control(lambda: self.relabel(version))
 
-    def _relabel(self, version: str) -> None:
+    def relabel(self, version: str) -> None:
         """Worker thread: new rows, and running rows from their next token, carry `version`."""
         self.weight_version = version
         self.metrics.set_weight_version(version)
@@ -206,18 +207,14 @@ class EngineWorker:
             seq.set_weight_version(version)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """A parameter as float32 nested lists, first `truncate_size` rows (SGLang, for tests).
+        """A parameter as float32 nested lists (see `WeightUpdater.get_by_name`).
 
         Raises:
             KeyError: no parameter has that name.
         """
-        runner = self.runner
-        if runner is None:
+        if self.runner is None:
             raise EngineNotReady("the engine is loading")
-        params = dict(runner.model.named_parameters())
-        if name not in params:
-            raise KeyError(name)
-        return self._control(lambda: params[name].detach().float().tolist()[:truncate_size])
+        return self.weights.get_by_name(name, truncate_size)
 
     @property
     def tokenizer(self) -> Any:
@@ -245,40 +242,10 @@ class EngineWorker:
         abort_all_requests: bool = False,
         load_format: str | None = None,
     ) -> tuple[bool, str]:
-        """Load a safetensors checkpoint into the live model between batches (blocking).
-
-        The checkpoint is read and validated first; on any mismatch nothing changes and
-        `(False, reason)` is returned. In-flight rows finish on the old weights.
-        """
-        if load_format not in SUPPORTED_LOAD_FORMATS:
-            return False, f"load_format {load_format!r} is not supported; use safetensors"
-        if self.status != "ready" or self.runner is None:
-            return False, f"the engine is {self.status}"
-        runner = self.runner
-        with self._update_lock:
-            t0 = time.perf_counter()
-            try:
-                state = runner.read_checkpoint(Path(model_path))
-            except CheckpointError as e:
-                self.metrics.weight_updates.labels("failed").inc()
-                return False, str(e)
-            if abort_all_requests:
-                self.abort("", abort_all=True)
-
-            def swap() -> None:
-                runner.apply_weights(state)
-                if weight_version is not None:
-                    self._relabel(weight_version)
-
-            self._control(swap, drain=True)
-            self.metrics.weight_updates.labels("ok").inc()
-            log.info(
-                "weights from %s loaded in %.2f s, version %s",
-                model_path,
-                time.perf_counter() - t0,
-                self.weight_version,
-            )
-        return True, "Succeeded to update model weights."
+        """Load a safetensors checkpoint into the live model (see `WeightUpdater.from_disk`)."""
+        return self.weights.from_disk(model_path, weight_version,
+                                      abort_all_requests=abort_all_requests,
+                                      load_format=load_format)
 
     def pause(self, mode: str = "abort") -> None:
         """SGLang /pause_generation: no decode step and no new row until `resume()`.
@@ -292,7 +259,7 @@ class EngineWorker:
         if mode == "abort":
             self.abort("", abort_all=True)
         self._work.paused.set()
-        self._control(lambda: None)
+        self.control(lambda: None)
 
     def resume(self) -> None:
         self._work.paused.clear()
@@ -301,7 +268,7 @@ class EngineWorker:
     def paused(self) -> bool:
         return self._work.paused.is_set()
 
-    def _control(self, fn: Callable[[], Any], *, drain: bool = False) -> Any:
+    def control(self, fn: Callable[[], Any], *, drain: bool = False) -> Any:
         """Run `fn` on the worker thread between decode steps and return its result."""
         if threading.current_thread() is self._thread:
             return fn()

@@ -1,0 +1,246 @@
+"""Weight updates of a running engine: from disk and over torch.distributed (SGLang's routes).
+
+* Disk (`/update_weights_from_disk`): the safetensors checkpoint is read and validated in the
+  caller's thread; the swap runs on the worker as a draining control.
+* Distributed (`/init_weights_update_group`, `/update_weights_from_distributed`,
+  `/destroy_weights_update_group`): the engine joins a process group as rank
+  `rank_offset` (the trainer is rank 0 and broadcasts). gloo on CPU, NCCL on CUDA. As in SGLang
+  0.5.21+, an update must run inside `/begin_weight_update` ... `/end_weight_update`.
+  Tensors are received into fresh buffers in the HTTP thread while the worker keeps decoding,
+  then validated (names and shapes; a partial update is allowed) and swapped in as a draining
+  control. A mismatch answers success false after the broadcast was consumed (so the trainer
+  never hangs) and leaves the served weights untouched.
+
+Every successful update relabels `weight_version` when one is given. There is no prefix cache
+in this engine (`cached_tokens` is always 0), so `flush_cache` has nothing to flush: no KV
+computed under old weights is ever reused by a later request.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from flywheel.engine.runner import CheckpointError
+
+if TYPE_CHECKING:
+    from flywheel.engine.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_LOAD_FORMATS = (None, "auto", "safetensors")
+GROUP_TIMEOUT_S = 600.0
+"""Seconds a rendezvous or a broadcast may wait for the other ranks."""
+
+
+@dataclass
+class _Group:
+    group: Any  # ProcessGroupGloo | ProcessGroupNCCL
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+class WeightUpdater:
+    """Weight-update operations of one engine; thread-safe; one update at a time."""
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+        self._lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}
+        self._session = False
+
+    # -- disk -------------------------------------------------------------------------------------
+
+    def from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> tuple[bool, str]:
+        """Load a safetensors checkpoint into the live model (blocking until swapped).
+
+        On any mismatch nothing changes and `(False, reason)` is returned. Rows in flight when
+        the call arrives finish on the old weights (unless the engine is paused in place).
+        """
+        if load_format not in SUPPORTED_LOAD_FORMATS:
+            return False, f"load_format {load_format!r} is not supported; use safetensors"
+        runner = self.worker.runner
+        if self.worker.status != "ready" or runner is None:
+            return False, f"the engine is {self.worker.status}"
+        with self._lock:
+            t0 = time.perf_counter()
+            try:
+                state = runner.read_checkpoint(Path(model_path))
+            except CheckpointError as e:
+                self.worker.metrics.weight_updates.labels("failed").inc()
+                return False, str(e)
+            self._swap(state, weight_version, abort_all_requests)
+            log.info("weights from %s loaded in %.2f s, version %s", model_path,
+                     time.perf_counter() - t0, self.worker.weight_version)
+        return True, "Succeeded to update model weights."
+
+    def _swap(self, state: dict[str, Tensor], version: str | None, abort_all: bool) -> None:
+        runner = self.worker.runner
+        assert runner is not None
+        if abort_all:
+            self.worker.abort("", abort_all=True)
+
+        def swap() -> None:
+            runner.apply_weights(state)
+            if version is not None:
+                self.worker.relabel(version)
+
+        self.worker.control(swap, drain=True)
+        self.worker.metrics.weight_updates.labels("ok").inc()
+
+    # -- session ----------------------------------------------------------------------------------
+
+    def begin(self, selector: str = "all") -> tuple[bool, str]:
+        """SGLang 0.5.21+ `/begin_weight_update`: one session at a time."""
+        if selector not in ("all", "target", "draft"):
+            return False, f"unknown selector {selector!r}"
+        with self._lock:
+            if self._session:
+                return False, "a weight update session is already open"
+            self._session = True
+        return True, "Weight update session started."
+
+    def end(self) -> tuple[bool, str]:
+        with self._lock:
+            if not self._session:
+                return False, "no weight update session is open"
+            self._session = False
+        return True, "Weight update session ended."
+
+    # -- distributed ------------------------------------------------------------------------------
+
+    def init_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> tuple[bool, str]:
+        """Join the trainer's process group as rank `rank_offset` (blocks until all joined).
+
+        backend "nccl" on a CPU engine falls back to gloo (nothing else can move CPU tensors).
+        """
+        runner = self.worker.runner
+        if runner is None:
+            return False, f"the engine is {self.worker.status}"
+        if group_name in self._groups:
+            return False, f"group {group_name!r} already exists; destroy it first"
+        if not 0 < rank_offset < world_size:
+            return False, f"rank_offset {rank_offset} must be in [1, world_size={world_size})"
+        device = runner.device
+        use_nccl = backend == "nccl" and device.type == "cuda"
+        try:
+            group = _new_group(master_address, master_port, rank_offset, world_size, group_name,
+                               use_nccl, device)
+        except Exception as e:  # rendezvous timeout, refused port, bad backend
+            log.warning("joining weight update group %s failed: %s", group_name, e)
+            return False, f"Failed to init process group: {type(e).__name__}: {e}"
+        self._groups[group_name] = _Group(group, rank_offset, world_size, device)
+        log.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank_offset,
+                 world_size, "nccl" if use_nccl else "gloo")
+        return True, "Succeeded to initialize custom process group."
+
+    def destroy_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            return False, f"no group named {group_name!r}"
+        shutdown = getattr(group.group, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception as e:  # a peer already gone; the group is dropped anyway
+                log.info("shutting down group %s: %s", group_name, e)
+        return True, "Succeeded to destroy custom process group."
+
+    def from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", *, weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> tuple[bool, str]:
+        """Receive `names` broadcast by rank 0 (in that order) and swap them in.
+
+        Returns `(False, reason)` without touching the served weights when no session is open,
+        the group is unknown, or a name/shape does not fit the model.
+        """
+        if not self._session:
+            return False, ("update_weights_from_distributed must run between "
+                           "begin_weight_update() and end_weight_update()")
+        group = self._groups.get(group_name)
+        if group is None:
+            return False, f"no weight update group named {group_name!r}; call init first"
+        if not len(names) == len(dtypes) == len(shapes):
+            return False, "names, dtypes and shapes must have the same length"
+        try:
+            types = [_dtype(d) for d in dtypes]
+        except ValueError as e:
+            return False, str(e)
+        runner = self.worker.runner
+        assert runner is not None
+        with self._lock:
+            t0 = time.perf_counter()
+            state: dict[str, Tensor] = {}
+            for name, dtype, shape in zip(names, types, shapes, strict=True):
+                buf = torch.empty(shape, dtype=dtype, device=group.device)
+                group.group.broadcast(buf, 0).wait()
+                state[name] = buf
+            try:
+                runner.validate(state, "distributed update", complete=False)
+            except CheckpointError as e:
+                self.worker.metrics.weight_updates.labels("failed").inc()
+                return False, str(e)
+            self._swap(state, weight_version, abort_all_requests)
+            log.info("%d tensors received over %s in %.2f s, version %s", len(state), group_name,
+                     time.perf_counter() - t0, self.worker.weight_version)
+        return True, "Succeeded to update parameter online."
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    def get_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """A parameter as float32 nested lists, first `truncate_size` rows (SGLang, for tests).
+        Tied aliases (lm_head.weight of a tied model) answer with the shared tensor.
+
+        Raises:
+            KeyError: no parameter has that name.
+        """
+        runner = self.worker.runner
+        if runner is None:
+            raise KeyError(name)
+        param = runner.parameter(name)
+        return self.worker.control(lambda: param.detach().float().cpu().tolist()[:truncate_size])
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+def _new_group(
+    host: str, port: int, rank: int, world_size: int, name: str, nccl: bool, device: torch.device
+) -> Any:
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    store = PrefixStore(name, TCPStore(host, port, world_size, False, timeout=timeout))
+    if nccl:
+        from torch.distributed import ProcessGroupNCCL
+
+        torch.cuda.set_device(device)
+        return ProcessGroupNCCL(store, rank, world_size)
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, world_size, timeout)

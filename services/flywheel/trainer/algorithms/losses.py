@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flywheel.trainer.algorithms.params import resolve
+
 LOG_RATIO_LIMIT = 20.0
 """|log ratio| is clamped to this before exp, so a far off-policy token cannot overflow."""
 
@@ -71,6 +73,8 @@ class LossNormalizer:
     """Loss tokens in the step batch (at least 1, so an all-masked batch gives loss 0)."""
     sequences: float
     """Sequences with at least one loss token in the step batch (at least 1)."""
+    constant_k: float = 1024.0
+    """k of `constant_normalizer` (a fixed per-trajectory denominator)."""
 
 
 def normalizer_for(loss_mask_BT: Tensor) -> LossNormalizer:
@@ -167,6 +171,228 @@ def gspo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
     return _clipped_surrogate(torch.exp(log_ratio_BT), log_ratio_BT, inputs, cfg)
 
 
+def _token_log_ratio(inputs: LossInputs) -> Tensor:
+    """(B, T) clamped log(pi / pi_old), exactly 0 off the mask (NaN there cannot leak)."""
+    mask_BT = inputs.loss_mask_BT.bool()
+    diff_BT = inputs.logprobs_BT - inputs.old_logprobs_BT
+    diff_BT = torch.where(mask_BT, diff_BT, torch.zeros_like(diff_BT))
+    return diff_BT.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def _ratio_stats(ratio_BT: Tensor, log_ratio_BT: Tensor) -> dict[str, Tensor]:
+    ratio = ratio_BT.detach()
+    return {"ratio/mean": ratio, "ratio/max": ratio, "ratio/min": ratio,
+            "kl/k3_rollout": (ratio - 1.0) - log_ratio_BT.detach()}
+
+
+def cispo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """CISPO: clip the importance-sampling weight, not the token update; every token keeps its
+    gradient.
+
+        r_t = exp(logp_t - logp_old_t)
+        l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t logp_t
+
+    "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention", MiniMax 2025,
+    arXiv:2506.13585, section 3.1 (eq. 4-5). Unlike PPO, a token whose ratio leaves the trust
+    region still contributes A * clip(r) * grad logp (no zero gradient), which keeps rare
+    "fork" tokens learning. The paper sets no lower bound in practice (eps_low large) and tunes
+    eps_high; use clip_eps_low / clip_eps_high (e.g. 1.0 / 0.28 here for no lower clip).
+    Shapes: all (B, T); exactly 0 off the mask.
+    """
+    mask_BT = inputs.loss_mask_BT.bool()
+    log_ratio_BT = _token_log_ratio(inputs)
+    ratio_BT = torch.exp(log_ratio_BT).detach()
+    weight_BT = ratio_BT.clamp(max(1.0 - cfg.eps_low, 0.0), 1.0 + cfg.eps_high)
+    logp_BT = torch.where(mask_BT, inputs.logprobs_BT, torch.zeros_like(inputs.logprobs_BT))
+    loss_BT = torch.where(mask_BT, -weight_BT * inputs.advantages_BT * logp_BT,
+                          torch.zeros_like(logp_BT))
+    clipped = (ratio_BT != weight_BT).float()
+    return LossOutputs(loss_BT, {"clip/frac": clipped} | _ratio_stats(ratio_BT, log_ratio_BT))
+
+
+@dataclass(frozen=True)
+class DHPOParams:
+    mixing: str = "mean"
+    """`mean` (w = 1/2) or `entropy` (w_t = H_t / max_t H: high-entropy tokens lean on the
+    token ratio, confident ones on the sequence ratio)."""
+    seq_eps_low: float = 3e-4
+    """Sequence-branch clip range (GSPO's, as the sequence ratio is a geometric mean)."""
+    seq_eps_high: float = 4e-4
+
+
+def dhpo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """DHPO: mix of the token (GRPO) and sequence (GSPO) clipped surrogates, each clipped in
+    its own trust region.
+
+        l_t = w_t ppo_clip_t(r_t; eps_low, eps_high)
+              + (1 - w_t) gspo_t(s; seq_eps_low, seq_eps_high)
+
+    "Dynamic Hybrid Policy Optimization" (DHPO, abstract in shared/reference): averaged mixing
+    (w = 1/2) or entropy-guided mixing (w_t = H_t / max over the sequence's loss tokens, needs
+    `entropy_BT`). Branch-specific clipping keeps an outlier in one branch from dominating.
+    w = 1 is ppo_clip, w = 0 is gspo. Shapes: all (B, T).
+    """
+    p = resolve(DHPOParams, cfg.params, "dhpo")
+    tok = ppo_clip(inputs, cfg)
+    seq = gspo(inputs, PPOClipConfig(p.seq_eps_low, p.seq_eps_high, cfg.dual_clip_c))
+    if p.mixing == "mean":
+        w_BT = torch.full_like(tok.token_loss_BT, 0.5)
+    elif p.mixing == "entropy":
+        if inputs.entropy_BT is None:
+            raise ValueError("dhpo with mixing='entropy' needs entropy_BT")
+        h_BT = torch.where(inputs.loss_mask_BT.bool(), inputs.entropy_BT.detach(), 0.0)
+        w_BT = h_BT / h_BT.max(dim=1, keepdim=True).values.clamp_min(1e-12)
+    else:
+        raise ValueError(f"dhpo.mixing must be 'mean' or 'entropy', got {p.mixing!r}")
+    loss_BT = w_BT * tok.token_loss_BT + (1 - w_BT) * seq.token_loss_BT
+    stats = tok.token_stats | {"dhpo/token_weight": w_BT.detach(),
+                               "clip/frac_seq": seq.token_stats["clip/frac"]}
+    return LossOutputs(loss_BT, stats)
+
+
+@dataclass(frozen=True)
+class ASPOParams:
+    soft_cap: float = 3.0
+    """Soft dual clip: the flipped weight of positive tokens is capped here (its value only;
+    the gradient through log p still flows)."""
+
+
+def aspo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """ASPO: asymmetric importance sampling; the IS ratio of positive-advantage tokens is
+    flipped, with a soft dual clip.
+
+        A_t < 0:  l_t = ppo_clip_t                                   (unchanged)
+        A_t > 0:  w_t = sg(min(1 / r_t, c));  l_t = -A_t w_t logp_t  if r_t <= 1 + eps_high
+                  0 (no gradient) otherwise, as PPO's clip
+
+    With the flip a positive token's gradient weight is pi_old / pi: tokens whose probability
+    is still low relative to the rollout get more update and already-boosted ones less, the
+    balance ASPO restores between positive and negative tokens. "Asymmetric Importance Sampling
+    Policy Optimization" (ASPO, abstract in shared/reference). c = 3 is this library's default.
+    """
+    p = resolve(ASPOParams, cfg.params, "aspo")
+    base = ppo_clip(inputs, cfg)
+    mask_BT = inputs.loss_mask_BT.bool()
+    log_ratio_BT = _token_log_ratio(inputs)
+    ratio_BT = torch.exp(log_ratio_BT).detach()
+    w_BT = (1.0 / ratio_BT).clamp(max=p.soft_cap)
+    adv_BT = inputs.advantages_BT
+    logp_BT = torch.where(mask_BT, inputs.logprobs_BT, torch.zeros_like(inputs.logprobs_BT))
+    inside_BT = ratio_BT <= 1.0 + cfg.eps_high
+    flipped_BT = torch.where(inside_BT, -adv_BT * w_BT * logp_BT, torch.zeros_like(logp_BT))
+    loss_BT = torch.where(mask_BT & (adv_BT > 0), flipped_BT, base.token_loss_BT)
+    return LossOutputs(loss_BT, base.token_stats | {"aspo/flipped_weight": w_BT})
+
+
+@dataclass(frozen=True)
+class CPPOParams:
+    eps_early: float = 0.1
+    """Clip range at the first response token (stricter)."""
+    eps_late: float = 0.3
+    """Clip range at the last response token (looser); linear in between."""
+    prefix_budget: float = 1.0
+    """Tokens whose cumulative prefix divergence sum_{s<t} |log r_s| exceeds this are masked."""
+
+
+def cppo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """CPPO: position-weighted clip thresholds and a cumulative prefix-divergence budget.
+
+        u_t   = (j_t - 1) / max(n - 1, 1)     (j_t = 1-based position among n loss tokens)
+        eps_t = eps_early + (eps_late - eps_early) u_t
+        D_t   = sum_{s < t, loss} |log r_s|   (detached)
+        l_t   = 1[D_t <= budget] max(-A r_t, -A clip(r_t, 1 - eps_t, 1 + eps_t))
+
+    "Cumulative Prefix-divergence Policy Optimization" (CPPO, abstract in shared/reference):
+    stricter limits early (their effect persists), and no further deviation once the prefix
+    has drifted past the budget. eps 0.1 -> 0.3 and budget 1 nat are this library's defaults;
+    eps_early = eps_late = 0.2 with an infinite budget is ppo_clip.
+    """
+    p = resolve(CPPOParams, cfg.params, "cppo")
+    mask_BT = inputs.loss_mask_BT.bool()
+    log_ratio_BT = _token_log_ratio(inputs)
+    ratio_BT = torch.exp(log_ratio_BT)
+    pos_BT = torch.cumsum(mask_BT.long(), dim=1)
+    n_B = mask_BT.sum(dim=1, keepdim=True)
+    u_BT = (pos_BT - 1).clamp_min(0).to(ratio_BT.dtype) / (n_B - 1).clamp_min(1)
+    eps_BT = (p.eps_early + (p.eps_late - p.eps_early) * u_BT).detach()
+    drift_BT = torch.cumsum(log_ratio_BT.detach().abs(), dim=1) - log_ratio_BT.detach().abs()
+    keep_BT = mask_BT & (drift_BT <= p.prefix_budget)
+    adv_BT = inputs.advantages_BT
+    clipped_BT = torch.minimum(torch.maximum(ratio_BT, 1 - eps_BT), 1 + eps_BT)
+    loss_BT = torch.maximum(-adv_BT * ratio_BT, -adv_BT * clipped_BT)
+    loss_BT = torch.where(keep_BT, loss_BT, torch.zeros_like(loss_BT))
+    with torch.no_grad():
+        r = ratio_BT.detach()
+        clip_BT = ((r < 1 - eps_BT) & (adv_BT < 0)) | ((r > 1 + eps_BT) & (adv_BT > 0))
+    stats = {"clip/frac": clip_BT.float(), "cppo/masked_frac": (mask_BT & ~keep_BT).float()}
+    return LossOutputs(loss_BT, stats | _ratio_stats(ratio_BT, log_ratio_BT))
+
+
+def prefix_ratio(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """Prefix importance ratio: the token ratio times the detached ratio of its prefix.
+
+        rho_t = sg(prod_{s < t} r_s) r_t = exp(sg(sum_{s<t} log r_s) + log r_t)
+        l_t   = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high))
+
+    The state distribution of token t under the current policy differs from the rollout's by
+    the prefix ratio; far off-policy (stale samples) the per-token ratio alone ignores that
+    (the off-policy correction paper, abstract in shared/reference). The cumulative log ratio
+    is clamped at the log-ratio limit. With r_s = 1 on the prefix it is ppo_clip.
+    """
+    mask_BT = inputs.loss_mask_BT.bool()
+    log_ratio_BT = _token_log_ratio(inputs)
+    prefix_BT = torch.cumsum(log_ratio_BT.detach(), dim=1) - log_ratio_BT.detach()
+    log_rho_BT = (prefix_BT + log_ratio_BT).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    out = _clipped_surrogate(torch.exp(log_rho_BT), log_rho_BT, inputs, cfg)
+    stats = out.token_stats | {"prefix/log_ratio_mean": torch.where(mask_BT, prefix_BT, 0.0)}
+    return LossOutputs(out.token_loss_BT, stats)
+
+
+def wapo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """WAPO: the clipped surrogate on positive-advantage completions only.
+
+        l_t = ppo_clip_t  if A_t > 0  else 0
+
+    "Winner Advantage Policy Optimization" (WAPO, abstract in shared/reference; code
+    github.com/layer6ai-labs/wapo): negative-advantage updates are the unstable quadrant of
+    its token-gradient taxonomy, so losers only serve as the baseline. Dropped tokens still
+    count in the step normalizer.
+    """
+    base = ppo_clip(inputs, cfg)
+    winners_BT = inputs.loss_mask_BT.bool() & (inputs.advantages_BT > 0)
+    loss_BT = torch.where(winners_BT, base.token_loss_BT, torch.zeros_like(base.token_loss_BT))
+    return LossOutputs(loss_BT, base.token_stats | {"wapo/kept_frac": winners_BT.float()})
+
+
+def seq_elbo_ratio(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
+    """ESPO's sequence-level ratio with per-token normalization, as one sequence action.
+
+        log s_b = (1 / L_b) (ELBO_theta(y_b) - ELBO_old(y_b))     (per-token normalization)
+        l_b     = max(-A_b s_b, -A_b clip(s_b, 1 - eps_low, 1 + eps_high))
+        l_bt    = l_b on every loss token of b (so any token-mean-per-sequence aggregation
+                  gives l_b; use `seq_mean_token_mean`)
+
+    "ESPO: ELBO-based Sequence-level Policy Optimization" (abstract in shared/reference) for
+    diffusion LLMs; for an autoregressive model the ELBO is the exact log-likelihood
+    sum_t logp_t, so this is the sequence form (gradient through s_b itself) of GSPO.
+    A_b is the sequence's mean token advantage. Use GSPO-like tiny clip ranges.
+    """
+    mask_BT = inputs.loss_mask_BT.bool()
+    log_ratio_BT = _token_log_ratio(inputs)
+    n_B = mask_BT.sum(dim=1).clamp_min(1).to(log_ratio_BT.dtype)
+    log_s_B = (log_ratio_BT.sum(dim=1) / n_B).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    s_B = torch.exp(log_s_B)
+    adv_B = torch.where(mask_BT, inputs.advantages_BT, 0.0).sum(dim=1) / n_B
+    seq_loss_B = torch.maximum(-adv_B * s_B,
+                               -adv_B * s_B.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
+    loss_BT = torch.where(mask_BT, seq_loss_B[:, None].expand_as(log_ratio_BT),
+                          torch.zeros_like(log_ratio_BT))
+    s_BT = s_B.detach()[:, None].expand_as(log_ratio_BT)
+    clip_BT = ((s_BT < 1 - cfg.eps_low) | (s_BT > 1 + cfg.eps_high)).float()
+    return LossOutputs(loss_BT, {"clip/frac": clip_BT} | _ratio_stats(s_BT, log_s_B.detach()[
+        :, None].expand_as(log_ratio_BT)))
+
+
 def _masked(token_loss_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
     return torch.where(loss_mask_BT.bool(), token_loss_BT, torch.zeros_like(token_loss_BT))
 
@@ -190,6 +416,19 @@ def seq_mean_token_mean(
     return per_seq_B.sum() / norm.sequences
 
 
+def constant_normalizer(
+    token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer
+) -> Tensor:
+    """sum_{b,t} m_bt l_bt / (k N_sequences): each trajectory's token sum over a constant k.
+
+    AsyncWebRL (abstract in shared/reference): the per-trajectory 1/|tau_i| of multi-step GRPO
+    down-weights the negative gradient of (longer) failed trajectories; a constant 1/k removes
+    that coupling. k = `norm.constant_k` (default 1024, a generation budget); k only rescales
+    the gradient relative to `seq_mean_token_sum`.
+    """
+    return _masked(token_loss_BT, loss_mask_BT).sum() / (norm.sequences * norm.constant_k)
+
+
 def seq_mean_token_sum(
     token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer
 ) -> Tensor:
@@ -205,12 +444,23 @@ def seq_mean_token_sum(
 PolicyLossFn = Callable[[LossInputs, PPOClipConfig], LossOutputs]
 AggregationFn = Callable[[Tensor, Tensor, LossNormalizer], Tensor]
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip, "gspo": gspo}
+POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    "ppo_clip": ppo_clip,
+    "gspo": gspo,
+    "cispo": cispo,
+    "dhpo": dhpo,
+    "aspo": aspo,
+    "cppo": cppo,
+    "prefix_ratio": prefix_ratio,
+    "wapo": wapo,
+    "seq_elbo_ratio": seq_elbo_ratio,
+}
 """Policy losses by `TrainerSettings.policy_loss`."""
 
 AGGREGATIONS: dict[str, AggregationFn] = {
     "token_mean": token_mean,
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
+    "constant_normalizer": constant_normalizer,
 }
 """Aggregations by `TrainerSettings.loss_aggregation`."""

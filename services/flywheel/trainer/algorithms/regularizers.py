@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flywheel.trainer.algorithms.context import TokenContext, require
+from flywheel.trainer.algorithms.context import TokenContext, masked_quantile, require
 from flywheel.trainer.algorithms.losses import LOG_RATIO_LIMIT
 from flywheel.trainer.algorithms.params import resolve
 
@@ -177,6 +177,81 @@ def grsp(ctx: TokenContext, p: GRSPParams) -> Tensor:
     return -adv_BT * logp_BT
 
 
+@dataclass(frozen=True)
+class SimKOParams:
+    top_k: int = 3
+    """K candidates boosted on correct responses."""
+    alpha: float = 0.1
+    """Share of a positive token's update moved to the mean of its top-K candidates."""
+    top1_penalty: float = 1.1
+    """lambda: a wrong response's top-1 token is pushed down lambda times as hard."""
+    entropy_frac: float = 0.2
+    """Applied at the top fraction of tokens by entropy (SimKO acts at forking tokens)."""
+
+
+def simko(ctx: TokenContext, p: SimKOParams) -> Tensor:
+    """SimKO (simple pass@K optimization), as a term beside the policy loss.
+
+        high-entropy token, A_t > 0:  l_t = -A_t alpha (mean_{k <= K} log pi_k - log pi(y_t))
+        high-entropy token, A_t < 0 and y_t is the top-1 candidate:
+                                      l_t = -A_t (lambda - 1) log pi(y_t)
+
+    Added to the policy loss (whose on-policy gradient is -A grad log pi(y_t)) it moves a share
+    alpha of a correct token's push onto its top-K alternatives, and penalizes an incorrect
+    response's top-1 choice lambda times as hard: the asymmetry SimKO uses against probability
+    over-concentration ("SimKO: Simple Pass@K Optimization", abstract in shared/reference).
+    Needs `topk_logprobs_BTK` with grad (a full-vocabulary head pass) and entropy; the paper's
+    K, alpha, lambda are not in the abstract: 3, 0.1, 1.1, top 20% entropy are this library's.
+    """
+    logp_BT = require(ctx, "logprobs_BT", "simko")
+    topk_BTK = require(ctx, "topk_logprobs_BTK", "simko")[..., : p.top_k]
+    entropy_BT = require(ctx, "entropy_BT", "simko")
+    mask_BT = ctx.loss_mask_BT.bool()
+    tau = masked_quantile(entropy_BT, mask_BT, 1.0 - p.entropy_frac)
+    fork_BT = mask_BT & (entropy_BT >= tau)
+    adv_BT = ctx.advantages_BT
+    boost_BT = -adv_BT * p.alpha * (topk_BTK.mean(dim=-1) - logp_BT)
+    top1_BT = (logp_BT.detach() - topk_BTK[..., 0].detach()).abs() < 1e-6
+    penalty_BT = -adv_BT * (p.top1_penalty - 1) * logp_BT
+    term_BT = torch.where(fork_BT & (adv_BT > 0), boost_BT, torch.zeros_like(logp_BT))
+    return torch.where(fork_BT & (adv_BT < 0) & top1_BT, penalty_BT, term_BT)
+
+
+@dataclass(frozen=True)
+class LpRegParams:
+    noise_ratio: float = 0.02
+    """kappa: candidates with pi < kappa max pi are noise, removed from the proxy."""
+    low_prob: float = 0.1
+    """Sampled tokens below this probability are the protected "sparks"."""
+
+
+def lp_reg(ctx: TokenContext, p: LpRegParams) -> Tensor:
+    """Lp-Reg: KL toward a filtered, renormalized proxy that protects low-probability sparks.
+
+        proxy_k = pi_k 1[pi_k >= kappa max pi] / Z          over the top-K candidates (detached)
+        l_t     = 1[A_t < 0, pi(y_t) < delta, pi(y_t) >= kappa max pi]
+                  sum_k proxy_k (log proxy_k - log pi_k)      = KL(proxy || pi)
+
+    On negative samples a low-probability but non-noise token (a "reasoning spark") is pulled
+    back toward the proxy, where its probability is amplified by the renormalization, instead
+    of being extinguished ("Low-probability Tokens Sustain Exploration in RLVR", Lp-Reg,
+    abstract in shared/reference). Needs `topk_logprobs_BTK` with grad. kappa = 0.02 and
+    delta = 0.1 are this library's defaults (the abstract gives none).
+    """
+    logp_BT = require(ctx, "logprobs_BT", "lp_reg")
+    topk_BTK = require(ctx, "topk_logprobs_BTK", "lp_reg")
+    probs_BTK = topk_BTK.detach().exp()
+    keep_BTK = probs_BTK >= p.noise_ratio * probs_BTK[..., :1]
+    proxy_BTK = torch.where(keep_BTK, probs_BTK, 0.0)
+    proxy_BTK = proxy_BTK / proxy_BTK.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    log_proxy_BTK = torch.where(keep_BTK, proxy_BTK.clamp_min(1e-30).log(), 0.0)
+    kl_BT = (proxy_BTK * (log_proxy_BTK - torch.where(keep_BTK, topk_BTK, 0.0))).sum(dim=-1)
+    p_t = logp_BT.detach().exp()
+    spark_BT = ctx.loss_mask_BT.bool() & (ctx.advantages_BT < 0) & (p_t < p.low_prob) & (
+        p_t >= p.noise_ratio * probs_BTK[..., 0])
+    return torch.where(spark_BT, kl_BT, torch.zeros_like(kl_BT))
+
+
 KLEstimatorFn = Callable[[Tensor, Tensor], Tensor]
 
 KL_ESTIMATORS: dict[str, KLEstimatorFn] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
@@ -195,6 +270,8 @@ TERMS: dict[str, TermFn] = {
     "distill_fkl": distill_fkl,
     "distill_mixed": distill_mixed,
     "grsp": grsp,
+    "simko": simko,
+    "lp_reg": lp_reg,
 }
 """Regularizer terms selected by `TrainerSettings.regularizers` (with the KL estimators):
 `(TokenContext, params) -> (B, T)`, added to the token loss times their coefficient."""
@@ -203,6 +280,7 @@ TERM_PARAMS: dict[str, type] = {
     "k1": NoParams, "k2": NoParams, "k3": NoParams,
     "entropy_bonus_sampled": NoParams, "entropy_min": NoParams, "distill_rkl": NoParams,
     "distill_fkl": NoParams, "distill_mixed": MixedKLParams, "grsp": GRSPParams,
+    "simko": SimKOParams, "lp_reg": LpRegParams,
 }
 
 

@@ -414,6 +414,38 @@ def delta_logp(ctx: TokenContext, p: DeltaLogpParams) -> WeightOutputs:
     return _apply(ctx, w_BT / mean, "delta_logp")
 
 
+# --- balanced (BA aggregation) -----------------------------------------------------------
+
+
+def balanced(ctx: TokenContext, p: NoParams) -> WeightOutputs:
+    """Balanced aggregation (BA): the token means of the positive and negative subsets, then
+    their average, as token weights for `token_mean`.
+
+        w_t = N / (2 N_+) for A_t > 0,   N / (2 N_-) for A_t < 0,   1 for A_t = 0
+
+    With `token_mean` (sum / N over the step's N loss tokens) the loss becomes
+    (1/2) sum_{+} l / N_+ + (1/2) sum_{-} l / N_- (+ zero-advantage terms / N): positive and
+    negative tokens weigh the same in total whatever their counts (long failed answers no longer
+    dominate). Computed on the whole step batch, so gradient accumulation is exact. A step
+    without negative (or positive) tokens gets weight N / (2 N_+) on the positive ones only.
+    """
+    mask_BT = ctx.loss_mask_BT.bool()
+    n = float(mask_BT.sum())
+    pos_BT, neg_BT = mask_BT & (ctx.advantages_BT > 0), mask_BT & (ctx.advantages_BT < 0)
+    n_pos, n_neg = float(pos_BT.sum()), float(neg_BT.sum())
+    w_BT = torch.ones(mask_BT.shape, dtype=torch.float64)
+    if n_pos:
+        w_BT = torch.where(pos_BT, n / (2 * n_pos), w_BT)
+    if n_neg:
+        w_BT = torch.where(neg_BT, n / (2 * n_neg), w_BT)
+    return _apply(ctx, w_BT, "balanced", pos_tokens=n_pos, neg_tokens=n_neg)
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """A part without hyperparameters."""
+
+
 # --- registry ----------------------------------------------------------------------------
 
 WeightFn = Callable[[TokenContext, Any], WeightOutputs]
@@ -429,6 +461,7 @@ WEIGHT_PARAMS: dict[str, type] = {
     "nat": NatParams,
     "prefix_focus": PrefixFocusParams,
     "delta_logp": DeltaLogpParams,
+    "balanced": NoParams,
 }
 
 WEIGHTS: dict[str, WeightFn] = {
@@ -442,6 +475,7 @@ WEIGHTS: dict[str, WeightFn] = {
     "nat": nat,
     "prefix_focus": prefix_focus,
     "delta_logp": delta_logp,
+    "balanced": balanced,
 }
 """Token weight parts by name (`TrainerSettings.token_weights`, applied in order)."""
 

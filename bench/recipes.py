@@ -4,8 +4,12 @@
         --steps 8 --out runs/recipes
 
 For each recipe (a TOML config file, `flywheel demo --config` format) a fresh local stack
-starts, the demo runs `--steps` trainer steps of `--problems-per-step` x `--group-size`
-rollouts with `--seed`, and held-out greedy accuracy is measured before and after. Writes
+starts (on its own port range, `--port-base`, so other stacks on the machine cannot collide),
+the demo runs `--steps` trainer steps of `--problems-per-step` x `--group-size` rollouts with
+`--seed`, and held-out greedy accuracy is measured after training. Held-out accuracy before
+training is the same for every recipe (same initial weights, greedy decoding), so it is
+measured once, on the first recipe's stack, and reused (`--eval-before-each` measures it for
+every recipe). Writes
 `OUT/<recipe>/` (the demo's files), `OUT/reward_curves.png` (every recipe's per-step mean
 reward on one plot) and `OUT/summary.json`, and prints a table of final held-out accuracy and
 wall-clock per recipe. Recipes run one after another on the same machine; wall-clock includes
@@ -25,10 +29,39 @@ from flywheel.demo.runner import DemoConfig, DemoRunner
 from flywheel.stack import Stack
 
 
-def run_recipe(recipe: Path, out: Path, cfg: DemoConfig) -> dict[str, float]:
+class _Runner(DemoRunner):
+    """The demo runner, with the before-training evaluation taken from `eval_before` when
+    given (its first `evaluate` call)."""
+
+    def __init__(self, *args, eval_before: float | None = None, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self._eval_before = eval_before
+
+    def evaluate(self) -> float:
+        if self._eval_before is not None:
+            value, self._eval_before = self._eval_before, None
+            return value
+        return super().evaluate()
+
+
+def _ports(settings, base: int) -> None:  # noqa: ANN001
+    settings.redis.port = base
+    settings.engine.port = base + 1
+    settings.gateway.port = base + 2
+    settings.reward.port = base + 3
+    settings.reward.metrics_port = 0
+    settings.teacher.port = base + 4
+    settings.teacher.metrics_port = 0
+    settings.teacher.engine_port = base + 5
+    settings.trainer.port = base + 6
+
+
+def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
+               eval_before: float | None = None) -> dict[str, float]:
     """One recipe on a fresh stack; returns the demo summary plus `wall_s`."""
     started = time.monotonic()
     settings = load_settings(recipe)
+    _ports(settings, port_base)
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
@@ -39,7 +72,8 @@ def run_recipe(recipe: Path, out: Path, cfg: DemoConfig) -> dict[str, float]:
     settings.trainer.seed = cfg.seed
     with Stack(settings, config_file=str(recipe)) as stack:
         urls = {s.name: s.url for s in stack.services}
-        summary = DemoRunner(urls["gateway"], urls["engine"], cfg, out).run(started_at=started)
+        runner = _Runner(urls["gateway"], urls["engine"], cfg, out, eval_before=eval_before)
+        summary = runner.run(started_at=started)
     shutil.rmtree(stack_dir / "checkpoints", ignore_errors=True)
     return summary | {"wall_s": time.monotonic() - started}
 
@@ -87,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/recipes"))
+    parser.add_argument("--port-base", type=int, default=41000,
+                        help="first port of the stacks (each recipe uses 7 from base + 10 i)")
+    parser.add_argument("--eval-before-each", action="store_true",
+                        help="measure held-out accuracy before training for every recipe")
     args = parser.parse_args(argv)
     for recipe in args.recipes:
         load_settings(recipe)  # fail before any stack starts
@@ -95,11 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}
     curves: dict[str, list[float]] = {}
-    for recipe in args.recipes:
+    eval_before: float | None = None
+    for i, recipe in enumerate(args.recipes):
         name = recipe.stem
         print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} problems x "
               f"{args.group_size} samples, seed {args.seed}", flush=True)
-        summary = run_recipe(recipe, args.out / name, cfg)
+        summary = run_recipe(recipe, args.out / name, cfg, args.port_base + 10 * i,
+                             None if args.eval_before_each else eval_before)
+        eval_before = summary["eval_before"]
         curves[name] = read_curve(args.out / name)
         half = max(len(curves[name]) // 2, 1)
         results[name] = summary | {
@@ -113,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(curves, args.out / "reward_curves.png")
     print(f"budget: {args.steps} steps x {args.problems_per_step} problems x {args.group_size} "
           f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
-          f"reward over the first / last {max(args.steps // 2, 1)} steps")
+          f"reward over the first / last {max(args.steps // 2, 1)} steps; eval = greedy "
+          f"accuracy on the 30 held-out problems"
+          + ("" if args.eval_before_each else " (eval_before measured once, shared)"))
     print(table(results))
     print(f"wrote {args.out / 'reward_curves.png'} and {args.out / 'summary.json'}")
     return 0

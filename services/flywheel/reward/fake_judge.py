@@ -17,6 +17,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 256   # many concurrent votes connect at once
+    daemon_threads = True
+
+
 class FakeJudge:
     """Start serving on construction; `url` is the /v1 root; `close()` stops it."""
 
@@ -27,6 +32,8 @@ class FakeJudge:
         judge = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, like a real server
+
             def log_message(self, *args):  # quiet
                 pass
 
@@ -61,7 +68,7 @@ class FakeJudge:
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout)
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = _Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

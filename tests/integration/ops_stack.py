@@ -1,10 +1,10 @@
 """A whole local stack on the tiny model that has trained one step, for the operator's views
 (`flywheel status`, the gateway's /dashboard).
 
-Real Redis, engine, gateway, reward and trainer processes (flywheel.stack.Stack). Two episodes of
-one group go through the gateway with outcome rewards 0 and 1 (so the group has a reward
-spread); the reward service scores them, the trainer takes one GRPO step on them, checkpoints
-it and pushes it to the engine (weight version 1). Use it from a test module with
+Real Redis, engine, gateway, reward and trainer processes (flywheel.stack.Stack). Three groups
+of two episodes go through the gateway with outcome rewards 0 and 1 (so the group has a reward
+spread); the reward service scores them, the trainer takes one GRPO step per group, checkpoints
+each and pushes it to the engine (weight version 3 at the end). Use it from a test module with
 `from ops_stack import ops_stack  # noqa: F401`.
 """
 
@@ -23,6 +23,8 @@ from flywheel.core.settings import FlywheelSettings, load_settings
 from flywheel.stack import Stack
 
 GROUP_SIZE = 2
+STEPS = 3
+"""Groups sent = trainer steps taken (one group per step), so the curves have 3 points."""
 
 
 @dataclass
@@ -33,8 +35,13 @@ class OpsStack:
     metrics_path: Path
 
 
-def _episode(gateway: str, content: str, outcome: float) -> str:
-    s = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "ops-g1",
+_RUNNING: list[OpsStack] = []
+"""The stack, once started: each test module that imports the fixture gets its own (session)
+fixture definition, and all of them share this one stack."""
+
+
+def _episode(gateway: str, group: str, content: str, outcome: float) -> str:
+    s = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group,
                                                   "task": {"answer": 8}}).json()
     r = httpx.post(f"{s['base_url']}/chat/completions", timeout=120, json={
         "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 1.0,
@@ -47,6 +54,9 @@ def _episode(gateway: str, content: str, outcome: float) -> str:
 
 @pytest.fixture(scope="session")
 def ops_stack(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[OpsStack]:
+    if _RUNNING:
+        yield _RUNNING[0]
+        return
     state = tmp_path_factory.mktemp("ops_state")
     metrics_path = state / "trainer_metrics.jsonl"
     settings = load_settings(
@@ -63,14 +73,20 @@ def ops_stack(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[OpsSta
     )
     with Stack(settings, echo=lambda _: None) as running:
         urls = {s.name: s.url for s in running.services}
-        for i in range(GROUP_SIZE):
-            _episode(urls["gateway"], f"What is 7 + 1? ({i})", outcome=float(i % 2))
+        for step in range(STEPS):
+            for i in range(GROUP_SIZE):
+                _episode(urls["gateway"], f"ops-g{step}", f"What is 7 + {step}? ({i})",
+                         outcome=float(i % 2))
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             status = httpx.get(f"{urls['trainer']}/status").json()
-            if status["step"] >= 1:
+            if status["step"] >= STEPS:
                 break
             time.sleep(0.5)
-        assert status["step"] >= 1, status
-        assert json.loads(metrics_path.read_text().splitlines()[-1])["step"] == 1
-        yield OpsStack(settings, urls, state, metrics_path)
+        assert status["step"] == STEPS, status
+        assert json.loads(metrics_path.read_text().splitlines()[-1])["step"] == STEPS
+        _RUNNING.append(OpsStack(settings, urls, state, metrics_path))
+        try:
+            yield _RUNNING[0]
+        finally:
+            _RUNNING.clear()

@@ -1,4 +1,4 @@
-"""`flywheel status` against a real running stack (tiny model, one committed trainer step).
+"""`flywheel status` against a real running stack (tiny model, three committed trainer steps).
 
 Checks what an operator reads off the screen: every service healthy, each stream's length and
 each consumer group's lag and pending count (matching XINFO GROUPS arithmetic), the dead-letter
@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from ops_stack import ops_stack  # noqa: F401  (session fixture)
+from ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 from flywheel.core.redis_client import connect
 from flywheel.status import StreamStatsCollector, collect_status, stream_stats
@@ -49,7 +49,7 @@ def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # 
         assert report["redis"]["ok"] and "***" not in report["redis"]["url"]  # no password here
         streams = {x["name"]: x for x in report["streams"]}
         length = client.xlen(rollouts)
-        assert streams["rollouts"]["length"] == length == 2  # two finished episodes
+        assert streams["rollouts"]["length"] == length == STEPS * GROUP_SIZE  # episodes
         groups = {g["group"]: g for g in streams["rollouts"]["groups"]}
         # reward consumed and acked both; audit was created at 0 and read nothing.
         assert (groups["reward"]["lag"], groups["reward"]["pending"]) == (0, 0)
@@ -57,17 +57,17 @@ def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # 
         train_groups = {g["group"]: g for g in streams["train"]["groups"]}
         assert train_groups["trainer"]["lag"] == 0
         assert report["dead_letters"] == 1
-        # The engine serves the checkpoint of step 1 (weight version "1"), as does the trainer.
-        assert list(report["engines"].values()) == ["1"]
+        # The engine serves the last step's checkpoint (weight version "3"), the trainer's.
+        assert list(report["engines"].values()) == [str(STEPS)]
         trainer = report["trainer"]
-        assert trainer["step"] == 1 and trainer["weight_version"] == "1"
+        assert trainer["step"] == STEPS and trainer["weight_version"] == str(STEPS)
         last = json.loads(s.metrics_path.read_text().splitlines()[-1])
         assert trainer["last_metrics"]["reward/mean"] == pytest.approx(last["reward/mean"])
 
         screen = _cli_status(s)
         assert screen.returncode == 0
-        for text in ("ops:rollouts", "audit", "dead letters: 1", "trainer: step 1",
-                     "weight version 1", s.urls["engine"]):
+        for text in ("ops:rollouts", "audit", "dead letters: 1", f"trainer: step {STEPS}",
+                     f"weight version {STEPS}", s.urls["engine"]):
             assert text in screen.stdout, (text, screen.stdout)
     finally:
         client.xgroup_destroy(rollouts, "audit")

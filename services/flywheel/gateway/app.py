@@ -23,6 +23,7 @@ from flywheel.core import http_errors
 from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
 from flywheel.core.settings import GatewaySettings
 from flywheel.gateway import turns
+from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
 from flywheel.gateway.schemas import (
@@ -80,6 +81,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     http_errors.install(app)
     app.state.deps = deps
     install_security(app, deps)  # API keys, roles, session scoping, limits
+    install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

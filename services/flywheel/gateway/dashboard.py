@@ -1,0 +1,306 @@
+"""The gateway's web dashboard at /dashboard (admin only): live reward, loss and KL curves, the
+recent Samples with their tokens colored by loss mask and advantage, judge verdicts and hints.
+
+Plain HTML + one JS file (gateway/static/), fed by JSON endpoints:
+
+- `GET /dashboard/api/curves?since=N`: per-step series from the trainer's metrics JSONL
+  (`trainer.metrics_path`, shared with the gateway on the same machine or volume).
+- `GET /dashboard/api/samples?limit=N`: the newest scored Samples (the trainer's input stream;
+  the rollouts stream when nothing was scored yet), decoded token by token.
+- `GET /dashboard/api/streams`: length, lag and pending of every stream and consumer group.
+
+Access: the security middleware lets only admin keys reach /dashboard*. Browsers cannot send a
+bearer header on navigation, so an outer middleware (`DashboardLogin`) answers a 401 on the page
+with a small key form, stores the key from `POST /dashboard/login` in an HttpOnly, SameSite=Strict
+cookie scoped to /dashboard, and turns that cookie back into `Authorization: Bearer` for
+/dashboard requests. With authentication off (a loopback gateway with no keys) the page opens
+directly. `install()` also registers the stream gauges (flywheel.status.StreamStatsCollector) on
+the gateway's /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from http.cookies import SimpleCookie
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, FastAPI, Query
+from fastapi.responses import HTMLResponse, Response
+from prometheus_client import REGISTRY
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
+from flywheel.core.streams import FIELD
+from flywheel.gateway.security import require_role
+from flywheel.status import StreamStatsCollector, stream_stats
+
+log = logging.getLogger(__name__)
+
+COOKIE = "flywheel_dashboard_key"
+CURVE_PREFIXES = ("reward/mean", "reward/std", "loss/", "kl/", "entropy/mean")
+"""Trainer metrics (JSONL keys) the curves endpoint returns."""
+CONTEXT_TOKENS = 48
+"""Context tokens shown before a Sample's first sampled token."""
+MAX_TOKENS = 1024
+"""Tokens shown per Sample (the rest are counted in `omitted`)."""
+STD_FLOOR = 1e-3
+"""Group reward std below this is treated as 0 (advantages 0), as the trainer does."""
+
+_collector: StreamStatsCollector | None = None
+
+
+# ---------------------------------------------------------------- data
+
+
+def group_advantages(groups: Sequence[str], rewards: Sequence[float | None]) -> list[float | None]:
+    """GRPO advantages of the Samples shown, for coloring: A_i = (r_i - mean_g) / std_g over the
+    Samples of the same group that have a reward (population std; 0 when std < STD_FLOOR or the
+    group has one member; None without a reward). Shao et al. 2024 (DeepSeekMath), eq. 3.
+
+    Example: rewards (1, 0) in one group: mean 0.5, std 0.5 -> A = (1, -1).
+    """
+    by_group: dict[str, list[float]] = defaultdict(list)
+    for g, r in zip(groups, rewards, strict=True):
+        if r is not None:
+            by_group[g].append(r)
+    out: list[float | None] = []
+    for g, r in zip(groups, rewards, strict=True):
+        values = by_group[g]
+        if r is None:
+            out.append(None)
+            continue
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        out.append(0.0 if std < STD_FLOOR else (r - mean) / std)
+    return out
+
+
+def read_curves(path: Path | None, since: int = 0, max_lines: int = 5000) -> dict[str, Any]:
+    """Per-step series from the trainer's JSONL (steps > `since`; skipped steps left out).
+
+    Returns: {"steps": [int], "series": {metric: [float | None]}, "source": str}.
+    """
+    if path is None or not path.is_file():
+        return {"steps": [], "series": {}, "source": str(path or ""), "missing": True}
+    with path.open() as f:
+        lines = deque(f, maxlen=max_lines)
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+        if row.get("step", 0) > since and not row.get("skip_reason"):
+            rows.append(row)
+    keys = sorted({k for row in rows for k, v in row.items()
+                   if k.startswith(CURVE_PREFIXES) and isinstance(v, int | float)})
+    series = {k: [_num(row.get(k)) for row in rows] for k in keys}
+    return {"steps": [row["step"] for row in rows], "series": series, "source": str(path)}
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+class DashboardData:
+    """Reads what the dashboard shows. `decode(ids)` = one text piece per token id."""
+
+    def __init__(self, client: Any, streams: StreamSettings, metrics_path: Path | None,
+                 decode: Callable[[list[int]], list[str]]):
+        self.client = client
+        self.streams = streams
+        self.metrics_path = metrics_path
+        self.decode = decode
+
+    def samples(self, limit: int) -> dict[str, Any]:
+        source = self.streams.key("train")
+        entries = self.client.xrevrange(source, count=max(limit * 4, 32))
+        if not entries:
+            source = self.streams.key("rollouts")
+            entries = self.client.xrevrange(source, count=max(limit * 4, 32))
+        samples = []
+        for entry_id, fields in entries:
+            try:
+                samples.append((entry_id, decode_sample(fields[FIELD])))
+            except Exception as exc:  # a poison entry must not break the page
+                log.warning("dashboard: undecodable entry %s in %s: %s", entry_id, source, exc)
+        rewards = [s.reward if s.has_reward else None for _, s in samples]
+        advantages = group_advantages([s.group_id or s.sample_id for _, s in samples], rewards)
+        shown = [self._sample_json(e, s, a)
+                 for (e, s), a in zip(samples, advantages, strict=True)][:limit]
+        return {"source": source, "samples": shown}
+
+    def _sample_json(self, entry_id: Any, s: Any, advantage: float | None) -> dict[str, Any]:
+        ids, mask = list(s.token_ids), list(s.loss_mask)
+        first = next((i for i, m in enumerate(mask) if m), len(ids))
+        start = max(0, first - CONTEXT_TOKENS)
+        end = min(len(ids), start + MAX_TOKENS)
+        pieces = self.decode(ids[start:end])
+        versions = [v for v in s.weight_versions if v >= 0]
+        return {
+            "entry_id": entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id),
+            "sample_id": s.sample_id, "session_id": s.session_id, "group_id": s.group_id,
+            "created_at": s.created_at, "finish_reason": s.finish_reason,
+            "reward": s.reward if s.has_reward else None, "rewards": dict(s.rewards),
+            "advantage": advantage, "error": s.error, "hint": s.hint,
+            "teacher_status": s.teacher_status,
+            "votes": [{"judge": v.judge, "value": v.value if v.has_value else None,
+                       "explanation": v.explanation} for v in s.votes],
+            "weight_version": max(versions) if versions else None,
+            "tokens": [[p, m] for p, m in zip(pieces, mask[start:end], strict=True)],
+            "omitted_before": start, "omitted_after": len(ids) - end,
+        }
+
+    def stream_table(self) -> dict[str, Any]:
+        return {"streams": [{"name": st.name, "key": st.key, "length": st.length,
+                             "groups": [g.__dict__ for g in st.groups]}
+                            for st in stream_stats(self.client, self.streams)]}
+
+
+# ---------------------------------------------------------------- login bridge
+
+
+LOGIN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>Flywheel dashboard</title>
+<style>body{font:15px system-ui,sans-serif;margin:4em auto;max-width:28em}input{width:100%;
+padding:.5em;margin:.5em 0}</style></head><body><h1>Flywheel dashboard</h1>
+<p>This gateway requires an <b>admin</b> API key.</p>
+<form method="post" action="/dashboard/login"><input type="password" name="key"
+placeholder="fwk-..." autofocus><button type="submit">Open the dashboard</button></form>
+</body></html>"""
+
+
+class DashboardLogin:
+    """ASGI middleware outside the security middleware, for /dashboard paths only: cookie ->
+    bearer header, `POST /dashboard/login` -> cookie, and a key form instead of the page's 401."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/dashboard"):
+            await self.app(scope, receive, send)
+            return
+        if path == "/dashboard/login" and scope["method"] == "POST":
+            await self._login(receive, send)
+            return
+        headers = list(scope.get("headers", []))
+        if not any(k == b"authorization" for k, _ in headers):
+            key = _cookie(headers, COOKIE)
+            if key:
+                bearer = (b"authorization", f"Bearer {key}".encode())
+                scope = dict(scope, headers=[*headers, bearer])
+        if path != "/dashboard":
+            await self.app(scope, receive, send)
+            return
+        replaced = False
+
+        async def send_login_on_401(message: dict) -> None:
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                replaced = True
+                body = LOGIN_PAGE.encode()
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"text/html; charset=utf-8"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"set-cookie", f"{COOKIE}=; Path=/dashboard; Max-Age=0".encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if not replaced:
+                await send(message)
+
+        await self.app(scope, receive, send_login_on_401)
+
+    async def _login(self, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body") or len(body) > 4096:
+                break
+        key = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0].strip()
+        cookie = SimpleCookie()
+        cookie[COOKIE] = key
+        cookie[COOKIE].update({"path": "/dashboard", "httponly": True, "samesite": "Strict"})
+        await send({"type": "http.response.start", "status": 303, "headers": [
+            (b"location", b"/dashboard"), (b"content-length", b"0"),
+            (b"set-cookie", cookie[COOKIE].OutputString().encode())]})
+        await send({"type": "http.response.body", "body": b""})
+
+
+def _cookie(headers: list[tuple[bytes, bytes]], name: str) -> str:
+    for key, value in headers:
+        if key == b"cookie":
+            jar = SimpleCookie()
+            jar.load(value.decode("latin-1"))
+            if name in jar:
+                return jar[name].value
+    return ""
+
+
+# ---------------------------------------------------------------- routes
+
+
+def _static(name: str) -> str:
+    return resources.files("flywheel.gateway").joinpath("static", name).read_text()
+
+
+def dashboard_router(data: DashboardData) -> APIRouter:
+    router = APIRouter(prefix="/dashboard", dependencies=[Depends(require_role("admin"))],
+                       include_in_schema=False)
+
+    @router.get("")
+    async def page() -> HTMLResponse:
+        return HTMLResponse(_static("dashboard.html"))
+
+    @router.get("/app.js")
+    async def script() -> Response:
+        return Response(_static("dashboard.js"), media_type="text/javascript")
+
+    @router.get("/api/curves")
+    async def curves(since: int = Query(0, ge=0)) -> dict[str, Any]:
+        return await asyncio.to_thread(read_curves, data.metrics_path, since)
+
+    @router.get("/api/samples")
+    async def samples(limit: int = Query(8, ge=1, le=50)) -> dict[str, Any]:
+        return await asyncio.to_thread(data.samples, limit)
+
+    @router.get("/api/streams")
+    async def streams() -> dict[str, Any]:
+        return await asyncio.to_thread(data.stream_table)
+
+    return router
+
+
+def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -> None:
+    """Mount /dashboard on the gateway app built from `deps` (GatewayDeps) and register the
+    stream gauges. Call after the security middleware is installed (this one must wrap it).
+
+    Args:
+        settings: the deployment's settings (trainer.metrics_path, stream names); None = parsed
+            from the environment/`FLYWHEEL_CONFIG`, as the gateway's own were.
+    """
+    global _collector
+    settings = settings or load_settings()
+    streams = settings.streams.model_copy(update={"prefix": deps.sessions.prefix})
+    tokenizer = deps.renderer.tokenizer
+
+    def decode(ids: list[int]) -> list[str]:
+        return tokenizer.batch_decode([[i] for i in ids])
+
+    metrics_path = Path(settings.trainer.metrics_path) if settings.trainer.metrics_path else None
+    data = DashboardData(deps.sessions.client, streams, metrics_path, decode)
+    app.include_router(dashboard_router(data))
+    app.add_middleware(DashboardLogin)
+    if _collector is not None:  # a second app in one process (tests): the newest one reports
+        REGISTRY.unregister(_collector)
+    _collector = StreamStatsCollector(deps.sessions.client, streams)
+    REGISTRY.register(_collector)

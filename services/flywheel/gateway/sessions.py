@@ -99,6 +99,10 @@ class SessionRecord(BaseModel):
     """n > 1 in a session: the choices of the last turn until the client sends one back."""
 
 
+LOCK_LEASE_S = 15.0
+"""Seconds a session lock lives without renewal (holders renew it every third of that)."""
+
+
 class SessionStore:
     """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock.
 
@@ -143,8 +147,12 @@ class SessionStore:
     def save(self, record: SessionRecord) -> None:
         self.client.set(self._key(record.session_id), record.model_dump_json(), ex=self.ttl_s)
 
-    def acquire(self, session_id: str, timeout_s: float = 600.0) -> Lock:
+    def acquire(self, session_id: str, timeout_s: float = 600.0,
+                lease_s: float = LOCK_LEASE_S) -> Lock:
         """Take the session's lock (usable from any thread); release it with `release`.
+
+        The lock expires `lease_s` seconds after it was taken or last renewed
+        (`Lock.reacquire`), so a gateway that dies holding it blocks the session only that long.
 
         Raises:
             NotFoundError: no such session.
@@ -152,7 +160,7 @@ class SessionStore:
         """
         if not self.client.exists(self._key(session_id)):
             raise NotFoundError(f"session {session_id} not found", param="session_id")
-        lock = self.client.lock(f"{self._key(session_id)}:lock", timeout=timeout_s,
+        lock = self.client.lock(f"{self._key(session_id)}:lock", timeout=lease_s,
                                 blocking_timeout=timeout_s, thread_local=False)
         if not lock.acquire():
             raise ConflictError(f"session {session_id} is busy", param="session_id")

@@ -41,7 +41,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import redis
 from prometheus_client import Counter
+from redis.lock import Lock
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
@@ -62,7 +64,7 @@ from flywheel.gateway.recording import (
     set_sampling,
 )
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.sessions import Segment, SessionRecord, SessionStore
+from flywheel.gateway.sessions import LOCK_LEASE_S, Segment, SessionRecord, SessionStore
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -125,12 +127,28 @@ def check_stop(gen: Generation, decode: Callable[[list[int]], str]) -> None:
 async def locked(store: SessionStore, session_id: str) -> AsyncIterator[SessionRecord]:
     """Async form of `SessionStore.locked`: saved on normal exit, untouched on error."""
     lock = await asyncio.to_thread(store.acquire, session_id)
+    renewal = asyncio.create_task(_renew(lock, session_id))
     try:
         record = await asyncio.to_thread(store.get, session_id)
         yield record
         await asyncio.to_thread(store.save, record)
     finally:
+        renewal.cancel()
         await asyncio.to_thread(store.release, lock)
+
+
+async def _renew(lock: Lock, session_id: str) -> None:
+    """Renew the session lock's lease while a turn runs (a long generation keeps it; a crashed
+    gateway's lock expires after `LOCK_LEASE_S`)."""
+    while True:
+        await asyncio.sleep(LOCK_LEASE_S / 3)
+        try:
+            await asyncio.to_thread(lock.reacquire)
+        except redis.exceptions.LockError:
+            log.error("lost the lock of session %s while a turn was running", session_id)
+            return
+        except redis.RedisError as exc:  # bounded: the next renewal retries
+            log.warning("renewing the lock of session %s failed: %s", session_id, exc)
 
 
 def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:

@@ -4,6 +4,9 @@ Parses settings (TOML file and/or `FLYWHEEL_TRAINER__*` environment variables), 
 resolved, serves /healthz, /readyz, /status and /metrics on `trainer.host:trainer.port`, loads
 or resumes the policy, then runs the loop in `service.py` until SIGTERM/SIGINT or
 `trainer.max_steps` steps. torch and transformers are imported only after the settings parse.
+
+Under `torchrun --nproc_per_node N -m flywheel.trainer`, rank 0 does all of the above and the
+other ranks only train the batches it broadcasts (distributed.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.trainer.telemetry import TrainerStatus  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()
+    from flywheel.trainer.distributed import close_world, init_world  # noqa: PLC0415
+
+    world = init_world()
+    if world is not None and not world.main:
+        from flywheel.trainer.service import run_follower  # noqa: PLC0415
+
+        try:
+            steps = run_follower(settings, world)
+            log.info("rank %d stopped after %d steps", world.rank, steps)
+        finally:
+            close_world(world)
+        return 0
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -48,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     status = TrainerStatus()
     server = serve_in_thread(create_app(status), settings.trainer.host, settings.trainer.port)
     log.info("trainer HTTP on http://%s:%d", settings.trainer.host, settings.trainer.port)
-    trainer = build_trainer(settings, status=status)
+    trainer = build_trainer(settings, status=status, world=world)
     try:
         steps = trainer.run(stop)
         log.info("trainer stopped after %d steps at weight version %d", steps, trainer.version)
     finally:
         trainer.close()
         server.should_exit = True
+        close_world(world)
     return 0

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ import redis
 import torch
 from transformers import PreTrainedModel
 
+from flywheel.core.codec import decode_sample
 from flywheel.core.errors import UpstreamError
 from flywheel.core.paths import resolve_model_path
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
+from flywheel.trainer.distributed import World
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 from flywheel.trainer.sources import (
@@ -95,7 +97,8 @@ class TrainerParts:
     reference: PreTrainedModel | None = None
     """Frozen reference policy for the KL term (None when kl_coef is 0)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    world: World | None = None
+    """Data-parallel ranks (this is rank 0) or None."""
 
 
 def build_source(
@@ -134,19 +137,22 @@ def build_source(
     return source, leases
 
 
-def build_trainer(
-    settings: FlywheelSettings,
-    *,
-    status: TrainerStatus | None = None,
-    redis_client: redis.Redis | None = None,
-) -> Trainer:
-    """Load (or resume) the policy, connect to the source, and return a resumed `Trainer`.
+@dataclass
+class Policy:
+    """The trained model and what its updates need (the same on every rank)."""
 
-    Args:
-        settings: resolved settings (the trainer reads `trainer`, `streams`, `redis`, engines).
-        status: the status the HTTP server shows (made here when None).
-        redis_client: a client to use instead of connecting to `settings.redis_url()`.
-    """
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: PreTrainedModel | None
+    latest: Checkpoint | None
+    store: CheckpointStore
+    source_dir: Path
+
+
+def build_policy(settings: FlywheelSettings) -> Policy:
+    """Load the newest checkpoint (or the initial model) with LoRA, reference, AdamW and the LR
+    schedule, and restore their training state."""
     s = settings.trainer
     torch.manual_seed(s.seed)
     random.seed(s.seed)
@@ -169,47 +175,93 @@ def build_trainer(
         log.info("KL reference policy (frozen) loaded from %s", ref_path)
     optimizer = build_optimizer(model, s)
     scheduler = build_scheduler(optimizer, s)
+    if latest is not None:
+        restore_training_state(optimizer, scheduler, latest)
+    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir)
+
+
+def build_trainer(
+    settings: FlywheelSettings,
+    *,
+    status: TrainerStatus | None = None,
+    redis_client: redis.Redis | None = None,
+    world: World | None = None,
+) -> Trainer:
+    """Load (or resume) the policy, connect to the source, and return a resumed `Trainer`.
+
+    Args:
+        settings: resolved settings (the trainer reads `trainer`, `streams`, `redis`, engines).
+        status: the status the HTTP server shows (made here when None).
+        redis_client: a client to use instead of connecting to `settings.redis_url()`.
+        world: data-parallel ranks when run under torchrun (this is rank 0).
+    """
+    s = settings.trainer
+    policy = build_policy(settings)
+    latest, model = policy.latest, policy.model
     source, leases = build_source(settings, model.config.vocab_size, latest, redis_client)
     parts = TrainerParts(
         model=model,
-        optimizer=optimizer,
-        reference=reference,
-        scheduler=scheduler,
+        optimizer=policy.optimizer,
+        reference=policy.reference,
+        scheduler=policy.scheduler,
         consumer=source,
         pusher=WeightPusher(
             settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
         ),
-        store=store,
+        store=policy.store,
         leases=leases,
         sink=build_sink(s),
         status=status or TrainerStatus(),
         version=latest.step if latest else 0,
+        world=world,
     )
     if isinstance(source, FakeSource):
         source.version = lambda: parts.version
     if latest is not None:
-        restore_training_state(parts, latest)
+        rng = load_training_state(latest.path, "rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
     log.info("policy loaded from %s at weight version %d on %s; source %s",
-             latest.path if latest else source_dir, parts.version, model.device, source.kind)
+             latest.path if latest else policy.source_dir, parts.version, model.device,
+             source.kind)
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer
 
 
-def restore_training_state(parts: TrainerParts, latest: Checkpoint) -> None:
-    """AdamW, scheduler and RNG state of `latest`, where it has them (logged when not)."""
+def run_follower(settings: FlywheelSettings, world: World) -> int:
+    """A rank > 0 under torchrun: train the batches rank 0 broadcasts until it says stop;
+    returns the steps taken."""
+    policy = build_policy(settings)
+    cfg = StepConfig.from_settings(settings.trainer)
+    steps = 0
+    while True:
+        message = world.broadcast(None)
+        if message[0] == "stop":
+            return steps
+        _, payloads, treatments = message
+        groups = [[decode_sample(p) for p in group] for group in payloads]
+        batch, _ = prepare_batch(groups, cfg, treatments)
+        result = train_step(policy.model, policy.optimizer, batch, cfg,
+                            reference=policy.reference, scheduler=policy.scheduler, world=world)
+        steps += not result.skipped
+
+
+def restore_training_state(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    latest: Checkpoint,
+) -> None:
+    """AdamW and scheduler state of `latest`, where it has them (logged when not)."""
     optimizer_state = load_training_state(latest.path, "optimizer")
     if optimizer_state is not None:
-        parts.optimizer.load_state_dict(optimizer_state)
+        optimizer.load_state_dict(optimizer_state)
     else:
         log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
     scheduler_state = load_training_state(latest.path, "scheduler")
-    if scheduler_state is not None and parts.scheduler is not None:
-        parts.scheduler.load_state_dict(scheduler_state)
-    rng = load_training_state(latest.path, "rng")
-    if rng is not None:
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
+    if scheduler_state is not None and scheduler is not None:
+        scheduler.load_state_dict(scheduler_state)
 
 
 class Trainer:
@@ -261,6 +313,8 @@ class Trainer:
                 self.poll()
         finally:
             self.parts.leases.stop()
+            if self.parts.world is not None:
+                self.parts.world.broadcast(("stop",))
         return self.version - start_version
 
     def poll(self) -> None:
@@ -315,12 +369,16 @@ class Trainer:
             return
         wait_s = time.monotonic() - self._last_step_end
         treatments = [t for g in groups for t in g.treatments]
+        if self.parts.world is not None:  # the other ranks train the same batch with us
+            payloads = [[e.payload for e in g.entries] for g in groups]
+            self.parts.world.broadcast(("step", payloads, treatments))
         batch, adv_metrics = prepare_batch([g.samples for g in groups], self.step_cfg, treatments)
         t1 = time.perf_counter()
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
         result = train_step(
             self.parts.model, self.parts.optimizer, batch, self.step_cfg,
             reference=self.parts.reference, scheduler=self.parts.scheduler,
+            world=self.parts.world,
         )
         metrics = result.metrics | adv_metrics | _lag_metrics(lags) | {
             "time/wait_s": wait_s, "time/prepare_s": t1 - t0,

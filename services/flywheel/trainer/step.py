@@ -41,9 +41,15 @@ from flywheel.trainer.algorithms.losses import (
     PPOClipConfig,
     normalizer_for,
 )
-from flywheel.trainer.algorithms.pipeline import AlgoConfig, batch_stage, token_terms
+from flywheel.trainer.algorithms.pipeline import (
+    AlgoConfig,
+    batch_stage,
+    student_topk,
+    token_terms,
+)
 from flywheel.trainer.algorithms.regularizers import KL_ESTIMATORS
 from flywheel.trainer.batch import TrainBatch, micro_batches
+from flywheel.trainer.distributed import World
 from flywheel.trainer.logprobs import TokenLogprobs, selected_token_logprobs
 from flywheel.trainer.prepare import prepare_batch
 
@@ -191,7 +197,8 @@ def accumulate(
         if cfg.kl_coef > 0:
             with torch.no_grad():
                 ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
-        terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT)
+        terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT,
+                                     topk_BTK=student_topk(model, mb, cfg))
         aggregate = AGGREGATIONS[cfg.aggregation]
         loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
         if not bool(torch.isfinite(loss)):
@@ -220,7 +227,8 @@ def _logprobs(model: PreTrainedModel, mb: TrainBatch, cfg: StepConfig) -> TokenL
 
 
 def token_loss(
-    lp: TokenLogprobs, mb: TrainBatch, cfg: StepConfig, ref_logprobs_BT: Tensor | None = None
+    lp: TokenLogprobs, mb: TrainBatch, cfg: StepConfig, ref_logprobs_BT: Tensor | None = None,
+    topk_BTK: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The (B, T) loss terms of one micro-batch and its (B, T) token statistics.
 
@@ -258,7 +266,7 @@ def token_loss(
         stats[f"kl/ref_{cfg.kl_estimator}"] = kl_BT.detach()
     if cfg.entropy_coef > 0:  # exact entropy of the tempered distribution, with its gradient
         terms["entropy"] = -cfg.entropy_coef * lp.entropy_BT
-    reg_BT, reg_stats = token_terms(cfg.algo, lp.logprobs_BT, mb)
+    reg_BT, reg_stats = token_terms(cfg.algo, lp, mb, topk_BTK)
     if reg_BT is not None:
         terms["reg"] = reg_BT
         stats |= reg_stats
@@ -294,6 +302,7 @@ def train_step(
     *,
     reference: PreTrainedModel | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    world: World | None = None,
 ) -> StepResult:
     """One optimizer step on `batch`, or a logged skip that leaves weights, optimizer and
     scheduler as they are.
@@ -301,6 +310,9 @@ def train_step(
     Args:
         reference: frozen reference policy for the KL term (needed when cfg.kl_coef > 0).
         scheduler: stepped after a committed optimizer step only.
+        world: data-parallel ranks (distributed.py): this rank trains its rows of `batch`
+            with the whole batch's normalizer, then gradients and loss terms are summed over
+            ranks; token statistics are this rank's rows. None = one process.
     """
     t0 = time.perf_counter()
     batch, algo_metrics = batch_stage(model, optimizer, batch, cfg)
@@ -308,7 +320,15 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if metrics["tokens/trained"] == 0:
         return _skip(optimizer, metrics, "no_loss_tokens", t0)
-    acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT), reference)
+    norm = normalizer_for(batch.loss_mask_BT)  # the whole batch's counts, on every rank
+    acc = accumulate(model, world.shard(batch) if world else batch, cfg, norm, reference)
+    if world is not None:
+        acc.nonfinite = world.any(acc.nonfinite)
+        if not acc.nonfinite:
+            world.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
+            summed = world.sum_values(acc.terms | {"__total": acc.loss})
+            acc.loss = summed.pop("__total")
+            acc.terms = summed
     t1 = time.perf_counter()
     metrics |= acc.stats.result() | {f"loss/{k}": v for k, v in acc.terms.items()} | {
         "loss/total": acc.loss,

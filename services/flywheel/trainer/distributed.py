@@ -1,0 +1,96 @@
+"""Data-parallel training under `torchrun`: one stream consumer (rank 0) feeding every rank.
+
+    torchrun --nproc_per_node N -m flywheel.trainer --config flywheel.toml
+
+Layout: rank 0 runs the whole service (source, groups, staleness, checkpoints, weight push,
+acks, HTTP, metrics); before each step it broadcasts the step's serialized Samples and their
+staleness treatments to the other ranks (`broadcast_object_list`), and at the end a stop. Every
+rank builds the same batch (preparation is deterministic), takes rows rank, rank + N, ... of it,
+and accumulates gradients over its micro-batches with the step-wide normalizer of the whole
+batch (token and sequence counts are global, BUG-14). The gradients are then summed across ranks
+with one all-reduce per parameter, so every rank holds exactly the full-batch gradient and takes
+the same AdamW step: the weights stay identical without broadcasting them. A non-finite loss on
+any rank skips the step on all ranks (the flag is all-reduced first, so collectives stay
+matched).
+
+Why an explicit all-reduce rather than DDP or FSDP2: ranks may hold different numbers of
+micro-batches (token budgets, empty shards), which DDP's per-backward hooks cannot match, and
+FSDP2's CPU/gloo path is not what GPU clusters run; the all-reduce is the DDP update, testable on
+CPU with gloo (world size 2 in tests). Backend: nccl on CUDA, gloo on CPU. Sharding parameters
+(FSDP2) for models that do not fit one device is not implemented.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flywheel.trainer.batch import TrainBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, batch: TrainBatch) -> TrainBatch:
+        """Rows rank, rank + size, ... of `batch` (may be empty)."""
+        return batch.select(torch.arange(self.rank, batch.size, self.size))
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if `flag` is True on any rank."""
+        value = torch.tensor([1.0 if flag else 0.0])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item() > 0)
+
+    def sum_values(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum of each value over ranks; a key missing on a rank counts as 0 there."""
+        gathered: list[list[str]] = [[] for _ in range(self.size)]
+        dist.all_gather_object(gathered, sorted(values))
+        keys = sorted({k for rank_keys in gathered for k in rank_keys})
+        tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return dict(zip(keys, tensor.tolist(), strict=True))
+
+    def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """grad = sum over ranks of grad (a missing grad counts as zeros)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+
+    def broadcast(self, payload: Any) -> Any:
+        """Rank 0's `payload`, on every rank."""
+        box = [payload]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def init_world() -> World | None:
+    """Join the process group when started by torchrun with WORLD_SIZE > 1; else None."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+    world = World(dist.get_rank(), dist.get_world_size())
+    log.info("rank %d of %d (%s)", world.rank, world.size, backend)
+    return world
+
+
+def close_world(world: World | None) -> None:
+    if world is not None and dist.is_initialized():
+        dist.destroy_process_group()

@@ -113,3 +113,39 @@ def test_grpc_score_tokens_status_codes_health_and_reflection(grpc_target, rende
             iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in listing.list_services_response.service}
         assert "flywheel.v1.TeacherService" in names
+
+
+def test_grpc_extract_hint_with_a_judge(renderer):
+    import httpx
+
+    from flywheel.reward.judge import JudgeClient
+    from flywheel.teacher.hints import HintExtractor
+
+    reply = "[HINT_START]Give only the number 8.[HINT_END]\nDecision: \\boxed{1}"
+    client = JudgeClient("http://judge/v1", "m", max_attempts=1, transport=httpx.MockTransport(
+        lambda r: httpx.Response(200, json={"choices": [{"message": {"content": reply}}]})))
+    hints = HintExtractor(client, votes=2)
+    teacher = Teacher(FakeScorer(), renderer, TeacherConfig(model_name="teach"), hints)
+    port = free_port(56100)
+    server = serve(TeacherServicer(teacher, "fp", "fp", hints), "127.0.0.1", port)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            out = teacher_pb2_grpc.TeacherServiceStub(channel).ExtractHint(
+                teacher_pb2.ExtractHintRequest(sample=live_sample(renderer)))
+    finally:
+        server.stop(grace=0)
+    assert (out.status, out.hint, out.has_hint) == ("hint", "Give only the number 8.", True)
+    assert [(v.has_value, v.value) for v in out.votes] == [(True, 1.0), (True, 1.0)]
+
+
+def test_teacher_engines_are_separate_unless_self_teacher():
+    from flywheel.core.settings import load_settings
+    from flywheel.teacher.main import teacher_engine_urls
+
+    s = load_settings(engine={"port": 30000}, teacher={"engine_port": 30100})
+    assert teacher_engine_urls(s) == ["http://127.0.0.1:30100"]
+    assert "http://127.0.0.1:30100" not in s.trainer_engine_urls()
+    s = load_settings(teacher={"self_teacher": True})
+    assert teacher_engine_urls(s) == s.trainer_engine_urls() == ["http://127.0.0.1:30000"]
+    s = load_settings(teacher={"engine_urls": ["http://big-teacher:30000"]})
+    assert teacher_engine_urls(s) == ["http://big-teacher:30000"]

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 PROFILE_SETS = [("cpu",), ("gpu",), ("cpu", "teacher", "observability"),
                 ("gpu", "teacher", "observability")]
-REQUIRED_ENV = {"REDIS_PASSWORD": "pw-test", "GRAFANA_ADMIN_PASSWORD": "gf-test"}
+REQUIRED_ENV = {"REDIS_PASSWORD": "pw-test"}
 ONE_SHOT = {"model-init", "checkpoints-init"}
 # Ports each service listens on inside its container: (settings section, field).
 FLYWHEEL_PORTS = {"engine": [("engine", "port")], "gateway": [("gateway", "port")],
@@ -404,3 +404,19 @@ def test_grafana_is_provisioned_with_the_flywheel_dashboard(compose):
     dashboard = json.loads(dashboard_file.read_text())
     uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
     assert uids == {datasource["uid"]}
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(compose, profile, monkeypatch):
+    active = _active(compose, (profile,))
+    gateway = next(s for n, s in active.items() if "gateway" in _names(n, s))
+    trainer = next(s for n, s in active.items() if "trainer" in _names(n, s))
+    path = _settings(gateway, monkeypatch).trainer.metrics_path
+    assert path == _settings(trainer, monkeypatch).trainer.metrics_path
+
+    def volume_of(svc: dict) -> str:
+        mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
+        (where,) = [m for m in mounts if path.startswith(m.rstrip("/") + "/")]
+        return mounts[where]
+
+    assert volume_of(gateway) == volume_of(trainer) == "checkpoints"

@@ -536,3 +536,17 @@ def test_credentials_come_only_from_secrets(rendered):
         if overlay == "cpu-dev":
             (secret,) = _of_kind(objs, "Secret")
             assert required <= set(secret.get("data", {})), required
+
+
+def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(docs, tmp_path, monkeypatch):
+    paths, claims = {}, {}
+    for workload, container, service in _flywheel_containers(docs):
+        if service in ("gateway", "trainer"):
+            settings = _settings_for(docs, workload, container, tmp_path, monkeypatch)
+            path = settings.trainer.metrics_path
+            volumes = {v["name"]: v for v in _pod_spec(workload)["volumes"]}
+            (mount,) = [m for m in container["volumeMounts"]
+                        if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            claims[service] = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+            paths[service] = path
+    assert paths["gateway"] == paths["trainer"] and claims["gateway"] == claims["trainer"]

@@ -187,13 +187,14 @@ class StreamConsumer:
             )
             cursor = _s(reply[0])
             claimed.extend(reply[1])
-            deleted = reply[2] if len(reply) > 2 else []
-            lost = [eid for eid, fields in reply[1] if fields is None] + list(deleted)
+            lost = [_s(e) for e in (reply[2] if len(reply) > 2 else [])]  # Redis >= 7
+            if any(fields is None for _, fields in reply[1]):
+                lost += self._purge_deleted()  # Redis < 7: nil entries, left in the PEL
             if lost:
                 LOST.labels(self.stream, self.group).inc(len(lost))
                 log.error(
                     "entries deleted while pending, lost: %s",
-                    [_s(e) for e in lost],
+                    lost,
                     extra={"stream": self.stream},
                 )
             if cursor == "0-0":
@@ -212,6 +213,22 @@ class StreamConsumer:
             else:
                 fresh.append((eid, fields))
         return self._to_entries(fresh)
+
+    def _purge_deleted(self, page: int = 1000) -> list[str]:
+        """Ids pending in the group whose entries no longer exist; acked, so each is counted
+        lost once (Redis < 7 reports them to XAUTOCLAIM as nil without their id, every time)."""
+        gone, start = [], "-"
+        while True:
+            rows = self.client.xpending_range(self.stream, self.group, min=start, max="+",
+                                              count=page)
+            ids = [_s(r["message_id"]) for r in rows]
+            gone += [i for i in ids if not self.client.xrange(self.stream, min=i, max=i)]
+            if len(rows) < page:
+                break
+            start = "(" + ids[-1]
+        if gone:
+            self.client.xack(self.stream, self.group, *gone)
+        return gone
 
     def ack(self, entry_ids: list[str]) -> int:
         """XACK the given entries; returns how many were pending."""

@@ -134,8 +134,7 @@ class RewardWorker:
             await self._failed(entry, kind, detail)
             return
         try:
-            await asyncio.to_thread(self.producer.publish, sample)
-            await asyncio.to_thread(self.consumer.ack, [entry.entry_id])
+            await asyncio.to_thread(self._forward, sample, entry.entry_id)
         except (BackpressureError, redis.RedisError) as exc:  # left pending: retried later
             metrics.FAILURES.labels("publish").inc()
             log.warning("sample %s scored but not forwarded (%s); it stays pending",
@@ -150,6 +149,11 @@ class RewardWorker:
         else:
             metrics.SAMPLES.labels("unscored").inc()
             log.warning("sample %s unscored: %s", sample.sample_id, sample.error)
+
+    def _forward(self, sample, entry_id: str) -> None:
+        """Publish to the next stream, then ack (one thread hop; the order is the contract)."""
+        self.producer.publish(sample)
+        self.consumer.ack([entry_id])
 
     async def _failed(self, entry: StreamEntry, kind: str, detail: str) -> None:
         metrics.FAILURES.labels(kind).inc()

@@ -42,8 +42,19 @@ for _reason in FORK_REASONS:
 _KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 
-def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _exact_same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all((a.get(k) or None) == (b.get(k) or None) for k in _KEYS)
+
+
+def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal as a conversation turn: tool calls compare by name and parsed arguments (clients
+    re-serialize argument JSON and may drop call ids; whether the template's rendering still
+    matches is checked separately, on the rendered text)."""
+    if a.get("tool_calls") or b.get("tool_calls"):
+        keys = tuple(k for k in _KEYS if k != "tool_calls")
+        return (all((a.get(k) or None) == (b.get(k) or None) for k in keys)
+                and _arguments(a.get("tool_calls")) == _arguments(b.get("tool_calls")))
+    return _exact_same(a, b)
 
 
 def extends(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> bool:
@@ -68,15 +79,14 @@ def _arguments(calls: list[dict[str, Any]] | None) -> list[Any]:
 def fork_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str:
     """Why `messages` does not extend `recorded` as messages (one of `FORK_REASONS`).
 
-    `template_rewrites_history` is decided by the renderer (`prepare_prompt`), not here.
+    `template_rewrites_history` and `tool_arguments_reformatted` (same calls, but the template
+    renders the re-serialized arguments differently) are decided on the rendered text
+    (`prepare_prompt`), not here.
     """
     for r, m in zip(recorded, messages, strict=False):
         if _same_message(r, m):
             continue
         if r.get("role") == m.get("role") == "assistant":
-            same_calls = _arguments(r.get("tool_calls")) == _arguments(m.get("tool_calls"))
-            if same_calls and (r.get("content") or None) == (m.get("content") or None):
-                return "tool_arguments_reformatted"
             return "assistant_edited"
         return "history_edited"
     if recorded and len(messages) == len(recorded) - 1 and recorded[-1]["role"] == "assistant":
@@ -105,7 +115,8 @@ def prepare_prompt(
             seg.messages = messages
             seg.tools = tools
             return list(seg.token_ids), None
-        reason = "template_rewrites_history"
+        exact = all(_exact_same(r, m) for r, m in zip(seg.messages, messages, strict=False))
+        reason = "template_rewrites_history" if exact else "tool_arguments_reformatted"
     else:
         reason = fork_reason(seg.messages, messages)
     if seg.turns:

@@ -3,10 +3,17 @@
 `ChatRenderer` renders OpenAI messages with the served model's chat template and tokenizes the
 result; `extend` renders only the new suffix of a conversation and tokenizes it on its own, so
 recorded token ids (what the engine sampled) are never re-tokenized.
+
+Templates without tool support (SmolLM2's ignores `tools` and `tool_calls`) would silently drop
+the client's tools: for them the tool signatures go into the system message in the Hermes format
+the `hermes` parser reads back (`<tools>` JSON lines, `<tool_call>{"name", "arguments"}` replies),
+and past assistant tool calls are rendered as the `<tool_call>` text the model produced. The same
+rendering is used for every request, so prefix checks compare like with like.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,38 @@ class ChatRenderer:
             raise InvalidRequestError(f"tokenizer at {tokenizer_path} has no chat template")
         self.eos_token: str = self.tokenizer.eos_token or ""
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        probe_tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
+        user = [{"role": "user", "content": "x"}]
+        self.renders_tools = self._apply(user, probe_tool, True) != self._apply(user, None, True)
+        """The template renders `tools` itself (else the gateway adds them to the system turn)."""
+        call = {"id": "c", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
+        said = [*user, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        plain = [*user, {"role": "assistant", "content": ""}]
+        self.renders_tool_calls = self._apply(said, None, False) != self._apply(plain, None, False)
+        """The template renders assistant `tool_calls` itself."""
+
+    def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False,
+            add_generation_prompt=add_generation_prompt)
+
+    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+                    ) -> list[dict[str, Any]]:
+        """Messages with tool signatures and tool calls in text, for templates lacking them."""
+        out = []
+        for m in messages:
+            m = {**m, "content": m.get("content") or ""}
+            if m["role"] == "assistant" and m.get("tool_calls") and not self.renders_tool_calls:
+                m["content"] += "".join(_call_text(c) for c in m["tool_calls"])
+            out.append(m)
+        if tools and not self.renders_tools:
+            block = _tools_text(tools)
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}"}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
 
     def render(
         self,
@@ -54,14 +93,10 @@ class ChatRenderer:
             InvalidRequestError: the template rejects the conversation (e.g. bad role order).
         """
         # Templates concatenate content as text: a tool-call-only reply has content None.
-        messages = [{**m, "content": m.get("content") or ""} for m in messages]
+        messages = self._with_tools(messages, tools)
         try:
-            return self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return self._apply(messages, tools if self.renders_tools else None,
+                               add_generation_prompt)
         except Exception as exc:  # jinja2 raises TemplateError and plain exceptions
             raise InvalidRequestError(
                 f"the chat template cannot render these messages: {exc}", param="messages"
@@ -108,3 +143,23 @@ class ChatRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _tools_text(tools: list[dict[str, Any]]) -> str:
+    """Tool signatures and the call format, Hermes style (what `parsers.parse_hermes` reads)."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query. "
+            "The function signatures are inside <tools></tools>:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "To call a function, reply with a JSON object of its name and arguments inside "
+            "<tool_call></tool_call> tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    fn = call.get("function") or {}
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except (TypeError, json.JSONDecodeError):
+        args = fn.get("arguments")
+    return f"<tool_call>\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n</tool_call>"

@@ -365,3 +365,23 @@ def test_top_logprobs_are_asked_of_the_engine_and_returned(app, renderer):
     content = resp.json()["choices"][0]["logprobs"]["content"]
     assert [[e["logprob"] for e in c["top_logprobs"]] for c in content] == [[-0.1, -2.5]] * len(ids)
     assert content[0]["top_logprobs"][1]["token"] == renderer.tokenizer.decode([42])
+
+
+def test_reformatted_arguments_fork_when_the_template_renders_them_raw(qwen_like):
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+    user = {"role": "user", "content": "show a.py"}
+    reply = {"role": "assistant", "content": "", "tool_calls": [call]}
+    record = SessionRecord(session_id="args")
+    prepare_prompt(record, qwen_like, [user], tools)
+    said = qwen_like.render([user, reply], add_generation_prompt=False)[len(
+        qwen_like.render([user])):]
+    record_generation(record, _gen(qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS],
+                                   said), SAMPLING, reply)
+    compact = {**reply, "tool_calls": [{**call, "function": {"name": "read",
+                                                             "arguments": '{"path":"a.py"}'}}]}
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "print(1)"}
+    _, closed = prepare_prompt(record, qwen_like, [user, compact, tool], tools)
+    assert closed is not None
+    assert record.fork_reasons == {"tool_arguments_reformatted": 1}

@@ -1,5 +1,7 @@
 """Token-faithful recording with the real SmolLM2 tokenizer and chat template."""
 
+import json
+
 import pytest
 
 from flywheel.core.codec import decode_sample, encode_sample
@@ -83,3 +85,39 @@ def test_sample_from_segment_satisfies_invariants(renderer):
     assert sample.rewards["outcome"] == 1.0
     assert sample.sampling.temperature == 1.0 and sample.sampling.top_k == -1
     assert [m.role for m in sample.messages] == ["user", "assistant"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_reach_a_template_that_ignores_them(renderer):
+    assert not renderer.renders_tools and not renderer.renders_tool_calls  # SmolLM2's template
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    text = renderer.render(user, tools=TOOLS)
+    assert text.startswith("<|im_start|>system\n# Tools")
+    assert json.dumps(TOOLS[0]) in text and "<tool_call>" in text
+    system = [{"role": "system", "content": "Be brief."}, *user]
+    merged = renderer.render(system, tools=TOOLS)
+    assert merged.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert "# Tools" not in renderer.render(user)
+
+
+def test_reserialized_tool_arguments_still_extend_the_segment(renderer):
+    record = SessionRecord(session_id="s")
+    m1 = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt1, _ = prepare_prompt(record, renderer, m1, TOOLS)
+    said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    gen = _gen(renderer, said)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    record_generation(record, gen, SAMPLING, {"role": "assistant", "content": None,
+                                              "tool_calls": [call]})
+    compact = {**call, "function": {**call["function"], "arguments": '{"city":"Paris"}'}}
+    m2 = [*m1, {"role": "assistant", "content": "", "tool_calls": [compact]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt2, closed = prepare_prompt(record, renderer, m2, TOOLS)
+    assert closed is None and record.forks == 0
+    assert prompt2[:len(prompt1) + len(gen.output_ids)] == prompt1 + gen.output_ids
+    # The history renders the call as the text the model produced.
+    assert said in renderer.render(m2, tools=TOOLS)

@@ -158,3 +158,4 @@ def test_stream_path_and_metrics(service):
     assert float(lines['flywheel_reward_component_value_count{component="verifier"}']) >= 2
     assert float(lines['flywheel_reward_samples_total{outcome="unjudged"}']) >= 1
     assert float(lines['flywheel_reward_vote_agreement_ratio_count{judge="judge"}']) >= 1
+    assert lines['flywheel_reward_judge_up{judge="judge"}'] in ("0.0", "1.0")

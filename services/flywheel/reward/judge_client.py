@@ -142,10 +142,15 @@ class AsyncJudgeClient:
                 raise JudgeCallError("timeout", f"no reply in {self.timeout_s:g} s") from exc
             except httpx.TransportError as exc:
                 raise JudgeCallError("connection", f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                metrics.JUDGE_UP.labels(self.name).set(0)
+                raise
             finally:
                 metrics.CALL_SECONDS.labels(self.name).observe(time.perf_counter() - start)
         if resp.status_code == 429 or resp.status_code >= 500:
+            metrics.JUDGE_UP.labels(self.name).set(0)
             raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
+        metrics.JUDGE_UP.labels(self.name).set(1)
         if resp.status_code != 200:
             raise JudgeCallError("client_error", f"HTTP {resp.status_code}: {resp.text[:200]}",
                                  retryable=False)

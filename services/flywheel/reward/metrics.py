@@ -36,3 +36,6 @@ SCORE_SECONDS = Histogram("flywheel_reward_sample_score_seconds",
 IN_FLIGHT = Gauge("flywheel_reward_in_flight_samples", "Samples being scored by the worker now")
 FAILURES = Counter("flywheel_reward_scoring_failures_total",
                    "Scoring attempts that failed (exception or deadline), by kind", ["kind"])
+JUDGE_UP = Gauge("flywheel_reward_judge_up",
+                 "1 when the judge's last call got a reply (any parse), 0 when it failed on "
+                 "infrastructure (timeout, connection, 429/5xx): alert on 0", ["judge"])

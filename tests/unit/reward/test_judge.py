@@ -242,3 +242,14 @@ def test_trainer_keep_rule_needs_another_component():
     assert not keepable_unjudged(judge_only)     # its reward 0.0 would be a silent 0
     judged = _score(_turn(task={"answer": 8}), _judge(Script("Final verdict: 1")))
     assert judged.has_reward and not keepable_unjudged(judged)
+
+
+def test_judge_up_gauge_follows_the_last_call():
+    from flywheel.reward import metrics  # noqa: PLC0415
+
+    _score(_turn(), _judge(Script(503), attempts=1))
+    assert metrics.JUDGE_UP.labels("judge")._value.get() == 0
+    _score(_turn(), _judge(Script("Final verdict: 1")))
+    assert metrics.JUDGE_UP.labels("judge")._value.get() == 1
+    _score(_turn(), _judge(Script("no verdict here"), attempts=1))   # a reply: the judge is up
+    assert metrics.JUDGE_UP.labels("judge")._value.get() == 1

@@ -21,13 +21,18 @@ from flywheel.core.settings import FlywheelSettings, load_settings
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
     from pydantic import ValidationError  # noqa: PLC0415
 
+    from flywheel.core.settings import ConfigFileError, describe_validation_error  # noqa: PLC0415
+
     try:
         return load_settings(args.config)
     except FileNotFoundError as exc:
-        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML file.")
+        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing YAML or "
+                 "TOML file.")
+    except ConfigFileError as exc:
+        sys.exit(f"flywheel: {exc}")
     except ValidationError as exc:
         sys.exit(f"flywheel: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
-                 f"variables):\n{exc}")
+                 f"variables); fix these fields:\n{describe_validation_error(exc)}")
 
 
 def _interrupt(*_: object) -> None:
@@ -175,7 +180,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    print(json.dumps(_settings(args).model_dump(mode="json"), indent=2))
+    from flywheel.core.settings import mask_secrets  # noqa: PLC0415
+
+    data = mask_secrets(_settings(args).model_dump(mode="json"))
+    if args.format == "yaml":
+        import yaml  # noqa: PLC0415
+
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+    else:
+        print(json.dumps(data, indent=2))
     return 0
 
 
@@ -190,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", default=None, help="TOML settings file")
+    common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(
         func=cmd_up)
@@ -214,8 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.set_defaults(func=cmd_check_fidelity)
     config = sub.add_parser("config", help="settings")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    config_sub.add_parser("show", help="print resolved settings", parents=[common]).set_defaults(
-        func=cmd_config_show)
+    show = config_sub.add_parser("show", parents=[common],
+                                 help="print the resolved settings (secrets masked)")
+    show.add_argument("--format", choices=["json", "yaml"], default="json")
+    show.set_defaults(func=cmd_config_show)
     keys = sub.add_parser("keys", help="gateway API keys (agent, admin)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="mint a key (printed once)", parents=[common])

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -133,7 +132,7 @@ def _env_values(container: dict) -> dict[str, str]:
     return env
 
 
-def _config_toml(docs: list[dict], workload: dict, container: dict, config_path: str) -> str:
+def _config_text(docs: list[dict], workload: dict, container: dict, config_path: str) -> str:
     """Text of the file FLYWHEEL_CONFIG names, found through the container's volume mounts."""
     volumes = {v["name"]: v for v in _pod_spec(workload).get("volumes", [])}
     for mount in container.get("volumeMounts", []):
@@ -154,9 +153,10 @@ def _settings_for(docs, workload, container, tmp_path, monkeypatch) -> FlywheelS
     for key in [k for k in os.environ if k.startswith("FLYWHEEL_")]:
         monkeypatch.delenv(key)
     if "FLYWHEEL_CONFIG" in env:
-        toml_file = tmp_path / f"{workload['metadata']['name']}-{container['name']}.toml"
-        toml_file.write_text(_config_toml(docs, workload, container, env["FLYWHEEL_CONFIG"]))
-        monkeypatch.setenv("FLYWHEEL_CONFIG", str(toml_file))
+        suffix = Path(env["FLYWHEEL_CONFIG"]).suffix
+        config_file = tmp_path / f"{workload['metadata']['name']}-{container['name']}{suffix}"
+        config_file.write_text(_config_text(docs, workload, container, env["FLYWHEEL_CONFIG"]))
+        monkeypatch.setenv("FLYWHEEL_CONFIG", str(config_file))
     for key, value in env.items():
         if key.startswith("FLYWHEEL_") and key not in ("FLYWHEEL_CONFIG", "FLYWHEEL_CACHE"):
             assert "$(" not in value, f"{key}={value}: unresolved reference"
@@ -331,8 +331,9 @@ def test_config_and_env_parse_into_settings_that_point_at_real_services(
         assert env.get("FLYWHEEL_CONFIG"), f"{service}: FLYWHEEL_CONFIG is not set"
         settings = _settings_for(docs, workload, container, tmp_path, monkeypatch)
         assert getattr(settings, service).host == "0.0.0.0", service
-        toml_data = tomllib.loads(_config_toml(docs, workload, container, env["FLYWHEEL_CONFIG"]))
-        assert not _unknown_keys(toml_data, FlywheelSettings, ""), service
+        assert env["FLYWHEEL_CONFIG"].endswith(".yaml"), "the cluster config is one YAML file"
+        config = yaml.safe_load(_config_text(docs, workload, container, env["FLYWHEEL_CONFIG"]))
+        assert not _unknown_keys(config, FlywheelSettings, ""), service
         env_keys = {k.removeprefix("FLYWHEEL_").lower().replace("__", "."): None for k in env
                     if k.startswith("FLYWHEEL_") and k not in ("FLYWHEEL_CONFIG", "FLYWHEEL_CACHE")}
         nested: dict = {}
@@ -530,7 +531,7 @@ def test_credentials_come_only_from_secrets(rendered):
         assert "redis-password" in required and "judge-api-key" in optional, overlay
         for cm in _of_kind(objs, "ConfigMap"):
             for name, text in cm["data"].items():
-                keys = _all_keys(tomllib.loads(text)) if name.endswith(".toml") else set()
+                keys = _all_keys(yaml.safe_load(text))
                 assert not keys & {"api_key", "password", "token"}, (name, keys)
                 assert "redis://:" not in text, f"{name} carries a Redis password"
         if overlay == "cpu-dev":

@@ -1,8 +1,9 @@
 """Typed settings for every Flywheel service (torch-free, importable everywhere).
 
 One `FlywheelSettings` holds a section per service. Values come, in increasing priority, from
-the defaults below, a TOML config file (`flywheel up --config FILE`, or `FLYWHEEL_CONFIG`), and
-environment variables `FLYWHEEL_<SECTION>__<FIELD>` (e.g. `FLYWHEEL_TRAINER__LR=1e-5`).
+the defaults below, a config file with one section per service (YAML `.yaml`/`.yml`, TOML, or
+JSON `.json`; `flywheel up --config FILE`, or `FLYWHEEL_CONFIG`), and environment variables
+`FLYWHEEL_<SECTION>__<FIELD>` (e.g. `FLYWHEEL_TRAINER__LR=1e-5`).
 Settings are parsed at start-up by `load_settings()`, never at import time.
 
 To add a setting: add a field with a docstring that names its unit and any sentinel value.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -556,29 +558,99 @@ class FlywheelSettings(BaseSettings):
         return self.streams.key("scored" if self.teacher.enabled else "train")
 
     def dump(self) -> str:
-        """Resolved settings as JSON (logged at start-up)."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """Resolved settings as JSON with secrets masked (logged at start-up)."""
+        return json.dumps(mask_secrets(self.model_dump(mode="json")), sort_keys=True)
+
+
+SECRET_KEY = re.compile(r"(^|_)(api_key|password|secret|token)$")
+"""Setting names whose values are credentials (masked by `mask_secrets`)."""
+URL_PASSWORD = re.compile(r"^([a-z][a-z0-9+.-]*://[^/@:]*:)([^/@]+)(@)", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(data: Any, key: str = "") -> Any:
+    """A copy of settings data (`model_dump(mode="json")`) with credentials replaced by `***`:
+    values of keys named like api_key/password/secret/token, and passwords inside URLs
+    (`redis://:pw@host` -> `redis://:***@host`). Empty and null values stay as they are."""
+    if isinstance(data, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [mask_secrets(v, key) for v in data]
+    if isinstance(data, str):
+        if data and SECRET_KEY.search(key):
+            return MASK
+        return URL_PASSWORD.sub(rf"\g<1>{MASK}\g<3>", data)
+    return data
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read as settings (syntax, or not a mapping of sections)."""
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sections of a YAML (`.yaml`/`.yml`), JSON (`.json`) or TOML (other) config file.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ConfigFileError: a syntax error (with its line), or a top level that is not a mapping.
+    """
+    path = Path(path)
+    text = path.read_text()
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml  # noqa: PLC0415
+
+            data = yaml.safe_load(text)
+            data = {} if data is None else data
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except Exception as exc:  # yaml.YAMLError, JSONDecodeError, TOMLDecodeError
+        raise ConfigFileError(f"{path}: not valid {suffix.lstrip('.') or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigFileError(f"{path}: the top level must be a mapping with one section per "
+                              f"service (engine, gateway, reward, teacher, trainer, ...), not a "
+                              f"{type(data).__name__}")
+    return data
+
+
+def describe_validation_error(exc: Any) -> str:
+    """One line per invalid setting, named by its dotted path and its environment variable:
+    `trainer.lr (FLYWHEEL_TRAINER__LR): Input should be greater than 0 (got -1)`."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        env = "FLYWHEEL_" + "__".join(str(p) for p in err["loc"]).upper()
+        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(
+            err.get("input"), dict) else ""
+        if SECRET_KEY.search(str(err["loc"][-1]) if err["loc"] else ""):
+            got = ""
+        lines.append(f"  {loc} ({env}): {err['msg']}{got}")
+    return "\n".join(lines)
 
 
 def load_settings(
     config_file: str | os.PathLike[str] | None = None, **overrides: Any
 ) -> FlywheelSettings:
-    """Parse settings from a TOML file (optional), then environment overrides.
+    """Parse settings from a config file (optional), then environment overrides.
 
     Args:
-        config_file: TOML file with one table per section (or the same as JSON, `.json`);
-            None = `$FLYWHEEL_CONFIG` if set.
+        config_file: YAML (`.yaml`/`.yml`), JSON (`.json`) or TOML file with one section per
+            service; None = `$FLYWHEEL_CONFIG` if set.
         overrides: section dicts that take priority below the environment (used by tests).
 
     Raises:
         FileNotFoundError: the config file does not exist.
-        pydantic.ValidationError: a value is invalid or a key is unknown.
+        ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections.
+        pydantic.ValidationError: a value is invalid or a key is unknown (its `loc` names the
+            field; `describe_validation_error` formats it).
     """
     path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
     data: dict[str, Any] = {}
     if path:
-        text = Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        data = read_config_file(path)
     for section, values in overrides.items():
         if isinstance(values, dict):
             data.setdefault(section, {}).update(values)

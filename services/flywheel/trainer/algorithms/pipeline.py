@@ -41,12 +41,14 @@ STEP_INPUTS = frozenset({
     "rewards_B", "group_index_B", "token_ids_BT", "loss_mask_BT", "rollout_logprobs_BT",
     "old_logprobs_BT", "train_logprobs_BT", "logprobs_BT", "advantages_BT", "token_loss_BT",
     "ref_logprobs_BT", "teacher_logprobs_BT", "teacher_mask_BT", "entropy_BT", "turn_index_B",
-    "step",
+    "step", "student_topk_logprobs_BTK",
 })
 """Inputs the step can provide today. `entropy_BT` costs one no-grad scoring pass of the batch.
-Not provided yet: `student_topk_logprobs_BTK` (a full-vocabulary head pass with grad),
-`wrong_hint_logprobs_BT` (the Sample schema has no field for a second teacher pass) and
-`step_rewards_BT` (no per-step score field in the Sample)."""
+`student_topk_logprobs_BTK` costs a second, full-vocabulary forward pass with grad per
+micro-batch (`student_topk`). Not provided yet: `student_logprobs_at_teacher_topk_BTK` (the
+batch does not carry the teacher's top-k ids), `wrong_hint_logprobs_BT` (the Sample schema
+has no field for a second teacher pass) and `step_rewards_BT` (no per-step score field in
+the Sample)."""
 
 
 def needs(names: Sequence[str]) -> set[str]:
@@ -106,6 +108,10 @@ class AlgoConfig:
     def late_advantage(self) -> bool:
         """The advantage estimator reads entropy: it runs in `batch_stage`, not `prepare`."""
         return "entropy_BT" in needs([self.advantage])
+
+    @property
+    def needs_topk(self) -> bool:
+        return "student_topk_logprobs_BTK" in needs([n for n, _ in self.regularizers])
 
     @property
     def prepare_advantage(self) -> str:
@@ -246,10 +252,35 @@ def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
-def token_terms(algo: AlgoConfig, logprobs_BT: Tensor, mb: Any
+TOPK = 8
+"""Candidates per position in `student_topk` (SimKO reads its first `top_k`, Lp-Reg all)."""
+
+
+def student_topk(model: Any, mb: Any, cfg: Any) -> Tensor | None:
+    """(B, T, K) log-probabilities of the K most likely next tokens at every position, with
+    grad, at each row's temperature (position t: the distribution token t was drawn from; 0 at
+    t = 0 and off the loss mask). None unless a selected regularizer declares
+    `student_topk_logprobs_BTK`.
+
+    A plain full-vocabulary forward (logits (B, T, V) with grad): memory grows with V, so it is
+    only run for the parts that need it (SimKO, Lp-Reg).
+    """
+    if not cfg.algo.needs_topk:
+        return None
+    logits_BTV = model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits
+    logits_BTV = logits_BTV[:, :-1].float() / mb.temperature_B.float()[:, None, None]
+    top_BTK = torch.log_softmax(logits_BTV, dim=-1).topk(TOPK, dim=-1).values
+    top_BTK = torch.nn.functional.pad(top_BTK, (0, 0, 1, 0))
+    return torch.where(mb.loss_mask_BT.bool()[..., None], top_BTK, torch.zeros_like(top_BTK))
+
+
+def token_terms(algo: AlgoConfig, lp: Any, mb: Any, topk_BTK: Tensor | None = None,
                 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """sum_k coef_k term_k (B, T) of the selected regularizers for one micro-batch, and the
     detached terms as token statistics (`reg/<name>`). None when none is selected.
+
+    `lp` is the step's `TokenLogprobs` (logprobs with grad, detached entropy); `topk_BTK` the
+    `student_topk` output when a selected term declared it.
 
     KL estimators take the rollout logprobs as the reference policy; distillation terms read
     the micro-batch's teacher logprobs and are 0 where it has none.
@@ -262,9 +293,9 @@ def token_terms(algo: AlgoConfig, logprobs_BT: Tensor, mb: Any
     ctx = TokenContext(
         advantages_BT=mb.advantages_BT, loss_mask_BT=mb.loss_mask_BT,
         old_logprobs_BT=mb.old_logprobs_BT, rewards_B=mb.rewards_B,
-        group_index_B=mb.group_index_B, logprobs_BT=logprobs_BT,
-        token_ids_BT=mb.input_ids_BT,
-        teacher_logprobs_BT=getattr(mb, "teacher_logprobs_BT", None),
+        group_index_B=mb.group_index_B, logprobs_BT=lp.logprobs_BT,
+        entropy_BT=lp.entropy_BT.detach(), token_ids_BT=mb.input_ids_BT,
+        teacher_logprobs_BT=getattr(mb, "teacher_logprobs_BT", None), topk_logprobs_BTK=topk_BTK,
     )
     total_BT: Tensor | None = None
     stats: dict[str, Tensor] = {}

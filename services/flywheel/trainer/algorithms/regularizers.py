@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flywheel.trainer.algorithms.context import TokenContext, masked_quantile, require
+from flywheel.trainer.algorithms.context import TokenContext, require
 from flywheel.trainer.algorithms.losses import LOG_RATIO_LIMIT
 from flywheel.trainer.algorithms.params import resolve
 
@@ -185,8 +185,9 @@ class SimKOParams:
     """Share of a positive token's update moved to the mean of its top-K candidates."""
     top1_penalty: float = 1.1
     """lambda: a wrong response's top-1 token is pushed down lambda times as hard."""
-    entropy_frac: float = 0.2
-    """Applied at the top fraction of tokens by entropy (SimKO acts at forking tokens)."""
+    min_entropy: float = 1.0
+    """Applied at tokens whose entropy (nats) is at least this (SimKO acts at forking tokens).
+    A fixed threshold, not a batch quantile, so gradient accumulation stays exact."""
 
 
 def simko(ctx: TokenContext, p: SimKOParams) -> Tensor:
@@ -201,14 +202,13 @@ def simko(ctx: TokenContext, p: SimKOParams) -> Tensor:
     response's top-1 choice lambda times as hard: the asymmetry SimKO uses against probability
     over-concentration ("SimKO: Simple Pass@K Optimization", abstract in shared/reference).
     Needs `topk_logprobs_BTK` with grad (a full-vocabulary head pass) and entropy; the paper's
-    K, alpha, lambda are not in the abstract: 3, 0.1, 1.1, top 20% entropy are this library's.
+    K, alpha, lambda are not in the abstract: 3, 0.1, 1.1, H >= 1 nat are this library's.
     """
     logp_BT = require(ctx, "logprobs_BT", "simko")
     topk_BTK = require(ctx, "topk_logprobs_BTK", "simko")[..., : p.top_k]
     entropy_BT = require(ctx, "entropy_BT", "simko")
     mask_BT = ctx.loss_mask_BT.bool()
-    tau = masked_quantile(entropy_BT, mask_BT, 1.0 - p.entropy_frac)
-    fork_BT = mask_BT & (entropy_BT >= tau)
+    fork_BT = mask_BT & (entropy_BT >= p.min_entropy)
     adv_BT = ctx.advantages_BT
     boost_BT = -adv_BT * p.alpha * (topk_BTK.mean(dim=-1) - logp_BT)
     top1_BT = (logp_BT.detach() - topk_BTK[..., 0].detach()).abs() < 1e-6

@@ -47,7 +47,6 @@ def test_needs_unions_the_declared_inputs():
 
 
 @pytest.mark.parametrize("algo,missing", [
-    ({"regularizers": (("simko", 0.1),)}, "student_topk_logprobs_BTK"),
     ({"advantage": "contrastive_sd"}, "wrong_hint_logprobs_BT"),
     ({"advantage": "segment"}, "step_rewards_BT"),
 ])
@@ -115,6 +114,7 @@ def test_high_entropy_weights_use_the_policy_entropy_and_drop_80_percent():
     {"token_weights": ("high_entropy_only", "balanced")},
     {"advantage": "zero_variance"},
     {"regularizers": (("k3", 0.1), ("entropy_bonus_sampled", 0.01))},
+    {"regularizers": (("simko", 0.5), ("lp_reg", 0.5))},
 ])
 def test_gradient_accumulation_equals_one_big_batch_with_algorithm_parts(algo):
     grads = []
@@ -151,6 +151,19 @@ def test_regularizer_terms_enter_the_loss():
     # k1 = logp - logp_rollout per token, token-mean aggregated
     assert reg.terms["reg"] != 0.0 and plain.terms.get("reg") is None
     assert reg.loss == pytest.approx(plain.loss + reg.terms["reg"], rel=1e-5)
+
+
+def test_student_topk_matches_the_full_distribution_and_only_runs_when_needed():
+    model = tiny_model(seed=2)
+    batch, _ = prepare_batch(groups(), step_config())
+    assert pipeline.student_topk(model, batch, step_config()) is None
+    cfg = step_config(regularizers=(("lp_reg", 1.0),))
+    top_BTK = pipeline.student_topk(model, batch, cfg)
+    logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
+    full = torch.log_softmax(logits[0, 3].float() / batch.temperature_B[0], dim=-1)
+    assert_close(top_BTK[0, 4], full.topk(pipeline.TOPK).values)  # token 4 drawn from pos 3
+    assert float(top_BTK[0, :3].abs().sum()) == 0.0  # prompt positions
+    assert top_BTK.requires_grad
 
 
 def test_recipes_exist():

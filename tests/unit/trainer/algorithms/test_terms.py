@@ -89,13 +89,13 @@ def test_grsp_equal_lengths_give_zero():
 
 
 def test_simko_worked_example():
-    # one high-entropy position (entropy_frac 1.0 keeps all): top-3 logprobs [-0.5, -1.5, -2.5]
+    # one position at or above min_entropy 0: top-3 logprobs [-0.5, -1.5, -2.5]
     # A = +1, sampled token = top-2 (logp -1.5): l = -1 * 0.1 * (mean(-0.5, -1.5, -2.5) + 1.5)
     # = -0.1 * (-1.5 + 1.5) = 0; gradient -0.1 / 3 on each top-k logprob and +0.1 on logp
     topk = torch.tensor([[[-0.5, -1.5, -2.5]]], requires_grad=True)
     logp = torch.tensor([[-1.5]], requires_grad=True)
     c = ctx([[1.0]], entropy=[[1.0]], logp=logp, topk=topk)
-    term = apply_term("simko", c, {"entropy_frac": 1.0})
+    term = apply_term("simko", c, {"min_entropy": 0.0})
     assert float(term.detach()) == pytest.approx(0.0)
     term.sum().backward()
     assert_close(topk.grad, torch.full((1, 1, 3), -0.1 / 3))
@@ -107,7 +107,7 @@ def test_simko_penalizes_a_wrong_top1_token_harder():
     topk = torch.tensor([[[-0.5, -1.5, -2.5]]])
     logp = torch.tensor([[-0.5]], requires_grad=True)
     term = apply_term("simko", ctx([[-1.0]], entropy=[[1.0]], logp=logp, topk=topk),
-                      {"entropy_frac": 1.0})
+                      {"min_entropy": 0.0})
     assert float(term.detach()) == pytest.approx(-0.05)
 
 

@@ -15,12 +15,6 @@ from flywheel.engine.app import EngineDeps, create_app
 PROMPT = [1, 504, 3458, 314, 260, 1789]
 
 
-@pytest.fixture(scope="module")
-def client(tiny_engine, tiny_model_dir) -> TestClient:
-    deps = EngineDeps(engine=tiny_engine, settings=tiny_engine.settings, model_path=tiny_model_dir)
-    return TestClient(create_app(deps))
-
-
 def is_logprob_row(row) -> bool:
     return (
         isinstance(row, list)

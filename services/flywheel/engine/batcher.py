@@ -235,6 +235,8 @@ def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
     ids = seq.input_ids
     seq.input_logprobs = [None] if start < len(ids) else []
     seq.input_top = [None] if start < len(ids) else []
+    wanted = seq.job.spec.token_ids_logprob
+    seq.input_ids_lp = [None] if start < len(ids) else []
     targets = torch.tensor(ids[start + 1 :], dtype=torch.long, device=hidden.device)
     for lo in range(start, len(ids) - 1, _LOGIT_CHUNK):
         hi = min(lo + _LOGIT_CHUNK, len(ids) - 1)
@@ -244,6 +246,8 @@ def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
         seq.input_logprobs.extend(picked.tolist())
         if k > 0:
             seq.input_top.extend(top_logprobs(row, k) for row in logprobs)
+        if wanted:
+            seq.input_ids_lp.extend(logprobs[:, wanted].tolist())
 
 
 def _sample_step(runner: ModelRunner, seqs: list[Sequence], logits: Tensor) -> Tensor:
@@ -254,6 +258,8 @@ def _sample_step(runner: ModelRunner, seqs: list[Sequence], logits: Tensor) -> T
     for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
         if seq.job.spec.top_logprobs_num > 0:
             seq.output_top.append(top_logprobs(logprobs[i], seq.job.spec.top_logprobs_num))
+        if seq.job.spec.token_ids_logprob:
+            seq.output_ids_lp.append(logprobs[i, seq.job.spec.token_ids_logprob].tolist())
         seq.append(token, picked[i], runner.tokenizer)
         if seq.job.listener is not None and not seq.finished:
             notify(seq, runner)

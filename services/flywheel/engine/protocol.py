@@ -113,6 +113,8 @@ class GenerateRequest(BaseModel):
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int]] | None = None
+    """Logprobs of these vocabulary ids at every scored position (per row when nested)."""
     return_text_in_logprobs: bool = False
     stream: bool = False
 
@@ -152,6 +154,7 @@ class RowSpec:
     logprob_start_len: int
     top_logprobs_num: int
     return_text_in_logprobs: bool
+    token_ids_logprob: list[int] | None = None
 
 
 def _per_row(value: Any, size: int, name: str, default: Any) -> list[Any]:
@@ -197,6 +200,11 @@ def expand_generate(req: GenerateRequest) -> tuple[list[RowSpec], bool]:
         "logprob_start_len": _per_row(req.logprob_start_len, size, "logprob_start_len", -1),
         "top_logprobs_num": _per_row(req.top_logprobs_num, size, "top_logprobs_num", 0),
     }
+    token_ids = req.token_ids_logprob
+    if token_ids and isinstance(token_ids[0], list):
+        per_prompt_ids = _per_row(token_ids, size, "token_ids_logprob", None)
+    else:
+        per_prompt_ids = [token_ids] * size
     rows: list[RowSpec] = []
     for i, prompt in enumerate(prompts):
         for j in range(n):
@@ -212,6 +220,7 @@ def expand_generate(req: GenerateRequest) -> tuple[list[RowSpec], bool]:
                     logprob_start_len=columns["logprob_start_len"][i],
                     top_logprobs_num=columns["top_logprobs_num"][i],
                     return_text_in_logprobs=req.return_text_in_logprobs,
+                    token_ids_logprob=per_prompt_ids[i],
                 )
             )
     return rows, is_batch or n > 1

@@ -68,6 +68,9 @@ class Sequence:
         self.output_top: list[tuple[list[float], list[int]]] = []
         self.input_logprobs: list[float | None] = []
         self.input_top: list[tuple[list[float], list[int]] | None] = []
+        self.output_ids_lp: list[list[float]] = []
+        """Per output position: logprobs of `token_ids_logprob` (in request order)."""
+        self.input_ids_lp: list[list[float] | None] = []
         self.finish_reason: dict[str, Any] | None = None
         self.weight_version = ""
         self._version_starts: list[tuple[str, int]] = []
@@ -169,6 +172,15 @@ class Sequence:
                     _top(t, tokenizer, with_text) for t in self.output_top
                 ]
                 meta["input_top_logprobs"] = [_top(t, tokenizer, with_text) for t in self.input_top]
+            wanted = spec.token_ids_logprob
+            if wanted:
+                meta["output_token_ids_logprobs"] = [
+                    _top((lps, wanted), tokenizer, with_text) for lps in self.output_ids_lp
+                ]
+                meta["input_token_ids_logprobs"] = [
+                    None if lps is None else _top((lps, wanted), tokenizer, with_text)
+                    for lps in self.input_ids_lp
+                ]
         return {
             "text": self.text(tokenizer),
             "output_ids": list(self.output_ids),

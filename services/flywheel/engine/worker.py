@@ -385,6 +385,9 @@ class EngineWorker:
             raise InvalidRequestError(
                 f"token id {bad[0]} is outside the vocabulary (size {runner.vocab_size})"
             )
+        bad = [i for i in spec.token_ids_logprob or () if not 0 <= i < runner.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token_ids_logprob id {bad[0]} is outside the vocabulary")
         limit = self.settings.context_length - 1
         if len(ids) > limit:
             raise InvalidRequestError(

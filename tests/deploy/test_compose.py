@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import itertools
 import json
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -420,3 +422,96 @@ def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(compose, profil
         return mounts[where]
 
     assert volume_of(gateway) == volume_of(trainer) == "checkpoints"
+
+
+# ---------------------------------------------------------------- image contents
+
+
+def _import_nodes(path: Path) -> list[tuple[ast.AST, bool]]:
+    """(import node, at module level) for every import not guarded by `try/except ImportError`
+    or `if TYPE_CHECKING`."""
+    out: list[tuple[ast.AST, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Try) and any(
+                    isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
+                                                                   "ModuleNotFoundError")
+                    for h in child.handlers):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                out.append((child, top))
+            inner = top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
+                                           | ast.Lambda)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), True)
+    return out
+
+
+def _module_file(name: str) -> Path | None:
+    """Source file of a flywheel module (None for a name that is not a module)."""
+    base = ROOT / "services" / Path(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _third_party_imports(service: str) -> dict[str, str]:
+    """Top-level third-party modules the service's processes import -> the flywheel module
+    that imports them. Every module of flywheel.<service> counts with its lazy (function-level)
+    imports; other flywheel modules it reaches count with their module-level imports."""
+    own = {".".join(p.relative_to(ROOT / "services").with_suffix("").parts).removesuffix(
+        ".__init__") for p in (ROOT / "services/flywheel" / service).rglob("*.py")}
+    todo, seen, found = sorted(own), set(), {}
+    while todo:
+        name = todo.pop()
+        path = _module_file(name)
+        if name in seen or path is None:
+            continue
+        seen.add(name)
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node, top in _import_nodes(path):
+            if not top and name not in own:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([base] if base else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                targets = [a.name for a in node.names]
+            for target in targets:
+                root = target.split(".")[0]
+                if root == "flywheel":
+                    if _module_file(target):
+                        todo.append(target)
+                elif root and root not in sys.stdlib_module_names:
+                    found.setdefault(root, name)
+    return found
+
+
+OPTIONAL_IMPORTS = {"wandb"}
+"""Imported only when installed and configured (trainer.wandb_project; checked with find_spec)."""
+
+
+@pytest.mark.parametrize("service", ["gateway", "reward", "teacher", "engine", "trainer"])
+def test_each_image_installs_every_package_its_service_imports(compose, service):
+    """The image built with EXTRAS=<service> (only that extra) has every third-party package
+    the service's code imports; e.g. the teacher's tokenizer needs transformers."""
+    extra = next(s["build"]["args"]["EXTRAS"] for s in compose["services"].values()
+                 if _flywheel_service(s) == service and "build" in s)
+    installed = _closure(extra)
+    dists = metadata.packages_distributions()
+    missing = {}
+    for module, importer in _third_party_imports(service).items():
+        if module in OPTIONAL_IMPORTS:
+            continue
+        names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
+        if not names & installed:
+            missing[module] = importer
+    assert not missing, f".[{extra}] lacks packages imported by: {missing}"

@@ -36,6 +36,10 @@ class TokenContext:
     topk_logprobs_BTK: Tensor | None = None
     """(B, T, K) current-policy logprobs of the K most likely tokens at each position, descending
     (with grad in the micro-batch stage)."""
+    teacher_topk_logprobs_BTK: Tensor | None = None
+    """(B, T, K) teacher logprobs of its K most likely tokens at each position."""
+    student_at_teacher_topk_BTK: Tensor | None = None
+    """(B, T, K) current-policy logprobs of the teacher's top-K tokens (with grad)."""
     step: int = 0
     """Optimizer steps taken before this one (for schedules)."""
 

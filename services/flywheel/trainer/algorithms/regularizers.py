@@ -148,6 +148,52 @@ def distill_mixed(ctx: TokenContext, p: MixedKLParams) -> Tensor:
 
 
 @dataclass(frozen=True)
+class TopKDistillParams:
+    direction: str = "reverse"
+    """`reverse` KL(pi || q), `forward` KL(q || pi), or `mixed` (forward_weight of forward)."""
+    forward_weight: float = 0.5
+    """lambda of `mixed`."""
+    eps: float = 1e-6
+    """Floor on the tail masses before the log."""
+
+
+def _binned(logp_BTK: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(B, T, K+1) probabilities and logprobs: the K given tokens plus one tail bin."""
+    probs_BTK = logp_BTK.exp()
+    tail_BT1 = (1 - probs_BTK.sum(dim=-1, keepdim=True)).clamp_min(eps)
+    return torch.cat([probs_BTK, tail_BT1], -1), torch.cat([logp_BTK, tail_BT1.log()], -1)
+
+
+def distill_topk(ctx: TokenContext, p: TopKDistillParams) -> Tensor:
+    """Distillation KL over the teacher's top-K tokens plus a tail bin, per position.
+
+        bins      = the teacher's K most likely tokens + "everything else"
+        q_tail    = 1 - sum_k q_k,   pi_tail = 1 - sum_k pi_k        (floored at eps)
+        reverse:  sum_{bins} pi (log pi - log q);   forward: sum_{bins} q (log q - log pi)
+
+    Exact over the K+1 bins (no sampling): with K = V it is the full KL. The teacher's top-K
+    (Sample.teacher_topk_ids / teacher_topk_logprobs) is what the teacher service stores; the
+    tail bin keeps the K-term sum a proper divergence between two distributions (OpenClaw-RL's
+    hindsight OPD with top-k, the KL-direction study; abstracts in shared/reference). Needs the
+    student's logprobs at the teacher's ids with grad: (B, T, K) each.
+    """
+    teacher_BTK = require(ctx, "teacher_topk_logprobs_BTK", "distill_topk").detach()
+    student_BTK = require(ctx, "student_at_teacher_topk_BTK", "distill_topk")
+    q, log_q = _binned(teacher_BTK, p.eps)
+    pi, log_pi = _binned(student_BTK, p.eps)
+    reverse_BT = (pi * (log_pi - log_q)).sum(dim=-1)
+    forward_BT = (q * (log_q - log_pi)).sum(dim=-1)
+    if p.direction == "reverse":
+        return reverse_BT
+    if p.direction == "forward":
+        return forward_BT
+    if p.direction == "mixed":
+        return p.forward_weight * forward_BT + (1 - p.forward_weight) * reverse_BT
+    raise ValueError(f"distill_topk.direction must be reverse, forward or mixed, got "
+                     f"{p.direction!r}")
+
+
+@dataclass(frozen=True)
 class GRSPParams:
     scale: float = 1.0
     """Penalty of one group-std of extra length, in advantage units."""
@@ -272,6 +318,7 @@ TERMS: dict[str, TermFn] = {
     "grsp": grsp,
     "simko": simko,
     "lp_reg": lp_reg,
+    "distill_topk": distill_topk,
 }
 """Regularizer terms selected by `TrainerSettings.regularizers` (with the KL estimators):
 `(TokenContext, params) -> (B, T)`, added to the token loss times their coefficient."""
@@ -280,7 +327,7 @@ TERM_PARAMS: dict[str, type] = {
     "k1": NoParams, "k2": NoParams, "k3": NoParams,
     "entropy_bonus_sampled": NoParams, "entropy_min": NoParams, "distill_rkl": NoParams,
     "distill_fkl": NoParams, "distill_mixed": MixedKLParams, "grsp": GRSPParams,
-    "simko": SimKOParams, "lp_reg": LpRegParams,
+    "simko": SimKOParams, "lp_reg": LpRegParams, "distill_topk": TopKDistillParams,
 }
 
 

@@ -48,6 +48,7 @@ def test_needs_unions_the_declared_inputs():
 
 @pytest.mark.parametrize("algo,missing", [
     ({"advantage": "contrastive_sd"}, "wrong_hint_logprobs_BT"),
+    ({"regularizers": (("distill_topk", 0.1),)}, "student_logprobs_at_teacher_topk_BTK"),
     ({"advantage": "segment"}, "step_rewards_BT"),
 ])
 def test_parts_whose_inputs_the_step_lacks_are_refused_at_start_up(algo, missing):

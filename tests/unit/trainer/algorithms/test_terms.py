@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -125,7 +126,33 @@ def test_lp_reg_worked_example():
                                           topk=probs.log()))) == 0.0
 
 
-@pytest.mark.parametrize("name", ["k1", "k2", "k3", *sorted(TERMS)])
+@pytest.mark.parametrize("direction,expected", [
+    # K = 1: q = [0.5] (tail 0.5), pi = [0.25] (tail 0.75)
+    # reverse: 0.25 ln(0.25 / 0.5) + 0.75 ln(0.75 / 0.5) = -0.173287 + 0.304099 = 0.130812
+    # forward: 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.346574 - 0.202733 = 0.143841
+    ("reverse", 0.130812), ("forward", 0.143841), ("mixed", 0.5 * (0.130812 + 0.143841)),
+])
+def test_distill_topk_with_tail_bin_worked_example(direction, expected):
+    c = dataclasses.replace(
+        ctx([[0.0]]), teacher_topk_logprobs_BTK=torch.tensor([[[math.log(0.5)]]]),
+        student_at_teacher_topk_BTK=torch.tensor([[[math.log(0.25)]]]))
+    assert float(apply_term("distill_topk", c, {"direction": direction})) == pytest.approx(
+        expected, abs=1e-5)
+
+
+def test_distill_topk_is_zero_when_student_equals_teacher_and_exact_at_full_vocab():
+    q = torch.log_softmax(torch.tensor([[[2.0, 0.5, -1.0]]]), dim=-1)
+    same = dataclasses.replace(ctx([[0.0]]), teacher_topk_logprobs_BTK=q,
+                               student_at_teacher_topk_BTK=q.clone())
+    assert float(apply_term("distill_topk", same)) == pytest.approx(0.0, abs=1e-5)
+    pi = torch.log_softmax(torch.tensor([[[0.0, 1.0, 0.0]]]), dim=-1)
+    full = dataclasses.replace(ctx([[0.0]]), teacher_topk_logprobs_BTK=q,
+                               student_at_teacher_topk_BTK=pi)
+    exact = float((pi.exp() * (pi - q)).sum())  # K = V: the tail bin is empty
+    assert float(apply_term("distill_topk", full)) == pytest.approx(exact, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", *sorted(set(TERMS) - {"distill_topk"})])
 def test_every_term_is_finite_on_all_equal_inputs(name):
     logp = torch.full((2, 2), -1.0, requires_grad=True)
     c = ctx([[0.0, 0.0]] * 2, logp=logp, entropy=[[0.5, 0.5]] * 2,

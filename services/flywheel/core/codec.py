@@ -60,7 +60,7 @@ def validate_sample(sample: sample_pb2.Sample) -> None:
         raise ContractError(
             f"Sample {sample.sample_id!r}: prompt_length {sample.prompt_length} > {n} tokens."
         )
-    for name in ("teacher_logprobs", "teacher_mask"):
+    for name in ("teacher_logprobs", "teacher_mask", "wrong_hint_logprobs"):
         length = len(getattr(sample, name))
         if length not in (0, n):
             raise ContractError(

@@ -14,7 +14,9 @@ Placement rules (`TeacherSettings.hint_placement`):
 
 Environment-provided context (task metadata given when the session was created):
 `task["hint"]` is used as the hint (no judge call); `task["privileged_context"]` (a reference
-solution, say: on-policy self-distillation) is inserted by the same rule under its own label.
+solution, say: on-policy self-distillation) is inserted by the same rule under its own label;
+`task["wrong_hint"]` is a second, wrong hint for contrastive self-distillation (RLCSD): the
+response is scored under it too (`wrong_hint_logprobs`).
 """
 
 from __future__ import annotations
@@ -120,6 +122,16 @@ def task_context(sample: sample_pb2.Sample) -> tuple[str, str] | None:
         if isinstance(value, str) and value.strip():
             return kind, value.strip()
     return None
+
+
+def task_wrong_hint(sample: sample_pb2.Sample) -> str:
+    """`task["wrong_hint"]` (contrastive self-distillation, RLCSD), stripped; "" when absent."""
+    try:
+        task = json.loads(sample.task_json or "{}")
+    except json.JSONDecodeError:
+        return ""
+    value = task.get("wrong_hint") if isinstance(task, dict) else None
+    return value.strip() if isinstance(value, str) else ""
 
 
 class TeacherRenderer:

@@ -3,7 +3,8 @@
 Output on the Sample (DESIGN.md section 3): `teacher_logprobs` and `teacher_mask` with
 len(token_ids) entries (logprob 0.0 and mask 0 wherever there is no teacher logprob), optional
 `teacher_topk` / `teacher_topk_ids` / `teacher_topk_logprobs` (k per token, flattened, zeros where
-absent), `hint`, `teacher_model`, `teacher_weight_version`, and `teacher_status`:
+absent), `hint`, `teacher_model`, `teacher_weight_version`, `wrong_hint` and
+`wrong_hint_logprobs` (RLCSD, when the task gives a `wrong_hint`), and `teacher_status`:
 - "scored": the last assistant turn's sampled tokens carry teacher logprobs (mask 1);
 - "no_hint": no valid hint for this turn and `require_hint` is on (mask all 0; counted);
 - "skipped: <reason>": nothing to score, or the Sample's temperature differs from the teacher's.
@@ -33,6 +34,7 @@ from flywheel.teacher.context import (
     message_dicts,
     response_span,
     task_context,
+    task_wrong_hint,
     turn_context,
 )
 from flywheel.teacher.hints import HintExtractor
@@ -102,15 +104,21 @@ class Teacher:
             log.info("sample %s: no valid hint for the turn; no teacher logprobs",
                      sample.sample_id)
             return sample
-        if text:
-            context = insert_context(context, text, self.config.placement, kind)
         tools = json.loads(sample.tools_json) if sample.tools_json else None
-        prompt_ids = self.renderer.prompt_ids(context, tools)
+        hinted = insert_context(context, text, self.config.placement, kind) if text else context
         start, end = span
         response_ids = list(sample.token_ids[start:end])
         check_ids_in_vocab(response_ids, self.renderer.vocab_size)
-        scored = self.scorer.score(prompt_ids, response_ids, self.config.top_k)
-        self._write(sample, start, scored)
+        scoring = self.scorer.submit(self.renderer.prompt_ids(hinted, tools), response_ids,
+                                     self.config.top_k)
+        wrong = task_wrong_hint(sample) if text else ""
+        if wrong:  # submitted together, so both share a /generate call
+            wrong_ctx = insert_context(context, wrong, self.config.placement, kind)
+            contrast = self.scorer.submit(self.renderer.prompt_ids(wrong_ctx, tools),
+                                          response_ids).result()
+        self._write(sample, start, scoring.result())
+        if wrong:
+            self._write_wrong(sample, start, wrong, contrast)
         return sample
 
     def _hint(self, sample: sample_pb2.Sample) -> tuple[str, str]:
@@ -164,15 +172,29 @@ class Teacher:
             metrics.LOGPROB_GAP.observe(sum(gaps) / len(gaps))
 
 
+    def _write_wrong(self, sample: sample_pb2.Sample, start: int, wrong: str,
+                     scored: ScoredTokens) -> None:
+        """Logprobs under the wrong hint; `teacher_mask` keeps only tokens that have both."""
+        values = [0.0] * len(sample.token_ids)
+        for i, lp in enumerate(scored.logprobs):
+            if not math.isfinite(lp):
+                sample.teacher_mask[start + i] = 0
+            elif sample.teacher_mask[start + i]:
+                values[start + i] = lp
+        sample.wrong_hint = wrong
+        sample.wrong_hint_logprobs.extend(values)
+
+
 def _clear(sample: sample_pb2.Sample, n: int) -> None:
     """Reset the teacher fields (a redelivered Sample is processed afresh), zero-filled."""
     for name in ("teacher_logprobs", "teacher_mask", "teacher_topk_ids",
-                 "teacher_topk_logprobs"):
+                 "teacher_topk_logprobs", "wrong_hint_logprobs"):
         sample.ClearField(name)  # type: ignore[arg-type]  # protobuf field names are dynamic
     sample.teacher_topk = 0
     sample.teacher_logprobs.extend([0.0] * n)
     sample.teacher_mask.extend([0] * n)
-    for name in ("hint", "teacher_model", "teacher_weight_version", "teacher_status"):
+    for name in ("hint", "teacher_model", "teacher_weight_version", "teacher_status",
+                 "wrong_hint"):
         setattr(sample, name, "")
 
 

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import Future
 
 from flywheel.core.codec import new_sample
 from flywheel.teacher.scoring import ScoredTokens
 
 
 class FakeScorer:
-    """Teacher logprob of response token i = -0.1 * (i + 1); top-k ids 10+j, logprob -j."""
+    """Teacher logprob of response token i = -0.1 * (i + 1) + offset(prompt ids) (offset 0 by
+    default); top-k ids 10+j, logprob -j."""
 
-    def __init__(self, fail: Exception | None = None):
+    def __init__(self, fail: Exception | None = None, offset=lambda prompt_ids: 0.0):
         self.calls: list[tuple[list[int], list[int], int]] = []
         self.fail = fail
+        self.offset = offset
         self.lock = threading.Lock()
+
+    def submit(self, prompt_ids, response_ids, top_k=0) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(self.score(prompt_ids, response_ids, top_k))
+        except Exception as exc:  # noqa: BLE001  (delivered through the Future, like the real one)
+            future.set_exception(exc)
+        return future
 
     def score(self, prompt_ids, response_ids, top_k=0):
         with self.lock:
@@ -23,7 +34,7 @@ class FakeScorer:
         if self.fail:
             raise self.fail
         n = len(response_ids)
-        return ScoredTokens([-0.1 * (i + 1) for i in range(n)],
+        return ScoredTokens([-0.1 * (i + 1) + self.offset(prompt_ids) for i in range(n)],
                             [[10 + j for j in range(top_k)] for _ in range(n)],
                             [[-float(j) for j in range(top_k)] for _ in range(n)], "5", "u")
 

@@ -105,3 +105,36 @@ def test_reprocessing_a_redelivered_sample_gives_the_same_fields(renderer):
     once = t.process(live_sample(renderer, task={"hint": "The answer is 8."}))
     again = t.process(decode_sample(encode_sample(once)))
     assert encode_sample(again) == encode_sample(once)
+
+
+def test_a_wrong_hint_is_scored_too_for_contrastive_self_distillation(renderer):
+    # Fake teacher logprob of response token i = -0.1 (i + 1) - 0.001 len(prompt ids), so the
+    # two contexts (hints of different lengths) give different, predictable values.
+    scorer = FakeScorer(offset=lambda prompt_ids: -0.001 * len(prompt_ids))
+    sample = live_sample(renderer, task={"hint": "The answer is 8.",
+                                         "wrong_hint": "The answer is 9, so say 9."})
+    out = teacher(renderer, scorer).process(sample)
+    (right_p, resp, _), (wrong_p, resp2, _) = scorer.calls
+    assert resp == resp2
+    assert "[Hindsight hint]\nThe answer is 9, so say 9." in renderer.tokenizer.decode(wrong_p)
+    start = list(out.loss_mask).index(1)
+    n_resp = len(out.token_ids) - start
+    assert out.wrong_hint == "The answer is 9, so say 9."
+    assert list(out.wrong_hint_logprobs) == pytest.approx(
+        [0.0] * start + [-0.1 * (i + 1) - 0.001 * len(wrong_p) for i in range(n_resp)])
+    assert list(out.teacher_logprobs[start:]) == pytest.approx(
+        [-0.1 * (i + 1) - 0.001 * len(right_p) for i in range(n_resp)])
+    assert decode_sample(encode_sample(out)).wrong_hint == out.wrong_hint
+    # Without a correct hint there is nothing to contrast: no second pass.
+    plain = live_sample(renderer, task={"wrong_hint": "The answer is 9."})
+    out = teacher(renderer, FakeScorer(), require_hint=False).process(plain)
+    assert out.wrong_hint == "" and len(out.wrong_hint_logprobs) == 0
+
+
+def test_the_codec_refuses_misaligned_wrong_hint_logprobs(renderer):
+    from flywheel.core.errors import ContractError
+
+    sample = live_sample(renderer)
+    sample.wrong_hint_logprobs.extend([0.0] * (len(sample.token_ids) - 1))
+    with pytest.raises(ContractError, match="wrong_hint_logprobs"):
+        encode_sample(sample)

@@ -1,17 +1,22 @@
-"""Embedded inference engine: SGLang's native HTTP API on Hugging Face transformers, for CPU.
+"""Embedded inference engine: SGLang's HTTP API on Hugging Face transformers (CPU, or CUDA).
 
-Stands in for SGLang wherever SGLang cannot run (no GPU): the gateway, trainer and tests talk to
-it exactly as to SGLang. Start it with `python -m flywheel.engine`.
+Stands in for SGLang wherever SGLang cannot run (no GPU): the gateway, reward judge, teacher,
+trainer and tests talk to it exactly as to SGLang. Start it with `python -m flywheel.engine`.
 
 Modules:
-    convert   SmolLM2 GGUF -> safetensors folder (once, atomic); tiny random model for tests.
-    protocol  request models, batch expansion, orjson-like JSON (torch-free).
-    sampling  temperature / top-k / top-p / min-p, logprobs, seeded per-row sampling.
-    sequence  one row's decode state: stops, finish reason, response object.
-    runner    model + tokenizer: forward passes, checkpoint validation, in-place weight load.
-    batcher   static batched decoding with a KV cache (left padding, pruning finished rows).
-    worker    the thread that owns the model: queue, batch collection, aborts, weight swaps.
-    metrics   Prometheus metrics.
-    app       FastAPI routes with SGLang's shapes.
-    main      settings -> worker -> uvicorn.
+    convert        SmolLM2 GGUF -> safetensors folder (once, atomic); tiny random model for tests.
+    protocol       /generate request models, batch expansion, orjson-like JSON (torch-free).
+    openai_api     /v1 request models and chat/completion response shapes (torch-free).
+    sampling       temperature / top-k / top-p / min-p, logprobs, seeded per-row sampling.
+    sequence       one row's decode state: stops, finish reason, weight-version spans, response.
+    runner         model + tokenizer on the picked device: forward passes, checkpoint checks.
+    batcher        continuous batching: rows join and leave a running batch between steps.
+    scheduler      the worker's inbox: admission order, draining vs urgent controls, pause.
+    worker         the thread that owns the model: submit, abort, pause, decode loop, health.
+    weights        weight updates from disk and over torch.distributed; weight reads.
+    weight_sync    trainer-side client pushing weights over torch.distributed (gloo / NCCL).
+    metrics        Prometheus metrics.
+    app            native SGLang routes; openai_routes the /v1 routes; weight_routes the
+                   distributed weight-update routes.
+    main           settings -> worker -> uvicorn.
 """

@@ -1,10 +1,12 @@
 """HTTP surface of the embedded engine: SGLang's native routes with SGLang's shapes.
 
 `create_app(deps)` builds the FastAPI app around an `EngineLike` (the worker, or a fake in
-tests). Routes: /generate (also PUT), /update_weights_from_disk, /update_weight_version,
-/pause_generation, /continue_generation, /abort_request, /flush_cache, /get_weights_by_name,
-/health, /health_generate, /ready, /model_info (+ /get_model_info), /server_info
-(+ /get_server_info), /healthz (liveness) and /metrics (Prometheus).
+tests). Routes: /generate (also PUT; `stream` = SSE with cumulative chunks, one per sampled
+token), /update_weights_from_disk, /update_weight_version, /pause_generation,
+/continue_generation, /abort_request, /flush_cache, /get_weights_by_name, /health,
+/health_generate, /ready, /model_info (+ /get_model_info), /server_info (+ /get_server_info),
+/healthz (liveness) and /metrics (Prometheus); the /v1 OpenAI routes (openai_routes.py) and the
+distributed weight-update routes (weight_routes.py).
 
 Errors: a /generate body that fails schema validation (unknown sampling key, wrong type) answers
 400 `{"error": "<text>"}` like SGLang's 0.5.22+ contract gate; every other error answers

@@ -166,9 +166,23 @@ def service_targets(settings: FlywheelSettings,
                ("reward", "grpc", url("reward", f"{s.reward.host}:{s.reward.port}"))]
     if s.teacher.enabled or "teacher" in state:
         targets.append(("teacher", "grpc", url("teacher", f"{s.teacher.host}:{s.teacher.port}")))
+        for i, engine in enumerate(_teacher_engines(settings, state)):
+            targets.append((f"teacher-engine{'' if i == 0 else i}", "http", f"{engine}/health"))
     targets.append(("trainer", "http", url("trainer", f"http://{s.trainer.host}:"
                                                       f"{s.trainer.port}") + "/readyz"))
     return [(n, k, t.removeprefix("grpc://")) for n, k, t in targets]
+
+
+def _teacher_engines(settings: FlywheelSettings, state: dict[str, str]) -> list[str]:
+    """The teacher's own engines (the local stack's `teacher-engine`, or teacher.engine_urls);
+    none for a self-teacher, which scores on the policy engines."""
+    t = settings.teacher
+    if "teacher-engine" in state:
+        return [state["teacher-engine"].rstrip("/")]
+    if t.self_teacher:
+        return []
+    return [u.rstrip("/") for u in t.engine_urls] or [
+        f"http://{settings.engine.host}:{t.engine_port}"]
 
 
 def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceHealth:

@@ -156,3 +156,47 @@ def test_with_api_keys_the_dashboard_needs_an_admin_key(ops_stack):  # noqa: F81
     finally:
         store.revoke(admin_rec.key_id)
         store.revoke(agent_rec.key_id)
+
+
+def test_samples_carry_votes_hints_masks_and_survive_a_poison_entry(redis_client, prefix,
+                                                                    tiny_model_dir):
+    """Samples written to a real Redis stream as the reward service writes them; decoded with
+    the real SmolLM2 tokenizer."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from flywheel._proto import sample_pb2  # noqa: PLC0415
+    from flywheel.core.codec import encode_sample, new_sample  # noqa: PLC0415
+    from flywheel.core.settings import StreamSettings  # noqa: PLC0415
+    from flywheel.gateway.dashboard import DashboardData  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = tok.encode("What is 7 + 1?")
+    reply = tok.encode(" The answer is 8.")
+    ids = prompt + reply
+    mask = [0] * len(prompt) + [1] * len(reply)
+    streams = StreamSettings(prefix=prefix)
+    for reward, votes in ((1.0, [sample_pb2.Vote(judge="prm@v2", has_value=True, value=1.0,
+                                                  explanation="correct sum")]),
+                          (0.0, [sample_pb2.Vote(judge="prm@v2", has_value=False,
+                                                  explanation="no final verdict")])):
+        sample = new_sample(group_id="g7", token_ids=ids, loss_mask=mask,
+                            rollout_logprobs=[-0.5 * m for m in mask],
+                            weight_versions=[4 if m else -1 for m in mask],
+                            prompt_length=len(prompt), reward=reward, has_reward=True,
+                            rewards={"verifier": reward}, votes=votes, hint="add the units",
+                            finish_reason="stop")
+        redis_client.xadd(streams.key("train"), {FIELD: encode_sample(sample)})
+    redis_client.xadd(streams.key("train"), {FIELD: b"\x00not a sample"})
+
+    def decode(batch: list[int]) -> list[str]:
+        return tok.batch_decode([[i] for i in batch])
+
+    shown = DashboardData(redis_client, streams, None, decode).samples(10)["samples"]
+    assert len(shown) == 2  # the poison entry is skipped, not fatal
+    good, bad = sorted(shown, key=lambda s: -s["reward"])
+    assert (good["advantage"], bad["advantage"]) == (1.0, -1.0)  # rewards 1, 0: mean .5, std .5
+    assert good["votes"] == [{"judge": "prm@v2", "value": 1.0, "explanation": "correct sum"}]
+    assert bad["votes"][0]["value"] is None  # an invalid vote is shown as invalid, not as 0
+    assert good["hint"] == "add the units" and good["weight_version"] == 4
+    assert "".join(p for p, _ in good["tokens"]) == tok.decode(ids)
+    assert [m for _, m in good["tokens"]] == mask

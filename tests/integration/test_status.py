@@ -97,3 +97,20 @@ def test_a_service_that_stops_answering_shows_as_down(ops_stack):  # noqa: F811
     assert not report.healthy and report.trainer is None
     down = [x.name for x in report.services if not x.healthy]
     assert down == ["trainer"]
+
+
+def test_the_teacher_and_its_engine_are_probed_when_enabled():
+    from flywheel.core.settings import load_settings  # noqa: PLC0415
+    from flywheel.status import service_targets  # noqa: PLC0415
+
+    names = [n for n, _, _ in service_targets(load_settings())]
+    assert names == ["engine", "gateway", "reward", "trainer"]
+    targets = {n: t for n, _, t in service_targets(load_settings(teacher={"enabled": True}))}
+    assert targets["teacher"] == "127.0.0.1:50052"
+    assert targets["teacher-engine"] == "http://127.0.0.1:30100/health"
+    state = {"teacher": "grpc://127.0.0.1:50999", "teacher-engine": "http://127.0.0.1:31999"}
+    targets = {n: t for n, _, t in service_targets(load_settings(), state)}
+    assert targets["teacher"] == "127.0.0.1:50999"
+    assert targets["teacher-engine"] == "http://127.0.0.1:31999/health"
+    self_teacher = load_settings(teacher={"enabled": True, "self_teacher": True})
+    assert "teacher-engine" not in [n for n, _, _ in service_targets(self_teacher)]

@@ -399,8 +399,8 @@ def rlsd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
 
     The sign of every token's advantage is the reward's (w > 0), so the privileged teacher can
     never flip an update direction (the leakage RLSD avoids); tokens the hinted teacher endorses
-    get more credit in correct responses, tokens it rejects more blame in wrong ones. "RLVR with
-    Self-Distillation" (RLSD, abstract in shared/reference). beta = 1 and [0.2, 5] are this
+    get more credit in correct responses, tokens it rejects more blame in wrong ones.
+    "Self-Distilled RLVR" (RLSD), Yang et al. 2026, arXiv:2604.03128. beta = 1 and [0.2, 5] are this
     library's defaults; beta = 0 is GRPO.
     """
     p = resolve(RLSDParams, cfg.params, "rlsd")
@@ -454,8 +454,8 @@ def contrastive_sd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig
         A_{i,t} = A_i^GRPO + lambda c_t
 
     The style shift any hint induces cancels; what remains is concentrated on task-bearing
-    tokens. "Reinforcement Learning with Contrastive on-policy Self-Distillation" (RLCSD,
-    abstract in shared/reference). lambda = 1 is this library's default; lambda = 0 is GRPO.
+    tokens. "RLCSD: Reinforcement Learning with Contrastive On-Policy Self-Distillation", 2026,
+    arXiv:2606.11709. lambda = 1 is this library's default; lambda = 0 is GRPO.
     Tokens without both teacher logprobs get the GRPO advantage.
     """
     p = resolve(ContrastiveParams, cfg.params, "contrastive_sd")

@@ -8,6 +8,14 @@ names them.
 
 Kinds follow the design notes: advantage, weight (token weights / masks, incl. train-inference
 corrections), ratio (policy loss: ratio form and clip), aggregation, regularizer.
+
+Which `[trainer]` setting selects a part follows from its registry: ADVANTAGES -> `advantage`,
+POLICY_LOSSES -> `policy_loss`, AGGREGATIONS -> `loss_aggregation`, CORRECTIONS ->
+`rollout_correction`, WEIGHTS -> `token_weights` (a list, applied in order; includes the
+`balanced` aggregation, which is a weighting for `token_mean`), KL_ESTIMATORS and TERMS ->
+`regularizers` ({name = coefficient}; includes the SimKO and Lp-Reg weightings, which add a term
+to the loss), REGULARIZERS -> `entropy_coef`. Per-part parameters: `[trainer.algorithm_params.
+<name>]`.
 """
 
 from __future__ import annotations
@@ -58,11 +66,11 @@ CATALOG: tuple[Algorithm, ...] = (
     Algorithm("segment", "advantage", "ADVANTAGES",
               "DeepSeekMath process supervision arXiv:2402.03300; CAPO, SPAE, MA-RLHF",
               "rewards_B, group_index_B, loss_mask_BT, step_rewards_BT"),
-    Algorithm("rlsd", "advantage", "ADVANTAGES", "RLSD (RLVR with self-distillation)",
+    Algorithm("rlsd", "advantage", "ADVANTAGES", "Self-Distilled RLVR (RLSD), arXiv:2604.03128",
               "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT"),
     Algorithm("sdar_gate", "advantage", "ADVANTAGES", "SDAR (self-distilled agentic RL)",
               "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT"),
-    Algorithm("contrastive_sd", "advantage", "ADVANTAGES", "RLCSD (contrastive self-distillation)",
+    Algorithm("contrastive_sd", "advantage", "ADVANTAGES", "RLCSD, arXiv:2606.11709",
               "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, "
               "rollout_logprobs_BT, wrong_hint_logprobs_BT"),
     Algorithm("high_entropy_only", "weight", "WEIGHTS",
@@ -72,7 +80,7 @@ CATALOG: tuple[Algorithm, ...] = (
               "advantages_BT, loss_mask_BT, entropy_BT"),
     Algorithm("entropy_weighted", "weight", "WEIGHTS", "GTPO / GRPO-S, arXiv:2508.04349",
               "advantages_BT, loss_mask_BT, entropy_BT"),
-    Algorithm("surprisal_reweight", "weight", "WEIGHTS", "STARE (surprisal-guided reweighting)",
+    Algorithm("surprisal_reweight", "weight", "WEIGHTS", "STARE, arXiv:2606.19236",
               "advantages_BT, loss_mask_BT, old_logprobs_BT, entropy_BT"),
     Algorithm("entropy_change", "weight", "WEIGHTS",
               "STEER; entropy mechanism arXiv:2505.22617",
@@ -97,15 +105,15 @@ CATALOG: tuple[Algorithm, ...] = (
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
     Algorithm("cispo", "ratio", "POLICY_LOSSES", "CISPO (MiniMax-M1), arXiv:2506.13585",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
-    Algorithm("dhpo", "ratio", "POLICY_LOSSES", "DHPO (token + sequence ratio mix)",
+    Algorithm("dhpo", "ratio", "POLICY_LOSSES", "DHPO, arXiv:2601.05607",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT, entropy_BT"),
-    Algorithm("aspo", "ratio", "POLICY_LOSSES", "ASPO (asymmetric IS, soft dual clip)",
+    Algorithm("aspo", "ratio", "POLICY_LOSSES", "ASPO, arXiv:2510.06062",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
     Algorithm("cppo", "ratio", "POLICY_LOSSES", "CPPO (cumulative prefix-divergence PO)",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
     Algorithm("prefix_ratio", "ratio", "POLICY_LOSSES", "prefix importance ratio (off-policy)",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
-    Algorithm("wapo", "ratio", "POLICY_LOSSES", "WAPO (winner advantage PO)",
+    Algorithm("wapo", "ratio", "POLICY_LOSSES", "WAPO, arXiv:2606.16154",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
     Algorithm("seq_elbo_ratio", "ratio", "POLICY_LOSSES", "ESPO sequence ratio (AR form)",
               "logprobs_BT, old_logprobs_BT, advantages_BT, loss_mask_BT"),
@@ -132,7 +140,8 @@ CATALOG: tuple[Algorithm, ...] = (
     Algorithm("k3", "regularizer", "KL_ESTIMATORS",
               "Schulman, Approximating KL Divergence; GRPO arXiv:2402.03300",
               "logprobs_BT, ref_logprobs_BT"),
-    Algorithm("entropy_bonus", "regularizer", "REGULARIZERS", "PPO entropy bonus, arXiv:1707.06347",
+    Algorithm("entropy_bonus", "regularizer", "REGULARIZERS",
+              "PPO entropy bonus arXiv:1707.06347 (trainer.entropy_coef)",
               "entropy_BT (with grad)"),
     Algorithm("entropy_bonus_sampled", "regularizer", "TERMS",
               "PPO entropy bonus arXiv:1707.06347 (sampled-token estimator)", "logprobs_BT"),
@@ -149,9 +158,9 @@ CATALOG: tuple[Algorithm, ...] = (
               "teacher_topk_logprobs_BTK, student_logprobs_at_teacher_topk_BTK"),
     Algorithm("grsp", "regularizer", "TERMS", "GRSP (group relative segment penalty)",
               "logprobs_BT, loss_mask_BT, group_index_B"),
-    Algorithm("simko", "weight", "TERMS", "SimKO (simple pass@K optimization)",
+    Algorithm("simko", "weight", "TERMS", "SimKO, arXiv:2510.14807",
               "logprobs_BT, advantages_BT, loss_mask_BT, entropy_BT, student_topk_logprobs_BTK"),
-    Algorithm("lp_reg", "weight", "TERMS", "Lp-Reg (low-probability regularization)",
+    Algorithm("lp_reg", "weight", "TERMS", "Lp-Reg, arXiv:2510.03222",
               "logprobs_BT, advantages_BT, loss_mask_BT, student_topk_logprobs_BTK"),
 )
 """Every registered part, in registry order."""

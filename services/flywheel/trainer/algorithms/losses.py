@@ -227,7 +227,8 @@ def dhpo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
         l_t = w_t ppo_clip_t(r_t; eps_low, eps_high)
               + (1 - w_t) gspo_t(s; seq_eps_low, seq_eps_high)
 
-    "Dynamic Hybrid Policy Optimization" (DHPO, abstract in shared/reference): averaged mixing
+    "Orchestrating Tokens and Sequences: Dynamic Hybrid Policy Optimization for RLVR" (DHPO),
+    Min et al. 2026, arXiv:2601.05607: averaged mixing
     (w = 1/2) or entropy-guided mixing (w_t = H_t / max over the sequence's loss tokens, needs
     `entropy_BT`). Branch-specific clipping keeps an outlier in one branch from dominating.
     w = 1 is ppo_clip, w = 0 is gspo. Shapes: all (B, T).
@@ -267,8 +268,9 @@ def aspo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
 
     With the flip a positive token's gradient weight is pi_old / pi: tokens whose probability
     is still low relative to the rollout get more update and already-boosted ones less, the
-    balance ASPO restores between positive and negative tokens. "Asymmetric Importance Sampling
-    Policy Optimization" (ASPO, abstract in shared/reference). c = 3 is this library's default.
+    balance ASPO restores between positive and negative tokens. "ASPO: Asymmetric Importance
+    Sampling Policy Optimization", Wang et al. 2025, arXiv:2510.06062. c = 3 is this library's
+    default.
     """
     p = resolve(ASPOParams, cfg.params, "aspo")
     base = ppo_clip(inputs, cfg)
@@ -353,10 +355,10 @@ def wapo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
 
         l_t = ppo_clip_t  if A_t > 0  else 0
 
-    "Winner Advantage Policy Optimization" (WAPO, abstract in shared/reference; code
-    github.com/layer6ai-labs/wapo): negative-advantage updates are the unstable quadrant of
-    its token-gradient taxonomy, so losers only serve as the baseline. Dropped tokens still
-    count in the step normalizer.
+    "A Gradient Perspective on RLVR Stability and Winner Advantage Policy Optimization" (WAPO),
+    YSS et al. 2026, arXiv:2606.16154 (code github.com/layer6ai-labs/wapo): negative-advantage
+    updates are the unstable quadrant of its token-gradient taxonomy, so losers only serve as
+    the baseline. Dropped tokens still count in the step normalizer.
     """
     base = ppo_clip(inputs, cfg)
     winners_BT = inputs.loss_mask_BT.bool() & (inputs.advantages_BT > 0)

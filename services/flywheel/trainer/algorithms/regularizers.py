@@ -246,7 +246,8 @@ def simko(ctx: TokenContext, p: SimKOParams) -> Tensor:
     Added to the policy loss (whose on-policy gradient is -A grad log pi(y_t)) it moves a share
     alpha of a correct token's push onto its top-K alternatives, and penalizes an incorrect
     response's top-1 choice lambda times as hard: the asymmetry SimKO uses against probability
-    over-concentration ("SimKO: Simple Pass@K Optimization", abstract in shared/reference).
+    over-concentration ("SimKO: Simple Pass@K Policy Optimization", Peng et al. 2025,
+    arXiv:2510.14807).
     Needs `topk_logprobs_BTK` with grad (a full-vocabulary head pass) and entropy; the paper's
     K, alpha, lambda are not in the abstract: 3, 0.1, 1.1, H >= 1 nat are this library's.
     """
@@ -280,9 +281,10 @@ def lp_reg(ctx: TokenContext, p: LpRegParams) -> Tensor:
 
     On negative samples a low-probability but non-noise token (a "reasoning spark") is pulled
     back toward the proxy, where its probability is amplified by the renormalization, instead
-    of being extinguished ("Low-probability Tokens Sustain Exploration in RLVR", Lp-Reg,
-    abstract in shared/reference). Needs `topk_logprobs_BTK` with grad. kappa = 0.02 and
-    delta = 0.1 are this library's defaults (the abstract gives none).
+    of being extinguished ("Low-probability Tokens Sustain Exploration in Reinforcement Learning
+    with Verifiable Reward", Lp-Reg, Huang et al. 2025, arXiv:2510.03222). Needs
+    `topk_logprobs_BTK` with grad. kappa = 0.02 and delta = 0.1 are this library's defaults
+    (the abstract gives none).
     """
     logp_BT = require(ctx, "logprobs_BT", "lp_reg")
     topk_BTK = require(ctx, "topk_logprobs_BTK", "lp_reg")

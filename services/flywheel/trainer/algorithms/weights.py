@@ -166,8 +166,8 @@ def surprisal_reweight(ctx: TokenContext, p: SurprisalParams) -> WeightOutputs:
 
         w_t = 1 + lambda g  on E+,   1 - lambda g  on E-,   1 elsewhere
 
-    "STARE: Surprisal-guided Token-level Advantage Reweighting for policy Entropy stability"
-    (abstract in shared/reference; code github.com/hp-luo/STARE). The abstract gives no numbers:
+    "STARE: Surprisal-Guided Token-Level Advantage Reweighting for Policy Entropy Stability",
+    Luo et al. 2026, arXiv:2606.19236 (code github.com/hp-luo/STARE). The abstract gives no numbers:
     quantile 0.2, lambda 0.5, H_target 0.5 nats are this library's defaults. lambda = 0 is GRPO.
     """
     entropy_BT = require(ctx, "entropy_BT", "surprisal_reweight")

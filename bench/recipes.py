@@ -56,12 +56,18 @@ def _ports(settings, base: int) -> None:  # noqa: ANN001
     settings.trainer.port = base + 6
 
 
+def _patient(settings) -> None:  # noqa: ANN001
+    """Long engine-call limits: on a shared, loaded CPU one batched decode can take minutes."""
+    settings.gateway.request_timeout_s = 1800.0
+
+
 def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
                eval_before: float | None = None) -> dict[str, float]:
     """One recipe on a fresh stack; returns the demo summary plus `wall_s`."""
     started = time.monotonic()
     settings = load_settings(recipe)
     _ports(settings, port_base)
+    _patient(settings)
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         load_settings(recipe)  # fail before any stack starts
     cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,
-                     group_size=args.group_size, seed=args.seed)
+                     group_size=args.group_size, seed=args.seed, step_timeout_s=1800.0)
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}
     curves: dict[str, list[float]] = {}

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 STREAMS = ("rollouts", "scored", "train", "dead")
 """Stream names (StreamSettings fields) in pipeline order."""
+BIND_ALL = ("0.0.0.0", "::", "[::]")
 LAG_SCAN_LIMIT = 10_000
 """Most entries counted by XRANGE when the server does not report lag (Redis < 7)."""
 
@@ -160,15 +161,24 @@ def service_targets(settings: FlywheelSettings,
     def url(name: str, default: str) -> str:
         return state.get(name, default).rstrip("/")
 
+    def host(name: str, bound: str) -> str:
+        # A service bound to every interface (containers) is reached by its service name, which
+        # is the section name in docker-compose.yml and the Kubernetes manifests.
+        return name if bound in BIND_ALL else bound
+
     s = settings
-    targets = [("engine", "http", url("engine", s.engine.url) + "/health"),
-               ("gateway", "http", url("gateway", s.gateway.url) + "/readyz"),
-               ("reward", "grpc", url("reward", f"{s.reward.host}:{s.reward.port}"))]
+    targets = [
+        ("engine", "http", url("engine", f"http://{host('engine', s.engine.host)}:"
+                                         f"{s.engine.port}") + "/health"),
+        ("gateway", "http", url("gateway", f"http://{host('gateway', s.gateway.host)}:"
+                                           f"{s.gateway.port}") + "/readyz"),
+        ("reward", "grpc", url("reward", f"{host('reward', s.reward.host)}:{s.reward.port}"))]
     if s.teacher.enabled or "teacher" in state:
-        targets.append(("teacher", "grpc", url("teacher", f"{s.teacher.host}:{s.teacher.port}")))
+        targets.append(("teacher", "grpc", url("teacher", f"{host('teacher', s.teacher.host)}:"
+                                                          f"{s.teacher.port}")))
         for i, engine in enumerate(_teacher_engines(settings, state)):
             targets.append((f"teacher-engine{'' if i == 0 else i}", "http", f"{engine}/health"))
-    targets.append(("trainer", "http", url("trainer", f"http://{s.trainer.host}:"
+    targets.append(("trainer", "http", url("trainer", f"http://{host('trainer', s.trainer.host)}:"
                                                       f"{s.trainer.port}") + "/readyz"))
     return [(n, k, t.removeprefix("grpc://")) for n, k, t in targets]
 
@@ -188,8 +198,11 @@ def _teacher_engines(settings: FlywheelSettings, state: dict[str, str]) -> list[
 def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceHealth:
     """One health check: HTTP 200, or grpc.health.v1 SERVING."""
     if kind == "grpc":
-        import grpc  # noqa: PLC0415  (only the CLI needs grpc here)
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+        try:
+            import grpc  # noqa: PLC0415  (only the CLI needs grpc here)
+            from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+        except ImportError:  # an image without the grpc extra (gateway, engine, trainer)
+            return ServiceHealth(name, target, False, "unknown: grpcio is not installed here")
 
         with grpc.insecure_channel(target) as channel:
             try:
@@ -291,7 +304,10 @@ def collect_status(settings: FlywheelSettings,
         redis_ok, redis_error = False, str(exc)
     engine_urls = [state["engine"]] if "engine" in state else settings.engine_urls()
     engines = {u: engine_weight_version(u) for u in engine_urls}
-    trainer_url = state.get("trainer", f"http://{settings.trainer.host}:{settings.trainer.port}")
+    trainer_host = settings.trainer.host
+    if trainer_host in BIND_ALL:
+        trainer_host = "trainer"
+    trainer_url = state.get("trainer", f"http://{trainer_host}:{settings.trainer.port}")
     return StatusReport(services, redis_url, redis_ok, redis_error, streams, engines,
                         trainer_status(trainer_url))
 

@@ -114,3 +114,16 @@ def test_the_teacher_and_its_engine_are_probed_when_enabled():
     assert targets["teacher-engine"] == "http://127.0.0.1:31999/health"
     self_teacher = load_settings(teacher={"enabled": True, "self_teacher": True})
     assert "teacher-engine" not in [n for n, _, _ in service_targets(self_teacher)]
+
+
+def test_services_bound_to_every_interface_are_reached_by_service_name(monkeypatch):
+    """In compose and Kubernetes every service binds 0.0.0.0 and is reached by its name."""
+    from flywheel.core.settings import load_settings  # noqa: PLC0415
+    from flywheel.status import service_targets  # noqa: PLC0415
+
+    s = load_settings(engine={"host": "0.0.0.0"}, gateway={"host": "0.0.0.0"},
+                      reward={"host": "0.0.0.0"}, trainer={"host": "0.0.0.0", "port": 8101})
+    targets = {n: t for n, _, t in service_targets(s)}
+    assert targets == {"engine": "http://engine:30000/health",
+                       "gateway": "http://gateway:8000/readyz", "reward": "reward:50051",
+                       "trainer": "http://trainer:8101/readyz"}

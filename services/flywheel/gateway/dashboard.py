@@ -289,7 +289,13 @@ def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -
             from the environment/`FLYWHEEL_CONFIG`, as the gateway's own were.
     """
     global _collector
-    settings = settings or load_settings()
+    if settings is None:
+        try:
+            settings = load_settings()
+        except (ValueError, OSError) as exc:  # main() parsed the same sources already; tests
+            log.warning("dashboard: settings unreadable (%s); trainer curves disabled", exc)
+            settings = FlywheelSettings.model_construct()  # defaults, no environment
+            settings.trainer.metrics_path = ""
     streams = settings.streams.model_copy(update={"prefix": deps.sessions.prefix})
     tokenizer = deps.renderer.tokenizer
 

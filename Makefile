@@ -32,7 +32,8 @@ system-tools:
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing$$missing (apt)"; \
 	  apt-get install -y -q $$missing >/dev/null 2>&1 || \
-	  { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; \
+	  { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; } || \
+	  echo "could not install$$missing; the tests that need them say so"; \
 	elif [ -n "$$missing" ]; then echo "not installed:$$missing (needs root + apt-get)"; fi
 
 demo: setup

@@ -475,6 +475,11 @@ class TrainerSettings(Section):
     model's fp32 size on disk)."""
     push_every: int = Field(1, ge=1)
     """Push weights to the engines every k committed steps (checkpoints every step)."""
+    push_mode: Literal["disk", "distributed"] = "disk"
+    """disk = /update_weights_from_disk of the checkpoint; distributed = broadcast over a
+    weight-update group with the engines (gloo on CPU, NCCL on GPU), disk as fallback."""
+    push_master_address: str = "127.0.0.1"
+    """Address the engines reach the trainer at for the distributed weight-update group."""
     tensorboard: bool = True
     """Write per-step metrics as TensorBoard scalars to `<metrics_path folder>/tensorboard`."""
     wandb_project: str = ""

@@ -205,9 +205,7 @@ def build_trainer(
         reference=policy.reference,
         scheduler=policy.scheduler,
         consumer=source,
-        pusher=WeightPusher(
-            settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
-        ),
+        pusher=build_pusher(settings, lambda: model),
         store=policy.store,
         leases=leases,
         sink=build_sink(s),
@@ -228,6 +226,23 @@ def build_trainer(
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer
+
+
+def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
+    """The disk pusher, wrapped by the distributed one when `push_mode = "distributed"`."""
+    s = settings.trainer
+    disk = WeightPusher(
+        settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
+    )
+    if s.push_mode == "disk":
+        return disk
+    from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
+
+    return DistributedPusher(
+        disk, model, master_address=s.push_master_address,
+        backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
+        timeout_s=s.push_timeout_s,
+    )
 
 
 def run_follower(settings: FlywheelSettings, world: World) -> int:
@@ -285,6 +300,8 @@ class Trainer:
         )
         self.behind: dict[str, str] = {}
         """Engines whose last push failed -> the error (pushed again at the next step)."""
+        self.last_push_via = ""
+        """`disk` or `distributed`: how the last successful push went."""
         self._drops: Tally[str] = Tally()
         self._last_step_end = time.monotonic()
 
@@ -420,6 +437,7 @@ class Trainer:
         metrics |= {
             "time/checkpoint_s": t1 - t0, "time/push_s": t2 - t1,
             "time/ack_s": time.perf_counter() - t2, "push/engines_behind": len(self.behind),
+            "push/distributed": float(self.last_push_via == "distributed"),
         }
         self.parts.status.record_step(version, len(entries), metrics)
         self._write_line(version, groups, metrics, skip_reason="")
@@ -455,6 +473,7 @@ class Trainer:
             )
             raise
         record_push(self.version, report.ok, report.failed, report.seconds)
+        self.last_push_via = report.via
         self.behind = dict(report.failed)
         self.parts.status.set_engines_behind(self.behind)
         for url, error in report.failed.items():

@@ -249,6 +249,8 @@ class PushReport:
     failed: dict[str, str]
     """Engine URL -> last error, for engines that failed every attempt."""
     seconds: float
+    via: str = "disk"
+    """How the weights went: `disk` or `distributed`."""
 
 
 class WeightPusher:

@@ -1,0 +1,92 @@
+"""Weight push into a real engine process (`python -m flywheel.engine`, tiny model): over the
+distributed weight-update group (gloo), and the disk fallback when the group cannot form."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flywheel.core.redis_server import free_port
+from flywheel.core.settings import load_settings
+from flywheel.trainer.service import build_trainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir):
+    port = free_port()
+    env = os.environ | {"PYTHONPATH": str(REPO / "services"),
+                        "FLYWHEEL_ENGINE__CONTEXT_LENGTH": "256", "FLYWHEEL_ENGINE__THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.engine", "--model-path", str(tiny_model_dir),
+         "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "engine did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def served(url: str, name: str) -> torch.Tensor:
+    r = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 2})
+    assert r.status_code == 200, r.text
+    return torch.tensor(r.json())
+
+
+def served_version(url: str) -> str:
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    return httpx.post(f"{url}/generate", json=body, timeout=30).json()["meta_info"][
+        "weight_version"]
+
+
+def settings_for(tmp_path, model_dir, engine_url, **trainer):
+    return load_settings(trainer={
+        "model_path": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
+        "metrics_path": str(tmp_path / "m.jsonl"), "source": "fake", "group_size": 2,
+        "groups_per_step": 1, "fake_prompt_tokens": 4, "fake_completion_tokens": 4,
+        "lr": 1e-2, "engine_urls": [engine_url], "tensorboard": False, "push_attempts": 1,
+        "push_timeout_s": 15, "port": free_port(),
+    } | trainer)
+
+
+def test_distributed_push_then_disk_fallback(tmp_path, tiny_model_dir, engine_url):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    trainer = build_trainer(settings_for(tmp_path, tiny_model_dir, engine_url,
+                                         push_mode="distributed"))
+    assert trainer.run(max_steps=1) == 1
+    assert trainer.last_push_via == "distributed"
+    saved = load_file(tmp_path / "ckpt" / "step_00000001" / "model.safetensors")
+    torch.testing.assert_close(served(engine_url, name), saved[name][:2], atol=0, rtol=0)
+    assert served_version(engine_url) == "1"
+
+    # the group breaks (the engine side is destroyed behind the trainer's back): the next push
+    # falls back to the disk path and the engine still gets the newest weights
+    httpx.post(f"{engine_url}/destroy_weights_update_group",
+               json={"group_name": "weight_update_group"}, timeout=30)
+    assert trainer.run(max_steps=1) == 1
+    assert trainer.last_push_via == "disk"
+    saved = load_file(tmp_path / "ckpt" / "step_00000002" / "model.safetensors")
+    torch.testing.assert_close(served(engine_url, name), saved[name][:2], atol=0, rtol=0)
+    assert served_version(engine_url) == "2"
+    trainer.close()

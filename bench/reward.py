@@ -150,7 +150,7 @@ def instant_part(n: int, in_flight: int, rounds: int
     return rows
 
 
-def engine_part(n: int, max_tokens: int) -> list[tuple[int, float, float]]:
+def engine_part(n: int, max_tokens: int, report=print) -> list[tuple[int, float, float]]:
     from flywheel.engine.convert import ensure_default_model  # noqa: PLC0415
 
     model = ensure_default_model()
@@ -185,6 +185,8 @@ def engine_part(n: int, max_tokens: int) -> list[tuple[int, float, float]]:
             seconds = asyncio.run(run())
             valid = sum(v.has_value for s in samples for v in s.votes)
             rows.append((m, n / seconds, valid / (n * m)))
+            rate = n / seconds
+            report(f"{m:>2} {rate:>10.3f} {rate / rows[0][1]:>7.2f} {valid / (n * m):>17.2f}")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -207,6 +209,7 @@ def main() -> None:
     print(f"{'m':>2} | {'samples/s: raw':>14} {'scorer':>8} {'stream':>8} | "
           f"{'CPU ms/sample: raw':>18} {'scorer':>7} {'stream':>7} | {'overhead CPU ms':>15}"
           f" {'stream/raw CPU':>14}")
+    sys.stdout.flush()
     for m, rate, cpu in instant_part(args.instant_samples, args.in_flight, args.rounds):
         ms = [c * 1000 for c in cpu]
         print(f"{m:>2} | {rate[0]:>14.1f} {rate[1]:>8.1f} {rate[2]:>8.1f} | "
@@ -217,9 +220,8 @@ def main() -> None:
     print(f"\nembedded engine (SmolLM2-135M), {args.engine_samples} samples together, "
           f"{args.max_tokens} tokens per vote")
     print(f"{'m':>2} {'samples/s':>10} {'vs m=1':>7} {'valid vote share':>17}")
-    rows = engine_part(args.engine_samples, args.max_tokens)
-    for m, rate, valid in rows:
-        print(f"{m:>2} {rate:>10.3f} {rate / rows[0][1]:>7.2f} {valid:>17.2f}")
+    engine_part(args.engine_samples, args.max_tokens,
+                report=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

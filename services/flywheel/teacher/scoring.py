@@ -204,8 +204,10 @@ class TeacherScorer:
             while len(batch) < self.max_batch:
                 remaining = deadline - time.monotonic()
                 try:
-                    nxt = self.queue.get(timeout=max(remaining, 0)) if remaining > 0 else \
-                        self.queue.get_nowait()
+                    if remaining > 0:
+                        nxt = self.queue.get(timeout=remaining)
+                    else:
+                        nxt = self.queue.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
+TEXT = {"model": "m", "prompt": "7 + 1 =", "max_tokens": 4}
 
 # (method, path, body, use the X-Session-Id header instead of the path)
 SESSION_ENDPOINTS = [
@@ -18,6 +19,8 @@ SESSION_ENDPOINTS = [
     ("POST", "/v1/sessions/{sid}/reward", {"reward": 1.0}, False),
     ("POST", "/s/{sid}/v1/chat/completions", CHAT, False),
     ("POST", "/v1/chat/completions", CHAT, True),
+    ("POST", "/s/{sid}/v1/completions", TEXT, False),
+    ("POST", "/v1/completions", TEXT, True),
     ("POST", "/v1/sessions/{sid}/keys", {}, False),
     ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}, False),
 ]
@@ -67,22 +70,11 @@ def test_owner_and_admin_may_use_the_session(gateway, method, path, body, header
         assert resp.status_code == 200, resp.text
 
 
-def test_every_session_endpoint_is_listed():
+def test_every_session_endpoint_is_listed(gateway):
     """A new session route must be added to SESSION_ENDPOINTS (and so get the foreign-key test)."""
-    from flywheel.core.settings import GatewaySettings  # noqa: PLC0415
-    from flywheel.gateway.app import create_app  # noqa: PLC0415
-
-    class Deps:  # create_app only stores deps; routes are not called here
-        settings = GatewaySettings()
-
-        class sessions:  # noqa: N801
-            client = None
-            prefix = "x"
-
-    app = create_app(Deps())
     listed = {(m, p) for m, p, _, header in SESSION_ENDPOINTS if not header}
     routes = {(m, r.path.replace("{session_id}", "{sid}"))
-              for r in app.routes for m in getattr(r, "methods", ()) or ()
+              for r in gateway.client.app.routes for m in getattr(r, "methods", ()) or ()
               if "{session_id}" in getattr(r, "path", "")}
     assert routes <= listed, routes - listed
 

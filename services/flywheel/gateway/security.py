@@ -28,11 +28,10 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict
 
 from flywheel.core.auth import KeyRecord, KeyStore, Role
 from flywheel.core.errors import (
@@ -497,57 +496,11 @@ async def _send_error(send: Callable, exc: PlatformError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-# -- key management routes ------------------------------------------------------------------
-
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["agent", "admin"] = "agent"
-    name: str = ""
-
-
-def _store(request: Request) -> KeyStore:
-    return request.app.state.key_store
-
-
-router = APIRouter()
-
-
-@router.post("/v1/sessions/{session_id}/keys")
-async def mint_session_key(session_id: str, request: Request) -> dict[str, Any]:
-    """A key routed to this session (for harnesses that can only set base_url and api_key)."""
-    who = principal(request)
-    sessions: SessionStore = request.app.state.deps.sessions
-    await asyncio.to_thread(sessions.get, session_id)  # 404 when missing
-    secret, record = await asyncio.to_thread(
-        _store(request).create, "session", session_id=session_id,
-        parent=who.limit_id if who.key_id else "", ttl_s=sessions.ttl_s)
-    base = str(request.base_url).rstrip("/")
-    return {"api_key": secret, "key_id": record.key_id, "session_id": session_id,
-            "base_url": f"{base}/v1"}
-
-
-@router.get("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])
-async def list_keys(request: Request) -> dict[str, Any]:
-    records = await asyncio.to_thread(_store(request).list)
-    return {"object": "list", "data": [r.model_dump() for r in records]}
-
-
-@router.post("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])
-async def create_key(body: KeyCreate, request: Request) -> dict[str, Any]:
-    secret, record = await asyncio.to_thread(_store(request).create, body.role, body.name)
-    return {"api_key": secret, **record.model_dump()}
-
-
-@router.delete("/v1/admin/keys/{key_id}", dependencies=[Depends(require_role("admin"))])
-async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
-    record = await asyncio.to_thread(_store(request).revoke, key_id)
-    return {"key_id": record.key_id, "revoked": True}
-
-
 def install(app: FastAPI, deps: Any) -> None:
     """Add the security middleware and key routes to the gateway app built from `deps`
     (a GatewayDeps: `settings` with `.security` and `.host`, `sessions` a SessionStore)."""
+    from flywheel.gateway.keys import router  # noqa: PLC0415  (its routes use this module)
+
     store = KeyStore(deps.sessions.client, deps.sessions.prefix)
     app.state.key_store = store
     app.include_router(router)

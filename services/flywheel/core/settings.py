@@ -171,6 +171,9 @@ class GatewaySettings(Section):
     """Completion tokens when the request sets neither max_tokens nor max_completion_tokens."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Seconds to wait for one engine call."""
+    engine_health_interval_s: float = Field(2.0, ge=0)
+    """Seconds between `/health` probes of an engine taken out after a failed call (it is put
+    back once healthy); 0 = no probes."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
     tool_parser: Literal["hermes", "json"] = "hermes"

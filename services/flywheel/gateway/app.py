@@ -22,7 +22,8 @@ from flywheel._proto import sample_pb2
 from flywheel.core import http_errors
 from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
 from flywheel.core.settings import GatewaySettings
-from flywheel.gateway import turns
+from flywheel.gateway import completions, turns
+from flywheel.gateway.completions import CompletionRequest
 from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
@@ -144,7 +145,28 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                            x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
         return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
+    @app.post("/v1/completions", response_model=None)
+    async def text_completion(body: CompletionRequest, request: Request, d: Deps,
+                              x_session_id: SessionHeader = None
+                              ) -> dict[str, Any] | StreamingResponse:
+        session_id = await _header_session(d, x_session_id, owner_of(request))
+        return _stream_completion(body, await completions.complete(d, body, session_id))
+
+    @app.post("/s/{session_id}/v1/completions", response_model=None)
+    async def session_text_completion(session_id: str, body: CompletionRequest, d: Deps
+                                      ) -> dict[str, Any] | StreamingResponse:
+        return _stream_completion(body, await completions.complete(d, body, session_id))
+
     return app
+
+
+def _stream_completion(body: CompletionRequest, completion: dict[str, Any]
+                       ) -> dict[str, Any] | StreamingResponse:
+    if not body.stream:
+        return completion
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(iter(completions.sse_chunks(completion, include_usage)),
+                             media_type="text/event-stream")
 
 
 def _maybe_stream(body: ChatCompletionRequest, completion: dict[str, Any]
@@ -192,8 +214,8 @@ async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
     if session_id is None:
         UNRECORDED.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
-        turns._check_context(d, prompt, sampling)  # noqa: SLF001  (same rule as in sessions)
-        gens = await turns.generate_n(d, prompt, sampling, body)
+        turns.check_context(d, prompt, sampling)  # the same rule as in sessions
+        gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
         return _response(d, body, gens, len(prompt),
                          [turns.parse_choice(d, body, g) for g in gens])
     gens, prompt_tokens, parsed = await turns.session_turn(

@@ -1,22 +1,32 @@
 """Client for SGLang-protocol engines: session-affine choice, one retry elsewhere on failure.
 
+Health: an engine whose call fails (connection error, 5xx, unusable answer) is taken out: it
+goes to the end of every session's order, so healthy engines serve first. A background probe
+(`GET /health` every `health_interval_s`) puts it back once it answers 200; while every engine
+is out they are still tried, so one recovering engine serves at once.
+
 Speaks only `/generate` with `input_ids` (the gateway never asks an engine to render text).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
+ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out",
+                  ["engine"])
 
 
 @dataclass(frozen=True)
@@ -89,19 +99,61 @@ class EnginePool:
         urls: engine base URLs (SGLang servers, a router, or embedded engines).
         timeout_s: seconds per call.
         stop_token_ids: ids whose sampling ends a turn (the tokenizer's EOS).
+        health_interval_s: seconds between probes of engines taken out; 0 = never probe (an
+            engine then comes back only by serving a request when all are out).
+        transport: httpx transport (tests); None = the network.
     """
 
-    def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int]):
+    def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int],
+                 health_interval_s: float = 2.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
         if not urls:
             raise InvalidRequestError("at least one engine URL is required")
         self.urls = [u.rstrip("/") for u in urls]
         self.stop_token_ids = stop_token_ids
-        self.client = httpx.AsyncClient(timeout=timeout_s)
+        self.client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self.health_interval_s = health_interval_s
+        self.down: dict[str, float] = {}
+        """Engines taken out -> monotonic time they failed."""
+        self._prober: asyncio.Task[None] | None = None
+        for url in self.urls:
+            ENGINE_UP.labels(url).set(1)
 
     def order(self, affinity: str) -> list[str]:
-        """Engines in the order to try for this session key."""
+        """Engines in the order to try for this session key: healthy ones first."""
         start = int(hashlib.sha1(affinity.encode()).hexdigest(), 16) % len(self.urls)
-        return self.urls[start:] + self.urls[:start]
+        ring = self.urls[start:] + self.urls[:start]
+        return [u for u in ring if u not in self.down] + [u for u in ring if u in self.down]
+
+    def mark_down(self, url: str, why: str) -> None:
+        ENGINE_ERRORS.labels(url).inc()
+        if url not in self.down:
+            log.warning("engine %s taken out of service: %s", url, why)
+            self.down[url] = time.monotonic()
+            ENGINE_UP.labels(url).set(0)
+        if self.health_interval_s > 0 and (self._prober is None or self._prober.done()):
+            self._prober = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    def mark_up(self, url: str) -> None:
+        if self.down.pop(url, None) is not None:
+            log.info("engine %s back in service", url)
+            ENGINE_UP.labels(url).set(1)
+
+    async def probe(self) -> None:
+        """One `GET /health` of every engine taken out; a 200 puts it back."""
+        for url in list(self.down):
+            try:
+                resp = await self.client.get(f"{url}/health",
+                                             timeout=max(self.health_interval_s, 1.0))
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                self.mark_up(url)
+
+    async def _probe_loop(self) -> None:
+        while self.down:
+            await asyncio.sleep(self.health_interval_s)
+            await self.probe()
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = "",
@@ -124,21 +176,28 @@ class EnginePool:
             try:
                 resp = await self.client.post(f"{url}/generate", json=body)
             except httpx.HTTPError as exc:
-                ENGINE_ERRORS.labels(url).inc()
                 errors.append(f"{url}: {exc!r}")
+                self.mark_down(url, errors[-1])
                 continue
             if 400 <= resp.status_code < 500:
                 raise InvalidRequestError(f"engine rejected the request: {resp.text[:500]}")
             if resp.status_code != 200:
-                ENGINE_ERRORS.labels(url).inc()
                 errors.append(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
+                self.mark_down(url, errors[-1])
                 continue
             try:
-                return parse_generation(resp.json(), self.stop_token_ids)
+                gen = parse_generation(resp.json(), self.stop_token_ids)
             except (ValueError, UpstreamError) as exc:  # a 200 that is not a /generate answer
-                ENGINE_ERRORS.labels(url).inc()
                 errors.append(f"{url}: unusable response ({exc})")
+                self.mark_down(url, errors[-1])
+                continue
+            self.mark_up(url)
+            return gen
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         await self.client.aclose()

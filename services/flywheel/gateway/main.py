@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     deps = GatewayDeps(
         settings=gw,
         renderer=renderer,
-        engines=EnginePool(settings.engine_urls(), gw.request_timeout_s, stop_ids),
+        engines=EnginePool(settings.engine_urls(), gw.request_timeout_s, stop_ids,
+                           health_interval_s=gw.engine_health_interval_s),
         sessions=SessionStore(client, settings.streams.prefix, gw.session_ttl_s),
         publisher=StreamProducer(client, settings.streams.key("rollouts"),
                                  high_water=settings.streams.high_water, watch_group="reward"),

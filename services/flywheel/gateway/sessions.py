@@ -40,6 +40,8 @@ class Segment(BaseModel):
     finish_reason: str = ""
     ended_with_eos: bool = False
     sampling: dict[str, float] = Field(default_factory=dict)
+    text: str = ""
+    """Raw completions: the recorded prompt text + completion texts (the extension check)."""
     turn_start: int = 0
     """Offset of the last turn's first sampled token (live mode masks everything before it)."""
 

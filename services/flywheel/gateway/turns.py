@@ -93,13 +93,16 @@ def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
     return sampling
 
 
-async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any],
-                     body: ChatCompletionRequest, affinity: str = "") -> list[Generation]:
-    """`body.n` engine calls for one prompt (distinct seeds when a seed is given)."""
-    extra = {"top_logprobs_num": body.top_logprobs} if body.logprobs and body.top_logprobs else {}
+def top_logprobs_num(body: ChatCompletionRequest) -> int:
+    return (body.top_logprobs or 0) if body.logprobs else 0
+
+
+async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], n: int,
+                     top_logprobs: int = 0, affinity: str = "") -> list[Generation]:
+    """n engine calls for one prompt (distinct seeds when a seed is given)."""
+    extra = {"top_logprobs_num": top_logprobs} if top_logprobs else {}
     gens = list(await asyncio.gather(*[
-        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra)
-        for i in range(body.n)]))
+        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)]))
     for gen in gens:
         check_stop(gen, d.renderer.decode)
     return gens
@@ -243,8 +246,9 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
             raise ConflictError(f"session {session_id} is finished; create a new session")
         SIDE_TURNS.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
-        _check_context(d, prompt, sampling)
-        gens = await generate_n(d, prompt, sampling, body, affinity=session_id)
+        check_context(d, prompt, sampling)
+        gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
+                                affinity=session_id)
         return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
@@ -254,8 +258,9 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
             out += _emit_pending(record, next_state(record.segment.messages, messages))
         prompt, closed = await asyncio.to_thread(
             prepare_prompt, record, d.renderer, messages, body.tools)
-        _check_context(d, prompt, sampling)
-        gens = await generate_n(d, prompt, sampling, body, affinity=session_id)
+        check_context(d, prompt, sampling)
+        gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
+                                affinity=session_id)
         parsed = [parse_choice(d, body, g) for g in gens]
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
@@ -275,7 +280,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         return gens, len(prompt), parsed
 
 
-def _check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]) -> None:
+def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]) -> None:
     limit = d.context_length
     if len(prompt) + sampling["max_new_tokens"] > limit:
         raise InvalidRequestError(

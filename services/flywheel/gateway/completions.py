@@ -1,0 +1,234 @@
+"""OpenAI `POST /v1/completions`: a raw prompt (text or token ids) straight to the engine.
+
+No chat template is applied: a text prompt is tokenized as it stands (no special tokens added),
+token-id prompts go to the engine unchanged. Without a session nothing is recorded (a batch of
+prompts and `n` > 1 are served). In an episode session (`/s/<id>/v1/completions`, one prompt,
+n = 1) each call is recorded into the session's segment, token-faithfully: a prompt that starts
+with the segment's recorded text (text prompts) or ids (id prompts) appends only the rest after
+the recorded ids; any other prompt starts a new segment (counted as a fork, `history_edited`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from flywheel.core.errors import ConflictError, InvalidRequestError
+from flywheel.gateway import turns
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.recording import FORKS, build_sample, set_sampling
+from flywheel.gateway.sessions import Segment, SessionRecord
+
+if TYPE_CHECKING:
+    from flywheel.gateway.app import GatewayDeps
+
+UNRECORDED = Counter("flywheel_gateway_unrecorded_completions_total",
+                     "Raw completions served without a session")
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False), "suffix": (None, ""), "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+}
+
+
+class CompletionRequest(BaseModel):
+    """`POST /v1/completions` body; unrecognized fields are a 400 (as in chat completions)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = ""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion tokens; OpenAI's default is 16."""
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    best_of: int | None = Field(None, ge=1, le=16)
+    stop: str | list[str] | None = Field(None, max_length=32)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
+    """Alternatives per token in `choices[].logprobs.top_logprobs` (0 = chosen tokens only)."""
+    user: str | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+
+    @field_validator(*_NEUTRAL, mode="after")
+    @classmethod
+    def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in _NEUTRAL[info.field_name]:
+            raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported (every choice is returned)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("top_k must be -1 (whole vocabulary) or a positive integer")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the batch (one for a single string or id list)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]  # narrowed above
+        return list(p)  # type: ignore[arg-type]
+
+    def sampling_params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_tokens or 16,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+        }
+        if self.stop:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed % 2**63
+        return params
+
+
+def _ids(d: GatewayDeps, prompt: str | list[int]) -> list[int]:
+    ids = d.renderer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    vocab = len(d.renderer.tokenizer)
+    if not ids:
+        raise InvalidRequestError("prompt is empty", param="prompt")
+    if any(not 0 <= t < vocab for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return ids
+
+
+async def complete(d: GatewayDeps, body: CompletionRequest, session_id: str | None
+                   ) -> dict[str, Any]:
+    """Serve (and in a session, record) a completions request; returns the response body."""
+    sampling = body.sampling_params()
+    prompts = body.prompts()
+    if session_id is not None:
+        if len(prompts) != 1 or body.n != 1:
+            raise InvalidRequestError("a session records one prompt and one choice per call",
+                                      param="n" if body.n != 1 else "prompt")
+        gen, n_prompt = await _session_completion(d, body, session_id, prompts[0], sampling)
+        return _response(d, body, [[gen]], n_prompt)
+    UNRECORDED.inc()
+    all_ids = [await asyncio.to_thread(_ids, d, p) for p in prompts]
+    for ids in all_ids:
+        turns.check_context(d, ids, sampling)
+    gens = await asyncio.gather(*[turns.generate_n(d, ids, sampling, body.n, body.logprobs or 0)
+                                  for ids in all_ids])
+    return _response(d, body, list(gens), sum(len(i) for i in all_ids))
+
+
+async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_id: str,
+                              prompt: str | list[int], sampling: dict[str, Any]
+                              ) -> tuple[Generation, int]:
+    async with turns.locked(d.sessions, session_id) as record:
+        if record.status != "open":
+            raise ConflictError(f"session {session_id} is finished; create a new session")
+        if record.mode != "episode":
+            raise InvalidRequestError("raw completions are recorded in episode sessions only; "
+                                      "use chat completions in live sessions", param="prompt")
+        out = []
+        closed = await asyncio.to_thread(_extend, d, record, prompt)
+        if closed is not None:
+            out.append(build_sample(record, closed))
+        seg = record.segment
+        turns.check_context(d, seg.token_ids, sampling)
+        (gen,) = await turns.generate_n(d, list(seg.token_ids), sampling, 1,
+                                        body.logprobs or 0, affinity=session_id)
+        seg.turn_start = len(seg.token_ids)
+        seg.append(gen.output_ids, sampled=True, logprobs=gen.output_logprobs,
+                   versions=[gen.weight_version] * len(gen.output_ids))
+        prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
+        seg.text = (prompt if isinstance(prompt, str) else "") + gen.text
+        seg.messages = [{"role": "user", "content": prompt_text},
+                        {"role": "assistant", "content": gen.text}]
+        seg.turns += 1
+        seg.finish_reason = gen.finish_type
+        seg.ended_with_eos = gen.matched_eos
+        set_sampling(seg, sampling)
+        record.turns += 1
+        n_prompt = seg.turn_start
+        await asyncio.to_thread(turns.publish, d, record, out)
+        return gen, n_prompt
+
+
+def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]) -> Segment | None:
+    """Append the prompt's new part to the segment, or fork; returns the closed segment."""
+    seg = record.segment
+    if seg.turns:
+        if isinstance(prompt, str) and seg.text and prompt.startswith(seg.text):
+            rest = prompt[len(seg.text):]
+            seg.append(d.renderer.encode(rest) if rest else [], sampled=False)
+            return None
+        if not isinstance(prompt, str) and prompt[:len(seg.token_ids)] == seg.token_ids:
+            seg.append(_ids(d, prompt)[len(seg.token_ids):], sampled=False)
+            return None
+        FORKS.labels("history_edited").inc()
+        record.forks += 1
+        record.fork_reasons["history_edited"] = record.fork_reasons.get("history_edited", 0) + 1
+    closed = seg if seg.sampled_tokens else None
+    record.segment = seg = Segment(index=seg.index + 1 if seg.turns else seg.index)
+    ids = _ids(d, prompt)
+    seg.append(ids, sampled=False)
+    seg.prompt_length = len(ids)
+    return closed
+
+
+def _logprobs(d: GatewayDeps, gen: Generation, top: int) -> dict[str, Any]:
+    tokens = [d.renderer.tokenizer.decode([t]) for t in gen.output_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    tops = gen.output_top_logprobs or [[] for _ in tokens]
+    return {"tokens": tokens, "token_logprobs": list(gen.output_logprobs),
+            "top_logprobs": [{d.renderer.tokenizer.decode([i]): lp for lp, i in row[:top]}
+                             for row in tops] if top else None,
+            "text_offset": offsets}
+
+
+def _response(d: GatewayDeps, body: CompletionRequest, gens: list[list[Generation]],
+              prompt_tokens: int) -> dict[str, Any]:
+    choices = []
+    for i, gen in enumerate(g for per_prompt in gens for g in per_prompt):
+        choices.append({"index": i, "text": gen.text, "finish_reason": gen.finish_type,
+                        "logprobs": None if body.logprobs is None
+                        else _logprobs(d, gen, body.logprobs)})
+    completion = sum(len(g.output_ids) for per_prompt in gens for g in per_prompt)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": body.model or d.settings.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+
+
+def sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[str]:
+    """SSE events of a finished `text_completion`: one chunk per choice, usage, [DONE]."""
+    base = {k: completion[k] for k in ("id", "object", "created", "model")}
+    events = [f"data: {json.dumps({**base, 'choices': [c]})}\n\n"
+              for c in completion["choices"]]
+    if include_usage:
+        events.append(f"data: {json.dumps({**base, 'choices': [], 'usage': completion['usage']})}"
+                      "\n\n")
+    events.append("data: [DONE]\n\n")
+    return events
+

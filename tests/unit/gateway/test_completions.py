@@ -1,0 +1,107 @@
+"""`POST /v1/completions`: raw prompts (text or ids), batches, logprobs, streaming, and
+token-faithful recording in an episode session (fake engine, real Redis and tokenizer)."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.settings import GatewaySettings
+from flywheel.core.streams import FIELD, StreamProducer
+from flywheel.gateway.app import GatewayDeps, create_app
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.tokenization import ChatRenderer
+
+
+class Engine:
+    """Completes every prompt with " 8" (ids of " 8", no EOS: finish length)."""
+
+    def __init__(self, renderer):
+        self.ids = renderer.encode(" 8")
+        self.calls = []
+
+    async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
+        self.calls.append((list(input_ids), dict(sampling_params), top_logprobs_num))
+        tops = [[(-0.1, t), (-3.0, 42)] for t in self.ids] if top_logprobs_num else []
+        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
+                          text=" 8", finish_type="length", matched_eos=False, weight_version=1,
+                          prompt_tokens=len(input_ids), output_top_logprobs=tops)
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm2_dir):
+    return ChatRenderer(smollm2_dir)
+
+
+@pytest.fixture
+def env(redis_client, prefix, renderer):
+    engine = Engine(renderer)
+    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
+                       sessions=SessionStore(redis_client, prefix, 3600),
+                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
+
+    def samples():
+        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
+
+    return TestClient(create_app(deps)), engine, samples
+
+
+def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
+    client, engine, _ = env
+    body = client.post("/v1/completions", json={"prompt": "7 + 1 =", "max_tokens": 3,
+                                                 "logprobs": 1}).json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == " 8"
+    assert engine.calls[0][0] == renderer.encode("7 + 1 =")  # no template, no special tokens
+    assert engine.calls[0][1]["max_new_tokens"] == 3 and engine.calls[0][2] == 1
+    lp = body["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == " 8" and lp["token_logprobs"] == [-0.1] * len(engine.ids)
+    assert lp["top_logprobs"][0] == {renderer.tokenizer.decode([engine.ids[0]]): -0.1}
+    assert body["usage"] == {"prompt_tokens": len(engine.calls[0][0]),
+                             "completion_tokens": len(engine.ids),
+                             "total_tokens": len(engine.calls[0][0]) + len(engine.ids)}
+    ids = [1, 2, 3]
+    batch = client.post("/v1/completions", json={"prompt": [ids, [4, 5]], "n": 2}).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert engine.calls[1][0] == ids and engine.calls[3][0] == [4, 5]
+    assert engine.calls[1][1]["max_new_tokens"] == 16  # OpenAI's default for completions
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "foo": 1}, "foo")])
+def test_invalid_completion_requests_are_400_naming_the_field(env, body, param):
+    client, engine, _ = env
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    assert engine.calls == []
+
+
+def test_streamed_completion_ends_with_done(env):
+    client, _, _ = env
+    resp = client.post("/v1/completions", json={"prompt": "7 + 1 =", "stream": True,
+                                                "stream_options": {"include_usage": True}})
+    events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    first, usage = json.loads(events[0]), json.loads(events[-2])
+    assert first["choices"][0]["text"] == " 8" and usage["usage"]["completion_tokens"] > 0
+
+
+def test_session_completions_extend_the_recorded_ids(env, renderer):
+    client, engine, samples = env
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    first = client.post(f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 ="}).json()
+    text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
+    client.post(f"/s/{sid}/v1/completions", json={"prompt": text})
+    p1 = engine.calls[0][0]
+    assert engine.calls[1][0][:len(p1) + len(engine.ids)] == p1 + engine.ids
+    assert engine.calls[1][0][len(p1) + len(engine.ids):] == renderer.encode("\n2 + 2 =")
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    (sample,) = samples()
+    n = len(engine.ids)
+    assert list(sample.token_ids) == engine.calls[1][0] + engine.ids
+    assert sum(sample.loss_mask) == 2 * n and sample.prompt_length == len(p1)
+    assert json.loads(sample.messages[-1].content_json) == " 8"
+    assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0

@@ -26,22 +26,30 @@ from pathlib import Path
 
 from flywheel.core.settings import load_settings
 from flywheel.demo.runner import DemoConfig, DemoRunner
+from flywheel.demo.tasks import split
 from flywheel.stack import Stack
 
 
 class _Runner(DemoRunner):
     """The demo runner, with the before-training evaluation taken from `eval_before` when
-    given (its first `evaluate` call)."""
+    given (its first `evaluate` call), and evaluation on the first `eval_problems` held-out
+    problems (0 = all 30)."""
 
-    def __init__(self, *args, eval_before: float | None = None, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, eval_before: float | None = None, eval_problems: int = 0,
+                 **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self._eval_before = eval_before
+        self._eval_problems = eval_problems
 
     def evaluate(self) -> float:
         if self._eval_before is not None:
             value, self._eval_before = self._eval_before, None
             return value
-        return super().evaluate()
+        _, held_out = split()
+        held_out = held_out[: self._eval_problems or len(held_out)]
+        rewards = list(self.pool.map(
+            lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out))
+        return sum(rewards) / len(rewards)
 
 
 def _ports(settings, base: int) -> None:  # noqa: ANN001
@@ -62,7 +70,7 @@ def _patient(settings) -> None:  # noqa: ANN001
 
 
 def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
-               eval_before: float | None = None) -> dict[str, float]:
+               eval_before: float | None = None, eval_problems: int = 0) -> dict[str, float]:
     """One recipe on a fresh stack; returns the demo summary plus `wall_s`."""
     started = time.monotonic()
     settings = load_settings(recipe)
@@ -78,7 +86,8 @@ def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
     settings.trainer.seed = cfg.seed
     with Stack(settings, config_file=str(recipe)) as stack:
         urls = {s.name: s.url for s in stack.services}
-        runner = _Runner(urls["gateway"], urls["engine"], cfg, out, eval_before=eval_before)
+        runner = _Runner(urls["gateway"], urls["engine"], cfg, out, eval_before=eval_before,
+                         eval_problems=eval_problems)
         summary = runner.run(started_at=started)
     shutil.rmtree(stack_dir / "checkpoints", ignore_errors=True)
     return summary | {"wall_s": time.monotonic() - started}
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/recipes"))
     parser.add_argument("--port-base", type=int, default=41000,
                         help="first port of the stacks (each recipe uses 7 from base + 10 i)")
+    parser.add_argument("--eval-problems", type=int, default=0,
+                        help="evaluate on the first N of the 30 held-out problems (0 = all)")
     parser.add_argument("--eval-before-each", action="store_true",
                         help="measure held-out accuracy before training for every recipe")
     args = parser.parse_args(argv)
@@ -145,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} problems x "
               f"{args.group_size} samples, seed {args.seed}", flush=True)
         summary = run_recipe(recipe, args.out / name, cfg, args.port_base + 10 * i,
-                             None if args.eval_before_each else eval_before)
+                             None if args.eval_before_each else eval_before, args.eval_problems)
         eval_before = summary["eval_before"]
         curves[name] = read_curve(args.out / name)
         half = max(len(curves[name]) // 2, 1)
@@ -161,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"budget: {args.steps} steps x {args.problems_per_step} problems x {args.group_size} "
           f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
           f"reward over the first / last {max(args.steps // 2, 1)} steps; eval = greedy "
-          f"accuracy on the 30 held-out problems"
+          f"accuracy on {args.eval_problems or 30} of the 30 held-out problems"
           + ("" if args.eval_before_each else " (eval_before measured once, shared)"))
     print(table(results))
     print(f"wrote {args.out / 'reward_curves.png'} and {args.out / 'summary.json'}")

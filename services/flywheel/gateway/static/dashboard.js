@@ -28,7 +28,7 @@ function drawChart(id, steps, values, label) {
   box.dataset.series = label || "";
   box.querySelector(".last").textContent = pts.length
     ? `${label} = ${pts[pts.length - 1][1].toPrecision(4)} @ step ${pts[pts.length - 1][0]}` : "no data";
-  const pad = {l: 46, r: 10, t: 8, b: 22};
+  const pad = {l: 60, r: 10, t: 8, b: 22};
   ctx.strokeStyle = "#c8ced8"; ctx.lineWidth = 1;
   ctx.strokeRect(pad.l, pad.t, w - pad.l - pad.r, h - pad.t - pad.b);
   if (!pts.length) return;

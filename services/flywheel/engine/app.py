@@ -366,6 +366,9 @@ async def _sse(
     except PlatformError as e:
         error = {"message": e.message, "type": e.error_type, "code": e.http_status}
         yield b"data: " + dumps({"error": {**error, "retryable": False}}) + b"\n\n"
+    except Exception as e:  # a failed decode step: tell the client instead of cutting the stream
+        error = {"message": f"{type(e).__name__}: {e}", "type": "server_error", "code": 500}
+        yield b"data: " + dumps({"error": {**error, "retryable": True}}) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
 

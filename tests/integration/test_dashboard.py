@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
+from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 from flywheel.core.auth import KeyStore
 from flywheel.core.codec import decode_sample

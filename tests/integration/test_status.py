@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
+from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 from flywheel.core.redis_client import connect
 from flywheel.status import StreamStatsCollector, collect_status, stream_stats

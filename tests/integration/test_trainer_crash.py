@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_service import make_group, pending_count, publish
+from .test_trainer_service import make_group, pending_count, publish
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.core.redis_client import connect

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer_service import (
+from .test_trainer_service import (
     FakeEngine,
     make_group,
     model_dir,  # noqa: F401 (fixture)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from safetensors.torch import load_file
-from test_trainer_service import (
+from .test_trainer_service import (
     FakeEngine,
     make_group,
     model_dir,  # noqa: F401 (fixture)

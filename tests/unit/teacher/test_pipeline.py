@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from teacher_fakes import FakeScorer, live_sample
+from .teacher_fakes import FakeScorer, live_sample
 
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import UpstreamError

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from teacher_fakes import FakeScorer, live_sample
+from .teacher_fakes import FakeScorer, live_sample
 
 from flywheel._proto import teacher_pb2, teacher_pb2_grpc
 from flywheel.core.codec import decode_sample

@@ -196,6 +196,18 @@ def test_no_nan_on_all_equal_rewards_and_padding_stays_zero(name):
     assert bool((out.advantages_BT[:, 2] == 0).all()), name
 
 
+@pytest.mark.parametrize("name", TOKEN_ESTIMATORS)
+def test_samples_without_loss_tokens_get_zero(name):
+    # a group of two with reward spread, one member has no sampled token (prompt only)
+    inp = inputs([1.0, 0.0], token_ids_BT=[[3, 4], [3, 5]], loss_mask_BT=[[1, 1], [0, 0]],
+                 entropy_BT=[[0.5, 0.7]] * 2, rollout_logprobs_BT=[[-1.0, -2.0]] * 2,
+                 teacher_logprobs_BT=[[-1.5, -1.0]] * 2, wrong_hint_logprobs_BT=[[-2.0, -2.0]] * 2,
+                 step_rewards_BT=[[float("nan"), 1.0]] * 2)
+    out = run(name, inp)
+    assert bool(torch.isfinite(out.advantages_BT).all()), name
+    assert bool((out.advantages_BT[1] == 0).all()), name
+
+
 def test_token_estimators_missing_inputs_raise_clearly():
     with pytest.raises(ValueError, match="token_ids_BT"):
         run("ktae", inputs([1.0, 0.0], loss_mask_BT=[[1], [1]]))

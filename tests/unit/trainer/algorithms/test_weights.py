@@ -157,13 +157,21 @@ def test_balanced_aggregation_weights():
 
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_every_weight_keeps_padding_zero_and_is_finite_on_degenerate_input(name):
-    # all-equal entropies and advantages, one padded position, a group of 2 and one singleton
-    c = ctx([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]],
-            [[1, 1, 0], [1, 1, 0], [1, 1, 0]],
-            entropy=[[0.0, 0.0, 5.0]] * 3, old=[[0.0, 0.0, 0.0]] * 3, groups=[0, 0, 1])
+    # all-equal entropies and advantages, one padded position, a group of 2, a singleton and
+    # a sample without any loss token (prompt only)
+    c = ctx([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0]],
+            [[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 0, 0]],
+            entropy=[[0.0, 0.0, 5.0]] * 4, old=[[0.0, 0.0, 0.0]] * 4, groups=[0, 0, 1, 2])
     out = apply_weight(name, c)
     assert bool(torch.isfinite(out.advantages_BT).all())
-    assert bool((out.advantages_BT[:, 2] == 0).all())
+    assert bool((out.advantages_BT[:, 2] == 0).all()) and bool((out.advantages_BT[3] == 0).all())
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_every_weight_handles_a_batch_without_loss_tokens(name):
+    c = ctx([[0.0, 0.0]] * 2, [[0, 0], [0, 0]], entropy=[[1.0, 2.0]] * 2, groups=[0, 0])
+    out = apply_weight(name, c)
+    assert_close(out.advantages_BT, torch.zeros(2, 2))
 
 
 def test_unknown_parameter_is_refused_with_the_known_names():

@@ -1,1 +1,45 @@
-"""OpenAI-compatible gateway: sessions, chat-template rendering, token-faithful recording."""
+"""OpenAI-compatible gateway: sessions, chat-template rendering, token-faithful recording.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (also under the
+session prefix `/s/<session_id>/v1`), `POST /v1/sessions`, `GET /v1/sessions/<id>`,
+`POST /v1/sessions/<id>/reward`, `POST /v1/sessions/<id>/finish`, health and metrics.
+
+Session identity: the URL prefix `/s/<session_id>/v1` (a session made by `POST /v1/sessions`),
+or the header `X-Session-Id: <id>` on `/v1/...` (a live-mode session is created on first use).
+`X-Turn-Type: main` (default) turns are recorded; `side` turns (a harness's auxiliary calls:
+summaries, titles, memory) are served with the session's engine affinity but never recorded
+and never count as the next state of a turn.
+
+Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
+
+- Episode mode: one Sample per segment when the session finishes (or when a request rewrites
+  history and a new segment starts): `token_ids` = the first prompt, then every sampled turn
+  and the template tokens between turns; `loss_mask` 1 on every sampled token; `messages` the
+  whole conversation; `rewards` = what was posted to `/reward` plus the finish `reward` as
+  `rewards["outcome"]`.
+- Live mode: one Sample per main assistant turn, published when its next state arrives (the
+  session's next main request, or its finish):
+    token_ids        exact prompt ids of the turn (earlier turns' sampled ids as sampled) +
+                     the turn's sampled ids, EOS included; prompt_length = len(prompt ids)
+    loss_mask        1 only on the turn's sampled ids
+    rollout_logprobs the engine's logprob (at the sampling temperature) on those ids, 0 elsewhere
+    weight_versions  the engine's weight version on those ids, -1 elsewhere
+    messages         the request's messages + the assistant reply as the client got it (last)
+    next_state       role + content_json of what followed: the first following message's role;
+                     its content, or the text contents of all following messages joined by a
+                     blank line; extra_json = its other fields (tool_call_id) and, when several
+                     followed, all of them as "messages". Absent when the session finished
+                     without `next_state` in the finish body, or the turn was regenerated.
+    turn_index       the turn's index in the session; segment_index its segment
+    sample_id        uuid5 of "<session>/turn/<turn_index>[/choice/<k>]" (a re-publish dedupes)
+    sampling, tools_json, task_json, finish_reason (stop | length | tool_calls | abort), group_id
+    rewards          whatever was posted to `/v1/sessions/<id>/reward` while the turn waited
+- n > 1 in a session: the choices share `group_id`; the one the client sends back continues the
+  session, each other choice is published at once as its own Sample (loss mask on it only).
+
+Module map: app.py (routes), turns.py (what a session turn records and publishes),
+recording.py (stitching rule, fork reasons, Samples from segments), tokenization.py (the only
+text -> ids), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
+completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store),
+schemas.py (request models and field policy).
+"""

@@ -266,6 +266,13 @@ class RewardSettings(Section):
     """Failed scoring attempts (scorer exception or deadline) before an entry is dead-lettered."""
     max_batch: int = Field(256, ge=1)
     """Most Samples in one gRPC ScoreBatch request."""
+    breaker_samples: int = Field(5, ge=0)
+    """Consecutive samples unjudged for infrastructure (judge down) after which the stream
+    worker stops taking new entries for `breaker_pause_s` (they wait in the stream instead of
+    being forwarded unjudged), then probes with one; 0 = never pause."""
+    breaker_pause_s: float = Field(10.0, gt=0)
+    """Seconds the worker pauses new reads while the judge is down, doubled per failed probe up
+    to 8x."""
 
 
 class HintJudgeSettings(JudgeSettings):

@@ -52,7 +52,8 @@ async def serve(settings: FlywheelSettings) -> None:
     scorer = build_scorer(rs)
     worker = RewardWorker(consumer, producer, scorer, block_ms=streams.block_ms,
                           max_in_flight=rs.max_in_flight, sample_timeout_s=rs.sample_timeout_s,
-                          max_failures=rs.max_failures)
+                          max_failures=rs.max_failures, breaker_samples=rs.breaker_samples,
+                          breaker_pause_s=rs.breaker_pause_s)
     server = await start_server(rs.host, rs.port, scorer, max_batch=rs.max_batch,
                                 max_concurrency=rs.max_in_flight)
     loop = asyncio.get_running_loop()

@@ -39,3 +39,5 @@ FAILURES = Counter("flywheel_reward_scoring_failures_total",
 JUDGE_UP = Gauge("flywheel_reward_judge_up",
                  "1 when the judge's last call got a reply (any parse), 0 when it failed on "
                  "infrastructure (timeout, connection, 429/5xx): alert on 0", ["judge"])
+BREAKER_OPEN = Gauge("flywheel_reward_breaker_open",
+                     "1 while the stream worker pauses new reads because the judge is down")

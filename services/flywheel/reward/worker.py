@@ -14,6 +14,11 @@ re-delivers the entry and the next stage sees it twice; consumers are idempotent
   more than `max_deliveries` deliveries across processes, it goes to the dead-letter stream with
   its error: never silently dropped. An unjudged Sample is not a failure: it is forwarded with
   `has_reward = false` and its reason.
+- Judge down (field-failures BUG-22): after `breaker_samples` consecutive Samples unjudged for
+  infrastructure reasons (timeouts, refused connections, 5xx), the worker takes no new entries
+  for `breaker_pause_s` (doubling per failed probe, up to 8x), so the backlog waits in the stream
+  rather than flowing on unjudged; then it scores one entry as a probe, and a judged probe closes
+  the breaker. `flywheel_reward_breaker_open` is 1 meanwhile.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class RewardWorker:
 
     def __init__(self, consumer: StreamConsumer, producer: StreamProducer, scorer: Scorer, *,
                  block_ms: int = 1000, max_in_flight: int = 16, sample_timeout_s: float = 600.0,
-                 max_failures: int = 3):
+                 max_failures: int = 3, breaker_samples: int = 5, breaker_pause_s: float = 10.0):
         self.consumer = consumer
         self.producer = producer
         self.scorer = scorer
@@ -56,6 +61,11 @@ class RewardWorker:
         self.sample_timeout_s = sample_timeout_s
         self.max_failures = max_failures
         self.failures: Counter[str] = Counter()
+        self.breaker_samples = breaker_samples
+        self.breaker_pause_s = breaker_pause_s
+        self.infra_streak = 0
+        self.paused_until = 0.0
+        self.pauses = 0
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._stop = asyncio.Event()
         self._lease_task: asyncio.Task[None] | None = None
@@ -76,6 +86,16 @@ class RewardWorker:
         if self._lease_task is None or self._lease_task.done():
             self._lease_task = asyncio.create_task(self._keep_leases())
         free = self.max_in_flight - len(self.tasks)
+        if self.breaker_open:
+            loop = asyncio.get_running_loop()
+            if loop.time() < self.paused_until or self.tasks:  # paused, or a probe in flight
+                wait = max(0.0, min(self.paused_until - loop.time(), self.block_ms / 1000))
+                if self.tasks:
+                    await asyncio.wait(list(self.tasks.values()), timeout=wait or 0.05)
+                else:
+                    await asyncio.sleep(wait)
+                return 0
+            free = 1  # one probe
         if free <= 0:
             await asyncio.wait(list(self.tasks.values()), timeout=self.block_ms / 1000,
                                return_when=asyncio.FIRST_COMPLETED)
@@ -141,6 +161,7 @@ class RewardWorker:
                         sample.sample_id, exc)
             return
         self.failures.pop(entry.entry_id, None)
+        self._track_judge(sample)
         if sample.has_reward:
             metrics.SAMPLES.labels("scored").inc()
         elif is_unjudged(sample):
@@ -149,6 +170,26 @@ class RewardWorker:
         else:
             metrics.SAMPLES.labels("unscored").inc()
             log.warning("sample %s unscored: %s", sample.sample_id, sample.error)
+
+    @property
+    def breaker_open(self) -> bool:
+        return bool(self.breaker_samples) and self.infra_streak >= self.breaker_samples
+
+    def _track_judge(self, sample) -> None:
+        if is_unjudged(sample) and "infra/" in sample.error:
+            self.infra_streak += 1
+            if self.breaker_open:
+                self.pauses = min(self.pauses + 1, 4)
+                pause = self.breaker_pause_s * 2 ** (self.pauses - 1)
+                self.paused_until = asyncio.get_running_loop().time() + pause
+                metrics.BREAKER_OPEN.set(1)
+                log.error("judge down: %d samples in a row unjudged (%s); pausing new reads "
+                          "for %.0f s", self.infra_streak, sample.error, pause)
+        elif sample.votes:  # a judgment happened and was not an infra failure
+            if self.breaker_open:
+                log.warning("judge back: closing the breaker")
+            self.infra_streak = self.pauses = 0
+            metrics.BREAKER_OPEN.set(0)
 
     def _forward(self, sample, entry_id: str) -> None:
         """Publish to the next stream, then ack (one thread hop; the order is the contract)."""

@@ -167,3 +167,45 @@ def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, p
     assert fake_judge.count("HANG") == 1        # the lease kept r2 from re-scoring it
     assert deliveries and max(deliveries) == 1  # and r1's own reads from re-delivering it
     assert [s.sample_id for s in _out(redis_client, prefix)] == ["slow"]
+
+
+def test_judge_down_opens_the_breaker_and_the_backlog_waits_in_the_stream(redis_client, prefix):
+    import httpx  # noqa: PLC0415
+
+    from flywheel.reward import metrics  # noqa: PLC0415
+
+    state = {"down": True}
+
+    def handler(request):
+        if state["down"]:
+            return httpx.Response(503)
+        return httpx.Response(200, json={"choices": [{"message": {
+            "content": "Final verdict: 1"}}]})
+
+    client = AsyncJudgeClient("http://judge/v1", "m", max_attempts=1,
+                              transport=httpx.MockTransport(handler))
+    scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
+    src = StreamProducer(redis_client, f"{prefix}:rollouts")
+    for i in range(6):
+        src.publish(_turn("8", f"s{i}"))
+    worker = _stage(redis_client, prefix, scorer, max_in_flight=1, breaker_samples=2,
+                    breaker_pause_s=0.3)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        await _until(lambda: worker.breaker_open, worker)
+        end = loop.time() + 0.2                 # within the pause nothing more is read
+        while loop.time() < end:
+            await worker.step()
+        forwarded_while_down = len(_out(redis_client, prefix))
+        open_gauge = metrics.BREAKER_OPEN._value.get()
+        state["down"] = False                   # the judge comes back
+        await _until(lambda: len(_out(redis_client, prefix)) == 6, worker)
+        return forwarded_while_down, open_gauge
+
+    forwarded_while_down, open_gauge = asyncio.run(scenario())
+    out = _out(redis_client, prefix)
+    assert forwarded_while_down == 2 and open_gauge == 1
+    assert all(is_unjudged(s) for s in out[:2])
+    assert all(s.has_reward and s.rewards["judge"] == 1.0 for s in out[2:])   # waited, judged
+    assert not worker.breaker_open and metrics.BREAKER_OPEN._value.get() == 0

@@ -143,3 +143,15 @@ def test_models_and_errors(tiny, shared_live_engine):
     assert r.status_code == 400 and r.json()["object"] == "error"
     r = httpx.get(f"{shared_live_engine}/v1/models/nope")
     assert r.status_code == 404 and r.json()["type"] == "model_not_found"
+
+
+def test_tokenize_matches_the_chat_prompt_and_detokenize_inverts(tiny, shared_live_engine):
+    msgs = [{"role": "user", "content": "hi"}]
+    toks = httpx.post(f"{shared_live_engine}/v1/tokenize", json={"messages": msgs}).json()
+    out = tiny.chat.completions.create(model="m", messages=msgs, max_tokens=1)
+    assert toks["count"] == len(toks["tokens"]) == out.usage.prompt_tokens
+    assert toks["max_model_len"] == 512
+    plain = httpx.post(f"{shared_live_engine}/tokenize", json={"prompt": "Hello world"}).json()
+    text = httpx.post(f"{shared_live_engine}/v1/detokenize",
+                      json={"tokens": plain["tokens"]}).json()["text"]
+    assert text == "Hello world"

@@ -1,10 +1,11 @@
 """SGLang's OpenAI-compatible routes on the embedded engine.
 
 `/v1/chat/completions` (non-stream and SSE stream), `/v1/completions` (non-stream and stream),
-`/v1/models`, `/v1/models/{model}`. Requests become native rows (`RowSpec`) submitted to the
-same engine as /generate, so a judge or teacher pointed at `http://host:port/v1` gets exactly
-what an SGLang server would give it. Errors use SGLang's OpenAI envelope
-(`openai_api.OpenAIError`); a body that is not `application/json` is a 400 as in SGLang.
+`/v1/models`, `/v1/models/{model}`, `/v1/tokenize` and `/v1/detokenize` (also without /v1).
+Requests become native rows (`RowSpec`) submitted to the same engine as /generate, so a judge
+or teacher pointed at `http://host:port/v1` gets exactly what an SGLang server would give it.
+Errors use SGLang's OpenAI envelope (`openai_api.OpenAIError`); a body that is not
+`application/json` is a 400 as in SGLang.
 """
 
 from __future__ import annotations
@@ -172,6 +173,45 @@ def register_openai_routes(app: FastAPI, wait: Any, stream_rows: Any) -> None:
             dumps(completion_response(req, results, texts, d.engine.weight_version)),
             media_type="application/json",
         )
+
+    @app.post("/v1/tokenize")
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """{"prompt": str | list[str], "add_special_tokens"} or {"messages", ...} ->
+        {"tokens", "count", "max_model_len"} (the ids the server itself would use)."""
+        d = get_deps(request)
+        data = await _json_body(request)
+        tokenizer = _tokenizer(d)
+        if "messages" in data:
+            chat = _validate(ChatCompletionRequest, {**data, "stream": False})
+            tokens: Any = await asyncio.to_thread(render_chat, tokenizer, chat)
+            count = len(tokens)
+        else:
+            prompt = data.get("prompt")
+            special = bool(data.get("add_special_tokens", True))
+            if isinstance(prompt, str):
+                tokens = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+                count = len(tokens)
+            elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+                tokens = [list(tokenizer(p, add_special_tokens=special)["input_ids"])
+                          for p in prompt]
+                count = [len(t) for t in tokens]
+            else:
+                raise OpenAIError("prompt must be a string or a list of strings")
+        body = {"tokens": tokens, "count": count, "max_model_len": d.settings.context_length}
+        return Response(dumps(body), media_type="application/json")
+
+    @app.post("/v1/detokenize")
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        d = get_deps(request)
+        data = await _json_body(request)
+        ids = data.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise OpenAIError("tokens must be a list of token ids")
+        skip = bool(data.get("skip_special_tokens", True))
+        text = _tokenizer(d).decode(ids, skip_special_tokens=skip)
+        return Response(dumps({"text": text}), media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
@@ -23,7 +23,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from flywheel.core.settings import FlywheelSettings, StreamSettings
+from flywheel.core.settings import FlywheelSettings, StreamSettings, mask_secrets
 
 log = logging.getLogger(__name__)
 
@@ -264,27 +264,12 @@ class StatusReport:
         return self.redis_ok and all(s.healthy for s in self.services)
 
     def to_json(self) -> dict[str, Any]:
-        from dataclasses import asdict  # noqa: PLC0415
-
-        return {"healthy": self.healthy, "redis": {"url": _mask_url(self.redis_url),
+        return {"healthy": self.healthy, "redis": {"url": mask_secrets(self.redis_url),
                                                    "ok": self.redis_ok, "error": self.redis_error},
                 "services": [asdict(s) for s in self.services],
                 "streams": [asdict(s) for s in self.streams],
                 "dead_letters": self.dead_letters, "engines": self.engines,
                 "trainer": self.trainer}
-
-
-def _mask_url(url: str) -> str:
-    """redis://:secret@host -> redis://:***@host (the password never reaches a screen)."""
-    from urllib.parse import urlsplit, urlunsplit  # noqa: PLC0415
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def collect_status(settings: FlywheelSettings,
@@ -331,7 +316,7 @@ def render(report: StatusReport) -> Any:
     services = Table(title="services", title_justify="left", expand=False)
     for col in ("service", "address", "health", "detail"):
         services.add_column(col)
-    services.add_row("redis", _mask_url(report.redis_url), ok if report.redis_ok else bad,
+    services.add_row("redis", mask_secrets(report.redis_url), ok if report.redis_ok else bad,
                      report.redis_error or "PING")
     for s in report.services:
         services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)

@@ -26,6 +26,7 @@ import logging
 import math
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from http.cookies import SimpleCookie
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import REGISTRY
 
 from flywheel.core.codec import decode_sample
+from flywheel.core.errors import ContractError
 from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
 from flywheel.core.streams import FIELD
 from flywheel.gateway.security import require_role
@@ -130,7 +132,7 @@ class DashboardData:
         for entry_id, fields in entries:
             try:
                 samples.append((entry_id, decode_sample(fields[FIELD])))
-            except Exception as exc:  # a poison entry must not break the page
+            except (ContractError, KeyError) as exc:  # a poison entry must not break the page
                 log.warning("dashboard: undecodable entry %s in %s: %s", entry_id, source, exc)
         rewards = [s.reward if s.has_reward else None for _, s in samples]
         advantages = group_advantages([s.group_id or s.sample_id for _, s in samples], rewards)
@@ -161,7 +163,7 @@ class DashboardData:
 
     def stream_table(self) -> dict[str, Any]:
         return {"streams": [{"name": st.name, "key": st.key, "length": st.length,
-                             "groups": [g.__dict__ for g in st.groups]}
+                             "groups": [asdict(g) for g in st.groups]}
                             for st in stream_stats(self.client, self.streams)]}
 
 

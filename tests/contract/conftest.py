@@ -52,13 +52,6 @@ def engine_process(model_dir: Path, **env_overrides: str) -> Iterator[str]:
         proc.wait(30)
 
 
-@pytest.fixture
-def live_engine(tiny_model_dir) -> Iterator[str]:
-    """A fresh engine process on the tiny model (tests may change its weights)."""
-    with engine_process(tiny_model_dir) as url:
-        yield url
-
-
 @pytest.fixture(scope="session")
 def shared_live_engine(tiny_model_dir) -> Iterator[str]:
     """One engine process on the tiny model for read-only tests."""

@@ -53,6 +53,12 @@ def engine_process(model_dir: Path, **env_overrides: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def start_engine():
+    """`engine_process` itself, for modules that need an engine of their own."""
+    return engine_process
+
+
+@pytest.fixture(scope="session")
 def shared_live_engine(tiny_model_dir) -> Iterator[str]:
     """One engine process on the tiny model for read-only tests."""
     with engine_process(tiny_model_dir) as url:

@@ -87,6 +87,13 @@ def _settings(service: dict, monkeypatch) -> FlywheelSettings:
     return load_settings()
 
 
+def sglang_version(tag: str) -> tuple[int, ...]:
+    """`v0.5.23` or `v0.5.23-cu129` -> (0, 5, 23)."""
+    m = re.match(r"v?(\d+)\.(\d+)\.(\d+)", tag)
+    assert m, f"unversioned SGLang tag {tag!r}"
+    return tuple(int(x) for x in m.groups())
+
+
 def _flywheel_module(service: dict) -> str | None:
     cmd = service.get("command") or []
     return cmd[2] if cmd[:2] == ["python", "-m"] else None
@@ -189,6 +196,8 @@ def test_gpu_profile_runs_sglang_with_the_flags_flywheel_needs(compose, monkeypa
     gpu = _active(compose, ("gpu",))
     sglang = gpu["sglang"]
     assert sglang["image"].startswith("lmsysorg/sglang:") and ":latest" not in sglang["image"]
+    tag = _interpolate(sglang["image"], REQUIRED_ENV).split(":")[1]
+    assert sglang_version(tag) >= (0, 5, 5), f"{tag}: SGLang < 0.5.5 reports no weight_version"
     cmd = [_interpolate(str(a), REQUIRED_ENV) for a in sglang["command"]]
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
 

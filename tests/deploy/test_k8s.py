@@ -368,6 +368,9 @@ def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, mon
     engine = _pod_spec(by_name["engine"])
     (sglang,) = engine["containers"]
     assert _image_repo(sglang["image"]) == "lmsysorg/sglang"
+    version = re.match(r"v?(\d+)\.(\d+)\.(\d+)", sglang["image"].rsplit(":", 1)[1])
+    assert version and tuple(map(int, version.groups())) >= (0, 5, 5), (
+        "SGLang < 0.5.5 reports no weight_version")
     cmd = sglang["command"]
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"

@@ -5,7 +5,7 @@ Real Redis, engine, gateway, reward and trainer processes (flywheel.stack.Stack)
 of two episodes go through the gateway with outcome rewards 0 and 1 (so the group has a reward
 spread); the reward service scores them, the trainer takes one GRPO step per group, checkpoints
 each and pushes it to the engine (weight version 3 at the end). Use it from a test module with
-`from ops_stack import ops_stack  # noqa: F401`.
+`from .ops_stack import ops_stack  # noqa: F401`.
 """
 
 from __future__ import annotations

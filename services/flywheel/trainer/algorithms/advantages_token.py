@@ -481,3 +481,15 @@ TOKEN_ADVANTAGES: dict[str, Callable[[Any, Any], adv.AdvantageOutputs]] = {
     "contrastive_sd": contrastive_sd,
 }
 """Token-level estimators, merged into `advantages.ADVANTAGES`."""
+
+TOKEN_ADVANTAGE_PARAMS: dict[str, type] = {
+    "tempo": TempoParams,
+    "ktae": KtaeParams,
+    "zero_variance": ZeroVarianceParams,
+    "miner": MinerParams,
+    "a3po": A3POParams,
+    "rlsd": RLSDParams,
+    "sdar_gate": SDARParams,
+    "contrastive_sd": ContrastiveParams,
+}
+"""Parameter dataclass of each token-level estimator that has parameters."""

@@ -443,6 +443,9 @@ def seq_mean_token_sum(
     return _masked(token_loss_BT, loss_mask_BT).sum() / norm.sequences
 
 
+LOSS_PARAMS: dict[str, type] = {"dhpo": DHPOParams, "aspo": ASPOParams, "cppo": CPPOParams}
+"""Parameter dataclass of each policy loss with its own parameters (besides the clip range)."""
+
 PolicyLossFn = Callable[[LossInputs, PPOClipConfig], LossOutputs]
 AggregationFn = Callable[[Tensor, Tensor, LossNormalizer], Tensor]
 

@@ -65,6 +65,7 @@ class AlgoConfig:
     """The selected parts beyond advantage / policy loss / aggregation / correction."""
 
     advantage: str = "grpo"
+    policy_loss: str = "ppo_clip"
     token_weights: tuple[str, ...] = ()
     regularizers: tuple[tuple[str, float], ...] = ()
     """(name, coefficient) of each regularizer term added to the token loss."""
@@ -77,6 +78,7 @@ class AlgoConfig:
     def from_settings(cls, s: Any) -> AlgoConfig:
         cfg = cls(
             advantage=s.advantage,
+            policy_loss=s.policy_loss,
             token_weights=tuple(s.token_weights),
             regularizers=tuple(sorted(s.regularizers.items())),
             dynamic_sampling=s.dynamic_sampling,
@@ -86,10 +88,15 @@ class AlgoConfig:
         return cfg
 
     def selected(self) -> list[str]:
-        return [self.advantage, *self.token_weights, *(n for n, _ in self.regularizers)]
+        return [self.advantage, self.policy_loss, *self.token_weights,
+                *(n for n, _ in self.regularizers)]
 
     def check(self) -> None:
         """Raise ValueError for a part whose inputs the step cannot provide or bad params."""
+        from flywheel.trainer.algorithms.advantages_token import (  # noqa: PLC0415
+            TOKEN_ADVANTAGE_PARAMS,
+        )
+        from flywheel.trainer.algorithms.losses import LOSS_PARAMS  # noqa: PLC0415
         from flywheel.trainer.algorithms.params import resolve  # noqa: PLC0415
         from flywheel.trainer.algorithms.regularizers import TERM_PARAMS  # noqa: PLC0415
         from flywheel.trainer.algorithms.weights import WEIGHT_PARAMS  # noqa: PLC0415
@@ -103,6 +110,12 @@ class AlgoConfig:
             resolve(WEIGHT_PARAMS[name], self.params.get(name), name)
         for name, _ in self.regularizers:
             resolve(TERM_PARAMS[name], self.params.get(name), name)
+        if self.advantage in TOKEN_ADVANTAGE_PARAMS:
+            resolve(TOKEN_ADVANTAGE_PARAMS[self.advantage], self.params.get(self.advantage),
+                    self.advantage)
+        if self.policy_loss in LOSS_PARAMS:
+            resolve(LOSS_PARAMS[self.policy_loss], self.params.get(self.policy_loss),
+                    self.policy_loss)
 
     @property
     def late_advantage(self) -> bool:

@@ -56,11 +56,16 @@ def test_parts_whose_inputs_the_step_lacks_are_refused_at_start_up(algo, missing
         AlgoConfig(**algo).check()
 
 
-def test_bad_part_parameter_is_refused_at_start_up():
-    s = TrainerSettings(token_weights=["high_entropy_only"],
-                        algorithm_params={"high_entropy_only": {"top_frac_typo": 0.1}})
-    with pytest.raises(ValueError, match="top_frac"):
-        StepConfig.from_settings(s)
+@pytest.mark.parametrize("settings,known", [
+    ({"token_weights": ["high_entropy_only"],
+      "algorithm_params": {"high_entropy_only": {"top_frac_typo": 0.1}}}, "top_frac"),
+    ({"advantage": "rlsd", "algorithm_params": {"rlsd": {"betta": 1.0}}}, "beta"),
+    ({"policy_loss": "cppo", "algorithm_params": {"cppo": {"budget": 1.0}}}, "prefix_budget"),
+    ({"regularizers": {"grsp": 0.1}, "algorithm_params": {"grsp": {"scale": "big"}}}, "scale"),
+])
+def test_bad_part_parameter_is_refused_at_start_up(settings, known):
+    with pytest.raises(ValueError, match=known):
+        StepConfig.from_settings(TrainerSettings(**settings))
 
 
 def test_dynamic_sampling_drops_groups_without_reward_spread():

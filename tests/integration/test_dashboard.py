@@ -20,13 +20,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 from flywheel.core.auth import KeyStore
 from flywheel.core.codec import decode_sample
 from flywheel.core.redis_client import connect
 from flywheel.core.streams import FIELD
 from flywheel.gateway.dashboard import COOKIE, group_advantages
+
+from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,11 @@ import subprocess
 import sys
 
 import pytest
-from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 from flywheel.core.redis_client import connect
 from flywheel.status import StreamStatsCollector, collect_status, stream_stats
+
+from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -127,3 +128,23 @@ def test_services_bound_to_every_interface_are_reached_by_service_name(monkeypat
     assert targets == {"engine": "http://engine:30000/health",
                        "gateway": "http://gateway:8000/readyz", "reward": "reward:50051",
                        "trainer": "http://trainer:8101/readyz"}
+
+
+def test_lag_counts_only_entries_that_still_exist(redis_client, prefix):
+    """Lag after a deletion (redis/redis#13957: XINFO reports it wrong or unknown after XDEL or
+    XTRIM): 5 entries, the group reads 2 (pending 2), entry 4 is deleted -> lag 2 (entries 3
+    and 5), length 4. A group created at `$` afterwards has lag 0."""
+    from flywheel.core.settings import StreamSettings  # noqa: PLC0415
+
+    streams = StreamSettings(prefix=prefix)
+    key = streams.key("rollouts")
+    ids = [redis_client.xadd(key, {"t": str(i)}) for i in range(1, 6)]
+    redis_client.xgroup_create(key, "reward", id="0")
+    redis_client.xreadgroup("reward", "c1", {key: ">"}, count=2)
+    redis_client.xdel(key, ids[3])
+    redis_client.xgroup_create(key, "late", id="$")
+    (rollouts,) = [s for s in stream_stats(redis_client, streams) if s.name == "rollouts"]
+    groups = {g.group: g for g in rollouts.groups}
+    assert rollouts.length == 4
+    assert (groups["reward"].lag, groups["reward"].pending) == (2, 2)
+    assert (groups["late"].lag, groups["late"].pending) == (0, 0)

@@ -282,8 +282,6 @@ class A3POParams:
     """p_old below this is a low-probability token."""
     high_prob: float = 0.8
     """p_old above this is a high-probability token."""
-    decay_steps: int = 0
-    """Boosts decay linearly to 0 over this many steps (0 = constant)."""
 
 
 def a3po(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.AdvantageOutputs:
@@ -291,22 +289,19 @@ def a3po(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
 
         A > 0:  A_t = A (1 + eta_+ 1[p_t < p_low])     (sharpen: credit rare correct choices)
         A < 0:  A_t = A (1 + eta_- 1[p_t > p_high])    (explore: push confident errors down)
-        eta(step) = eta (1 - step / S)  when S > 0
 
     "Adaptive and Asymmetric token-level Advantage shaping for Policy Optimization" (A3PO,
     abstract in shared/reference). The abstract gives no numbers: eta = 0.5, p_low 0.2,
-    p_high 0.8 are this library's defaults. eta = 0 is GRPO. The decay needs the step
-    counter, which estimators do not see: it is applied by `cfg.params["step"]` when given.
+    p_high 0.8 are this library's defaults, constant over training (the paper's adaptive
+    schedule is not reproduced: estimators do not see the step counter). eta = 0 is GRPO.
     """
-    p = resolve(A3POParams, {k: v for k, v in cfg.params.items() if k != "step"}, "a3po")
+    p = resolve(A3POParams, cfg.params, "a3po")
     mask_BT = _mask(inputs, "a3po")
     prob_BT = _need(inputs, "rollout_logprobs_BT", "a3po").double().exp()
     base = _grpo_B(inputs, cfg)
     adv_BT = _spread(base.advantages_B, mask_BT)
-    step = int(cfg.params.get("step", 0))
-    decay = max(1 - step / p.decay_steps, 0.0) if p.decay_steps > 0 else 1.0
-    w_BT = torch.where(adv_BT > 0, 1 + decay * p.pos_boost * (prob_BT < p.low_prob),
-                       1 + decay * p.neg_boost * (prob_BT > p.high_prob))
+    w_BT = torch.where(adv_BT > 0, 1 + p.pos_boost * (prob_BT < p.low_prob),
+                       1 + p.neg_boost * (prob_BT > p.high_prob))
     return _out(base, adv_BT * w_BT, mask_BT)
 
 

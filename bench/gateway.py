@@ -1,0 +1,236 @@
+"""Gateway overhead in front of an instant stub engine, side by side in one run.
+
+    .venv/bin/python bench/gateway.py [--requests 300] [--rounds 2]
+
+Targets, each a real process on loopback, all answering the same chat request:
+- direct: the stub engine itself (bench/peers/stub_upstream.py), the floor;
+- proxy: a minimal pass-through proxy (bench/peers/passthrough.py: raw ASGI + pooled httpx);
+- gateway: `python -m flywheel.gateway` without a session (chat template, tokenization,
+  `/generate` on the stub, reply parsing, OpenAI response);
+- gateway-recorded: the same through a pre-created episode session (the turn is recorded in
+  Redis: lock, stitch, save), i.e. the gateway's overhead with recording included.
+For each target and concurrency 1/16/64: requests/s and p50/p99 latency over `--requests`
+timed requests after a warm-up (best of `--rounds` interleaved rounds), the latency each adds
+over `direct` (p50/p99, ms), and the CPU time the target's own processes spend per request
+(the proxy or gateway process; plus Redis for the recorded target; the stub's share is the
+same for all and excluded), read from /proc. Ratios compare the gateway with the proxy (target:
+gateway-recorded within 1.5x of the proxy's overhead). On a loaded shared machine wall-clock
+latencies swing by several x between cells; CPU per request is the steadier overhead measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
+        "max_tokens": 8}
+LEVELS = (1, 16, 64)
+TARGETS = ("direct", "proxy", "gateway", "gateway-recorded")
+
+
+def _start(procs: list[subprocess.Popen], logs: Path, name: str, argv: list[str],
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    log = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    procs.append(proc)
+    return proc
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
+
+
+def start(procs: list[subprocess.Popen], work: Path
+          ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
+    """Start the stub, the proxy, Redis and the gateway.
+
+    Returns:
+        (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
+    """
+    from flywheel.core.redis_server import LocalRedis, free_port  # noqa: PLC0415
+    from flywheel.engine.convert import build_tiny_model  # noqa: PLC0415
+
+    py = sys.executable
+    stub = f"http://127.0.0.1:{(port := free_port())}"
+    proc = _start(procs, work, "stub", [py, "bench/peers/stub_upstream.py", "--port", str(port)])
+    _wait(f"{stub}/health", proc)
+    proxy = f"http://127.0.0.1:{(port := free_port())}"
+    proc = _start(procs, work, "proxy", [py, "bench/peers/passthrough.py", "--port", str(port),
+                                         "--upstream", stub])
+    _wait(f"{proxy}/health", proc)
+    redis = LocalRedis(work / "redis").start()
+    gateway = f"http://127.0.0.1:{(port := free_port())}"
+    cfg = {"redis": {"url": redis.url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
+           "gateway": {"port": port, "engine_urls": [stub],
+                       "tokenizer_path": str(build_tiny_model(work / "tiny"))}}
+    (work / "settings.json").write_text(json.dumps(cfg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    proc = _start(procs, work, "gateway", [py, "-m", "flywheel.gateway", "--config",
+                                           str(work / "settings.json")], env=env)
+    _wait(f"{gateway}/readyz", proc)
+    pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "gateway": [proc.pid],
+            "gateway-recorded": [proc.pid, redis.proc.pid]}
+    return ({"direct": stub, "proxy": proxy, "gateway": gateway, "gateway-recorded": gateway},
+            redis, pids)
+
+
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+async def _paths(client: httpx.AsyncClient, target: str, k: int) -> list[str]:
+    if target != "gateway-recorded":
+        return ["/v1/chat/completions"] * k
+    made = await asyncio.gather(*[client.post("/v1/sessions", json={"group_id": "bench"})
+                                  for _ in range(k)])
+    return [f"/s/{r.json()['session_id']}/v1/chat/completions" for r in made]
+
+
+async def cell(base: str, target: str, concurrency: int, n: int, pids: list[int]
+               ) -> dict[str, float]:
+    """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    latencies: list[float] = []
+    errors = 0
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+
+        async def drain(queue: list[str], keep: bool) -> None:
+            async def worker() -> None:
+                nonlocal errors
+                while queue:
+                    path = queue.pop()
+                    t0 = time.perf_counter()
+                    try:
+                        resp = await client.post(path, json=BODY)
+                    except httpx.HTTPError:
+                        errors += 1
+                        continue
+                    if resp.status_code != 200:
+                        errors += 1
+                    elif keep:
+                        latencies.append(time.perf_counter() - t0)
+
+            await asyncio.gather(*[worker() for _ in range(concurrency)])
+
+        await drain(await _paths(client, target, 2 * concurrency), keep=False)  # warm-up
+        timed = await _paths(client, target, n)
+        cpu0, t0 = _cpu_s(pids), time.perf_counter()
+        await drain(timed, keep=True)
+        wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
+    lat = sorted(latencies) or [float("nan")]
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000
+
+    return {"rps": len(latencies) / wall, "p50": pct(0.5), "p99": pct(0.99), "errors": errors,
+            "cpu_ms": cpu * 1000 / max(len(latencies), 1)}
+
+
+def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
+    """The better of two rounds (higher requests/s)."""
+    return b if a is None or b["rps"] > a["rps"] else a
+
+
+def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+    lines = [f"{'target':<17}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+             f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'errors':>8}"]
+    for c in LEVELS:
+        floor = results[("direct", c)]
+        for t in TARGETS:
+            r = results[(t, c)]
+            lines.append(f"{t:<17}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
+                         f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
+                         f"{r['cpu_ms']:>11.2f}{r['errors']:>8.0f}")
+    lines.append("")
+    lines.append("gateway / pass-through proxy (overhead ratios; target <= 1.5):")
+
+    def ratio(num: float, den: float) -> str:
+        return f"x{num / den:.2f}" if den > 0 else "n/a (proxy added no latency: noise)"
+
+    for c in LEVELS:
+        floor, proxy = results[("direct", c)], results[("proxy", c)]
+        parts = []
+        for t in ("gateway", "gateway-recorded"):
+            r = results[(t, c)]
+            parts.append(
+                f"{t}: cpu/req {ratio(r['cpu_ms'], proxy['cpu_ms'])}, added p50 "
+                f"{ratio(r['p50'] - floor['p50'], proxy['p50'] - floor['p50'])}, added p99 "
+                f"{ratio(r['p99'] - floor['p99'], proxy['p99'] - floor['p99'])}, req/s "
+                f"{ratio(r['rps'], proxy['rps'])}")
+        lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
+    return lines
+
+
+async def measure(urls: dict[str, str], pids: dict[str, list[int]], n: int, rounds: int
+                  ) -> dict[tuple[str, int], dict[str, float]]:
+    results: dict[tuple[str, int], dict[str, float]] = {}
+    for _ in range(rounds):  # interleaved, so drifting machine load hits every target alike
+        for c in LEVELS:
+            for t in TARGETS:
+                key = (t, c)
+                results[key] = best(results.get(key), await cell(urls[t], t, c, n, pids[t]))
+                print(f"  {t} at {c}: {results[key]['rps']:.0f} req/s", file=sys.stderr,
+                      flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300, help="timed requests per cell")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    procs: list[subprocess.Popen] = []
+    redis = None
+    with tempfile.TemporaryDirectory(prefix="flywheel-bench-gw-") as tmp:
+        try:
+            urls, redis, pids = start(procs, Path(tmp))
+            load = os.getloadavg()[0]
+            results = asyncio.run(measure(urls, pids, args.requests, args.rounds))
+            print(f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
+                  f"{args.requests} requests per cell, best of {args.rounds} rounds")
+            print("\n".join(report(results)))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            if redis is not None:
+                redis.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from prometheus_client import Counter
 
-from flywheel.core.auth import KeyRecord, KeyStore, Role
+from flywheel.core.auth import KeyRecord, KeyStore, Role, hash_key
 from flywheel.core.errors import (
     AuthenticationError,
     BackpressureError,
@@ -259,13 +259,14 @@ class SecurityMiddleware:
 
     async def _lookup(self, secret: str) -> KeyRecord | None:
         now = time.monotonic()
-        hit = self._key_cache.get(secret)
+        digest = hash_key(secret)  # the cache, like Redis, never holds the secret itself
+        hit = self._key_cache.get(digest)
         if hit is not None and now < hit[1]:
             return hit[0]
         record = await asyncio.to_thread(self.keys.verify, secret)
         if len(self._key_cache) > 10_000:
             self._key_cache.clear()
-        self._key_cache[secret] = (record, now + self.settings.key_cache_s)
+        self._key_cache[digest] = (record, now + self.settings.key_cache_s)
         return record
 
     async def _authenticate(self, scope: dict) -> Principal:

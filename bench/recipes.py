@@ -22,6 +22,7 @@ import argparse
 import json
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from flywheel.core.settings import load_settings
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="first port of the stacks (each recipe uses 7 from base + 10 i)")
     parser.add_argument("--eval-problems", type=int, default=0,
                         help="evaluate on the first N of the 30 held-out problems (0 = all)")
+    parser.add_argument("--eval-before", type=float, default=None,
+                        help="reuse this held-out accuracy before training (measured earlier on "
+                             "the same problems and initial weights) instead of measuring it")
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the recipes at the same time, one process each (same load "
+                             "for all; wall-clock is then comparable only among them)")
     parser.add_argument("--eval-before-each", action="store_true",
                         help="measure held-out accuracy before training for every recipe")
     args = parser.parse_args(argv)
@@ -150,14 +157,30 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}
     curves: dict[str, list[float]] = {}
-    eval_before: float | None = None
+    eval_before: float | None = args.eval_before
+    summaries: dict[str, dict[str, float]] = {}
+    if args.parallel:
+        with ProcessPoolExecutor(max_workers=len(args.recipes)) as pool:
+            futures = {
+                recipe.stem: pool.submit(run_recipe, recipe, args.out / recipe.stem, cfg,
+                                         args.port_base + 10 * i, eval_before, args.eval_problems)
+                for i, recipe in enumerate(args.recipes)
+            }
+            print(f"== {len(futures)} recipes in parallel: {args.steps} steps x "
+                  f"{args.problems_per_step} problems x {args.group_size} samples, seed "
+                  f"{args.seed}", flush=True)
+            summaries = {name: future.result() for name, future in futures.items()}
     for i, recipe in enumerate(args.recipes):
         name = recipe.stem
-        print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} problems x "
-              f"{args.group_size} samples, seed {args.seed}", flush=True)
-        summary = run_recipe(recipe, args.out / name, cfg, args.port_base + 10 * i,
-                             None if args.eval_before_each else eval_before, args.eval_problems)
-        eval_before = summary["eval_before"]
+        if name not in summaries:
+            print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} "
+                  f"problems x {args.group_size} samples, seed {args.seed}", flush=True)
+            summaries[name] = run_recipe(
+                recipe, args.out / name, cfg, args.port_base + 10 * i,
+                None if args.eval_before_each else eval_before, args.eval_problems)
+            if eval_before is None and not args.eval_before_each:
+                eval_before = summaries[name]["eval_before"]
+        summary = summaries[name]
         curves[name] = read_curve(args.out / name)
         half = max(len(curves[name]) // 2, 1)
         results[name] = summary | {
@@ -173,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
           f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
           f"reward over the first / last {max(args.steps // 2, 1)} steps; eval = greedy "
           f"accuracy on {args.eval_problems or 30} of the 30 held-out problems"
-          + ("" if args.eval_before_each else " (eval_before measured once, shared)"))
+          + ("" if args.eval_before_each else " (eval_before measured once, shared)")
+          + (" in parallel" if args.parallel else ""))
     print(table(results))
     print(f"wrote {args.out / 'reward_curves.png'} and {args.out / 'summary.json'}")
     return 0

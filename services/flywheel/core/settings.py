@@ -218,7 +218,8 @@ class JudgeSettings(Section):
     max_tokens: int = Field(512, ge=16)
     """Max tokens per judge reply (reasoning + final verdict line)."""
     context_chars: int = Field(8000, ge=0)
-    """The turn's context is trimmed to its last N characters."""
+    """Budget of the context shown to the judge, in characters (about 4 per token): whole
+    messages, newest first, older ones replaced by an "[N earlier messages omitted]" line."""
 
 
 class RubricJudgeSettings(JudgeSettings):

@@ -28,6 +28,9 @@ class FakeJudge:
     def __init__(self, hang_s: float = 5.0, port: int = 0):
         self.hang_s = hang_s
         self.calls: list[str] = []
+        self.in_flight = 0
+        self.peak = 0
+        """Most requests being answered at once so far."""
         self.lock = threading.Lock()
         judge = self
 
@@ -42,6 +45,15 @@ class FakeJudge:
                 prompt = body["messages"][0]["content"]
                 with judge.lock:
                     judge.calls.append(prompt)
+                    judge.in_flight += 1
+                    judge.peak = max(judge.peak, judge.in_flight)
+                try:
+                    self._answer(prompt)
+                finally:
+                    with judge.lock:
+                        judge.in_flight -= 1
+
+            def _answer(self, prompt):
                 if "HANG" in prompt:
                     time.sleep(judge.hang_s)
                 if "FAIL500" in prompt:

@@ -64,8 +64,29 @@ def last_reply(sample: sample_pb2.Sample) -> str:
     return ""
 
 
-def _transcript(messages: list[sample_pb2.Message]) -> str:
-    return "\n".join(f"{m.role}: {message_text(m)}" for m in messages)
+def transcript(messages: list[sample_pb2.Message], budget_chars: int = 0) -> str:
+    """"role: text" lines of `messages`, trimmed to `budget_chars` by whole messages.
+
+    The newest messages are kept (a judge needs the latest context most); older ones are
+    replaced by one "[N earlier messages omitted]" line. If the newest message alone is over the
+    budget, its last `budget_chars` characters are kept. 0 = no limit.
+    Lines "user: aaaa", "assistant: bb", "user: c" with budget 21 -> "[1 earlier messages
+    omitted]", "assistant: bb", "user: c" (13 + 1 + 7 = 21 fits; one more line, 10 + 1, would
+    not).
+    """
+    lines = [f"{m.role}: {message_text(m)}" for m in messages]
+    if not budget_chars or sum(len(x) + 1 for x in lines) - 1 <= budget_chars:
+        return "\n".join(lines)
+    kept: list[str] = []
+    used = 0
+    for line in reversed(lines):
+        if used + len(line) + (1 if kept else 0) > budget_chars:
+            break
+        kept.append(line)
+        used += len(line) + (1 if len(kept) > 1 else 0)
+    if not kept:
+        return f"[{len(lines) - 1} earlier messages omitted]\n...{lines[-1][-budget_chars:]}"
+    return "\n".join([f"[{len(lines) - len(kept)} earlier messages omitted]", *kept[::-1]])
 
 
 @dataclass
@@ -158,7 +179,7 @@ class Scorer:
             return
         assert self.judge is not None
         result = await self.judge.judge(
-            _transcript(messages[:last]), message_text(messages[last]),
+            transcript(messages[:last], self.judge.context_chars), message_text(messages[last]),
             message_text(sample.next_state), sample.next_state.role, truncated=truncated)
         _record(sample, "judge", result, unjudged)
 
@@ -175,7 +196,8 @@ class Scorer:
                 after.append(m)
             if after:  # the final turn has no next state: the outcome components cover it
                 jobs[k] = self.step_judge.judge(
-                    _transcript(messages[:i]), message_text(messages[i]),
+                    transcript(messages[:i], self.step_judge.context_chars),
+                    message_text(messages[i]),
                     "\n".join(message_text(m) for m in after), after[0].role,
                     label=f"step/{k}")
         if not jobs:
@@ -203,7 +225,8 @@ class Scorer:
             unjudged.append("rubric: the sample has no assistant message")
             return
         result = await self.rubric_judge.judge(
-            _transcript(messages[:last]), message_text(messages[last]), rubric,
+            transcript(messages[:last], self.rubric_judge.context_chars),
+            message_text(messages[last]), rubric,
             truncated=truncated)
         _record(sample, "rubric", result, unjudged)
 

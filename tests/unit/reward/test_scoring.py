@@ -56,3 +56,22 @@ def test_unknown_verifier_is_an_error_not_a_zero():
 def test_unreadable_task_is_unscored_not_a_crash(task):
     s = score_sample(_sample("8", task), "last_integer")
     assert not s.has_reward and s.error
+
+
+def _msgs(*pairs):
+    s = new_sample()
+    for role, text in pairs:
+        s.messages.add(role=role, content_json=json.dumps(text))
+    return list(s.messages)
+
+
+def test_transcript_trims_whole_messages_newest_first():
+    from flywheel.reward.scoring import transcript  # noqa: PLC0415
+
+    msgs = _msgs(("user", "aaaa"), ("assistant", "bb"), ("user", "c"))
+    # lines of 10, 13 and 7 characters: 13 + 1 + 7 = 21 fits a budget of 21, 10 + 1 more not
+    assert transcript(msgs, 21) == "[1 earlier messages omitted]\nassistant: bb\nuser: c"
+    assert transcript(msgs, 32) == "user: aaaa\nassistant: bb\nuser: c"   # 10+1+13+1+7 = 32
+    assert transcript(msgs, 0) == transcript(msgs, 32)                    # 0 = no limit
+    # the newest message alone is over the budget: its tail is kept
+    assert transcript(msgs, 5) == "[2 earlier messages omitted]\n...er: c"

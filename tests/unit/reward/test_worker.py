@@ -33,7 +33,7 @@ def _out(redis_client, prefix):
     return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:train")]
 
 
-async def _until(predicate, worker, timeout_s=10.0):
+async def _until(predicate, worker, timeout_s=60.0):
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not predicate():
@@ -143,18 +143,18 @@ def test_entries_of_a_dead_consumer_are_reclaimed(redis_client, prefix):
 
 def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, prefix,
                                                                     fake_judge):
-    fake_judge.hang_s = 1.0
-    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=5, max_attempts=1)
+    fake_judge.hang_s = 2.0
+    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=30, max_attempts=1)
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
     StreamProducer(redis_client, f"{prefix}:rollouts").publish(_turn("8 HANG", "slow"))
-    first = _stage(redis_client, prefix, scorer, consumer_name="r1", min_idle_ms=300)
-    second = _stage(redis_client, prefix, scorer, consumer_name="r2", min_idle_ms=300)
+    first = _stage(redis_client, prefix, scorer, consumer_name="r1", min_idle_ms=600)
+    second = _stage(redis_client, prefix, scorer, consumer_name="r2", min_idle_ms=600)
 
     async def scenario():
         await _until(lambda: first.tasks, first)
         deliveries = []
-        end = asyncio.get_running_loop().time() + 0.9   # both replicas poll past the
-        while asyncio.get_running_loop().time() < end:  # 300 ms idle limit
+        end = asyncio.get_running_loop().time() + 1.6   # both replicas poll past the
+        while asyncio.get_running_loop().time() < end:  # 600 ms idle limit
             await first.step()
             await second.step()
             deliveries += [r["times_delivered"] for r in redis_client.xpending_range(
@@ -189,12 +189,12 @@ def test_judge_down_opens_the_breaker_and_the_backlog_waits_in_the_stream(redis_
     for i in range(6):
         src.publish(_turn("8", f"s{i}"))
     worker = _stage(redis_client, prefix, scorer, max_in_flight=1, breaker_samples=2,
-                    breaker_pause_s=0.3)
+                    breaker_pause_s=2.0)
 
     async def scenario():
         loop = asyncio.get_running_loop()
         await _until(lambda: worker.breaker_open, worker)
-        end = loop.time() + 0.2                 # within the pause nothing more is read
+        end = loop.time() + 0.5                 # within the 2 s pause nothing more is read
         while loop.time() < end:
             await worker.step()
         forwarded_while_down = len(_out(redis_client, prefix))

@@ -1,0 +1,161 @@
+"""Trainer benchmarks, side by side in one run (ratios; times vary with other load).
+
+1. Selected-token logprobs at vocab 49152 (SmolLM2's lm head, hidden 576): peak memory and
+   seconds of forward + backward of `sum_t logprob_t` over T positions, the fused chunked head
+   (`TemperedHeadLogprob`, `--chunk` positions at a time) against the naive full float32
+   `log_softmax(h W^T / temperature)` + gather. Each (variant, T) runs in a fresh subprocess;
+   its peak is the growth of max RSS over the inputs already allocated.
+2. Trainer tokens/s for SmolLM2-135M-Instruct on this CPU: `train_step` (AdamW, fp32 master
+   weights) on fake GRPO groups, fp32 and with bf16 autocast, one warm-up step then timed steps.
+
+    .venv/bin/python bench/trainer.py                     # both parts, T = 512 2048 8192
+    .venv/bin/python bench/trainer.py --part logprobs --lengths 512 2048
+    .venv/bin/python bench/trainer.py --part step --samples 8 --prompt 64 --completion 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+VOCAB, HIDDEN = 49152, 576
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", choices=["all", "logprobs", "step"], default="all")
+    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192],
+                   help="scored positions T for part 1")
+    p.add_argument("--chunk", type=int, default=1024, help="positions per head chunk")
+    p.add_argument("--model", default="", help="model folder for part 2 (default: SmolLM2)")
+    p.add_argument("--samples", type=int, default=8, help="samples per step (groups of 4)")
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
+    p.add_argument("--completion", type=int, default=64, help="sampled tokens per sample")
+    p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
+    p.add_argument("--child", default="", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def logprob_child(variant: str, length: int, chunk: int) -> dict:
+    """One variant at one T in this process: seconds and peak MiB of forward + backward."""
+    import torch
+
+    from flywheel.trainer.logprobs import TemperedHeadLogprob
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(length, HIDDEN, generator=gen) * 0.5).requires_grad_(True)
+    weight = (torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05).requires_grad_(True)
+    targets = torch.randint(0, VOCAB, (length,), generator=gen)
+    temperature = torch.full((length,), 0.7)
+    base = max_rss_mib()
+    t0 = time.perf_counter()
+    if variant == "naive":
+        logp = torch.log_softmax((hidden @ weight.T) / temperature[:, None], dim=-1)
+        total = logp.gather(1, targets[:, None]).sum()
+    else:
+        parts = [
+            TemperedHeadLogprob.apply(hidden[s : s + chunk], weight, targets[s : s + chunk],
+                                      temperature[s : s + chunk])[0]
+            for s in range(0, length, chunk)
+        ]
+        total = torch.cat(parts).sum()
+    total.backward()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "peak_mib": max_rss_mib() - base, "value": float(total)}
+
+
+def run_child(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True,
+                         text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench_logprobs(args: argparse.Namespace) -> None:
+    print(f"selected-token logprobs, vocab {VOCAB}, hidden {HIDDEN}, chunk {args.chunk}, "
+          "forward + backward, fp32")
+    print(f"{'T':>6}{'naive s':>9}{'chunked s':>11}{'time ratio':>12}"
+          f"{'naive MiB':>11}{'chunked MiB':>13}{'memory ratio':>14}")
+    for length in args.lengths:
+        rows = {v: run_child(["--child", f"{v}:{length}:{args.chunk}"])
+                for v in ("naive", "chunked")}
+        n, c = rows["naive"], rows["chunked"]
+        assert abs(n["value"] - c["value"]) <= 1e-3 * abs(n["value"]), (n, c)
+        print(f"{length:>6}{n['seconds']:>9.2f}{c['seconds']:>11.2f}"
+              f"{c['seconds'] / n['seconds']:>11.2f}x{n['peak_mib']:>11.0f}"
+              f"{c['peak_mib']:>13.0f}{c['peak_mib'] / max(n['peak_mib'], 1e-9):>13.3f}x")
+
+
+def step_child(args: argparse.Namespace, precision: str) -> dict:
+    import torch
+
+    from flywheel.core.paths import resolve_model_path
+    from flywheel.trainer.sources import FakeSource
+    from flywheel.trainer.step import StepConfig, prepare_batch, train_step
+    from flywheel.trainer.weights import load_model
+
+    model = load_model(resolve_model_path(args.model))
+    source = FakeSource(model.config.vocab_size, 4, args.prompt, args.completion)
+    samples = [e.sample for e in source.read(args.samples, 0)]
+    groups = [samples[i : i + 4] for i in range(0, len(samples), 4)]
+    cfg = StepConfig(micro_batch_size=4, bf16_autocast=precision == "bf16_autocast")
+    batch, _ = prepare_batch(groups, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    train_step(model, optimizer, batch, cfg)  # warm-up, allocates AdamW state
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, batch, cfg)
+        times.append(time.perf_counter() - t0)
+    tokens = float(batch.attention_mask_BT.sum())
+    return {"step_s": min(times), "tokens": tokens, "tokens_per_s": tokens / min(times),
+            "peak_mib": max_rss_mib(), "skipped": result.skipped,
+            "threads": torch.get_num_threads()}
+
+
+def bench_step(args: argparse.Namespace) -> None:
+    common = [f"--samples={args.samples}", f"--prompt={args.prompt}",
+              f"--completion={args.completion}", f"--repeats={args.repeats}"]
+    if args.model:
+        common.append(f"--model={args.model}")
+    rows = {p: run_child(["--child", f"step:{p}", *common]) for p in ("fp32", "bf16_autocast")}
+    fp32 = rows["fp32"]
+    print(f"\ntrainer step, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} samples x "
+          f"{args.prompt + args.completion} tokens ({args.completion} sampled), micro-batch 4, "
+          f"AdamW, {fp32['threads']} threads")
+    print(f"{'precision':>14}{'step s':>9}{'tokens/s':>10}{'peak RSS MiB':>14}")
+    for name, row in rows.items():
+        assert not row["skipped"], row
+        print(f"{name:>14}{row['step_s']:>9.2f}{row['tokens_per_s']:>10.1f}"
+              f"{row['peak_mib']:>14.0f}")
+    bf16 = rows["bf16_autocast"]
+    print(f"{'bf16/fp32':>14}{bf16['step_s'] / fp32['step_s']:>8.2f}x"
+          f"{bf16['tokens_per_s'] / fp32['tokens_per_s']:>9.2f}x"
+          f"{bf16['peak_mib'] / fp32['peak_mib']:>13.2f}x")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        kind, _, rest = args.child.partition(":")
+        if kind == "step":
+            print(json.dumps(step_child(args, rest)))
+        else:
+            length, chunk = (int(x) for x in rest.split(":"))
+            print(json.dumps(logprob_child(kind, length, chunk)))
+        return
+    if args.part in ("all", "logprobs"):
+        bench_logprobs(args)
+    if args.part in ("all", "step"):
+        bench_step(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -48,3 +48,30 @@ def test_two_turn_live_session_gives_two_faithful_samples(smol_stack):
         report = check_fidelity(sample, smol_stack.engine)
         assert report.ids_match and report.logprobs_compared
         assert report.ok(1e-3), report
+
+
+def test_n_choices_in_a_live_session_each_become_a_faithful_sample(smol_stack):
+    sid = "live-n-choices"
+    client = openai.OpenAI(base_url=f"{smol_stack.gateway}/s/{sid}/v1", api_key="local")
+    created = httpx.post(f"{smol_stack.gateway}/v1/sessions",
+                         json={"session_id": sid, "mode": "live", "group_id": "fruit"})
+    assert created.status_code == 200
+    messages = [{"role": "user", "content": "Name one fruit."}]
+    first = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                           n=2, max_tokens=8, temperature=1.0, seed=11)
+    assert [c.index for c in first.choices] == [0, 1]
+    messages += [first.choices[1].message.model_dump(exclude_none=True),
+                 {"role": "user", "content": "Another one."}]
+    client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                   max_tokens=8, temperature=1.0, seed=12)
+    httpx.post(f"{smol_stack.gateway}/v1/sessions/{sid}/finish", json={})
+    samples = smol_stack.session_samples(sid)
+    assert len(samples) == 3 and {s.group_id for s in samples} == {"fruit"}
+    unchosen, chosen, last = samples
+    assert json.loads(unchosen.messages[-1].content_json) == first.choices[0].message.content
+    assert not unchosen.HasField("next_state")
+    assert json.loads(chosen.next_state.content_json) == "Another one."
+    assert list(last.token_ids[:len(chosen.token_ids)]) == list(chosen.token_ids)
+    for sample in samples:
+        report = check_fidelity(sample, smol_stack.engine)
+        assert report.ids_match and report.ok(1e-3), report

@@ -276,7 +276,8 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
                                  for g, p in zip(gens, parsed, strict=True)]
         # Samples are published only once the turn succeeded: a failed request leaves the
         # stored record untouched, and a retry republishes the same sample ids at most.
-        await asyncio.to_thread(publish, d, record, out)
+        if out:
+            await asyncio.to_thread(publish, d, record, out)
         return gens, len(prompt), parsed
 
 

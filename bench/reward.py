@@ -202,19 +202,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved repetitions of the instant part; best of each kept")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-instant", action="store_true")
     args = parser.parse_args()
 
-    print(f"instant judge, {args.instant_samples} samples, {args.in_flight} in flight, best of "
-          f"{args.rounds}; rates in samples/s (raw = the m calls alone)")
-    print(f"{'m':>2} | {'samples/s: raw':>14} {'scorer':>8} {'stream':>8} | "
-          f"{'CPU ms/sample: raw':>18} {'scorer':>7} {'stream':>7} | {'overhead CPU ms':>15}"
-          f" {'stream/raw CPU':>14}")
-    sys.stdout.flush()
-    for m, rate, cpu in instant_part(args.instant_samples, args.in_flight, args.rounds):
-        ms = [c * 1000 for c in cpu]
-        print(f"{m:>2} | {rate[0]:>14.1f} {rate[1]:>8.1f} {rate[2]:>8.1f} | "
-              f"{ms[0]:>18.2f} {ms[1]:>7.2f} {ms[2]:>7.2f} | {ms[2] - ms[0]:>15.2f}"
-              f" {ms[2] / ms[0]:>14.2f}")
+    if not args.skip_instant:
+        print(f"instant judge, {args.instant_samples} samples, {args.in_flight} in flight, best of "
+              f"{args.rounds}; rates in samples/s (raw = the m calls alone)")
+        print(f"{'m':>2} | {'samples/s: raw':>14} {'scorer':>8} {'stream':>8} | "
+              f"{'CPU ms/sample: raw':>18} {'scorer':>7} {'stream':>7} | {'overhead CPU ms':>15}"
+              f" {'stream/raw CPU':>14}")
+        sys.stdout.flush()
+        for m, rate, cpu in instant_part(args.instant_samples, args.in_flight, args.rounds):
+            ms = [c * 1000 for c in cpu]
+            print(f"{m:>2} | {rate[0]:>14.1f} {rate[1]:>8.1f} {rate[2]:>8.1f} | "
+                  f"{ms[0]:>18.2f} {ms[1]:>7.2f} {ms[2]:>7.2f} | {ms[2] - ms[0]:>15.2f}"
+                  f" {ms[2] / ms[0]:>14.2f}")
     if args.skip_engine:
         return
     print(f"\nembedded engine (SmolLM2-135M), {args.engine_samples} samples together, "

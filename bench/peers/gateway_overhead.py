@@ -7,9 +7,10 @@ pass-through proxy, all in front of the same instant stub upstream, at concurren
 Targets (each a real process on loopback; the same chat request body for all):
 - direct: the stub itself (the floor: client + stub cost only);
 - passthrough: bench/peers/passthrough.py (raw ASGI + httpx: the least a proxy costs);
-- litellm: `litellm --config` with one OpenAI-compatible model at the stub;
-- flywheel: `python -m flywheel.gateway`, unrecorded `/v1/chat/completions` (chat template,
-  tokenization, /generate on the stub, reply parsing, OpenAI response);
+- litellm: `litellm --config` with one OpenAI-compatible model at the stub, master key set;
+- flywheel: `python -m flywheel.gateway` with `auth = "on"` and an agent key, unrecorded
+  `/v1/chat/completions` (key check, limits, chat template, tokenization, /generate on the
+  stub, reply parsing, OpenAI response);
 - flywheel-session: the same through a pre-created session's base_url (the turn is recorded in
   Redis: lock, stitch, save; nothing is published until finish).
 Per target and concurrency: requests/s and p50/p99 latency over `--requests` requests after a
@@ -39,6 +40,9 @@ PEERS = Path(os.environ.get("FLYWHEEL_PEERS_DIR", Path.home() / ".cache/flywheel
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 LEVELS = (1, 16, 64)
+LITELLM_KEY = "sk-bench-" + os.urandom(8).hex()
+KEYS: dict[str, str] = {}
+"""API key per target: LiteLLM's master key, a Flywheel agent key (both authenticate)."""
 
 
 def _port() -> int:
@@ -89,6 +93,8 @@ def _wait(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 
 def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str]:
     """Start every target; returns name -> base URL (Redis is kept in `procs.redis`)."""
+    from flywheel.core.auth import KeyStore  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.redis_server import LocalRedis  # noqa: PLC0415
     from flywheel.engine.convert import build_tiny_model  # noqa: PLC0415
 
@@ -118,17 +124,19 @@ def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str
             "litellm_settings:\n  telemetry: false\n  drop_params: true\n")
         port = _port()
         env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-               "DISABLE_SCHEMA_UPDATE": "true"}
+               "DISABLE_SCHEMA_UPDATE": "true", "LITELLM_MASTER_KEY": LITELLM_KEY}
         proc = procs.start("litellm", [str(litellm), "--config", str(cfg), "--port", str(port),
                                        "--host", "127.0.0.1", "--num_workers", "1"], env=env)
         _wait(f"http://127.0.0.1:{port}/health/liveliness", 300, proc)
         targets["litellm"] = f"http://127.0.0.1:{port}"
+        KEYS["litellm"] = LITELLM_KEY
 
     redis = procs.redis = LocalRedis(work / "redis").start()
     port = _port()
     cfg = {"redis": {"url": redis.url}, "streams": {"prefix": "bench"},
            "gateway": {"port": port, "engine_urls": [stub_url],
-                       "tokenizer_path": str(build_tiny_model(work / "tiny"))},
+                       "tokenizer_path": str(build_tiny_model(work / "tiny")),
+                       "security": {"auth": "on"}},
            "log_level": "WARNING"}
     (work / "gateway.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
@@ -137,6 +145,8 @@ def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str
     _wait(f"http://127.0.0.1:{port}/readyz", 180, proc)
     targets["flywheel"] = f"http://127.0.0.1:{port}"
     targets["flywheel-session"] = targets["flywheel"]
+    KEYS["flywheel"] = KEYS["flywheel-session"] = KeyStore(connect(redis.url), "bench").create(
+        "agent", "bench")[0]
     return targets
 
 
@@ -149,11 +159,13 @@ async def _paths(client: httpx.AsyncClient, k: int, session: bool) -> list[str]:
     return [f"/s/{r.json()['session_id']}/v1/chat/completions" for r in made]
 
 
-async def _run(base: str, concurrency: int, n: int, session: bool) -> dict:
+async def _run(base: str, concurrency: int, n: int, session: bool, key: str = "") -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     latencies: list[float] = []
     errors = 0
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits,
+                                 headers=headers) as client:
 
         async def drain(queue: list[str], record: bool) -> None:
             async def worker() -> None:
@@ -161,7 +173,11 @@ async def _run(base: str, concurrency: int, n: int, session: bool) -> dict:
                 while queue:
                     path = queue.pop()
                     t0 = time.perf_counter()
-                    resp = await client.post(path, json=BODY)
+                    try:
+                        resp = await client.post(path, json=BODY)
+                    except httpx.TransportError:
+                        errors += 1
+                        continue
                     if resp.status_code != 200:
                         errors += 1
                     elif record:
@@ -169,8 +185,9 @@ async def _run(base: str, concurrency: int, n: int, session: bool) -> dict:
 
             await asyncio.gather(*[worker() for _ in range(concurrency)])
 
-        await drain(await _paths(client, 2 * concurrency, session), record=False)  # warm-up
-        timed = await _paths(client, n, session)
+        warm = await _paths(client, 2 * concurrency, session)
+        timed = await _paths(client, n, session)  # made first: no idle gap before timing
+        await drain(warm, record=False)
         t0 = time.perf_counter()
         await drain(timed, record=True)
         wall = time.perf_counter() - t0
@@ -199,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=400, help="timed requests per cell")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best kept)")
     parser.add_argument("--no-litellm", action="store_true")
-    parser.add_argument("--out", default="bench/peers/gateway_overhead.json")
+    parser.add_argument("--out", default="runs/peers/gateway_overhead.json")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="flywheel-overhead-"))
     procs = Procs(work)
@@ -211,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             n = max(args.requests, level * 4)
             for _ in range(args.rounds):
                 for name, base in targets.items():
-                    r = asyncio.run(_run(base, level, n, session=name == "flywheel-session"))
+                    r = asyncio.run(_run(base, level, n, session=name == "flywheel-session",
+                                         key=KEYS.get(name, "")))
                     best = results[name].get(level)
                     if best is None or r["rps"] > best["rps"]:
                         results[name][level] = r
@@ -231,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             f, p = results["flywheel"][level], results[peer][level]
             print(f"  vs {peer:11} c={level:<3} req/s x{f['rps'] / p['rps']:.2f}  "
                   f"p50 x{f['p50_ms'] / p['p50_ms']:.2f}  p99 x{f['p99_ms'] / p['p99_ms']:.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": machine, "requests": args.requests,
                                           "results": results}, indent=2))
     print(f"wrote {args.out}")

@@ -7,6 +7,9 @@ teacher logprobs aligned to its token ids, computed by the teacher service on it
 same numbers its gRPC ScoreTokens returns for the hinted context), and the trainer's `opd`
 advantage of that Sample is nonzero exactly on the turn's sampled tokens.
 
+The trainer (live samples with `live_advantage = "opd"`, one live sample per step) then trains
+on it and pushes new weights to the policy engine only: the teacher engine keeps its weights.
+
 What it does not prove: that a judge LLM writes good hints. The model is a tiny random-weight
 Llama (with the real SmolLM2 tokenizer), useless as a judge, so the hinted turn takes its hint
 from the environment (`task["hint"]` of the session), which is deterministic. The judge path runs
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -51,7 +55,7 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
         teacher={"enabled": True, "port": 50182, "metrics_port": 9232, "engine_port": 31500,
                  "hint_judge": {"enabled": True, "base_url": "http://127.0.0.1:31400/v1",
                                 "votes": 2, "max_tokens": 16, "max_attempts": 1}},
-        trainer={"port": 8930, "groups_per_step": 1000, "group_size": 8,
+        trainer={"port": 8930, "groups_per_step": 1, "group_size": 8, "live_advantage": "opd",
                  "checkpoint_dir": str(state / "ckpt"),
                  "metrics_path": str(state / "trainer_metrics.jsonl")},
         state_dir=str(state),
@@ -134,3 +138,29 @@ def test_a_turn_without_a_valid_hint_is_recorded_as_no_hint(stack):
     assert set(sample.teacher_mask) == {0} and sum(sample.loss_mask) > 0
     metrics = httpx.get(f"http://127.0.0.1:{settings.teacher.metrics_port}/metrics").text
     assert 'flywheel_teacher_samples_total{status="no_hint"} 1.0' in metrics
+
+
+def test_the_trainer_steps_on_the_opd_gap_and_the_teacher_engine_keeps_its_weights(stack):
+    urls, settings = stack
+    # An answer makes the reward service score the turn: the trainer admits only rewarded Samples.
+    session_id = _live_turns(urls["gateway"], {"hint": HINT, "answer": 8})
+    (sample,) = _train_samples(settings, session_id)
+    assert sample.has_reward and sample.teacher_status == "scored"
+    metrics_path = Path(settings.trainer.metrics_path)
+
+    def opd_steps():
+        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+        records = [json.loads(line) for line in lines]
+        return [r for r in records if r.get("adv_live/teacher_token_frac", 0) > 0]
+
+    deadline = time.monotonic() + 300
+    while not opd_steps():
+        assert time.monotonic() < deadline, "the trainer never stepped on a teacher-scored sample"
+        time.sleep(0.5)
+    def version(url: str) -> str:
+        return httpx.get(f"{url}/model_info").json()["weight_version"]
+
+    while version(urls["engine"]) == "default":  # the push follows the step's checkpoint
+        assert time.monotonic() < deadline, "the trainer never pushed weights to the engine"
+        time.sleep(0.5)
+    assert version(urls["teacher-engine"]) == "default"

@@ -11,9 +11,13 @@ import argparse
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flywheel.core.logs import setup_logging
 from flywheel.core.settings import FlywheelSettings, load_settings
+
+if TYPE_CHECKING:
+    from flywheel.teacher.context import TeacherRenderer
 
 log = logging.getLogger("flywheel.teacher")
 
@@ -27,6 +31,29 @@ def teacher_engine_urls(settings: FlywheelSettings) -> list[str]:
     if ts.self_teacher:
         return settings.engine_urls()
     return [f"http://{settings.engine.host}:{ts.engine_port}"]
+
+
+def load_tokenizers(settings: FlywheelSettings, teacher_model: Path, engine_model: Path
+                    ) -> tuple[TeacherRenderer, str, str]:
+    """The teacher's renderer and the (student, teacher) vocabulary fingerprints.
+
+    Raises:
+        VocabularyMismatchError: the vocabularies differ (field-failures BUG-23): the service
+            refuses to start rather than score student ids the teacher reads as other text.
+    """
+    from flywheel.teacher.context import TeacherRenderer  # noqa: PLC0415
+    from flywheel.teacher.vocab import check_same_vocab, vocab_fingerprint  # noqa: PLC0415
+
+    ts = settings.teacher
+    teacher_tok = Path(ts.tokenizer_path or teacher_model)
+    student_tok = Path(ts.student_tokenizer_path or settings.gateway.tokenizer_path
+                       or engine_model)
+    renderer = TeacherRenderer(teacher_tok)
+    teacher_fp = vocab_fingerprint(renderer.tokenizer)
+    student_fp = teacher_fp if student_tok.resolve() == teacher_tok.resolve() else \
+        vocab_fingerprint(TeacherRenderer(student_tok).tokenizer)
+    check_same_vocab(student_fp, teacher_fp, where=f" ({teacher_tok} vs {student_tok})")
+    return renderer, student_fp, teacher_fp
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -47,25 +74,16 @@ def main(argv: list[str] | None = None) -> None:
         default_consumer_name,
     )
     from flywheel.reward.judge import JudgeClient  # noqa: PLC0415
-    from flywheel.teacher.context import TeacherRenderer  # noqa: PLC0415
     from flywheel.teacher.grpc_api import TeacherServicer, serve  # noqa: PLC0415
     from flywheel.teacher.hints import HintExtractor  # noqa: PLC0415
     from flywheel.teacher.pipeline import Teacher, TeacherConfig  # noqa: PLC0415
     from flywheel.teacher.scoring import TeacherScorer  # noqa: PLC0415
-    from flywheel.teacher.vocab import check_same_vocab, vocab_fingerprint  # noqa: PLC0415
     from flywheel.teacher.worker import TeacherWorker  # noqa: PLC0415
 
     ts, streams = settings.teacher, settings.streams
     engine_model = resolve_model_path(settings.engine.model_path)
     teacher_model = Path(ts.model_path) if ts.model_path and not ts.self_teacher else engine_model
-    teacher_tok = Path(ts.tokenizer_path or teacher_model)
-    student_tok = Path(ts.student_tokenizer_path or settings.gateway.tokenizer_path
-                       or engine_model)
-    renderer = TeacherRenderer(teacher_tok)
-    teacher_fp = vocab_fingerprint(renderer.tokenizer)
-    student_fp = teacher_fp if student_tok.resolve() == teacher_tok.resolve() else \
-        vocab_fingerprint(TeacherRenderer(student_tok).tokenizer)
-    check_same_vocab(student_fp, teacher_fp)  # refuse to start rather than score foreign ids
+    renderer, student_fp, teacher_fp = load_tokenizers(settings, teacher_model, engine_model)
     urls = teacher_engine_urls(settings)
     scorer = TeacherScorer(urls, max_batch=ts.max_batch, batch_wait_ms=ts.batch_wait_ms,
                            max_concurrency=ts.max_concurrency, timeout_s=ts.timeout_s,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from .teacher_fakes import FakeScorer, live_sample
 
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import UpstreamError
 from flywheel.teacher.pipeline import Teacher, TeacherConfig
 from flywheel.teacher.vocab import VocabularyMismatchError
+
+from .teacher_fakes import FakeScorer, live_sample
 
 
 def teacher(renderer, scorer, **kw):

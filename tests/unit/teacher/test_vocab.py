@@ -50,3 +50,25 @@ def test_ids_outside_the_teacher_vocabulary_are_refused():
     check_ids_in_vocab([0, 5, 9], 10)
     with pytest.raises(VocabularyMismatchError, match="outside"):
         check_ids_in_vocab([3, 10], 10)
+
+
+def test_the_service_refuses_to_start_with_a_teacher_of_another_vocabulary(tiny_model_dir,
+                                                                           tmp_path):
+    """BUG-23 at start-up: student SmolLM2 ids, teacher tokenizer of another family."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from flywheel.core.settings import load_settings
+    from flywheel.teacher.main import load_tokenizers
+
+    raw = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
+    other.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    other.save_pretrained(tmp_path / "other")
+    s = load_settings(teacher={"tokenizer_path": str(tmp_path / "other")})
+    with pytest.raises(VocabularyMismatchError, match="differs from the student"):
+        load_tokenizers(s, tiny_model_dir, tiny_model_dir)
+    renderer, student, teacher = load_tokenizers(load_settings(), tiny_model_dir,
+                                                 tiny_model_dir)
+    assert student == teacher == vocab_fingerprint(renderer.tokenizer)

@@ -7,7 +7,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from .teacher_fakes import FakeScorer, live_sample
 
 from flywheel._proto import teacher_pb2, teacher_pb2_grpc
 from flywheel.core.codec import decode_sample
@@ -16,6 +15,8 @@ from flywheel.core.redis_server import free_port
 from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
 from flywheel.teacher.grpc_api import TeacherServicer, serve
 from flywheel.teacher.pipeline import Teacher, TeacherConfig
+
+from .teacher_fakes import FakeScorer, live_sample
 
 HINT = {"hint": "The answer is 8."}
 

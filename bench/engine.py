@@ -8,7 +8,8 @@ Three columns per concurrency c, all on the real SmolLM2-135M-Instruct, same pro
 `ignore_eos` so every request produces exactly --new-tokens tokens:
 
 * engine:   `python -m flywheel.engine` (continuous batching), c client threads sending
-            /generate requests back to back over HTTP for about --seconds;
+            /generate requests back to back over HTTP; tokens counted by the engine's own
+            counter over a --seconds window;
 * one-at-a-time: the same engine with max_batch_size 1 (requests served one after another),
             same c clients;
 * generate: `model.generate` on a batch of c prompts in this process (no HTTP, no queue).
@@ -78,26 +79,40 @@ def one(client: httpx.Client, url: str, new_tokens: int) -> int:
     return int(r.json()["meta_info"]["completion_tokens"])
 
 
-def serve(url: str, concurrency: int, new_tokens: int, seconds: float) -> float:
-    """Output tokens/s of `concurrency` clients sending requests back to back for `seconds`
-    (each client finishes the request it has started; at least one request each)."""
-    tokens = [0] * concurrency
-    stop = time.monotonic() + seconds
+def generated_tokens(url: str) -> float:
+    """The engine's generated-token counter (Prometheus /metrics)."""
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("flywheel_engine_generated_tokens_total "):
+            return float(line.split()[1])
+    raise SystemExit("no flywheel_engine_generated_tokens_total in /metrics")
 
-    def client(i: int) -> None:
+
+def serve(url: str, concurrency: int, new_tokens: int, seconds: float) -> float:
+    """Output tokens/s while `concurrency` clients send requests back to back, measured over
+    a fixed window with the engine's own token counter (so a cell never runs longer than
+    the window); requests still running at the end are aborted before the next cell."""
+    stop = threading.Event()
+
+    def client() -> None:
         with httpx.Client() as c:
-            while True:
-                tokens[i] += one(c, url, new_tokens)
-                if time.monotonic() >= stop:
+            while not stop.is_set():
+                try:
+                    one(c, url, new_tokens)
+                except httpx.HTTPError:
                     return
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
+    time.sleep(min(1.0, seconds / 4))  # let the clients' first requests arrive
+    before, t0 = generated_tokens(url), time.perf_counter()
+    time.sleep(seconds)
+    rate = (generated_tokens(url) - before) / (time.perf_counter() - t0)
+    stop.set()
+    httpx.post(f"{url}/abort_request", json={"abort_all": True}, timeout=60)
     for t in threads:
         t.join()
-    return sum(tokens) / (time.perf_counter() - t0)
+    return rate
 
 
 def generate_rate(model_dir, dtype: str, concurrency: int, new_tokens: int,
@@ -210,12 +225,14 @@ def main() -> None:
     results: dict[str, dict[int, float]] = {"engine": {}, "one-at-a-time": {}, "generate": {}}
     for name, max_batch in (("engine", max(CONCURRENCY)), ("one-at-a-time", 1)):
         with Engine(args.dtype, max_batch, args.threads) as engine:
-            serve(engine.url, 1, 4, 0.0)  # warm-up
+            serve(engine.url, 1, 4, 1.0)  # warm-up
             for c in CONCURRENCY:
                 results[name][c] = serve(engine.url, c, args.new_tokens, args.seconds)
+                print(f"  {name} c={c}: {results[name][c]:.1f} tok/s", flush=True)
     for c in CONCURRENCY:
         results["generate"][c] = generate_rate(model_dir, args.dtype, c, args.new_tokens,
                                                args.seconds)
+        print(f"  generate batch={c}: {results['generate'][c]:.1f} tok/s", flush=True)
 
     print(f"SmolLM2-135M-Instruct {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.threads} threads, ~{args.seconds:.0f} s per cell; output tokens/s")
@@ -223,7 +240,11 @@ def main() -> None:
           f"{'engine/one':>11} {'engine/generate':>16}")
     for c in CONCURRENCY:
         e, o, g = (results[k][c] for k in ("engine", "one-at-a-time", "generate"))
-        print(f"{c:>12} {e:>9.1f} {o:>14.1f} {g:>9.1f} {e / o:>10.2f}x {e / g:>15.2f}x")
+        print(f"{c:>12} {e:>9.1f} {o:>14.1f} {g:>9.1f} {_ratio(e, o):>11} {_ratio(e, g):>16}")
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a (0 tok/s: raise --seconds)"
 
 
 if __name__ == "__main__":

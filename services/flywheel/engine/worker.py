@@ -195,8 +195,7 @@ class EngineWorker:
         return False
 
     def set_weight_version(self, version: str) -> None:
-        """Relabel the served weights between batches (SGLang /update_weight_version)."""
-
+        """Relabel the served weights (SGLang /update_weight_version) at the next step boundary."""
         self.control(lambda: self.relabel(version))
 
     def relabel(self, version: str) -> None:

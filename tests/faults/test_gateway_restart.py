@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import httpx
 
 from flywheel.core.codec import decode_sample
 from flywheel.core.redis_server import free_port
 from flywheel.core.streams import FIELD
+from flywheel.gateway.sessions import SessionStore
 
 CHAT = {"model": "m", "max_tokens": 8}
 
@@ -51,7 +53,7 @@ def test_sessions_survive_a_gateway_crash_under_load(
     gw = procs.gateway(redis_server.url, prefix, [stub], tiny_model_dir, port=port)
     first = procs.procs[-1]
     deadline = time.monotonic() + 150
-    reported: list[int] = []
+    reported: list[tuple[str, int]] = []
     errors: list[BaseException] = []
     stop = threading.Event()
     crashed, restarted = threading.Event(), threading.Event()
@@ -60,7 +62,7 @@ def test_sessions_survive_a_gateway_crash_under_load(
         with httpx.Client(base_url=gw, timeout=30) as http:
             try:
                 while not stop.is_set():
-                    reported.append(_episode(http, deadline)[1])
+                    reported.append(_episode(http, deadline))
             except BaseException as exc:  # noqa: BLE001  (re-raised in the test thread)
                 errors.append(exc)
 
@@ -84,8 +86,17 @@ def test_sessions_survive_a_gateway_crash_under_load(
     assert not errors, errors
     assert crashed.is_set() and restarted.is_set()
     samples = [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
-    assert len(samples) == sum(reported) + published  # every reported Sample, none extra
     assert len({s.sample_id for s in samples}) == len(samples)  # none twice
+    # Per session, the stream holds exactly the Samples its record counts as published: at
+    # finish, plus any segment closed by a fork (a turn re-sent after the crash that no longer
+    # extends the recorded history is a new segment, as the recording rule says).
+    store = SessionStore(redis_client, prefix, 60)
+    by_session = Counter(s.session_id for s in samples)
+    for sid, at_finish in [*reported, (spanning, published)]:
+        record = store.get(sid)
+        assert record.status == "finished"
+        assert by_session[sid] == record.samples_published >= at_finish, sid
+    assert set(by_session) == {sid for sid, _ in reported} | {spanning}  # no stray Samples
     # the episode that spans the crash is one Sample with both turns' sampled tokens (2 + 2)
     (episode,) = [s for s in samples if s.session_id == spanning]
     assert sum(episode.loss_mask) == 4

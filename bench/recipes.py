@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/recipes"))
     parser.add_argument("--port-base", type=int, default=41000,
-                        help="first port of the stacks (each recipe uses 7 from base + 10 i)")
+                        help="first port of the stacks (each recipe uses 7 from base + 100 i)")
     parser.add_argument("--eval-problems", type=int, default=0,
                         help="evaluate on the first N of the 30 held-out problems (0 = all)")
     parser.add_argument("--eval-before", type=float, default=None,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         with ProcessPoolExecutor(max_workers=len(args.recipes)) as pool:
             futures = {
                 recipe.stem: pool.submit(run_recipe, recipe, args.out / recipe.stem, cfg,
-                                         args.port_base + 10 * i, eval_before, args.eval_problems)
+                                         args.port_base + 100 * i, eval_before, args.eval_problems)
                 for i, recipe in enumerate(args.recipes)
             }
             print(f"== {len(futures)} recipes in parallel: {args.steps} steps x "
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} "
                   f"problems x {args.group_size} samples, seed {args.seed}", flush=True)
             summaries[name] = run_recipe(
-                recipe, args.out / name, cfg, args.port_base + 10 * i,
+                recipe, args.out / name, cfg, args.port_base + 100 * i,
                 None if args.eval_before_each else eval_before, args.eval_problems)
             if eval_before is None and not args.eval_before_each:
                 eval_before = summaries[name]["eval_before"]

@@ -42,11 +42,12 @@ def accuracy(model, tokenizer, problems) -> float:
 
     hits = 0
     for p in problems:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                            add_generation_prompt=True, return_tensors="pt")
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
+                                            add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=32, do_sample=False)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(**enc, max_new_tokens=32, do_sample=False)
+        text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         hits += last_integer_reward([text], [p.answer])[0]
     return hits / len(problems)
 
@@ -58,7 +59,8 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=str(Path.home() / ".cache/flywheel/models"))
+    parser.add_argument("--model", default=str(Path.home() / ".cache/flywheel/models" /
+                                               "SmolLM2-135M-Instruct"))
     parser.add_argument("--out", default="runs/trl")
     args = parser.parse_args()
 
@@ -68,12 +70,10 @@ def main() -> int:
     from trl import GRPOConfig, GRPOTrainer  # noqa: PLC0415
 
     started = time.monotonic()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").exists():  # the cache root: take the converted folder
-        model_dir = next(p.parent for p in model_dir.rglob("config.json"))
+    model_dir = Path(args.model)  # converted by `make setup` / `flywheel demo`
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     _, held_out = split()
     eval_before = accuracy(model, tokenizer, held_out)
 

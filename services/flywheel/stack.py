@@ -133,15 +133,26 @@ class Stack:
         """Free ports for the teacher (when enabled) and its own engine process, which serves a
         frozen copy of `teacher.model_path` (default: the policy's base model) and is not among
         the engines the trainer pushes weights to. None with `engine_urls` or `self_teacher`."""
-        t, e = self.settings.teacher, self.settings.engine
+        s = self.settings
+        t, e = s.teacher, s.engine
         if not t.enabled:
             return []
-        t.port = free_port(t.port)
+        # Ports given to services that have not bound them yet are not free for the teacher.
+        taken = {e.port, s.gateway.port, s.trainer.port, s.reward.port, s.reward.metrics_port}
+
+        def pick(port: int) -> int:
+            port = free_port(port)
+            while port in taken:
+                port = free_port(port + 1)
+            taken.add(port)
+            return port
+
+        t.port = pick(t.port)
         if t.metrics_port:
-            t.metrics_port = free_port(t.metrics_port)
+            t.metrics_port = pick(t.metrics_port)
         if t.engine_urls or t.self_teacher:
             return []
-        t.engine_port = free_port(t.engine_port)
+        t.engine_port = pick(t.engine_port)
         url = f"http://{e.host}:{t.engine_port}"
         args = ["--port", str(t.engine_port), "--model-path", t.model_path or e.model_path]
         return [Service("teacher-engine", url, "flywheel.engine", http_ok(f"{url}/health"),

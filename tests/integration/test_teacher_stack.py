@@ -20,7 +20,9 @@ turn is recorded with `teacher_status` "no_hint" and no teacher logprobs, not dr
 from __future__ import annotations
 
 import json
+import socket
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -43,19 +45,32 @@ QUESTION = "What is 7 + 1?"
 CORRECTION = "No, that is wrong. 7 + 1 = 8. Reply with just the number."
 
 
+def _os_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_server, tiny_model_dir):
     state = tmp_path_factory.mktemp("teacher_state")
+    # Ports from the OS (not fixed numbers), so a concurrent run of this module cannot collide.
+    port = {name: _os_port() for name in ("engine", "gateway", "reward", "reward_metrics",
+                                          "teacher", "teacher_metrics", "teacher_engine",
+                                          "trainer")}
     settings = load_settings(
         redis={"url": redis_server.url},
-        streams={"prefix": "tstack", "block_ms": 200},
-        engine={"model_path": str(tiny_model_dir), "port": 31400, "batch_wait_ms": 20},
-        gateway={"port": 8830, "default_max_tokens": 8},
-        reward={"port": 50181, "metrics_port": 9231},
-        teacher={"enabled": True, "port": 50182, "metrics_port": 9232, "engine_port": 31500,
-                 "hint_judge": {"enabled": True, "base_url": "http://127.0.0.1:31400/v1",
+        streams={"prefix": f"tstack{uuid.uuid4().hex[:8]}", "block_ms": 200},
+        engine={"model_path": str(tiny_model_dir), "port": port["engine"], "batch_wait_ms": 20},
+        gateway={"port": port["gateway"], "default_max_tokens": 8},
+        reward={"port": port["reward"], "metrics_port": port["reward_metrics"]},
+        teacher={"enabled": True, "port": port["teacher"],
+                 "metrics_port": port["teacher_metrics"], "engine_port": port["teacher_engine"],
+                 "hint_judge": {"enabled": True,
+                                "base_url": f"http://127.0.0.1:{port['engine']}/v1",
                                 "votes": 2, "max_tokens": 16, "max_attempts": 1}},
-        trainer={"port": 8930, "groups_per_step": 1, "group_size": 8, "live_advantage": "opd",
+        trainer={"port": port["trainer"], "groups_per_step": 1, "group_size": 8,
+                 "live_advantage": "opd",
                  "checkpoint_dir": str(state / "ckpt"),
                  "metrics_path": str(state / "trainer_metrics.jsonl")},
         state_dir=str(state),

@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     producer = StreamProducer(client, streams.key("train"))
     worker = TeacherWorker(consumer, producer, teacher, block_ms=streams.block_ms,
                            concurrency=ts.concurrency)
-    server = serve(TeacherServicer(teacher, student_fp, teacher_fp, hints), ts.host, ts.port)
-    if ts.metrics_port:
+    if ts.metrics_port:  # before the gRPC server: a busy port fails before health says SERVING
         start_http_server(ts.metrics_port, addr=ts.host)
+    server = serve(TeacherServicer(teacher, student_fp, teacher_fp, hints), ts.host, ts.port)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
     log.info("teacher %s on %s (self_teacher=%s); gRPC %s:%d; %s -> %s", config.model_name,
              urls, ts.self_teacher, ts.host, ts.port, consumer.stream, producer.stream)

@@ -58,20 +58,31 @@ def test_agent_with_two_function_tools_over_several_turns(smol_stack):
         model_settings=agents.ModelSettings(temperature=0.0, max_tokens=40),
     )
     items = [*_example("call_0"), {"role": "user", "content": "Call get_weather for Paris."}]
-    result = asyncio.run(agents.Runner.run(agent, items, max_turns=4))
+
+    async def conversation():
+        first = await agents.Runner.run(agent, items, max_turns=4)
+        # A second user turn in the same session continues from the agent's history.
+        more = [*first.to_input_list(), {"role": "user", "content": "Call get_time for Paris."}]
+        return first, await agents.Runner.run(agent, more, max_turns=4)
+
+    result, second = asyncio.run(conversation())
     assert isinstance(result.final_output, str) and result.final_output.strip()
-    assert calls == [("get_weather", "Paris")]  # a real tool call parsed from sampled text
+    # Real tool calls parsed from sampled text, one per user turn, both tools used.
+    assert calls == [("get_weather", "Paris"), ("get_time", "Paris")]
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"]
     assert kinds[-1] == "message_output_item"
+    assert isinstance(second.final_output, str) and second.final_output.strip()
+    assert [i.type for i in second.new_items][:2] == ["tool_call_item", "tool_call_output_item"]
     finished = httpx.post(f"{smol_stack.gateway}/v1/sessions/{session['session_id']}/finish",
                           json={})
     assert finished.json()["samples_published"] == 1
     info = httpx.get(f"{smol_stack.gateway}/v1/sessions/{session['session_id']}").json()
-    assert info["forks"] == 0 and info["turns"] == 2
+    assert info["forks"] == 0 and info["turns"] == 4
     (sample,) = smol_stack.session_samples(session["session_id"])
     assert sample.finish_reason == "stop"
-    tool_call_turn = json.loads(sample.messages[-3].extra_json)["tool_calls"]
-    assert tool_call_turn[0]["function"]["name"] == "get_weather"
+    called = [json.loads(m.extra_json)["tool_calls"][0]["function"]["name"]
+              for m in sample.messages if m.role == "assistant" and "tool_calls" in m.extra_json]
+    assert called == ["get_time", "get_weather", "get_time"]  # the example's call, then both
     report = check_fidelity(sample, smol_stack.engine)
     assert report.ids_match and report.ok(1e-3), report

@@ -26,7 +26,8 @@ class ChatMessage(BaseModel):
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(
-                p.get("text", "") for p in self.content if p.get("type") in ("text", "input_text")
+                p.get("text", "") for p in self.content
+                if p.get("type") in ("text", "input_text", "output_text")
             )
         if data["role"] == "developer":
             data["role"] = "system"

@@ -66,8 +66,11 @@ def _ports(settings, base: int) -> None:  # noqa: ANN001
 
 
 def _patient(settings) -> None:  # noqa: ANN001
-    """Long engine-call limits: on a shared, loaded CPU one batched decode can take minutes."""
+    """Long limits for a shared, loaded CPU, where one batched decode can take minutes: engine
+    calls, and the trainer's wait for a complete group (its default of 120 s would train on
+    partial groups when rollouts trickle in, which changes what is compared)."""
     settings.gateway.request_timeout_s = 1800.0
+    settings.trainer.group_wait_s = 3600.0
 
 
 def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,

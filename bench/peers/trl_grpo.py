@@ -89,6 +89,7 @@ def main() -> int:
         max_completion_length=32, temperature=1.0, top_p=1.0, beta=0.0, epsilon=0.2,
         loss_type="dapo", max_grad_norm=1.0, weight_decay=0.0, lr_scheduler_type="constant",
         warmup_steps=0, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
+        gradient_checkpointing=False,  # TRL turns it on by default; Flywheel's trainer does not
         save_strategy="no", report_to=[], seed=args.seed, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=cfg,
                           reward_funcs=[last_integer_reward], train_dataset=data)

@@ -234,8 +234,10 @@ def main() -> None:
                                                args.seconds)
         print(f"  generate batch={c}: {results['generate'][c]:.1f} tok/s", flush=True)
 
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"SmolLM2-135M-Instruct {args.dtype}, {args.new_tokens} new tokens per request, "
-          f"{args.threads} threads, ~{args.seconds:.0f} s per cell; output tokens/s")
+          f"{args.threads} threads, ~{args.seconds:.0f} s per cell; output tokens/s "
+          f"(load average at the end: {load} on {os.cpu_count()} CPUs)")
     print(f"{'concurrency':>12} {'engine':>9} {'one-at-a-time':>14} {'generate':>9} "
           f"{'engine/one':>11} {'engine/generate':>16}")
     for c in CONCURRENCY:

@@ -18,7 +18,10 @@ Policy:
   gets a per-sample advantage in the step (its judge reward, or OPD token gaps). When live
   samples are off they are dropped as `no_group_id` (acked).
 - Admission drops (on arrival): `no_reward` (has_reward false: scoring failed; dead-lettered with
-  the scorer's error, so it can be inspected and replayed), `invalid` (breaks a per-token
+  the scorer's error, so it can be inspected and replayed; two exceptions are admitted: with
+  `keep_unjudged`, a sample the judge could not judge that has other reward components
+  (`samples.keepable_unjudged`), and with `live_opd`, a group-less sample with teacher logprobs,
+  whose OPD advantage needs no reward), `invalid` (breaks a per-token
   invariant; dead-lettered), `truncated_sampling` (top_p < 1, top_k > 0 or min_p > 0 and not
   allowed: BUG-08; acked), `duplicate` (a sample_id already held or recently trained; acked).
 - Step drops: `nonfinite_step` (the step that used the sample had a non-finite loss or gradient
@@ -43,7 +46,12 @@ from enum import StrEnum
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ContractError
 from flywheel.core.streams import StreamEntry
-from flywheel.trainer.samples import check_trainable, sample_lag, truncated_sampling
+from flywheel.trainer.samples import (
+    check_trainable,
+    keepable_unjudged,
+    sample_lag,
+    truncated_sampling,
+)
 from flywheel.trainer.staleness import StalenessPolicy, Treatment
 
 LIVE_PREFIX = "live/"
@@ -112,6 +120,10 @@ class GroupAssembler:
         min_group_size: fresh members a partial group needs to train (>= 1).
         clock: monotonic seconds (injected by tests).
         remember: trained sample_ids remembered to reject duplicates.
+        keep_unjudged: admit unjudged samples that have other reward components
+            (`trainer.unjudged = "keep"`).
+        live_opd: admit group-less samples with teacher logprobs without a reward
+            (`trainer.live_advantage = "opd"`).
     """
 
     def __init__(
@@ -125,6 +137,8 @@ class GroupAssembler:
         min_group_size: int = 2,
         clock: Callable[[], float] = time.monotonic,
         remember: int = 100_000,
+        keep_unjudged: bool = False,
+        live_opd: bool = False,
     ):
         if partial_groups not in ("train", "drop"):
             raise ValueError(f"partial_groups must be 'train' or 'drop', got {partial_groups!r}")
@@ -136,6 +150,8 @@ class GroupAssembler:
         self.min_group_size = max(min_group_size, 1)
         self.clock = clock
         self.remember = remember
+        self.keep_unjudged = keep_unjudged
+        self.live_opd = live_opd
         self.pending: dict[str, Group] = {}
         self._held_ids: set[str] = set()
         self._held_samples: set[str] = set()
@@ -161,7 +177,7 @@ class GroupAssembler:
 
     def _admission_drop(self, entry: StreamEntry) -> Drop | None:
         sample = entry.sample
-        if not sample.has_reward:
+        if not sample.has_reward and not self._admitted_without_reward(sample):
             return Drop(entry, DropReason.NO_REWARD, sample.error or "has_reward is false")
         try:
             check_trainable(sample)
@@ -176,6 +192,12 @@ class GroupAssembler:
         if sample.sample_id in self._held_samples or sample.sample_id in self._trained:
             return Drop(entry, DropReason.DUPLICATE, f"sample_id {sample.sample_id}")
         return None
+
+    def _admitted_without_reward(self, sample) -> bool:
+        if self.keep_unjudged and keepable_unjudged(sample):
+            return True
+        return (self.live_opd and self.live_samples and not sample.group_id
+                and any(sample.teacher_mask))
 
     def _is_ready(self, group: Group, now: float) -> bool:
         return group.live or len(group.entries) >= self.group_size or self._overdue(group, now)

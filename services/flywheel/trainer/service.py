@@ -294,6 +294,8 @@ class Trainer:
             live_samples=self.s.live_advantage != "drop",
             partial_groups=self.s.partial_groups,
             min_group_size=self.s.min_group_size,
+            keep_unjudged=self.s.unjudged == "keep",
+            live_opd=self.s.live_advantage == "opd",
         )
         self.staleness = StalenessPolicy(
             self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit

@@ -202,3 +202,38 @@ def test_stale_members_down_weighted_or_is_corrected_by_policy():
     groups, drops, lags = asm.pop_ready(1, trainer_version=5, staleness=policy)
     assert drops == [] and lags == [0, 4]
     assert groups[0].treatments == [(Treatment.FRESH, 1.0), (Treatment.DOWNWEIGHT, 0.25)]
+
+
+def test_unjudged_samples_with_other_components_are_kept_only_when_configured():
+    # The judge failed (has_reward false, error "unjudged: ...") but an environment reward exists:
+    # `keep` admits it (its reward is the weighted sum of the other components); `drop` does not.
+    def unjudged(**kw):
+        e = entry(has_reward=False, error="unjudged: judge infra/timeout (prm@v2, 0 of 3 votes)",
+                  **kw)
+        e.sample.rewards["env"] = 1.0
+        return e
+
+    kept, _ = assembler(keep_unjudged=True)
+    assert kept.add(unjudged(seed=1)) is None
+    dropped, _ = assembler()
+    assert dropped.add(unjudged(seed=1)).reason == DropReason.NO_REWARD
+    # Only the judge's own per-step components ("step/0") are not a reward of their own.
+    judge_only = entry(has_reward=False, error="unjudged: judge down", seed=2)
+    judge_only.sample.rewards["step/0"] = 1.0
+    assert kept.add(judge_only).reason == DropReason.NO_REWARD
+
+
+def test_live_opd_samples_need_teacher_logprobs_not_a_reward():
+    asm, _ = assembler(live_samples=True, live_opd=True)
+    scored = entry(group_id="", has_reward=False, seed=3)
+    n = len(scored.sample.token_ids)
+    scored.sample.teacher_logprobs.extend([0.0] * 4 + [-0.5] * (n - 4))
+    scored.sample.teacher_mask.extend([0] * 4 + [1] * (n - 4))
+    assert asm.add(scored) is None
+    unscored = entry(group_id="", has_reward=False, seed=4)
+    assert asm.add(unscored).reason == DropReason.NO_REWARD
+    # A grouped sample without a reward is still dropped: its group baseline needs the reward.
+    grouped = entry(has_reward=False, seed=5)
+    grouped.sample.teacher_logprobs.extend([-0.5] * n)
+    grouped.sample.teacher_mask.extend([1] * n)
+    assert asm.add(grouped).reason == DropReason.NO_REWARD

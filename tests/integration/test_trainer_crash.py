@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from .test_trainer_service import make_group, pending_count, publish
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.core.redis_client import connect
 from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
+
+from .test_trainer_service import make_group, pending_count, publish
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from flywheel.trainer.service import build_trainer
+from flywheel.trainer.sources import SampleDump
+
 from .test_trainer_service import (
     FakeEngine,
     make_group,
@@ -18,9 +22,6 @@ from .test_trainer_service import (
     run_steps,
     trainer_settings,
 )
-
-from flywheel.trainer.service import build_trainer
-from flywheel.trainer.sources import SampleDump
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

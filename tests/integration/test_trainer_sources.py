@@ -10,6 +10,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from safetensors.torch import load_file
+
+from flywheel.trainer.service import build_trainer
+
 from .test_trainer_service import (
     FakeEngine,
     make_group,
@@ -19,8 +22,6 @@ from .test_trainer_service import (
     run_steps,
     trainer_settings,
 )
-
-from flywheel.trainer.service import build_trainer
 
 pytestmark = pytest.mark.integration
 

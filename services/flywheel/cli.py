@@ -60,6 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         while True:
             time.sleep(5)
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
+            if stack.redis and stack.redis.proc and stack.redis.proc.poll() is not None:
+                dead.insert(0, "redis")  # every service needs it: name it first
             if dead:
                 print(f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
                       "Stopping the stack.")
@@ -109,14 +111,16 @@ def _run_demo(runner, started: float) -> int:  # noqa: ANN001
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from flywheel.stack import STATE_FILE  # noqa: PLC0415
+    from flywheel.stack import running_stack  # noqa: PLC0415
     from flywheel.status import collect_status, render  # noqa: PLC0415
 
     settings = _settings(args)
     # The local stack's actual addresses when `flywheel up` runs from this state dir; else the
-    # configured ones (compose, a port-forwarded cluster).
-    state_file = Path(settings.state_dir) / STATE_FILE
-    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    # configured ones (compose, a port-forwarded cluster), said so on stderr.
+    state = running_stack(settings.state_dir)
+    if state is None:
+        print(f"flywheel: no `flywheel up` is running from {settings.state_dir}; showing the "
+              "services at the configured addresses", file=sys.stderr)
     report = collect_status(settings, state)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

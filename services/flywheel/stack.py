@@ -106,6 +106,13 @@ class Stack:
         s.reward.port = free_port(s.reward.port)
         s.reward.metrics_port = free_port(s.reward.metrics_port)
         teacher_engine = self._teacher_ports()
+        # Left at their defaults, the trainer's files live in this stack's state dir, so two
+        # stacks with different state dirs never share (or resume from) each other's checkpoints.
+        defaults = type(s.trainer)()
+        if s.trainer.checkpoint_dir == defaults.checkpoint_dir:
+            s.trainer.checkpoint_dir = str(self.state_dir / "checkpoints")
+        if s.trainer.metrics_path == defaults.metrics_path:
+            s.trainer.metrics_path = str(self.state_dir / "trainer_metrics.jsonl")
         s.trainer.checkpoint_dir = str(Path(s.trainer.checkpoint_dir).resolve())
         s.trainer.metrics_path = str(Path(s.trainer.metrics_path).resolve())
         resolved = self.state_dir / "settings.json"
@@ -239,6 +246,19 @@ def running_stack(state_dir: str) -> dict[str, str] | None:
     if not path.exists():
         return None
     state = json.loads(path.read_text())
-    if not http_ok(f"{state.get('gateway', '')}/healthz")():
+    if not _alive(state.get("pid")) or not http_ok(f"{state.get('gateway', '')}/healthz")():
         return None
     return state
+
+
+def _alive(pid: object) -> bool:
+    """Whether process `pid` exists (a stale state file names a dead `flywheel up`)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

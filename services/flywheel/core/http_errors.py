@@ -24,6 +24,14 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def redis_unavailable(exc: redis.RedisError) -> JSONResponse:
+    """503 with Retry-After for a request that needed Redis while it is down."""
+    log.error("Redis unavailable: %s", exc)
+    return JSONResponse(error_body("the session store (Redis) is unavailable; retry later",
+                                   "service_unavailable_error"),
+                        status_code=503, headers={"Retry-After": "5"})
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers on `app`."""
 
@@ -52,13 +60,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(redis.RedisError)
     async def _redis(_: Request, exc: redis.RedisError) -> JSONResponse:
-        log.error("Redis unavailable: %s", exc)
-        return JSONResponse(error_body("the session store (Redis) is unavailable; retry later",
-                                       "service_unavailable_error"),
-                            status_code=503, headers={"Retry-After": "5"})
+        return redis_unavailable(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Errors raised in middleware (auth, limits) reach only this handler.
+        if isinstance(exc, redis.RedisError):
+            return redis_unavailable(exc)
         log.exception("unhandled error")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
                             status_code=500)

@@ -14,4 +14,5 @@ def connect(url: str) -> redis.Redis:
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         health_check_interval=30,
+        socket_connect_timeout=5,
     )

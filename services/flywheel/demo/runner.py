@@ -67,6 +67,7 @@ class DemoRunner:
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out problems (evaluation sessions)."""
         _, held_out = split()
+        self.echo(f"evaluating {len(held_out)} held-out problems (greedy)...")
         rewards = list(self.pool.map(
             lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out))
         return sum(rewards) / len(rewards)

@@ -90,7 +90,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(d: Deps) -> dict[str, str]:
-        d.sessions.client.ping()
+        await asyncio.to_thread(d.sessions.client.ping)  # never block the event loop
         return {"status": "ready"}
 
     @app.get("/metrics")

@@ -2,54 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def engine_process(model_dir: Path, **env_overrides: str) -> Iterator[str]:
-    """`python -m flywheel.engine` serving `model_dir`; yields its URL once /health is 200."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "FLYWHEEL_ENGINE__CONTEXT_LENGTH": "512",
-        "FLYWHEEL_ENGINE__THREADS": "1",
-        **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in env_overrides.items()},
-    }
-    cmd = [sys.executable, "-m", "flywheel.engine", "--model-path", str(model_dir),
-           "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "engine did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+from ..engine_process import engine_process
 
 
 @pytest.fixture(scope="session")

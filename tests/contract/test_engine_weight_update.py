@@ -28,7 +28,7 @@ SCORE = {"input_ids": PROMPT + [28, 29, 30], "return_logprob": True,
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from .conftest import engine_process
+    from ..engine_process import engine_process
 
     with engine_process(tiny_model_dir) as url:
         yield url

@@ -12,53 +12,24 @@ are about 1e-5, machine-notes.md).
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 
 from flywheel.teacher.context import TeacherRenderer
 from flywheel.teacher.scoring import TeacherScorer
 
+from ..engine_process import engine_process
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 TOL = 2e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine_url(smollm2_dir):
-    port = _free_port()
-    env = {**os.environ, "FLYWHEEL_ENGINE__CONTEXT_LENGTH": "512"}
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.engine", "--model-path",
-                             str(smollm2_dir), "--port", str(port), "--weight-version", "7"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "engine did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+    with engine_process(smollm2_dir, "--weight-version", "7", threads="2") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,6 @@ distributed weight-update group (gloo), and the disk fallback when the group can
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -18,34 +14,16 @@ from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
 from flywheel.trainer.service import build_trainer
 
+from ..engine_process import engine_process
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_dir):
-    port = free_port()
-    env = os.environ | {"PYTHONPATH": str(REPO / "services"),
-                        "FLYWHEEL_ENGINE__CONTEXT_LENGTH": "256", "FLYWHEEL_ENGINE__THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flywheel.engine", "--model-path", str(tiny_model_dir),
-         "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "engine did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+    with engine_process(tiny_model_dir, context_length="256") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def served(url: str, name: str) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""The embedded engine as a real process for tests: `python -m flywheel.engine` on a free port."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from flywheel.core.redis_server import free_port
+
+SERVICES = Path(__file__).resolve().parents[1] / "services"
+
+
+@contextmanager
+def engine_process(model_dir: Path, *args: str, **env_overrides: str) -> Iterator[str]:
+    """Serve `model_dir`; yields the engine's URL once `/health` is 200, stops it after.
+
+    Args:
+        model_dir: a Hugging Face model folder.
+        *args: extra command-line arguments (e.g. "--weight-version", "7").
+        **env_overrides: engine settings as `FLYWHEEL_ENGINE__<NAME>` values (defaults:
+            context_length 512, threads 1).
+
+    Raises:
+        AssertionError: the process exited, or was not healthy within 120 s (its output shown).
+    """
+    port = free_port()
+    settings = {"context_length": "512", "threads": "1"} | env_overrides
+    env = {**os.environ, "PYTHONPATH": str(SERVICES),
+           **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in settings.items()}}
+    cmd = [sys.executable, "-m", "flywheel.engine", "--model-path", str(model_dir),
+           "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "engine did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -9,10 +9,19 @@ import pytest
 
 from flywheel.core.codec import decode_sample
 from flywheel.core.streams import FIELD
+from flywheel.gateway.engine_pool import EnginePool
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 SESSIONS = 6  # the session-affine order puts the faulty engine first for some of them
+
+
+def _session_ids(bad: str, good: str) -> list[str]:
+    """SESSIONS ids, the first one's affinity trying the faulty engine first (the pool's own
+    order), so the retry path runs every time, not by chance."""
+    pool = EnginePool([bad, good], timeout_s=1.0, stop_token_ids=set())
+    first = next(f"fault-{i}" for i in range(64) if pool.order(f"fault-{i}")[0] == bad)
+    return [first] + [f"{first}-{i}" for i in range(1, SESSIONS)]
 
 
 @pytest.mark.parametrize("fault", ["500", "drop", "garbage", "hang"])
@@ -21,8 +30,9 @@ def test_one_faulty_engine_is_retried_elsewhere_and_recorded_once(
     bad, good = procs.stub(fault), procs.stub("ok")
     gw = inproc_gateway([bad, good], request_timeout_s=1.0)
     with httpx.Client(base_url=gw, timeout=30) as client:
-        for i in range(SESSIONS):
-            sid = client.post("/v1/sessions", json={"group_id": f"g{i}"}).json()["session_id"]
+        for i, wanted in enumerate(_session_ids(bad, good)):
+            sid = client.post("/v1/sessions", json={"group_id": f"g{i}", "session_id": wanted}
+                              ).json()["session_id"]
             reply = client.post(f"/s/{sid}/v1/chat/completions", json=CHAT)
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == "8"

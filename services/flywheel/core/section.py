@@ -1,0 +1,11 @@
+"""The base class of every settings section."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Section(BaseModel):
+    """A settings section: unknown keys are errors, so a misspelled setting is never ignored."""
+
+    model_config = ConfigDict(extra="forbid")

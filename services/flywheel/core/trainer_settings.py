@@ -1,0 +1,195 @@
+"""The trainer's settings section (`[trainer]` / `trainer:` in the config file)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from flywheel.core.section import Section
+
+
+class TrainerSettings(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=1, le=65535)
+    """HTTP port of /healthz, /metrics and /status."""
+    model_path: str = ""
+    """Initial policy folder; empty = the engine's model."""
+    checkpoint_dir: str = ".flywheel/checkpoints"
+    """Where each step's safetensors checkpoint is written (shared with the engines)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted."""
+    metrics_path: str = ".flywheel/trainer_metrics.jsonl"
+    """JSONL file with one line of metrics per step."""
+    groups_per_step: int = Field(4, ge=1)
+    """Complete groups (by group_id) per optimizer step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per group; a group is complete when it has this many."""
+    group_wait_s: float = Field(120.0, ge=0)
+    """Seconds to wait for a partial group before training on what arrived."""
+    lr: float = Field(5e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_eps_low: float = Field(0.2, ge=0)
+    """PPO clip: ratio lower bound 1 - clip_eps_low."""
+    clip_eps_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio upper bound 1 + clip_eps_high (clip-higher when > clip_eps_low)."""
+    std_floor: float = Field(1e-3, gt=0)
+    """Group reward std below this value is treated as 0 (advantages 0)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward pass (gradient accumulation over micro-batches)."""
+    max_staleness: int = Field(4, ge=0)
+    """Weight versions a sample may lag behind the trainer before `stale_policy` applies."""
+    engine_urls: list[str] = Field(default_factory=list)
+    """Engines to push weights to; empty = the local engine."""
+    seed: int = 0
+    advantage: str = "grpo"
+    """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES)."""
+    quantile_k: float = Field(0.5, ge=0, le=1)
+    """K of the `quantile` advantage baseline (group K-quantile; 0.5 = lower median)."""
+    policy_loss: str = "ppo_clip"
+    """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES). gspo wants tiny
+    clip_eps_low / clip_eps_high (paper: 3e-4 / 4e-4)."""
+    rollout_correction: Literal["none", "tis", "mis", "icepop"] = "none"
+    """Train-inference correction (flywheel.trainer.algorithms.corrections.CORRECTIONS): token
+    weights from the trainer/rollout logprob ratio; the policy ratio is then taken against the
+    trainer's own logprobs. none = ratio against the rollout logprobs, no weights."""
+    correction_cap: float = Field(2.0, gt=0)
+    """C of tis (weights truncated at C) and mis (tokens with ratio > C dropped)."""
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    """[alpha, beta] of icepop: tokens whose trainer/rollout ratio leaves it are dropped."""
+    loss_aggregation: str = "token_mean"
+    """How token losses become one scalar (flywheel.trainer.algorithms.losses.AGGREGATIONS)."""
+    dual_clip_c: float = Field(0.0, ge=0)
+    """Dual-clip bound c (> 1) on the loss of negative-advantage tokens; 0 = off."""
+    logprob_chunk_tokens: int = Field(1024, ge=1)
+    """Scored tokens per chunk of the lm-head + log-softmax (bounds its memory)."""
+    gradient_checkpointing: bool = False
+    """Recompute decoder activations in backward (less memory, about 30% slower)."""
+    allow_truncated_sampling: bool = False
+    """Train on samples drawn with top_p < 1, top_k > 0 or min_p > 0. Their engine logprobs are
+    normalized over a kept set the trainer cannot rebuild (BUG-08); off = drop them, counted."""
+    unjudged: Literal["drop", "keep"] = "drop"
+    """Samples a configured judge could not judge (error "unjudged: ...", has_reward false):
+    drop = dead-letter them as no_reward; keep = train on their other reward components (their
+    `reward` is the weighted sum of those) when they have any (`samples.keepable_unjudged`)."""
+    push_timeout_s: float = Field(600.0, gt=0)
+    """Seconds to wait for one engine's /update_weights_from_disk answer."""
+    push_attempts: int = Field(5, ge=1)
+    """Attempts per engine (exponential backoff) before the weight push fails the trainer."""
+    consumer_name: str = ""
+    """Consumer name in the `trainer` group; empty = host-pid."""
+    max_steps: int = Field(0, ge=0)
+    """Optimizer steps after which the trainer exits; 0 = run until stopped."""
+    device: str = "auto"
+    """torch device of the policy (`cpu`, `cuda`, `cuda:1`); auto = cuda when available."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Coefficient of the per-token KL(pi || reference) term added to the loss; 0 = off (no
+    reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (flywheel.trainer.algorithms.regularizers.KL_ESTIMATORS)."""
+    reference_model_path: str = ""
+    """Frozen reference policy for the KL term; empty = the initial policy (`model_path`)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Coefficient of the entropy bonus (-coef * H per loss token, nats); 0 = off."""
+    precision: Literal["fp32", "bf16_autocast"] = "fp32"
+    """fp32 everywhere, or the decoder under bf16 autocast (fp32 master weights, fp32 AdamW
+    state; the lm head and logprobs stay fp32). bf16 autocast needs a CPU with bf16 support or a
+    CUDA device."""
+    lora_rank: int = Field(0, ge=0)
+    """LoRA rank (peft); 0 = full fine-tuning. Checkpoints hold the merged weights."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / rank)."""
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Module names that get LoRA adapters."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Padded tokens (rows x longest row) per forward/backward pass; 0 = only
+    `micro_batch_size` limits a micro-batch."""
+    step_tokens: int = Field(0, ge=0)
+    """Tokens per optimizer step: a step starts once ready groups hold this many and takes
+    groups up to it (at least one); 0 = by sample count (`groups_per_step * group_size`)."""
+    partial_groups: Literal["train", "drop"] = "train"
+    """A group still partial after `group_wait_s`: train it (with >= `min_group_size` fresh
+    members) or drop it (counted as `partial_group`)."""
+    min_group_size: int = Field(2, ge=1)
+    """Fresh members a partial group needs to be trained."""
+    live_advantage: Literal["drop", "reward", "opd"] = "reward"
+    """Samples without a group_id (live mode): `reward` = advantage is the sample's reward
+    (e.g. a judge's +1/-1), `opd` = per-token teacher - rollout logprob gap, `drop` = dropped
+    as `no_group_id`."""
+    stale_policy: Literal["drop", "downweight", "is_correct"] = "drop"
+    """Samples that lag more than `max_staleness` versions: dropped, down-weighted by
+    `stale_decay ** (lag - max_staleness)`, or IS-corrected (ratio against the trainer's own
+    logprobs, tokens weighted by min(pi_train / pi_rollout, correction_cap))."""
+    stale_decay: float = Field(0.5, gt=0, le=1)
+    """Per-version loss weight decay of `downweight`."""
+    stale_hard_limit: int = Field(0, ge=0)
+    """Lag above which a sample is dropped whatever `stale_policy` says; 0 = no limit."""
+    source: Literal["redis", "replay", "fake"] = "redis"
+    """Where Samples come from: the train stream, a recorded dump (`replay_path`), or random
+    well-formed groups (to run and profile the step alone)."""
+    replay_path: str = ""
+    """Dump to replay with `source = "replay"` (.jsonl or length-prefixed .bin of Samples)."""
+    record_path: str = ""
+    """Append every Sample read from the source to this dump (.jsonl or .bin); empty = off."""
+    fake_prompt_tokens: int = Field(32, ge=1)
+    """Prompt tokens of each fake Sample."""
+    fake_completion_tokens: int = Field(32, ge=1)
+    """Sampled tokens of each fake Sample."""
+    lr_schedule: Literal["constant", "linear_warmup", "cosine"] = "constant"
+    """Learning-rate schedule over optimizer steps (warm-up is linear from 0)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up (linear_warmup, cosine)."""
+    total_steps: int = Field(1000, ge=1)
+    """Horizon of the cosine decay (to 0) in steps."""
+    save_optimizer: bool = True
+    """Keep AdamW, scheduler and RNG state in each checkpoint (exact resume; about twice the
+    model's fp32 size on disk)."""
+    push_every: int = Field(1, ge=1)
+    """Push weights to the engines every k committed steps (checkpoints every step)."""
+    push_mode: Literal["disk", "distributed"] = "disk"
+    """disk = /update_weights_from_disk of the checkpoint; distributed = broadcast over a
+    weight-update group with the engines (gloo on CPU, NCCL on GPU), disk as fallback."""
+    push_master_address: str = "127.0.0.1"
+    """Address the engines reach the trainer at for the distributed weight-update group."""
+    tensorboard: bool = True
+    """Write per-step metrics as TensorBoard scalars to `<metrics_path folder>/tensorboard`."""
+    wandb_project: str = ""
+    """Also log metrics to this Weights & Biases project when wandb is installed; empty = off."""
+
+    token_weights: list[str] = Field(default_factory=list)
+    """Token weight / mask parts applied in order to the advantages (WEIGHTS in
+    flywheel.trainer.algorithms.weights), e.g. ["high_entropy_only"]."""
+    regularizers: dict[str, float] = Field(default_factory=dict)
+    """Regularizer terms and their coefficients, e.g. {k3 = 0.001, entropy_min = 0.01}
+    (KL_ESTIMATORS against the rollout policy, TERMS in ...algorithms.regularizers)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: groups without reward spread are left out of the step."""
+    algorithm_params: dict[str, dict[str, float | int | bool | str]] = Field(
+        default_factory=dict)
+    """Per-part hyperparameters over the paper defaults, by part name:
+    `[trainer.algorithm_params.high_entropy_only]` / `top_frac = 0.2`."""
+
+    @field_validator("advantage", "policy_loss", "loss_aggregation", "token_weights",
+                     "regularizers", "algorithm_params")
+    @classmethod
+    def _known_parts(cls, value: Any, info: Any) -> Any:
+        from flywheel.trainer.algorithms.catalog import names_for  # noqa: PLC0415
+
+        known = names_for(info.field_name)
+        for name in [value] if isinstance(value, str) else list(value):
+            if name not in known:
+                raise ValueError(f"unknown {info.field_name} part {name!r}; choose from "
+                                 f"{sorted(known)} (`flywheel algorithms list`)")
+        return value
+
+    @field_validator("dual_clip_c")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float) -> float:
+        if 0 < value <= 1:
+            raise ValueError("dual_clip_c must be 0 (off) or > 1 (e.g. 3.0)")
+        return value

@@ -18,6 +18,12 @@ from flywheel.core.errors import BackpressureError, PlatformError
 
 log = logging.getLogger(__name__)
 
+KEEP_ALIVE_S = 75
+"""Seconds an idle keep-alive connection stays open on our HTTP servers. Longer than the idle
+expiry of pooling clients (httpx, hence the openai SDK: 5 s), so a client never reuses a
+connection the server is closing at that instant (a POST then fails with ECONNRESET and is not
+retried); uvicorn's own default is also 5 s."""
+
 
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | int | None = None) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.settings import EngineSettings, load_settings
 
 log = logging.getLogger("flywheel.engine")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(EngineDeps(engine=worker, settings=settings, model_path=model_path))
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
     finally:
         worker.close()
 

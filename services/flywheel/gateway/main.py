@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.logs import setup_logging
 from flywheel.core.settings import load_settings
 
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         context_length=settings.engine.context_length,
     )
     uvicorn.run(create_app(deps), host=gw.host, port=gw.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

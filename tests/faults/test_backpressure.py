@@ -24,7 +24,7 @@ def _episode(http: httpx.Client, **body) -> httpx.Response:
     return http.post(f"/v1/sessions/{sid}/finish", json={})
 
 
-def _wait(cond, timeout_s: float = 30.0) -> None:
+def _wait(cond, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "timed out"

@@ -93,6 +93,11 @@ class SessionRecord(BaseModel):
     """Forks of this session per reason (recording.FORK_REASONS)."""
     turns: int = 0
     """Assistant turns recorded in the whole session (across segments): the next turn's index."""
+    finish_request: str = ""
+    """Digest of the finish request (reward, following messages): a repeat of the same finish
+    (a client retrying after a lost response) is answered again instead of refused."""
+    finish_published: int = 0
+    """`samples_published` of the finish response (what a repeated finish answers)."""
     rewards: dict[str, float] = Field(default_factory=dict)
     """Rewards posted for the episode Sample (episode mode), published with it at finish."""
     pending: str = ""

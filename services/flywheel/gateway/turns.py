@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -295,12 +297,21 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
     """Finish a session and publish what it still holds (see the module docstring).
 
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
-    Sample published here. Raises: NotFoundError, ConflictError (already finished).
+    Sample published here. Finishing is idempotent: the same finish sent again (a retry after
+    a lost response) gets the first answer with `"replayed": true` and publishes nothing.
+    Raises: NotFoundError; ConflictError (finished by a different finish request).
     """
+    digest = hashlib.sha256(json.dumps([reward, following or []], sort_keys=True,
+                                       default=str).encode()).hexdigest()
     with d.sessions.locked(session_id) as record:
         if record.status == "finished":
-            raise ConflictError(f"session {session_id} is already finished")
+            if record.finish_request and record.finish_request == digest:
+                return {"session_id": session_id, "status": "finished",
+                        "samples_published": record.finish_published, "replayed": True}
+            raise ConflictError(f"session {session_id} is already finished (by a finish with a "
+                                "different reward or following messages)")
         record.status = "finished"
+        record.finish_request = digest
         out = _resolve_candidates(record, None)
         if record.mode == "live":
             out += _emit_pending(record, following or [])
@@ -313,7 +324,7 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
             for name, value in rewards.items():
                 sample.rewards[name] = value
         publish(d, record, out)
-        published = 0 if record.eval else len(out)
+        published = record.finish_published = 0 if record.eval else len(out)
     return {"session_id": session_id, "status": "finished", "samples_published": published}
 
 

@@ -58,6 +58,8 @@ def test_session_episode_publishes_one_faithful_sample(env):
     assert sampling["max_new_tokens"] == 7 and sampling["temperature"] == 0.5  # BUG-30
     done = client.post(f"/v1/sessions/{created['session_id']}/finish", json={"reward": 1.0})
     assert done.json()["samples_published"] == 1
+    retry = client.post(f"/v1/sessions/{created['session_id']}/finish", json={"reward": 1.0})
+    assert retry.json() == {**done.json(), "replayed": True}  # answered again, published once
     (_, fields), = redis_client.xrange(f"{prefix}:rollouts")
     sample = decode_sample(fields[FIELD])
     assert list(sample.token_ids) == prompt + engine.ids
@@ -88,9 +90,13 @@ def test_errors_are_openai_json(env):
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
     created = client.post("/v1/sessions", json={}).json()
     sid = created["session_id"]
-    client.post(f"/v1/sessions/{sid}/finish", json={})
-    again = client.post(f"/v1/sessions/{sid}/finish", json={})
-    assert again.status_code == 409 and "already finished" in again.json()["error"]["message"]
+    first = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    # the same finish again (a retry after a lost response) gets the first answer back
+    again = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    assert again.status_code == 200 and again.json()["replayed"] is True
+    assert again.json()["samples_published"] == first.json()["samples_published"]
+    other = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.0})
+    assert other.status_code == 409 and "already finished" in other.json()["error"]["message"]
     late = _chat(client, f"/s/{sid}/v1")
     assert late.status_code == 409
 

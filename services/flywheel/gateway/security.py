@@ -9,7 +9,8 @@ the middleware, before any route runs:
    `/metrics` when `metrics_require_admin`) need `admin`; a session named by URL
    (`/s/<id>/...`, `/v1/sessions/<id>...`) or by `X-Session-Id` must belong to the key (admin:
    any); a per-session key is routed to its own session and can do nothing else;
-3. applies per-key rate (token bucket) and concurrency limits (429 with Retry-After);
+3. applies per-key rate (token bucket) and concurrency limits (429 with Retry-After), shared
+   by every gateway replica through Redis (`flywheel.gateway.limits`);
 4. bounds the body (413), checks UTF-8, JSON nesting depth and chat-request shape (messages,
    tools, tool-schema bytes), answering in OpenAI error JSON;
 5. bounds the whole request in time (504).
@@ -44,6 +45,7 @@ from flywheel.core.errors import (
 )
 from flywheel.core.http_errors import error_body
 from flywheel.core.settings import SecuritySettings, is_loopback
+from flywheel.gateway.limits import Lease, RedisLimiter
 from flywheel.gateway.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -117,51 +119,6 @@ def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
     return dependency
 
 
-class _Limiter:
-    """Per-identity token bucket and in-flight counter (one gateway replica)."""
-
-    def __init__(self, settings: SecuritySettings):
-        self.rate_per_s = settings.rate_per_minute / 60.0
-        self.burst = float(settings.rate_burst)
-        self.max_concurrent = settings.max_concurrent
-        self.buckets: dict[str, tuple[float, float]] = {}
-        self.in_flight: dict[str, int] = {}
-
-    def admit(self, ident: str, now: float) -> None:
-        """Take one token and one concurrency slot; release the slot with `done`.
-
-        Raises:
-            BackpressureError: out of tokens (Retry-After = seconds to the next token) or
-                at the concurrency limit (Retry-After 1 s).
-        """
-        if self.rate_per_s > 0:
-            tokens, last = self.buckets.get(ident, (self.burst, now))
-            tokens = min(self.burst, tokens + (now - last) * self.rate_per_s)
-            if tokens < 1.0:
-                wait = math.ceil((1.0 - tokens) / self.rate_per_s)
-                self.buckets[ident] = (tokens, now)
-                raise _rate_error(f"rate limit of {self.rate_per_s * 60:g} requests per "
-                                  f"minute reached for this key; retry in {wait} s", wait)
-            self.buckets[ident] = (tokens - 1.0, now)
-        if self.max_concurrent:
-            if self.in_flight.get(ident, 0) >= self.max_concurrent:
-                raise _rate_error(f"this key already has {self.max_concurrent} requests in "
-                                  "flight; wait for one to finish", 1)
-            self.in_flight[ident] = self.in_flight.get(ident, 0) + 1
-
-    def done(self, ident: str) -> None:
-        if self.max_concurrent and ident in self.in_flight:
-            self.in_flight[ident] -= 1
-            if not self.in_flight[ident]:
-                del self.in_flight[ident]
-
-
-def _rate_error(message: str, retry_after_s: float) -> BackpressureError:
-    exc = BackpressureError(message, retry_after_s=retry_after_s)
-    exc.code = "rate_limit_exceeded"
-    return exc
-
-
 class TooLargeError(PlatformError, ValueError):
     http_status = 413
     error_type = "invalid_request_error"
@@ -182,7 +139,7 @@ class SecurityMiddleware:
         self.sessions = sessions
         self.settings = settings
         self.loopback = is_loopback(bind_host)
-        self.limiter = _Limiter(settings)
+        self.limiter = RedisLimiter(sessions.client, sessions.prefix, settings)
         self._key_cache: dict[str, tuple[KeyRecord | None, float]] = {}
         self._required: tuple[bool, float] = (False, 0.0)
         self._announced: bool | None = None
@@ -191,26 +148,28 @@ class SecurityMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        lease: Lease | None = None
         try:
-            who = await self._authenticate(scope)
-            scope = await self._authorize(scope, who)
-            if scope["path"] not in PUBLIC_PATHS:
-                self.limiter.admit(who.limit_id, time.monotonic())
-        except PlatformError as exc:
-            await _send_error(send, exc)
-            return
-        try:
-            receive = await self._checked_body(scope, receive)
-        except PlatformError as exc:
-            self.limiter.done(who.limit_id)
-            await _send_error(send, exc)
-            return
-        scope.setdefault("state", {})["principal"] = who
-        try:
+            try:
+                who = await self._authenticate(scope)
+                scope = await self._authorize(scope, who)
+                if self.limiter.enabled and scope["path"] not in PUBLIC_PATHS:
+                    lease = await self._admit(who)
+                receive = await self._checked_body(scope, receive)
+            except PlatformError as exc:
+                await _send_error(send, exc)
+                return
+            scope.setdefault("state", {})["principal"] = who
             await self._run(scope, receive, send)
         finally:
-            if scope["path"] not in PUBLIC_PATHS:
-                self.limiter.done(who.limit_id)
+            await self.limiter.give_back(lease)
+
+    async def _admit(self, who: Principal) -> Lease | None:
+        try:
+            return await self.limiter.acquire(who.limit_id)
+        except PlatformError:
+            REJECTED.labels("rate_limited").inc()
+            raise
 
     async def _run(self, scope: dict, receive: Callable, send: Callable) -> None:
         started = False

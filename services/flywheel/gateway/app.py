@@ -27,6 +27,7 @@ from flywheel.gateway.completions import CompletionRequest
 from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
+from flywheel.gateway.request_rules import check_contents, check_model, served_models
 from flywheel.gateway.schemas import (
     SESSION_ID_PATTERN,
     ChatCompletionRequest,
@@ -100,8 +101,9 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def models(d: Deps) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": d.settings.model_name, "object": "model",
-                                            "created": 0, "owned_by": "flywheel"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                            "owned_by": "flywheel"}
+                                           for name in served_models(d.settings)]}
 
     @app.post("/v1/sessions")
     async def create_session(body: SessionCreate, request: Request, d: Deps) -> dict[str, Any]:
@@ -137,27 +139,37 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request, d: Deps,
                    x_session_id: SessionHeader = None,
                    x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+        _check_chat(d, body)
         session_id = await _header_session(d, x_session_id, owner_of(request))
         return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,
                            x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+        _check_chat(d, body)
         return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     @app.post("/v1/completions", response_model=None)
     async def text_completion(body: CompletionRequest, request: Request, d: Deps,
                               x_session_id: SessionHeader = None
                               ) -> dict[str, Any] | StreamingResponse:
+        check_model(d.settings, body.model)
         session_id = await _header_session(d, x_session_id, owner_of(request))
         return _stream_completion(body, await completions.complete(d, body, session_id))
 
     @app.post("/s/{session_id}/v1/completions", response_model=None)
     async def session_text_completion(session_id: str, body: CompletionRequest, d: Deps
                                       ) -> dict[str, Any] | StreamingResponse:
+        check_model(d.settings, body.model)
         return _stream_completion(body, await completions.complete(d, body, session_id))
 
     return app
+
+
+def _check_chat(d: GatewayDeps, body: ChatCompletionRequest) -> None:
+    """OpenAI's rules on the model name and message contents (request_rules.py)."""
+    check_model(d.settings, body.model)
+    check_contents(body.messages)
 
 
 def _stream_completion(body: CompletionRequest, completion: dict[str, Any]
@@ -233,7 +245,7 @@ def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",
         "created": int(time.time()),
-        "model": body.model or d.settings.model_name,
+        "model": body.model or served_models(d.settings)[0],
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                   "total_tokens": prompt_tokens + completion},

@@ -23,6 +23,7 @@ from flywheel.core.errors import ConflictError, InvalidRequestError
 from flywheel.gateway import turns
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import FORKS, build_sample, set_sampling
+from flywheel.gateway.request_rules import served_models
 from flywheel.gateway.sessions import Segment, SessionRecord
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def _response(d: GatewayDeps, body: CompletionRequest, gens: list[list[Generatio
                         else _logprobs(d, gen, body.logprobs)})
     completion = sum(len(g.output_ids) for per_prompt in gens for g in per_prompt)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": body.model or d.settings.model_name,
+            "created": int(time.time()), "model": body.model or served_models(d.settings)[0],
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                       "total_tokens": prompt_tokens + completion}}

@@ -176,10 +176,31 @@ class GatewaySettings(Section):
     back once healthy); 0 = no probes."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
+    session_idle_finish_s: float = Field(3_600.0, gt=0)
+    """Seconds after its last request that a gateway finishes an open session itself, so that
+    nothing it holds is lost when its Redis key expires (`session_ttl_s`, which must be
+    longer): a background sweep on every gateway replica (each session taken under its lock,
+    so only one replica finishes it) publishes the live turns still waiting for their next
+    state (with an empty `next_state`), the n > 1 choices never sent back and the episode's
+    segments, as a finish without a reward would. Counted in
+    `flywheel_gateway_sessions_finished_total{reason="idle"}` and logged; a later request to
+    the session is a 409 (start a new session)."""
+    served_model_names: list[str] = Field(default_factory=list)
+    """Model names a request may ask for, listed by `GET /v1/models`; another name is a 404
+    `model_not_found`. Empty = any name is accepted (and `model_name` is listed)."""
     tool_parser: Literal["hermes", "json"] = "hermes"
     """How tool calls are parsed out of sampled text (the model family's format)."""
     security: SecuritySettings = Field(default_factory=lambda: SecuritySettings())
     """API keys, roles and limits (`[gateway.security]`)."""
+
+    @model_validator(mode="after")
+    def _idle_finish_before_expiry(self) -> GatewaySettings:
+        if self.session_idle_finish_s >= self.session_ttl_s:
+            raise ValueError(
+                f"gateway.session_idle_finish_s ({self.session_idle_finish_s}) must be below "
+                f"gateway.session_ttl_s ({self.session_ttl_s}): an idle session is finished "
+                "(its turns published) before its Redis key expires")
+        return self
 
     @property
     def url(self) -> str:

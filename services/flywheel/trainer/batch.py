@@ -1,8 +1,12 @@
 """Samples -> right-padded training tensors, and their split into micro-batches.
 
 Shapes: B = samples, T = the longest sample in the batch (a micro-batch is trimmed to its own
-longest row). Per-token tensors are aligned with `Sample.token_ids`; padding sits on the right,
-with attention 0, loss mask 0 and advantage 0.
+longest row), K = the largest `Sample.teacher_topk` in the batch (0 when no sample has a
+teacher top-k). Per-token tensors are aligned with `Sample.token_ids`: position t holds what
+belongs to token t (its logprob given tokens < t, the distribution it was drawn from); padding
+sits on the right, with attention 0, loss mask 0 and advantage 0. Every optional per-token input
+(teacher, wrong-hint, top-k, step scores) comes with a mask that is False wherever the Sample
+does not carry it and off the loss mask; its value there is 0 (TOPK_ABSENT for top-k logprobs).
 
 Micro-batches are cut by sample count and, optionally, by a token budget (rows x longest row,
 the padded tokens one forward pass holds). Rows are taken longest first, so rows of similar
@@ -19,10 +23,15 @@ import torch
 from torch import Tensor
 
 from flywheel._proto import sample_pb2
-from flywheel.trainer.samples import check_trainable, sample_temperature
+from flywheel.trainer.samples import check_trainable, sample_temperature, step_reward_positions
 
 PAD_ID = 0
 """Token id written into padding (never attended to, never scored)."""
+
+TOPK_ABSENT = -1e30
+"""Logprob of a top-k slot without a teacher entry (positions without a top-k, slots beyond a
+sample's k, and the teacher's non-finite values, which it writes as -1e30). Finite, so
+p log p terms give exactly 0 there (exp(-1e30) = 0), never NaN."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +60,29 @@ class TrainBatch:
     teacher_logprobs_BT: Tensor
     """(B, T) float32 Sample.teacher_logprobs (0 where absent)."""
     teacher_mask_BT: Tensor
-    """(B, T) bool: a teacher logprob exists (Sample.teacher_mask, or 1 wherever the sample has
-    teacher_logprobs and no mask)."""
+    """(B, T) bool: a teacher logprob exists on a loss token (Sample.teacher_mask, or 1 wherever
+    the sample has teacher_logprobs and no mask)."""
+    turn_index_B: Tensor
+    """(B,) int64 Sample.turn_index (the turn's index in its session)."""
+    wrong_hint_logprobs_BT: Tensor
+    """(B, T) float32 Sample.wrong_hint_logprobs: the teacher's logprob of token t under the
+    task's wrong hint (RLCSD); 0 off `wrong_hint_mask_BT`."""
+    wrong_hint_mask_BT: Tensor
+    """(B, T) bool: the sample has wrong-hint logprobs, the value is finite and the token has a
+    teacher logprob (`teacher_mask_BT`), as the teacher service writes them."""
+    step_rewards_BT: Tensor
+    """(B, T) float32 per-turn score ("step/<k>" rewards) on the last sampled token of its turn
+    (samples.step_reward_positions); 0 elsewhere."""
+    step_mask_BT: Tensor
+    """(B, T) bool: True where `step_rewards_BT` holds a score."""
+    teacher_topk_ids_BTK: Tensor
+    """(B, T, K) int64 Sample.teacher_topk_ids: the teacher's K most likely tokens at position t
+    (the distribution token t was drawn from), most likely first; 0 on absent slots."""
+    teacher_topk_logprobs_BTK: Tensor
+    """(B, T, K) float32 their teacher logprobs (temperature 1); TOPK_ABSENT on absent slots."""
+    teacher_topk_mask_BT: Tensor
+    """(B, T) bool: a teacher top-k exists at t (the sample has `teacher_topk` > 0, the token
+    has a teacher logprob, at least one slot is finite)."""
 
     @property
     def size(self) -> int:
@@ -76,7 +106,7 @@ class TrainBatch:
         parts = {}
         for f in fields(self):
             value = getattr(self, f.name)[index_N]
-            parts[f.name] = value[:, :length] if f.name.endswith("_BT") else value
+            parts[f.name] = value[:, :length] if f.name.endswith(("_BT", "_BTK")) else value
         return TrainBatch(**parts)
 
 
@@ -109,6 +139,10 @@ def collate(
     old_logprobs_BT = torch.zeros(batch, seq, dtype=torch.float32)
     teacher_BT = torch.zeros(batch, seq, dtype=torch.float32)
     teacher_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
+    wrong_BT = torch.zeros(batch, seq, dtype=torch.float32)
+    has_wrong_BT = torch.zeros(batch, seq, dtype=torch.bool)
+    step_BT = torch.zeros(batch, seq, dtype=torch.float32)
+    step_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
     for row, sample in enumerate(samples_B):
         check_trainable(sample)
         n = len(sample.token_ids)
@@ -120,8 +154,16 @@ def collate(
             teacher_BT[row, :n] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
             mask = sample.teacher_mask if len(sample.teacher_mask) else [1] * n
             teacher_mask_BT[row, :n] = torch.tensor(list(mask), dtype=torch.bool)
+        if len(sample.wrong_hint_logprobs) == n:
+            wrong_BT[row, :n] = torch.tensor(sample.wrong_hint_logprobs, dtype=torch.float32)
+            has_wrong_BT[row, :n] = True
+        for position, score in (step_reward_positions(sample) or {}).items():
+            step_BT[row, position], step_mask_BT[row, position] = score, True
+    teacher_mask_BT &= loss_mask_BT
+    wrong_mask_BT = has_wrong_BT & teacher_mask_BT & torch.isfinite(wrong_BT)
     old_logprobs_BT = torch.where(loss_mask_BT, old_logprobs_BT, 0.0)
     advantages_BT = torch.where(loss_mask_BT, advantages_B.float()[:, None], 0.0)
+    topk_ids_BTK, topk_BTK, topk_mask_BT = _teacher_topk(samples_B, seq, teacher_mask_BT)
     return TrainBatch(
         input_ids_BT=input_ids_BT,
         attention_mask_BT=attention_mask_BT,
@@ -140,8 +182,43 @@ def collate(
             torch.arange(batch) if group_index_B is None else group_index_B.long()
         ),
         teacher_logprobs_BT=torch.where(teacher_mask_BT, teacher_BT, 0.0),
-        teacher_mask_BT=teacher_mask_BT & loss_mask_BT,
+        teacher_mask_BT=teacher_mask_BT,
+        turn_index_B=torch.tensor([s.turn_index for s in samples_B], dtype=torch.int64),
+        wrong_hint_logprobs_BT=torch.where(wrong_mask_BT, wrong_BT, 0.0),
+        wrong_hint_mask_BT=wrong_mask_BT,
+        step_rewards_BT=step_BT,
+        step_mask_BT=step_mask_BT & loss_mask_BT,
+        teacher_topk_ids_BTK=topk_ids_BTK,
+        teacher_topk_logprobs_BTK=topk_BTK,
+        teacher_topk_mask_BT=topk_mask_BT,
     )
+
+
+def _teacher_topk(samples_B: Sequence[sample_pb2.Sample], seq: int, teacher_mask_BT: Tensor,
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """(B, T, K) ids, (B, T, K) logprobs and (B, T) mask of the samples' teacher top-k.
+
+    `Sample.teacher_topk_ids` / `teacher_topk_logprobs` hold k entries per token, flattened
+    (entry t * k + j = the j-th most likely token at position t). A slot is kept where the
+    token has a teacher logprob (`teacher_mask_BT`; the teacher writes zeros outside the turn
+    it scored, which would read as probability 1) and its logprob is finite and above
+    TOPK_ABSENT; every other slot gets id 0 and TOPK_ABSENT.
+    """
+    batch = len(samples_B)
+    k_max = max((s.teacher_topk for s in samples_B if len(s.teacher_topk_ids)), default=0)
+    ids_BTK = torch.zeros(batch, seq, k_max, dtype=torch.int64)
+    logprobs_BTK = torch.full((batch, seq, k_max), TOPK_ABSENT, dtype=torch.float32)
+    for row, sample in enumerate(samples_B):
+        k, n = sample.teacher_topk, len(sample.token_ids)
+        if k and len(sample.teacher_topk_ids) == len(sample.teacher_topk_logprobs) == k * n:
+            ids_BTK[row, :n, :k] = torch.tensor(sample.teacher_topk_ids).view(n, k)
+            logprobs_BTK[row, :n, :k] = torch.tensor(
+                sample.teacher_topk_logprobs, dtype=torch.float32).view(n, k)
+    valid_BTK = (teacher_mask_BT[..., None] & torch.isfinite(logprobs_BTK)
+                 & (logprobs_BTK > TOPK_ABSENT / 2) & (ids_BTK >= 0))
+    return (torch.where(valid_BTK, ids_BTK, 0),
+            torch.where(valid_BTK, logprobs_BTK, TOPK_ABSENT),
+            valid_BTK.any(dim=-1))
 
 
 def micro_batches(batch: TrainBatch, size: int, token_budget: int = 0) -> list[TrainBatch]:

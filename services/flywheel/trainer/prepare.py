@@ -4,7 +4,10 @@ Group samples (a `group_id`) get the configured group estimator (`StepConfig.adv
 GRPO) over their group; live samples (no `group_id`, each its own group) get the live estimator
 (`StepConfig.live_advantage`): `reward` = the sample's reward on every sampled token (a judge's
 +1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap. Both kinds may
-share one step. Token-level estimators (opd, opd_plus_rl) read the batch's teacher logprobs.
+share one step. Token-level estimators read the batch's per-token inputs (teacher and wrong-hint
+logprobs, step scores; `pipeline.advantage_inputs`). A sample whose "step/<k>" scores cannot be
+placed on its turns is trained without them, counted in `samples/step_rewards_unaligned` and
+logged.
 
 Shapes: B = samples in the step, T = longest sample; advantages end up (B, T), 0 off the loss
 mask.
@@ -13,16 +16,20 @@ mask.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from flywheel._proto import sample_pb2
-from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
-from flywheel.trainer.algorithms.pipeline import keep_groups_with_spread
+from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig
+from flywheel.trainer.algorithms.pipeline import advantage_inputs, keep_groups_with_spread
 from flywheel.trainer.batch import TrainBatch, collate
+from flywheel.trainer.samples import sampled_runs, step_reward_positions
 from flywheel.trainer.staleness import Treatment
+
+log = logging.getLogger(__name__)
 
 
 def prepare_batch(
@@ -69,6 +76,7 @@ def prepare_batch(
         "samples/is_corrected": float(sum(t == Treatment.IS_CORRECT for t, _ in treat)),
         "samples/downweighted": float(sum(t == Treatment.DOWNWEIGHT for t, _ in treat)),
         "samples/dropped_zero_variance": float(dropped_zero_variance),
+        "samples/step_rewards_unaligned": float(_unaligned_step_rewards(samples_B)),
     }
     grouped_N = (~live_B).nonzero(as_tuple=True)[0]
     if grouped_N.numel():
@@ -101,16 +109,10 @@ def _estimate(
 ) -> tuple[Tensor, dict[str, float]]:
     """(N, T) advantages of rows `rows_N` by estimator `name`, with its metrics."""
     _, groups_N = torch.unique(group_index_B[rows_N], return_inverse=True)
+    inputs = dataclasses.replace(advantage_inputs(batch, rows_N, groups_N),
+                                 rewards_B=rewards_B[rows_N])
     out = ADVANTAGES[name](
-        AdvantageInputs(
-            rewards_B=rewards_B[rows_N],
-            group_index_B=groups_N,
-            teacher_logprobs_BT=batch.teacher_logprobs_BT[rows_N],
-            rollout_logprobs_BT=batch.old_logprobs_BT[rows_N],
-            teacher_mask_BT=batch.teacher_mask_BT[rows_N],
-            token_ids_BT=batch.input_ids_BT[rows_N],
-            loss_mask_BT=batch.loss_mask_BT[rows_N],
-        ),
+        inputs,
         AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k,
                         params=cfg.algo.params.get(name, {})),
     )
@@ -118,3 +120,18 @@ def _estimate(
     if out.advantages_BT is not None:
         return out.advantages_BT.float(), out.metrics
     return out.advantages_B.float()[:, None].expand(-1, width), out.metrics
+
+
+def _unaligned_step_rewards(samples_B: Sequence[sample_pb2.Sample]) -> int:
+    """Samples whose "step/<k>" scores cannot be placed on their turns (each logged); the batch
+    carries no step scores for them (see `samples.step_reward_positions`)."""
+    count = 0
+    for sample in samples_B:
+        if step_reward_positions(sample) is None:
+            count += 1
+            steps = sorted(k for k in sample.rewards if k.startswith("step/"))
+            log.warning("sample %s: step rewards %s cannot be aligned with its %d sampled turns "
+                        "and %d assistant messages; trained without step scores",
+                        sample.sample_id, steps, len(sampled_runs(list(sample.loss_mask))),
+                        sum(m.role == "assistant" for m in sample.messages))
+    return count

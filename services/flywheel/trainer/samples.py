@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import math
+import re
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ContractError
+
+STEP_REWARD = re.compile(r"step/(\d+)")
+"""Key of a per-turn score in `Sample.rewards` (reward/scoring.py: the step judge's score of the
+k-th assistant message, 0-based)."""
 
 
 def check_trainable(sample: sample_pb2.Sample) -> None:
@@ -65,3 +70,50 @@ def keepable_unjudged(sample: sample_pb2.Sample) -> bool:
     weighted sum (what `trainer.unjudged = "keep"` trains on)."""
     return (not sample.has_reward and sample.error.startswith("unjudged:")
             and any("/" not in name for name in sample.rewards))
+
+
+def sampled_runs(loss_mask: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """[start, end) of every maximal run of 1s in `loss_mask`, in order.
+
+    Example: [0, 1, 1, 0, 0, 1] -> [(1, 3), (5, 6)].
+    """
+    runs, start = [], None
+    for position, value in enumerate(loss_mask):
+        if value and start is None:
+            start = position
+        elif not value and start is not None:
+            runs.append((start, position))
+            start = None
+    if start is not None:
+        runs.append((start, len(loss_mask)))
+    return runs
+
+
+def step_reward_positions(sample: sample_pb2.Sample) -> dict[int, float] | None:
+    """{token position: score} of the sample's per-turn scores ("step/<k>" rewards), each on the
+    last sampled token of its turn; {} when it has none; None when they cannot be aligned.
+
+    Alignment: "step/<k>" scores the k-th of the A assistant messages in `messages`; the loss
+    mask has R sampled runs, one per sampled turn, and the sampled turns are the last R
+    assistant messages (earlier ones, if any, were given in the first prompt, unsampled). So
+    message k is run k - (A - R); a score of an unsampled message (k < A - R) has no trained
+    token and is left out. R > A, a k >= A or a non-finite score cannot be aligned (None; the
+    caller counts and logs it).
+
+    Example: messages user, assistant, tool, assistant, tool, assistant (A = 3), loss mask with
+    runs (5, 8), (10, 12), (14, 16) (R = 3), rewards {"step/0": 0.5, "step/1": -1.0} ->
+    {7: 0.5, 11: -1.0}: the last tokens of the first two runs.
+    """
+    steps: dict[int, float] = {}
+    for name, value in sample.rewards.items():
+        match = STEP_REWARD.fullmatch(name)
+        if match:
+            steps[int(match.group(1))] = float(value)
+    if not steps:
+        return {}
+    runs = sampled_runs(list(sample.loss_mask))
+    assistants = sum(m.role == "assistant" for m in sample.messages)
+    offset = assistants - len(runs)
+    if offset < 0 or max(steps) >= assistants or not all(map(math.isfinite, steps.values())):
+        return None
+    return {runs[k - offset][1] - 1: value for k, value in sorted(steps.items()) if k >= offset}

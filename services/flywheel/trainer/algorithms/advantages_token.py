@@ -366,14 +366,21 @@ def segment(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advant
 # --- self-distillation family: rlsd, sdar_gate, contrastive_sd ---------------------------
 
 
-def _gap(inputs: adv.AdvantageInputs, part: str) -> tuple[Tensor, Tensor]:
-    """(B, T) float64 teacher - rollout logprob gap (0 without a teacher) and the loss mask."""
+def _teacher_ok(inputs: adv.AdvantageInputs, part: str) -> tuple[Tensor, Tensor]:
+    """(B, T) bool: loss tokens with a teacher logprob (`teacher_mask_BT`, or wherever the
+    teacher logprob is finite when no mask is given); and the loss mask."""
     mask_BT = _mask(inputs, part)
-    teacher_BT = _need(inputs, "teacher_logprobs_BT", part).double()
-    rollout_BT = _need(inputs, "rollout_logprobs_BT", part).double()
+    teacher_BT = _need(inputs, "teacher_logprobs_BT", part)
     tmask_BT = inputs.teacher_mask_BT
     tmask_BT = torch.isfinite(teacher_BT) if tmask_BT is None else tmask_BT.bool()
-    ok_BT = tmask_BT & mask_BT
+    return tmask_BT & mask_BT, mask_BT
+
+
+def _gap(inputs: adv.AdvantageInputs, part: str) -> tuple[Tensor, Tensor]:
+    """(B, T) float64 teacher - rollout logprob gap (0 without a teacher) and the loss mask."""
+    ok_BT, mask_BT = _teacher_ok(inputs, part)
+    teacher_BT = _need(inputs, "teacher_logprobs_BT", part).double()
+    rollout_BT = _need(inputs, "rollout_logprobs_BT", part).double()
     return torch.where(ok_BT, teacher_BT - rollout_BT, 0.0), mask_BT
 
 
@@ -451,13 +458,15 @@ def contrastive_sd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig
     The style shift any hint induces cancels; what remains is concentrated on task-bearing
     tokens. "RLCSD: Reinforcement Learning with Contrastive On-Policy Self-Distillation", 2026,
     arXiv:2606.11709. lambda = 1 is this library's default; lambda = 0 is GRPO.
-    Tokens without both teacher logprobs get the GRPO advantage.
+    Tokens without both teacher logprobs (no teacher: `teacher_mask_BT`; no wrong hint: a
+    non-finite `wrong_hint_logprobs_BT`, NaN as the batch gives it) get the GRPO advantage.
     """
     p = resolve(ContrastiveParams, cfg.params, "contrastive_sd")
     gap_BT, mask_BT = _gap(inputs, "contrastive_sd")
+    teacher_ok_BT, _ = _teacher_ok(inputs, "contrastive_sd")
     wrong_BT = _need(inputs, "wrong_hint_logprobs_BT", "contrastive_sd").double()
     rollout_BT = inputs.rollout_logprobs_BT.double()  # type: ignore[union-attr]
-    ok_BT = mask_BT & torch.isfinite(wrong_BT) & (gap_BT != 0)
+    ok_BT = teacher_ok_BT & torch.isfinite(wrong_BT)
     c_BT = torch.where(ok_BT, gap_BT - (wrong_BT - rollout_BT), 0.0)
     base = _grpo_B(inputs, cfg)
     return _out(base, _spread(base.advantages_B, mask_BT) + p.weight * c_BT, mask_BT)

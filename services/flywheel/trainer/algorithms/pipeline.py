@@ -41,14 +41,28 @@ STEP_INPUTS = frozenset({
     "rewards_B", "group_index_B", "token_ids_BT", "loss_mask_BT", "rollout_logprobs_BT",
     "old_logprobs_BT", "train_logprobs_BT", "logprobs_BT", "advantages_BT", "token_loss_BT",
     "ref_logprobs_BT", "teacher_logprobs_BT", "teacher_mask_BT", "entropy_BT", "turn_index_B",
-    "step", "student_topk_logprobs_BTK",
+    "step", "student_topk_logprobs_BTK", "wrong_hint_logprobs_BT", "step_rewards_BT",
+    "teacher_topk_logprobs_BTK", "student_logprobs_at_teacher_topk_BTK",
 })
-"""Inputs the step can provide today. `entropy_BT` costs one no-grad scoring pass of the batch.
-`student_topk_logprobs_BTK` costs a second, full-vocabulary forward pass with grad per
-micro-batch (`student_topk`). Not provided yet: `student_logprobs_at_teacher_topk_BTK` (the
-batch does not carry the teacher's top-k ids), `wrong_hint_logprobs_BT` (the Sample schema
-has no field for a second teacher pass) and `step_rewards_BT` (no per-step score field in
-the Sample)."""
+"""Inputs the step provides; every input a catalog row declares is one of them.
+
+From the Samples (batch.py `collate`, no model cost; each masked where the Sample lacks it):
+rewards, groups, token ids, loss mask, rollout logprobs, `turn_index_B` (Sample.turn_index),
+`teacher_logprobs_BT` / `teacher_mask_BT` (the teacher service), `wrong_hint_logprobs_BT`
+(its second pass under the task's `wrong_hint`; NaN for the estimator where absent),
+`step_rewards_BT` (the reward service's "step/<k>" turn scores on each turn's last sampled
+token, NaN elsewhere) and `teacher_topk_logprobs_BTK` (Sample.teacher_topk_logprobs, K =
+`[teacher] top_k`). From the model: `logprobs_BT` / `train_logprobs_BT` (the step's forward),
+`entropy_BT` (one no-grad scoring pass of the batch, only when a selected part declares it), and
+`student_topk_logprobs_BTK` / `student_logprobs_at_teacher_topk_BTK` (one full-vocabulary
+forward with grad per micro-batch, `student_topk`, only when a selected regularizer declares
+either; the second is a gather at the teacher's top-k ids from the same logits). The samples
+carry teacher and top-k fields only with the teacher stage on (`[teacher] enabled`, `top_k` > 0
+for top-k); wrong-hint logprobs only for tasks that give a `wrong_hint`; step scores only with
+the reward service's step judge. Where a Sample lacks one, a part sees it masked off:
+`contrastive_sd` gives those tokens the GRPO advantage, `distill_topk` adds 0 there, `segment`
+gives a sample without step scores no advantage.
+"""
 
 
 def needs(names: Sequence[str]) -> set[str]:
@@ -124,7 +138,13 @@ class AlgoConfig:
 
     @property
     def needs_topk(self) -> bool:
+        """A selected regularizer reads the student's own top-k (SimKO, Lp-Reg)."""
         return "student_topk_logprobs_BTK" in needs([n for n, _ in self.regularizers])
+
+    @property
+    def needs_teacher_topk(self) -> bool:
+        """A selected regularizer reads the student at the teacher's top-k ids (distill_topk)."""
+        return "student_logprobs_at_teacher_topk_BTK" in needs([n for n, _ in self.regularizers])
 
     @property
     def prepare_advantage(self) -> str:
@@ -136,46 +156,29 @@ class AlgoConfig:
         return "entropy_BT" in needs([self.advantage, *self.token_weights])
 
 
-def advantage_inputs(samples_B: Sequence[Any], group_index_B: Tensor) -> AdvantageInputs:
-    """AdvantageInputs with the per-token fields filled from the Samples (right-padded)."""
-    batch = len(samples_B)
-    seq = max((len(s.token_ids) for s in samples_B), default=1)
-    token_ids_BT = torch.zeros(batch, seq, dtype=torch.int64)
-    mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
-    rollout_BT = torch.zeros(batch, seq, dtype=torch.float32)
-    teacher_BT = torch.zeros(batch, seq, dtype=torch.float32)
-    teacher_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
-    any_teacher = False
-    for row, s in enumerate(samples_B):
-        n = len(s.token_ids)
-        token_ids_BT[row, :n] = torch.tensor(list(s.token_ids), dtype=torch.int64)
-        mask_BT[row, :n] = torch.tensor(list(s.loss_mask), dtype=torch.bool)
-        rollout_BT[row, :n] = torch.tensor(list(s.rollout_logprobs), dtype=torch.float32)
-        if len(s.teacher_logprobs):
-            any_teacher = True
-            teacher_BT[row, :n] = torch.tensor(list(s.teacher_logprobs), dtype=torch.float32)
-            tm = list(s.teacher_mask) or [1] * n
-            teacher_mask_BT[row, :n] = torch.tensor(tm, dtype=torch.bool) & mask_BT[row, :n]
+def advantage_inputs(batch: Any, rows_N: Tensor | None = None,
+                     group_index_N: Tensor | None = None) -> AdvantageInputs:
+    """AdvantageInputs of rows `rows_N` (None = all) of a `TrainBatch`, every field filled.
+
+    `group_index_N` renumbers the rows' groups (None = the batch's). Inputs a Sample may lack
+    are NaN off their mask, which the estimators read as absent: `wrong_hint_logprobs_BT` (off
+    `wrong_hint_mask_BT`) and `step_rewards_BT` (off `step_mask_BT`).
+    """
+    rows = slice(None) if rows_N is None else rows_N
+    nan = torch.tensor(float("nan"))
     return AdvantageInputs(
-        rewards_B=torch.tensor([s.reward for s in samples_B], dtype=torch.float64),
-        group_index_B=group_index_B,
-        teacher_logprobs_BT=teacher_BT if any_teacher else None,
-        rollout_logprobs_BT=rollout_BT,
-        teacher_mask_BT=teacher_mask_BT if any_teacher else None,
-        token_ids_BT=token_ids_BT,
-        loss_mask_BT=mask_BT,
-        turn_index_B=torch.tensor([s.turn_index for s in samples_B], dtype=torch.int64),
+        rewards_B=batch.rewards_B[rows].double(),
+        group_index_B=batch.group_index_B[rows] if group_index_N is None else group_index_N,
+        teacher_logprobs_BT=batch.teacher_logprobs_BT[rows],
+        rollout_logprobs_BT=batch.old_logprobs_BT[rows],
+        teacher_mask_BT=batch.teacher_mask_BT[rows],
+        token_ids_BT=batch.input_ids_BT[rows],
+        loss_mask_BT=batch.loss_mask_BT[rows],
+        turn_index_B=batch.turn_index_B[rows],
+        step_rewards_BT=torch.where(batch.step_mask_BT[rows], batch.step_rewards_BT[rows], nan),
+        wrong_hint_logprobs_BT=torch.where(batch.wrong_hint_mask_BT[rows],
+                                           batch.wrong_hint_logprobs_BT[rows], nan),
     )
-
-
-def zero_variance_groups(rewards_B: Tensor, group_index_B: Tensor, floor: float) -> Tensor:
-    """(B,) bool: samples whose group has reward std below `floor` (or a single member)."""
-    out = torch.zeros(rewards_B.shape[0], dtype=torch.bool)
-    for g in torch.unique(group_index_B).tolist():
-        idx = (group_index_B == g).nonzero(as_tuple=True)[0]
-        r = rewards_B[idx].double()
-        out[idx] = idx.numel() < 2 or float(r.std()) < floor
-    return out
 
 
 def token_advantages(batch_mask_BT: Tensor, out: AdvantageOutputs) -> Tensor | None:
@@ -206,11 +209,7 @@ def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, 
         if algo.needs_entropy_pass else None
     advantages_BT = batch.advantages_BT
     if algo.late_advantage:
-        inputs = AdvantageInputs(
-            rewards_B=batch.rewards_B.double(), group_index_B=batch.group_index_B,
-            rollout_logprobs_BT=batch.old_logprobs_BT, token_ids_BT=batch.input_ids_BT,
-            loss_mask_BT=batch.loss_mask_BT, entropy_BT=entropy_BT,
-        )
+        inputs = dataclasses.replace(advantage_inputs(batch), entropy_BT=entropy_BT)
         adv_cfg = AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k,
                                   params=algo.params.get(algo.advantage, {}))
         out = ADVANTAGES[algo.advantage](inputs, adv_cfg)
@@ -269,53 +268,96 @@ TOPK = 8
 """Candidates per position in `student_topk` (SimKO reads its first `top_k`, Lp-Reg all)."""
 
 
-def student_topk(model: Any, mb: Any, cfg: Any) -> Tensor | None:
-    """(B, T, K) log-probabilities of the K most likely next tokens at every position, with
-    grad, at each row's temperature (position t: the distribution token t was drawn from; 0 at
-    t = 0 and off the loss mask). None unless a selected regularizer declares
-    `student_topk_logprobs_BTK`.
+@dataclass(frozen=True)
+class StudentTopK:
+    """What the full-vocabulary pass (`student_topk`) gives the regularizer terms.
+
+    Shapes: (B, T, K); position t is the distribution token t was drawn from, at the row's
+    temperature; every position off the loss mask holds 0 (own top-k) or TOPK_ABSENT.
+    """
+
+    topk_BTK: Tensor | None = None
+    """(B, T, TOPK) the student's own most likely logprobs, descending, with grad; None unless
+    a selected term declares `student_topk_logprobs_BTK`."""
+    at_teacher_BTK: Tensor | None = None
+    """(B, T, K) the student's logprobs at the teacher's top-k ids (`teacher_topk_ids_BTK`),
+    with grad; TOPK_ABSENT on slots without a teacher entry or with an id outside the student's
+    vocabulary. None unless a selected term declares `student_logprobs_at_teacher_topk_BTK`."""
+    teacher_BTK: Tensor | None = None
+    """(B, T, K) the batch's teacher top-k logprobs with the same slots set to TOPK_ABSENT, so
+    both sides bin the same tokens."""
+
+
+def student_topk(model: Any, mb: Any, cfg: Any) -> StudentTopK | None:
+    """The student's top-k and its logprobs at the teacher's top-k ids, from one forward with
+    grad at each row's temperature. None unless a selected regularizer declares
+    `student_topk_logprobs_BTK` or `student_logprobs_at_teacher_topk_BTK`.
+
+    Position t reads the logits at t - 1 (the distribution token t was drawn from), so the
+    gather at t uses `mb.teacher_topk_ids_BTK[:, t]`, the ids the teacher scored for token t.
 
     A plain full-vocabulary forward (logits (B, T, V) with grad): memory grows with V, so it is
-    only run for the parts that need it (SimKO, Lp-Reg).
+    only run for the parts that need it (SimKO, Lp-Reg, distill_topk).
     """
-    if not cfg.algo.needs_topk:
+    from flywheel.trainer.batch import TOPK_ABSENT  # noqa: PLC0415
+
+    algo: AlgoConfig = cfg.algo
+    if not (algo.needs_topk or algo.needs_teacher_topk):
         return None
     logits_BTV = model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits
     logits_BTV = logits_BTV[:, :-1].float() / mb.temperature_B.float()[:, None, None]
-    top_BTK = torch.log_softmax(logits_BTV, dim=-1).topk(TOPK, dim=-1).values
-    top_BTK = torch.nn.functional.pad(top_BTK, (0, 0, 1, 0))
-    return torch.where(mb.loss_mask_BT.bool()[..., None], top_BTK, torch.zeros_like(top_BTK))
+    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+    mask_BT1 = mb.loss_mask_BT.bool()[..., None]
+    out = StudentTopK()
+    if algo.needs_topk:
+        top_BTK = torch.nn.functional.pad(logp_BTV.topk(TOPK, dim=-1).values, (0, 0, 1, 0))
+        out = dataclasses.replace(out, topk_BTK=torch.where(mask_BT1, top_BTK,
+                                                            torch.zeros_like(top_BTK)))
+    if algo.needs_teacher_topk:
+        ids_BTK, teacher_BTK = mb.teacher_topk_ids_BTK, mb.teacher_topk_logprobs_BTK
+        valid_BTK = ((teacher_BTK > TOPK_ABSENT / 2) & (ids_BTK < logp_BTV.shape[-1])
+                     & mask_BT1 & mb.teacher_topk_mask_BT.bool()[..., None])
+        safe_BTK = torch.where(valid_BTK, ids_BTK, torch.zeros_like(ids_BTK))
+        at_BTK = torch.nn.functional.pad(logp_BTV.gather(2, safe_BTK[:, 1:]), (0, 0, 1, 0))
+        absent = torch.full_like(at_BTK, TOPK_ABSENT)
+        out = dataclasses.replace(out, at_teacher_BTK=torch.where(valid_BTK, at_BTK, absent),
+                                  teacher_BTK=torch.where(valid_BTK, teacher_BTK.float(), absent))
+    return out
 
 
-def token_terms(algo: AlgoConfig, lp: Any, mb: Any, topk_BTK: Tensor | None = None,
+def token_terms(algo: AlgoConfig, lp: Any, mb: Any, student: StudentTopK | None = None,
                 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """sum_k coef_k term_k (B, T) of the selected regularizers for one micro-batch, and the
     detached terms as token statistics (`reg/<name>`). None when none is selected.
 
-    `lp` is the step's `TokenLogprobs` (logprobs with grad, detached entropy); `topk_BTK` the
-    `student_topk` output when a selected term declared it.
+    `lp` is the step's `TokenLogprobs` (logprobs with grad, detached entropy); `student` the
+    `student_topk` output when a selected term declared one of its inputs.
 
     KL estimators take the rollout logprobs as the reference policy; distillation terms read
-    the micro-batch's teacher logprobs and are 0 where it has none.
+    the micro-batch's teacher logprobs (top-k: its teacher top-k) and are 0 where it has none.
     """
     if not algo.regularizers:
         return None, {}
     from flywheel.trainer.algorithms.regularizers import apply_term  # noqa: PLC0415
 
-    teacher_mask_BT = getattr(mb, "teacher_mask_BT", None)
+    student = student or StudentTopK()
     ctx = TokenContext(
         advantages_BT=mb.advantages_BT, loss_mask_BT=mb.loss_mask_BT,
         old_logprobs_BT=mb.old_logprobs_BT, rewards_B=mb.rewards_B,
         group_index_B=mb.group_index_B, logprobs_BT=lp.logprobs_BT,
         entropy_BT=lp.entropy_BT.detach(), token_ids_BT=mb.input_ids_BT,
-        teacher_logprobs_BT=getattr(mb, "teacher_logprobs_BT", None), topk_logprobs_BTK=topk_BTK,
+        teacher_logprobs_BT=mb.teacher_logprobs_BT, topk_logprobs_BTK=student.topk_BTK,
+        teacher_topk_logprobs_BTK=student.teacher_BTK,
+        student_at_teacher_topk_BTK=student.at_teacher_BTK,
     )
     total_BT: Tensor | None = None
     stats: dict[str, Tensor] = {}
     for name, coef in algo.regularizers:
         term_BT = apply_term(name, ctx, algo.params.get(name))
-        if name.startswith("distill_") and teacher_mask_BT is not None:
-            term_BT = masked(term_BT, teacher_mask_BT)
+        if name == "distill_topk":
+            term_BT = masked(term_BT, mb.teacher_topk_mask_BT)
+        elif name.startswith("distill_"):
+            term_BT = masked(term_BT, mb.teacher_mask_BT)
         stats[f"reg/{name}"] = term_BT.detach()
         total_BT = coef * term_BT if total_BT is None else total_BT + coef * term_BT
     return total_BT, stats

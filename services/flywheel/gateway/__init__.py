@@ -17,8 +17,10 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
   and the template tokens between turns; `loss_mask` 1 on every sampled token; `messages` the
   whole conversation; `rewards` = what was posted to `/reward` plus the finish `reward` as
   `rewards["outcome"]`.
-- Live mode: one Sample per main assistant turn, published when its next state arrives (the
-  session's next main request, or its finish):
+- Live mode: one Sample per main assistant turn, published when its next state arrives (a
+  later main request whose history extends the turn's, or the session's finish; parallel
+  requests on one history are branches, each turn its own Sample, see branches.py; an idle
+  session is finished by the gateway after `gateway.session_idle_finish_s`, see sweep.py):
     token_ids        exact prompt ids of the turn (earlier turns' sampled ids as sampled) +
                      the turn's sampled ids, EOS included; prompt_length = len(prompt ids)
     loss_mask        1 only on the turn's sampled ids
@@ -28,8 +30,8 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
     next_state       role + content_json of what followed: the first following message's role;
                      its content, or the text contents of all following messages joined by a
                      blank line; extra_json = its other fields (tool_call_id) and, when several
-                     followed, all of them as "messages". Absent when the session finished
-                     without `next_state` in the finish body, or the turn was regenerated.
+                     followed, all of them as "messages". Absent when no later request
+                     extended the turn and the finish body had no `next_state` for it.
     turn_index       the turn's index in the session; segment_index its segment
     sample_id        uuid5 of "<session>/turn/<turn_index>[/choice/<k>]" (a re-publish dedupes)
     sampling, tools_json, task_json, finish_reason (stop | length | tool_calls | abort), group_id
@@ -38,7 +40,9 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
   session, each other choice is published at once as its own Sample (loss mask on it only).
 
 Module map: app.py (routes), turns.py (what a session turn records and publishes),
-recording.py (stitching rule, fork reasons, Samples from segments), tokenization.py (the only
+recording.py (stitching rule, fork reasons, Samples from segments), branches.py (live-mode
+branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
+tokenization.py (the only
 text -> ids), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
 completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store),
 schemas.py (request models and field policy).

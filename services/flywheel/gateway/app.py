@@ -124,6 +124,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                 "turns": record.turns, "segment_turns": seg.turns,
                 "segment_index": seg.index, "samples_published": record.samples_published,
                 "forks": record.forks, "fork_reasons": record.fork_reasons,
+                "waiting_turns": int(bool(record.pending)) + len(record.branches),
+                "finished_by": record.finished_by,
                 "token_ids": seg.token_ids, "loss_mask": seg.loss_mask}
 
     @app.post("/v1/sessions/{session_id}/finish")

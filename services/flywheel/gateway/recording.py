@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter
@@ -162,6 +163,7 @@ def record_generation(
     seg.turns += 1
     seg.finish_reason = _finish(gen.finish_type, reply)
     seg.ended_with_eos = gen.matched_eos
+    seg.mark_turn()
     set_sampling(seg, sampling)
 
 
@@ -205,25 +207,29 @@ def candidate_segment(seg: Segment, c: Candidate) -> Segment:
     return out
 
 
-def next_state(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]
-               ) -> list[dict[str, Any]]:
-    """The messages that followed the recorded assistant turn, as the new request shows them.
+def continues_chat(messages: list[dict[str, Any]]) -> Callable[[Segment, int], bool]:
+    """Whether a chat request's `messages` extend a segment's conversation as it was right
+    after its turn `k` (`branches.Continues`)."""
 
-    When the request extends the recorded conversation they are exactly the new messages; when
-    the client rewrote history they are the trailing run of non-assistant, non-system messages
-    (the newest user reply or tool output). Empty when nothing followed (a regenerated turn).
-    """
-    if extends(recorded, messages):
-        return messages[len(recorded):]
-    if len(messages) == len(recorded) - 1 and all(
-            _same_message(r, m) for r, m in zip(recorded, messages, strict=False)):
-        return []  # the same request again: nothing followed the turn
-    trailing: list[dict[str, Any]] = []
-    for m in reversed(messages):
-        if m["role"] in ("assistant", "system"):
+    def check(seg: Segment, k: int) -> bool:
+        return extends(seg.messages[:seg.checkpoints[k].messages], messages)
+
+    return check
+
+
+def rewrite_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]
+                   ) -> str | None:
+    """Why `messages` rewrite the `recorded` conversation (a `FORK_REASONS` entry), or None
+    when they only leave it: after the messages both share, the request adds no assistant
+    message (a parallel request on the same history, a regenerated turn, a new conversation)."""
+    shared = 0
+    for r, m in zip(recorded, messages, strict=False):
+        if not _same_message(r, m):
             break
-        trailing.append(m)
-    return trailing[::-1]
+        shared += 1
+    if not any(m.get("role") == "assistant" for m in messages[shared:]):
+        return None
+    return fork_reason(recorded, messages)
 
 
 def next_state_message(following: list[dict[str, Any]]) -> sample_pb2.Message | None:

@@ -22,6 +22,16 @@ from redis.lock import Lock
 from flywheel.core.errors import ConflictError, NotFoundError
 
 
+class Checkpoint(BaseModel):
+    """The segment's extent right after one of its turns (a later request may continue there)."""
+
+    messages: int
+    tokens: int
+    text: int = -1
+    """Length of `Segment.text` (raw completions with a text prompt); -1 = not text."""
+    ended_with_eos: bool = False
+
+
 class Segment(BaseModel):
     """Token-faithful record of consecutive turns. Per-token lists all have the same length."""
 
@@ -44,6 +54,8 @@ class Segment(BaseModel):
     """Raw completions: the recorded prompt text + completion texts (the extension check)."""
     turn_start: int = 0
     """Offset of the last turn's first sampled token (live mode masks everything before it)."""
+    checkpoints: list[Checkpoint] = Field(default_factory=list)
+    """One per turn, in order: where the segment ended right after that turn."""
 
     def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
                versions: list[int] | None = None) -> None:
@@ -61,6 +73,28 @@ class Segment(BaseModel):
     def sampled_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    def mark_turn(self) -> None:
+        """Record a checkpoint at the current end (call right after a turn is appended)."""
+        self.checkpoints.append(Checkpoint(messages=len(self.messages),
+                                           tokens=len(self.token_ids),
+                                           text=len(self.text) if self.text else -1,
+                                           ended_with_eos=self.ended_with_eos))
+
+    def upto(self, k: int) -> Segment:
+        """A copy of this segment cut right after its turn `k` (0-based): the ids, masks,
+        messages and text exactly as they were recorded then, the turn's later tokens dropped."""
+        cp = self.checkpoints[k]
+        out = self.model_copy(deep=True)
+        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
+            setattr(out, name, getattr(out, name)[:cp.tokens])
+        out.messages = out.messages[:cp.messages]
+        out.text = out.text[:cp.text] if cp.text >= 0 else ""
+        out.ended_with_eos = cp.ended_with_eos
+        out.turns = k + 1
+        out.checkpoints = out.checkpoints[:k + 1]
+        out.turn_start = min(out.turn_start, cp.tokens)
+        return out
+
 
 class Candidate(BaseModel):
     """One choice of an n > 1 turn, not yet part of the segment (the client picks one)."""
@@ -72,6 +106,16 @@ class Candidate(BaseModel):
     matched_eos: bool
     message: dict[str, Any]
     """The assistant message the client got for this choice."""
+
+
+class Branch(BaseModel):
+    """Live mode: a turn that waits for its next state while the session went on elsewhere
+    (a parallel request on the same history, a regenerated or rewritten turn)."""
+
+    segment: Segment
+    """The segment as it was right after the turn (a later request may continue it)."""
+    pending: str
+    """The turn's Sample (base64 protobuf)."""
 
 
 class SessionRecord(BaseModel):
@@ -104,6 +148,10 @@ class SessionRecord(BaseModel):
     """Live mode: the last turn's Sample (base64 protobuf) waiting for its next state."""
     candidates: list[Candidate] = Field(default_factory=list)
     """n > 1 in a session: the choices of the last turn until the client sends one back."""
+    branches: list[Branch] = Field(default_factory=list)
+    """Live mode: other turns waiting for their next state, oldest first (see branches.py)."""
+    finished_by: str = ""
+    """Who finished the session: "client" (a finish request) or "idle" (the gateway's sweep)."""
 
 
 LOCK_LEASE_S = 15.0

@@ -4,9 +4,12 @@ Episode mode: the segment is one Sample, published when the session finishes (or
 request forks history, DESIGN.md section 5).
 
 Live mode (DESIGN.md section 7): every assistant turn is one Sample, published when its next
-state arrives: the next main request of the session (its messages after the turn: the user's
-reply, tool output) or the session's finish (with the optional `next_state` of the finish
-body). The Sample of a live turn:
+state arrives: a later main request of the session whose history extends the turn's recorded
+history (its messages after the turn: the user's reply, tool output), or the session's finish
+(with the optional `next_state` of the finish body, for the latest turn). Parallel requests on
+the same history, regenerated and rewritten turns are branches (branches.py): each turn waits
+for a request that extends it; those still waiting at finish are published without a next
+state. An idle session is finished by the gateway (sweep.py). The Sample of a live turn:
 
 - `token_ids`: the exact prompt ids the engine got for the turn (earlier turns' sampled ids
   included as sampled, never re-tokenized) followed by the turn's sampled ids (with the sampled
@@ -16,7 +19,7 @@ body). The Sample of a live turn:
 - `messages`: the request's messages + the assistant reply as the client got it (the last
   message is the judged turn); `tools_json`, `sampling`, `finish_reason` of the turn;
 - `next_state`: role + content of what followed (`recording.next_state_message`; absent when
-  the session finished without one or the turn was regenerated);
+  no request extended the turn before the session finished);
 - `turn_index`: the turn's index in the session (0, 1, ...), `segment_index` its segment;
   `sample_id` = uuid5(session/turn/<turn_index>[/choice/<k>]), so a re-publish is a duplicate;
 - `rewards`: whatever was posted to `/v1/sessions/<id>/reward` while the turn was pending.
@@ -50,6 +53,7 @@ from redis.lock import Lock
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
 from flywheel.core.errors import ConflictError, InvalidRequestError, UpstreamError
+from flywheel.gateway import branches
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import (
@@ -59,10 +63,11 @@ from flywheel.gateway.recording import (
     candidate,
     candidate_segment,
     chosen_candidate,
-    next_state,
+    continues_chat,
     next_state_message,
     prepare_prompt,
     record_generation,
+    rewrite_reason,
     set_sampling,
 )
 from flywheel.gateway.schemas import ChatCompletionRequest
@@ -173,11 +178,16 @@ def _store_pending(record: SessionRecord, sample: sample_pb2.Sample) -> None:
     record.pending = base64.b64encode(encode_sample(sample)).decode()
 
 
+def _decode(pending: str) -> sample_pb2.Sample:
+    sample = sample_pb2.Sample()
+    sample.ParseFromString(base64.b64decode(pending))
+    return sample
+
+
 def _take_pending(record: SessionRecord) -> sample_pb2.Sample | None:
     if not record.pending:
         return None
-    sample = sample_pb2.Sample()
-    sample.ParseFromString(base64.b64decode(record.pending))
+    sample = _decode(record.pending)
     record.pending = ""
     return sample
 
@@ -214,11 +224,11 @@ def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | 
     return out
 
 
-def _emit_pending(record: SessionRecord, following: list[dict[str, Any]]
-                  ) -> list[sample_pb2.Sample]:
-    sample = _take_pending(record)
-    if sample is None:
-        return []
+def emit_turn(record: SessionRecord, pending: str, following: list[dict[str, Any]]
+              ) -> list[sample_pb2.Sample]:
+    """The Sample of a waiting live turn with the messages that followed it as `next_state`
+    (none: counted in `NO_NEXT_STATE` and logged)."""
+    sample = _decode(pending)
     message = next_state_message(following)
     if message is None:
         NO_NEXT_STATE.inc()
@@ -227,6 +237,18 @@ def _emit_pending(record: SessionRecord, following: list[dict[str, Any]]
     else:
         sample.next_state.CopyFrom(message)
     return [sample]
+
+
+def _select_chat_branch(record: SessionRecord, messages: list[dict[str, Any]]
+                        ) -> list[sample_pb2.Sample]:
+    """Live mode: continue the branch the request extends (branches.py)."""
+    latest = list(record.segment.messages)
+
+    def emit(pending: str, tip: Segment | None) -> list[sample_pb2.Sample]:
+        return emit_turn(record, pending, [] if tip is None else messages[len(tip.messages):])
+
+    return branches.select(record, continues_chat(messages), emit,
+                           rewrite=lambda: rewrite_reason(latest, messages))
 
 
 async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: str,
@@ -257,7 +279,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
             raise ConflictError(f"session {session_id} is finished; create a new session")
         out = _resolve_candidates(record, messages)
         if record.mode == "live":
-            out += _emit_pending(record, next_state(record.segment.messages, messages))
+            out += _select_chat_branch(record, messages)
         prompt, closed = await asyncio.to_thread(
             prepare_prompt, record, d.renderer, messages, body.tools)
         check_context(d, prompt, sampling)
@@ -311,10 +333,16 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
             raise ConflictError(f"session {session_id} is already finished (by a finish with a "
                                 "different reward or following messages)")
         record.status = "finished"
+        record.finished_by = "client"
         record.finish_request = digest
         out = _resolve_candidates(record, None)
         if record.mode == "live":
-            out += _emit_pending(record, following or [])
+            if record.pending:
+                out += emit_turn(record, record.pending, following or [])
+                record.pending = ""
+            for branch in record.branches:  # the latest turn's next state is not theirs
+                out += emit_turn(record, branch.pending, [])
+            record.branches = []
         elif record.segment.sampled_tokens:
             out.append(build_sample(record, record.segment))
         rewards = dict(record.rewards)

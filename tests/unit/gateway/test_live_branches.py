@@ -1,0 +1,141 @@
+"""Live mode with parallel requests in one session (a harness firing sub-calls on the same
+history): every request's turn is its own Sample, and a turn's next state comes only from a
+later request whose history extends that turn (scripted fake engine, real Redis and tokenizer).
+"""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.settings import GatewaySettings
+from flywheel.core.streams import FIELD, StreamProducer
+from flywheel.gateway.app import GatewayDeps, create_app
+from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.tokenization import ChatRenderer
+
+from .test_live import ScriptEngine
+
+U1 = {"role": "user", "content": "Plan a trip to France."}
+UA = {"role": "user", "content": "Sub-task A: pick a city."}
+UB = {"role": "user", "content": "Sub-task B: pick a month."}
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm2_dir):
+    return ChatRenderer(smollm2_dir)
+
+
+@pytest.fixture
+def env(redis_client, prefix, renderer):
+    engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "May.", "Nice.", "June."])
+    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
+                       sessions=SessionStore(redis_client, prefix, 3600),
+                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
+
+    def samples():
+        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
+
+    return TestClient(create_app(deps)), engine, samples
+
+
+def _post(client, sid, messages):
+    resp = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
+                       json={"model": "m", "messages": messages})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]
+
+
+def _out(engine, text):
+    return engine.renderer.encode(text) + [2]
+
+
+def _reply(sample):
+    return json.loads(sample.messages[-1].content_json)
+
+
+def _check_own_turn(engine, sample, call, text):
+    """The Sample is the engine call's exact prompt + its sampled ids, trainable only there."""
+    prompt, out = engine.calls[call][0], _out(engine, text)
+    assert list(sample.token_ids) == prompt + out
+    assert list(sample.loss_mask) == [0] * len(prompt) + [1] * len(out)
+    assert sample.prompt_length == len(prompt) and _reply(sample) == text
+
+
+def test_sibling_requests_are_branches_with_their_own_next_states(env):
+    client, engine, samples = env
+    sid = "fan-out"
+    r0 = _post(client, sid, [U1])                            # call 0: "Paris."
+    ra = _post(client, sid, [U1, r0, UA])                    # call 1: "Lyon."
+    (turn0,) = samples()
+    assert json.loads(turn0.next_state.content_json) == UA["content"]
+    rb = _post(client, sid, [U1, r0, UB])                    # call 2: "May." (a sibling of A)
+    assert len(samples()) == 1  # A's turn still waits: B's request does not follow it
+    prompt0, out0 = engine.calls[0][0], _out(engine, "Paris.")
+    # B continues turn 0 exactly as sampled (no re-tokenized history).
+    assert engine.calls[2][0][:len(prompt0) + len(out0)] == prompt0 + out0
+    a2 = {"role": "user", "content": "Why Lyon?"}
+    _post(client, sid, [U1, r0, UA, ra, a2])                 # call 3: "Nice." follows A
+    turn_a = samples()[1]
+    _check_own_turn(engine, turn_a, 1, "Lyon.")
+    assert json.loads(turn_a.next_state.content_json) == a2["content"]
+    assert engine.calls[3][0][:len(engine.calls[1][0])] == engine.calls[1][0]
+    b2 = {"role": "user", "content": "Why May?"}
+    _post(client, sid, [U1, r0, UB, rb, b2])                 # call 4: "June." follows B
+    turn_b = samples()[2]
+    _check_own_turn(engine, turn_b, 2, "May.")
+    assert json.loads(turn_b.next_state.content_json) == b2["content"]
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert info["forks"] == 0 and info["fork_reasons"] == {}
+    done = client.post(f"/v1/sessions/{sid}/finish",
+                       json={"next_state": {"role": "user", "content": "Thanks!"}})
+    assert done.json()["samples_published"] == 2  # the latest turn and the other branch's
+    last, other = samples()[3:]
+    _check_own_turn(engine, last, 4, "June.")
+    assert json.loads(last.next_state.content_json) == "Thanks!"
+    _check_own_turn(engine, other, 3, "Nice.")
+    assert not other.HasField("next_state")
+    assert sorted(s.turn_index for s in samples()) == [0, 1, 2, 3, 4]
+    assert len({s.sample_id for s in samples()}) == 5
+
+
+def test_parallel_first_turns_are_two_samples_without_forks(env):
+    client, engine, samples = env
+    sid = "two-at-once"
+    ra = _post(client, sid, [UA])    # "Paris."
+    _post(client, sid, [UB])         # "Lyon."
+    assert samples() == []
+    _post(client, sid, [UA, ra, U1])
+    (turn_a,) = samples()
+    _check_own_turn(engine, turn_a, 0, "Paris.")
+    assert json.loads(turn_a.next_state.content_json) == U1["content"]
+    assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
+    client.post(f"/v1/sessions/{sid}/finish", json={})
+    by_reply = {_reply(s): s for s in samples()}
+    assert set(by_reply) == {"Paris.", "Lyon.", "May."}
+    _check_own_turn(engine, by_reply["Lyon."], 1, "Lyon.")
+    assert not by_reply["Lyon."].HasField("next_state")
+
+
+def test_concurrent_sub_calls_never_take_each_others_next_state(env):
+    client, engine, samples = env
+    sid = "concurrent"
+    r0 = _post(client, sid, [U1])
+    subs = [[U1, r0, {"role": "user", "content": f"Sub-task {k}"}] for k in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda m: _post(client, sid, m), subs))
+    client.post(f"/v1/sessions/{sid}/finish", json={})
+    published = samples()
+    assert len(published) == 5 and client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
+    requests = [[U1], *subs]
+    for sample in published:
+        recorded = [json.loads(m.content_json) for m in sample.messages]
+        if sample.HasField("next_state"):  # only turn 0: every sub-call followed it
+            assert recorded == [U1["content"], r0["content"]]
+            assert json.loads(sample.next_state.content_json) in [
+                s[-1]["content"] for s in subs]
+        else:  # each sub-call's own turn, its reply as the client got it
+            assert recorded[:-1] in [[m["content"] for m in r] for r in requests]
+            assert {"role": "assistant", "content": recorded[-1]} in replies

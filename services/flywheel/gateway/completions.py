@@ -2,10 +2,14 @@
 
 No chat template is applied: a text prompt is tokenized as it stands (no special tokens added),
 token-id prompts go to the engine unchanged. Without a session nothing is recorded (a batch of
-prompts and `n` > 1 are served). In an episode session (`/s/<id>/v1/completions`, one prompt,
-n = 1) each call is recorded into the session's segment, token-faithfully: a prompt that starts
-with the segment's recorded text (text prompts) or ids (id prompts) appends only the rest after
-the recorded ids; any other prompt starts a new segment (counted as a fork, `history_edited`).
+prompts and `n` > 1 are served). In a session (`/s/<id>/v1/completions` or `X-Session-Id`, one
+prompt, n = 1) each call is recorded into the session's segment, token-faithfully: a prompt that
+starts with the segment's recorded text (text prompts) or ids (id prompts) appends only the rest
+after the recorded ids. Episode mode: any other prompt starts a new segment (counted as a fork,
+`history_edited`). Live mode, as for chat (turns.py, branches.py): each call is one Sample,
+published when a later prompt extends its recorded text or ids (the rest of that prompt, as a
+user message, is its `next_state`) or at finish; a prompt that extends an earlier turn instead
+is a branch that continues that turn's ids.
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from flywheel._proto import sample_pb2
 from flywheel.core.errors import ConflictError, InvalidRequestError
-from flywheel.gateway import turns
+from flywheel.gateway import branches, turns
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import FORKS, build_sample, set_sampling
 from flywheel.gateway.request_rules import served_models
@@ -144,12 +150,11 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
     async with turns.locked(d.sessions, session_id) as record:
         if record.status != "open":
             raise ConflictError(f"session {session_id} is finished; create a new session")
-        if record.mode != "episode":
-            raise InvalidRequestError("raw completions are recorded in episode sessions only; "
-                                      "use chat completions in live sessions", param="prompt")
         out = []
+        if record.mode == "live":
+            out += _select_branch(d, record, prompt)
         closed = await asyncio.to_thread(_extend, d, record, prompt)
-        if closed is not None:
+        if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
         seg = record.segment
         turns.check_context(d, seg.token_ids, sampling)
@@ -159,17 +164,50 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         seg.append(gen.output_ids, sampled=True, logprobs=gen.output_logprobs,
                    versions=[gen.weight_version] * len(gen.output_ids))
         prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
-        seg.text = (prompt if isinstance(prompt, str) else "") + gen.text
+        seg.text = prompt + gen.text if isinstance(prompt, str) else ""
         seg.messages = [{"role": "user", "content": prompt_text},
                         {"role": "assistant", "content": gen.text}]
         seg.turns += 1
         seg.finish_reason = gen.finish_type
         seg.ended_with_eos = gen.matched_eos
+        seg.mark_turn()
         set_sampling(seg, sampling)
+        turn = record.turns
         record.turns += 1
+        if record.mode == "live":
+            turns.store_turn(record, seg, turn)
         n_prompt = seg.turn_start
         await asyncio.to_thread(turns.publish, d, record, out)
         return gen, n_prompt
+
+
+def _continues(prompt: str | list[int]) -> Callable[[Segment, int], bool]:
+    """Whether `prompt` starts with a segment's recorded text (text prompts) or ids (id
+    prompts) as they were right after its turn `k` (`branches.Continues`)."""
+
+    def check(seg: Segment, k: int) -> bool:
+        cp = seg.checkpoints[k]
+        if isinstance(prompt, str):
+            return cp.text > 0 and prompt.startswith(seg.text[:cp.text])
+        return len(prompt) >= cp.tokens and prompt[:cp.tokens] == seg.token_ids[:cp.tokens]
+
+    return check
+
+
+def _select_branch(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]
+                   ) -> list[sample_pb2.Sample]:
+    """Live mode: continue the branch the prompt extends; the text after a waiting turn's
+    recorded text (or ids) is that turn's next state, as a user message."""
+
+    def emit(pending: str, tip: Segment | None) -> list[sample_pb2.Sample]:
+        if tip is None:
+            return turns.emit_turn(record, pending, [])
+        rest = (prompt[len(tip.text):] if isinstance(prompt, str)
+                else d.renderer.decode(prompt[len(tip.token_ids):]))
+        return turns.emit_turn(record, pending,
+                               [{"role": "user", "content": rest}] if rest else [])
+
+    return branches.select(record, _continues(prompt), emit)
 
 
 def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]) -> Segment | None:

@@ -198,6 +198,11 @@ def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | N
     return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn)
 
 
+def store_turn(record: SessionRecord, seg: Segment, turn: int) -> None:
+    """Live mode: the segment's last turn (session turn index `turn`) waits for its next state."""
+    _store_pending(record, _turn_sample(record, seg, turn))
+
+
 def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None
                         ) -> list[sample_pb2.Sample]:
     """Settle an n > 1 turn: the chosen choice joins the segment, the others become Samples."""

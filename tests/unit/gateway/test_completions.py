@@ -105,3 +105,39 @@ def test_session_completions_extend_the_recorded_ids(env, renderer):
     assert sum(sample.loss_mask) == 2 * n and sample.prompt_length == len(p1)
     assert json.loads(sample.messages[-1].content_json) == " 8"
     assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
+
+
+def test_live_session_completions_are_one_sample_per_turn(env, renderer):
+    client, engine, samples = env
+    headers = {"X-Session-Id": "raw-live"}
+    first = client.post("/v1/completions", headers=headers, json={"prompt": "7 + 1 ="})
+    assert first.status_code == 200, first.text
+    assert client.get("/v1/sessions/raw-live").json()["mode"] == "live"
+    assert samples() == []  # turn 0 waits for its next state
+    text = "7 + 1 =" + first.json()["choices"][0]["text"] + "\n2 + 2 ="
+    second = client.post("/v1/completions", headers=headers, json={"prompt": text})
+    assert second.status_code == 200, second.text
+    (turn0,) = samples()
+    p1, n = engine.calls[0][0], len(engine.ids)
+    assert list(turn0.token_ids) == p1 + engine.ids
+    assert list(turn0.loss_mask) == [0] * len(p1) + [1] * n
+    assert list(turn0.rollout_logprobs[len(p1):]) == pytest.approx([-0.1] * n)
+    assert turn0.mode == "live" and turn0.turn_index == 0
+    assert turn0.next_state.role == "user"
+    assert json.loads(turn0.next_state.content_json) == "\n2 + 2 ="
+    # Turn 1's prompt holds turn 0's sampled ids exactly, then only the new text.
+    p2 = engine.calls[1][0]
+    assert p2 == p1 + engine.ids + renderer.encode("\n2 + 2 =")
+    # A prompt on turn 0's history again is a branch: it continues turn 0's ids as well.
+    again = "7 + 1 =" + first.json()["choices"][0]["text"] + "\n3 + 5 ="
+    client.post("/s/raw-live/v1/completions", json={"prompt": again})
+    assert engine.calls[2][0] == p1 + engine.ids + renderer.encode("\n3 + 5 =")
+    assert len(samples()) == 1  # turn 1 did not get this request as its next state
+    done = client.post("/v1/sessions/raw-live/finish", json={}).json()
+    assert done["samples_published"] == 2
+    published = samples()
+    assert sorted(s.turn_index for s in published) == [0, 1, 2]
+    for s in published[1:]:
+        assert not s.HasField("next_state") and sum(s.loss_mask) == n
+    info = client.get("/v1/sessions/raw-live").json()
+    assert info["forks"] == 0 and info["status"] == "finished"

@@ -180,7 +180,22 @@ def test_student_topk_matches_the_full_distribution_and_only_runs_when_needed():
 
 def test_recipes_exist():
     names = {p.stem for p in RECIPES}
-    assert {"grpo", "dapo", "grpo_high_entropy", "gspo", "opd_rl", "rlsd"} <= names
+    assert {"grpo", "dapo", "grpo_high_entropy", "gspo", "opd_rl", "rlsd", "rlcsd",
+            "opd_topk"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_selects_only_parts_whose_inputs_the_step_provides(recipe):
+    settings = load_settings(recipe)
+    t = settings.trainer
+    parts = [*AlgoConfig.from_settings(t).selected(), t.loss_aggregation, t.rollout_correction]
+    inputs = needs(parts)
+    assert inputs <= pipeline.STEP_INPUTS, sorted(inputs - pipeline.STEP_INPUTS)
+    # inputs that only the teacher service writes need it on (top-k: with top_k > 0)
+    if inputs & {"teacher_logprobs_BT", "wrong_hint_logprobs_BT", "teacher_topk_logprobs_BTK"}:
+        assert settings.teacher.enabled, recipe.stem
+    if "teacher_topk_logprobs_BTK" in inputs:
+        assert settings.teacher.top_k > 0, recipe.stem
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -190,9 +205,13 @@ def test_recipe_parses_builds_its_parts_and_takes_a_step(recipe):
     model = tiny_model(seed=0)
     opt = build_optimizer(model, settings.trainer)
     gs = groups()
-    for i, sample in enumerate(s for g in gs for s in g):  # teacher logprobs for OPD recipes
-        sample.teacher_logprobs.extend([0.0] * 3 + [-3.0 - 0.2 * (i % 3)] * (
-            len(sample.token_ids) - 3))
+    for i, sample in enumerate(s for g in gs for s in g):  # what the teacher service writes
+        completion = len(sample.token_ids) - 3
+        sample.teacher_logprobs.extend([0.0] * 3 + [-3.0 - 0.2 * (i % 3)] * completion)
+        sample.wrong_hint_logprobs.extend([0.0] * 3 + [-3.5 + 0.1 * (i % 2)] * completion)
+        sample.teacher_topk = 2
+        sample.teacher_topk_ids.extend([0, 0] * 3 + [5, 9] * completion)
+        sample.teacher_topk_logprobs.extend([0.0, 0.0] * 3 + [-0.7, -1.2] * completion)
     batch, _ = prepare_batch(gs, cfg)
     before = [p.detach().clone() for p in model.parameters()]
     result = train_step(model, opt, batch, cfg)

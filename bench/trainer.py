@@ -7,10 +7,15 @@
    its peak is the growth of max RSS over the inputs already allocated.
 2. Trainer tokens/s for SmolLM2-135M-Instruct on this CPU: `train_step` (AdamW, fp32 master
    weights) on fake GRPO groups, fp32 and with bf16 autocast, one warm-up step then timed steps.
+3. Micro-batch layouts on samples of very different lengths (`--spread`: completions from
+   `--completion / spread` to `--completion` tokens): padded in arrival order, padded
+   length-sorted under a token budget (`micro_batch_tokens`), and packed (`batch_layout =
+   "packed"`); padding share of the decoder positions and step seconds, ratios to padded.
 
     .venv/bin/python bench/trainer.py                     # both parts, T = 512 2048 8192
     .venv/bin/python bench/trainer.py --part logprobs --lengths 512 2048
     .venv/bin/python bench/trainer.py --part step --samples 8 --prompt 64 --completion 64
+    .venv/bin/python bench/trainer.py --part layout --samples 8 --prompt 16 --completion 256
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ VOCAB, HIDDEN = 49152, 576
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--part", choices=["all", "logprobs", "step"], default="all")
+    p.add_argument("--part", choices=["all", "logprobs", "step", "layout"], default="all")
     p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192],
                    help="scored positions T for part 1")
     p.add_argument("--chunk", type=int, default=1024, help="positions per head chunk")
@@ -36,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
     p.add_argument("--completion", type=int, default=64, help="sampled tokens per sample")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
+    p.add_argument("--spread", type=int, default=16,
+                   help="part 3: longest / shortest completion")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16_autocast"],
+                   choices=["fp32", "bf16_autocast"], help="part 2: precisions to time")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -120,12 +129,77 @@ def step_child(args: argparse.Namespace, precision: str) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def layout_child(args: argparse.Namespace, layout: str) -> dict:
+    """Step seconds and decoder padding share of one micro-batch layout on spread lengths."""
+    import torch
+
+    from flywheel.core.paths import resolve_model_path
+    from flywheel.trainer.sources import FakeSource
+    from flywheel.trainer.step import StepConfig, prepare_batch, split_micro_batches, train_step
+    from flywheel.trainer.weights import load_model
+
+    model = load_model(resolve_model_path(args.model))
+    samples = []
+    for i in range(args.samples):  # completions spread evenly from longest / spread to longest
+        shortest = max(args.completion // args.spread, 1)
+        completion = shortest + (args.completion - shortest) * i // max(args.samples - 1, 1)
+        source = FakeSource(model.config.vocab_size, 1, args.prompt, completion, seed=i)
+        samples.append(source.read(1, 0)[0].sample)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    samples = [samples[i] for i in order]  # arrival order, not sorted
+    groups = [samples[i : i + 4] for i in range(0, len(samples), 4)]
+    longest = args.prompt + args.completion
+    cfg = StepConfig(
+        micro_batch_size=4,
+        micro_batch_tokens={"padded": 0, "sorted": 4 * longest // 2, "packed": 4 * longest}[
+            layout],
+        packed=layout == "packed",
+    )
+    batch, _ = prepare_batch(groups, cfg)
+    parts = split_micro_batches(batch, cfg)
+    real = float(batch.attention_mask_BT.sum())
+    positions = real if cfg.packed else float(sum(mb.size * mb.input_ids_BT.shape[1]
+                                                  for mb in parts))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    train_step(model, optimizer, batch, cfg)  # warm-up, allocates AdamW state
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        result = train_step(model, optimizer, batch, cfg)
+        times.append(time.perf_counter() - t0)
+    return {"step_s": min(times), "tokens": real, "positions": positions,
+            "micro_batches": len(parts), "loss": result.metrics["loss/total"],
+            "skipped": result.skipped}
+
+
+def bench_layout(args: argparse.Namespace) -> None:
+    common = [f"--samples={args.samples}", f"--prompt={args.prompt}",
+              f"--completion={args.completion}", f"--repeats={args.repeats}",
+              f"--spread={args.spread}"]
+    if args.model:
+        common.append(f"--model={args.model}")
+    rows = {v: run_child(["--child", f"layout:{v}", *common])
+            for v in ("padded", "sorted", "packed")}
+    base = rows["padded"]
+    print(f"\nmicro-batch layouts, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} "
+          f"samples, prompt {args.prompt}, completions {max(args.completion // args.spread, 1)}"
+          f"..{args.completion} tokens ({base['tokens']:.0f} real), micro-batch 4, fp32")
+    print(f"{'layout':>8}{'micro-batches':>15}{'positions':>11}{'padding':>9}{'step s':>9}"
+          f"{'time ratio':>12}{'loss':>12}")
+    for name, row in rows.items():
+        assert not row["skipped"], row
+        padding = 1.0 - row["tokens"] / row["positions"]
+        print(f"{name:>8}{row['micro_batches']:>15}{row['positions']:>11.0f}{padding:>9.1%}"
+              f"{row['step_s']:>9.2f}{row['step_s'] / base['step_s']:>11.2f}x"
+              f"{row['loss']:>12.6f}")
+
+
 def bench_step(args: argparse.Namespace) -> None:
     common = [f"--samples={args.samples}", f"--prompt={args.prompt}",
               f"--completion={args.completion}", f"--repeats={args.repeats}"]
     if args.model:
         common.append(f"--model={args.model}")
-    rows = {p: run_child(["--child", f"step:{p}", *common]) for p in ("fp32", "bf16_autocast")}
+    rows = {p: run_child(["--child", f"step:{p}", *common]) for p in args.precisions}
     fp32 = rows["fp32"]
     print(f"\ntrainer step, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} samples x "
           f"{args.prompt + args.completion} tokens ({args.completion} sampled), micro-batch 4, "
@@ -135,6 +209,8 @@ def bench_step(args: argparse.Namespace) -> None:
         assert not row["skipped"], row
         print(f"{name:>14}{row['step_s']:>9.2f}{row['tokens_per_s']:>10.1f}"
               f"{row['peak_mib']:>14.0f}")
+    if "bf16_autocast" not in rows or "fp32" not in rows:
+        return
     bf16 = rows["bf16_autocast"]
     print(f"{'bf16/fp32':>14}{bf16['step_s'] / fp32['step_s']:>8.2f}x"
           f"{bf16['tokens_per_s'] / fp32['tokens_per_s']:>9.2f}x"
@@ -147,6 +223,8 @@ def main() -> None:
         kind, _, rest = args.child.partition(":")
         if kind == "step":
             print(json.dumps(step_child(args, rest)))
+        elif kind == "layout":
+            print(json.dumps(layout_child(args, rest)))
         else:
             length, chunk = (int(x) for x in rest.split(":"))
             print(json.dumps(logprob_child(kind, length, chunk)))
@@ -155,6 +233,8 @@ def main() -> None:
         bench_logprobs(args)
     if args.part in ("all", "step"):
         bench_step(args)
+    if args.part in ("all", "layout"):
+        bench_layout(args)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,16 @@ class TrainerSettings(Section):
     )
     """Module names that get LoRA adapters."""
     micro_batch_tokens: int = Field(0, ge=0)
-    """Padded tokens (rows x longest row) per forward/backward pass; 0 = only
-    `micro_batch_size` limits a micro-batch."""
+    """Tokens per forward/backward pass: padded tokens (rows x longest row) under
+    `batch_layout = "padded"`, real tokens under "packed"; 0 = only `micro_batch_size` limits
+    a micro-batch."""
+    batch_layout: Literal["padded", "packed"] = "padded"
+    """Micro-batch layout of the forward/backward pass. padded = rows right-padded to the
+    longest row (B x T positions); packed = each micro-batch's samples end to end in one
+    sequence with per-sample position ids and a block-diagonal causal mask (padding-free, same
+    loss and gradients). Packed pays when sample lengths differ a lot and samples are short
+    enough that attention (N^2 over the packed N tokens) stays small next to the MLPs; bound N
+    with `micro_batch_tokens`, which counts real tokens under packed."""
     step_tokens: int = Field(0, ge=0)
     """Tokens per optimizer step: a step starts once ready groups hold this many and takes
     groups up to it (at least one); 0 = by sample count (`groups_per_step * group_size`)."""

@@ -13,6 +13,10 @@ through the lm head, `chunk_tokens` rows at a time, in `TemperedHeadLogprob`: a 
 linear + log-softmax + gather whose backward recomputes the chunk's logits in place instead of
 keeping them. About two (chunk_tokens, V) float32 blocks exist at a time, whatever B and T are.
 
+Packing (`packed=True`, trainer `batch_layout = "packed"`): the decoder runs over the rows'
+real tokens laid end to end in one sequence (per-sample position ids, block-diagonal causal
+mask), so no padded position is computed; the outputs return in the padded (B, T) layout.
+
 Precision: the head always runs in float32 (autocast is switched off inside it and bf16 hidden
 states are upcast), so the logprobs that enter the importance ratio have the same precision
 whether or not the decoder runs under bf16 autocast. The entropy output carries a gradient, so
@@ -117,8 +121,13 @@ def selected_token_logprobs(
     temperature_B: Tensor,
     score_mask_BT: Tensor,
     chunk_tokens: int = 1024,
+    packed: bool = False,
 ) -> TokenLogprobs:
     """Logprobs of the tokens where `score_mask_BT` is set, under `model` at temperature T_b.
+
+    `packed`: the decoder runs once over the B rows' real tokens laid end to end in one row
+    of N = sum of lengths (`_packed_hidden`), instead of over B x T padded positions; the
+    results are the same (up to float rounding) and come back in the padded (B, T) layout.
 
     Args:
         model: a causal LM whose logits are `get_output_embeddings()(base_model(...) hidden)`.
@@ -127,6 +136,10 @@ def selected_token_logprobs(
         temperature_B: (B,) float sampling temperature of each row (> 0).
         score_mask_BT: (B, T) bool, positions to score; column 0 must be False (no context).
         chunk_tokens: scored positions per lm-head chunk.
+        packed: run the decoder padding-free (see above).
+
+    Raises:
+        ValueError: position 0 is scored; `packed` with a mask that is not right padding.
 
     Returns:
         `TokenLogprobs` with (B, T) tensors aligned with `input_ids_BT`.
@@ -135,13 +148,17 @@ def selected_token_logprobs(
     if bool(score_BT[:, 0].any()):
         raise ValueError("position 0 has no context and cannot be scored; mask it out")
     batch, seq = input_ids_BT.shape
-    hidden_BTH = model.base_model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
-    ).last_hidden_state
     select_BT1 = score_BT[:, 1:]  # (B, T-1): token t+1 is predicted from hidden t
-    hidden_NH = hidden_BTH[:, :-1][select_BT1]
+    if packed:
+        hidden_XH, source_BT = _packed_hidden(model, input_ids_BT, attention_mask_BT)
+        hidden_NH = hidden_XH[source_BT[:, :-1][select_BT1]]
+    else:
+        hidden_XH = model.base_model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        ).last_hidden_state
+        hidden_NH = hidden_XH[:, :-1][select_BT1]
     targets_N = input_ids_BT[:, 1:][select_BT1]
-    out_dtype = torch.promote_types(hidden_BTH.dtype, torch.float32)  # float32 under autocast
+    out_dtype = torch.promote_types(hidden_XH.dtype, torch.float32)  # float32 under autocast
     temperature_N = temperature_B.to(out_dtype)[:, None].expand(batch, seq - 1)[select_BT1]
     head_weight_VH = model.get_output_embeddings().weight
 
@@ -158,12 +175,48 @@ def selected_token_logprobs(
         logprobs_BT1 = zeros_BT1.masked_scatter(select_BT1, torch.cat(logprob_chunks))
         entropy_BT1 = zeros_BT1.masked_scatter(select_BT1, torch.cat(entropy_chunks))
     else:  # nothing scored: keep the graph connected so backward still works (gives zeros)
-        logprobs_BT1 = zeros_BT1 + 0.0 * hidden_BTH[:, :-1].sum(dim=-1)
+        logprobs_BT1 = zeros_BT1 + 0.0 * hidden_XH.sum()
         entropy_BT1 = zeros_BT1
     return TokenLogprobs(
         logprobs_BT=F.pad(logprobs_BT1, (1, 0)),
         entropy_BT=F.pad(entropy_BT1, (1, 0)),
     )
+
+
+def _packed_hidden(
+    model: PreTrainedModel, input_ids_BT: Tensor, attention_mask_BT: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Decoder hidden states of the rows' real tokens packed into one sequence.
+
+    The N = sum_b L_b real tokens go in as one (1, N) row with position_ids restarting at 0 for
+    each sample and no attention mask; transformers (>= 4.53, `find_packed_sequence_indices`)
+    then builds a block-diagonal causal mask from the position restarts, so no token attends
+    across a sample boundary (sdpa, eager and flash kernels alike). Positions are 0..L_b - 1,
+    as in the padded path. Example: lengths (3, 1) -> input (a0 a1 a2 b0), positions
+    (0 1 2 0), source index of (b, t) = (0 1 2 -) / (3 - - -).
+
+    Attention cost is that of one N-token sequence (N^2 scores where the padded path has
+    B T^2), so packing pays when the decoder's per-token work (MLP, projections) dominates:
+    short-to-medium samples of very different lengths. A micro-batch token budget bounds N.
+
+    Returns:
+        (N, H) hidden states and the (B, T) int64 index of each position's row in them (only
+        meaningful where attention_mask_BT is 1).
+
+    Raises:
+        ValueError: the attention mask is not right padding (real tokens first in every row).
+    """
+    real_BT = attention_mask_BT.bool()
+    position_BT = real_BT.long().cumsum(dim=1) - 1
+    columns_BT = torch.arange(real_BT.shape[1], device=real_BT.device).expand_as(position_BT)
+    if not bool((position_BT[real_BT] == columns_BT[real_BT]).all()):
+        raise ValueError("packed logprobs need right-padded rows (real tokens first)")
+    source_BT = (real_BT.flatten().long().cumsum(dim=0) - 1).view_as(position_BT)
+    hidden_1NH = model.base_model(
+        input_ids=input_ids_BT[real_BT][None], position_ids=position_BT[real_BT][None],
+        attention_mask=None, use_cache=False,
+    ).last_hidden_state
+    return hidden_1NH[0], source_BT
 
 
 def naive_token_logprobs(

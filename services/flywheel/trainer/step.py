@@ -75,7 +75,11 @@ class StepConfig:
     micro_batch_size: int = 8
     """Samples per forward/backward pass."""
     micro_batch_tokens: int = 0
-    """Padded tokens per forward/backward pass; 0 = no token budget."""
+    """Tokens per forward/backward pass (padded: rows x longest row; packed: real tokens);
+    0 = no token budget."""
+    packed: bool = False
+    """Run the decoder padding-free: each micro-batch's samples packed into one sequence
+    (logprobs.py `_packed_hidden`); same loss and gradients as padded."""
     max_grad_norm: float = 1.0
     logprob_chunk_tokens: int = 1024
     live_advantage: str = "reward"
@@ -107,6 +111,7 @@ class StepConfig:
                                params=s.algorithm_params.get(s.policy_loss, {})),
             micro_batch_size=s.micro_batch_size,
             micro_batch_tokens=s.micro_batch_tokens,
+            packed=s.batch_layout == "packed",
             max_grad_norm=s.max_grad_norm,
             logprob_chunk_tokens=s.logprob_chunk_tokens,
             live_advantage=s.live_advantage,
@@ -186,7 +191,7 @@ def accumulate(
         raise ValueError("kl_coef > 0 needs a reference model")
     acc = Accumulated()
     device = next(model.parameters()).device
-    for mb in micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens):
+    for mb in split_micro_batches(batch, cfg):
         acc.micro_batches += 1
         if not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += 1
@@ -213,6 +218,28 @@ def accumulate(
     return acc
 
 
+def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
+    """The step's micro-batches. Padded: `batch.micro_batches` (a token budget counts rows x
+    longest row). Packed: consecutive rows, at most `micro_batch_size` of them and at most
+    `micro_batch_tokens` real tokens (0 = no budget; a longer row goes alone), since a packed
+    pass costs the sum of the lengths, whatever their order. Example: lengths (5, 30, 4, 3),
+    size 8, budget 32 -> rows (0), (1), (2, 3): 5 + 30 > 32, 30 + 4 > 32, 4 + 3 <= 32.
+    """
+    if not cfg.packed:
+        return micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens)
+    out, current, tokens = [], [], 0
+    for row, length in enumerate(batch.lengths_B.tolist()):
+        over = cfg.micro_batch_tokens > 0 and tokens + length > cfg.micro_batch_tokens
+        if current and (len(current) >= cfg.micro_batch_size or over):
+            out.append(batch.select(torch.tensor(current)))
+            current, tokens = [], 0
+        current.append(row)
+        tokens += length
+    if current:
+        out.append(batch.select(torch.tensor(current)))
+    return out
+
+
 def _logprobs(model: PreTrainedModel, mb: TrainBatch, cfg: StepConfig) -> TokenLogprobs:
     device_type = mb.input_ids_BT.device.type
     autocast = (
@@ -222,7 +249,7 @@ def _logprobs(model: PreTrainedModel, mb: TrainBatch, cfg: StepConfig) -> TokenL
     with autocast:
         return selected_token_logprobs(
             model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
-            chunk_tokens=cfg.logprob_chunk_tokens,
+            chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed,
         )
 
 

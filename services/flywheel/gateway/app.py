@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
@@ -22,7 +23,7 @@ from flywheel._proto import sample_pb2
 from flywheel.core import http_errors
 from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
 from flywheel.core.settings import GatewaySettings
-from flywheel.gateway import completions, turns
+from flywheel.gateway import completions, sweep, turns
 from flywheel.gateway.completions import CompletionRequest
 from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.engine_pool import Generation
@@ -79,7 +80,17 @@ TurnHeader = Annotated[str | None, Header(description="main (recorded, default) 
 
 
 def create_app(deps: GatewayDeps) -> FastAPI:
-    app = FastAPI(title="Flywheel gateway")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        sweeper = asyncio.create_task(sweep.run_sweeper(deps))  # idle sessions (sweep.py)
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+
+    app = FastAPI(title="Flywheel gateway", lifespan=lifespan)
     http_errors.install(app)
     app.state.deps = deps
     install_security(app, deps)  # API keys, roles, session scoping, limits

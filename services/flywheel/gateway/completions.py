@@ -25,7 +25,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from flywheel._proto import sample_pb2
-from flywheel.core.errors import ConflictError, InvalidRequestError
+from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway import branches, turns
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import FORKS, build_sample, set_sampling
@@ -149,7 +149,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
                               ) -> tuple[Generation, int]:
     async with turns.locked(d.sessions, session_id) as record:
         if record.status != "open":
-            raise ConflictError(f"session {session_id} is finished; create a new session")
+            raise turns.finished_error(record)
         out = []
         if record.mode == "live":
             out += _select_branch(d, record, prompt)

@@ -171,6 +171,8 @@ class SessionStore:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
+        self.touched_key = f"{prefix}:sessions:touched"
+        """Sorted set: open session id -> Unix time of its last save (the idle sweep's index)."""
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
@@ -187,6 +189,7 @@ class SessionStore:
                              ex=self.ttl_s, nx=True)
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
+        self.client.zadd(self.touched_key, {record.session_id: time.time()})
         return record
 
     def exists(self, session_id: str) -> bool:
@@ -200,7 +203,41 @@ class SessionStore:
         return SessionRecord.model_validate_json(raw)
 
     def save(self, record: SessionRecord) -> None:
-        self.client.set(self._key(record.session_id), record.model_dump_json(), ex=self.ttl_s)
+        """Write the record (TTL renewed) and its last-touch time (open sessions only)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self._key(record.session_id), record.model_dump_json(), ex=self.ttl_s)
+        if record.status == "open":
+            pipe.zadd(self.touched_key, {record.session_id: time.time()})
+        else:
+            pipe.zrem(self.touched_key, record.session_id)
+        pipe.execute()
+
+    def idle(self, before: float, limit: int = 100, offset: int = 0) -> list[str]:
+        """Ids of open sessions last saved before Unix time `before`, least recent first
+        (`limit` of them, after skipping `offset`)."""
+        return [raw.decode() if isinstance(raw, bytes) else raw for raw in
+                self.client.zrangebyscore(self.touched_key, "-inf", before, start=offset,
+                                          num=limit)]
+
+    def touched_at(self, session_id: str) -> float | None:
+        """Unix time of the session's last save (None: not an open session)."""
+        score = self.client.zscore(self.touched_key, session_id)
+        return None if score is None else float(score)
+
+    def forget(self, session_id: str) -> None:
+        """Drop the session from the idle index (finished, or its record is gone)."""
+        self.client.zrem(self.touched_key, session_id)
+
+    def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> Lock | None:
+        """The session's lock if it is free right now, else None (a request holds it).
+
+        Raises:
+            NotFoundError: no such session.
+        """
+        try:
+            return self.acquire(session_id, timeout_s=0, lease_s=lease_s)
+        except ConflictError:
+            return None
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
                 lease_s: float = LOCK_LEASE_S) -> Lock:

@@ -83,6 +83,12 @@ NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
 SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
                      "Side turns served in a session without being recorded")
 FORKS.labels("choice_not_sent_back")
+FINISHED = Counter("flywheel_gateway_sessions_finished_total",
+                   "Sessions finished, by who finished them (client: a finish request; idle: "
+                   "the gateway, after gateway.session_idle_finish_s without requests)",
+                   ["reason"])
+for _reason in ("client", "idle"):
+    FINISHED.labels(_reason)
 STOP_LEAKS = Counter("flywheel_gateway_stop_leaks_total",
                      "Generations refused for tokens after their matched stop string")
 TURN_TYPES = ("main", "side")
@@ -272,7 +278,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
     if turn_type == "side":
         record = await asyncio.to_thread(d.sessions.get, session_id)
         if record.status != "open":
-            raise ConflictError(f"session {session_id} is finished; create a new session")
+            raise finished_error(record)
         SIDE_TURNS.inc()
         prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
         check_context(d, prompt, sampling)
@@ -281,7 +287,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
-            raise ConflictError(f"session {session_id} is finished; create a new session")
+            raise finished_error(record)
         out = _resolve_candidates(record, messages)
         if record.mode == "live":
             out += _select_chat_branch(record, messages)
@@ -319,6 +325,16 @@ def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]) -
             "lower max_tokens", param="messages", code="context_length_exceeded")
 
 
+def finished_error(record: SessionRecord) -> ConflictError:
+    """The 409 for a request to a finished session (says when the gateway finished it)."""
+    if record.finished_by == "idle":
+        return ConflictError(
+            f"session {record.session_id} was finished by the gateway after "
+            "gateway.session_idle_finish_s without requests (what it held was published); "
+            "create a new session")
+    return ConflictError(f"session {record.session_id} is finished; create a new session")
+
+
 def finish(d: GatewayDeps, session_id: str, reward: float | None,
            following: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Finish a session and publish what it still holds (see the module docstring).
@@ -326,7 +342,8 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
     Sample published here. Finishing is idempotent: the same finish sent again (a retry after
     a lost response) gets the first answer with `"replayed": true` and publishes nothing.
-    Raises: NotFoundError; ConflictError (finished by a different finish request).
+    Raises: NotFoundError; ConflictError (finished by a different finish request, or by the
+    gateway's idle sweep).
     """
     digest = hashlib.sha256(json.dumps([reward, following or []], sort_keys=True,
                                        default=str).encode()).hexdigest()
@@ -335,30 +352,51 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
             if record.finish_request and record.finish_request == digest:
                 return {"session_id": session_id, "status": "finished",
                         "samples_published": record.finish_published, "replayed": True}
+            if record.finished_by == "idle":
+                raise finished_error(record)
             raise ConflictError(f"session {session_id} is already finished (by a finish with a "
                                 "different reward or following messages)")
-        record.status = "finished"
-        record.finished_by = "client"
         record.finish_request = digest
-        out = _resolve_candidates(record, None)
-        if record.mode == "live":
-            if record.pending:
-                out += emit_turn(record, record.pending, following or [])
-                record.pending = ""
-            for branch in record.branches:  # the latest turn's next state is not theirs
-                out += emit_turn(record, branch.pending, [])
-            record.branches = []
-        elif record.segment.sampled_tokens:
-            out.append(build_sample(record, record.segment))
-        rewards = dict(record.rewards)
-        if reward is not None:
-            rewards["outcome"] = reward
-        for sample in out:
-            for name, value in rewards.items():
-                sample.rewards[name] = value
-        publish(d, record, out)
-        published = record.finish_published = 0 if record.eval else len(out)
+        published = len(finish_record(d, record, reward, following, by="client"))
     return {"session_id": session_id, "status": "finished", "samples_published": published}
+
+
+def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
+                  following: list[dict[str, Any]] | None, by: str) -> list[sample_pb2.Sample]:
+    """Finish a locked, open session: publish what it holds (the n > 1 choices, the live
+    turns still waiting, with `following` as the latest one's next state, or the episode's
+    segment), with `reward` and the posted episode rewards; the caller saves the record.
+
+    Args:
+        by: who finishes it, "client" or "idle" (`FINISHED{reason}`).
+
+    Returns:
+        The Samples published (none for evaluation sessions).
+    """
+    record.status = "finished"
+    record.finished_by = by
+    out = _resolve_candidates(record, None)
+    if record.mode == "live":
+        if record.pending:
+            out += emit_turn(record, record.pending, following or [])
+            record.pending = ""
+        for branch in record.branches:  # the latest turn's next state is not theirs
+            out += emit_turn(record, branch.pending, [])
+        record.branches = []
+    elif record.segment.sampled_tokens:
+        out.append(build_sample(record, record.segment))
+    rewards = dict(record.rewards)
+    if reward is not None:
+        rewards["outcome"] = reward
+    for sample in out:
+        for name, value in rewards.items():
+            sample.rewards[name] = value
+    publish(d, record, out)
+    FINISHED.labels(by).inc()
+    if record.eval:
+        out = []
+    record.finish_published = len(out)
+    return out
 
 
 def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:

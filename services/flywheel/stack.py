@@ -6,26 +6,43 @@ reads the resolved settings (ports moved to free ones, the Redis URL, the model 
 `<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
 logs to `<state_dir>/logs/<service>.log`, and is stopped in reverse order (SIGTERM, then SIGKILL
 after a grace period).
+
+Two stacks started at the same instant never mix: a stack holds an exclusive lock on
+`<state_dir>/stack.lock` while it runs (a second stack on that state dir fails at once), holds
+its ports (`reserve_port`: another stack picks others) until it stops, and counts a service
+healthy only when its health endpoint answers from that service's own process (the listening
+socket belongs to the child or its descendants, read from /proc where there is one; the gateway
+also reports the stack's instance nonce, `FLYWHEEL_INSTANCE`, on `/readyz`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from flywheel.core.redis_server import LocalRedis, free_port
+from flywheel.core.errors import ConflictError
+from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
 from flywheel.core.settings import FlywheelSettings
 
 STATE_FILE = "stack.json"
 """File in the state dir that tells `flywheel demo`/`status` where a running stack listens."""
+LOCK_FILE = "stack.lock"
+"""File in the state dir a running (or starting) stack holds an exclusive lock on."""
+SERVICES = ("engine", "teacher-engine", "gateway", "reward", "teacher", "trainer")
+
+
+class StackBusyError(ConflictError):
+    """Another stack is running or starting from the same state dir."""
 
 
 @dataclass
@@ -45,6 +62,19 @@ def http_ok(url: str) -> Callable[[], bool]:
         try:
             return httpx.get(url, timeout=5).status_code == 200
         except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def instance_ok(url: str, instance: str) -> Callable[[], bool]:
+    """200 from `url` with JSON `instance` equal to this stack's nonce (not another stack's)."""
+
+    def check() -> bool:
+        try:
+            resp = httpx.get(url, timeout=5)
+            return resp.status_code == 200 and resp.json().get("instance") == instance
+        except (httpx.HTTPError, ValueError):
             return False
 
     return check
@@ -82,29 +112,44 @@ class Stack:
     services: list[Service] = field(default_factory=list)
     redis: LocalRedis | None = None
     env: dict[str, str] = field(default_factory=dict)
+    only: tuple[str, ...] = ()
+    """Start only these services (names in `SERVICES`; Redis is always started); empty = all."""
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This stack's nonce, given to every child as `FLYWHEEL_INSTANCE`."""
+    ports: list[PortReservation] = field(default_factory=list)
+    _lock_fd: int | None = None
 
     @property
     def state_dir(self) -> Path:
         return Path(self.settings.state_dir)
 
     def start(self, startup_timeout_s: float = 600.0) -> Stack:
+        """Start every service and wait for each to be healthy.
+
+        Raises:
+            StackBusyError: another stack runs or starts from the same state dir.
+            RuntimeError: a service exited during start-up. TimeoutError: one never got healthy.
+        """
         s = self.settings
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_state_dir()
         (self.state_dir / "logs").mkdir(exist_ok=True)
         # Children read exactly the resolved settings (file + environment, ports moved to free
         # ones) from one JSON file; other FLYWHEEL_<SECTION>__ variables would override it.
         self.env = {k: v for k, v in os.environ.items() if "__" not in k
                     or not k.startswith("FLYWHEEL_")}
+        self.env["FLYWHEEL_INSTANCE"] = self.instance
         if not s.redis.url:
-            self.redis = LocalRedis(self.state_dir / "redis", port=free_port(s.redis.port)).start()
+            self.redis = LocalRedis(self.state_dir / "redis", port=self._port(s.redis.port))
+            self.redis.start()
             s.redis.url = self.redis.url
             self.echo(f"redis     {self.redis.url}  (local redis-server, AOF on)")
         self._prepare_model()
         for section in ("engine", "gateway", "trainer"):
             sec = getattr(s, section)
-            sec.port = free_port(sec.port)
-        s.reward.port = free_port(s.reward.port)
-        s.reward.metrics_port = free_port(s.reward.metrics_port)
+            sec.port = self._port(sec.port)
+        s.reward.port = self._port(s.reward.port)
+        s.reward.metrics_port = self._port(s.reward.metrics_port)
         teacher_engine = self._teacher_ports()
         # Left at their defaults, the trainer's files live in this stack's state dir, so two
         # stacks with different state dirs never share (or resume from) each other's checkpoints.
@@ -125,16 +170,43 @@ class Stack:
         plan = [
             Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health")),
             *teacher_engine,
-            Service("gateway", gateway_url, "flywheel.gateway", http_ok(f"{gateway_url}/readyz")),
+            Service("gateway", gateway_url, "flywheel.gateway",
+                    instance_ok(f"{gateway_url}/readyz", self.instance)),
             Service("reward", f"grpc://{reward_target}", "flywheel.reward", grpc_ok(reward_target)),
             *self._teacher_service(),
             Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
         ]
         for service in plan:
+            if self.only and service.name not in self.only:
+                continue
             self._launch(service)
             self._wait_healthy(service, startup_timeout_s)
         self._write_state()
         return self
+
+    def _lock_state_dir(self) -> None:
+        """Hold `<state_dir>/stack.lock` until `stop` (released by the OS if this process dies).
+
+        Raises:
+            StackBusyError: another process holds it.
+        """
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StackBusyError(
+                f"a stack is already running or starting from {self.state_dir}; stop it first "
+                "or use another state_dir") from None
+        self._lock_fd = fd
+
+    def _port(self, preferred: int) -> int:
+        """`preferred` or the next port above it that no other stack holds; held until stop."""
+        reservation = reserve_port(preferred)
+        self.ports.append(reservation)
+        return reservation.port
 
     def _teacher_ports(self) -> list[Service]:
         """Free ports for the teacher (when enabled) and its own engine process, which serves a
@@ -148,9 +220,9 @@ class Stack:
         taken = {e.port, s.gateway.port, s.trainer.port, s.reward.port, s.reward.metrics_port}
 
         def pick(port: int) -> int:
-            port = free_port(port)
+            port = self._port(port)
             while port in taken:
-                port = free_port(port + 1)
+                port = self._port(port + 1)
             taken.add(port)
             return port
 
@@ -193,6 +265,7 @@ class Stack:
 
     def _wait_healthy(self, service: Service, timeout_s: float) -> None:
         start = time.monotonic()
+        port = _port_of(service.url)
         while time.monotonic() - start < timeout_s:
             assert service.proc is not None
             if service.proc.poll() is not None:
@@ -200,7 +273,9 @@ class Stack:
                 self.stop()
                 raise RuntimeError(f"{service.name} exited with {service.proc.returncode} "
                                    f"during start-up; log {service.log_path}:\n{tail}")
-            if service.health():
+            # Healthy only when the answer comes from this service's own process: another
+            # process that holds the port (another stack's) is never taken for it.
+            if service.health() and listens(service.proc.pid, port):
                 self.echo(f"{service.name:<9} {service.url}  healthy "
                           f"({time.monotonic() - start:.1f}s)")
                 return
@@ -210,7 +285,7 @@ class Stack:
 
     def _write_state(self) -> None:
         s = self.settings
-        state = {"pid": os.getpid(), "redis_url": s.redis_url(),
+        state = {"pid": os.getpid(), "instance": self.instance, "redis_url": s.redis_url(),
                  **{svc.name: svc.url for svc in self.services},
                  "metrics_path": s.trainer.metrics_path}
         (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -231,7 +306,13 @@ class Stack:
         if self.redis:
             self.redis.stop()
             self.redis = None
-        (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+        for reservation in self.ports:
+            reservation.release()
+        self.ports.clear()
+        if self._lock_fd is not None:  # the state file is this stack's only while it holds it
+            (self.state_dir / STATE_FILE).unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -262,3 +343,66 @@ def _alive(pid: object) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Socket inodes listening on TCP `port` (IPv4 and IPv6); None without /proc/net."""
+    found: set[str] | None = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        found = found or set()
+        for line in lines:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                found.add(parts[9])
+    return found
+
+
+def _family(pid: int) -> set[int]:
+    """`pid` and all its descendants (from /proc/<pid>/stat parent ids)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    family, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in family:
+            family.add(p)
+            todo += children.get(p, [])
+    return family
+
+
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` (or a descendant) holds the socket listening on TCP `port`.
+
+    True where /proc is missing (the check is then skipped: ports are still reserved).
+    """
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    targets = {f"socket:[{inode}]" for inode in inodes}
+    for p in _family(pid):
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p}/fd/{fd}") in targets:
+                    return True
+            except OSError:
+                continue
+    return False

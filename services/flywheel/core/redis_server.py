@@ -6,10 +6,14 @@ bound to 127.0.0.1, data in a directory of the caller's choosing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,6 +60,87 @@ def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
                 continue
             return sock.getsockname()[1]
     raise ConfigurationError(f"no free port in {start}..{start + 99} on {host}")
+
+
+PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "flywheel-ports"
+"""Lock files of the ports reserved by Flywheel processes on this machine (`reserve_port`)."""
+
+
+class PortReservation:
+    """A port this process holds (an exclusive `flock` on its lock file) until `release` or
+    exit: `reserve_port` in any other process on the machine skips it, so two stacks starting
+    at the same instant never pick the same port for services that have not bound it yet."""
+
+    def __init__(self, port: int, fd: int):
+        self.port = port
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the flock
+            self._fd = None
+
+    def __repr__(self) -> str:
+        return f"PortReservation({self.port}, held={self._fd is not None})"
+
+
+def _lock_dir() -> Path:
+    """The shared lock directory (sticky, world-writable), or a per-user one if it is not
+    writable (another user made it without write access for others)."""
+    for path in (PORT_LOCK_DIR, PORT_LOCK_DIR.with_name(f"{PORT_LOCK_DIR.name}-{os.getuid()}")):
+        with contextlib.suppress(OSError):
+            path.mkdir(exist_ok=True)
+            if path.stat().st_uid == os.getuid():
+                path.chmod(0o1777)
+            if os.access(path, os.W_OK | os.X_OK):
+                return path
+    raise ConfigurationError(f"cannot create a port lock directory next to {PORT_LOCK_DIR}")
+
+
+def _lock_port(port: int) -> int | None:
+    """An fd holding the exclusive lock of `port`, or None if another holder has it (another
+    process, or another reservation of this one)."""
+    path = _lock_dir() / f"{port}.lock"
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _bindable(port: int, host: str) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def reserve_port(preferred: int = 0, host: str = "127.0.0.1") -> PortReservation:
+    """`preferred`, else the next port above it (or any port when 0), that no other Flywheel
+    process has reserved and that can be bound on `host`; held until `release`.
+
+    Unlike `free_port`, the answer stays this caller's: a concurrent caller in another process
+    (or this one) gets another port. A program that is not Flywheel may still take the port
+    before the service binds it; the stack checks who listens (stack.py).
+
+    Raises:
+        ConfigurationError: no such port in `preferred`..`preferred + 99` (or in 100 tries).
+    """
+    for i in range(100):
+        port = preferred + i if preferred else free_port(0, host)
+        fd = _lock_port(port)
+        if fd is None:
+            continue
+        if _bindable(port, host):  # probed under the lock: no other reserver can race us
+            return PortReservation(port, fd)
+        os.close(fd)
+    where = f"{preferred}..{preferred + 99}" if preferred else "100 tries"
+    raise ConfigurationError(f"no free, unreserved port ({where}) on {host}")
 
 
 class LocalRedis:

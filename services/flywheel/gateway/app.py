@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -96,14 +97,17 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     install_security(app, deps)  # API keys, roles, session scoping, limits
     install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
 
+    instance = os.environ.get("FLYWHEEL_INSTANCE", "")
+    """The nonce of the stack that started this process (stack.py checks it on /readyz)."""
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "instance": instance}
 
     @app.get("/readyz")
     async def readyz(d: Deps) -> dict[str, str]:
         await asyncio.to_thread(d.sessions.client.ping)  # never block the event loop
-        return {"status": "ready"}
+        return {"status": "ready", "instance": instance}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

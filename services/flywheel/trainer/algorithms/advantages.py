@@ -132,7 +132,8 @@ def _per_group(
 def grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     """GRPO outcome advantage: A_i = (r_i - mean(r_G)) / std(r_G).
 
-    DeepSeekMath, Shao et al. 2024, arXiv:2402.03300, section 4.1.2. std is the unbiased group
+    "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models", Shao
+    et al. 2024, arXiv:2402.03300, section 4.1.2. std is the unbiased group
     std; with it |A_i| <= (n - 1) / sqrt(n) for any group of n, so a guarded std cannot blow up.
     """
     return _per_group(inputs, cfg, lambda r, mean, std: (r - mean) / std)
@@ -150,9 +151,10 @@ def dr_grpo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
 def rloo(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     """REINFORCE leave-one-out: A_i = r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) (r_i - mean).
 
-    Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free!"); Ahmadian et al. 2024,
-    arXiv:2402.14740. No std division, so a 7-vs-1 group of 0.35s and a 0.0 gives the singleton
-    exactly 0.0 - 0.35 = -0.35 (BUG-12 case A).
+    Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!" (ICLR 2019 workshop; arXiv
+    id not confirmed); Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style
+    Optimization for Learning from Human Feedback in LLMs", arXiv:2402.14740. No std division, so a
+    7-vs-1 group of 0.35s and a 0.0 gives the singleton exactly 0.0 - 0.35 = -0.35 (BUG-12 case A).
     """
 
     def leave_one_out(r: Tensor, mean: float, std: float) -> Tensor:
@@ -224,12 +226,13 @@ def opd(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
 
     The per-token reverse-KL signal of on-policy distillation (Agarwal et al. 2024, "On-Policy
     Distillation of Language Models: Learning from Self-Generated Mistakes", arXiv:2306.13649;
-    Thinking Machines "On-Policy Distillation" 2025), used as a per-token advantage with the
-    student's rollout logprob as in OpenClaw-RL's hindsight OPD. The student term is the rollout
-    logprob (the behaviour policy that sampled y_t), so the advantage is a constant w.r.t. the
-    trained weights. Tokens without a teacher logprob get exactly 0. No groups: works for
-    group-less (live) samples. Shapes: (B, T) in, `advantages_BT` (B, T) out; `advantages_B`
-    is each sample's mean over its teacher tokens (for metrics).
+    Thinking Machines "On-Policy Distillation" 2025, blog, no arXiv id), used as a per-token
+    advantage with the student's rollout logprob as in OpenClaw-RL's hindsight OPD ("OpenClaw-RL:
+    Train Any Agent Simply by Talking", arXiv:2603.10165). The student term is the rollout logprob
+    (the behaviour policy that sampled y_t), so the advantage is a constant w.r.t. the trained
+    weights. Tokens without a teacher logprob get exactly 0. No groups: works for group-less (live)
+    samples. Shapes: (B, T) in, `advantages_BT` (B, T) out; `advantages_B` is each sample's mean
+    over its teacher tokens (for metrics).
     """
     gap_BT, mask_BT = _teacher_gap(inputs)
     groups = int(torch.unique(inputs.group_index_B).numel())
@@ -243,7 +246,8 @@ def opd(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
 def opd_plus_rl(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     """OPD + RL: A_t = w_opd (log p_teacher(y_t) - log p_student(y_t)) + w_rl A_group(i).
 
-    OpenClaw-RL's combined objective: the distillation gap where a teacher token exists, plus
+    OpenClaw-RL's combined objective ("OpenClaw-RL: Train Any Agent Simply by Talking",
+    arXiv:2603.10165): the distillation gap where a teacher token exists, plus
     the sequence's group reward advantage (`cfg.rl_advantage`, default grpo) on every token.
     With w_opd = 0 it reduces to the group estimator spread over tokens; with w_rl = 0 to `opd`.
     Shapes: (B,) rewards and (B, T) teacher/rollout logprobs in, `advantages_BT` (B, T) out.

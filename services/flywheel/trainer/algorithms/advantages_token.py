@@ -80,11 +80,12 @@ def tempo(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantag
         V(u)       = mean reward of the group's responses whose sampled tokens start with u
         A_{i,t}    = A_i^GRPO + beta 1[u_{<t} branches] (V(u_{<=t}) - V(u_{<t})) / std_G(r)
 
-    u_{<t} is response i's sampled prefix before token t (the tree's node); a node branches when
-    the group's responses continue it with two or more different tokens. Off branch points the
-    two values are equal (same responses), so the TD term is exactly 0 there: credit goes only
-    to the decision tokens. TEMPO / Prefix-to-Tree (abstracts in shared/reference); beta = 1 is
-    this library's default. Groups without reward spread get exactly 0 (as GRPO).
+    u_{<t} is response i's sampled prefix before token t (the tree's node); a node branches when the
+    group's responses continue it with two or more different tokens. Off branch points the two
+    values are equal (same responses), so the TD term is exactly 0 there: credit goes only to the
+    decision tokens. TEMPO / Prefix-to-Tree: "Exploiting Tree Structure for Credit Assignment in RL
+    Training of LLMs", Tran et al. 2025, arXiv:2509.18314; beta = 1 is this library's default.
+    Groups without reward spread get exactly 0 (as GRPO).
     """
     p = resolve(TempoParams, cfg.params, "tempo")
     mask_BT = _mask(inputs, "tempo")
@@ -236,11 +237,11 @@ def miner(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantag
         A_{i,t}  = A_i f_t / mean_i(f),  f_t = (1 - p_old(y_t))^gamma     (focal credit)
         other groups: GRPO, unchanged
 
-    "Mine intrinsic mastery" (Miner, abstract in shared/reference): uncertainty as a
-    self-supervised reward on positive homogeneous prompts, focal credit amplifying uncertain
-    tokens, and calibration of intrinsic against verifiable advantages (c = scale x the mean
-    |A| of the other groups). gamma = 2 (focal loss), scale 0.5 are this library's defaults.
-    Reads rollout logprobs only.
+    "Miner: Mining Intrinsic Mastery for Data-Efficient RL in Large Reasoning Models", Jiang et al.
+    2026, arXiv:2601.04731: uncertainty as a self-supervised reward on positive homogeneous prompts,
+    focal credit amplifying uncertain tokens, and calibration of intrinsic against verifiable
+    advantages (c = scale x the mean |A| of the other groups). gamma = 2 (focal loss), scale 0.5 are
+    this library's defaults. Reads rollout logprobs only.
     """
     p = resolve(MinerParams, cfg.params, "miner")
     mask_BT = _mask(inputs, "miner")
@@ -290,10 +291,11 @@ def a3po(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
         A > 0:  A_t = A (1 + eta_+ 1[p_t < p_low])     (sharpen: credit rare correct choices)
         A < 0:  A_t = A (1 + eta_- 1[p_t > p_high])    (explore: push confident errors down)
 
-    "Adaptive and Asymmetric token-level Advantage shaping for Policy Optimization" (A3PO,
-    abstract in shared/reference). The abstract gives no numbers: eta = 0.5, p_low 0.2,
-    p_high 0.8 are this library's defaults, constant over training (the paper's adaptive
-    schedule is not reproduced: estimators do not see the step counter). eta = 0 is GRPO.
+    A3PO (Adaptive and Asymmetric token-level Advantage shaping for Policy Optimization), from
+    "Rethinking Sample Polarity in Reinforcement Learning with Verifiable Rewards", Tang et al.
+    2025, arXiv:2512.21625. The abstract gives no numbers: eta = 0.5, p_low 0.2, p_high 0.8 are this
+    library's defaults, constant over training (the paper's adaptive schedule is not reproduced:
+    estimators do not see the step counter). eta = 0 is GRPO.
     """
     p = resolve(A3POParams, cfg.params, "a3po")
     mask_BT = _mask(inputs, "a3po")
@@ -313,10 +315,12 @@ def turn_level(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Adv
 
         A_{i,k} = (r_{i,k} - mean_{G,k}(r)) / std_{G,k}(r)
 
-    where (G, k) is the set of samples of group G at turn k: each turn's Sample is compared
-    with the same turn of the other episodes of its group, as in turn-PPO / StepPO (abstracts in
-    shared/reference: the turn, not the token, is the action). Each turn's Sample carries its
-    own reward (e.g. a per-turn judge score). With one turn per episode this is exactly GRPO.
+    where (G, k) is the set of samples of group G at turn k: each turn's Sample is compared with the
+    same turn of the other episodes of its group, as in turn-PPO ("Turn-PPO: Turn-Level Advantage
+    Estimation with PPO for Improved Multi-Turn RL in Agentic LLMs", arXiv:2512.17008) and StepPO
+    ("StepPO: Step-Aligned Policy Optimization for Agentic Reinforcement Learning",
+    arXiv:2604.18401): the turn, not the token, is the action. Each turn's Sample carries its own
+    reward (e.g. a per-turn judge score). With one turn per episode this is exactly GRPO.
     """
     turn_B = _need(inputs, "turn_index_B", "turn_level").long()
     cell_B = inputs.group_index_B.long() * (int(turn_B.max()) + 1 if turn_B.numel() else 1) + turn_B
@@ -336,10 +340,15 @@ def segment(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advant
         A_{i,t}  = sum_{j: end(j) >= t} r~_{i,j}        (the normalized scores of the steps
                                                          that end at or after token t)
 
-    DeepSeekMath process supervision (arXiv:2402.03300, section 4.1.3); the segment-level
-    reward models of CAPO / SPAE / MA-RLHF score macro-steps the same way (abstracts in
-    shared/reference). `step_rewards_BT` holds each step's score on the step's last token and
-    NaN elsewhere. A group whose step scores are all equal gets exactly 0.
+    DeepSeekMath process supervision (arXiv:2402.03300, section 4.1.3); step-level credit of the
+    same shape in CAPO ("CAPO: Towards Enhancing LLM Reasoning through Verifiable Generative Credit
+    Assignment", arXiv:2508.02298), SPAE ("Step Potential Advantage Estimation: Harnessing
+    Intermediate Confidence and Correctness for Efficient Mathematical Reasoning", arXiv:2601.03823)
+    and MA-RLHF ("MA-RLHF: Reinforcement Learning from Human Feedback with Macro Actions",
+    arXiv:2410.02743). `step_rewards_BT` holds each step's score on the step's last token and NaN
+    elsewhere; in the trainer these are the reward service's "step/<k>" turn scores
+    (`samples.step_reward_positions`), and the final turn, which the step judge does not score, gets
+    no advantage from this estimator. A group whose step scores are all equal gets exactly 0.
     """
     mask_BT = _mask(inputs, "segment")
     scores_BT = _need(inputs, "step_rewards_BT", "segment").double()
@@ -399,11 +408,11 @@ def rlsd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
         w_t     = clip(exp(sign(A_i) beta d_t), w_min, w_max)  > 0
         A_{i,t} = A_i^GRPO w_t
 
-    The sign of every token's advantage is the reward's (w > 0), so the privileged teacher can
-    never flip an update direction (the leakage RLSD avoids); tokens the hinted teacher endorses
-    get more credit in correct responses, tokens it rejects more blame in wrong ones.
-    "Self-Distilled RLVR" (RLSD), Yang et al. 2026, arXiv:2604.03128. beta = 1 and [0.2, 5] are this
-    library's defaults; beta = 0 is GRPO.
+    The sign of every token's advantage is the reward's (w > 0), so the privileged teacher can never
+    flip an update direction (the leakage RLSD avoids); tokens the hinted teacher endorses get more
+    credit in correct responses, tokens it rejects more blame in wrong ones. "Self-Distilled RLVR"
+    (RLSD), Yang et al. 2026, arXiv:2604.03128. beta = 1 and [0.2, 5] are this library's defaults;
+    beta = 0 is GRPO.
     """
     p = resolve(RLSDParams, cfg.params, "rlsd")
     gap_BT, mask_BT = _gap(inputs, "rlsd")
@@ -427,10 +436,10 @@ def sdar_gate(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Adva
         g_t     = sigmoid(d_t / tau)      (detached; d_t = teacher - student logprob)
         A_{i,t} = A_i^GRPO + lambda g_t d_t
 
-    Positive gaps (teacher endorses the token) pass almost fully (g -> 1); negative ones
-    (teacher rejections) are softly attenuated (g -> 0). "Self-Distilled Agentic Reinforcement
-    Learning" (SDAR, abstract in shared/reference). lambda = 0.5, tau = 1 are this library's
-    defaults; lambda = 0 is GRPO.
+    Positive gaps (teacher endorses the token) pass almost fully (g -> 1); negative ones (teacher
+    rejections) are softly attenuated (g -> 0). "Self-Distilled Agentic Reinforcement Learning"
+    (SDAR), Lu et al. 2026, arXiv:2605.15155. lambda = 0.5, tau = 1 are this library's defaults;
+    lambda = 0 is GRPO.
     """
     p = resolve(SDARParams, cfg.params, "sdar_gate")
     gap_BT, mask_BT = _gap(inputs, "sdar_gate")

@@ -103,9 +103,9 @@ def mis(inputs: CorrectionInputs, cfg: CorrectionConfig) -> CorrectionOutputs:
     """Masked importance sampling: w_t = k_t if k_t <= C else 0 (the token is dropped).
 
     Liu, Li et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse from the
-    Training-Inference Mismatch" (blog; token-level MIS), C = 2 as for TIS. Unlike `tis`, a token
-    whose trainer probability far exceeds the rollout's is treated as a numerical outlier and
-    removed instead of being kept at weight C.
+    Training-Inference Mismatch" (blog, yingru.notion.site; no arXiv id; token-level MIS), C = 2 as
+    for TIS. Unlike `tis`, a token whose trainer probability far exceeds the rollout's is treated as
+    a numerical outlier and removed instead of being kept at weight C.
     """
     ratio_BT, mask_BT = _ratio(inputs)
     return _outputs(ratio_BT, mask_BT & (ratio_BT <= cfg.cap), ratio_BT)

@@ -93,9 +93,11 @@ def ppo_clip(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
         l_t     = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
         dual:     l_t = min(l_t, -A_t c)   where A_t < 0   (only when c > 1)
 
-    PPO: Schulman et al. 2017, arXiv:1707.06347. Clip-higher (eps_high > eps_low): DAPO, Yu et
-    al. 2025, arXiv:2503.14476. Dual clip: Ye et al. 2020, arXiv:1912.09729. Used with group
-    advantages as in GRPO (DeepSeekMath, arXiv:2402.03300).
+    PPO: "Proximal Policy Optimization Algorithms", Schulman et al. 2017, arXiv:1707.06347.
+    Clip-higher (eps_high > eps_low): "DAPO: An Open-Source LLM Reinforcement Learning System at
+    Scale", Yu et al. 2025, arXiv:2503.14476. Dual clip: "Mastering Complex Control in MOBA Games
+    with Deep Reinforcement Learning", Ye et al. 2020, arXiv:1912.09729. Used with group advantages
+    as in GRPO ("DeepSeekMath", arXiv:2402.03300).
 
     Shapes: every input and output is (B, T). Statistics: `clip/frac` (either bound active),
     `clip/frac_low`, `clip/frac_high`, `clip/frac_dual`, `ratio/mean`, `ratio/max`, `ratio/min`,
@@ -304,10 +306,11 @@ def cppo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
         D_t   = sum_{s < t, loss} |log r_s|   (detached)
         l_t   = 1[D_t <= budget] max(-A r_t, -A clip(r_t, 1 - eps_t, 1 + eps_t))
 
-    "Cumulative Prefix-divergence Policy Optimization" (CPPO, abstract in shared/reference):
-    stricter limits early (their effect persists), and no further deviation once the prefix
-    has drifted past the budget. eps 0.1 -> 0.3 and budget 1 nat are this library's defaults;
-    eps_early = eps_late = 0.2 with an infinite budget is ppo_clip.
+    CPPO (Cumulative Prefix-divergence Policy Optimization), "Beyond Uniform Token-Level Trust
+    Region in LLM Reinforcement Learning", Mao et al. 2026, arXiv:2606.10968: stricter limits early
+    (their effect persists), and no further deviation once the prefix has drifted past the budget.
+    eps 0.1 -> 0.3 and budget 1 nat are this library's defaults; eps_early = eps_late = 0.2 with an
+    infinite budget is ppo_clip.
     """
     p = resolve(CPPOParams, cfg.params, "cppo")
     mask_BT = inputs.loss_mask_BT.bool()
@@ -336,10 +339,13 @@ def prefix_ratio(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
         rho_t = sg(prod_{s < t} r_s) r_t = exp(sg(sum_{s<t} log r_s) + log r_t)
         l_t   = max(-A rho_t, -A clip(rho_t, 1 - eps_low, 1 + eps_high))
 
-    The state distribution of token t under the current policy differs from the rollout's by
-    the prefix ratio; far off-policy (stale samples) the per-token ratio alone ignores that
-    (the off-policy correction paper, abstract in shared/reference). The cumulative log ratio
-    is clamped at the log-ratio limit. With r_s = 1 on the prefix it is ppo_clip.
+    The state distribution of token t under the current policy differs from the rollout's by the
+    prefix ratio; far off-policy (stale samples) the per-token ratio alone ignores that ("A Step
+    Back: Prefix Importance Ratio Stabilizes Policy Optimization", Lei et al. 2026,
+    arXiv:2601.22718, shows the prefix ratio is the rigorous correction; its MinPRO objective, the
+    prefix's minimum token ratio instead of the product, is not what this part computes). The
+    cumulative log ratio is clamped at the log-ratio limit. With r_s = 1 on the prefix it is
+    ppo_clip.
     """
     mask_BT = inputs.loss_mask_BT.bool()
     log_ratio_BT = _token_log_ratio(inputs)
@@ -374,10 +380,11 @@ def seq_elbo_ratio(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
         l_bt    = l_b on every loss token of b (so any token-mean-per-sequence aggregation
                   gives l_b; use `seq_mean_token_mean`)
 
-    "ESPO: ELBO-based Sequence-level Policy Optimization" (abstract in shared/reference) for
-    diffusion LLMs; for an autoregressive model the ELBO is the exact log-likelihood
-    sum_t logp_t, so this is the sequence form (gradient through s_b itself) of GSPO.
-    A_b is the sequence's mean token advantage. Use GSPO-like tiny clip ranges.
+    ESPO (ELBO-based Sequence-level Policy Optimization), "Principled RL for Diffusion LLMs Emerges
+    from a Sequence-Level Perspective", Ou et al. 2025, arXiv:2512.03759, for diffusion LLMs; for an
+    autoregressive model the ELBO is the exact log-likelihood sum_t logp_t, so this is the sequence
+    form (gradient through s_b itself) of GSPO. A_b is the sequence's mean token advantage. Use
+    GSPO-like tiny clip ranges.
     """
     mask_BT = inputs.loss_mask_BT.bool()
     log_ratio_BT = _token_log_ratio(inputs)
@@ -402,7 +409,8 @@ def _masked(token_loss_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
 def token_mean(token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer) -> Tensor:
     """sum_{b,t} m_bt l_bt / N_tokens: every loss token of the step weighs the same.
 
-    DAPO's token-level loss, arXiv:2503.14476 section 3.3.
+    DAPO's token-level loss: "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    Yu et al. 2025, arXiv:2503.14476, section 3.3.
     """
     return _masked(token_loss_BT, loss_mask_BT).sum() / norm.tokens
 
@@ -411,8 +419,8 @@ def seq_mean_token_mean(
     token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer
 ) -> Tensor:
     """sum_b [sum_t m_bt l_bt / n_b] / N_sequences: each sequence's token mean, then the mean
-    over sequences (the original GRPO objective, arXiv:2402.03300 eq. 3). A sequence without
-    loss tokens contributes 0 and is not counted in N_sequences."""
+    over sequences (the original GRPO objective, "DeepSeekMath", arXiv:2402.03300, eq. 3). A
+    sequence without loss tokens contributes 0 and is not counted in N_sequences."""
     tokens_B = loss_mask_BT.sum(dim=1).clamp_min(1).to(token_loss_BT.dtype)
     per_seq_B = _masked(token_loss_BT, loss_mask_BT).sum(dim=1) / tokens_B
     return per_seq_B.sum() / norm.sequences
@@ -423,10 +431,10 @@ def constant_normalizer(
 ) -> Tensor:
     """sum_{b,t} m_bt l_bt / (k N_sequences): each trajectory's token sum over a constant k.
 
-    AsyncWebRL (abstract in shared/reference): the per-trajectory 1/|tau_i| of multi-step GRPO
-    down-weights the negative gradient of (longer) failed trajectories; a constant 1/k removes
-    that coupling. k = `norm.constant_k` (default 1024, a generation budget); k only rescales
-    the gradient relative to `seq_mean_token_sum`.
+    "AsyncWebRL: Efficient Multi-Step RL for Visual Web Agents", Bai et al. 2026, arXiv:2606.05597:
+    the per-trajectory 1/|tau_i| of multi-step GRPO down-weights the negative gradient of (longer)
+    failed trajectories; a constant 1/k removes that coupling. k = `norm.constant_k` (default 1024,
+    a generation budget); k only rescales the gradient relative to `seq_mean_token_sum`.
     """
     return _masked(token_loss_BT, loss_mask_BT).sum() / (norm.sequences * norm.constant_k)
 
@@ -436,9 +444,10 @@ def seq_mean_token_sum(
 ) -> Tensor:
     """sum_{b,t} m_bt l_bt / N_sequences: token sums averaged over sequences, no length division.
 
-    Dr. GRPO, arXiv:2503.20783 section 3.2, divides the token sum by a constant (the generation
-    budget) instead of the sequence length; that constant only rescales the gradient, which
-    AdamW's normalization absorbs, so it is left out here.
+    Dr. GRPO ("Understanding R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783,
+    section 3.2) divides the token sum by a constant (the generation budget) instead of the sequence
+    length; that constant only rescales the gradient, which AdamW's normalization absorbs, so it is
+    left out here.
     """
     return _masked(token_loss_BT, loss_mask_BT).sum() / norm.sequences
 

@@ -64,9 +64,11 @@ class NoParams:
 def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:
     """Entropy bonus as a loss term: l_t = -coef * H_t, (B, T), H_t in nats.
 
-    Minimizing it raises the policy entropy (Williams & Peng 1991; used as in PPO,
-    arXiv:1707.06347 eq. 9, c2 ~ 0.01). Only as differentiable as `entropy_BT`: the step's fused
-    head returns a detached entropy, so use `entropy_bonus_sampled` for a gradient.
+    Minimizing it raises the policy entropy (Williams & Peng 1991, "Function Optimization using
+    Connectionist Reinforcement Learning Algorithms", Connection Science, no arXiv id; used as in
+    PPO, "Proximal Policy Optimization Algorithms", arXiv:1707.06347 eq. 9, c2 ~ 0.01). Only as
+    differentiable as `entropy_BT`: the step's fused head returns a detached entropy, so use
+    `entropy_bonus_sampled` for a gradient.
     """
     return -coef * entropy_BT
 
@@ -79,8 +81,9 @@ def entropy_bonus_sampled(ctx: TokenContext, p: NoParams) -> Tensor:
 
         l_t = sg(log pi(y_t)) + sg(log pi(y_t)) (log pi(y_t) - sg(log pi(y_t)))
 
-    has E[l_t] = -H_t and E[grad l_t] = -grad H_t. PPO, Schulman et al. 2017, arXiv:1707.06347
-    eq. 9 (coefficient c2 ~ 0.01, set in `trainer.regularizers`).
+    has E[l_t] = -H_t and E[grad l_t] = -grad H_t. PPO, "Proximal Policy Optimization Algorithms",
+    Schulman et al. 2017, arXiv:1707.06347, eq. 9 (coefficient c2 ~ 0.01, set in
+    `trainer.regularizers`).
     """
     logp_BT = require(ctx, "logprobs_BT", "entropy_bonus_sampled")
     return _surrogate(logp_BT, logp_BT, logp_BT)
@@ -109,7 +112,9 @@ def distill_rkl(ctx: TokenContext, p: NoParams) -> Tensor:
         grad   sg(d_t) grad log pi(y_t)             (E = grad KL, since E_pi[grad log pi] = 0)
 
     "On-Policy Distillation of Language Models", Agarwal et al. 2024, arXiv:2306.13649; the
-    RL-style reverse-KL objective of the KL-direction study (abstract in shared/reference).
+    RL-style reverse-KL objective of the KL-direction study ("Decoupling KL and Trajectories: A
+    Unified Perspective for SFT, DAgger, Offline RL, and OPD in LLM Distillation",
+    arXiv:2605.16826).
     Zero where the teacher has no logprob (teacher_logprobs_BT 0 and mask off: mask it out).
     """
     logp_BT, d_BT = _teacher_log_ratio(ctx, "distill_rkl")
@@ -122,7 +127,8 @@ def distill_fkl(ctx: TokenContext, p: NoParams) -> Tensor:
         w_t = q(y_t) / pi(y_t);   value w_t (log q - log pi);   grad -sg(w_t) grad log pi(y_t)
 
     E_pi[w (log q - log pi)] = KL(q || pi) and E_pi[-w grad log pi] = grad KL(q || pi). The SFT-
-    style forward-KL direction of the KL-direction study (abstract in shared/reference);
+    style forward-KL direction of the KL-direction study ("Decoupling KL and Trajectories",
+    arXiv:2605.16826);
     w is clamped through the log-ratio limit.
     """
     logp_BT, d_BT = _teacher_log_ratio(ctx, "distill_fkl")
@@ -139,9 +145,10 @@ class MixedKLParams:
 def distill_mixed(ctx: TokenContext, p: MixedKLParams) -> Tensor:
     """KL mixing: lambda * forward KL + (1 - lambda) * reverse KL to the teacher, per token.
 
-    Decoupled KL directions of the distillation design-space study (abstract in
-    shared/reference); lambda = 0.5 is this library's default. lambda = 0 is `distill_rkl`,
-    lambda = 1 is `distill_fkl`.
+    KL mixing of the distillation design-space study ("Decoupling KL and Trajectories: A Unified
+    Perspective for SFT, DAgger, Offline RL, and OPD in LLM Distillation", arXiv:2605.16826, which
+    finds long sequences need substantial forward-KL weight); lambda = 0.5 is this library's
+    default. lambda = 0 is `distill_rkl`, lambda = 1 is `distill_fkl`.
     """
     return (p.forward_weight * distill_fkl(ctx, NoParams())
             + (1 - p.forward_weight) * distill_rkl(ctx, NoParams()))
@@ -172,10 +179,13 @@ def distill_topk(ctx: TokenContext, p: TopKDistillParams) -> Tensor:
         reverse:  sum_{bins} pi (log pi - log q);   forward: sum_{bins} q (log q - log pi)
 
     Exact over the K+1 bins (no sampling): with K = V it is the full KL. The teacher's top-K
-    (Sample.teacher_topk_ids / teacher_topk_logprobs) is what the teacher service stores; the
-    tail bin keeps the K-term sum a proper divergence between two distributions (OpenClaw-RL's
-    hindsight OPD with top-k, the KL-direction study; abstracts in shared/reference). Needs the
-    student's logprobs at the teacher's ids with grad: (B, T, K) each.
+    (Sample.teacher_topk_ids / teacher_topk_logprobs) is what the teacher service stores; the tail
+    bin keeps the K-term sum a proper divergence between two distributions (OpenClaw-RL's hindsight
+    OPD with top-k, "OpenClaw-RL: Train Any Agent Simply by Talking", arXiv:2603.10165; KL
+    directions as in "Decoupling KL and Trajectories", arXiv:2605.16826). Needs the student's
+    logprobs at the teacher's ids with grad: (B, T, K) each, which the step gathers from the same
+    full-vocabulary logits as the student's own top-k (`pipeline.student_topk`); absent slots hold
+    TOPK_ABSENT on both sides, so they add 0.
     """
     teacher_BTK = require(ctx, "teacher_topk_logprobs_BTK", "distill_topk").detach()
     student_BTK = require(ctx, "student_at_teacher_topk_BTK", "distill_topk")
@@ -205,10 +215,11 @@ def grsp(ctx: TokenContext, p: GRSPParams) -> Tensor:
         z_i = (n_i - mean_G(n)) / std_G(n)        n_i = loss tokens of sample i
         l_t = -A^pen_i log pi(y_t)  with  A^pen_i = -scale * z_i       (value sg(A^pen) ...)
 
-    so longer-than-group responses are pushed down and shorter ones up, relative to their
-    group. "Group Relative Segment Penalization" (GRSP, abstract in shared/reference) weights
-    penalties by reasoning segments; without segment boundaries in the Sample, each response is
-    one segment here. Groups with equal lengths (std 0) or one member give exactly 0.
+    so longer-than-group responses are pushed down and shorter ones up, relative to their group.
+    GRSP (Group Relative Segment Penalization), "Mitigating Overthinking through Reasoning Shaping",
+    Song et al. 2025, arXiv:2510.09535, weights penalties by reasoning segments; without segment
+    boundaries in the Sample, each response is one segment here. Groups with equal lengths (std 0)
+    or one member give exactly 0.
     """
     logp_BT = require(ctx, "logprobs_BT", "grsp")
     n_B = ctx.loss_mask_BT.sum(dim=1).double()

@@ -93,10 +93,10 @@ def entropy_gate(ctx: TokenContext, p: EntropyGateParams) -> WeightOutputs:
 
         tau = Quantile_{1 - f}({H_t : m_t = 1});   w_t = 1 if H_t >= tau else beta
 
-    "Entropy Gated Selective Policy Optimization" (EGSPO), 2025 (abstract in
-    shared/reference; arXiv id not given there). Both branches keep A_t, so incorrect
-    trajectories are still pushed down everywhere. The abstract gives no numbers: f = 0.2 and
-    beta = 0.1 are this library's defaults. With beta = 1 this is plain GRPO.
+    "Entropy-Gated Selective Policy Optimization: Token-Level Gradient Allocation for Hybrid
+    Training of Large Language Models" (EGSPO), Hu et al. 2026, arXiv:2602.03309. Both branches keep
+    A_t, so incorrect trajectories are still pushed down everywhere. The abstract gives no numbers:
+    f = 0.2 and beta = 0.1 are this library's defaults. With beta = 1 this is plain GRPO.
     """
     entropy_BT = require(ctx, "entropy_BT", "entropy_gate")
     tau = masked_quantile(entropy_BT, ctx.loss_mask_BT, 1.0 - p.high_frac)
@@ -166,8 +166,8 @@ def surprisal_reweight(ctx: TokenContext, p: SurprisalParams) -> WeightOutputs:
 
         w_t = 1 + lambda g  on E+,   1 - lambda g  on E-,   1 elsewhere
 
-    "STARE: Surprisal-Guided Token-Level Advantage Reweighting for Policy Entropy Stability",
-    Luo et al. 2026, arXiv:2606.19236 (code github.com/hp-luo/STARE). The abstract gives no numbers:
+    "STARE: Surprisal-Guided Token-Level Advantage Reweighting for Policy Entropy Stability", Luo et
+    al. 2026, arXiv:2606.19236 (code github.com/hp-luo/STARE). The abstract gives no numbers:
     quantile 0.2, lambda 0.5, H_target 0.5 nats are this library's defaults. lambda = 0 is GRPO.
     """
     entropy_BT = require(ctx, "entropy_BT", "surprisal_reweight")
@@ -208,9 +208,10 @@ def entropy_change(ctx: TokenContext, p: EntropyChangeParams) -> WeightOutputs:
 
         w_t = clip(1 - beta z_t, w_min, w_max)
 
-    tokens predicted to collapse entropy (c > 0) are damped, entropy-raising ones amplified.
-    STEER (abstract in shared/reference, no arXiv id there) reweights by the predicted change;
-    beta = 0.5 and [0.2, 2] are this library's defaults. beta = 0 is GRPO.
+    tokens predicted to collapse entropy (c > 0) are damped, entropy-raising ones amplified. STEER
+    ("Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective", Hao et al. 2025,
+    arXiv:2510.10150) reweights by the predicted change; beta = 0.5 and [0.2, 2] are this library's
+    defaults. beta = 0 is GRPO.
     """
     entropy_BT = require(ctx, "entropy_BT", "entropy_change")
     mask_BT = ctx.loss_mask_BT.bool()
@@ -240,10 +241,11 @@ def uncertainty_shaping(ctx: TokenContext, p: UncertaintyParams) -> WeightOutput
                 A_i (1 + alpha c_i)        if A_i < 0      (confident but wrong: more blame)
         A'_t  = A'_i - beta p_old(y_t) 1[A_i != 0]         (penalty on certain tokens)
 
-    "UnCertainty-aware Advantage Shaping" (UCAS), 2025 (abstract in shared/reference). The
-    abstract gives no numbers: alpha = 0.5, beta = 0.1 are this library's defaults; the token
-    certainty is the sampled token's rollout probability. alpha = beta = 0 is GRPO. Reads only
-    rollout logprobs: no extra model outputs.
+    UCAS (UnCertainty-aware Advantage Shaping), "Unlocking Exploration in RLVR: Uncertainty-aware
+    Advantage Shaping for Deeper Reasoning", Xie et al. 2025, arXiv:2510.10649. The abstract gives
+    no numbers: alpha = 0.5, beta = 0.1 are this library's defaults; the token certainty is the
+    sampled token's rollout probability. alpha = beta = 0 is GRPO. Reads only rollout logprobs: no
+    extra model outputs.
     """
     mask_BT = ctx.loss_mask_BT.bool()
     n_B = mask_BT.sum(dim=1).clamp_min(1)
@@ -291,8 +293,9 @@ def d3s(ctx: TokenContext, p: D3SParams) -> WeightOutputs:
         tokens:    of the kept samples' loss tokens, those with |A_t| H_t >= the
                    (1 - rho_t)-quantile are kept;  w_t in {0, 1}
 
-    "Dynamic Dual-Level Down-Sampling" (D^3S), 2025 (abstract in shared/reference). The
-    schedule starts aggressive and relaxes; the abstract gives no numbers: rho_0 = 0.5 for both
+    D^3S (Dynamic Dual-Level Down-Sampling), "Learning More with Less: A Dynamic Dual-Level
+    Down-Sampling Framework for Efficient Policy Optimization", Wang et al. 2025, arXiv:2509.22115.
+    The schedule starts aggressive and relaxes; the abstract gives no numbers: rho_0 = 0.5 for both
     levels and S = 100 steps are this library's defaults. At rho = 1 this is GRPO.
     """
     entropy_BT = require(ctx, "entropy_BT", "d3s")
@@ -335,10 +338,11 @@ def nat(ctx: TokenContext, p: NatParams) -> WeightOutputs:
               positions j <= L (1-based among loss tokens); pi_j = P(L >= j) = (n - j + 1) / n,
               w_j = keep_j / pi_j
 
-    E[w_t] = 1 for every loss token, so the token-sum gradient estimate is unbiased (NAT,
-    "Not All Tokens Are Needed", 2025, abstract in shared/reference; URS and RPC as named
-    there; pi = 0.5 matches its "as few as 50% of tokens"). Dropped tokens still need their
-    forward pass here (the saving the paper reports needs a sparse forward).
+    E[w_t] = 1 for every loss token, so the token-sum gradient estimate is unbiased (NAT, "Not All
+    Tokens Are Needed (NAT): Token Efficient Reinforcement Learning", Sang et al. 2026,
+    arXiv:2603.06619; URS and RPC as named there; pi = 0.5 matches its "as few as 50% of tokens").
+    Dropped tokens still need their forward pass here (the saving the paper reports needs a sparse
+    forward).
     """
     mask_BT = ctx.loss_mask_BT.bool()
     gen = torch.Generator().manual_seed(p.seed * 1_000_003 + ctx.step)
@@ -376,10 +380,11 @@ def prefix_focus(ctx: TokenContext, p: PrefixFocusParams) -> WeightOutputs:
 
         rho(step) = f_0 + (1 - f_0) min(step / S, 1);   w_j = 1[j <= ceil(rho n)]
 
-    with j the 1-based position among the response's n loss tokens. "Progressive Prefix-token
-    Policy Optimization" (PPPO), 2025 (abstract in shared/reference: the Beginning Lock-in
-    Effect). The abstract gives no numbers: f_0 = 0.25, S = 100 are this library's defaults.
-    At rho = 1 this is GRPO.
+    with j the 1-based position among the response's n loss tokens. PPPO (Progressive Prefix-token
+    Policy Optimization), "Well Begun, Half Done: Reinforcement Learning with Prefix Optimization
+    for LLM Reasoning", Sun et al. 2025, arXiv:2512.15274 (the Beginning Lock-in Effect). The
+    abstract gives no numbers: f_0 = 0.25, S = 100 are this library's defaults. At rho = 1 this is
+    GRPO.
     """
     ramp = min(ctx.step / p.ramp_steps, 1.0) if p.ramp_steps > 0 else 1.0
     rho = p.start_frac + (1 - p.start_frac) * ramp
@@ -403,10 +408,11 @@ def delta_logp(ctx: TokenContext, p: DeltaLogpParams) -> WeightOutputs:
 
         w_t = 1 + alpha (1 - p_old(y_t)),  then normalized to mean 1 over the loss tokens
 
-    The Delta log p direction paper (abstract in shared/reference: "a training-time
-    reweighting method that focuses learning on low-probability (higher Delta log p) tokens").
-    The abstract gives no formula; this linear form with alpha = 1 is this library's. The
-    normalization keeps the gradient scale of GRPO; alpha = 0 is GRPO.
+    "On the Direction of RLVR Updates for LLM Reasoning: Identification and Exploitation", Huang et
+    al. 2026, arXiv:2603.22117 ("a training-time reweighting method that focuses learning on
+    low-probability (higher Delta log p) tokens"). The abstract gives no formula; this linear form
+    with alpha = 1 is this library's. The normalization keeps the gradient scale of GRPO; alpha = 0
+    is GRPO.
     """
     mask_BT = ctx.loss_mask_BT.bool()
     w_BT = 1 + p.alpha * (1 - ctx.old_logprobs_BT.double().exp())
@@ -428,6 +434,9 @@ def balanced(ctx: TokenContext, p: NoParams) -> WeightOutputs:
     negative tokens weigh the same in total whatever their counts (long failed answers no longer
     dominate). Computed on the whole step batch, so gradient accumulation is exact. A step
     without negative (or positive) tokens gets weight N / (2 N_+) on the positive ones only.
+    "Balanced Aggregation: Understanding and Fixing Aggregation Bias in GRPO", Zeng et al. 2026,
+    arXiv:2605.04077; the paper combines the two subset means with sequence-count-based weights,
+    this part with equal weights (1/2 each).
     """
     mask_BT = ctx.loss_mask_BT.bool()
     n = float(mask_BT.sum())

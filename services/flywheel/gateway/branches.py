@@ -105,8 +105,8 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
         return out + emit(branch.pending, branch.segment)
     earlier = [(seg.checkpoints[k].tokens, i, k) for i, (seg, _) in enumerate(tips)
                for k in range(len(seg.checkpoints) - 1) if continues(seg, k)]
-    if not tips[0][0].checkpoints and not earlier:
-        return []  # nothing recorded yet: the request simply starts the session
+    if not earlier and not record.pending and not tips[0][0].checkpoints:
+        return []  # nothing on the latest tip: the request simply starts it
     out = _park(record, emit)
     if earlier:
         _, i, k = max(earlier)

@@ -16,7 +16,7 @@ from contextlib import contextmanager, suppress
 from typing import Any, Literal
 
 import redis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from redis.lock import Lock
 
 from flywheel.core.errors import ConflictError, NotFoundError
@@ -68,6 +68,13 @@ class Segment(BaseModel):
         if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)
                 == len(self.versions)):
             raise AssertionError("segment per-token lists diverged in length")
+
+    @model_validator(mode="after")
+    def _legacy_checkpoint(self) -> Segment:
+        """A segment stored before checkpoints existed ends right after its last turn."""
+        if self.turns and not self.checkpoints and self.token_ids:
+            self.mark_turn()
+        return self
 
     @property
     def sampled_tokens(self) -> int:

@@ -139,3 +139,17 @@ def test_concurrent_sub_calls_never_take_each_others_next_state(env):
         else:  # each sub-call's own turn, its reply as the client got it
             assert recorded[:-1] in [[m["content"] for m in r] for r in requests]
             assert {"role": "assistant", "content": recorded[-1]} in replies
+
+
+def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(env, redis_client,
+                                                                           prefix):
+    client, engine, samples = env
+    r0 = _post(client, "legacy", [U1])
+    key = f"{prefix}:session:legacy"
+    raw = json.loads(redis_client.get(key))
+    del raw["segment"]["checkpoints"]  # a record written by the previous gateway version
+    redis_client.set(key, json.dumps(raw))
+    _post(client, "legacy", [U1, r0, UA])
+    (turn0,) = samples()
+    _check_own_turn(engine, turn0, 0, "Paris.")
+    assert json.loads(turn0.next_state.content_json) == UA["content"]

@@ -138,6 +138,12 @@ class AlgoConfig:
 
     @property
     def needs_topk(self) -> bool:
+        """The step runs the full-vocabulary student pass (`student_topk`): a selected
+        regularizer reads the student's own top-k or its logprobs at the teacher's top-k ids."""
+        return self.needs_own_topk or self.needs_teacher_topk
+
+    @property
+    def needs_own_topk(self) -> bool:
         """A selected regularizer reads the student's own top-k (SimKO, Lp-Reg)."""
         return "student_topk_logprobs_BTK" in needs([n for n, _ in self.regularizers])
 
@@ -302,14 +308,14 @@ def student_topk(model: Any, mb: Any, cfg: Any) -> StudentTopK | None:
     from flywheel.trainer.batch import TOPK_ABSENT  # noqa: PLC0415
 
     algo: AlgoConfig = cfg.algo
-    if not (algo.needs_topk or algo.needs_teacher_topk):
+    if not algo.needs_topk:
         return None
     logits_BTV = model(input_ids=mb.input_ids_BT, attention_mask=mb.attention_mask_BT).logits
     logits_BTV = logits_BTV[:, :-1].float() / mb.temperature_B.float()[:, None, None]
     logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
     mask_BT1 = mb.loss_mask_BT.bool()[..., None]
     out = StudentTopK()
-    if algo.needs_topk:
+    if algo.needs_own_topk:
         top_BTK = torch.nn.functional.pad(logp_BTV.topk(TOPK, dim=-1).values, (0, 0, 1, 0))
         out = dataclasses.replace(out, topk_BTK=torch.where(mask_BT1, top_BTK,
                                                             torch.zeros_like(top_BTK)))

@@ -159,3 +159,13 @@ def test_distill_topk_gradient_accumulation_equals_one_big_batch():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
                                 if p.grad is not None]))
     assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_the_full_vocabulary_pass_runs_for_either_top_k_input():
+    # `needs_topk` (what the step checks, e.g. to refuse parts with their own forward under
+    # fsdp2) covers distill_topk too; the pass computes only what is read
+    topk = AlgoConfig(regularizers=(("distill_topk", 1.0),))
+    own = AlgoConfig(regularizers=(("lp_reg", 1.0),))
+    assert topk.needs_topk and topk.needs_teacher_topk and not topk.needs_own_topk
+    assert own.needs_topk and own.needs_own_topk and not own.needs_teacher_topk
+    assert not AlgoConfig(regularizers=(("k3", 1.0),)).needs_topk

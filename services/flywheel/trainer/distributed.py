@@ -23,6 +23,7 @@ CPU with gloo (world size 2 in tests). Backend: nccl on CUDA, gloo on CPU. Shard
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -56,12 +57,26 @@ class World:
 
     def sum_values(self, values: dict[str, float]) -> dict[str, float]:
         """Sum of each value over ranks; a key missing on a rank counts as 0 there."""
+        return self.reduce_values(values, "sum")
+
+    def reduce_values(self, values: dict[str, float], op: str) -> dict[str, float]:
+        """`op` (sum, max, min) of each value over ranks, for the union of the ranks' keys; a
+        key missing on a rank counts as the op's identity there (0, -inf, +inf)."""
         gathered: list[list[str]] = [[] for _ in range(self.size)]
         dist.all_gather_object(gathered, sorted(values))
         keys = sorted({k for rank_keys in gathered for k in rank_keys})
-        tensor = torch.tensor([values.get(k, 0.0) for k in keys], dtype=torch.float64)
-        dist.all_reduce(tensor)
+        identity = {"sum": 0.0, "max": -math.inf, "min": math.inf}[op]
+        tensor = torch.tensor([values.get(k, identity) for k in keys], dtype=torch.float64)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                     "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=reduce_op)
         return dict(zip(keys, tensor.tolist(), strict=True))
+
+    def max_int(self, value: int) -> int:
+        """The largest `value` over ranks."""
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
 
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """grad = sum over ranks of grad (a missing grad counts as zeros)."""

@@ -50,6 +50,14 @@ from flywheel.trainer.algorithms.pipeline import (
 from flywheel.trainer.algorithms.regularizers import KL_ESTIMATORS
 from flywheel.trainer.batch import TrainBatch, micro_batches
 from flywheel.trainer.distributed import World
+from flywheel.trainer.fsdp import (
+    ShardedPolicy,
+    full_value,
+    is_sharded,
+    null_pass,
+    set_gradient_sync,
+    sharded_logprobs,
+)
 from flywheel.trainer.logprobs import TokenLogprobs, selected_token_logprobs
 from flywheel.trainer.prepare import prepare_batch
 
@@ -172,17 +180,22 @@ class Accumulated:
 
 
 def accumulate(
-    model: PreTrainedModel,
+    model: PreTrainedModel | ShardedPolicy,
     batch: TrainBatch,
     cfg: StepConfig,
     norm: LossNormalizer,
     reference: PreTrainedModel | None = None,
+    world: World | None = None,
 ) -> Accumulated:
     """Forward + backward every micro-batch; grads add up to the full-batch gradient (BUG-14).
 
     A micro-batch without loss tokens contributes exactly 0 and is skipped (counted). Stops at
     the first non-finite micro-batch loss (`nonfinite`), leaving partial grads for the caller
     to discard. `reference` (frozen) is scored without grad when `cfg.kl_coef` > 0.
+
+    FSDP2 (`model` is a `ShardedPolicy`, `world` given): every rank runs as many passes as the
+    rank with the most micro-batches (`null_pass` for skipped, missing and post-non-finite
+    ones) and gradients are reduce-scattered (summed) in the last backward only (fsdp.py).
 
     Raises:
         ValueError: kl_coef > 0 without a reference model.
@@ -191,31 +204,69 @@ def accumulate(
         raise ValueError("kl_coef > 0 needs a reference model")
     acc = Accumulated()
     device = next(model.parameters()).device
-    for mb in split_micro_batches(batch, cfg):
+    parts = split_micro_batches(batch, cfg)
+    if is_sharded(model):
+        if cfg.algo.needs_topk or cfg.algo.needs_entropy_pass:
+            raise ValueError("algorithm parts with their own forward (top-k regularizers, "
+                             "entropy scoring) do not run under fsdp2")
+        return _accumulate_sharded(model, parts, cfg, norm, reference, world, acc)
+    for mb in parts:
         acc.micro_batches += 1
         if not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += 1
             continue
-        mb = mb.to(device)
-        lp = _logprobs(model, mb, cfg)
-        ref_logprobs_BT = None
-        if cfg.kl_coef > 0:
-            with torch.no_grad():
-                ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
-        terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT,
-                                     topk_BTK=student_topk(model, mb, cfg))
-        aggregate = AGGREGATIONS[cfg.aggregation]
-        loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
-        if not bool(torch.isfinite(loss)):
-            acc.nonfinite = True
+        if not _backward_micro_batch(model, mb.to(device), cfg, norm, reference, acc):
             return acc
-        loss.backward()
-        acc.loss += float(loss.detach())
-        for name, term_BT in terms_BT.items():
-            value = float(aggregate(term_BT.detach(), mb.loss_mask_BT, norm))
-            acc.terms[name] = acc.terms.get(name, 0.0) + value
-        acc.stats.add(stats, mb.loss_mask_BT)
     return acc
+
+
+def _accumulate_sharded(
+    model: ShardedPolicy, parts: list[TrainBatch], cfg: StepConfig, norm: LossNormalizer,
+    reference: PreTrainedModel | None, world: World | None, acc: Accumulated,
+) -> Accumulated:
+    device = next(model.parameters()).device
+    passes = world.max_int(len(parts)) if world is not None else len(parts)
+    for index in range(passes):
+        set_gradient_sync(model, index == passes - 1)
+        mb = parts[index] if index < len(parts) else None
+        if mb is not None:
+            acc.micro_batches += 1
+        if mb is None or acc.nonfinite or not bool(mb.loss_mask_BT.any()):
+            acc.empty_micro_batches += mb is not None and not bool(mb.loss_mask_BT.any())
+            null_pass(model)
+            continue
+        _backward_micro_batch(model, mb.to(device), cfg, norm, reference, acc)
+        if acc.nonfinite:
+            null_pass(model)  # the pass whose loss was not back-propagated
+    set_gradient_sync(model, True)
+    return acc
+
+
+def _backward_micro_batch(
+    model: PreTrainedModel | ShardedPolicy, mb: TrainBatch, cfg: StepConfig,
+    norm: LossNormalizer, reference: PreTrainedModel | None, acc: Accumulated,
+) -> bool:
+    """Loss and backward of one micro-batch into `acc`; False (and `acc.nonfinite`) when its
+    loss is not finite (then nothing is back-propagated)."""
+    lp = _logprobs(model, mb, cfg)
+    ref_logprobs_BT = None
+    if cfg.kl_coef > 0:
+        with torch.no_grad():
+            ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
+    topk_BTK = None if is_sharded(model) else student_topk(model, mb, cfg)
+    terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, topk_BTK=topk_BTK)
+    aggregate = AGGREGATIONS[cfg.aggregation]
+    loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
+    if not bool(torch.isfinite(loss)):
+        acc.nonfinite = True
+        return False
+    loss.backward()
+    acc.loss += float(loss.detach())
+    for name, term_BT in terms_BT.items():
+        value = float(aggregate(term_BT.detach(), mb.loss_mask_BT, norm))
+        acc.terms[name] = acc.terms.get(name, 0.0) + value
+    acc.stats.add(stats, mb.loss_mask_BT)
+    return True
 
 
 def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
@@ -240,14 +291,17 @@ def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
     return out
 
 
-def _logprobs(model: PreTrainedModel, mb: TrainBatch, cfg: StepConfig) -> TokenLogprobs:
+def _logprobs(
+    model: PreTrainedModel | ShardedPolicy, mb: TrainBatch, cfg: StepConfig
+) -> TokenLogprobs:
     device_type = mb.input_ids_BT.device.type
     autocast = (
         torch.autocast(device_type=device_type, dtype=torch.bfloat16)
         if cfg.bf16_autocast else contextlib.nullcontext()
     )
     with autocast:
-        return selected_token_logprobs(
+        score = sharded_logprobs if is_sharded(model) else selected_token_logprobs
+        return score(
             model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
             chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed,
         )
@@ -338,8 +392,10 @@ def train_step(
         reference: frozen reference policy for the KL term (needed when cfg.kl_coef > 0).
         scheduler: stepped after a committed optimizer step only.
         world: data-parallel ranks (distributed.py): this rank trains its rows of `batch`
-            with the whole batch's normalizer, then gradients and loss terms are summed over
-            ranks; token statistics are this rank's rows. None = one process.
+            with the whole batch's normalizer, then gradients (all-reduce, or FSDP2's
+            reduce-scatter when `model` is a `ShardedPolicy`), loss terms, micro-batch counts
+            and token statistics are reduced over ranks, so every metric is global. None =
+            one process.
     """
     t0 = time.perf_counter()
     batch, algo_metrics = batch_stage(model, optimizer, batch, cfg)
@@ -348,14 +404,12 @@ def train_step(
     if metrics["tokens/trained"] == 0:
         return _skip(optimizer, metrics, "no_loss_tokens", t0)
     norm = normalizer_for(batch.loss_mask_BT)  # the whole batch's counts, on every rank
-    acc = accumulate(model, world.shard(batch) if world else batch, cfg, norm, reference)
+    acc = accumulate(model, world.shard(batch) if world else batch, cfg, norm, reference, world)
     if world is not None:
         acc.nonfinite = world.any(acc.nonfinite)
-        if not acc.nonfinite:
+        if not acc.nonfinite and not is_sharded(model):  # FSDP2 reduce-scattered already
             world.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
-            summed = world.sum_values(acc.terms | {"__total": acc.loss})
-            acc.loss = summed.pop("__total")
-            acc.terms = summed
+        _reduce_over_ranks(acc, world)
     t1 = time.perf_counter()
     metrics |= acc.stats.result() | {f"loss/{k}": v for k, v in acc.terms.items()} | {
         "loss/total": acc.loss,
@@ -367,7 +421,7 @@ def train_step(
     if acc.nonfinite:
         return _skip(optimizer, metrics, "nonfinite_loss", t0)
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
     metrics["grad/norm"] = grad_norm
     if not math.isfinite(grad_norm):
         return _skip(optimizer, metrics, "nonfinite_grad_norm", t0)
@@ -385,6 +439,27 @@ def train_step(
         "step/skipped": 0.0,
     }
     return StepResult(metrics)
+
+
+def _reduce_over_ranks(acc: Accumulated, world: World) -> None:
+    """Loss terms, micro-batch counts and token statistics of all ranks, on every rank: sums
+    and token counts summed, `/max` and `/min` statistics reduced by max and min. Example:
+    rank 0 has 3 loss tokens with entropy sum 6.0 (max 2.5), rank 1 has 1 with 4.0 (max 4.0)
+    -> entropy/mean = (6 + 4) / (3 + 1) = 2.5 over 4 tokens, and /max 4.0."""
+    stats = acc.stats
+    sums = {f"term/{k}": v for k, v in acc.terms.items()} | {
+        f"stat/{k}": v for k, v in stats.values.items() if not k.endswith(("/max", "/min"))
+    } | {"loss": acc.loss, "tokens": float(stats.tokens), "micro": float(acc.micro_batches),
+         "empty": float(acc.empty_micro_batches)}
+    summed = world.sum_values(sums)
+    highs = world.reduce_values({k: v for k, v in stats.values.items() if k.endswith("/max")},
+                                "max")
+    lows = world.reduce_values({k: v for k, v in stats.values.items() if k.endswith("/min")},
+                               "min")
+    acc.loss, acc.micro_batches = summed.pop("loss"), int(summed.pop("micro"))
+    acc.empty_micro_batches, stats.tokens = int(summed.pop("empty")), int(summed.pop("tokens"))
+    acc.terms = {k[5:]: v for k, v in summed.items() if k.startswith("term/")}
+    stats.values = {k[5:]: v for k, v in summed.items() if k.startswith("stat/")} | highs | lows
 
 
 def _skip(

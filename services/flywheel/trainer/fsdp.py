@@ -1,0 +1,130 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) for the trainer: parameters, gradients and AdamW
+state sharded over the ranks (`trainer.distributed_strategy = "fsdp2"`).
+
+Layout: every decoder layer is its own FSDP unit; the root unit is `ShardedPolicy`, a module
+that holds the Hugging Face model and runs the whole selected-token logprob computation
+(decoder + the fused chunked head of logprobs.py) inside its forward. The head reads the lm-head
+weight directly (never the (B, T, V) logits), so it must run while the root's parameters
+(embeddings, final norm, lm head, tied or not) are unsharded: inside the root's forward. Its
+outputs carry FSDP's pre-backward hooks, so the same parameters are gathered again for the
+head's backward.
+
+Gradients are summed over ranks, not averaged (divide factor 1, SUM-only collectives): each rank's
+loss already uses the whole batch's normalizer (BUG-14), exactly as with the all-reduce path.
+FSDP2 issues collectives in every forward and backward, so all ranks must run the same number
+of passes: a rank with fewer micro-batches (or an empty one) runs `null_pass`es (a two-token
+forward with a zero loss) until the counts match, and only the last pass reduce-scatters.
+
+Works on CPU with gloo (tested at world size 2 against one process) and on CUDA with NCCL.
+Not combined with LoRA, the distributed weight push, or algorithm parts that run their own
+forward through the model (token-weight scoring passes, top-k regularizers); the settings
+refuse those combinations.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from flywheel.trainer.logprobs import TokenLogprobs, selected_token_logprobs
+
+
+class ShardedPolicy(torch.nn.Module):
+    """The FSDP2 root: `policy` (a causal LM) and its selected-token logprobs in one forward."""
+
+    def __init__(self, policy: PreTrainedModel):
+        super().__init__()
+        self.policy = policy
+
+    def forward(
+        self,
+        input_ids_BT: Tensor,
+        attention_mask_BT: Tensor,
+        temperature_B: Tensor,
+        score_mask_BT: Tensor,
+        chunk_tokens: int = 1024,
+        packed: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """(logprobs_BT, entropy_BT) as `selected_token_logprobs` (a tuple, so FSDP can hook
+        the outputs)."""
+        out = selected_token_logprobs(self.policy, input_ids_BT, attention_mask_BT,
+                                      temperature_B, score_mask_BT, chunk_tokens=chunk_tokens,
+                                      packed=packed)
+        return out.logprobs_BT, out.entropy_BT
+
+
+def shard_policy(model: PreTrainedModel) -> ShardedPolicy:
+    """Shard `model` in place over the default process group and return the FSDP2 root.
+
+    Call on every rank after the process group is up and the same weights are loaded; build
+    the optimizer afterwards (its parameters are the sharded DTensors).
+
+    Raises:
+        ValueError: the model has no `base_model.layers` (decoder layers) to shard.
+    """
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no base_model.layers to shard")
+    for layer in layers:
+        fully_shard(layer)
+    root = ShardedPolicy(model)
+    fully_shard(root)
+    for unit in root.modules():  # per unit: these setters do not recurse
+        if isinstance(unit, FSDPModule):
+            # sum over ranks (the loss holds the global normalizer); plain SUM collectives,
+            # since gloo has no PREMUL_SUM
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def sharded_logprobs(root: ShardedPolicy, *args, **kwargs) -> TokenLogprobs:
+    """`ShardedPolicy` forward as `TokenLogprobs`."""
+    logprobs_BT, entropy_BT = root(*args, **kwargs)
+    return TokenLogprobs(logprobs_BT=logprobs_BT, entropy_BT=entropy_BT)
+
+
+def null_pass(root: ShardedPolicy) -> None:
+    """A forward + backward that adds exactly zero to every gradient: keeps this rank's FSDP
+    collectives matched with ranks that still have micro-batches."""
+    device = next(root.parameters()).device
+    ids_BT = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    score_BT = torch.tensor([[False, True]], device=device)
+    logprobs_BT, entropy_BT = root(ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device),
+                                   score_BT)
+    (0.0 * (logprobs_BT.sum() + entropy_BT.sum())).backward()
+
+
+def set_gradient_sync(root: torch.nn.Module, sync: bool) -> None:
+    """Reduce-scatter gradients at the next backward (`sync`) or keep accumulating locally."""
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(sync)
+
+
+def full_value(x: Tensor | float) -> float:
+    """A scalar that may be a DTensor (e.g. clip_grad_norm_ of sharded grads) as a float."""
+    if isinstance(x, DTensor):
+        x = x.full_tensor()
+    return float(x)
+
+
+def full_state_dict(model: PreTrainedModel) -> dict[str, Tensor]:
+    """Every rank: the full, unsharded CPU state dict of `model` under its own names (tied
+    names share one tensor, as in the unsharded model). Collective: all ranks call it, in the
+    same order of parameters."""
+    out: dict[str, Tensor] = {}
+    gathered: dict[int, Tensor] = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        key = id(value)
+        if key not in gathered:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            gathered[key] = full.detach().cpu()
+        out[name] = gathered[key]
+    return out
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, ShardedPolicy)

@@ -169,3 +169,29 @@ def test_the_full_vocabulary_pass_runs_for_either_top_k_input():
     assert topk.needs_topk and topk.needs_teacher_topk and not topk.needs_own_topk
     assert own.needs_topk and own.needs_own_topk and not own.needs_teacher_topk
     assert not AlgoConfig(regularizers=(("k3", 1.0),)).needs_topk
+
+
+def test_distill_topk_without_any_teacher_top_k_adds_exactly_zero():
+    # no sample carries a top-k: K = 0, every position falls in the tail bin on both sides
+    # (q_tail = pi_tail = 1), so KL = 1 * (log 1 - log 1) = 0 and the step still commits
+    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    model = tiny_model(seed=3)
+    batch, _ = prepare_batch([[make_sample(reward=r, seed=i) for i, r in enumerate([1.0, 0.0])]],
+                             cfg)
+    assert batch.teacher_topk_logprobs_BTK.shape[-1] == 0
+    result = train_step(model, build_optimizer(model, TrainerSettings()), batch, cfg)
+    assert result.skipped == "" and result.metrics["loss/reg"] == 0.0
+
+
+def test_teacher_ids_outside_the_student_vocabulary_are_left_out():
+    # a teacher with a larger vocabulary may name ids the student lacks (VOCAB = 128): that slot
+    # is absent on both sides (no out-of-range gather), the others are gathered as usual
+    samples = topk_samples()
+    samples[0][0].teacher_topk_ids[3 * 3 + 1] = 10_000  # position 3, slot 1
+    model = tiny_model(seed=3)
+    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    batch, _ = prepare_batch(samples, cfg)
+    out = pipeline.student_topk(model, batch, cfg)
+    assert float(out.at_teacher_BTK.detach()[0, 3, 1]) < TOPK_ABSENT / 2  # absent (float32)
+    assert float(out.teacher_BTK[0, 3, 1]) < TOPK_ABSENT / 2
+    assert float(out.at_teacher_BTK.detach()[0, 3, 0]) > TOPK_ABSENT / 2

@@ -58,8 +58,8 @@ token, NaN elsewhere) and `teacher_topk_logprobs_BTK` (Sample.teacher_topk_logpr
 forward with grad per micro-batch, `student_topk`, only when a selected regularizer declares
 either; the second is a gather at the teacher's top-k ids from the same logits). The samples
 carry teacher and top-k fields only with the teacher stage on (`[teacher] enabled`, `top_k` > 0
-for top-k); wrong-hint logprobs only for tasks that give a `wrong_hint`; step scores only with
-the reward service's step judge. Where a Sample lacks one, a part sees it masked off:
+for top-k); wrong-hint logprobs only for tasks that give a hint and a `wrong_hint`; step scores
+only with the reward service's step judge. Where a Sample lacks one, a part sees it masked off:
 `contrastive_sd` gives those tokens the GRPO advantage, `distill_topk` adds 0 there, `segment`
 gives a sample without step scores no advantage.
 """

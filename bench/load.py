@@ -120,24 +120,33 @@ async def agent(i: int, gateway: str, deadline: float, turns: int, stats: Stats)
 
 
 def _counts(redis_client, prefix: str, trainer_url: str) -> dict[str, int]:
+    from flywheel.core.codec import decode_sample  # noqa: PLC0415
+    from flywheel.core.streams import FIELD  # noqa: PLC0415
     from flywheel.trainer.groups import DropReason  # noqa: PLC0415
 
     status = httpx.get(f"{trainer_url}/status", timeout=10).json()
     dropped = status.get("samples_dropped", {})
+    train_ids = [decode_sample(f[FIELD]).sample_id
+                 for _, f in redis_client.xrange(f"{prefix}:train")]
     return {
         "published": redis_client.xlen(f"{prefix}:rollouts"),
-        "scored": redis_client.xlen(f"{prefix}:train"),
+        "scored": len(set(train_ids)),
         "trained": int(status.get("samples_trained", 0)),
         "dead_lettered": redis_client.xlen(f"{prefix}:dead"),
-        # drops that dead-letter are already in the dead stream
+        # drops that dead-letter are already in the dead stream; a duplicate is a second copy
+        # of a Sample (a reward retry after a crash), not a published Sample of its own
         "dropped_with_metric": sum(n for r, n in dropped.items()
-                                   if not DropReason(r).dead_letter),
+                                   if r != DropReason.DUPLICATE and not DropReason(r).dead_letter),
+        "copies_in_train": len(train_ids) - len(set(train_ids)),
         "dropped_by_reason": dropped,
     }
 
 
 def _identity(c: dict) -> bool:
-    return c["published"] == c["trained"] + c["dead_lettered"] + c["dropped_with_metric"]
+    """published == trained + dead-lettered + dropped with a metric, and every extra copy in
+    the train stream dropped as a duplicate (its own metric)."""
+    return (c["published"] == c["trained"] + c["dead_lettered"] + c["dropped_with_metric"]
+            and c["dropped_by_reason"].get("duplicate", 0) == c["copies_in_train"])
 
 
 def main(argv: list[str] | None = None) -> int:

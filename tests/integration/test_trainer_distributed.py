@@ -1,5 +1,6 @@
-"""Data parallelism under torchrun on CPU (gloo, world size 2): one consumer (rank 0) feeds both
-ranks; the update equals the single-process update of the same batch."""
+"""Data parallelism under torchrun on CPU (gloo, world size 2), with the gradient all-reduce and
+with FSDP2: one consumer (rank 0) feeds both ranks; the checkpointed update equals the
+single-process update of the same batch."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.parametrize("strategy", ["all_reduce", "fsdp2"])
 def test_two_ranks_take_the_same_step_as_one_process(tmp_path, redis_server, prefix,
-                                                     model_dir):  # noqa: F811
+                                                     model_dir, strategy):  # noqa: F811
     dump = SampleDump(tmp_path / "two_groups.jsonl")
     dump.append(make_group(model_dir, "g1") + make_group(model_dir, "g22", rewards=(0, 1, 1, 1)))
     engine = FakeEngine()
@@ -51,7 +53,7 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, redis_server, pre
             f'metrics_path = "{tmp_path / "ddp.jsonl"}"\ngroup_size = 4\ngroups_per_step = 2\n'
             f'micro_batch_size = 3\nlr = 1e-2\nsource = "replay"\nreplay_path = "{dump.path}"\n'
             f'tensorboard = false\nmax_steps = 1\nengine_urls = ["{engine.url}"]\n'
-            f'port = {single.trainer.port + 1}\n'
+            f'port = {single.trainer.port + 1}\ndistributed_strategy = "{strategy}"\n'
         )
         env = os.environ | {"PYTHONPATH": str(REPO / "services"), "OMP_NUM_THREADS": "1"}
         out = subprocess.run(

@@ -162,6 +162,12 @@ class TrainerSettings(Section):
     push_mode: Literal["disk", "distributed"] = "disk"
     """disk = /update_weights_from_disk of the checkpoint; distributed = broadcast over a
     weight-update group with the engines (gloo on CPU, NCCL on GPU), disk as fallback."""
+    distributed_strategy: Literal["all_reduce", "fsdp2"] = "all_reduce"
+    """Under torchrun with more than one rank: all_reduce = every rank holds the whole model
+    and gradients are summed with one all-reduce per parameter (the DDP update); fsdp2 =
+    parameters, gradients and AdamW state sharded with FSDP2 `fully_shard` (for models whose
+    training state does not fit one device; CPU/gloo and CUDA/NCCL). fsdp2 refuses LoRA,
+    push_mode = "distributed" and algorithm parts with their own forward."""
     push_master_address: str = "127.0.0.1"
     """Address the engines reach the trainer at for the distributed weight-update group."""
     tensorboard: bool = True

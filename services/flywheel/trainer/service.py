@@ -99,6 +99,9 @@ class TrainerParts:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     world: World | None = None
     """Data-parallel ranks (this is rank 0) or None."""
+    trained: torch.nn.Module | None = None
+    """What `train_step` runs: the FSDP2 root (`ShardedPolicy`) under fsdp2, else None (the
+    model itself)."""
 
 
 def build_source(
@@ -148,12 +151,23 @@ class Policy:
     latest: Checkpoint | None
     store: CheckpointStore
     source_dir: Path
+    trained: torch.nn.Module | None = None
+    """The FSDP2 root under fsdp2 (what train_step runs), else None."""
 
 
-def build_policy(settings: FlywheelSettings) -> Policy:
+def build_policy(settings: FlywheelSettings, world: World | None = None) -> Policy:
     """Load the newest checkpoint (or the initial model) with LoRA, reference, AdamW and the LR
-    schedule, and restore their training state."""
+    schedule, and restore their training state. With `world` and `distributed_strategy =
+    "fsdp2"`, the model is sharded (fsdp.py) before AdamW is built over the shards.
+
+    Raises:
+        ValueError: fsdp2 with LoRA, the distributed weight push, or algorithm parts that run
+            their own forward through the model.
+    """
     s = settings.trainer
+    fsdp = world is not None and s.distributed_strategy == "fsdp2"
+    if fsdp:
+        check_fsdp_settings(settings)
     torch.manual_seed(s.seed)
     random.seed(s.seed)
     source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
@@ -173,11 +187,35 @@ def build_policy(settings: FlywheelSettings) -> Policy:
         )
         reference = load_model(ref_path, s.device).requires_grad_(False).eval()
         log.info("KL reference policy (frozen) loaded from %s", ref_path)
+    trained = None
+    if fsdp:
+        from flywheel.trainer.fsdp import shard_policy  # noqa: PLC0415
+
+        trained = shard_policy(model)
+        log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
     optimizer = build_optimizer(model, s)
     scheduler = build_scheduler(optimizer, s)
     if latest is not None:
-        restore_training_state(optimizer, scheduler, latest)
-    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir)
+        restore_training_state(optimizer, scheduler, latest, trained)
+    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
+
+
+def check_fsdp_settings(settings: FlywheelSettings) -> None:
+    """Refuse what fsdp2 does not combine with (see fsdp.py).
+
+    Raises:
+        ValueError: LoRA, push_mode distributed, or an algorithm part with its own forward.
+    """
+    s = settings.trainer
+    algo = StepConfig.from_settings(s).algo
+    if s.lora_rank > 0:
+        raise ValueError("distributed_strategy = 'fsdp2' with lora_rank > 0 is not supported")
+    if s.push_mode == "distributed":
+        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = "
+                         "'disk'")
+    if algo.needs_topk or algo.needs_entropy_pass:
+        raise ValueError("distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
+                         "own forward (top-k regularizers, entropy-scored token weights)")
 
 
 def build_trainer(
@@ -196,7 +234,7 @@ def build_trainer(
         world: data-parallel ranks when run under torchrun (this is rank 0).
     """
     s = settings.trainer
-    policy = build_policy(settings)
+    policy = build_policy(settings, world)
     latest, model = policy.latest, policy.model
     source, leases = build_source(settings, model.config.vocab_size, latest, redis_client)
     parts = TrainerParts(
@@ -212,6 +250,7 @@ def build_trainer(
         status=status or TrainerStatus(),
         version=latest.step if latest else 0,
         world=world,
+        trained=policy.trained,
     )
     if isinstance(source, FakeSource):
         source.version = lambda: parts.version
@@ -248,7 +287,7 @@ def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
 def run_follower(settings: FlywheelSettings, world: World) -> int:
     """A rank > 0 under torchrun: train the batches rank 0 broadcasts until it says stop;
     returns the steps taken."""
-    policy = build_policy(settings)
+    policy = build_policy(settings, world)
     cfg = StepConfig.from_settings(settings.trainer)
     steps = 0
     while True:
@@ -258,19 +297,52 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
         _, payloads, treatments = message
         groups = [[decode_sample(p) for p in group] for group in payloads]
         batch, _ = prepare_batch(groups, cfg, treatments)
-        result = train_step(policy.model, policy.optimizer, batch, cfg,
+        result = train_step(policy.trained or policy.model, policy.optimizer, batch, cfg,
                             reference=policy.reference, scheduler=policy.scheduler, world=world)
+        if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
+            gather_checkpoint(policy.model, policy.optimizer, policy.trained,
+                              settings.trainer.save_optimizer)
         steps += not result.skipped
+
+
+def gather_checkpoint(
+    model: PreTrainedModel, optimizer: torch.optim.Optimizer, trained: torch.nn.Module,
+    with_optimizer: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Under FSDP2: the full model state dict and (when `with_optimizer`) the full AdamW state
+    dict. Collective: every rank calls it after each committed step; rank 0 saves them."""
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    from flywheel.trainer.fsdp import full_state_dict  # noqa: PLC0415
+
+    state = full_state_dict(model)
+    optim = get_optimizer_state_dict(
+        trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    ) if with_optimizer else None
+    return state, optim
 
 
 def restore_training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     latest: Checkpoint,
+    trained: torch.nn.Module | None = None,
 ) -> None:
-    """AdamW and scheduler state of `latest`, where it has them (logged when not)."""
+    """AdamW and scheduler state of `latest`, where it has them (logged when not). Under
+    FSDP2 (`trained` is the root) the saved full AdamW state is sharded onto this rank."""
     optimizer_state = load_training_state(latest.path, "optimizer")
-    if optimizer_state is not None:
+    if optimizer_state is not None and trained is not None:
+        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(trained, optimizer, optimizer_state,
+                                 options=StateDictOptions(full_state_dict=True))
+    elif optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     else:
         log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
@@ -395,7 +467,7 @@ class Trainer:
         t1 = time.perf_counter()
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
         result = train_step(
-            self.parts.model, self.parts.optimizer, batch, self.step_cfg,
+            self.parts.trained or self.parts.model, self.parts.optimizer, batch, self.step_cfg,
             reference=self.parts.reference, scheduler=self.parts.scheduler,
             world=self.parts.world,
         )
@@ -408,11 +480,11 @@ class Trainer:
             self._commit(groups, metrics)
         self._last_step_end = time.monotonic()
 
-    def _training_state(self) -> dict[str, Any]:
+    def _training_state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
         if not self.s.save_optimizer:
             return {}
         state: dict[str, Any] = {
-            "optimizer": self.parts.optimizer.state_dict(),
+            "optimizer": optimizer_state or self.parts.optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
         if self.parts.scheduler is not None:
@@ -427,7 +499,13 @@ class Trainer:
         t0 = time.perf_counter()
         state = {"entry_ids": entry_ids, "sample_ids": sample_ids,
                  "source_position": self.parts.consumer.position()}
-        path = self.parts.store.save(self.parts.model, version, state, self._training_state())
+        model_state, optimizer_state = None, None
+        if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
+            model_state, optimizer_state = gather_checkpoint(
+                self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer)
+        path = self.parts.store.save(self.parts.model, version, state,
+                                     self._training_state(optimizer_state),
+                                     state_dict=model_state)
         t1 = time.perf_counter()
         self.version = version
         if version % self.s.push_every == 0 or self.behind:

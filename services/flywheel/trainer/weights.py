@@ -109,6 +109,7 @@ class CheckpointStore:
         step: int,
         state: dict[str, Any],
         training: dict[str, Any] | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
     ) -> Path:
         """Write, verify and atomically publish the checkpoint of `step`; prune old ones.
 
@@ -118,12 +119,15 @@ class CheckpointStore:
             state: JSON-serializable trainer state (entry ids, sample ids, source position).
             training: objects saved with torch.save under `training/<name>.pt` (optimizer,
                 scheduler, rng); None = none.
+            state_dict: the full weights to save instead of the model's own (FSDP2 gathers
+                them from the shards); None = the model's.
         """
         final = self.path_for(step)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
         self.root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        base, state_dict = servable_state(model)
+        base, own_state = servable_state(model)
+        state_dict = state_dict if state_dict is not None else own_state
         base.save_pretrained(tmp, state_dict=state_dict)
         self._copy_tokenizer(tmp)
         verify_checkpoint(tmp, base, state_dict)

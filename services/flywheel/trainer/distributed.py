@@ -8,16 +8,27 @@ staleness treatments to the other ranks (`broadcast_object_list`), and at the en
 rank builds the same batch (preparation is deterministic), takes rows rank, rank + N, ... of it,
 and accumulates gradients over its micro-batches with the step-wide normalizer of the whole
 batch (token and sequence counts are global, BUG-14). The gradients are then summed across ranks
-with one all-reduce per parameter, so every rank holds exactly the full-batch gradient and takes
+(below), so every rank holds exactly the full-batch gradient (or its shard of it) and takes
 the same AdamW step: the weights stay identical without broadcasting them. A non-finite loss on
 any rank skips the step on all ranks (the flag is all-reduced first, so collectives stay
 matched).
 
-Why an explicit all-reduce rather than DDP or FSDP2: ranks may hold different numbers of
-micro-batches (token budgets, empty shards), which DDP's per-backward hooks cannot match, and
-FSDP2's CPU/gloo path is not what GPU clusters run; the all-reduce is the DDP update, testable on
-CPU with gloo (world size 2 in tests). Backend: nccl on CUDA, gloo on CPU. Sharding parameters
-(FSDP2) for models that do not fit one device is not implemented.
+Two strategies (`trainer.distributed_strategy`):
+- `all_reduce` (default): every rank holds the whole model; after the micro-batches the
+  gradients are summed with one all-reduce per parameter (the DDP update). Ranks may run
+  different numbers of micro-batches (token budgets, empty shards), which DDP's per-backward
+  hooks could not match.
+- `fsdp2`: `torch.distributed.fsdp.fully_shard` per decoder layer plus a root that runs the
+  chunked logprob head (fsdp.py); parameters, gradients and AdamW state are sharded, gradients
+  reduce-scattered (summed) in the last backward, ranks with fewer micro-batches run zero-loss
+  passes so FSDP's collectives match; every rank gathers the full weights (and AdamW state)
+  after a committed step for rank 0's checkpoint. FSDP2 runs on CPU with gloo in torch 2.13
+  (only SUM reductions: gloo has no PREMUL_SUM), so both strategies are tested at world
+  size 2 on CPU against one process.
+
+Every metric is global: loss terms, micro-batch counts and token statistics (sums, maxima,
+minima, token counts) are reduced over ranks; batch-level counts come from the whole batch,
+which every rank builds. Backend: nccl on CUDA, gloo on CPU.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import time
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from flywheel.core.redis_server import free_port
 from flywheel.gateway.engine_pool import Generation
@@ -31,6 +33,8 @@ def test_rate_limit_is_shared_by_two_replicas(redis_client, prefix, renderer):
     b = build_gateway(redis_client, prefix, renderer, auth="on", rate_per_minute=6,
                       rate_burst=2)
     key, other = a.key("agent"), a.key("agent")
+    refused_before = REGISTRY.get_sample_value("flywheel_gateway_rejected_requests_total",
+                                               {"reason": "rate_limited"}) or 0.0
     # burst 2, 6 per minute (one token per 10 s): two requests pass in all, whichever replica
     # serves them; per-replica buckets would pass 2 + 2 = 4.
     codes = [gw.client.post(CHAT, json=BODY, headers=gw.auth(key)).status_code
@@ -40,6 +44,8 @@ def test_rate_limit_is_shared_by_two_replicas(redis_client, prefix, renderer):
     assert limited.status_code == 429
     assert 1 <= int(limited.headers["retry-after"]) <= 10  # the next token is <= 10 s away
     assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert REGISTRY.get_sample_value("flywheel_gateway_rejected_requests_total",
+                                     {"reason": "rate_limited"}) >= refused_before + 3
     assert b.client.post(CHAT, json=BODY, headers=b.auth(other)).status_code == 200  # per key
 
 
@@ -157,3 +163,16 @@ def test_a_killed_replica_gives_its_slot_back_after_the_lease(
     assert served.status_code == 200, served.text
     assert redis_client.zscore(slots, member) is None  # expired and swept, not released
     thread.join(timeout=30)
+
+
+def test_limits_with_redis_down_are_503_not_500(prefix, renderer):
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+
+    down = connect("redis://127.0.0.1:1/0")  # nothing listens there
+    gw = build_gateway(down, prefix, renderer, auth="off", rate_per_minute=60, max_concurrent=4)
+    # the error is raised in middleware: the app answers it, TestClient must not re-raise it
+    client = TestClient(gw.client.app, raise_server_exceptions=False)
+    reply = client.post(CHAT, json=BODY)
+    assert reply.status_code == 503, reply.text
+    assert reply.headers["retry-after"] == "5"
+    assert reply.json()["error"]["type"] == "service_unavailable_error"

@@ -91,25 +91,28 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
         The Samples to publish: the continued tip's turn with its next state, and turns pushed
         out of `MAX_BRANCHES`.
     """
+    seg = record.segment
+    if seg.checkpoints and continues(seg, len(seg.checkpoints) - 1):  # the common case
+        pending, record.pending = record.pending, ""
+        return emit(pending, seg) if pending else []
     tips = _tips(record)
-    ends = [(seg.checkpoints[-1].tokens, i) for i, (seg, _) in enumerate(tips)
-            if seg.checkpoints and continues(seg, len(seg.checkpoints) - 1)]
+    # The longest recorded history the request extends; the newest tip among equals.
+    ends = [(seg.checkpoints[-1].tokens, -i) for i, (seg, _) in enumerate(tips)
+            if i and seg.checkpoints and continues(seg, len(seg.checkpoints) - 1)]
     if ends:
-        _, i = max(ends)
-        if i == 0:
-            pending, record.pending = record.pending, ""
-            return emit(pending, record.segment) if pending else []
+        i = -max(ends)[1]
         branch = record.branches.pop(len(record.branches) - i)
         out = _park(record, emit)
         record.segment, record.pending = branch.segment, ""
         return out + emit(branch.pending, branch.segment)
-    earlier = [(seg.checkpoints[k].tokens, i, k) for i, (seg, _) in enumerate(tips)
+    earlier = [(seg.checkpoints[k].tokens, -i, k) for i, (seg, _) in enumerate(tips)
                for k in range(len(seg.checkpoints) - 1) if continues(seg, k)]
     if not earlier and not record.pending and not tips[0][0].checkpoints:
         return []  # nothing on the latest tip: the request simply starts it
     out = _park(record, emit)
     if earlier:
-        _, i, k = max(earlier)
+        _, minus_i, k = max(earlier)
+        i = -minus_i
         BRANCHES.labels("turn").inc()
         record.segment = tips[i][0].upto(k)
         return out

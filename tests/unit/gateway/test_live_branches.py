@@ -153,3 +153,32 @@ def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(env,
     (turn0,) = samples()
     _check_own_turn(engine, turn0, 0, "Paris.")
     assert json.loads(turn0.next_state.content_json) == UA["content"]
+
+
+def test_branches_beyond_the_cap_are_published_without_a_next_state(env, caplog):
+    from prometheus_client import REGISTRY  # noqa: PLC0415
+
+    from flywheel.gateway.branches import MAX_BRANCHES  # noqa: PLC0415
+
+    client, engine, samples = env
+    r0 = _post(client, "many", [U1])
+    before = REGISTRY.get_sample_value(
+        "flywheel_gateway_live_turns_without_next_state_total") or 0.0
+    # Turn 0 is followed by sub-call 0; sub-calls 1.. each park the previous latest turn, so
+    # after MAX_BRANCHES + 2 sub-calls MAX_BRANCHES + 1 turns wait besides the latest: one
+    # too many, and the oldest waiting one (sub-call 0's) is published without a next state.
+    with caplog.at_level("WARNING", logger="flywheel.gateway.branches"):
+        for k in range(MAX_BRANCHES + 2):
+            _post(client, "many", [U1, r0, {"role": "user", "content": f"Sub-task {k}"}])
+    turn0, sub0 = samples()
+    assert json.loads(turn0.next_state.content_json) == "Sub-task 0"
+    assert json.loads(sub0.messages[-2].content_json) == "Sub-task 0"
+    assert not sub0.HasField("next_state") and sub0.turn_index == 1
+    assert any("oldest is published without one" in r.getMessage() for r in caplog.records)
+    after = REGISTRY.get_sample_value("flywheel_gateway_live_turns_without_next_state_total")
+    assert after == before + 1
+    info = client.get("/v1/sessions/many").json()
+    assert info["waiting_turns"] == MAX_BRANCHES + 1
+    done = client.post("/v1/sessions/many/finish", json={}).json()
+    assert done["samples_published"] == MAX_BRANCHES + 1
+    assert len({s.sample_id for s in samples()}) == MAX_BRANCHES + 3 == len(samples())

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.core.errors import ConflictError
+from flywheel.core.errors import ConfigurationError, ConflictError
 from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
 from flywheel.core.settings import FlywheelSettings
 
@@ -128,9 +128,13 @@ class Stack:
 
         Raises:
             StackBusyError: another stack runs or starts from the same state dir.
+            ConfigurationError: `only` names an unknown service.
             RuntimeError: a service exited during start-up. TimeoutError: one never got healthy.
         """
         s = self.settings
+        unknown = set(self.only) - set(SERVICES)
+        if unknown:
+            raise ConfigurationError(f"unknown services {sorted(unknown)}; known: {SERVICES}")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock_state_dir()
         (self.state_dir / "logs").mkdir(exist_ok=True)

@@ -56,7 +56,9 @@ from flywheel.trainer.step import (
     StepConfig,
     build_optimizer,
     build_scheduler,
+    native_bf16,
     prepare_batch,
+    resolve_precision,
     train_step,
 )
 from flywheel.trainer.telemetry import (
@@ -72,6 +74,7 @@ from flywheel.trainer.weights import (
     WeightPusher,
     load_model,
     load_training_state,
+    resolve_device,
 )
 
 log = logging.getLogger(__name__)
@@ -165,6 +168,9 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
             their own forward through the model.
     """
     s = settings.trainer
+    bf16, why = resolve_precision(s.precision, resolve_device(s.device))
+    emulated = bf16 and not native_bf16(resolve_device(s.device))
+    (log.warning if emulated else log.info)("trainer precision: %s", why)
     fsdp = world is not None and s.distributed_strategy == "fsdp2"
     if fsdp:
         check_fsdp_settings(settings)

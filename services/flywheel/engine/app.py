@@ -320,12 +320,26 @@ async def _stream_items(
                 result = item.result()  # raises the row's error (PlatformError -> error chunk)
                 result["meta_info"]["e2e_latency"] = time.perf_counter() - t0
                 yield i, result, True
-            elif not jobs[i].future.done():
+            elif _before_final(jobs[i], item):
                 yield i, item, False
     finally:
         if left:  # client went away or the consumer stopped early: abort the rest
             for job in jobs:
                 job.aborted = True
+
+
+def _before_final(job: Job, item: dict[str, Any]) -> bool:
+    """Whether a per-token update still precedes the row's final response: always while the
+    row runs; once it finished (a loaded event loop may read several queued updates after that),
+    every update shorter than the final one, so the stream keeps one chunk per sampled token
+    and the last token is sent once, in the final chunk."""
+    future = job.future
+    if not future.done():
+        return True
+    if future.cancelled() or future.exception() is not None:
+        return False
+    final = future.result()["meta_info"]["completion_tokens"]
+    return item["meta_info"]["completion_tokens"] < final
 
 
 async def _wait(request: Request, jobs: list[Job]) -> list[dict[str, Any]]:

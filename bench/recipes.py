@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-before-each", action="store_true",
                         help="measure held-out accuracy before training for every recipe")
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so each recipe's `with Stack(...)` stops its services
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     for recipe in args.recipes:
         load_settings(recipe)  # fail before any stack starts
     cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,

@@ -226,6 +226,18 @@ class SessionStore:
                 self.client.zrangebyscore(self.touched_key, "-inf", before, start=offset,
                                           num=limit)]
 
+    def index_existing(self) -> int:
+        """Add sessions missing from the idle index (stored by a gateway version without it) as
+        touched now, so the sweep finishes them too; returns how many were added."""
+        head = f"{self.prefix}:session:"
+        added = 0
+        for raw in self.client.scan_iter(match=f"{head}*", count=500):
+            key = raw.decode() if isinstance(raw, bytes) else raw
+            if key.endswith(":lock") and self.client.exists(key.removesuffix(":lock")):
+                continue  # a session's lock, not a session
+            added += self.client.zadd(self.touched_key, {key[len(head):]: time.time()}, nx=True)
+        return added
+
     def touched_at(self, session_id: str) -> float | None:
         """Unix time of the session's last save (None: not an open session)."""
         score = self.client.zscore(self.touched_key, session_id)

@@ -108,8 +108,16 @@ def _expired(d: GatewayDeps, session_id: str) -> None:
 
 
 async def run_sweeper(d: GatewayDeps) -> None:
-    """Sweep idle sessions every `sweep_interval_s` until cancelled (one per gateway)."""
+    """Sweep idle sessions every `sweep_interval_s` until cancelled (one per gateway); first
+    index the sessions stored without a last-touch time (`SessionStore.index_existing`)."""
     period = sweep_interval_s(d.settings)
+    try:
+        added = await asyncio.to_thread(d.sessions.index_existing)
+        if added:
+            log.info("indexed %d sessions stored without a last-touch time for the idle sweep",
+                     added)
+    except redis.RedisError as exc:  # the sweep still covers every session saved from now on
+        log.warning("indexing existing sessions for the idle sweep failed: %s", exc)
     while True:
         await asyncio.sleep(period)
         try:

@@ -155,3 +155,19 @@ def test_the_gateway_sweeps_in_the_background(redis_client, prefix, renderer):
         (turn,) = _samples(redis_client, prefix)
         assert turn.session_id == "background" and not turn.HasField("next_state")
         assert client.get("/v1/sessions/background").json()["finished_by"] == "idle"
+
+
+def test_sessions_stored_without_the_index_are_swept_too(redis_client, prefix, renderer):
+    deps = _deps(redis_client, prefix, renderer)
+    client = TestClient(create_app(deps))
+    _post(client, "old", [U1])
+    lock = deps.sessions.acquire("old")  # its lock key exists while the index is rebuilt
+    redis_client.delete(deps.sessions.touched_key)  # as stored by a gateway without the index
+    try:
+        assert deps.sessions.index_existing() == 1
+    finally:
+        deps.sessions.release(lock)
+    assert deps.sessions.index_existing() == 0
+    assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 1
+    (turn,) = _samples(redis_client, prefix)
+    assert turn.session_id == "old" and not turn.HasField("next_state")

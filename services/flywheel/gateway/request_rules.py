@@ -1,7 +1,8 @@
 """Request rules OpenAI's API enforces that the request models alone do not express.
 
 - Message content: `null` (or absent) content is accepted only on an assistant message that
-  carries `tool_calls`; anywhere else it is a 400 naming `messages[i].content`.
+  carries `tool_calls` (or a legacy `function_call`); anywhere else it is a 400 naming
+  `messages[i].content`.
 - Model names: with `gateway.served_model_names` set, a request for another model is a 404
   with code `model_not_found` (OpenAI's answer); empty = any name is served.
 """
@@ -48,8 +49,9 @@ def check_contents(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.content is not None:
             continue
-        if m.role == "assistant" and (m.model_extra or {}).get("tool_calls"):
-            continue
+        extra = m.model_extra or {}
+        if m.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+            continue  # OpenAI: content is optional next to tool calls (or a legacy function call)
         need = ("content or tool_calls" if m.role == "assistant" else "content")
         raise InvalidRequestError(
             f"messages[{i}]: a {m.role} message needs {need}; got null",

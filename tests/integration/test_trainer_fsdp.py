@@ -14,7 +14,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flywheel.trainer.distributed import World
-from flywheel.trainer.fsdp import full_state_dict, shard_policy
+from flywheel.trainer.fsdp import (
+    full_state_dict,
+    gather_checkpoint,
+    load_full_optimizer_state,
+    shard_policy,
+)
 from flywheel.trainer.step import StepConfig, prepare_batch, train_step
 from flywheel.trainer.weights import load_model
 
@@ -47,8 +52,20 @@ def one_step(model_dir: Path, strategy: str, world: World | None):
     batch, cfg = batch_and_config()
     result = train_step(trained, optimizer, batch, cfg, world=world)
     assert not result.skipped, result
-    state = full_state_dict(model) if strategy == "fsdp2" else {
-        k: v.detach().clone() for k, v in model.state_dict().items()}
+    if strategy != "fsdp2":
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, result.metrics
+    # the checkpoint path: full weights and AdamW state gathered on every rank; a fresh
+    # optimizer restored from that full state gathers back to the same state (resume)
+    state, optim = gather_checkpoint(model, optimizer, trained, with_optimizer=True)
+    restored = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+    load_full_optimizer_state(trained, restored, optim)
+    _, again = gather_checkpoint(model, restored, trained, with_optimizer=True)
+    if world is None or world.main:  # the full optimizer state lands on rank 0 only
+        moments = [(name, key) for name, entry in optim["state"].items() for key in entry]
+        assert len(moments) > 10
+        for name, key in moments:
+            torch.testing.assert_close(again["state"][name][key], optim["state"][name][key])
+    assert full_state_dict(model).keys() == state.keys()
     return state, result.metrics
 
 

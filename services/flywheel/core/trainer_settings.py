@@ -158,8 +158,14 @@ class TrainerSettings(Section):
     total_steps: int = Field(1000, ge=1)
     """Horizon of the cosine decay (to 0) in steps."""
     save_optimizer: bool = True
-    """Keep AdamW, scheduler and RNG state in each checkpoint (exact resume; about twice the
-    model's fp32 size on disk)."""
+    """Write AdamW, scheduler and RNG state with each checkpoint, so a resume continues the
+    exact update (AdamW moments of the very step the weights are from). AdamW state is twice
+    the fp32 model: measured for SmolLM2-135M, model.safetensors 513 MiB (about 2 s) and
+    training/optimizer.pt 1026 MiB (4-12 s on a loaded 2-core machine's disk) per step. Only
+    the newest checkpoint keeps optimizer.pt (older ones are pruned to model + small state), so
+    the disk holds keep_checkpoints x 513 MiB + 1026 MiB. Off: checkpoints are model-only
+    and a resume restarts AdamW from zero moments (logged). Either way a resume neither loses
+    nor retrains a sample: that guarantee rests on trainer_state.json, not on AdamW state."""
     push_every: int = Field(1, ge=1)
     """Push weights to the engines every k committed steps (checkpoints every step)."""
     push_mode: Literal["disk", "distributed"] = "disk"

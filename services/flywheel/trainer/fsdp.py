@@ -23,8 +23,15 @@ refuse those combinations.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
@@ -128,3 +135,26 @@ def full_state_dict(model: PreTrainedModel) -> dict[str, Tensor]:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, ShardedPolicy)
+
+
+def gather_checkpoint(
+    model: PreTrainedModel, optimizer: torch.optim.Optimizer, trained: torch.nn.Module,
+    with_optimizer: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Under FSDP2: the full model state dict and (when `with_optimizer`) the full AdamW state
+    dict. Collective: every rank calls it after each committed step; rank 0 saves them."""
+    state = full_state_dict(model)
+    optim = get_optimizer_state_dict(
+        trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    ) if with_optimizer else None
+    return state, optim
+
+
+def load_full_optimizer_state(
+    trained: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Shard a full AdamW state dict (as `gather_checkpoint` wrote it) onto this rank's
+    optimizer. Collective: every rank calls it; rank 0's `state` is broadcast (the other
+    ranks' may be empty)."""
+    set_optimizer_state_dict(trained, optimizer, state, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))

@@ -306,29 +306,11 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
         result = train_step(policy.trained or policy.model, policy.optimizer, batch, cfg,
                             reference=policy.reference, scheduler=policy.scheduler, world=world)
         if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
+            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
+
             gather_checkpoint(policy.model, policy.optimizer, policy.trained,
                               settings.trainer.save_optimizer)
         steps += not result.skipped
-
-
-def gather_checkpoint(
-    model: PreTrainedModel, optimizer: torch.optim.Optimizer, trained: torch.nn.Module,
-    with_optimizer: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """Under FSDP2: the full model state dict and (when `with_optimizer`) the full AdamW state
-    dict. Collective: every rank calls it after each committed step; rank 0 saves them."""
-    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    from flywheel.trainer.fsdp import full_state_dict  # noqa: PLC0415
-
-    state = full_state_dict(model)
-    optim = get_optimizer_state_dict(
-        trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    ) if with_optimizer else None
-    return state, optim
 
 
 def restore_training_state(
@@ -341,13 +323,9 @@ def restore_training_state(
     FSDP2 (`trained` is the root) the saved full AdamW state is sharded onto this rank."""
     optimizer_state = load_training_state(latest.path, "optimizer")
     if optimizer_state is not None and trained is not None:
-        from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from flywheel.trainer.fsdp import load_full_optimizer_state  # noqa: PLC0415
 
-        set_optimizer_state_dict(trained, optimizer, optimizer_state,
-                                 options=StateDictOptions(full_state_dict=True))
+        load_full_optimizer_state(trained, optimizer, optimizer_state)
     elif optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     else:
@@ -507,6 +485,8 @@ class Trainer:
                  "source_position": self.parts.consumer.position()}
         model_state, optimizer_state = None, None
         if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
+            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
+
             model_state, optimizer_state = gather_checkpoint(
                 self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer)
         path = self.parts.store.save(self.parts.model, version, state,
@@ -521,6 +501,7 @@ class Trainer:
         self.parts.leases.release(entry_ids)
         self.assembler.mark_trained(sample_ids)
         metrics |= {
+            "checkpoint/mib": _folder_mib(path),
             "time/checkpoint_s": t1 - t0, "time/push_s": t2 - t1,
             "time/ack_s": time.perf_counter() - t2, "push/engines_behind": len(self.behind),
             "push/distributed": float(self.last_push_via == "distributed"),
@@ -585,6 +566,11 @@ class Trainer:
         self.parts.leases.stop()
         self.parts.pusher.close()
         self.parts.sink.close()
+
+
+def _folder_mib(path: Path) -> float:
+    """MiB of the files under `path` (a checkpoint: weights, tokenizer, training state)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def _lag_metrics(lags: Sequence[int]) -> dict[str, float]:

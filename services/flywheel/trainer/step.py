@@ -2,9 +2,11 @@
 
     prepare_batch       advantages by group (live samples per sample), the padded (B, T) batch
                         (prepare.py)
-    accumulate          per micro-batch: chunked logprobs (fp32 head, decoder optionally under
-                        bf16 autocast) -> [reference logprobs, no grad] -> token loss ->
-                        aggregation with the step-wide normalizer -> backward; token statistics
+    accumulate          per micro-batch (padded, or packed padding-free: `batch_layout`):
+                        chunked logprobs (fp32 head, decoder optionally under bf16 autocast;
+                        through the FSDP2 root under fsdp2) -> [reference logprobs, no grad] ->
+                        token loss -> aggregation with the step-wide normalizer -> backward;
+                        token statistics (reduced over ranks under torchrun)
     token_loss          policy loss against the rollout logprobs (or, for a correction or an
                         IS-corrected stale sample, against the trainer's own with the detached
                         weight) x the sample's staleness weight, + kl_coef * KL(pi || ref) +

@@ -29,7 +29,6 @@ def test_a_running_turn_keeps_its_lock(redis_client, prefix, monkeypatch):
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id="s")
     original = store.acquire
-    monkeypatch.setattr(store, "acquire", lambda sid, **kw: original(sid, lease_s=0.6, **kw))
 
     async def long_turn() -> None:
         async with turns.locked(store, "s"):
@@ -48,3 +47,17 @@ def test_a_running_turn_keeps_its_lock(redis_client, prefix, monkeypatch):
 
     _, entered = asyncio.run(both())
     assert not entered
+
+
+def test_a_turn_whose_lease_was_taken_over_is_not_saved(redis_client, prefix):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    stale = store.acquire("s", lease_s=0.2)
+    time.sleep(0.4)  # the lease expires: a second request takes the session and records a turn
+    fresh = store.acquire("s", timeout_s=5)
+    fresh.record.turns = 1
+    with pytest.raises(ConflictError, match="taken over"):
+        stale.record.turns = 7
+        store.release(stale, stale.record)  # must not overwrite the holder's record
+    store.release(fresh, fresh.record)
+    assert store.get("s").turns == 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from flywheel._proto import sample_pb2
@@ -155,28 +155,28 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request, d: Deps,
                    x_session_id: SessionHeader = None,
-                   x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+                   x_turn_type: TurnHeader = None) -> JSONResponse | StreamingResponse:
         _check_chat(d, body)
         session_id = await _header_session(d, x_session_id, owner_of(request))
         return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,
-                           x_turn_type: TurnHeader = None) -> dict[str, Any] | StreamingResponse:
+                           x_turn_type: TurnHeader = None) -> JSONResponse | StreamingResponse:
         _check_chat(d, body)
         return _maybe_stream(body, await _chat(d, body, session_id, x_turn_type))
 
     @app.post("/v1/completions", response_model=None)
     async def text_completion(body: CompletionRequest, request: Request, d: Deps,
                               x_session_id: SessionHeader = None
-                              ) -> dict[str, Any] | StreamingResponse:
+                              ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
         session_id = await _header_session(d, x_session_id, owner_of(request))
         return _stream_completion(body, await completions.complete(d, body, session_id))
 
     @app.post("/s/{session_id}/v1/completions", response_model=None)
     async def session_text_completion(session_id: str, body: CompletionRequest, d: Deps
-                                      ) -> dict[str, Any] | StreamingResponse:
+                                      ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
         return _stream_completion(body, await completions.complete(d, body, session_id))
 
@@ -190,18 +190,18 @@ def _check_chat(d: GatewayDeps, body: ChatCompletionRequest) -> None:
 
 
 def _stream_completion(body: CompletionRequest, completion: dict[str, Any]
-                       ) -> dict[str, Any] | StreamingResponse:
+                       ) -> JSONResponse | StreamingResponse:
     if not body.stream:
-        return completion
+        return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(iter(completions.sse_chunks(completion, include_usage)),
                              media_type="text/event-stream")
 
 
 def _maybe_stream(body: ChatCompletionRequest, completion: dict[str, Any]
-                  ) -> dict[str, Any] | StreamingResponse:
+                  ) -> JSONResponse | StreamingResponse:
     if not body.stream:
-        return completion
+        return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(sse_chunks(completion, include_usage),
                              media_type="text/event-stream")

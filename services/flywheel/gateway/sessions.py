@@ -9,17 +9,21 @@ new one.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+from prometheus_client import Counter
 from pydantic import BaseModel, Field, model_validator
-from redis.lock import Lock
 
 from flywheel.core.errors import ConflictError, NotFoundError
+
+log = logging.getLogger(__name__)
 
 
 class Checkpoint(BaseModel):
@@ -164,6 +168,45 @@ class SessionRecord(BaseModel):
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""
 
+_TAKE = """
+local record = redis.call('GET', KEYS[1])
+if not record then return {0} end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, record} end
+return {2}
+"""
+"""Lock a session and read its record: {0} no session, {1, record} taken, {2} busy."""
+
+_PUT = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+if ARGV[4] == '1' then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
+  else redis.call('ZREM', KEYS[3], ARGV[6]) end
+end
+redis.call('DEL', KEYS[2])
+return 1
+"""
+"""Save the record and its last-touch time in the idle index (when ARGV[4] is 1) and unlock,
+only while the lock is still ours."""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+
+LOST_LEASES = Counter("flywheel_gateway_session_lease_lost_total",
+                      "Turns not saved because their session lock's lease expired meanwhile")
+
+
+@dataclass
+class Lease:
+    """A held session lock: its random token, lease length and the record read under it."""
+
+    session_id: str
+    token: str
+    lease_s: float
+    record: SessionRecord
+
 
 class SessionStore:
     """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock.
@@ -180,9 +223,15 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
         """Sorted set: open session id -> Unix time of its last save (the idle sweep's index)."""
+        self._take = client.register_script(_TAKE)
+        self._put = client.register_script(_PUT)
+        self._renew = client.register_script(_RENEW)
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
+
+    def _lock_key(self, session_id: str) -> str:
+        return f"{self._key(session_id)}:lock"
 
     def create(self, **fields: Any) -> SessionRecord:
         """A new open session with a fresh id (or the given `session_id` if unused).
@@ -247,40 +296,68 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
-    def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> Lock | None:
-        """The session's lock if it is free right now, else None (a request holds it).
+    def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> Lease | None:
+        """Take the session's lock and read its record in one round trip, or None when another
+        holder has it.
 
         Raises:
-            NotFoundError: no such session.
+            NotFoundError: no such session (never created, or expired).
         """
-        try:
-            return self.acquire(session_id, timeout_s=0, lease_s=lease_s)
-        except ConflictError:
+        token = uuid.uuid4().hex
+        got = self._take(keys=[self._key(session_id), self._lock_key(session_id)],
+                         args=[token, max(int(lease_s * 1000), 1)])
+        if got[0] == 0:
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+        if got[0] == 2:
             return None
+        return Lease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
-                lease_s: float = LOCK_LEASE_S) -> Lock:
-        """Take the session's lock (usable from any thread); release it with `release`.
+                lease_s: float = LOCK_LEASE_S) -> Lease:
+        """Take the session's lock, waiting up to `timeout_s` (usable from any thread); the
+        lease carries the record as read under the lock. Release it with `release`.
 
-        The lock expires `lease_s` seconds after it was taken or last renewed
-        (`Lock.reacquire`), so a gateway that dies holding it blocks the session only that long.
+        The lock expires `lease_s` seconds after it was taken or last renewed (`renew`), so a
+        gateway that dies holding it blocks the session only that long.
 
         Raises:
             NotFoundError: no such session.
             ConflictError: the lock was not obtained within `timeout_s` seconds.
         """
-        if not self.client.exists(self._key(session_id)):
-            raise NotFoundError(f"session {session_id} not found", param="session_id")
-        lock = self.client.lock(f"{self._key(session_id)}:lock", timeout=lease_s,
-                                blocking_timeout=timeout_s, thread_local=False)
-        if not lock.acquire():
-            raise ConflictError(f"session {session_id} is busy", param="session_id")
-        return lock
+        deadline, pause = time.monotonic() + timeout_s, 0.005
+        while (lease := self.try_acquire(session_id, lease_s)) is None:
+            if time.monotonic() >= deadline:
+                raise ConflictError(f"session {session_id} is busy", param="session_id")
+            time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+            pause = min(pause * 2, 0.1)
+        return lease
 
-    @staticmethod
-    def release(lock: Lock) -> None:
-        with suppress(redis.exceptions.LockError):
-            lock.release()
+    def renew(self, lease: Lease) -> bool:
+        """Extend the lease by its length; False when the lock is no longer held by it."""
+        return bool(self._renew(keys=[self._lock_key(lease.session_id)],
+                                args=[lease.token, max(int(lease.lease_s * 1000), 1)]))
+
+    def release(self, lease: Lease, record: SessionRecord | None = None) -> None:
+        """Release the lock, first saving `record` when given (as `save` does), in one round
+        trip.
+
+        Raises:
+            ConflictError: `record` was given but the lease had expired and the lock is gone
+                or held by someone else; nothing is written.
+        """
+        held = self._put(
+            keys=[self._key(lease.session_id), self._lock_key(lease.session_id),
+                  self.touched_key],
+            args=[lease.token, record.model_dump_json() if record else "", self.ttl_s,
+                  1 if record is not None else 0, record.status if record else "",
+                  lease.session_id, time.time()])
+        if record is not None and not held:
+            LOST_LEASES.inc()
+            log.error("session %s: the lock's lease expired before the turn was saved; the "
+                      "turn is not recorded", lease.session_id)
+            raise ConflictError(f"session {lease.session_id} was taken over while this request "
+                                "ran (its lock lease expired); retry the request",
+                                param="session_id")
 
     @contextmanager
     def locked(self, session_id: str) -> Iterator[SessionRecord]:
@@ -289,10 +366,10 @@ class SessionStore:
         The record is saved on normal exit; on an exception nothing is written, so what was
         recorded before stays intact.
         """
-        lock = self.acquire(session_id)
+        lease = self.acquire(session_id)
         try:
-            record = self.get(session_id)
-            yield record
-            self.save(record)
-        finally:
-            self.release(lock)
+            yield lease.record
+        except BaseException:
+            self.release(lease)
+            raise
+        self.release(lease, lease.record)

@@ -73,18 +73,14 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
     """"finished", "removed" (finished or expired already) or "kept" (busy, or touched)."""
     store = d.sessions
     try:
-        lock = store.try_acquire(session_id)
+        lease = store.try_acquire(session_id)  # the record is read under the lock
     except NotFoundError:
         _expired(d, session_id)
         return "removed"
-    if lock is None:
+    if lease is None:
         return "kept"  # a request is running in it: not idle
+    record, finished = lease.record, False
     try:
-        try:
-            record = store.get(session_id)
-        except NotFoundError:
-            _expired(d, session_id)
-            return "removed"
         touched = store.touched_at(session_id)
         if record.status != "open":
             store.forget(session_id)
@@ -92,9 +88,9 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
         if touched is None or touched > cutoff:
             return "kept"  # saved again since the sweep listed it
         samples = turns.finish_record(d, record, None, None, by="idle")
-        store.save(record)
+        finished = True
     finally:
-        store.release(lock)
+        store.release(lease, record if finished else None)  # saved only when finished here
     log.warning("session %s (%s mode) idle for %.0f s: finished by the gateway, %d Samples "
                 "published", session_id, record.mode, time.time() - touched, len(samples))
     return "finished"

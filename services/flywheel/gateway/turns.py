@@ -42,13 +42,13 @@ import base64
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import redis
 from prometheus_client import Counter
-from redis.lock import Lock
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
@@ -71,7 +71,13 @@ from flywheel.gateway.recording import (
     set_sampling,
 )
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.sessions import LOCK_LEASE_S, Segment, SessionRecord, SessionStore
+from flywheel.gateway.sessions import (
+    LOCK_LEASE_S,
+    Lease,
+    Segment,
+    SessionRecord,
+    SessionStore,
+)
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -140,31 +146,49 @@ def check_stop(gen: Generation, decode: Callable[[list[int]], str]) -> None:
 
 
 @asynccontextmanager
-async def locked(store: SessionStore, session_id: str) -> AsyncIterator[SessionRecord]:
-    """Async form of `SessionStore.locked`: saved on normal exit, untouched on error."""
-    lock = await asyncio.to_thread(store.acquire, session_id)
-    renewal = asyncio.create_task(_renew(lock, session_id))
+async def locked(store: SessionStore, session_id: str,
+                 timeout_s: float = 600.0) -> AsyncIterator[SessionRecord]:
+    """Async form of `SessionStore.locked`: saved on normal exit, untouched on error.
+
+    The lock is taken and the record read in one Redis round trip, and saved and released in
+    one more; while another request holds the session this waits on the event loop (5 ms
+    doubling to 100 ms between tries), not in a thread.
+
+    Raises:
+        NotFoundError: no such session. ConflictError: busy for `timeout_s` seconds, or the
+        lease expired while the turn ran (nothing saved).
+    """
+    deadline, pause = time.monotonic() + timeout_s, 0.005
+    while (lease := await asyncio.to_thread(store.try_acquire, session_id,
+                                            LOCK_LEASE_S)) is None:
+        if time.monotonic() >= deadline:
+            raise ConflictError(f"session {session_id} is busy", param="session_id")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.1)
+    renewal = asyncio.create_task(_renew(store, lease))
     try:
-        record = await asyncio.to_thread(store.get, session_id)
-        yield record
-        await asyncio.to_thread(store.save, record)
-    finally:
+        yield lease.record
+    except BaseException:
         renewal.cancel()
-        await asyncio.to_thread(store.release, lock)
+        await asyncio.to_thread(store.release, lease)
+        raise
+    renewal.cancel()
+    await asyncio.to_thread(store.release, lease, lease.record)
 
 
-async def _renew(lock: Lock, session_id: str) -> None:
+async def _renew(store: SessionStore, lease: Lease) -> None:
     """Renew the session lock's lease while a turn runs (a long generation keeps it; a crashed
     gateway's lock expires after `LOCK_LEASE_S`)."""
     while True:
         await asyncio.sleep(LOCK_LEASE_S / 3)
         try:
-            await asyncio.to_thread(lock.reacquire)
-        except redis.exceptions.LockError:
-            log.error("lost the lock of session %s while a turn was running", session_id)
-            return
+            held = await asyncio.to_thread(store.renew, lease)
         except redis.RedisError as exc:  # bounded: the next renewal retries
-            log.warning("renewing the lock of session %s failed: %s", session_id, exc)
+            log.warning("renewing the lock of session %s failed: %s", lease.session_id, exc)
+            continue
+        if not held:
+            log.error("lost the lock of session %s while a turn was running", lease.session_id)
+            return
 
 
 def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:

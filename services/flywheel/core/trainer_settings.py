@@ -119,7 +119,9 @@ class TrainerSettings(Section):
     sequence with per-sample position ids and a block-diagonal causal mask (padding-free, same
     loss and gradients). Packed pays when sample lengths differ a lot and samples are short
     enough that attention (N^2 over the packed N tokens) stays small next to the MLPs; bound N
-    with `micro_batch_tokens`, which counts real tokens under packed."""
+    with `micro_batch_tokens`, which counts real tokens under packed. Measured (bench/trainer.py
+    part 3, SmolLM2-135M on CPU, 8 samples of 28..112 tokens, micro-batches of 4): padding 34%
+    -> 0%, forward + backward 0.54x the padded time (length-sorted padded: 10%, 0.79x)."""
     step_tokens: int = Field(0, ge=0)
     """Tokens per optimizer step: a step starts once ready groups hold this many and takes
     groups up to it (at least one); 0 = by sample count (`groups_per_step * group_size`)."""

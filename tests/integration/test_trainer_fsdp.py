@@ -4,6 +4,7 @@ global batch, and report the same global loss and token statistics."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -44,12 +45,16 @@ def batch_and_config():
 
 
 def one_step(model_dir: Path, strategy: str, world: World | None):
-    """One train_step; returns (the full state dict, the step metrics)."""
+    """One train_step; returns (the full state dict, the step metrics). `fsdp2_packed`:
+    FSDP2 with packed micro-batches (compared with one padded process)."""
     torch.manual_seed(0)
     model = load_model(model_dir)
+    packed = strategy == "fsdp2_packed"
+    strategy = "fsdp2" if packed else strategy
     trained = shard_policy(model) if strategy == "fsdp2" else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     batch, cfg = batch_and_config()
+    cfg = dataclasses.replace(cfg, packed=packed)
     result = train_step(trained, optimizer, batch, cfg, world=world)
     assert not result.skipped, result
     if strategy != "fsdp2":
@@ -87,7 +92,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "all_reduce"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "all_reduce", "fsdp2_packed"])
 def test_two_ranks_take_the_one_process_step(tiny_model_dir, tmp_path, strategy):
     single_state, single_metrics = one_step(tiny_model_dir, "none", None)
     out = tmp_path / "rank0.pt"

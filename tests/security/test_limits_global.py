@@ -105,10 +105,6 @@ def test_concurrency_limit_is_shared_by_two_replicas(redis_client, prefix, rende
 
 
 LEASE_S = 6.0
-SHORT_LEASE_GATEWAY = (
-    "import sys; import flywheel.gateway.limits as limits; "
-    f"limits.CONCURRENCY_LEASE_S = {LEASE_S}; "
-    "from flywheel.gateway.main import main; main(sys.argv[1:])")
 
 
 @pytest.fixture
@@ -124,11 +120,12 @@ def test_a_killed_replica_gives_its_slot_back_after_the_lease(
     port = free_port()
     cfg = {"redis": {"url": redis_server.url}, "streams": {"prefix": prefix},
            "gateway": {"port": port, "engine_urls": [hang], "tokenizer_path": str(smollm2_dir),
-                       "security": {"auth": "off", "max_concurrent": 1}}}
+                       "security": {"auth": "off", "max_concurrent": 1,
+                                    "concurrency_lease_s": LEASE_S}}}
     path = tmp_path / "gateway.json"
     path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    replica = procs.spawn([sys.executable, "-c", SHORT_LEASE_GATEWAY, "--config", str(path)],
+    replica = procs.spawn([sys.executable, "-m", "flywheel.gateway", "--config", str(path)],
                           "gateway-short-lease", env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", 60)

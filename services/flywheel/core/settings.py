@@ -148,11 +148,16 @@ class SecuritySettings(Section):
     max_tools_bytes: int = Field(256 * 1024, ge=0)
     """Bytes of all tool definitions of one request, as compact JSON."""
     rate_per_minute: float = Field(0.0, ge=0)
-    """Requests per minute per API key (token bucket, per gateway replica); 0 = unlimited."""
+    """Requests per minute per API key (token bucket in Redis, shared by every gateway
+    replica); 0 = unlimited."""
     rate_burst: int = Field(20, ge=1)
     """Requests a key may send at once before the per-minute rate applies."""
     max_concurrent: int = Field(0, ge=0)
-    """Requests in flight per API key (per gateway replica); 0 = unlimited."""
+    """Requests in flight per API key, counted across every gateway replica (leased slots in
+    Redis); 0 = unlimited."""
+    concurrency_lease_s: float = Field(30.0, gt=0)
+    """Seconds an in-flight slot lives without renewal (a running request renews it every third
+    of that): how long a killed replica's slots keep counting against their keys."""
     request_timeout_s: float = Field(900.0, ge=0)
     """Seconds a whole request may take before 504; 0 = no limit (engine calls also have
     `gateway.request_timeout_s`)."""

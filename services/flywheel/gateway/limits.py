@@ -30,10 +30,6 @@ from flywheel.core.settings import SecuritySettings
 
 log = logging.getLogger(__name__)
 
-CONCURRENCY_LEASE_S = 30.0
-"""Seconds a concurrency slot outlives its replica when that replica dies without releasing it
-(renewed every third of it while the request runs)."""
-
 # KEYS: rate hash, in-flight zset. ARGV: tokens per ms, burst, max concurrent (0 = off),
 # lease ms, lease member. Returns {1, 0, ""} (admitted) or {0, retry-after ms, reason}.
 _ADMIT = """
@@ -95,7 +91,8 @@ class RedisLimiter:
         prefix: key prefix (the stream prefix, as sessions and API keys use).
         settings: `rate_per_minute` (0 = no rate limit), `rate_burst`, `max_concurrent`
             (0 = no concurrency limit).
-        lease_s: seconds a slot lives without renewal (default `CONCURRENCY_LEASE_S`).
+        lease_s: seconds a slot lives without renewal (default: the settings'
+            `concurrency_lease_s`).
     """
 
     def __init__(self, client: redis.Redis, prefix: str, settings: SecuritySettings,
@@ -105,7 +102,7 @@ class RedisLimiter:
         self.rate_per_ms = settings.rate_per_minute / 60_000.0
         self.burst = settings.rate_burst
         self.max_concurrent = settings.max_concurrent
-        self.lease_s = lease_s if lease_s is not None else CONCURRENCY_LEASE_S
+        self.lease_s = lease_s if lease_s is not None else settings.concurrency_lease_s
         self.enabled = self.rate_per_ms > 0 or self.max_concurrent > 0
         self._admit = client.register_script(_ADMIT)
         self._renew = client.register_script(_RENEW)

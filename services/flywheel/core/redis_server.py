@@ -47,10 +47,17 @@ def find_redis_server() -> str:
     )
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports `free_port` returned from the ephemeral range in this process: never returned twice, so
+two services set up one after the other (before either binds) cannot be given the same port."""
+
+
 def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
-    """`preferred` if it can be bound on `host`, else the next free port above it (or any free)."""
-    start = preferred or 0
-    for port in ([start + i for i in range(100)] if start else [0]):
+    """`preferred` if it can be bound on `host`, else the next free port above it (or any free
+    port not handed out before by this process)."""
+    if not preferred:
+        return _fresh_ephemeral_port(host)
+    for port in range(preferred, preferred + 100):
         with socket.socket() as sock:
             # Servers bind with SO_REUSEADDR, so a port in TIME_WAIT from a stopped run is free.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,7 +66,25 @@ def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
             except OSError:
                 continue
             return sock.getsockname()[1]
-    raise ConfigurationError(f"no free port in {start}..{start + 99} on {host}")
+    raise ConfigurationError(f"no free port in {preferred}..{preferred + 99} on {host}")
+
+
+def _fresh_ephemeral_port(host: str) -> int:
+    held: list[socket.socket] = []  # kept bound while searching, so the kernel moves on
+    try:
+        for _ in range(256):
+            sock = socket.socket()
+            held.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    finally:
+        for sock in held:
+            sock.close()
+    raise ConfigurationError(f"no fresh ephemeral port on {host}")
 
 
 PORT_LOCK_DIR = Path(tempfile.gettempdir()) / "flywheel-ports"

@@ -40,7 +40,7 @@ def _interrupt(*_: object) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from flywheel.stack import Stack, running_stack  # noqa: PLC0415
+    from flywheel.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
 
     settings = _settings(args)
     if running_stack(settings.state_dir):
@@ -53,10 +53,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        stack.start()
-        print("flywheel is up. Point an OpenAI client at "
-              f"{stack.services[1].url}/v1 (or a session's base_url). Ctrl-C stops everything.",
-              flush=True)
+        try:
+            stack.start()
+        except StackBusyError as exc:
+            print(f"flywheel: {exc}.", file=sys.stderr)
+            stack = None
+            return 1
+        gateway = next(s.url for s in stack.services if s.name == "gateway")
+        print(f"flywheel is up. Point an OpenAI client at {gateway}/v1 (or a session's "
+              "base_url). Ctrl-C stops everything.", flush=True)
         while True:
             time.sleep(5)
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
@@ -70,8 +75,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nstopping...")
         return 0
     finally:
-        stack.stop()
-        print("stopped.", flush=True)
+        if stack is not None:
+            stack.stop()
+            print("stopped.", flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -32,7 +32,9 @@ LENGTHS = [(3, 9), (20, 30), (4, 2), (6, 14), (10, 3)]
 """(prompt, completion) of 5 samples: with micro-batches of 2, rank 0 (rows 0, 2, 4) runs two
 micro-batches and rank 1 (rows 1, 3) one, so FSDP2's pass equalization is exercised."""
 REPORTED = ["loss/total", "loss/pg", "entropy/mean", "logprob/abs_diff_mean",
-            "logprob/abs_diff/max", "batch/micro_batches"]
+            "logprob/abs_diff/max", "batch/micro_batches", "grad/norm"]
+"""Compared with one process. grad/norm (before clipping) checks the gradient's scale: AdamW's
+first step, about lr * sign(g), would not show gradients averaged instead of summed."""
 
 
 def batch_and_config():

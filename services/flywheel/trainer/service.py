@@ -165,7 +165,7 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
 
     Raises:
         ValueError: fsdp2 with LoRA, the distributed weight push, or algorithm parts that run
-            their own forward through the model.
+            their own forward through the model; top-k distillation without teacher top-k.
     """
     s = settings.trainer
     bf16, why = resolve_precision(s.precision, resolve_device(s.device))
@@ -174,6 +174,7 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
     fsdp = world is not None and s.distributed_strategy == "fsdp2"
     if fsdp:
         check_fsdp_settings(settings)
+    check_teacher_inputs(settings)
     torch.manual_seed(s.seed)
     random.seed(s.seed)
     source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
@@ -204,6 +205,20 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
     if latest is not None:
         restore_training_state(optimizer, scheduler, latest, trained)
     return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
+
+
+def check_teacher_inputs(settings: FlywheelSettings) -> None:
+    """Refuse a selected part that reads the teacher's top-k when the teacher keeps none: the
+    Samples would carry no top-k and the term would silently add 0.
+
+    Raises:
+        ValueError: a top-k distillation regularizer with `[teacher] top_k = 0`.
+    """
+    algo = StepConfig.from_settings(settings.trainer).algo
+    if algo.needs_teacher_topk and settings.teacher.top_k == 0:
+        raise ValueError("a selected regularizer (distill_topk) reads the teacher's top-k "
+                         "logprobs, but [teacher] top_k = 0 keeps none: set [teacher] "
+                         "enabled = true and top_k > 0 (e.g. 8), or remove the regularizer")
 
 
 def check_fsdp_settings(settings: FlywheelSettings) -> None:

@@ -45,6 +45,7 @@ from flywheel.trainer.algorithms.losses import (
 )
 from flywheel.trainer.algorithms.pipeline import (
     AlgoConfig,
+    StudentTopK,
     batch_stage,
     student_topk,
     token_terms,
@@ -288,8 +289,8 @@ def _backward_micro_batch(
     if cfg.kl_coef > 0:
         with torch.no_grad():
             ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
-    topk_BTK = None if is_sharded(model) else student_topk(model, mb, cfg)
-    terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, topk_BTK=topk_BTK)
+    student = None if is_sharded(model) else student_topk(model, mb, cfg)
+    terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, student=student)
     aggregate = AGGREGATIONS[cfg.aggregation]
     loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
     if not bool(torch.isfinite(loss)):
@@ -344,7 +345,7 @@ def _logprobs(
 
 def token_loss(
     lp: TokenLogprobs, mb: TrainBatch, cfg: StepConfig, ref_logprobs_BT: Tensor | None = None,
-    topk_BTK: Tensor | None = None,
+    student: StudentTopK | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The (B, T) loss terms of one micro-batch and its (B, T) token statistics.
 
@@ -357,6 +358,9 @@ def token_loss(
     entropy: -entropy_coef * H_t (only when entropy_coef > 0): the entropy bonus of PPO
     (arXiv:1707.06347 eq. 9) with the exact entropy of the tempered next-token distribution and
     its exact gradient from the fused head (not a sampled-token estimate).
+    Regularizer terms of `cfg.algo` are added; `student` carries the full-vocabulary student
+    pass (its own top-k and its logprobs at the teacher's top-k ids) when a selected part reads
+    them (`student_topk`), else None.
     """
     mask_BT = mb.loss_mask_BT
     old_BT, stats = mb.old_logprobs_BT, {}
@@ -382,7 +386,7 @@ def token_loss(
         stats[f"kl/ref_{cfg.kl_estimator}"] = kl_BT.detach()
     if cfg.entropy_coef > 0:  # exact entropy of the tempered distribution, with its gradient
         terms["entropy"] = -cfg.entropy_coef * lp.entropy_BT
-    reg_BT, reg_stats = token_terms(cfg.algo, lp, mb, topk_BTK)
+    reg_BT, reg_stats = token_terms(cfg.algo, lp, mb, student)
     if reg_BT is not None:
         terms["reg"] = reg_BT
         stats |= reg_stats

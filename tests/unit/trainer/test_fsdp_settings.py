@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flywheel.core.settings import load_settings
-from flywheel.trainer.service import check_fsdp_settings
+from flywheel.trainer.service import check_fsdp_settings, check_teacher_inputs
 
 
 @pytest.mark.parametrize(("trainer", "says"), [
@@ -24,3 +26,12 @@ def test_fsdp2_accepts_the_defaults():
                                       "batch_layout": "packed"})
     check_fsdp_settings(settings)
     assert load_settings().trainer.distributed_strategy == "all_reduce"
+
+
+def test_top_k_distillation_without_teacher_top_k_is_refused_at_start():
+    with_topk = load_settings(Path(__file__).parents[3] / "recipes" / "opd_topk.toml")
+    check_teacher_inputs(with_topk)  # the recipe keeps the teacher's top 8: accepted
+    without = load_settings(trainer={"regularizers": {"distill_topk": 1.0}})  # top_k = 0
+    with pytest.raises(ValueError, match=r"top_k = 0"):
+        check_teacher_inputs(without)
+    check_teacher_inputs(load_settings())  # nothing reads the teacher's top-k

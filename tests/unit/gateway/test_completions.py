@@ -4,15 +4,11 @@ token-faithful recording in an episode session (fake engine, real Redis and toke
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from flywheel.core.codec import decode_sample
-from flywheel.core.settings import GatewaySettings
-from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.tokenization import ChatRenderer
+
+from .harness import gateway_app
 
 
 class Engine:
@@ -38,14 +34,8 @@ def renderer(smollm2_dir):
 @pytest.fixture
 def env(redis_client, prefix, renderer):
     engine = Engine(renderer)
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
-
-    def samples():
-        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
-
-    return TestClient(create_app(deps)), engine, samples
+    client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
+    return client, engine, samples
 
 
 def test_text_and_id_prompts_batches_and_logprobs(env, renderer):

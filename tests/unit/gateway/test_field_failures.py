@@ -5,17 +5,14 @@ import json
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
-from flywheel.core.codec import decode_sample
 from flywheel.core.errors import UpstreamError
-from flywheel.core.settings import GatewaySettings
-from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
 from flywheel.gateway.engine_pool import Generation, parse_generation
 from flywheel.gateway.recording import FORKS, prepare_prompt, record_generation
-from flywheel.gateway.sessions import SessionRecord, SessionStore
+from flywheel.gateway.sessions import SessionRecord
 from flywheel.gateway.tokenization import ChatRenderer
+
+from .harness import gateway_app
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 16}
 EOS = 2  # <|im_end|> of the SmolLM2 tokenizer
@@ -193,18 +190,11 @@ class ScriptedEngine:
 
 @pytest.fixture
 def app(redis_client, prefix, renderer):
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer,
-                       engines=ScriptedEngine(None),
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
-    client = TestClient(create_app(deps))
+    client, deps, samples = gateway_app(redis_client, prefix, renderer, ScriptedEngine(None))
 
     def use(gen):
         deps.engines = ScriptedEngine(gen)
         return deps.engines
-
-    def samples():
-        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
 
     return client, use, samples
 

@@ -4,15 +4,11 @@ app with a scripted fake engine, real Redis and the real SmolLM2 tokenizer."""
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from flywheel.core.codec import decode_sample
-from flywheel.core.settings import GatewaySettings
-from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.tokenization import ChatRenderer
+
+from .harness import gateway_app
 
 
 class ScriptEngine:
@@ -39,14 +35,7 @@ def renderer(smollm2_dir):
 @pytest.fixture
 def env(redis_client, prefix, renderer):
     engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "Nice."])
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
-    client = TestClient(create_app(deps))
-
-    def samples():
-        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
-
+    client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
     return client, engine, samples
 
 

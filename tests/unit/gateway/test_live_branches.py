@@ -7,15 +7,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fastapi.testclient import TestClient
 
-from flywheel.core.codec import decode_sample
-from flywheel.core.settings import GatewaySettings
-from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
-from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.tokenization import ChatRenderer
 
+from .harness import gateway_app
 from .test_live import ScriptEngine
 
 U1 = {"role": "user", "content": "Plan a trip to France."}
@@ -31,14 +26,8 @@ def renderer(smollm2_dir):
 @pytest.fixture
 def env(redis_client, prefix, renderer):
     engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "May.", "Nice.", "June."])
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
-
-    def samples():
-        return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
-
-    return TestClient(create_app(deps)), engine, samples
+    client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
+    return client, engine, samples
 
 
 def _post(client, sid, messages):

@@ -35,6 +35,9 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "peers"))
+from request_loop import drain  # noqa: E402  (bench/peers/request_loop.py)
+
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 LEVELS = (1, 16, 64)
@@ -118,32 +121,12 @@ async def cell(base: str, target: str, concurrency: int, n: int, pids: list[int]
                ) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    latencies: list[float] = []
-    errors = 0
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
-
-        async def drain(queue: list[str], keep: bool) -> None:
-            async def worker() -> None:
-                nonlocal errors
-                while queue:
-                    path = queue.pop()
-                    t0 = time.perf_counter()
-                    try:
-                        resp = await client.post(path, json=BODY)
-                    except httpx.HTTPError:
-                        errors += 1
-                        continue
-                    if resp.status_code != 200:
-                        errors += 1
-                    elif keep:
-                        latencies.append(time.perf_counter() - t0)
-
-            await asyncio.gather(*[worker() for _ in range(concurrency)])
-
-        await drain(await _paths(client, target, 2 * concurrency), keep=False)  # warm-up
+        await drain(client, await _paths(client, target, 2 * concurrency), concurrency,
+                    BODY)  # warm-up
         timed = await _paths(client, target, n)
         cpu0, t0 = _cpu_s(pids), time.perf_counter()
-        await drain(timed, keep=True)
+        latencies, errors = await drain(client, timed, concurrency, BODY)
         wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
     lat = sorted(latencies) or [float("nan")]
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
+from request_loop import drain  # bench/peers, this script's folder
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(os.environ.get("FLYWHEEL_PEERS_DIR", Path.home() / ".cache/flywheel/peers"))
@@ -162,34 +163,13 @@ async def _paths(client: httpx.AsyncClient, k: int, session: bool) -> list[str]:
 async def _run(base: str, concurrency: int, n: int, session: bool, key: str = "") -> dict:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    latencies: list[float] = []
-    errors = 0
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits,
                                  headers=headers) as client:
-
-        async def drain(queue: list[str], record: bool) -> None:
-            async def worker() -> None:
-                nonlocal errors
-                while queue:
-                    path = queue.pop()
-                    t0 = time.perf_counter()
-                    try:
-                        resp = await client.post(path, json=BODY)
-                    except httpx.TransportError:
-                        errors += 1
-                        continue
-                    if resp.status_code != 200:
-                        errors += 1
-                    elif record:
-                        latencies.append(time.perf_counter() - t0)
-
-            await asyncio.gather(*[worker() for _ in range(concurrency)])
-
         warm = await _paths(client, 2 * concurrency, session)
         timed = await _paths(client, n, session)  # made first: no idle gap before timing
-        await drain(warm, record=False)
+        await drain(client, warm, concurrency, BODY)
         t0 = time.perf_counter()
-        await drain(timed, record=True)
+        latencies, errors = await drain(client, timed, concurrency, BODY)
         wall = time.perf_counter() - t0
     lat = sorted(latencies)
     pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: 0)

@@ -36,8 +36,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -120,3 +121,17 @@ def init_world() -> World | None:
 def close_world(world: World | None) -> None:
     if world is not None and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_distributed(code: int) -> NoReturn:
+    """End a torchrun rank without interpreter finalization (after `close_world`).
+
+    The process group can outlive `destroy_process_group` (FSDP2's device mesh keeps a
+    reference), and gloo's worker threads torn down during finalization abort the process
+    (SIGABRT, "terminate called without an active exception") now and then, which torchrun
+    reports as a failed run. Logs and standard streams are flushed first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

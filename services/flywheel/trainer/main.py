@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.trainer.telemetry import TrainerStatus  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()
-    from flywheel.trainer.distributed import close_world, init_world  # noqa: PLC0415
+    from flywheel.trainer.distributed import (  # noqa: PLC0415
+        close_world,
+        exit_distributed,
+        init_world,
+    )
 
     world = init_world()
     if world is not None and not world.main:
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("rank %d stopped after %d steps", world.rank, steps)
         finally:
             close_world(world)
-        return 0
+        exit_distributed(0)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -71,4 +75,6 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
         server.should_exit = True
         close_world(world)
+    if world is not None:
+        exit_distributed(0)
     return 0

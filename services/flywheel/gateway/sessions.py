@@ -199,7 +199,7 @@ LOST_LEASES = Counter("flywheel_gateway_session_lease_lost_total",
 
 
 @dataclass
-class Lease:
+class SessionLease:
     """A held session lock: its random token, lease length and the record read under it."""
 
     session_id: str
@@ -258,16 +258,6 @@ class SessionStore:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         return SessionRecord.model_validate_json(raw)
 
-    def save(self, record: SessionRecord) -> None:
-        """Write the record (TTL renewed) and its last-touch time (open sessions only)."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self._key(record.session_id), record.model_dump_json(), ex=self.ttl_s)
-        if record.status == "open":
-            pipe.zadd(self.touched_key, {record.session_id: time.time()})
-        else:
-            pipe.zrem(self.touched_key, record.session_id)
-        pipe.execute()
-
     def idle(self, before: float, limit: int = 100, offset: int = 0) -> list[str]:
         """Ids of open sessions last saved before Unix time `before`, least recent first
         (`limit` of them, after skipping `offset`)."""
@@ -296,7 +286,7 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
-    def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> Lease | None:
+    def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
         """Take the session's lock and read its record in one round trip, or None when another
         holder has it.
 
@@ -310,10 +300,10 @@ class SessionStore:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         if got[0] == 2:
             return None
-        return Lease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
+        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
-                lease_s: float = LOCK_LEASE_S) -> Lease:
+                lease_s: float = LOCK_LEASE_S) -> SessionLease:
         """Take the session's lock, waiting up to `timeout_s` (usable from any thread); the
         lease carries the record as read under the lock. Release it with `release`.
 
@@ -332,14 +322,14 @@ class SessionStore:
             pause = min(pause * 2, 0.1)
         return lease
 
-    def renew(self, lease: Lease) -> bool:
+    def renew(self, lease: SessionLease) -> bool:
         """Extend the lease by its length; False when the lock is no longer held by it."""
         return bool(self._renew(keys=[self._lock_key(lease.session_id)],
                                 args=[lease.token, max(int(lease.lease_s * 1000), 1)]))
 
-    def release(self, lease: Lease, record: SessionRecord | None = None) -> None:
-        """Release the lock, first saving `record` when given (as `save` does), in one round
-        trip.
+    def release(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
+        """Release the lock, first saving `record` when given (the record with a renewed TTL,
+        and its last-save time in the idle index while it is open), in one round trip.
 
         Raises:
             ConflictError: `record` was given but the lease had expired and the lock is gone

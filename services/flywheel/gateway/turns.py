@@ -73,8 +73,8 @@ from flywheel.gateway.recording import (
 from flywheel.gateway.schemas import ChatCompletionRequest
 from flywheel.gateway.sessions import (
     LOCK_LEASE_S,
-    Lease,
     Segment,
+    SessionLease,
     SessionRecord,
     SessionStore,
 )
@@ -176,7 +176,7 @@ async def locked(store: SessionStore, session_id: str,
     await asyncio.to_thread(store.release, lease, lease.record)
 
 
-async def _renew(store: SessionStore, lease: Lease) -> None:
+async def _renew(store: SessionStore, lease: SessionLease) -> None:
     """Renew the session lock's lease while a turn runs (a long generation keeps it; a crashed
     gateway's lock expires after `LOCK_LEASE_S`)."""
     while True:

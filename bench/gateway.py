@@ -36,7 +36,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
-from request_loop import drain  # noqa: E402  (bench/peers/request_loop.py)
+from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
@@ -109,24 +109,22 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-async def _paths(client: httpx.AsyncClient, target: str, k: int) -> list[str]:
+async def _paths(client: Driver, target: str, k: int) -> list[str]:
     if target != "gateway-recorded":
         return ["/v1/chat/completions"] * k
-    made = await asyncio.gather(*[client.post("/v1/sessions", json={"group_id": "bench"})
+    made = await asyncio.gather(*[client.post("/v1/sessions", {"group_id": "bench"})
                                   for _ in range(k)])
-    return [f"/s/{r.json()['session_id']}/v1/chat/completions" for r in made]
+    return [f"/s/{body['session_id']}/v1/chat/completions" for _, body in made]
 
 
 async def cell(base: str, target: str, concurrency: int, n: int, pids: list[int]
                ) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
-        await drain(client, await _paths(client, target, 2 * concurrency), concurrency,
-                    BODY)  # warm-up
+    async with Driver(base, concurrency) as client:
+        await client.drain(await _paths(client, target, 2 * concurrency), BODY)  # warm-up
         timed = await _paths(client, target, n)
         cpu0, t0 = _cpu_s(pids), time.perf_counter()
-        latencies, errors = await drain(client, timed, concurrency, BODY)
+        latencies, errors = await client.drain(timed, BODY)
         wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
     lat = sorted(latencies) or [float("nan")]
 

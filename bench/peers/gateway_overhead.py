@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import httpx
-from request_loop import drain  # bench/peers, this script's folder
+from request_loop import Driver  # bench/peers, this script's folder
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(os.environ.get("FLYWHEEL_PEERS_DIR", Path.home() / ".cache/flywheel/peers"))
@@ -151,25 +151,23 @@ def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str
     return targets
 
 
-async def _paths(client: httpx.AsyncClient, k: int, session: bool) -> list[str]:
+async def _paths(client: Driver, k: int, session: bool) -> list[str]:
     """k request paths; for sessions one fresh (eval) session each, created before timing."""
     if not session:
         return ["/v1/chat/completions"] * k
-    made = await asyncio.gather(*[client.post("/v1/sessions", json={"eval": True})
+    made = await asyncio.gather(*[client.post("/v1/sessions", {"eval": True})
                                   for _ in range(k)])
-    return [f"/s/{r.json()['session_id']}/v1/chat/completions" for r in made]
+    return [f"/s/{body['session_id']}/v1/chat/completions" for _, body in made]
 
 
 async def _run(base: str, concurrency: int, n: int, session: bool, key: str = "") -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits,
-                                 headers=headers) as client:
+    async with Driver(base, concurrency, headers) as client:
         warm = await _paths(client, 2 * concurrency, session)
         timed = await _paths(client, n, session)  # made first: no idle gap before timing
-        await drain(client, warm, concurrency, BODY)
+        await client.drain(warm, BODY)
         t0 = time.perf_counter()
-        latencies, errors = await drain(client, timed, concurrency, BODY)
+        latencies, errors = await client.drain(timed, BODY)
         wall = time.perf_counter() - t0
     lat = sorted(latencies)
     pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000) if lat else (lambda q: 0)

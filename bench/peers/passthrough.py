@@ -1,6 +1,6 @@
 """A minimal pass-through OpenAI proxy (the floor any gateway is compared with): one raw ASGI
 app on uvicorn that forwards POST /v1/chat/completions bodies to an upstream with a pooled
-httpx client and returns the answer as is.
+aiohttp client (the client the gateway's engine pool uses) and returns the answer as is.
 
     python bench/peers/passthrough.py --port 8123 --upstream http://127.0.0.1:9000
 """
@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import argparse
 
-import httpx
+import aiohttp
 import uvicorn
 
 
 def make_app(upstream: str):
-    client = httpx.AsyncClient(base_url=upstream, timeout=60,
-                               limits=httpx.Limits(max_connections=256,
-                                                   max_keepalive_connections=256))
+    upstream = upstream.rstrip("/")
+    sessions: list[aiohttp.ClientSession] = []  # made on the server's event loop
+
+    def client() -> aiohttp.ClientSession:
+        if not sessions:
+            sessions.append(aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=256),
+                timeout=aiohttp.ClientTimeout(total=60)))
+        return sessions[0]
 
     async def app(scope, receive, send):
         if scope["type"] != "http":
@@ -30,10 +36,10 @@ def make_app(upstream: str):
         if scope["path"] == "/health":
             status, data, ctype = 200, b"ok", b"text/plain"
         else:
-            resp = await client.post(scope["path"], content=body,
-                                     headers={"content-type": "application/json"})
-            status, data = resp.status_code, resp.content
-            ctype = resp.headers.get("content-type", "application/json").encode()
+            async with client().post(upstream + scope["path"], data=body,
+                                     headers={"content-type": "application/json"}) as resp:
+                status, data = resp.status, await resp.read()
+                ctype = resp.headers.get("content-type", "application/json").encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", ctype),
                                 (b"content-length", str(len(data)).encode())]})

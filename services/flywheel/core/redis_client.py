@@ -1,10 +1,22 @@
-"""One way to build a redis-py client for services (bytes responses, bounded retries)."""
+"""One way to build redis-py clients for services (bytes responses, bounded retries): a sync
+client, and its asyncio twin for hot paths that must not hop to a thread per command."""
 
 from __future__ import annotations
 
+import asyncio
+
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
+
+_RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
+_COPIED = ("db", "username", "password", "socket_timeout", "socket_connect_timeout",
+           "health_check_interval", "client_name", "credential_provider")
+"""Connection settings an asyncio twin takes over from its sync client."""
+_SSL = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data",
+        "ssl_check_hostname", "ssl_password", "ssl_min_version", "ssl_ciphers")
 
 
 def connect(url: str) -> redis.Redis:
@@ -12,7 +24,47 @@ def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(
         url,
         retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        retry_on_error=_RETRY_ON,
         health_check_interval=30,
         socket_connect_timeout=5,
     )
+
+
+def async_twin(client: redis.Redis) -> aioredis.Redis:
+    """An asyncio client for the same server, database and credentials as `client` (TCP, TLS
+    or a Unix socket), with the same bounded retries. Bound to the event loop that first uses
+    it; build one per loop."""
+    kwargs = client.connection_pool.connection_kwargs
+    settings = {k: kwargs[k] for k in _COPIED if k in kwargs}
+    cls = client.connection_pool.connection_class
+    if issubclass(cls, redis.UnixDomainSocketConnection):
+        conn_cls: type[aioredis.connection.AbstractConnection] = \
+            aioredis.UnixDomainSocketConnection
+        settings["path"] = kwargs["path"]
+    else:
+        settings.update(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379))
+        conn_cls = aioredis.Connection
+        if issubclass(cls, redis.SSLConnection):
+            conn_cls = aioredis.SSLConnection
+            settings.update({k: kwargs[k] for k in _SSL if k in kwargs})
+    pool = aioredis.ConnectionPool(
+        connection_class=conn_cls, retry_on_error=_RETRY_ON,
+        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3), **settings)
+    return aioredis.Redis(connection_pool=pool)
+
+
+class LoopClients:
+    """The asyncio twin of a sync client for the running event loop (a new loop, e.g. a test
+    client's portal, gets its own; the previous loop's is dropped, not closed, since that loop
+    may be gone)."""
+
+    def __init__(self, client: redis.Redis):
+        self.client = client
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._twin: aioredis.Redis | None = None
+
+    def get(self) -> aioredis.Redis:
+        loop = asyncio.get_running_loop()
+        if self._twin is None or self._loop is not loop:
+            self._loop, self._twin = loop, async_twin(self.client)
+        return self._twin

@@ -41,7 +41,7 @@ from flywheel.gateway.security import install as install_security
 from flywheel.gateway.security import owner_of
 from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.streaming import sse_chunks
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.tokenization import ChatRenderer, render_call, text_size
 
 log = logging.getLogger(__name__)
 UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
@@ -90,6 +90,9 @@ def create_app(deps: GatewayDeps) -> FastAPI:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+            close = getattr(deps.engines, "aclose", None)
+            if close is not None:  # the engine pool's HTTP connections
+                await close()
 
     app = FastAPI(title="Flywheel gateway", lifespan=lifespan)
     http_errors.install(app)
@@ -242,7 +245,8 @@ async def _chat(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
             param="X-Turn-Type")
     if session_id is None:
         UNRECORDED.inc()
-        prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
+        prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
+                                   messages, body.tools)
         turns.check_context(d, prompt, sampling)  # the same rule as in sessions
         gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
         return _response(d, body, gens, len(prompt),

@@ -6,6 +6,8 @@ goes to the end of every session's order, so healthy engines serve first. A back
 is out they are still tried, so one recovering engine serves at once.
 
 Speaks only `/generate` with `input_ids` (the gateway never asks an engine to render text).
+HTTP is aiohttp: per request it costs a fraction of httpx's CPU, and the engine call is the
+largest part of the gateway's own work per request (`bench/gateway.py`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
@@ -101,23 +104,46 @@ class EnginePool:
         stop_token_ids: ids whose sampling ends a turn (the tokenizer's EOS).
         health_interval_s: seconds between probes of engines taken out; 0 = never probe (an
             engine then comes back only by serving a request when all are out).
-        transport: httpx transport (tests); None = the network.
     """
 
     def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int],
-                 health_interval_s: float = 2.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 health_interval_s: float = 2.0):
         if not urls:
             raise InvalidRequestError("at least one engine URL is required")
         self.urls = [u.rstrip("/") for u in urls]
         self.stop_token_ids = stop_token_ids
-        self.client = httpx.AsyncClient(timeout=timeout_s, transport=transport)
+        self.timeout_s = timeout_s
+        self._client: aiohttp.ClientSession | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         self.health_interval_s = health_interval_s
         self.down: dict[str, float] = {}
         """Engines taken out -> monotonic time they failed."""
         self._prober: asyncio.Task[None] | None = None
         for url in self.urls:
             ENGINE_UP.labels(url).set(1)
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The pooled keep-alive client, made on the running event loop (a new loop, e.g. a new
+        test client portal, gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client.closed or self._client_loop is not loop:
+            self._client_loop = loop
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                json_serialize=json.dumps)
+        return self._client
+
+    async def _call(self, method: str, url: str, body: dict[str, Any] | None = None,
+                    timeout_s: float | None = None) -> tuple[int, bytes]:
+        """(status, body bytes) of one HTTP call.
+
+        Raises:
+            aiohttp.ClientError, TimeoutError: the call failed in transport.
+        """
+        extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+        async with self._session().request(method, url, json=body, **extra) as resp:
+            return resp.status, await resp.read()
 
     def order(self, affinity: str) -> list[str]:
         """Engines in the order to try for this session key: healthy ones first."""
@@ -143,11 +169,11 @@ class EnginePool:
         """One `GET /health` of every engine taken out; a 200 puts it back."""
         for url in list(self.down):
             try:
-                resp = await self.client.get(f"{url}/health",
-                                             timeout=max(self.health_interval_s, 1.0))
-            except httpx.HTTPError:
+                status, _ = await self._call("GET", f"{url}/health",
+                                             timeout_s=max(self.health_interval_s, 1.0))
+            except (aiohttp.ClientError, TimeoutError):
                 continue
-            if resp.status_code == 200:
+            if status == 200:
                 self.mark_up(url)
 
     async def _probe_loop(self) -> None:
@@ -174,20 +200,22 @@ class EnginePool:
         errors = []
         for url in self.order(affinity)[:2]:
             try:
-                resp = await self.client.post(f"{url}/generate", json=body)
-            except httpx.HTTPError as exc:
+                status, raw = await self._call("POST", f"{url}/generate", body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 errors.append(f"{url}: {exc!r}")
                 self.mark_down(url, errors[-1])
                 continue
-            if 400 <= resp.status_code < 500:
-                raise InvalidRequestError(f"engine rejected the request: {resp.text[:500]}")
-            if resp.status_code != 200:
-                errors.append(f"{url}: HTTP {resp.status_code} {resp.text[:200]}")
+            if 400 <= status < 500:
+                raise InvalidRequestError(
+                    f"engine rejected the request: {raw[:500].decode(errors='replace')}")
+            if status != 200:
+                errors.append(f"{url}: HTTP {status} {raw[:200].decode(errors='replace')}")
                 self.mark_down(url, errors[-1])
                 continue
             try:
-                gen = parse_generation(resp.json(), self.stop_token_ids)
-            except (ValueError, UpstreamError) as exc:  # a 200 that is not a /generate answer
+                gen = parse_generation(json.loads(raw), self.stop_token_ids)
+            except (ValueError, TypeError, AttributeError, UpstreamError) as exc:
+                # a 200 that is not a /generate answer
                 errors.append(f"{url}: unusable response ({exc})")
                 self.mark_down(url, errors[-1])
                 continue
@@ -200,4 +228,5 @@ class EnginePool:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._prober
-        await self.client.aclose()
+        if self._client is not None and not self._client.closed:
+            await self._client.close()

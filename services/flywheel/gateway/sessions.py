@@ -22,6 +22,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, Field, model_validator
 
 from flywheel.core.errors import ConflictError, NotFoundError
+from flywheel.core.redis_client import LoopClients
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +212,10 @@ class SessionLease:
 class SessionStore:
     """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock.
 
+    The lock is taken with the record read (`try_acquire`) and released with the record saved
+    (`release`) in one round trip each; `atry_acquire` / `arenew` / `arelease` do the same on
+    the event loop (an asyncio twin of `client`), the gateway's per-request path.
+
     Args:
         client: redis-py client.
         prefix: key prefix of the deployment.
@@ -226,6 +231,8 @@ class SessionStore:
         self._take = client.register_script(_TAKE)
         self._put = client.register_script(_PUT)
         self._renew = client.register_script(_RENEW)
+        self._loop_clients = LoopClients(client)
+        self._async_scripts: tuple[Any, dict[str, Any]] | None = None
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
@@ -286,6 +293,28 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
+    def _scripts(self) -> dict[str, Any]:
+        """The lock scripts registered on the running loop's asyncio client."""
+        client = self._loop_clients.get()
+        if self._async_scripts is None or self._async_scripts[0] is not client:
+            self._async_scripts = (client, {"take": client.register_script(_TAKE),
+                                            "put": client.register_script(_PUT),
+                                            "renew": client.register_script(_RENEW)})
+        return self._async_scripts[1]
+
+    def _take_call(self, session_id: str, lease_s: float) -> tuple[str, dict[str, list]]:
+        token = uuid.uuid4().hex
+        return token, {"keys": [self._key(session_id), self._lock_key(session_id)],
+                       "args": [token, max(int(lease_s * 1000), 1)]}
+
+    @staticmethod
+    def _taken(session_id: str, token: str, lease_s: float, got: list) -> SessionLease | None:
+        if got[0] == 0:
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+        if got[0] == 2:
+            return None
+        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
+
     def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
         """Take the session's lock and read its record in one round trip, or None when another
         holder has it.
@@ -293,14 +322,14 @@ class SessionStore:
         Raises:
             NotFoundError: no such session (never created, or expired).
         """
-        token = uuid.uuid4().hex
-        got = self._take(keys=[self._key(session_id), self._lock_key(session_id)],
-                         args=[token, max(int(lease_s * 1000), 1)])
-        if got[0] == 0:
-            raise NotFoundError(f"session {session_id} not found", param="session_id")
-        if got[0] == 2:
-            return None
-        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
+        token, call = self._take_call(session_id, lease_s)
+        return self._taken(session_id, token, lease_s, self._take(**call))
+
+    async def atry_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S
+                           ) -> SessionLease | None:
+        """`try_acquire` on the event loop."""
+        token, call = self._take_call(session_id, lease_s)
+        return self._taken(session_id, token, lease_s, await self._scripts()["take"](**call))
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
                 lease_s: float = LOCK_LEASE_S) -> SessionLease:
@@ -322,10 +351,34 @@ class SessionStore:
             pause = min(pause * 2, 0.1)
         return lease
 
+    def _renew_call(self, lease: SessionLease) -> dict[str, list]:
+        return {"keys": [self._lock_key(lease.session_id)],
+                "args": [lease.token, max(int(lease.lease_s * 1000), 1)]}
+
     def renew(self, lease: SessionLease) -> bool:
         """Extend the lease by its length; False when the lock is no longer held by it."""
-        return bool(self._renew(keys=[self._lock_key(lease.session_id)],
-                                args=[lease.token, max(int(lease.lease_s * 1000), 1)]))
+        return bool(self._renew(**self._renew_call(lease)))
+
+    async def arenew(self, lease: SessionLease) -> bool:
+        """`renew` on the event loop."""
+        return bool(await self._scripts()["renew"](**self._renew_call(lease)))
+
+    def _put_call(self, lease: SessionLease, record: SessionRecord | None) -> dict[str, list]:
+        return {"keys": [self._key(lease.session_id), self._lock_key(lease.session_id),
+                         self.touched_key],
+                "args": [lease.token, record.model_dump_json() if record else "", self.ttl_s,
+                         1 if record is not None else 0, record.status if record else "",
+                         lease.session_id, time.time()]}
+
+    @staticmethod
+    def _put_done(lease: SessionLease, record: SessionRecord | None, held: int) -> None:
+        if record is not None and not held:
+            LOST_LEASES.inc()
+            log.error("session %s: the lock's lease expired before the turn was saved; the "
+                      "turn is not recorded", lease.session_id)
+            raise ConflictError(f"session {lease.session_id} was taken over while this request "
+                                "ran (its lock lease expired); retry the request",
+                                param="session_id")
 
     def release(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """Release the lock, first saving `record` when given (the record with a renewed TTL,
@@ -335,19 +388,11 @@ class SessionStore:
             ConflictError: `record` was given but the lease had expired and the lock is gone
                 or held by someone else; nothing is written.
         """
-        held = self._put(
-            keys=[self._key(lease.session_id), self._lock_key(lease.session_id),
-                  self.touched_key],
-            args=[lease.token, record.model_dump_json() if record else "", self.ttl_s,
-                  1 if record is not None else 0, record.status if record else "",
-                  lease.session_id, time.time()])
-        if record is not None and not held:
-            LOST_LEASES.inc()
-            log.error("session %s: the lock's lease expired before the turn was saved; the "
-                      "turn is not recorded", lease.session_id)
-            raise ConflictError(f"session {lease.session_id} was taken over while this request "
-                                "ran (its lock lease expired); retry the request",
-                                param="session_id")
+        self._put_done(lease, record, self._put(**self._put_call(lease, record)))
+
+    async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
+        """`release` on the event loop."""
+        self._put_done(lease, record, await self._scripts()["put"](**self._put_call(lease, record)))
 
     @contextmanager
     def locked(self, session_id: str) -> Iterator[SessionRecord]:

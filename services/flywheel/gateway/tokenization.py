@@ -13,12 +13,41 @@ rendering is used for every request, so prefix checks compare like with like.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from flywheel.core.errors import InvalidRequestError
+
+INLINE_RENDER_CHARS = 8192
+"""Conversations up to this many characters are rendered and tokenized on the event loop (well
+under a millisecond; a thread hop would cost about as much); longer ones in a worker thread so
+one long prompt never stalls the other requests."""
+
+T = TypeVar("T")
+
+
+def text_size(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+    """Characters of the messages' contents and tool calls plus the tool definitions (an upper
+    bound's worth of what the template renders, without rendering it)."""
+    size = len(json.dumps(tools)) if tools else 0
+    for m in messages:
+        content = m.get("content")
+        size += len(content) if isinstance(content, str) else len(json.dumps(content or ""))
+        if m.get("tool_calls"):
+            size += len(json.dumps(m["tool_calls"]))
+    return size
+
+
+async def render_call(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` inline when `size` (characters, see `text_size`) is at most
+    `INLINE_RENDER_CHARS`, else in a worker thread."""
+    if size <= INLINE_RENDER_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass(frozen=True)

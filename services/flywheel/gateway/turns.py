@@ -78,6 +78,7 @@ from flywheel.gateway.sessions import (
     SessionRecord,
     SessionStore,
 )
+from flywheel.gateway.tokenization import render_call, text_size
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -151,16 +152,15 @@ async def locked(store: SessionStore, session_id: str,
     """Async form of `SessionStore.locked`: saved on normal exit, untouched on error.
 
     The lock is taken and the record read in one Redis round trip, and saved and released in
-    one more; while another request holds the session this waits on the event loop (5 ms
-    doubling to 100 ms between tries), not in a thread.
+    one more, both on the event loop (no thread hop); while another request holds the session
+    this waits on the event loop (5 ms doubling to 100 ms between tries).
 
     Raises:
         NotFoundError: no such session. ConflictError: busy for `timeout_s` seconds, or the
         lease expired while the turn ran (nothing saved).
     """
     deadline, pause = time.monotonic() + timeout_s, 0.005
-    while (lease := await asyncio.to_thread(store.try_acquire, session_id,
-                                            LOCK_LEASE_S)) is None:
+    while (lease := await store.atry_acquire(session_id, LOCK_LEASE_S)) is None:
         if time.monotonic() >= deadline:
             raise ConflictError(f"session {session_id} is busy", param="session_id")
         await asyncio.sleep(pause)
@@ -170,10 +170,10 @@ async def locked(store: SessionStore, session_id: str,
         yield lease.record
     except BaseException:
         renewal.cancel()
-        await asyncio.to_thread(store.release, lease)
+        await store.arelease(lease)
         raise
     renewal.cancel()
-    await asyncio.to_thread(store.release, lease, lease.record)
+    await store.arelease(lease, lease.record)
 
 
 async def _renew(store: SessionStore, lease: SessionLease) -> None:
@@ -182,7 +182,7 @@ async def _renew(store: SessionStore, lease: SessionLease) -> None:
     while True:
         await asyncio.sleep(LOCK_LEASE_S / 3)
         try:
-            held = await asyncio.to_thread(store.renew, lease)
+            held = await store.arenew(lease)
         except redis.RedisError as exc:  # bounded: the next renewal retries
             log.warning("renewing the lock of session %s failed: %s", lease.session_id, exc)
             continue
@@ -304,7 +304,8 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         if record.status != "open":
             raise finished_error(record)
         SIDE_TURNS.inc()
-        prompt = await asyncio.to_thread(d.renderer.prompt_ids, messages, body.tools)
+        prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
+                                   messages, body.tools)
         check_context(d, prompt, sampling)
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)
@@ -315,8 +316,8 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         out = _resolve_candidates(record, messages)
         if record.mode == "live":
             out += _select_chat_branch(record, messages)
-        prompt, closed = await asyncio.to_thread(
-            prepare_prompt, record, d.renderer, messages, body.tools)
+        prompt, closed = await render_call(text_size(messages, body.tools), prepare_prompt,
+                                           record, d.renderer, messages, body.tools)
         check_context(d, prompt, sampling)
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)

@@ -1,31 +1,54 @@
 """EnginePool health: a failed engine is taken out (healthy engines serve first), probed, and
-put back once `/health` answers 200. Engines are httpx MockTransport handlers."""
+put back once `/health` answers 200. Engines are two small aiohttp servers on loopback that
+answer /generate and /health, or 500 while broken."""
 
 import asyncio
 
-import httpx
+from aiohttp import web
 
 from flywheel.gateway.engine_pool import ENGINE_UP, EnginePool
 
-A, B = "http://engine-a", "http://engine-b"
 GENERATE = {"text": "8", "output_ids": [28, 2], "meta_info": {
     "output_token_logprobs": [[-0.25, 28, None], [-0.5, 2, None]],
     "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
 
 
 class Engines:
+    """Two engines on real sockets; `calls` lists (engine URL, path) in arrival order."""
+
     def __init__(self):
         self.broken: set[str] = set()
         self.calls: list[tuple[str, str]] = []
+        self.urls: list[str] = []
+        self._runners: list[web.AppRunner] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        base = f"{request.url.scheme}://{request.url.host}"
-        self.calls.append((base, request.url.path))
-        if base in self.broken:
-            return httpx.Response(500, text="boom")
-        if request.url.path == "/health":
-            return httpx.Response(200)
-        return httpx.Response(200, json=GENERATE)
+    async def start(self) -> tuple[str, str]:
+        for _ in range(2):
+            app = web.Application()
+            app.router.add_route("*", "/{path:.*}", self._handler(len(self.urls)))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            self.urls.append(f"http://127.0.0.1:{port}")
+            self._runners.append(runner)
+        return self.urls[0], self.urls[1]
+
+    def _handler(self, index: int):
+        async def handle(request: web.Request) -> web.Response:
+            base = self.urls[index]
+            self.calls.append((base, request.path))
+            if base in self.broken:
+                return web.Response(status=500, text="boom")
+            if request.path == "/health":
+                return web.Response(status=200)
+            return web.json_response(GENERATE)
+        return handle
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
 
 
 def _session_for(pool: EnginePool, first: str) -> str:
@@ -35,8 +58,8 @@ def _session_for(pool: EnginePool, first: str) -> str:
 def test_failed_engine_is_taken_out_and_put_back_when_healthy():
     async def run():
         engines = Engines()
-        pool = EnginePool([A, B], 5.0, {2}, health_interval_s=0.05,
-                          transport=httpx.MockTransport(engines))
+        A, B = await engines.start()
+        pool = EnginePool([A, B], 5.0, {2}, health_interval_s=0.05)
         sid = _session_for(pool, A)
         engines.broken.add(A)
         gen = await pool.generate([1, 2, 3], {"max_new_tokens": 2}, affinity=sid)
@@ -58,6 +81,7 @@ def test_failed_engine_is_taken_out_and_put_back_when_healthy():
         await pool.generate([1], {"max_new_tokens": 2}, affinity=sid)
         assert engines.calls == [(A, "/generate")]  # the session is back on its engine
         await pool.aclose()
+        await engines.stop()
 
     asyncio.run(run())
 
@@ -65,11 +89,12 @@ def test_failed_engine_is_taken_out_and_put_back_when_healthy():
 def test_every_engine_out_is_still_tried():
     async def run():
         engines = Engines()
-        pool = EnginePool([A, B], 5.0, {2}, health_interval_s=0,
-                          transport=httpx.MockTransport(engines))
+        A, B = await engines.start()
+        pool = EnginePool([A, B], 5.0, {2}, health_interval_s=0)
         pool.down = {A: 0.0, B: 0.0}
         gen = await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
         assert gen.output_ids == [28, 2] and len(pool.down) == 1  # the one that served is back
         await pool.aclose()
+        await engines.stop()
 
     asyncio.run(run())

@@ -104,7 +104,7 @@ class EngineDeps:
     """Resolved model folder (settings.model_path may be empty = the default model)."""
 
 
-def get_deps(request: Request) -> EngineDeps:
+async def get_deps(request: Request) -> EngineDeps:
     return request.app.state.deps  # type: ignore[no-any-return]  # set by create_app
 
 

@@ -69,7 +69,8 @@ class GatewayDeps:
     """Tokens (prompt + completion) the engine serves per request."""
 
 
-def get_deps(request: Request) -> GatewayDeps:
+async def get_deps(request: Request) -> GatewayDeps:
+    """The app's dependencies (async: FastAPI runs a sync dependency in a worker thread)."""
     return request.app.state.deps
 
 

@@ -74,6 +74,8 @@ class ChatRenderer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if not self.tokenizer.chat_template:
             raise InvalidRequestError(f"tokenizer at {tokenizer_path} has no chat template")
+        self._fast = getattr(self.tokenizer, "backend_tokenizer", None)
+        """The Rust `tokenizers.Tokenizer` behind a fast tokenizer (None: a slow tokenizer)."""
         self.eos_token: str = self.tokenizer.eos_token or ""
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         probe_tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
@@ -132,7 +134,10 @@ class ChatRenderer:
             ) from exc
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` as it stands (no BOS/EOS added)."""
+        """Token ids of `text` as it stands (no BOS/EOS added): the Rust tokenizer directly
+        when there is one (the same ids as `tokenizer(text)`, without its Python wrapping)."""
+        if self._fast is not None:
+            return self._fast.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prompt_ids(

@@ -38,18 +38,23 @@ def redis_unavailable(exc: redis.RedisError) -> JSONResponse:
                         status_code=503, headers={"Retry-After": "5"})
 
 
+def platform_error(exc: PlatformError) -> JSONResponse:
+    """The error response of a PlatformError (its status; Retry-After for backpressure)."""
+    headers = {}
+    if isinstance(exc, BackpressureError):
+        headers["Retry-After"] = str(int(round(exc.retry_after_s)))
+    if exc.http_status >= 500:
+        log.error("request failed: %s", exc.message)
+    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
+                        status_code=exc.http_status, headers=headers)
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers on `app`."""
 
     @app.exception_handler(PlatformError)
     async def _platform(_: Request, exc: PlatformError) -> JSONResponse:
-        headers = {}
-        if isinstance(exc, BackpressureError):
-            headers["Retry-After"] = str(int(round(exc.retry_after_s)))
-        if exc.http_status >= 500:
-            log.error("request failed: %s", exc.message)
-        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
-                            status_code=exc.http_status, headers=headers)
+        return platform_error(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -55,6 +55,8 @@ REJECTED = Counter("flywheel_gateway_rejected_requests_total",
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
 ADMIN_PREFIXES = ("/v1/admin", "/dashboard", "/admin")
 SESSION_KEY_DENIED = ("/v1/sessions", "/v1/admin")
+JSON_BODY = "json_body"
+"""Request state key: the JSON object body as this middleware parsed it (read by hot_path.py)."""
 
 ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
                    Awaitable[None]]
@@ -323,7 +325,9 @@ class SecurityMiddleware:
                 break
         body = b"".join(chunks)
         if body:
-            self._check_json(scope["path"], body)
+            parsed = self._check_json(scope["path"], body)
+            if isinstance(parsed, dict):  # the hot path (hot_path.py) validates it as is
+                scope.setdefault("state", {})[JSON_BODY] = parsed
         delivered = False
 
         async def replay() -> dict:
@@ -335,7 +339,12 @@ class SecurityMiddleware:
 
         return replay
 
-    def _check_json(self, path: str, body: bytes) -> None:
+    def _check_json(self, path: str, body: bytes) -> Any:
+        """The parsed body (None when it is not JSON: the route's parser answers that).
+
+        Raises:
+            InvalidRequestError: not UTF-8, nested too deep, or over the chat limits.
+        """
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -348,7 +357,7 @@ class SecurityMiddleware:
             data = None
             depth = math.inf
         except ValueError:
-            return  # the route's parser answers with the position of the JSON error
+            return None  # the route's parser answers with the position of the JSON error
         else:
             depth = _scan(data, self.settings.max_json_depth)
         if depth > self.settings.max_json_depth:
@@ -358,6 +367,7 @@ class SecurityMiddleware:
                                       code="json_too_deep")
         if path.endswith("/chat/completions") and isinstance(data, dict):
             self._check_chat(data)
+        return data
 
     def _check_chat(self, data: dict[str, Any]) -> None:
         s = self.settings

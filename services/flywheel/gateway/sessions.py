@@ -258,6 +258,10 @@ class SessionStore:
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))
 
+    async def aexists(self, session_id: str) -> bool:
+        """`exists` on the event loop."""
+        return bool(await self._loop_clients.get().exists(self._key(session_id)))
+
     def get(self, session_id: str) -> SessionRecord:
         """Raises: NotFoundError: no such session (never created, or expired)."""
         raw = self.client.get(self._key(session_id))

@@ -1,0 +1,144 @@
+"""Chat completions: check the request, serve it (recorded in a session, or not), and build
+the OpenAI answer. Called by the FastAPI routes (app.py) and the hot path (hot_path.py) alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import Counter
+
+from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
+from flywheel.gateway import turns
+from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.parsers import ParsedReply
+from flywheel.gateway.request_rules import check_contents, check_model, served_models
+from flywheel.gateway.schemas import SESSION_ID_PATTERN, ChatCompletionRequest
+from flywheel.gateway.streaming import sse_chunks
+from flywheel.gateway.tokenization import render_call, text_size
+
+if TYPE_CHECKING:
+    from flywheel.gateway.app import GatewayDeps
+
+UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
+
+
+def check_chat(d: GatewayDeps, body: ChatCompletionRequest) -> None:
+    """OpenAI's rules on the model name and message contents (request_rules.py)."""
+    check_model(d.settings, body.model)
+    check_contents(body.messages)
+
+
+def answer(body: ChatCompletionRequest, completion: dict[str, Any]
+           ) -> JSONResponse | StreamingResponse:
+    """The HTTP response: the completion as JSON, or as SSE chunks when `stream` is set."""
+    if not body.stream:
+        return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(sse_chunks(completion, include_usage),
+                             media_type="text/event-stream")
+
+
+async def check_backlog(d: GatewayDeps) -> None:
+    """Raises: BackpressureError (429, Retry-After) while the training backlog is full."""
+    if d.publisher.high_water and (
+        await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
+    ):
+        raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
+
+
+async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
+                         ) -> str | None:
+    """The session named by `X-Session-Id`, created in live mode on first use."""
+    if session_id is None:
+        return None
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise InvalidRequestError(
+            "X-Session-Id must be 1-128 characters of letters, digits and _ . : -",
+            param="X-Session-Id")
+    if not await d.sessions.aexists(session_id):
+        await check_backlog(d)
+        with contextlib.suppress(ConflictError):  # a concurrent request created it first
+            await asyncio.to_thread(d.sessions.create, session_id=session_id, mode="live",
+                                    owner=owner)
+    return session_id
+
+
+async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
+                turn_type: str | None = None) -> dict[str, Any]:
+    """Serve one chat request, recorded when `session_id` names a session; returns the
+    `chat.completion` body.
+
+    Raises:
+        InvalidRequestError: a bad X-Turn-Type, or a prompt longer than the context window.
+        NotFoundError, ConflictError: see `turns.session_turn`. UpstreamError: no engine served.
+    """
+    messages = [m.for_template() for m in body.messages]
+    sampling = body.sampling_params(d.settings.default_max_tokens)
+    turn_type = (turn_type or "main").lower()
+    if turn_type not in turns.TURN_TYPES:
+        raise InvalidRequestError(
+            f"X-Turn-Type must be one of {list(turns.TURN_TYPES)}, got {turn_type!r}",
+            param="X-Turn-Type")
+    if session_id is None:
+        UNRECORDED.inc()
+        prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
+                                   messages, body.tools)
+        turns.check_context(d, prompt, sampling)  # the same rule as in sessions
+        gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
+        return _response(d, body, gens, len(prompt),
+                         [turns.parse_choice(d, body, g) for g in gens])
+    gens, prompt_tokens, parsed = await turns.session_turn(
+        d, body, session_id, messages, sampling, turn_type)
+    return _response(d, body, gens, prompt_tokens, parsed)
+
+
+def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation],
+              prompt_tokens: int, parsed: list[ParsedReply]) -> dict[str, Any]:
+    """The `chat.completion` body: one choice per generation, usage summed over choices."""
+    choices = [_choice(d, body, i, gen, reply)
+               for i, (gen, reply) in enumerate(zip(gens, parsed, strict=True))]
+    completion = sum(len(gen.output_ids) for gen in gens)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model or served_models(d.settings)[0],
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion},
+        "metadata": {"weight_version": str(max(gen.weight_version for gen in gens))},
+    }
+
+
+def _token_entry(d: GatewayDeps, token_id: int, logprob: float) -> dict[str, Any]:
+    text = d.renderer.tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _logprobs(d: GatewayDeps, gen: Generation) -> list[dict[str, Any]]:
+    """OpenAI `logprobs.content`: each sampled token, its logprob and its top alternatives."""
+    tops = gen.output_top_logprobs or [[] for _ in gen.output_ids]
+    return [{**_token_entry(d, t, lp), "top_logprobs": [_token_entry(d, i, x) for x, i in top]}
+            for t, lp, top in zip(gen.output_ids, gen.output_logprobs, tops, strict=True)]
+
+
+def _choice(d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Generation,
+            parsed: ParsedReply) -> dict[str, Any]:
+    finish = gen.finish_type
+    if parsed.tool_calls and finish == "stop":
+        finish = "tool_calls"
+    choice: dict[str, Any] = {
+        "index": index,
+        "message": parsed.message(),
+        "finish_reason": finish,
+        "logprobs": None,
+    }
+    if body.logprobs:
+        choice["logprobs"] = {"content": _logprobs(d, gen)}
+    return choice

@@ -1,0 +1,127 @@
+"""The chat completion routes without FastAPI's routing and dependency layers.
+
+`POST /v1/chat/completions` and `/s/<id>/v1/chat/completions` are most of a gateway's traffic.
+Through FastAPI each request pays for route matching, dependency solving, a `Request` object and
+the exception middleware: more CPU than the chat template and tokenization together
+(`bench/gateway.py`). This ASGI layer sits inside the security middleware (authentication,
+limits and the body checks have run, and the body is parsed once there) and serves those two
+routes with the same request model, the same handlers (chat.py) and the same error bodies.
+
+Whatever it cannot take as is goes to the FastAPI app, which answers it exactly as before: a
+body that is not a JSON object, a content type other than JSON, a body that fails validation
+(FastAPI's error message names the field). The FastAPI routes stay the documented API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+from pydantic import ValidationError
+
+from flywheel.core import http_errors
+from flywheel.core.errors import PlatformError
+from flywheel.gateway import chat
+from flywheel.gateway.schemas import ChatCompletionRequest
+from flywheel.gateway.security import JSON_BODY
+
+if TYPE_CHECKING:
+    from flywheel.gateway.app import GatewayDeps
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+TAIL = "/v1/chat/completions"
+
+
+def route(scope: Scope) -> tuple[bool, str | None]:
+    """(is a hot route, the session id of `/s/<id>/...` or None)."""
+    if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+        return False, None
+    path: str = scope["path"]
+    if path == TAIL:
+        return True, None
+    if path.startswith("/s/") and path.endswith(TAIL):
+        session_id = path[3:-len(TAIL)]
+        if session_id and "/" not in session_id:
+            return True, session_id
+    return False, None
+
+
+def _headers(scope: Scope) -> dict[bytes, str]:
+    out: dict[bytes, str] = {}
+    for key, value in scope.get("headers", ()):
+        if key in (b"content-type", b"x-session-id", b"x-turn-type") and key not in out:
+            out[key] = value.decode("latin-1")
+    return out
+
+
+class HotPath:
+    """ASGI middleware: serves the hot routes itself, passes everything else to `app`."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
+                 deps: GatewayDeps):
+        self.app = app
+        self.deps = deps
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hot, session_id = route(scope)
+        if not hot:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay(b"".join(chunks), message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body_bytes = b"".join(chunks)
+        replay = _replay(body_bytes, None, receive)
+        headers = _headers(scope)
+        ctype = headers.get(b"content-type", "").split(";")[0].strip().lower()
+        data = scope.get("state", {}).get(JSON_BODY)
+        if ctype not in ("", "application/json") or not isinstance(data, dict):
+            await self.app(scope, replay, send)
+            return
+        try:
+            body = ChatCompletionRequest.model_validate(data)
+        except ValidationError:
+            await self.app(scope, replay, send)  # FastAPI's answer names the field
+            return
+        try:
+            response = await self._serve(scope, body, session_id, headers)
+        except PlatformError as exc:
+            response = http_errors.platform_error(exc)
+        except redis.RedisError as exc:
+            response = http_errors.redis_unavailable(exc)
+        await response(scope, replay, send)
+
+    async def _serve(self, scope: Scope, body: ChatCompletionRequest, session_id: str | None,
+                     headers: dict[bytes, str]) -> Any:
+        d = self.deps
+        chat.check_chat(d, body)
+        if session_id is None:
+            principal = scope.get("state", {}).get("principal")
+            session_id = await chat.header_session(d, headers.get(b"x-session-id"),
+                                                   principal.key_id if principal else "")
+        return chat.answer(body, await chat.serve(d, body, session_id,
+                                                  headers.get(b"x-turn-type")))
+
+
+def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:
+    """A receive that gives the already-read body once (then `then`, if given), then defers
+    to the server's receive (disconnect notices)."""
+    queue = [{"type": "http.request", "body": body, "more_body": False}]
+    if then is not None:
+        queue.append(then)
+
+    async def replayed() -> dict[str, Any]:
+        if queue:
+            return queue.pop(0)
+        return await receive()
+
+    return replayed

@@ -61,3 +61,51 @@ def test_a_turn_whose_lease_was_taken_over_is_not_saved(redis_client, prefix):
         store.release(stale, stale.record)  # must not overwrite the holder's record
     store.release(fresh, fresh.record)
     assert store.get("s").turns == 1
+
+
+def _queued(stream: str, sample_id: str):
+    from flywheel.gateway.sessions import Outgoing  # noqa: PLC0415
+
+    return Outgoing(stream, f"payload-{sample_id}".encode(), sample_id, 0, 3, "")
+
+
+def test_samples_are_added_only_with_the_save_of_their_record(redis_client, prefix):
+    """A turn's Samples reach the stream in the same atomic step that saves its record: none
+    when the turn fails (released unsaved) or its lease was taken over, each once otherwise."""
+    stream = f"{prefix}:rollouts"
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    failed = store.acquire("s")
+    failed.record.queue(_queued(stream, "a"))
+    store.release(failed)  # the turn raised: released without saving
+    assert redis_client.xlen(stream) == 0
+    stale = store.acquire("s", lease_s=0.2)
+    stale.record.queue(_queued(stream, "b"))
+    time.sleep(0.4)
+    fresh = store.acquire("s", timeout_s=5)
+    with pytest.raises(ConflictError, match="taken over"):
+        store.release(stale, stale.record)
+    assert redis_client.xlen(stream) == 0  # the lost turn published nothing
+    fresh.record.queue(_queued(stream, "c"))
+    fresh.record.samples_published = 1
+    store.release(fresh, fresh.record)
+    entries = redis_client.xrange(stream)
+    assert [e[1][b"sample"] for e in entries] == [b"payload-c"]
+    assert store.get("s").samples_published == 1
+    again = store.acquire("s")
+    store.release(again, again.record)  # a later save publishes nothing again
+    assert redis_client.xlen(stream) == 1
+
+
+def test_async_release_publishes_with_the_save(redis_client, prefix):
+    stream = f"{prefix}:rollouts"
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+
+    async def turn() -> None:
+        async with turns.locked(store, "s") as record:
+            record.queue(_queued(stream, "x"))
+            record.queue(_queued(stream, "y"))
+
+    asyncio.run(turn())
+    assert [e[1][b"sample"] for e in redis_client.xrange(stream)] == [b"payload-x", b"payload-y"]

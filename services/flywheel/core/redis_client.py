@@ -9,6 +9,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncScript
 from redis.retry import Retry
 
 _RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
@@ -56,15 +57,24 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
 class LoopClients:
     """The asyncio twin of a sync client for the running event loop (a new loop, e.g. a test
     client's portal, gets its own; the previous loop's is dropped, not closed, since that loop
-    may be gone)."""
+    may be gone), and Lua scripts registered on it."""
 
     def __init__(self, client: redis.Redis):
         self.client = client
         self._loop: asyncio.AbstractEventLoop | None = None
         self._twin: aioredis.Redis | None = None
+        self._scripts: dict[str, AsyncScript] = {}
 
     def get(self) -> aioredis.Redis:
         loop = asyncio.get_running_loop()
         if self._twin is None or self._loop is not loop:
-            self._loop, self._twin = loop, async_twin(self.client)
+            self._loop, self._twin, self._scripts = loop, async_twin(self.client), {}
         return self._twin
+
+    def script(self, source: str) -> AsyncScript:
+        """The Lua script `source` on this loop's client (EVALSHA, loaded on first use)."""
+        client = self.get()
+        found = self._scripts.get(source)
+        if found is None:
+            found = self._scripts[source] = client.register_script(source)
+        return found

@@ -89,8 +89,9 @@ class StreamProducer:
                 return int(lag) + int(group["pending"])
         return int(self.client.xlen(self.stream))
 
-    def publish(self, sample: sample_pb2.Sample) -> str:
-        """Validate, serialize and XADD one Sample; returns the entry id.
+    def prepare(self, sample: sample_pb2.Sample) -> bytes:
+        """Validate and serialize one Sample for this stream, for a caller that adds it itself
+        (e.g. atomically with other state); count it with `PUBLISHED` once added.
 
         Raises:
             ContractError: the Sample violates an invariant.
@@ -103,7 +104,16 @@ class StreamProducer:
                 "is behind. Retry later.",
                 retry_after_s=5.0,
             )
-        entry_id = self.client.xadd(self.stream, {FIELD: payload})
+        return payload
+
+    def publish(self, sample: sample_pb2.Sample) -> str:
+        """Validate, serialize and XADD one Sample; returns the entry id.
+
+        Raises:
+            ContractError: the Sample violates an invariant.
+            BackpressureError: the watched group's backlog is at the high-water mark.
+        """
+        entry_id = self.client.xadd(self.stream, {FIELD: self.prepare(sample)})
         PUBLISHED.labels(self.stream).inc()
         return _s(entry_id)
 

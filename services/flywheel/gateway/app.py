@@ -47,8 +47,12 @@ class Engines(Protocol):
 
 
 class Publisher(Protocol):
-    def publish(self, sample: sample_pb2.Sample) -> str: ...
+    """The Sample stream (core.streams.StreamProducer): sessions add what `prepare` returns to
+    `stream` when they save (SessionRecord.queue)."""
+
+    def prepare(self, sample: sample_pb2.Sample) -> bytes: ...
     def backlog(self) -> int: ...
+    stream: str
     high_water: int
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import redis
 
 from flywheel.core.errors import BackpressureError
+from flywheel.core.redis_client import LoopClients
 from flywheel.core.settings import SecuritySettings
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class RedisLimiter:
         self.lease_s = lease_s if lease_s is not None else settings.concurrency_lease_s
         self.enabled = self.rate_per_ms > 0 or self.max_concurrent > 0
         self._admit = client.register_script(_ADMIT)
-        self._renew = client.register_script(_RENEW)
+        self._loop_clients = LoopClients(client)
         self._replica = uuid.uuid4().hex[:12]
         self._serial = itertools.count(1)
         self._held: set[Lease] = set()
@@ -113,8 +114,10 @@ class RedisLimiter:
         self._renewer: asyncio.Task | None = None
 
     async def acquire(self, ident: str) -> Lease | None:
-        """`admit` off the event loop; the lease is renewed until `give_back`."""
-        lease = await asyncio.to_thread(self.admit, ident)
+        """`admit` on the event loop (asyncio Redis client); the lease is renewed until
+        `give_back`."""
+        lease, call = self._admit_call(ident)
+        lease = self._admitted(lease, await self._loop_clients.script(_ADMIT)(**call))
         if lease is not None:
             self._held.add(lease)
             loop = asyncio.get_running_loop()
@@ -127,7 +130,7 @@ class RedisLimiter:
         """Stop renewing `lease` and `release` it off the event loop (also when cancelled)."""
         if lease is not None:
             self._held.discard(lease)
-            await asyncio.shield(asyncio.to_thread(self.release, lease))
+            await asyncio.shield(self._arelease(lease))
 
     def admit(self, ident: str) -> Lease | None:
         """Take one token and one concurrency slot for `ident` (blocking Redis call).
@@ -140,12 +143,18 @@ class RedisLimiter:
                 `max_concurrent` requests of this identity in flight on any replica (1 s).
             redis.RedisError: Redis is unreachable (the gateway answers 503).
         """
+        lease, call = self._admit_call(ident)
+        return self._admitted(lease, self._admit(**call))
+
+    def _admit_call(self, ident: str) -> tuple[Lease, dict[str, list]]:
         lease = Lease(f"{self.prefix}:limit:inflight:{ident}",
                       f"{self._replica}:{next(self._serial)}")
-        ok, retry_ms, reason = self._admit(
-            keys=[f"{self.prefix}:limit:rate:{ident}", lease.key],
-            args=[repr(self.rate_per_ms), self.burst, self.max_concurrent,
-                  int(self.lease_s * 1000), lease.member])
+        return lease, {"keys": [f"{self.prefix}:limit:rate:{ident}", lease.key],
+                       "args": [repr(self.rate_per_ms), self.burst, self.max_concurrent,
+                                int(self.lease_s * 1000), lease.member]}
+
+    def _admitted(self, lease: Lease, result: list) -> Lease | None:
+        ok, retry_ms, reason = result
         if not ok:
             reason = reason.decode() if isinstance(reason, bytes) else reason
             if reason == "rate":
@@ -167,6 +176,14 @@ class RedisLimiter:
             log.warning("could not release concurrency slot %s (%s); it expires in %g s",
                         lease.key, exc, self.lease_s)
 
+    async def _arelease(self, lease: Lease) -> None:
+        """`release` on the event loop."""
+        try:
+            await self._loop_clients.get().zrem(lease.key, lease.member)
+        except redis.RedisError as exc:
+            log.warning("could not release concurrency slot %s (%s); it expires in %g s",
+                        lease.key, exc, self.lease_s)
+
     async def _renew_loop(self) -> None:
         """Extend every held lease each third of `lease_s`; ends when none is held."""
         while self._held:
@@ -175,8 +192,8 @@ class RedisLimiter:
             if not held:
                 break
             try:
-                await asyncio.to_thread(
-                    self._renew, keys=[lease.key for lease in held],
+                await self._loop_clients.script(_RENEW)(
+                    keys=[lease.key for lease in held],
                     args=[int(self.lease_s * 1000), *[lease.member for lease in held]])
             except redis.RedisError as exc:
                 log.warning("could not renew %d concurrency leases: %s", len(held), exc)

@@ -292,12 +292,12 @@ class SecurityMiddleware:
         if who.role == "admin":
             return
         try:
-            record = await asyncio.to_thread(self.sessions.get, session_id)
+            owner = await self.sessions.aowner(session_id)
         except NotFoundError:
             if may_create:
                 return
             raise
-        if record.owner != who.key_id:
+        if owner != who.key_id:
             REJECTED.labels("foreign_session").inc()
             log.warning("key %s refused access to session %s of another key", who.key_id,
                         session_id)

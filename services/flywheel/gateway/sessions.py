@@ -19,10 +19,12 @@ from typing import Any, Literal
 
 import redis
 from prometheus_client import Counter
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
 from flywheel.core.errors import ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients
+from flywheel.core.streams import FIELD
+from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,36 @@ class SessionRecord(BaseModel):
     """Live mode: other turns waiting for their next state, oldest first (see branches.py)."""
     finished_by: str = ""
     """Who finished the session: "client" (a finish request) or "idle" (the gateway's sweep)."""
+    _outbox: list[Outgoing] = PrivateAttr(default_factory=list)
+    """Samples to add to their stream when this record is saved (never stored itself)."""
+
+    def queue(self, item: Outgoing) -> None:
+        """Publish `item` with the next save of this record: `SessionStore.release` adds it to
+        its stream in the same atomic step that saves the record, so a turn that fails or a
+        gateway that dies before the save publishes nothing, and a saved turn everything, once.
+        """
+        self._outbox.append(item)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A serialized Sample waiting for its record's save, and what the log says about it."""
+
+    stream: str
+    payload: bytes
+    sample_id: str
+    turn_index: int
+    tokens: int
+    next_state_role: str
+
+
+PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])
+
+
+class _Owner(BaseModel):
+    """The one field of a stored SessionRecord that access checks need."""
+
+    owner: str = ""
 
 
 LOCK_LEASE_S = 15.0
@@ -183,12 +215,13 @@ if ARGV[4] == '1' then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
+  for i = 9, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
 """
-"""Save the record and its last-touch time in the idle index (when ARGV[4] is 1) and unlock,
-only while the lock is still ours."""
+"""Save the record and its last-touch time in the idle index and add its queued Samples to
+the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -232,7 +265,6 @@ class SessionStore:
         self._put = client.register_script(_PUT)
         self._renew = client.register_script(_RENEW)
         self._loop_clients = LoopClients(client)
-        self._async_scripts: tuple[Any, dict[str, Any]] | None = None
 
     def _key(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
@@ -257,6 +289,18 @@ class SessionStore:
 
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))
+
+    async def aowner(self, session_id: str) -> str:
+        """The key id that owns the session ("" when created without authentication), read on
+        the event loop without building the whole record.
+
+        Raises:
+            NotFoundError: no such session.
+        """
+        raw = await self._loop_clients.get().get(self._key(session_id))
+        if raw is None:
+            raise NotFoundError(f"session {session_id} not found", param="session_id")
+        return _Owner.model_validate_json(raw).owner
 
     async def aexists(self, session_id: str) -> bool:
         """`exists` on the event loop."""
@@ -297,15 +341,6 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
-    def _scripts(self) -> dict[str, Any]:
-        """The lock scripts registered on the running loop's asyncio client."""
-        client = self._loop_clients.get()
-        if self._async_scripts is None or self._async_scripts[0] is not client:
-            self._async_scripts = (client, {"take": client.register_script(_TAKE),
-                                            "put": client.register_script(_PUT),
-                                            "renew": client.register_script(_RENEW)})
-        return self._async_scripts[1]
-
     def _take_call(self, session_id: str, lease_s: float) -> tuple[str, dict[str, list]]:
         token = uuid.uuid4().hex
         return token, {"keys": [self._key(session_id), self._lock_key(session_id)],
@@ -333,7 +368,8 @@ class SessionStore:
                            ) -> SessionLease | None:
         """`try_acquire` on the event loop."""
         token, call = self._take_call(session_id, lease_s)
-        return self._taken(session_id, token, lease_s, await self._scripts()["take"](**call))
+        got = await self._loop_clients.script(_TAKE)(**call)
+        return self._taken(session_id, token, lease_s, got)
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
                 lease_s: float = LOCK_LEASE_S) -> SessionLease:
@@ -365,24 +401,39 @@ class SessionStore:
 
     async def arenew(self, lease: SessionLease) -> bool:
         """`renew` on the event loop."""
-        return bool(await self._scripts()["renew"](**self._renew_call(lease)))
+        return bool(await self._loop_clients.script(_RENEW)(**self._renew_call(lease)))
 
     def _put_call(self, lease: SessionLease, record: SessionRecord | None) -> dict[str, list]:
+        outbox = record._outbox if record is not None else []
+        streams = {item.stream for item in outbox}
+        if len(streams) > 1:
+            raise ValueError(f"one save publishes to one stream, got {sorted(streams)}")
         return {"keys": [self._key(lease.session_id), self._lock_key(lease.session_id),
-                         self.touched_key],
+                         self.touched_key, streams.pop() if streams else self.touched_key],
                 "args": [lease.token, record.model_dump_json() if record else "", self.ttl_s,
                          1 if record is not None else 0, record.status if record else "",
-                         lease.session_id, time.time()]}
+                         lease.session_id, time.time(), FIELD,
+                         *[item.payload for item in outbox]]}
 
     @staticmethod
     def _put_done(lease: SessionLease, record: SessionRecord | None, held: int) -> None:
-        if record is not None and not held:
+        if record is None:
+            return
+        outbox, record._outbox = record._outbox, []
+        if not held:
             LOST_LEASES.inc()
             log.error("session %s: the lock's lease expired before the turn was saved; the "
-                      "turn is not recorded", lease.session_id)
+                      "turn is not recorded and its %d Samples are not published",
+                      lease.session_id, len(outbox))
             raise ConflictError(f"session {lease.session_id} was taken over while this request "
                                 "ran (its lock lease expired); retry the request",
                                 param="session_id")
+        for item in outbox:
+            STREAM_PUBLISHED.labels(item.stream).inc()
+            PUBLISHED.labels(record.mode).inc()
+            log.info("published sample %s of session %s turn %d (%d tokens, next_state %s)",
+                     item.sample_id, lease.session_id, item.turn_index, item.tokens,
+                     item.next_state_role or "-")
 
     def release(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """Release the lock, first saving `record` when given (the record with a renewed TTL,
@@ -396,7 +447,8 @@ class SessionStore:
 
     async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """`release` on the event loop."""
-        self._put_done(lease, record, await self._scripts()["put"](**self._put_call(lease, record)))
+        held = await self._loop_clients.script(_PUT)(**self._put_call(lease, record))
+        self._put_done(lease, record, held)
 
     @contextmanager
     def locked(self, session_id: str) -> Iterator[SessionRecord]:

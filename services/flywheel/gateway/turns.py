@@ -73,6 +73,7 @@ from flywheel.gateway.recording import (
 from flywheel.gateway.schemas import ChatCompletionRequest
 from flywheel.gateway.sessions import (
     LOCK_LEASE_S,
+    Outgoing,
     Segment,
     SessionLease,
     SessionRecord,
@@ -84,7 +85,6 @@ if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
 
 log = logging.getLogger(__name__)
-PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])
 NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
                         "Live turns published without a next state (finished or regenerated)")
 SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
@@ -192,16 +192,20 @@ async def _renew(store: SessionStore, lease: SessionLease) -> None:
 
 
 def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:
-    """Publish `samples` (nothing for evaluation sessions)."""
+    """Publish `samples` with the record's save (nothing for evaluation sessions): they are
+    validated and serialized now and added to the stream in the same atomic step that saves
+    the record (`SessionRecord.queue`), so none is lost or published twice by a crash.
+
+    Raises:
+        ContractError: a Sample violates an invariant. BackpressureError: the backlog is full.
+    """
     if record.eval:
         return
     for sample in samples:
-        d.publisher.publish(sample)
+        record.queue(Outgoing(d.publisher.stream, d.publisher.prepare(sample), sample.sample_id,
+                              sample.turn_index, len(sample.token_ids),
+                              sample.next_state.role))
         record.samples_published += 1
-        PUBLISHED.labels(record.mode).inc()
-        log.info("published sample %s of session %s turn %d (%d tokens, next_state %s)",
-                 sample.sample_id, record.session_id, sample.turn_index, len(sample.token_ids),
-                 sample.next_state.role or "-")
 
 
 def _store_pending(record: SessionRecord, sample: sample_pb2.Sample) -> None:

@@ -4,13 +4,15 @@
 
 Targets, each a real process on loopback, all answering the same chat request:
 - direct: the stub engine itself (bench/peers/stub_upstream.py), the floor;
-- proxy: a minimal pass-through proxy (bench/peers/passthrough.py: raw ASGI + pooled httpx);
+- proxy: a minimal pass-through proxy (bench/peers/passthrough.py: raw ASGI on uvicorn + a
+  pooled aiohttp client, the same server and client stack as the gateway);
 - gateway: `python -m flywheel.gateway` without a session (chat template, tokenization,
   `/generate` on the stub, reply parsing, OpenAI response);
 - gateway-recorded: the same through a pre-created episode session (the turn is recorded in
   Redis: lock, stitch, save), i.e. the gateway's overhead with recording included.
 For each target and concurrency 1/16/64: requests/s and p50/p99 latency over `--requests`
-timed requests after a warm-up (best of `--rounds` interleaved rounds), the latency each adds
+timed requests after a warm-up (best of `--rounds` interleaved rounds; the load comes from an
+aiohttp client, bench/peers/request_loop.py), the latency each adds
 over `direct` (p50/p99, ms), and the CPU time the target's own processes spend per request
 (the proxy or gateway process; plus Redis for the recorded target; the stub's share is the
 same for all and excluded), read from /proc. Ratios compare the gateway with the proxy (target:

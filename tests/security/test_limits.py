@@ -44,6 +44,10 @@ CASES = [
      400, "invalid_encoding"),
     ("lone surrogate escape", CHAT, b'{"model":"m","messages":[{"role":"user",'
      b'"content":"\\ud800 hi"}]}', 400, "invalid_encoding"),
+    ("BOM before a lone surrogate", CHAT, b'\xef\xbb\xbf{"model":"m","messages":[{"role":'
+     b'"user","content":"\\ud800 hi"}]}', 400, "invalid_encoding"),
+    ("BOM before too many messages", CHAT,
+     b"\xef\xbb\xbf" + json.dumps(_chat(messages=MSG * 9)).encode(), 400, "too_many_messages"),
     ("NUL and control characters", CHAT, _chat(messages=[{"role": "user",
                                                           "content": "a\u0000b\u001b[2J"}]),
      200, None),

@@ -104,11 +104,16 @@ class EngineDeps:
     """Resolved model folder (settings.model_path may be empty = the default model)."""
 
 
-async def get_deps(request: Request) -> EngineDeps:
+def get_deps(request: Request) -> EngineDeps:
     return request.app.state.deps  # type: ignore[no-any-return]  # set by create_app
 
 
-Deps = Annotated[EngineDeps, Depends(get_deps)]
+async def _deps(request: Request) -> EngineDeps:
+    """`get_deps` as a FastAPI dependency (async: a sync one runs in a worker thread)."""
+    return get_deps(request)
+
+
+Deps = Annotated[EngineDeps, Depends(_deps)]
 
 
 class _BadRequest(Exception):

@@ -8,8 +8,9 @@ limits and the body checks have run, and the body is parsed once there) and serv
 routes with the same request model, the same handlers (chat.py) and the same error bodies.
 
 Whatever it cannot take as is goes to the FastAPI app, which answers it exactly as before: a
-body that is not a JSON object, a content type other than JSON, a body that fails validation
-(FastAPI's error message names the field). The FastAPI routes stay the documented API.
+body that is not a JSON object, a media type other than `application/json` (none at all
+included: FastAPI refuses that), a body that fails validation (FastAPI's error message names
+the field). The FastAPI routes stay the documented API.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HotPath:
         headers = _headers(scope)
         ctype = headers.get(b"content-type", "").split(";")[0].strip().lower()
         data = scope.get("state", {}).get(JSON_BODY)
-        if ctype not in ("", "application/json") or not isinstance(data, dict):
+        if ctype != "application/json" or not isinstance(data, dict):
             await self.app(scope, replay, send)
             return
         try:

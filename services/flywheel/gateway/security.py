@@ -345,8 +345,8 @@ class SecurityMiddleware:
         Raises:
             InvalidRequestError: not UTF-8, nested too deep, or over the chat limits.
         """
-        try:
-            text = body.decode("utf-8")
+        try:  # utf-8-sig: a leading BOM is skipped, as the route's JSON parser skips it
+            text = body.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             REJECTED.labels("bad_body").inc()
             raise InvalidRequestError(f"the request body is not valid UTF-8 (byte "

@@ -117,6 +117,11 @@ def test_what_the_hot_path_cannot_take_gets_fastapis_answer(env):
     text = client.post("/v1/chat/completions", content=json.dumps(CHAT),
                        headers={"content-type": "text/plain"})
     assert text.status_code == 400
+    for ctype in (None, "", "; charset=utf-8"):  # no media type: FastAPI refuses the body
+        headers = {} if ctype is None else {"content-type": ctype}
+        untyped = client.post("/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                              headers=headers)
+        assert untyped.status_code == 400, ctype
     assert served == []  # none of them was served by the hot path
 
 

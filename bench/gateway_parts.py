@@ -1,0 +1,164 @@
+"""Where the gateway's CPU per chat request goes: each stage of `bench/gateway.py`'s request
+timed on its own, in one process, next to what the pass-through proxy does for the same request.
+
+    .venv/bin/python bench/gateway_parts.py [--calls 2000]
+
+Stages (microseconds per call, median of 5 batches of `--calls`), on the bench's request (one
+user message, SmolLM2's template, the instant stub engine of bench/peers/stub_upstream.py and a
+real Redis):
+- body checks: the security middleware's `json.loads` + depth/encoding scan;
+- validation: `ChatCompletionRequest.model_validate` of the parsed body;
+- chat template: rendering the messages; tokenization: the rendered prompt's ids;
+- engine call: `EnginePool.generate` (aiohttp POST of the ids, parse and check the reply)
+  against a bare aiohttp POST of the request body, the proxy's whole upstream work;
+- response: building the `chat.completion` body and its JSON;
+- session lock + read and save + unlock: the recorded path's two Lua scripts (asyncio Redis),
+  with the record of a one-turn session and of a 20,000-token one (the record is read and
+  written whole each turn, so this part grows with the session).
+The server side (uvicorn, the ASGI middlewares) is what `bench/gateway.py` measures around these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
+        "max_tokens": 8}
+
+
+def _per_call_us(fn: Callable[[], object], calls: int) -> float:
+    samples = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(calls):
+            fn()
+        samples.append((time.process_time() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+async def _per_call_us_async(fn: Callable[[], Awaitable[object]], calls: int) -> float:
+    samples = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(calls):
+            await fn()
+        samples.append((time.process_time() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+async def measure(stub: str, redis_url: str, calls: int) -> list[tuple[str, float]]:
+    from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.settings import GatewaySettings, SecuritySettings  # noqa: PLC0415
+    from flywheel.gateway import chat, turns  # noqa: PLC0415
+    from flywheel.gateway.engine_pool import EnginePool  # noqa: PLC0415
+    from flywheel.gateway.schemas import ChatCompletionRequest  # noqa: PLC0415
+    from flywheel.gateway.security import _scan  # noqa: PLC0415
+    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
+    from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
+
+    raw = json.dumps(BODY).encode()
+    depth = SecuritySettings().max_json_depth
+    renderer = ChatRenderer(resolve_model_path(""))
+    body = ChatCompletionRequest.model_validate(BODY)
+    messages = [m.for_template() for m in body.messages]
+    text = renderer.render(messages)
+    ids = renderer.encode(text)
+    sampling = body.sampling_params(GatewaySettings().default_max_tokens)
+    pool = EnginePool([stub], 30.0, {2})
+    gen = await pool.generate(ids, sampling)
+
+    class Deps:
+        settings = GatewaySettings()
+
+    parsed = turns.parse_choice(Deps, body, gen)
+
+    rows = [
+        ("body checks (json.loads + scan)", _per_call_us(lambda: _scan(json.loads(raw), depth),
+                                                          calls)),
+        ("validation (pydantic model)", _per_call_us(
+            lambda: ChatCompletionRequest.model_validate(json.loads(raw)), calls)),
+        ("chat template", _per_call_us(lambda: renderer.render(messages), calls)),
+        ("tokenization", _per_call_us(lambda: renderer.encode(text), calls)),
+        ("response body + JSON", _per_call_us(
+            lambda: json.dumps(chat._response(Deps, body, [gen], len(ids), [parsed])), calls)),
+    ]
+    async with aiohttp.ClientSession() as http:
+        async def bare() -> None:
+            async with http.post(f"{stub}/v1/chat/completions", data=raw,
+                                 headers={"content-type": "application/json"}) as resp:
+                await resp.read()
+
+        rows.append(("engine call (EnginePool.generate)", await _per_call_us_async(
+            lambda: pool.generate(ids, sampling), calls)))
+        rows.append(("proxy: bare aiohttp POST", await _per_call_us_async(bare, calls)))
+    await pool.aclose()
+    store = SessionStore(connect(redis_url), "parts", 600)
+    store.create(session_id="s")
+
+    async def lock_and_save() -> None:
+        lease = await store.atry_acquire("s")
+        await store.arelease(lease, lease.record)
+
+    rows.append(("session lock+read, save+unlock", await _per_call_us_async(lock_and_save,
+                                                                            calls)))
+    long = store.get("s")  # a long episode: 20,000 recorded tokens in its segment
+    long.session_id = "long"
+    long.segment.append(list(range(20_000)), sampled=True, logprobs=[-0.5] * 20_000,
+                        versions=[1] * 20_000)
+    store.create(**long.model_dump())
+    lease = await store.atry_acquire("long")
+    size = len(lease.record.model_dump_json()) // 1024
+    await store.arelease(lease)
+
+    async def long_turn() -> None:
+        lease = await store.atry_acquire("long")
+        await store.arelease(lease, lease.record)
+
+    rows.append((f"  the same, 20k-token record ({size} KiB)",
+                 await _per_call_us_async(long_turn, max(calls // 50, 5))))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args(argv)
+    from flywheel.core.redis_server import LocalRedis, free_port  # noqa: PLC0415
+
+    port = free_port()
+    stub = subprocess.Popen([sys.executable, "bench/peers/stub_upstream.py", "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL)
+    with tempfile.TemporaryDirectory(prefix="flywheel-bench-parts-") as tmp:
+        redis = LocalRedis(Path(tmp)).start()
+        try:
+            time.sleep(1.0)
+            rows = asyncio.run(measure(f"http://127.0.0.1:{port}", redis.url, args.calls))
+        finally:
+            stub.kill()
+            redis.stop()
+    print(f"{'stage':<36}{'us/call':>9}   (CPU time of this process; Redis's own excluded)")
+    for name, us in rows:
+        print(f"{name:<36}{us:>9.1f}")
+    gateway_only = sum(us for name, us in rows if not name.startswith(("proxy", "session", " ")))
+    print(f"\ngateway stages, unrecorded: {gateway_only:.0f} us; recorded adds "
+          f"{dict(rows)['session lock+read, save+unlock']:.0f} us; the proxy's upstream call: "
+          f"{dict(rows)['proxy: bare aiohttp POST']:.0f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,9 @@
 Targets, each a real process on loopback, all answering the same chat request:
 - direct: the stub engine itself (bench/peers/stub_upstream.py), the floor;
 - proxy: a minimal pass-through proxy (bench/peers/passthrough.py: raw ASGI on uvicorn + a
-  pooled aiohttp client, the same server and client stack as the gateway);
+  pooled aiohttp client, the same server and client stack as the gateway): the floor;
+- proxy-httpx: the same proxy on httpx, the client the openai SDK and most Python proxies
+  use (for reference: how much of a proxy's cost is its HTTP client);
 - gateway: `python -m flywheel.gateway` without a session (chat template, tokenization,
   `/generate` on the stub, reply parsing, OpenAI response);
 - gateway-recorded: the same through a pre-created episode session (the turn is recorded in
@@ -43,7 +45,7 @@ from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 LEVELS = (1, 16, 64)
-TARGETS = ("direct", "proxy", "gateway", "gateway-recorded")
+TARGETS = ("direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded")
 
 
 def _start(procs: list[subprocess.Popen], logs: Path, name: str, argv: list[str],
@@ -83,10 +85,12 @@ def start(procs: list[subprocess.Popen], work: Path
     stub = f"http://127.0.0.1:{(port := free_port())}"
     proc = _start(procs, work, "stub", [py, "bench/peers/stub_upstream.py", "--port", str(port)])
     _wait(f"{stub}/health", proc)
-    proxy = f"http://127.0.0.1:{(port := free_port())}"
-    proc = _start(procs, work, "proxy", [py, "bench/peers/passthrough.py", "--port", str(port),
-                                         "--upstream", stub])
-    _wait(f"{proxy}/health", proc)
+    proxies = {}
+    for name, client in (("proxy", "aiohttp"), ("proxy-httpx", "httpx")):
+        proxies[name] = f"http://127.0.0.1:{(port := free_port())}"
+        proc = _start(procs, work, name, [py, "bench/peers/passthrough.py", "--port", str(port),
+                                          "--upstream", stub, "--client", client])
+        _wait(f"{proxies[name]}/health", proc)
     redis = LocalRedis(work / "redis").start()
     gateway = f"http://127.0.0.1:{(port := free_port())}"
     cfg = {"redis": {"url": redis.url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
@@ -97,9 +101,9 @@ def start(procs: list[subprocess.Popen], work: Path
     proc = _start(procs, work, "gateway", [py, "-m", "flywheel.gateway", "--config",
                                            str(work / "settings.json")], env=env)
     _wait(f"{gateway}/readyz", proc)
-    pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "gateway": [proc.pid],
-            "gateway-recorded": [proc.pid, redis.proc.pid]}
-    return ({"direct": stub, "proxy": proxy, "gateway": gateway, "gateway-recorded": gateway},
+    pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "proxy-httpx": [procs[2].pid],
+            "gateway": [proc.pid], "gateway-recorded": [proc.pid, redis.proc.pid]}
+    return ({"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway},
             redis, pids)
 
 
@@ -160,6 +164,7 @@ def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
 
     for c in LEVELS:
         floor, proxy = results[("direct", c)], results[("proxy", c)]
+        slow = results[("proxy-httpx", c)]
         parts = []
         for t in ("gateway", "gateway-recorded"):
             r = results[(t, c)]
@@ -169,6 +174,10 @@ def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
                 f"{ratio(r['p99'] - floor['p99'], proxy['p99'] - floor['p99'])}, req/s "
                 f"{ratio(r['rps'], proxy['rps'])}")
         lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
+        rec = results[("gateway-recorded", c)]
+        lines.append(f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
+                     f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
+                     f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})")
     return lines
 
 

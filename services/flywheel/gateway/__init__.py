@@ -39,7 +39,13 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
 - n > 1 in a session: the choices share `group_id`; the one the client sends back continues the
   session, each other choice is published at once as its own Sample (loss mask on it only).
 
-Module map: app.py (routes), turns.py (what a session turn records and publishes),
+Delivery: a request's Samples are added to the stream by the same Redis script that saves the
+session record and releases its lock (sessions.py), so a failed request or a gateway killed
+mid-turn publishes none of them and a saved turn all of them, once.
+
+Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py
+(the chat routes without FastAPI's routing layers), turns.py (what a session turn records and
+publishes),
 recording.py (stitching rule, fork reasons, Samples from segments), branches.py (live-mode
 branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
 tokenization.py (the only

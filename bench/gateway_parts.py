@@ -15,13 +15,13 @@ real Redis):
 - session lock + read and save + unlock: the recorded path's two Lua scripts (asyncio Redis),
   with the record of a one-turn session and of a 20,000-token one (the record is read and
   written whole each turn, so this part grows with the session).
-The server side (uvicorn, the ASGI middlewares) is what `bench/gateway.py` measures around these.
+Async stages run on uvloop, as in the gateway. The server side (uvicorn, the ASGI middlewares)
+is what `bench/gateway.py` measures around these.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import subprocess
@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         redis = LocalRedis(Path(tmp)).start()
         try:
             time.sleep(1.0)
-            rows = asyncio.run(measure(f"http://127.0.0.1:{port}", redis.url, args.calls))
+            rows = uvloop.run(measure(f"http://127.0.0.1:{port}", redis.url, args.calls))
         finally:
             stub.kill()
             redis.stop()

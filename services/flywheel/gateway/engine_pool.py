@@ -32,6 +32,12 @@ ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = take
                   ["engine"])
 
 
+IDLE_CLOSE_S = 4.0
+"""Seconds an idle engine connection is kept for reuse: below uvicorn's 5 s keep-alive (SGLang
+and most Python servers keep its default), so a POST never goes out on a connection the server
+is closing at that moment (it would fail and take a healthy engine out of service)."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """One engine result. `output_logprobs[i]` and `weight_version` belong to `output_ids[i]`."""
@@ -129,7 +135,8 @@ class EnginePool:
         if self._client is None or self._client.closed or self._client_loop is not loop:
             self._client_loop = loop
             self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
+                                               keepalive_timeout=IDLE_CLOSE_S),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 json_serialize=json.dumps)
         return self._client

@@ -1,0 +1,82 @@
+"""The asyncio twin of a sync Redis client reaches the same server, database and credentials
+(TCP with a password, a Unix socket), and LoopClients gives each event loop its own client and
+scripts. Real redis-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+import redis
+
+from flywheel.core.redis_client import LoopClients, async_twin, connect
+from flywheel.core.redis_server import LocalRedis, find_redis_server
+
+
+def test_twin_uses_the_password_and_database(tmp_path):
+    with LocalRedis(tmp_path / "r", password="s3cret") as server:
+        sync = connect(server.url.replace("/0", "/3"))  # database 3
+
+        async def run() -> None:
+            twin = async_twin(sync)
+            await twin.set("k", "from-twin")
+            await twin.aclose()
+
+        asyncio.run(run())
+        assert sync.get("k") == b"from-twin"
+        assert connect(server.url).get("k") is None  # not in database 0
+        wrong = redis.Redis(host="127.0.0.1", port=server.port, password="nope", db=3)
+
+        async def refused() -> None:
+            twin = async_twin(wrong)
+            try:
+                await twin.get("k")
+            finally:
+                await twin.aclose()
+
+        with pytest.raises(redis.AuthenticationError):
+            asyncio.run(refused())
+
+
+def test_twin_of_a_unix_socket_client(tmp_path):
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen([find_redis_server(), "--port", "0", "--unixsocket", str(sock),
+                             "--dir", str(tmp_path), "--save", ""],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sync = redis.Redis(unix_socket_path=str(sock))
+        for _ in range(100):
+            try:
+                sync.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+
+        async def run() -> bytes:
+            twin = async_twin(sync)
+            await twin.set("u", "over-the-socket")
+            value = await twin.get("u")
+            await twin.aclose()
+            return value
+
+        assert asyncio.run(run()) == b"over-the-socket"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_each_event_loop_gets_its_own_client_and_scripts(redis_client, prefix):
+    clients = LoopClients(redis_client)
+    source = "return redis.call('INCR', KEYS[1])"
+
+    async def run() -> tuple[object, object, int]:
+        client = clients.get()
+        script = clients.script(source)
+        assert clients.get() is client and clients.script(source) is script  # same loop
+        return client, script, await script(keys=[f"{prefix}:n"])
+
+    first, second = asyncio.run(run()), asyncio.run(run())
+    assert first[0] is not second[0] and first[1] is not second[1]  # a new loop, a new client
+    assert (first[2], second[2]) == (1, 2)  # both reached the same server

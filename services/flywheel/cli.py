@@ -1,4 +1,5 @@
-"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`, `keys`.
+"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`, `keys`,
+`algorithms list`.
 
 `flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
 `flywheel demo --steps N --out DIR` runs the training demo on a running stack (started by
@@ -26,8 +27,8 @@ def _settings(args: argparse.Namespace) -> FlywheelSettings:
     try:
         return load_settings(args.config)
     except FileNotFoundError as exc:
-        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing YAML or "
-                 "TOML file.")
+        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML, YAML "
+                 "or JSON file.")
     except ConfigFileError as exc:
         sys.exit(f"flywheel: {exc}")
     except ValidationError as exc:
@@ -107,11 +108,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
     summary = runner.run(started_at=started)
+    print(f"wrote {runner.out / 'metrics.jsonl'} and {runner.out / 'reward_curve.png'}")
+    print(learning_verdict(summary))
+    return 0
+
+
+def learning_verdict(summary: dict) -> str:
+    """One line on whether the demo run learned: the training reward of the last 5 steps
+    against the first 5 (only with 10+ steps: fewer share steps between the windows) and the
+    held-out accuracy before against after."""
+    held_out = (f"held-out accuracy {summary['eval_before']:.3f} -> "
+                f"{summary['eval_after']:.3f}")
+    if summary.get("steps", 0) < 10:
+        return (f"{held_out}; too few steps ({summary.get('steps', 0)}) to compare the first "
+                "and last 5 steps' rewards: run 10 or more for that.")
     learned = summary["last5"] > summary["first5"] and summary["eval_after"] > summary[
         "eval_before"]
-    print(f"wrote {runner.out / 'metrics.jsonl'} and {runner.out / 'reward_curve.png'}")
-    print("the policy learned." if learned else "no measurable learning in this run.")
-    return 0
+    return (f"the policy learned ({held_out})." if learned
+            else f"no measurable learning in this run ({held_out}).")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -180,8 +194,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
             secret, record = store.create(args.role, args.name)
             print(f"created {record.role} key {record.key_id}; it is shown only once:\n{secret}")
         elif args.keys_command == "list":
-            for r in store.list():
+            records = store.list()
+            for r in records:
                 print(f"{r.key_id}  {r.role:6}  {r.name}")
+            if not records:
+                print("no API keys")
         else:
             print(f"revoked {store.revoke(args.key_id).key_id}")
     except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)

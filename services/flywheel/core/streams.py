@@ -23,6 +23,7 @@ from prometheus_client import Counter
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import BackpressureError, ContractError
+from flywheel.core.redis_client import LoopClients
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class StreamProducer:
         self.stream = stream
         self.high_water = high_water
         self.watch_group = watch_group
+        self._loop_clients = LoopClients(client)
 
     def backlog(self) -> int:
         """Entries of `watch_group` not yet acked: its lag plus its pending count."""
@@ -79,15 +81,47 @@ class StreamProducer:
             groups = self.client.xinfo_groups(self.stream)
         except redis.ResponseError:
             return 0
+        group = self._watched(groups)
+        if group is None:
+            return int(self.client.xlen(self.stream))
+        lag = group.get("lag")
+        if lag is None:  # Redis < 7: no lag field; count entries after last-delivered-id
+            lag = len(self.client.xrange(self.stream, min=f"({_s(group['last-delivered-id'])}",
+                                         count=10**6))
+        return int(lag) + int(group["pending"])
+
+    async def abacklog(self) -> int:
+        """`backlog` on the event loop (an asyncio twin of the client)."""
+        if not self.watch_group:
+            return 0
+        client = self._loop_clients.get()
+        try:
+            groups = await client.xinfo_groups(self.stream)
+        except redis.ResponseError:
+            return 0
+        group = self._watched(groups)
+        if group is None:
+            return int(await client.xlen(self.stream))
+        lag = group.get("lag")
+        if lag is None:
+            lag = len(await client.xrange(
+                self.stream, min=f"({_s(group['last-delivered-id'])}", count=10**6))
+        return int(lag) + int(group["pending"])
+
+    def _watched(self, groups: list[dict]) -> dict | None:
         for group in groups:
-            name = group["name"].decode() if isinstance(group["name"], bytes) else group["name"]
-            if name == self.watch_group:
-                lag = group.get("lag")
-                if lag is None:  # Redis < 7: no lag field; count entries after last-delivered-id
-                    last = group["last-delivered-id"]
-                    lag = len(self.client.xrange(self.stream, min=f"({_s(last)}", count=10**6))
-                return int(lag) + int(group["pending"])
-        return int(self.client.xlen(self.stream))
+            if _s(group["name"]) == self.watch_group:
+                return group
+        return None
+
+    def check_room(self, backlog: int) -> None:
+        """Raises: BackpressureError when `backlog` is at the high-water mark."""
+        if self.high_water and backlog >= self.high_water:
+            raise BackpressureError(
+                f"stream {self.stream} has {self.high_water}+ unconsumed entries; the trainer "
+                "is behind. Retry later.",
+                retry_after_s=5.0,
+            )
 
     def prepare(self, sample: sample_pb2.Sample) -> bytes:
         """Validate and serialize one Sample for this stream, for a caller that adds it itself
@@ -98,13 +132,20 @@ class StreamProducer:
             BackpressureError: the watched group's backlog is at the high-water mark.
         """
         payload = encode_sample(sample)
-        if self.high_water and self.backlog() >= self.high_water:
-            raise BackpressureError(
-                f"stream {self.stream} has {self.high_water}+ unconsumed entries; the trainer "
-                "is behind. Retry later.",
-                retry_after_s=5.0,
-            )
+        if self.high_water:
+            self.check_room(self.backlog())
         return payload
+
+    async def aprepare(self, samples: list[sample_pb2.Sample]) -> list[bytes]:
+        """`prepare` for several Samples on the event loop, with one backlog check.
+
+        Raises:
+            ContractError: a Sample violates an invariant. BackpressureError: see `prepare`.
+        """
+        payloads = [encode_sample(sample) for sample in samples]
+        if self.high_water and payloads:
+            self.check_room(await self.abacklog())
+        return payloads
 
     def publish(self, sample: sample_pb2.Sample) -> str:
         """Validate, serialize and XADD one Sample; returns the entry id.

@@ -51,7 +51,8 @@ class Publisher(Protocol):
     `stream` when they save (SessionRecord.queue)."""
 
     def prepare(self, sample: sample_pb2.Sample) -> bytes: ...
-    def backlog(self) -> int: ...
+    async def aprepare(self, samples: list[sample_pb2.Sample]) -> list[bytes]: ...
+    async def abacklog(self) -> int: ...
     stream: str
     high_water: int
 
@@ -160,8 +161,10 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                                x_session_id: SessionHeader = None, x_turn_type: TurnHeader = None
                                ) -> JSONResponse | StreamingResponse:
         chat.check_chat(d, body)
-        session_id = await chat.header_session(d, x_session_id, owner_of(request))
-        return chat.answer(body, await chat.serve(d, body, session_id, x_turn_type))
+        session_id = chat.session_header(x_session_id)
+        owner = None if session_id is None else owner_of(request)
+        return chat.answer(body, await chat.serve(d, body, session_id, x_turn_type,
+                                                  create_owner=owner))
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,

@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter
 
-from flywheel.core.errors import BackpressureError, ConflictError, InvalidRequestError
+from flywheel.core.errors import (
+    BackpressureError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+)
 from flywheel.gateway import turns
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
@@ -46,37 +51,59 @@ def answer(body: ChatCompletionRequest, completion: dict[str, Any]
 
 async def check_backlog(d: GatewayDeps) -> None:
     """Raises: BackpressureError (429, Retry-After) while the training backlog is full."""
-    if d.publisher.high_water and (
-        await asyncio.to_thread(d.publisher.backlog) >= d.publisher.high_water
-    ):
+    if d.publisher.high_water and await d.publisher.abacklog() >= d.publisher.high_water:
         raise BackpressureError("the training backlog is full; retry later", retry_after_s=5)
+
+
+def session_header(session_id: str | None) -> str | None:
+    """The session id an `X-Session-Id` header names (None without the header).
+
+    Raises:
+        InvalidRequestError: not 1-128 letters, digits and `_ . : -`.
+    """
+    if session_id is not None and not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise InvalidRequestError(
+            "X-Session-Id must be 1-128 characters of letters, digits and _ . : -",
+            param="X-Session-Id")
+    return session_id
+
+
+async def create_live(d: GatewayDeps, session_id: str, owner: str) -> None:
+    """Create the live-mode session an `X-Session-Id` names, on its first request.
+
+    Raises:
+        BackpressureError: the training backlog is full (no new sessions then).
+    """
+    await check_backlog(d)
+    with contextlib.suppress(ConflictError):  # a concurrent request created it first
+        await asyncio.to_thread(d.sessions.create, session_id=session_id, mode="live",
+                                owner=owner)
 
 
 async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
                          ) -> str | None:
-    """The session named by `X-Session-Id`, created in live mode on first use."""
-    if session_id is None:
-        return None
-    if not SESSION_ID_PATTERN.fullmatch(session_id):
-        raise InvalidRequestError(
-            "X-Session-Id must be 1-128 characters of letters, digits and _ . : -",
-            param="X-Session-Id")
-    if not await d.sessions.aexists(session_id):
-        await check_backlog(d)
-        with contextlib.suppress(ConflictError):  # a concurrent request created it first
-            await asyncio.to_thread(d.sessions.create, session_id=session_id, mode="live",
-                                    owner=owner)
+    """The session named by `X-Session-Id`, created in live mode on first use (checked with
+    one EXISTS; chat requests skip it, see `serve`)."""
+    session_id = session_header(session_id)
+    if session_id is not None and not await d.sessions.aexists(session_id):
+        await create_live(d, session_id, owner)
     return session_id
 
 
 async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
-                turn_type: str | None = None) -> dict[str, Any]:
+                turn_type: str | None = None, *, create_owner: str | None = None
+                ) -> dict[str, Any]:
     """Serve one chat request, recorded when `session_id` names a session; returns the
     `chat.completion` body.
+
+    `create_owner` (the session comes from `X-Session-Id`): a session the turn finds missing
+    is created in live mode for this owner and the turn served in it, so a request of an
+    existing session costs no extra Redis round trip.
 
     Raises:
         InvalidRequestError: a bad X-Turn-Type, or a prompt longer than the context window.
         NotFoundError, ConflictError: see `turns.session_turn`. UpstreamError: no engine served.
+        BackpressureError: a new session while the training backlog is full.
     """
     messages = [m.for_template() for m in body.messages]
     sampling = body.sampling_params(d.settings.default_max_tokens)
@@ -93,8 +120,15 @@ async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
         gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
         return _response(d, body, gens, len(prompt),
                          [turns.parse_choice(d, body, g) for g in gens])
-    gens, prompt_tokens, parsed = await turns.session_turn(
-        d, body, session_id, messages, sampling, turn_type)
+    try:
+        gens, prompt_tokens, parsed = await turns.session_turn(
+            d, body, session_id, messages, sampling, turn_type)
+    except NotFoundError:
+        if create_owner is None:
+            raise
+        await create_live(d, session_id, create_owner)
+        gens, prompt_tokens, parsed = await turns.session_turn(
+            d, body, session_id, messages, sampling, turn_type)
     return _response(d, body, gens, prompt_tokens, parsed)
 
 

@@ -105,12 +105,14 @@ class HotPath:
                      headers: dict[bytes, str]) -> Any:
         d = self.deps
         chat.check_chat(d, body)
+        owner = None
         if session_id is None:
+            session_id = chat.session_header(headers.get(b"x-session-id"))
             principal = scope.get("state", {}).get("principal")
-            session_id = await chat.header_session(d, headers.get(b"x-session-id"),
-                                                   principal.key_id if principal else "")
+            owner = None if session_id is None else principal.key_id if principal else ""
         return chat.answer(body, await chat.serve(d, body, session_id,
-                                                  headers.get(b"x-turn-type")))
+                                                  headers.get(b"x-turn-type"),
+                                                  create_owner=owner))
 
 
 def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:

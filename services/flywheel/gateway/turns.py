@@ -199,12 +199,22 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
     Raises:
         ContractError: a Sample violates an invariant. BackpressureError: the backlog is full.
     """
-    if record.eval:
-        return
-    for sample in samples:
-        record.queue(Outgoing(d.publisher.stream, d.publisher.prepare(sample), sample.sample_id,
-                              sample.turn_index, len(sample.token_ids),
-                              sample.next_state.role))
+    if not record.eval:
+        _queue(d, record, samples, [d.publisher.prepare(sample) for sample in samples])
+
+
+async def apublish(d: GatewayDeps, record: SessionRecord,
+                   samples: list[sample_pb2.Sample]) -> None:
+    """`publish` on the event loop, with one backlog check for all `samples`."""
+    if not record.eval and samples:
+        _queue(d, record, samples, await d.publisher.aprepare(samples))
+
+
+def _queue(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample],
+           payloads: list[bytes]) -> None:
+    for sample, payload in zip(samples, payloads, strict=True):
+        record.queue(Outgoing(d.publisher.stream, payload, sample.sample_id, sample.turn_index,
+                              len(sample.token_ids), sample.next_state.role))
         record.samples_published += 1
 
 
@@ -340,8 +350,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
                                  for g, p in zip(gens, parsed, strict=True)]
         # Samples are published only once the turn succeeded: a failed request leaves the
         # stored record untouched, and a retry republishes the same sample ids at most.
-        if out:
-            await asyncio.to_thread(publish, d, record, out)
+        await apublish(d, record, out)
         return gens, len(prompt), parsed
 
 

@@ -92,3 +92,30 @@ def test_backpressure_at_high_water_and_nothing_trimmed(redis_client, prefix):
     consumer.ack([e.entry_id for e in entries])
     producer.publish(_sample(4))  # backlog fell to 1 below the mark
     assert redis_client.xlen(f"{prefix}:s") == 4
+
+
+def test_async_backlog_and_prepare_agree_with_the_sync_ones(redis_client, prefix):
+    import asyncio  # noqa: PLC0415
+
+    stream = f"{prefix}:s"
+    watched = StreamProducer(redis_client, stream, high_water=3, watch_group="grp")
+    unwatched = StreamProducer(redis_client, stream)
+
+    async def both(producer: StreamProducer) -> tuple[int, int]:
+        return producer.backlog(), await producer.abacklog()
+
+    for i in range(2):
+        unwatched.publish(_sample(i))
+    # no group yet: the whole stream (2 entries) is the backlog of the watched group
+    assert asyncio.run(both(watched)) == (2, 2)
+    assert asyncio.run(both(unwatched)) == (0, 0)  # nothing watched: never backpressure
+    consumer = _consumer(redis_client, prefix, "c1", min_idle_ms=60_000)
+    consumer.read(count=1, block_ms=10)  # 1 delivered, pending; 1 not yet delivered (lag)
+    unwatched.publish(_sample(2))
+    assert asyncio.run(both(watched)) == (3, 3)  # lag 2 + pending 1
+    with pytest.raises(BackpressureError):
+        asyncio.run(watched.aprepare([_sample(3)]))
+    assert asyncio.run(unwatched.aprepare([])) == []
+    consumer.ack([e.entry_id for e in consumer.read(count=10, block_ms=10)])
+    payloads = asyncio.run(watched.aprepare([_sample(4), _sample(5)]))
+    assert [decode_sample(p).group_id for p in payloads] == ["g4", "g5"]

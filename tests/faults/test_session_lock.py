@@ -109,3 +109,52 @@ def test_async_release_publishes_with_the_save(redis_client, prefix):
 
     asyncio.run(turn())
     assert [e[1][b"sample"] for e in redis_client.xrange(stream)] == [b"payload-x", b"payload-y"]
+
+
+def test_the_save_script_counts_the_backlog_as_the_producer_does(redis_client, prefix):
+    """The Lua backlog rule of the save script against StreamProducer.backlog, in each state:
+    no stream, no group yet (whole stream), lag + pending, lag unknown after an XDEL."""
+    from flywheel.core.streams import StreamProducer  # noqa: PLC0415
+    from flywheel.gateway.sessions import _BACKLOG  # noqa: PLC0415
+
+    stream = f"{prefix}:rollouts"
+    lua = redis_client.register_script(_BACKLOG + "return backlog(KEYS[1], ARGV[1])")
+    producer = StreamProducer(redis_client, stream, high_water=100, watch_group="reward")
+
+    def both() -> tuple[int, int]:
+        return producer.backlog(), lua(keys=[stream], args=["reward"])
+
+    assert both() == (0, 0)  # no stream
+    ids = [redis_client.xadd(stream, {"sample": b"x"}) for _ in range(4)]
+    assert both() == (4, 4)  # no group yet: every entry
+    redis_client.xgroup_create(stream, "reward", id="0")
+    redis_client.xreadgroup("reward", "c", {stream: ">"}, count=1)
+    assert both() == (4, 4)  # lag 3 + pending 1
+    redis_client.xack(stream, "reward", ids[0])
+    assert both() == (3, 3)
+    redis_client.xdel(stream, ids[2])  # a deleted entry makes the group's lag unknown
+    assert redis_client.xinfo_groups(stream)[0].get("lag") is None
+    assert both() == (2, 2)  # counted by XRANGE after the last delivered id
+
+
+def test_a_turn_over_the_high_water_mark_is_refused_whole(redis_client, prefix):
+    from flywheel.core.errors import BackpressureError  # noqa: PLC0415
+    from flywheel.gateway.sessions import Outgoing  # noqa: PLC0415
+
+    stream = f"{prefix}:rollouts"
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    for _ in range(2):
+        redis_client.xadd(stream, {"sample": b"old"})  # no reward group yet: backlog 2
+
+    def turn(high_water: int) -> None:
+        lease = store.acquire("s")
+        lease.record.turns += 1
+        lease.record.queue(Outgoing(stream, b"new", "id", 0, 3, "", high_water, "reward"))
+        store.release(lease, lease.record)
+
+    with pytest.raises(BackpressureError):
+        turn(high_water=2)
+    assert store.get("s").turns == 0 and redis_client.xlen(stream) == 2  # nothing written
+    turn(high_water=3)  # below the mark: saved and published (the lock was released)
+    assert store.get("s").turns == 1 and redis_client.xlen(stream) == 3

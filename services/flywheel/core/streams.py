@@ -136,17 +136,6 @@ class StreamProducer:
             self.check_room(self.backlog())
         return payload
 
-    async def aprepare(self, samples: list[sample_pb2.Sample]) -> list[bytes]:
-        """`prepare` for several Samples on the event loop, with one backlog check.
-
-        Raises:
-            ContractError: a Sample violates an invariant. BackpressureError: see `prepare`.
-        """
-        payloads = [encode_sample(sample) for sample in samples]
-        if self.high_water and payloads:
-            self.check_room(await self.abacklog())
-        return payloads
-
     def publish(self, sample: sample_pb2.Sample) -> str:
         """Validate, serialize and XADD one Sample; returns the entry id.
 

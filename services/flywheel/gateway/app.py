@@ -18,7 +18,6 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from flywheel._proto import sample_pb2
 from flywheel.core import http_errors
 from flywheel.core.settings import GatewaySettings
 from flywheel.gateway import chat, completions, sweep, turns
@@ -47,14 +46,13 @@ class Engines(Protocol):
 
 
 class Publisher(Protocol):
-    """The Sample stream (core.streams.StreamProducer): sessions add what `prepare` returns to
-    `stream` when they save (SessionRecord.queue)."""
+    """The Sample stream and its backpressure rule (core.streams.StreamProducer): sessions add
+    their Samples to `stream` when they save (SessionRecord.queue)."""
 
-    def prepare(self, sample: sample_pb2.Sample) -> bytes: ...
-    async def aprepare(self, samples: list[sample_pb2.Sample]) -> list[bytes]: ...
     async def abacklog(self) -> int: ...
     stream: str
     high_water: int
+    watch_group: str
 
 
 @dataclass

@@ -177,7 +177,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         if record.mode == "live":
             turns.store_turn(record, seg, turn)
         n_prompt = seg.turn_start
-        await turns.apublish(d, record, out)
+        turns.publish(d, record, out)
         return gen, n_prompt
 
 

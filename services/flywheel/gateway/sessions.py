@@ -21,7 +21,7 @@ import redis
 from prometheus_client import Counter
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 
-from flywheel.core.errors import ConflictError, NotFoundError
+from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients
 from flywheel.core.streams import FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
@@ -179,7 +179,10 @@ class SessionRecord(BaseModel):
 
 @dataclass(frozen=True)
 class Outgoing:
-    """A serialized Sample waiting for its record's save, and what the log says about it."""
+    """A serialized Sample waiting for its record's save, and what the log says about it.
+
+    `high_water` / `watch_group`: the stream's backpressure rule (`StreamProducer`), checked
+    by the save itself."""
 
     stream: str
     payload: bytes
@@ -187,9 +190,14 @@ class Outgoing:
     turn_index: int
     tokens: int
     next_state_role: str
+    high_water: int = 0
+    watch_group: str = ""
 
 
 PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])
+BACKPRESSURE = Counter("flywheel_gateway_samples_refused_backpressure_total",
+                       "Samples of turns refused with 429 because the stream was at its "
+                       "high-water mark (the client retries the turn; nothing was recorded)")
 
 
 class _Owner(BaseModel):
@@ -209,19 +217,47 @@ return {2}
 """
 """Lock a session and read its record: {0} no session, {1, record} taken, {2} busy."""
 
-_PUT = """
+_BACKLOG = """
+local function backlog(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return 0 end
+  for _, g in ipairs(groups) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == group then
+      local lag = f['lag']
+      if not lag then
+        lag = #redis.call('XRANGE', stream, '(' .. f['last-delivered-id'], '+')
+      end
+      return tonumber(lag) + tonumber(f['pending'])
+    end
+  end
+  return redis.call('XLEN', stream)
+end
+"""
+"""The `StreamProducer.backlog` rule in Lua: the watched group's lag plus pending (lag counted
+when Redis does not know it), the whole stream when the group does not exist yet."""
+
+_PUT = _BACKLOG + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if ARGV[4] == '1' then
+  local high_water = tonumber(ARGV[9])
+  if #ARGV > 10 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
+    redis.call('DEL', KEYS[2])
+    return 2
+  end
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  for i = 9, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
+  for i = 11, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
 """
 """Save the record and its last-touch time in the idle index and add its queued Samples to
-the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours."""
+the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
+(else 0). With Samples queued and the stream's backlog at its high-water mark ARGV[9] (watched
+group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -405,14 +441,16 @@ class SessionStore:
 
     def _put_call(self, lease: SessionLease, record: SessionRecord | None) -> dict[str, list]:
         outbox = record._outbox if record is not None else []
-        streams = {item.stream for item in outbox}
-        if len(streams) > 1:
-            raise ValueError(f"one save publishes to one stream, got {sorted(streams)}")
+        rules = {(item.stream, item.high_water, item.watch_group) for item in outbox}
+        if len(rules) > 1:
+            raise ValueError(f"one save publishes to one stream, got {sorted(rules)}")
+        stream, high_water, watch_group = rules.pop() if rules else (self.touched_key, 0, "")
         return {"keys": [self._key(lease.session_id), self._lock_key(lease.session_id),
-                         self.touched_key, streams.pop() if streams else self.touched_key],
+                         self.touched_key, stream],
                 "args": [lease.token, record.model_dump_json() if record else "", self.ttl_s,
                          1 if record is not None else 0, record.status if record else "",
                          lease.session_id, time.time(), FIELD,
+                         high_water if watch_group else 0, watch_group,
                          *[item.payload for item in outbox]]}
 
     @staticmethod
@@ -420,6 +458,14 @@ class SessionStore:
         if record is None:
             return
         outbox, record._outbox = record._outbox, []
+        if held == 2:
+            BACKPRESSURE.inc(len(outbox))
+            log.warning("session %s: the stream %s is at its high-water mark; the turn is "
+                        "refused (429) and neither recorded nor published", lease.session_id,
+                        outbox[0].stream)
+            raise BackpressureError(
+                f"stream {outbox[0].stream} has {outbox[0].high_water}+ unconsumed entries; "
+                "the trainer is behind. Retry later.", retry_after_s=5.0)
         if not held:
             LOST_LEASES.inc()
             log.error("session %s: the lock's lease expired before the turn was saved; the "

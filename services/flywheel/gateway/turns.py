@@ -193,28 +193,20 @@ async def _renew(store: SessionStore, lease: SessionLease) -> None:
 
 def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:
     """Publish `samples` with the record's save (nothing for evaluation sessions): they are
-    validated and serialized now and added to the stream in the same atomic step that saves
-    the record (`SessionRecord.queue`), so none is lost or published twice by a crash.
+    validated and serialized now and added to the stream by the same atomic step that saves
+    the record (`SessionRecord.queue`), so none is lost or published twice by a crash; that
+    step also applies the stream's high-water mark (the save then raises BackpressureError).
 
     Raises:
-        ContractError: a Sample violates an invariant. BackpressureError: the backlog is full.
+        ContractError: a Sample violates an invariant.
     """
-    if not record.eval:
-        _queue(d, record, samples, [d.publisher.prepare(sample) for sample in samples])
-
-
-async def apublish(d: GatewayDeps, record: SessionRecord,
-                   samples: list[sample_pb2.Sample]) -> None:
-    """`publish` on the event loop, with one backlog check for all `samples`."""
-    if not record.eval and samples:
-        _queue(d, record, samples, await d.publisher.aprepare(samples))
-
-
-def _queue(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample],
-           payloads: list[bytes]) -> None:
-    for sample, payload in zip(samples, payloads, strict=True):
-        record.queue(Outgoing(d.publisher.stream, payload, sample.sample_id, sample.turn_index,
-                              len(sample.token_ids), sample.next_state.role))
+    if record.eval:
+        return
+    p = d.publisher
+    for sample in samples:
+        record.queue(Outgoing(p.stream, encode_sample(sample), sample.sample_id,
+                              sample.turn_index, len(sample.token_ids), sample.next_state.role,
+                              high_water=p.high_water, watch_group=p.watch_group))
         record.samples_published += 1
 
 
@@ -350,7 +342,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
                                  for g, p in zip(gens, parsed, strict=True)]
         # Samples are published only once the turn succeeded: a failed request leaves the
         # stored record untouched, and a retry republishes the same sample ids at most.
-        await apublish(d, record, out)
+        publish(d, record, out)
         return gens, len(prompt), parsed
 
 

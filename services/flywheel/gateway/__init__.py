@@ -50,6 +50,7 @@ recording.py (stitching rule, fork reasons, Samples from segments), branches.py 
 branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
 tokenization.py (the only
 text -> ids), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
-completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store),
+completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store:
+locks, saves), records.py (what a session stores),
 schemas.py (request models and field policy).
 """

@@ -34,7 +34,7 @@ from prometheus_client import Counter
 
 from flywheel._proto import sample_pb2
 from flywheel.gateway.recording import FORKS
-from flywheel.gateway.sessions import Branch, Segment, SessionRecord
+from flywheel.gateway.records import Branch, Segment, SessionRecord
 
 log = logging.getLogger(__name__)
 MAX_BRANCHES = 8

@@ -29,8 +29,8 @@ from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway import branches, turns
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import FORKS, build_sample, set_sampling
+from flywheel.gateway.records import Segment, SessionRecord
 from flywheel.gateway.request_rules import served_models
-from flywheel.gateway.sessions import Segment, SessionRecord
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps

@@ -28,7 +28,7 @@ from prometheus_client import Counter
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import new_sample
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.sessions import Candidate, Segment, SessionRecord
+from flywheel.gateway.records import Candidate, Segment, SessionRecord
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)

@@ -15,183 +15,26 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import redis
 from prometheus_client import Counter
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel
 
 from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients
 from flywheel.core.streams import FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
+from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's record types)
+    Branch,
+    Candidate,
+    Checkpoint,
+    Outgoing,
+    Segment,
+    SessionRecord,
+)
 
 log = logging.getLogger(__name__)
-
-
-class Checkpoint(BaseModel):
-    """The segment's extent right after one of its turns (a later request may continue there)."""
-
-    messages: int
-    tokens: int
-    text: int = -1
-    """Length of `Segment.text` (raw completions with a text prompt); -1 = not text."""
-    ended_with_eos: bool = False
-
-
-class Segment(BaseModel):
-    """Token-faithful record of consecutive turns. Per-token lists all have the same length."""
-
-    index: int = 0
-    token_ids: list[int] = Field(default_factory=list)
-    loss_mask: list[int] = Field(default_factory=list)
-    logprobs: list[float] = Field(default_factory=list)
-    """Engine logprob of each sampled token; 0.0 where loss_mask is 0."""
-    versions: list[int] = Field(default_factory=list)
-    """Weight version of each sampled token; -1 where loss_mask is 0."""
-    prompt_length: int = 0
-    messages: list[dict[str, Any]] = Field(default_factory=list)
-    """The conversation as recorded: request messages plus the assistant replies produced."""
-    tools: list[dict[str, Any]] | None = None
-    turns: int = 0
-    finish_reason: str = ""
-    ended_with_eos: bool = False
-    sampling: dict[str, float] = Field(default_factory=dict)
-    text: str = ""
-    """Raw completions: the recorded prompt text + completion texts (the extension check)."""
-    turn_start: int = 0
-    """Offset of the last turn's first sampled token (live mode masks everything before it)."""
-    checkpoints: list[Checkpoint] = Field(default_factory=list)
-    """One per turn, in order: where the segment ended right after that turn."""
-
-    def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
-               versions: list[int] | None = None) -> None:
-        """Append template ids (`sampled=False`) or engine-sampled ids with logprobs/versions."""
-        n = len(ids)
-        self.token_ids.extend(ids)
-        self.loss_mask.extend([1 if sampled else 0] * n)
-        self.logprobs.extend(logprobs if sampled and logprobs is not None else [0.0] * n)
-        self.versions.extend(versions if sampled and versions is not None else [-1] * n)
-        if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)
-                == len(self.versions)):
-            raise AssertionError("segment per-token lists diverged in length")
-
-    @model_validator(mode="after")
-    def _legacy_checkpoint(self) -> Segment:
-        """A segment stored before checkpoints existed ends right after its last turn."""
-        if self.turns and not self.checkpoints and self.token_ids:
-            self.mark_turn()
-        return self
-
-    @property
-    def sampled_tokens(self) -> int:
-        return sum(self.loss_mask)
-
-    def mark_turn(self) -> None:
-        """Record a checkpoint at the current end (call right after a turn is appended)."""
-        self.checkpoints.append(Checkpoint(messages=len(self.messages),
-                                           tokens=len(self.token_ids),
-                                           text=len(self.text) if self.text else -1,
-                                           ended_with_eos=self.ended_with_eos))
-
-    def upto(self, k: int) -> Segment:
-        """A copy of this segment cut right after its turn `k` (0-based): the ids, masks,
-        messages and text exactly as they were recorded then, the turn's later tokens dropped."""
-        cp = self.checkpoints[k]
-        out = self.model_copy(deep=True)
-        for name in ("token_ids", "loss_mask", "logprobs", "versions"):
-            setattr(out, name, getattr(out, name)[:cp.tokens])
-        out.messages = out.messages[:cp.messages]
-        out.text = out.text[:cp.text] if cp.text >= 0 else ""
-        out.ended_with_eos = cp.ended_with_eos
-        out.turns = k + 1
-        out.checkpoints = out.checkpoints[:k + 1]
-        out.turn_start = min(out.turn_start, cp.tokens)
-        return out
-
-
-class Candidate(BaseModel):
-    """One choice of an n > 1 turn, not yet part of the segment (the client picks one)."""
-
-    output_ids: list[int]
-    logprobs: list[float]
-    weight_version: int
-    finish_reason: str
-    matched_eos: bool
-    message: dict[str, Any]
-    """The assistant message the client got for this choice."""
-
-
-class Branch(BaseModel):
-    """Live mode: a turn that waits for its next state while the session went on elsewhere
-    (a parallel request on the same history, a regenerated or rewritten turn)."""
-
-    segment: Segment
-    """The segment as it was right after the turn (a later request may continue it)."""
-    pending: str
-    """The turn's Sample (base64 protobuf)."""
-
-
-class SessionRecord(BaseModel):
-    session_id: str
-    group_id: str = ""
-    task: dict[str, Any] = Field(default_factory=dict)
-    """Task metadata for the reward service (e.g. `answer`, `verifier`)."""
-    metadata: dict[str, Any] = Field(default_factory=dict)
-    mode: Literal["episode", "live"] = "episode"
-    eval: bool = False
-    """Evaluation sessions are served but never become training data."""
-    status: Literal["open", "finished"] = "open"
-    created_at: float = Field(default_factory=time.time)
-    owner: str = ""
-    segment: Segment = Field(default_factory=Segment)
-    samples_published: int = 0
-    forks: int = 0
-    fork_reasons: dict[str, int] = Field(default_factory=dict)
-    """Forks of this session per reason (recording.FORK_REASONS)."""
-    turns: int = 0
-    """Assistant turns recorded in the whole session (across segments): the next turn's index."""
-    finish_request: str = ""
-    """Digest of the finish request (reward, following messages): a repeat of the same finish
-    (a client retrying after a lost response) is answered again instead of refused."""
-    finish_published: int = 0
-    """`samples_published` of the finish response (what a repeated finish answers)."""
-    rewards: dict[str, float] = Field(default_factory=dict)
-    """Rewards posted for the episode Sample (episode mode), published with it at finish."""
-    pending: str = ""
-    """Live mode: the last turn's Sample (base64 protobuf) waiting for its next state."""
-    candidates: list[Candidate] = Field(default_factory=list)
-    """n > 1 in a session: the choices of the last turn until the client sends one back."""
-    branches: list[Branch] = Field(default_factory=list)
-    """Live mode: other turns waiting for their next state, oldest first (see branches.py)."""
-    finished_by: str = ""
-    """Who finished the session: "client" (a finish request) or "idle" (the gateway's sweep)."""
-    _outbox: list[Outgoing] = PrivateAttr(default_factory=list)
-    """Samples to add to their stream when this record is saved (never stored itself)."""
-
-    def queue(self, item: Outgoing) -> None:
-        """Publish `item` with the next save of this record: `SessionStore.release` adds it to
-        its stream in the same atomic step that saves the record, so a turn that fails or a
-        gateway that dies before the save publishes nothing, and a saved turn everything, once.
-        """
-        self._outbox.append(item)
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    """A serialized Sample waiting for its record's save, and what the log says about it.
-
-    `high_water` / `watch_group`: the stream's backpressure rule (`StreamProducer`), checked
-    by the save itself."""
-
-    stream: str
-    payload: bytes
-    sample_id: str
-    turn_index: int
-    tokens: int
-    next_state_role: str
-    high_water: int = 0
-    watch_group: str = ""
 
 
 PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])

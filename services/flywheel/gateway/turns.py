@@ -70,15 +70,9 @@ from flywheel.gateway.recording import (
     rewrite_reason,
     set_sampling,
 )
+from flywheel.gateway.records import Outgoing, Segment, SessionRecord
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.sessions import (
-    LOCK_LEASE_S,
-    Outgoing,
-    Segment,
-    SessionLease,
-    SessionRecord,
-    SessionStore,
-)
+from flywheel.gateway.sessions import LOCK_LEASE_S, SessionLease, SessionStore
 from flywheel.gateway.tokenization import render_call, text_size
 
 if TYPE_CHECKING:

@@ -30,6 +30,31 @@ log = logging.getLogger(__name__)
 FIELD = b"sample"
 """Field of a stream entry that holds the serialized Sample."""
 
+BACKLOG_LUA = """
+local function backlog(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if not ok then return 0 end
+  for _, g in ipairs(groups) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == group then
+      local lag = f['lag']
+      if not lag then
+        lag = #redis.call('XRANGE', stream, '(' .. f['last-delivered-id'], '+')
+      end
+      return tonumber(lag) + tonumber(f['pending'])
+    end
+  end
+  return redis.call('XLEN', stream)
+end
+"""
+"""The backlog rule as a Lua function `backlog(stream, group)`, for `StreamProducer.backlog`
+and for scripts that publish atomically with other writes (the gateway's session save): the
+group's lag plus its pending count, the lag counted from its last delivered id when Redis does
+not know it (Redis < 7, or after an XDEL), the whole stream while the group does not exist, 0
+without a stream."""
+_BACKLOG_SCRIPT = BACKLOG_LUA + "return backlog(KEYS[1], ARGV[1])"
+
 PUBLISHED = Counter("flywheel_stream_published_total", "Entries added to a stream", ["stream"])
 ACKED = Counter("flywheel_stream_acked_total", "Entries acknowledged", ["stream", "group"])
 DEAD = Counter("flywheel_stream_dead_lettered_total", "Entries moved to dead letter", ["stream"])
@@ -72,69 +97,22 @@ class StreamProducer:
         self.high_water = high_water
         self.watch_group = watch_group
         self._loop_clients = LoopClients(client)
+        self._backlog = client.register_script(_BACKLOG_SCRIPT)
 
     def backlog(self) -> int:
-        """Entries of `watch_group` not yet acked: its lag plus its pending count."""
+        """Entries of `watch_group` not yet acked: its lag plus its pending count (the whole
+        stream while the group does not exist; 0 without a watched group). One script call
+        (`BACKLOG_LUA`)."""
         if not self.watch_group:
             return 0
-        try:
-            groups = self.client.xinfo_groups(self.stream)
-        except redis.ResponseError:
-            return 0
-        group = self._watched(groups)
-        if group is None:
-            return int(self.client.xlen(self.stream))
-        lag = group.get("lag")
-        if lag is None:  # Redis < 7: no lag field; count entries after last-delivered-id
-            lag = len(self.client.xrange(self.stream, min=f"({_s(group['last-delivered-id'])}",
-                                         count=10**6))
-        return int(lag) + int(group["pending"])
+        return int(self._backlog(keys=[self.stream], args=[self.watch_group]))
 
     async def abacklog(self) -> int:
         """`backlog` on the event loop (an asyncio twin of the client)."""
         if not self.watch_group:
             return 0
-        client = self._loop_clients.get()
-        try:
-            groups = await client.xinfo_groups(self.stream)
-        except redis.ResponseError:
-            return 0
-        group = self._watched(groups)
-        if group is None:
-            return int(await client.xlen(self.stream))
-        lag = group.get("lag")
-        if lag is None:
-            lag = len(await client.xrange(
-                self.stream, min=f"({_s(group['last-delivered-id'])}", count=10**6))
-        return int(lag) + int(group["pending"])
-
-    def _watched(self, groups: list[dict]) -> dict | None:
-        for group in groups:
-            if _s(group["name"]) == self.watch_group:
-                return group
-        return None
-
-    def check_room(self, backlog: int) -> None:
-        """Raises: BackpressureError when `backlog` is at the high-water mark."""
-        if self.high_water and backlog >= self.high_water:
-            raise BackpressureError(
-                f"stream {self.stream} has {self.high_water}+ unconsumed entries; the trainer "
-                "is behind. Retry later.",
-                retry_after_s=5.0,
-            )
-
-    def prepare(self, sample: sample_pb2.Sample) -> bytes:
-        """Validate and serialize one Sample for this stream, for a caller that adds it itself
-        (e.g. atomically with other state); count it with `PUBLISHED` once added.
-
-        Raises:
-            ContractError: the Sample violates an invariant.
-            BackpressureError: the watched group's backlog is at the high-water mark.
-        """
-        payload = encode_sample(sample)
-        if self.high_water:
-            self.check_room(self.backlog())
-        return payload
+        script = self._loop_clients.script(_BACKLOG_SCRIPT)
+        return int(await script(keys=[self.stream], args=[self.watch_group]))
 
     def publish(self, sample: sample_pb2.Sample) -> str:
         """Validate, serialize and XADD one Sample; returns the entry id.
@@ -143,7 +121,14 @@ class StreamProducer:
             ContractError: the Sample violates an invariant.
             BackpressureError: the watched group's backlog is at the high-water mark.
         """
-        entry_id = self.client.xadd(self.stream, {FIELD: self.prepare(sample)})
+        payload = encode_sample(sample)
+        if self.high_water and self.backlog() >= self.high_water:
+            raise BackpressureError(
+                f"stream {self.stream} has {self.high_water}+ unconsumed entries; the trainer "
+                "is behind. Retry later.",
+                retry_after_s=5.0,
+            )
+        entry_id = self.client.xadd(self.stream, {FIELD: payload})
         PUBLISHED.labels(self.stream).inc()
         return _s(entry_id)
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients
-from flywheel.core.streams import FIELD
+from flywheel.core.streams import BACKLOG_LUA, FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
 from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's record types)
     Branch,
@@ -60,28 +60,7 @@ return {2}
 """
 """Lock a session and read its record: {0} no session, {1, record} taken, {2} busy."""
 
-_BACKLOG = """
-local function backlog(stream, group)
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-  if not ok then return 0 end
-  for _, g in ipairs(groups) do
-    local f = {}
-    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-    if f['name'] == group then
-      local lag = f['lag']
-      if not lag then
-        lag = #redis.call('XRANGE', stream, '(' .. f['last-delivered-id'], '+')
-      end
-      return tonumber(lag) + tonumber(f['pending'])
-    end
-  end
-  return redis.call('XLEN', stream)
-end
-"""
-"""The `StreamProducer.backlog` rule in Lua: the watched group's lag plus pending (lag counted
-when Redis does not know it), the whole stream when the group does not exist yet."""
-
-_PUT = _BACKLOG + """
+_PUT = BACKLOG_LUA + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if ARGV[4] == '1' then
   local high_water = tonumber(ARGV[9])

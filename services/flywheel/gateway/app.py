@@ -158,17 +158,12 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, d: Deps,
                                x_session_id: SessionHeader = None, x_turn_type: TurnHeader = None
                                ) -> JSONResponse | StreamingResponse:
-        chat.check_chat(d, body)
-        session_id = chat.session_header(x_session_id)
-        owner = None if session_id is None else owner_of(request)
-        return chat.answer(body, await chat.serve(d, body, session_id, x_turn_type,
-                                                  create_owner=owner))
+        return await chat.respond(d, body, None, x_session_id, x_turn_type, owner_of(request))
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
     async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,
                            x_turn_type: TurnHeader = None) -> JSONResponse | StreamingResponse:
-        chat.check_chat(d, body)
-        return chat.answer(body, await chat.serve(d, body, session_id, x_turn_type))
+        return await chat.respond(d, body, session_id, None, x_turn_type, "")
 
     @app.post("/v1/completions", response_model=None)
     async def text_completion(body: CompletionRequest, request: Request, d: Deps,

@@ -90,6 +90,24 @@ async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
     return session_id
 
 
+async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
+                  header_id: str | None, turn_type: str | None, owner: str
+                  ) -> JSONResponse | StreamingResponse:
+    """One chat request end to end, as the routes and the hot path serve it: OpenAI's rules,
+    the session (the URL's `session_id`, else the `X-Session-Id` value `header_id`, created in
+    live mode for `owner` on first use), the turn and the HTTP answer.
+
+    Raises:
+        PlatformError: see `check_chat`, `session_header` and `serve`.
+    """
+    check_chat(d, body)
+    create_owner = None
+    if session_id is None:
+        session_id = session_header(header_id)
+        create_owner = None if session_id is None else owner
+    return answer(body, await serve(d, body, session_id, turn_type, create_owner=create_owner))
+
+
 async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
                 turn_type: str | None = None, *, create_owner: str | None = None
                 ) -> dict[str, Any]:

@@ -103,16 +103,10 @@ class HotPath:
 
     async def _serve(self, scope: Scope, body: ChatCompletionRequest, session_id: str | None,
                      headers: dict[bytes, str]) -> Any:
-        d = self.deps
-        chat.check_chat(d, body)
-        owner = None
-        if session_id is None:
-            session_id = chat.session_header(headers.get(b"x-session-id"))
-            principal = scope.get("state", {}).get("principal")
-            owner = None if session_id is None else principal.key_id if principal else ""
-        return chat.answer(body, await chat.serve(d, body, session_id,
-                                                  headers.get(b"x-turn-type"),
-                                                  create_owner=owner))
+        principal = scope.get("state", {}).get("principal")
+        return await chat.respond(self.deps, body, session_id, headers.get(b"x-session-id"),
+                                  headers.get(b"x-turn-type"),
+                                  principal.key_id if principal else "")
 
 
 def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flywheel.trainer.distributed import World
+from flywheel.trainer.distributed import World, exit_distributed
 from flywheel.trainer.fsdp import (
     full_state_dict,
     gather_checkpoint,
@@ -86,6 +86,9 @@ def rank_main(rank: int, size: int, port: int, model_dir: str, strategy: str, ou
             torch.save({"state": state, "metrics": metrics}, out)
     finally:
         dist.destroy_process_group()
+    # as a torchrun rank does: gloo threads torn down at interpreter exit abort the process
+    # now and then (SIGABRT), which mp.spawn would report as a failed rank
+    exit_distributed(0)
 
 
 def free_port() -> int:

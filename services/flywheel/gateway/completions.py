@@ -31,6 +31,7 @@ from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import FORKS, build_sample, set_sampling
 from flywheel.gateway.records import Segment, SessionRecord
 from flywheel.gateway.request_rules import served_models
+from flywheel.gateway.schemas import sglang_sampling
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -100,18 +101,8 @@ class CompletionRequest(BaseModel):
         return list(p)  # type: ignore[arg-type]
 
     def sampling_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "max_new_tokens": self.max_tokens or 16,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-        }
-        if self.stop:
-            params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.seed is not None:
-            params["sampling_seed"] = self.seed % 2**63
-        return params
+        """SGLang `sampling_params` (OpenAI's legacy default of 16 new tokens)."""
+        return sglang_sampling(self, self.max_tokens or 16)
 
 
 def _ids(d: GatewayDeps, prompt: str | list[int]) -> list[int]:

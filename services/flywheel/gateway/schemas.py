@@ -164,18 +164,26 @@ class ChatCompletionRequest(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """SGLang `sampling_params` for this request (only keys SGLang accepts)."""
-        params: dict[str, Any] = {
-            "max_new_tokens": self.max_completion_tokens or self.max_tokens or default_max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
-        }
-        if self.stop:
-            params["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if self.seed is not None:
-            params["sampling_seed"] = self.seed % 2**63  # OpenAI seeds are signed int64
-        return params
+        return sglang_sampling(
+            self, self.max_completion_tokens or self.max_tokens or default_max_tokens)
+
+
+def sglang_sampling(req: Any, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang `sampling_params` from an OpenAI request's `temperature`, `top_p`, `top_k`,
+    `min_p`, `stop` and `seed` (unset ones get SGLang's neutral values; the seed, a signed int64
+    in OpenAI's API, becomes SGLang's non-negative `sampling_seed`)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_k": -1 if req.top_k is None else req.top_k,
+        "min_p": 0.0 if req.min_p is None else req.min_p,
+    }
+    if req.stop:
+        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed % 2**63
+    return params
 
 
 class SessionCreate(BaseModel):

@@ -4,6 +4,7 @@ renews it, so a long turn is never entered twice."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -157,3 +158,38 @@ def test_a_turn_over_the_high_water_mark_is_refused_whole(redis_client, prefix):
     assert store.get("s").turns == 0 and redis_client.xlen(stream) == 2  # nothing written
     turn(high_water=3)  # below the mark: saved and published (the lock was released)
     assert store.get("s").turns == 1 and redis_client.xlen(stream) == 3
+
+
+
+def test_requests_waiting_on_a_busy_session_leave_other_requests_served(
+        procs, inproc_gateway, redis_client, prefix):
+    """While one turn holds a session (its engine hangs), 4x the worker-thread pool's size of
+    reward posts wait for that session on the event loop. Requests that need the pool
+    (`/readyz`, session create and read) are still answered at once; the waiters all go
+    through once the turn ends (its engine call times out after 8 s), each reward recorded."""
+    import concurrent.futures  # noqa: PLC0415
+
+    import httpx  # noqa: PLC0415
+
+    gw = inproc_gateway([procs.stub("hang")], request_timeout_s=8.0)
+    waiters = 4 * min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor size
+    with httpx.Client(base_url=gw, timeout=60) as client:
+        sid = client.post("/v1/sessions", json={}).json()["session_id"]
+        with concurrent.futures.ThreadPoolExecutor(waiters + 1) as pool:
+            turn = pool.submit(client.post, f"/s/{sid}/v1/chat/completions",
+                               json={"model": "m", "max_tokens": 8,
+                                     "messages": [{"role": "user", "content": "hi"}]})
+            time.sleep(1.0)  # the turn holds the session's lock
+            posts = [pool.submit(client.post, f"/v1/sessions/{sid}/reward",
+                                 json={"name": f"r{i}", "reward": float(i)})
+                     for i in range(waiters)]
+            time.sleep(1.0)  # every post waits for the lock
+            assert not turn.done()
+            with httpx.Client(base_url=gw, timeout=4.0) as quick:  # the turn has ~6 s left
+                assert quick.get("/readyz").status_code == 200
+                other = quick.post("/v1/sessions", json={}).json()["session_id"]
+                assert quick.get(f"/v1/sessions/{other}").json()["status"] == "open"
+            assert turn.result().status_code == 502  # the hanging engine timed out
+            assert [p.result().status_code for p in posts] == [200] * waiters
+    rewards = SessionStore(redis_client, prefix, 60).get(sid).rewards
+    assert rewards == {f"r{i}": float(i) for i in range(waiters)}

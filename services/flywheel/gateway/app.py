@@ -148,11 +148,11 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
         following = [body.next_state.for_template()] if body.next_state else None
-        return await asyncio.to_thread(turns.finish, d, session_id, body.reward, following)
+        return await turns.finish(d, session_id, body.reward, following)
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def post_reward(session_id: str, body: RewardPost, d: Deps) -> dict[str, Any]:
-        return await asyncio.to_thread(turns.post_reward, d, session_id, body.name, body.reward)
+        return await turns.post_reward(d, session_id, body.name, body.reward)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request, d: Deps,

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -317,18 +315,3 @@ class SessionStore:
         """`release` on the event loop."""
         held = await self._loop_clients.script(_PUT)(**self._put_call(lease, record))
         self._put_done(lease, record, held)
-
-    @contextmanager
-    def locked(self, session_id: str) -> Iterator[SessionRecord]:
-        """Hold the session's lock while reading, changing and saving it.
-
-        The record is saved on normal exit; on an exception nothing is written, so what was
-        recorded before stays intact.
-        """
-        lease = self.acquire(session_id)
-        try:
-            yield lease.record
-        except BaseException:
-            self.release(lease)
-            raise
-        self.release(lease, lease.record)

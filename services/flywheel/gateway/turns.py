@@ -359,19 +359,21 @@ def finished_error(record: SessionRecord) -> ConflictError:
     return ConflictError(f"session {record.session_id} is finished; create a new session")
 
 
-def finish(d: GatewayDeps, session_id: str, reward: float | None,
-           following: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+async def finish(d: GatewayDeps, session_id: str, reward: float | None,
+                 following: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Finish a session and publish what it still holds (see the module docstring).
 
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
     Sample published here. Finishing is idempotent: the same finish sent again (a retry after
     a lost response) gets the first answer with `"replayed": true` and publishes nothing.
+    While a turn holds the session this waits for it on the event loop (`locked`), never in a
+    worker thread, so waiting finishes cannot starve the thread pool other requests use.
     Raises: NotFoundError; ConflictError (finished by a different finish request, or by the
-    gateway's idle sweep).
+    gateway's idle sweep, or the session stayed busy for 600 s).
     """
     digest = hashlib.sha256(json.dumps([reward, following or []], sort_keys=True,
                                        default=str).encode()).hexdigest()
-    with d.sessions.locked(session_id) as record:
+    async with locked(d.sessions, session_id) as record:
         if record.status == "finished":
             if record.finish_request and record.finish_request == digest:
                 return {"session_id": session_id, "status": "finished",
@@ -381,7 +383,9 @@ def finish(d: GatewayDeps, session_id: str, reward: float | None,
             raise ConflictError(f"session {session_id} is already finished (by a finish with a "
                                 "different reward or following messages)")
         record.finish_request = digest
-        published = len(finish_record(d, record, reward, following, by="client"))
+        # building a long episode's Sample takes milliseconds: off the event loop
+        published = len(await asyncio.to_thread(finish_record, d, record, reward, following,
+                                                "client"))
     return {"session_id": session_id, "status": "finished", "samples_published": published}
 
 
@@ -423,14 +427,15 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
     return out
 
 
-def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:
+async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float
+                      ) -> dict[str, Any]:
     """Attach an environment reward `rewards[name] = value` to the session's next Sample.
 
     Episode mode: the episode Sample(s) published at finish. Live mode: the turn waiting for
-    its next state. Raises: NotFoundError; ConflictError when the session is finished or (live)
-    no turn is waiting.
+    its next state. Waits for a running turn on the event loop, like `finish`. Raises:
+    NotFoundError; ConflictError when the session is finished or (live) no turn is waiting.
     """
-    with d.sessions.locked(session_id) as record:
+    async with locked(d.sessions, session_id) as record:
         if record.status == "finished":
             raise ConflictError(f"session {session_id} is finished; post rewards before finish")
         if record.mode == "episode":

@@ -3,8 +3,10 @@
 
 `python bench/peers/stub_upstream.py --port 0 --mode ok` prints `port N` once listening.
 Modes (fault injection): ok | 500 (every call) | drop (headers + half a body, then close) |
-garbage (200 with a non-JSON body) | hang (never answers). `GET /stats` returns the number of
-generate/chat calls served, so tests can check what reached the engine.
+garbage (200 with a non-JSON body) | hang (never answers) | slow (answers after `SLOW_S`, or
+closes when its client leaves first). `GET /stats` returns the number of generate/chat calls
+(`calls`) and of slow calls whose client left (`dropped`), so tests can check what reached the
+engine.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 
 OUTPUT_IDS = [28, 2]
 """Token ids of every stub generation: one token, then EOS (id 2 in SmolLM2's vocabulary)."""
+SLOW_S = 3.0
+"""Seconds a `slow` stub takes to answer."""
 
 
 def generate_body(prompt_len: int) -> dict:
@@ -49,6 +53,8 @@ class Stub:
     def __init__(self, mode: str):
         self.mode = mode
         self.calls = 0
+        self.dropped = 0
+        """Requests whose client closed the connection while the stub waited (`slow`)."""
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -59,18 +65,18 @@ class Stub:
                 headers = {k.lower(): v.strip() for k, _, v in
                            (ln.partition(":") for ln in lines[1:] if ln)}
                 body = await reader.readexactly(int(headers.get("content-length", 0) or 0))
-                if not await self.respond(method, path, body, writer):
+                if not await self.respond(method, path, body, reader, writer):
                     break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()
 
-    async def respond(self, method: str, path: str, body: bytes,
+    async def respond(self, method: str, path: str, body: bytes, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> bool:
         """Write one response; False = close the connection."""
         if path in ("/health", "/health_generate", "/v1/models", "/stats"):
-            payload = {"calls": self.calls} if path == "/stats" else {
+            payload = {"calls": self.calls, "dropped": self.dropped} if path == "/stats" else {
                 "object": "list", "data": [{"id": "stub", "object": "model"}]}
             return await self.send(writer, 200, json.dumps(payload).encode())
         if method != "POST" or path not in ("/generate", "/v1/chat/completions",
@@ -79,6 +85,13 @@ class Stub:
         self.calls += 1
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.mode == "slow":  # answers after SLOW_S unless the client leaves first
+            try:
+                if await asyncio.wait_for(reader.read(1), SLOW_S) == b"":
+                    self.dropped += 1
+                    return False
+            except TimeoutError:
+                pass
         if self.mode == "500":
             return await self.send(writer, 500, b'{"error": "stub failure"}')
         if self.mode == "garbage":
@@ -119,7 +132,8 @@ async def serve(port: int, mode: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--mode", default="ok", choices=["ok", "500", "drop", "garbage", "hang"])
+    parser.add_argument("--mode", default="ok",
+                        choices=["ok", "500", "drop", "garbage", "hang", "slow"])
     args = parser.parse_args()
     asyncio.run(serve(args.port, args.mode))
 

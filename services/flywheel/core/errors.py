@@ -78,3 +78,11 @@ class BackpressureError(PlatformError, RuntimeError):
     def __init__(self, message: str, *, retry_after_s: float = 5.0):
         super().__init__(message, code="backpressure")
         self.retry_after_s = retry_after_s
+
+
+class ClientClosedError(PlatformError, ConnectionError):
+    """The client closed its connection before the answer was ready; the request was stopped
+    and nothing of it recorded (HTTP 499, nginx's "client closed request": nobody reads it)."""
+
+    http_status = 499
+    error_type = "client_closed_request"

@@ -23,6 +23,7 @@ from flywheel.core.settings import GatewaySettings
 from flywheel.gateway import chat, completions, sweep, turns
 from flywheel.gateway.completions import CompletionRequest
 from flywheel.gateway.dashboard import install as install_dashboard
+from flywheel.gateway.disconnect import unless_disconnected
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.hot_path import HotPath
 from flywheel.gateway.request_rules import check_model, served_models
@@ -158,12 +159,14 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request, d: Deps,
                                x_session_id: SessionHeader = None, x_turn_type: TurnHeader = None
                                ) -> JSONResponse | StreamingResponse:
-        return await chat.respond(d, body, None, x_session_id, x_turn_type, owner_of(request))
+        return await chat.respond(d, body, None, x_session_id, x_turn_type, owner_of(request),
+                                  request.receive)
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
-    async def session_chat(session_id: str, body: ChatCompletionRequest, d: Deps,
-                           x_turn_type: TurnHeader = None) -> JSONResponse | StreamingResponse:
-        return await chat.respond(d, body, session_id, None, x_turn_type, "")
+    async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request,
+                           d: Deps, x_turn_type: TurnHeader = None
+                           ) -> JSONResponse | StreamingResponse:
+        return await chat.respond(d, body, session_id, None, x_turn_type, "", request.receive)
 
     @app.post("/v1/completions", response_model=None)
     async def text_completion(body: CompletionRequest, request: Request, d: Deps,
@@ -171,15 +174,25 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                               ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
         session_id = await chat.header_session(d, x_session_id, owner_of(request))
-        return _stream_completion(body, await completions.complete(d, body, session_id))
+        return await _complete(d, body, session_id, request)
 
     @app.post("/s/{session_id}/v1/completions", response_model=None)
-    async def session_text_completion(session_id: str, body: CompletionRequest, d: Deps
+    async def session_text_completion(session_id: str, body: CompletionRequest,
+                                      request: Request, d: Deps
                                       ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
-        return _stream_completion(body, await completions.complete(d, body, session_id))
+        return await _complete(d, body, session_id, request)
 
     return app
+
+
+async def _complete(d: GatewayDeps, body: CompletionRequest, session_id: str | None,
+                    request: Request) -> JSONResponse | StreamingResponse:
+    """A text completion, stopped unrecorded if the client disconnects first."""
+    completion = await unless_disconnected(
+        completions.complete(d, body, session_id), request.receive,
+        "unrecorded" if session_id is None else f"session {session_id}")
+    return _stream_completion(body, completion)
 
 
 def _stream_completion(body: CompletionRequest, completion: dict[str, Any]

@@ -20,6 +20,7 @@ from flywheel.core.errors import (
     NotFoundError,
 )
 from flywheel.gateway import turns
+from flywheel.gateway.disconnect import Receive, unless_disconnected
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
 from flywheel.gateway.request_rules import check_contents, check_model, served_models
@@ -91,21 +92,26 @@ async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
 
 
 async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
-                  header_id: str | None, turn_type: str | None, owner: str
-                  ) -> JSONResponse | StreamingResponse:
+                  header_id: str | None, turn_type: str | None, owner: str,
+                  receive: Receive | None = None) -> JSONResponse | StreamingResponse:
     """One chat request end to end, as the routes and the hot path serve it: OpenAI's rules,
     the session (the URL's `session_id`, else the `X-Session-Id` value `header_id`, created in
-    live mode for `owner` on first use), the turn and the HTTP answer.
+    live mode for `owner` on first use), the turn and the HTTP answer. With the ASGI `receive`
+    (body already read) the turn is stopped, unrecorded, if the client disconnects first.
 
     Raises:
-        PlatformError: see `check_chat`, `session_header` and `serve`.
+        PlatformError: see `check_chat`, `session_header` and `serve`. ClientClosedError: the
+            client disconnected before the answer was ready (disconnect.py).
     """
     check_chat(d, body)
     create_owner = None
     if session_id is None:
         session_id = session_header(header_id)
         create_owner = None if session_id is None else owner
-    return answer(body, await serve(d, body, session_id, turn_type, create_owner=create_owner))
+    completion = await unless_disconnected(
+        serve(d, body, session_id, turn_type, create_owner=create_owner), receive,
+        "unrecorded" if session_id is None else f"session {session_id}")
+    return answer(body, completion)
 
 
 async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,

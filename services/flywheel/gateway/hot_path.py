@@ -94,7 +94,7 @@ class HotPath:
             await self.app(scope, replay, send)  # FastAPI's answer names the field
             return
         try:
-            response = await self._serve(scope, body, session_id, headers)
+            response = await self._serve(scope, body, session_id, headers, receive)
         except PlatformError as exc:
             response = http_errors.platform_error(exc)
         except redis.RedisError as exc:
@@ -102,11 +102,11 @@ class HotPath:
         await response(scope, replay, send)
 
     async def _serve(self, scope: Scope, body: ChatCompletionRequest, session_id: str | None,
-                     headers: dict[bytes, str]) -> Any:
+                     headers: dict[bytes, str], receive: Receive) -> Any:
         principal = scope.get("state", {}).get("principal")
         return await chat.respond(self.deps, body, session_id, headers.get(b"x-session-id"),
                                   headers.get(b"x-turn-type"),
-                                  principal.key_id if principal else "")
+                                  principal.key_id if principal else "", receive)
 
 
 def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:

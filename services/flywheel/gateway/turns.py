@@ -164,10 +164,12 @@ async def locked(store: SessionStore, session_id: str,
         yield lease.record
     except BaseException:
         renewal.cancel()
-        await store.arelease(lease)
+        await asyncio.shield(store.arelease(lease))
         raise
     renewal.cancel()
-    await store.arelease(lease, lease.record)
+    # shielded: a request cancelled meanwhile (its client gone, its time limit) still ends
+    # its one-round-trip save or unlock, never leaving the lock to expire with its lease
+    await asyncio.shield(store.arelease(lease, lease.record))
 
 
 async def _renew(store: SessionStore, lease: SessionLease) -> None:

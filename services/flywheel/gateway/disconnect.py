@@ -1,0 +1,78 @@
+"""Stop a request whose client has gone.
+
+An agent harness that times out (the openai SDK's `timeout`) or is cancelled closes its
+connection and usually sends the same request again. Had the gateway finished the abandoned
+turn, it would have recorded and published a reply nobody received (and, in a session, the
+retry would become a second branch of the same turn). Instead the turn is cancelled as soon as
+the server reports the disconnect: the engine call is dropped (SGLang aborts a request whose
+connection closes), the session lock is released without saving, nothing is published.
+
+A client that disconnects while the turn is being saved or its answer written finds it recorded
+(the save, one Redis round trip, always runs to its end: `turns.locked`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from prometheus_client import Counter
+
+from flywheel.core.errors import ClientClosedError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+ABANDONED = Counter("flywheel_gateway_requests_abandoned_total",
+                    "Requests stopped because the client closed the connection before the "
+                    "answer was ready (nothing of them recorded or published)", ["kind"])
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None,
+                              what: str) -> T:
+    """`await work`, cancelled when the ASGI `receive` (the request body already read) reports
+    `http.disconnect` first.
+
+    Args:
+        work: the request's turn (engine call, session lock, recording).
+        receive: the server's receive after the body; None: just await `work`.
+        what: names the request in the log line ("session <id>" or "unrecorded").
+
+    Raises:
+        ClientClosedError: the client disconnected; `work` was cancelled and has finished
+            unwinding (its session lock released, nothing saved).
+    """
+    if receive is None:
+        return await work
+    turn = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(receive))
+    try:
+        await asyncio.wait((turn, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request itself was cancelled (e.g. its time limit)
+        turn.cancel()
+        watcher.cancel()
+        raise
+    if turn.done():
+        watcher.cancel()
+        return turn.result()
+    turn.cancel()
+    try:
+        await turn
+    except asyncio.CancelledError:
+        pass
+    except Exception as exc:  # noqa: BLE001  (the turn failed while unwinding; logged)
+        log.warning("%s: the abandoned request failed while stopping: %r", what, exc)
+    kind = "unrecorded" if what == "unrecorded" else "session"
+    ABANDONED.labels(kind).inc()
+    log.warning("%s: the client closed the connection before the answer was ready; the "
+                "request was stopped before it was recorded", what)
+    raise ClientClosedError("the client closed the connection before the answer was ready")

@@ -160,6 +160,9 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError(
                 f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) disagree; "
                 "send only max_completion_tokens")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs ({self.top_logprobs}) needs logprobs: true (as in "
+                             "OpenAI's API); set logprobs or drop top_logprobs")
         return self
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:

@@ -341,6 +341,9 @@ def test_bug30_request_field_policy(app, renderer):
     assert post(presence_penalty=0, frequency_penalty=0.0, logit_bias={}).status_code == 200
     fmt = post(response_format={"type": "json_object"})
     assert fmt.status_code == 400 and fmt.json()["error"]["param"] == "response_format"
+    tops = post(top_logprobs=3)  # (f) alternatives asked for without logprobs: not dropped
+    assert tops.status_code == 400 and "needs logprobs: true" in tops.json()["error"]["message"]
+    assert post(logprobs=False, top_logprobs=0).status_code == 200  # zero alternatives: valid
 
 
 def test_top_logprobs_are_asked_of_the_engine_and_returned(app, renderer):

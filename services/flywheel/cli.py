@@ -173,7 +173,8 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     for sample in samples:
         report = check_fidelity(sample, state["engine"])
         ok &= report.ok(args.tol)
-        print(f"segment {sample.segment_index}: ids_match={report.ids_match} "
+        print(f"sample {sample.sample_id} (segment {sample.segment_index}, turn "
+              f"{sample.turn_index}): ids_match={report.ids_match} "
               f"sampled_tokens={report.sampled_tokens} logprobs_compared="
               f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}")
     return 0 if ok else 2

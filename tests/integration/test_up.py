@@ -48,6 +48,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         stack = json.loads((state / "stack.json").read_text())
         assert stack["gateway"] == "http://127.0.0.1:8500"
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
+        _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         second = subprocess.run([sys.executable, "-m", "flywheel.cli", "up", "--config",
                                  str(cfg)], capture_output=True, text=True, env=env, timeout=60)
         assert second.returncode == 1 and "already running" in second.stderr
@@ -64,3 +65,26 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     assert not (state / "stack.json").exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{stack['gateway']}/healthz", timeout=2)
+
+
+def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]) -> None:
+    """`flywheel check-fidelity` on a finished two-turn session: one line per Sample naming
+    it, its segment and turn, every check passing (exit 0); an unknown session: exit 1."""
+    with httpx.Client(base_url=gateway, timeout=120) as client:
+        sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+        messages = [{"role": "user", "content": "Say hi"}]
+        for _ in range(2):
+            reply = client.post(f"/s/{sid}/v1/chat/completions",
+                                json={"messages": messages, "max_tokens": 4}).json()
+            messages += [reply["choices"][0]["message"], {"role": "user", "content": "again"}]
+        assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+    cli = [sys.executable, "-m", "flywheel.cli", "check-fidelity", "--config", str(cfg)]
+    done = subprocess.run([*cli, "--session", sid], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and "(segment 0, turn 1)" in lines[0], done.stdout  # one episode
+    assert "ids_match=True" in lines[0]
+    missing = subprocess.run([*cli, "--session", "nope"], capture_output=True, text=True,
+                             env=env, timeout=120)
+    assert missing.returncode == 1 and "no recorded Sample of session nope" in missing.stdout

@@ -8,6 +8,8 @@ Contract:
   pending by a dead consumer are reclaimed with XAUTOCLAIM, following its cursor until it
   returns to 0-0. An entry delivered more than `max_deliveries` times, or one that does not
   decode, goes to the dead-letter stream with its error and is acked: never silently dropped.
+- A consumer group found missing on a read (Redis came back without its data) is created again
+  at the start of the stream, counted and logged; the consumer goes on reading.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ PUBLISHED = Counter("flywheel_stream_published_total", "Entries added to a strea
 ACKED = Counter("flywheel_stream_acked_total", "Entries acknowledged", ["stream", "group"])
 DEAD = Counter("flywheel_stream_dead_lettered_total", "Entries moved to dead letter", ["stream"])
 RECLAIMED = Counter("flywheel_stream_reclaimed_total", "Pending entries reclaimed", ["stream"])
+GROUP_RECREATED = Counter("flywheel_stream_group_recreated_total",
+                          "Consumer groups found missing on a read and created again (Redis "
+                          "restarted without its data)", ["stream", "group"])
 LOST = Counter(
     "flywheel_stream_lost_total", "Pending entries found deleted on reclaim", ["stream", "group"]
 )
@@ -178,8 +183,22 @@ class StreamConsumer:
         """Reclaimed stale entries first, then new ones; at most `count` in all.
 
         Poison entries (undecodable, or delivered more than `max_deliveries` times) are moved to
-        the dead-letter stream and acked here, so they are not returned.
+        the dead-letter stream and acked here, so they are not returned. A missing group is
+        created again (`ensure_group`) and this read returns nothing.
         """
+        try:
+            return self._read(count, block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+        GROUP_RECREATED.labels(self.stream, self.group).inc()
+        log.error("consumer group %s of stream %s is gone (did Redis restart without its "
+                  "data?); creating it again at the start of the stream", self.group,
+                  self.stream)
+        self.ensure_group()
+        return []
+
+    def _read(self, count: int, block_ms: int) -> list[StreamEntry]:
         entries = self.reclaim(count)
         if len(entries) < count:
             reply = self.client.xreadgroup(
@@ -228,9 +247,18 @@ class StreamConsumer:
         if not claimed:
             return []
         RECLAIMED.labels(self.stream).inc(len(claimed))
-        deliveries = self._delivery_counts([_s(eid) for eid, _ in claimed])
+        return self.redelivered(claimed)
+
+    def redelivered(self, items: list[tuple[bytes, dict]]) -> list[StreamEntry]:
+        """Entries delivered again (reclaimed, or re-read from this consumer's own pending
+        list after a restart) as `StreamEntry`s; those delivered more than `max_deliveries`
+        times (a poison entry that stopped every consumer that took it) are dead-lettered and
+        left out."""
+        if not items:
+            return []
+        deliveries = self._delivery_counts([_s(eid) for eid, _ in items])
         fresh = []
-        for eid, fields in claimed:
+        for eid, fields in items:
             n = deliveries.get(_s(eid), 1)
             if n > self.max_deliveries:
                 payload = fields.get(FIELD, b"")

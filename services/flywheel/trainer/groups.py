@@ -124,6 +124,8 @@ class GroupAssembler:
             (`trainer.unjudged = "keep"`).
         live_opd: admit group-less samples with teacher logprobs without a reward
             (`trainer.live_advantage = "opd"`).
+        vocab_size: rows of the policy's embedding: a Sample with a token id outside
+            [0, vocab_size) is dropped as invalid (None: not checked).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class GroupAssembler:
         remember: int = 100_000,
         keep_unjudged: bool = False,
         live_opd: bool = False,
+        vocab_size: int | None = None,
     ):
         if partial_groups not in ("train", "drop"):
             raise ValueError(f"partial_groups must be 'train' or 'drop', got {partial_groups!r}")
@@ -152,6 +155,7 @@ class GroupAssembler:
         self.remember = remember
         self.keep_unjudged = keep_unjudged
         self.live_opd = live_opd
+        self.vocab_size = vocab_size
         self.pending: dict[str, Group] = {}
         self._held_ids: set[str] = set()
         self._held_samples: set[str] = set()
@@ -180,7 +184,7 @@ class GroupAssembler:
         if not sample.has_reward and not self._admitted_without_reward(sample):
             return Drop(entry, DropReason.NO_REWARD, sample.error or "has_reward is false")
         try:
-            check_trainable(sample)
+            check_trainable(sample, self.vocab_size)
         except ContractError as exc:
             return Drop(entry, DropReason.INVALID, str(exc))
         if not sample.group_id and not self.live_samples:

@@ -13,13 +13,18 @@ STEP_REWARD = re.compile(r"step/(\d+)")
 k-th assistant message, 0-based)."""
 
 
-def check_trainable(sample: sample_pb2.Sample) -> None:
+def check_trainable(sample: sample_pb2.Sample, vocab_size: int | None = None) -> None:
     """The per-token invariants the trainer relies on.
 
+    Args:
+        vocab_size: rows of the policy's embedding; token ids must lie in [0, vocab_size)
+            (None: not checked).
+
     Raises:
-        ContractError: per-token arrays of different lengths; a loss token at position 0 (it has
-            no context to be scored from); a loss token whose rollout logprob is not a finite
-            value <= 0.
+        ContractError: per-token arrays of different lengths; a token id outside the
+            vocabulary; a loss token at position 0 (it has no context to be scored from); a
+            loss token whose rollout logprob is not a finite value <= 0; a reward (the combined
+            one or a component) that is NaN or infinite.
     """
     n = len(sample.token_ids)
     lengths = (len(sample.loss_mask), len(sample.rollout_logprobs), len(sample.weight_versions))
@@ -28,6 +33,19 @@ def check_trainable(sample: sample_pb2.Sample) -> None:
             f"Sample {sample.sample_id!r}: token_ids has {n} entries, loss_mask/rollout_logprobs/"
             f"weight_versions have {lengths}"
         )
+    if vocab_size is not None and n:
+        low, high = min(sample.token_ids), max(sample.token_ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ContractError(
+                f"Sample {sample.sample_id!r}: token id {bad} is outside the policy's "
+                f"vocabulary [0, {vocab_size})"
+            )
+    rewards = {"reward": sample.reward} if sample.has_reward else {}
+    rewards |= {f"rewards[{k!r}]": v for k, v in sample.rewards.items()}
+    for name, value in rewards.items():
+        if not math.isfinite(value):
+            raise ContractError(f"Sample {sample.sample_id!r}: {name} is {value}")
     if n and sample.loss_mask[0]:
         raise ContractError(
             f"Sample {sample.sample_id!r}: loss_mask[0] is 1; token 0 has no context to score"

@@ -16,6 +16,11 @@ Weight push: every `push_every` committed steps, to every engine. An engine that
 attempts is counted (`flywheel_trainer_weight_push_failures_total{engine}`), logged, shown in
 `/status` as behind, and given the newest checkpoint again at the next step; if every engine
 fails, the trainer stops with the error (a restart pushes the newest checkpoint again).
+
+Redis outages: a read that fails is retried with backoff (0.5 s doubling to 10 s) until Redis
+answers again, each failure counted (`flywheel_trainer_redis_errors_total`) and logged; acks and
+dead letters of entries already taken from the stream are retried the same way, so no entry is
+left pending and held once Redis is back.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 import redis
 import torch
+from prometheus_client import Counter as PromCounter
 from transformers import PreTrainedModel
 
 from flywheel.core.codec import decode_sample
@@ -78,6 +84,11 @@ from flywheel.trainer.weights import (
 )
 
 log = logging.getLogger(__name__)
+
+REDIS_ERRORS = PromCounter("flywheel_trainer_redis_errors_total",
+                           "Trainer calls to Redis that failed and were retried (outage)")
+REDIS_BACKOFF_S = (0.5, 10.0)
+"""First and longest pause between retries of a failed Redis call (seconds)."""
 
 CONSUMER_GROUP = "trainer"
 
@@ -359,6 +370,8 @@ class Trainer:
         self.parts = parts
         self.version = parts.version
         self.step_cfg = StepConfig.from_settings(self.s)
+        self._stop = threading.Event()
+        """Set by `run`'s caller to stop; also ends the retries of a failed Redis call."""
         self.assembler = GroupAssembler(
             self.s.group_size, self.s.group_wait_s,
             allow_truncated_sampling=self.s.allow_truncated_sampling,
@@ -367,6 +380,7 @@ class Trainer:
             min_group_size=self.s.min_group_size,
             keep_unjudged=self.s.unjudged == "keep",
             live_opd=self.s.live_advantage == "opd",
+            vocab_size=parts.model.get_input_embeddings().num_embeddings,
         )
         self.staleness = StalenessPolicy(
             self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit
@@ -392,7 +406,7 @@ class Trainer:
         """Loop until `stop` is set, `max_steps` optimizer steps (None = settings; 0 = no
         limit) are committed, or a finite source is used up; returns the steps committed."""
         limit = self.s.max_steps if max_steps is None else max_steps
-        stop = stop or threading.Event()
+        stop = self._stop = stop or threading.Event()
         start_version = self.version
         self.parts.leases.start()
         try:
@@ -400,12 +414,28 @@ class Trainer:
                 if self.parts.consumer.exhausted and not self.assembler.pending:
                     log.info("source %s is used up", self.parts.consumer.kind)
                     break
-                self.poll()
+                self._redis(self.poll, "reading the stream")
         finally:
             self.parts.leases.stop()
             if self.parts.world is not None:
                 self.parts.world.broadcast(("stop",))
         return self.version - start_version
+
+    def _redis(self, call: Any, what: str) -> Any:
+        """`call()`, retried with backoff while it fails with a Redis error (an outage), until
+        it succeeds or the loop is stopped (then the last error is raised)."""
+        pause = REDIS_BACKOFF_S[0]
+        while True:
+            try:
+                return call()
+            except redis.RedisError as exc:
+                REDIS_ERRORS.inc()
+                if self._stop.is_set():
+                    raise
+                log.warning("Redis call failed while %s: %s; retrying in %.1f s", what, exc,
+                            pause)
+                self._stop.wait(pause)
+                pause = min(pause * 2, REDIS_BACKOFF_S[1])
 
     def poll(self) -> None:
         """One iteration: train if enough groups are ready, else read more entries."""
@@ -435,9 +465,13 @@ class Trainer:
         for drop in drops:
             entry = drop.entry
             if drop.reason.dead_letter:
-                consumer.dead_letter(entry.entry_id, entry.payload, f"{drop.reason}: {drop.detail}")
+                error = f"{drop.reason}: {drop.detail}"
+                self._redis(lambda e=entry, m=error: consumer.dead_letter(e.entry_id,
+                                                                          e.payload, m),
+                            f"dead-lettering entry {entry.entry_id}")
             else:
-                consumer.ack([entry.entry_id])
+                self._redis(lambda e=entry: consumer.ack([e.entry_id]),
+                            f"acking entry {entry.entry_id}")
             self.parts.leases.release([entry.entry_id])
             self.parts.status.record_drop(drop.reason)
             self._drops[drop.reason] += 1
@@ -497,7 +531,8 @@ class Trainer:
         version = self.version + 1
         t0 = time.perf_counter()
         state = {"entry_ids": entry_ids, "sample_ids": sample_ids,
-                 "source_position": self.parts.consumer.position()}
+                 "source_position": self._redis(self.parts.consumer.position,
+                                                "reading the source position")}
         model_state, optimizer_state = None, None
         if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
@@ -512,7 +547,7 @@ class Trainer:
         if version % self.s.push_every == 0 or self.behind:
             self._push(path)
         t2 = time.perf_counter()
-        self.parts.consumer.ack(entry_ids)
+        self._redis(lambda: self.parts.consumer.ack(entry_ids), f"acking step {version}")
         self.parts.leases.release(entry_ids)
         self.assembler.mark_trained(sample_ids)
         metrics |= {

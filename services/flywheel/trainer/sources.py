@@ -6,7 +6,9 @@ Every source hands out `StreamEntry`s and takes acks and dead letters the same w
 - `RedisSource` (default): the `trainer` consumer group on the train stream. On its first read
   it takes back the entries still pending under its own consumer name (a restart with a stable
   `trainer.consumer_name`, e.g. a StatefulSet pod name), so they are not left waiting for
-  `min_idle_ms`; entries of other, dead consumers come back through XAUTOCLAIM as usual.
+  `min_idle_ms`; entries of other, dead consumers come back through XAUTOCLAIM as usual. Either
+  way an entry delivered more than `max_deliveries` times (one that stopped the trainer on
+  every try) is dead-lettered instead.
 - `ReplaySource`: a recorded dump (`SampleDump`) read in order. Entry ids are `<index>-0`
   (index from 1); acks are remembered, and the checkpointed position (first un-acked index)
   makes a resumed replay skip what was already trained.
@@ -87,7 +89,7 @@ class RedisSource:
         c = self.consumer
         reply = c.client.xreadgroup(c.group, c.consumer, {c.stream: "0"}, count=count * 64)
         items = [(eid, fields) for _s, rows in reply or [] for eid, fields in rows if fields]
-        return c._to_entries(items)  # noqa: SLF001 (same decoding and dead-lettering)
+        return c.redelivered(items)  # an entry that crashed the trainer each time goes dead
 
     def ack(self, entry_ids: list[str]) -> int:
         return self.consumer.ack(entry_ids)

@@ -1,6 +1,7 @@
 """Stream delivery on a real Redis: ack, redelivery after a crash, dead letter, backpressure."""
 
 import pytest
+from prometheus_client import REGISTRY
 
 from flywheel.core.codec import decode_sample, new_sample
 from flywheel.core.errors import BackpressureError
@@ -113,3 +114,18 @@ def test_async_backlog_agrees_with_the_sync_one(redis_client, prefix):
     consumer.read(count=1, block_ms=10)  # 1 delivered, pending; 1 not yet delivered (lag)
     unwatched.publish(_sample(2))
     assert asyncio.run(both(watched)) == (3, 3)  # lag 2 + pending 1
+
+
+def test_a_consumer_group_gone_from_redis_is_created_again(redis_client, prefix):
+    """Redis back without its data (here: the group destroyed, as after a restart without
+    persistence): the next read recreates the group at the start of the stream, counts it, and
+    the consumer goes on reading what is published from then on."""
+    stream = f"{prefix}:rollouts"
+    consumer = StreamConsumer(redis_client, stream, "reward", "c1", dead_stream=f"{prefix}:dead")
+    redis_client.delete(stream)  # the stream and its group are gone
+    labels = {"stream": stream, "group": "reward"}
+    assert REGISTRY.get_sample_value("flywheel_stream_group_recreated_total", labels) is None
+    assert consumer.read(count=4, block_ms=10) == []
+    assert REGISTRY.get_sample_value("flywheel_stream_group_recreated_total", labels) == 1.0
+    entry_id = StreamProducer(redis_client, stream).publish(new_sample(group_id="after"))
+    assert [e.entry_id for e in consumer.read(count=4, block_ms=10)] == [entry_id]

@@ -81,3 +81,23 @@ def test_staleness_policy_worked_examples():
     assert StalenessPolicy(2, "is_correct", hard_limit=8).treat(9) == (Treatment.DROP, 0.0)
     with pytest.raises(ValueError):
         StalenessPolicy(2, "sometimes")
+
+
+def test_check_trainable_refuses_ids_outside_the_vocabulary_and_non_finite_rewards():
+    ok = make_sample(prompt_len=3, completion_len=3)  # ids drawn below the factory's vocab
+    check_trainable(ok, vocab_size=max(ok.token_ids) + 1)  # the largest id is in range
+    with pytest.raises(ContractError, match=r"token id \d+ is outside .*\[0, \d+\)"):
+        check_trainable(ok, vocab_size=max(ok.token_ids))  # ... and out of range one row less
+    negative = make_sample()
+    negative.token_ids[1] = -7
+    with pytest.raises(ContractError, match="token id -7"):
+        check_trainable(negative, vocab_size=50_000)
+    check_trainable(negative)  # without a vocabulary size ids are not checked
+    for name, value in (("reward", float("nan")), ("outcome", float("inf"))):
+        bad = make_sample()
+        if name == "reward":
+            bad.reward = value
+        else:
+            bad.rewards[name] = value
+        with pytest.raises(ContractError, match=f"{name}.* is {value}"):
+            check_trainable(bad)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,11 +136,18 @@ class Scorer:
 
     def _combine(self, sample: sample_pb2.Sample, errors: list[str], unjudged: list[str]
                  ) -> None:
+        bad = {k: v for k, v in sample.rewards.items() if not math.isfinite(v)}
+        for name, value in bad.items():  # a NaN or inf would poison a whole training step
+            del sample.rewards[name]
+            errors.append(f"reward component {name!r} is {value}, not a finite number: the "
+                          "Sample is left unscored")
         top = {k: v for k, v in sample.rewards.items() if "/" not in k}
         for name, value in top.items():
             metrics.COMPONENT.labels(name).observe(value)
         sample.reward = sum(self.weights.get(k, 1.0) * v for k, v in top.items())
-        if unjudged:
+        if bad:
+            sample.has_reward = False
+        elif unjudged:
             sample.has_reward = False
             errors.insert(0, f"{UNJUDGED_PREFIX} {'; '.join(unjudged)}")
         elif top:

@@ -75,3 +75,14 @@ def test_transcript_trims_whole_messages_newest_first():
     assert transcript(msgs, 0) == transcript(msgs, 32)                    # 0 = no limit
     # the newest message alone is over the budget: its tail is kept
     assert transcript(msgs, 5) == "[2 earlier messages omitted]\n...er: c"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_reward_component_leaves_the_sample_unscored(value):
+    s = _sample("8", {"answer": 8})
+    s.rewards["outcome"] = value
+    score_sample(s, "last_integer")
+    # the verifier's 1.0 alone would score it; a NaN/inf outcome must not be summed, nor kept
+    # for the trainer, where it would make the whole step's loss non-finite
+    assert not s.has_reward and "'outcome' is" in s.error and "not a finite number" in s.error
+    assert dict(s.rewards) == {"verifier": 1.0}

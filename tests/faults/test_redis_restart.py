@@ -78,6 +78,7 @@ def test_gateway_answers_503_while_redis_is_down_and_loses_no_turn(
         assert down.status_code == 503, down.text
         assert down.headers["retry-after"] and down.json()["error"]["type"] == \
             "service_unavailable_error"
+        assert http.get("/readyz").status_code == 503
         own_redis.start()
 
         second = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
@@ -94,3 +95,20 @@ def test_client_gives_up_within_bounds_while_redis_is_down(own_redis):
     own_redis.proc.wait()
     with pytest.raises(redis.ConnectionError):
         client.ping()
+
+
+def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
+        own_redis, procs, inproc_gateway):
+    """With no cached answer to "are API keys required?" every request asks Redis in the
+    security middleware: while Redis is down that is a 503 too (was a bare 500)."""
+    client = connect(own_redis.url)
+    gw = inproc_gateway([procs.stub("ok")], client=client, security={"key_cache_s": 0})
+    own_redis.proc.kill()
+    own_redis.proc.wait()
+    with httpx.Client(base_url=gw, timeout=30) as http:
+        ready = http.get("/readyz")
+        chat = http.post("/v1/chat/completions", json={**CHAT, "messages": [
+            {"role": "user", "content": "hi"}]})
+    for answer in (ready, chat):
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["type"] == "service_unavailable_error"

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from fastapi import FastAPI, Request
 from prometheus_client import Counter
 
@@ -43,7 +44,7 @@ from flywheel.core.errors import (
     PermissionDeniedError,
     PlatformError,
 )
-from flywheel.core.http_errors import error_body
+from flywheel.core.http_errors import error_body, redis_unavailable
 from flywheel.core.settings import SecuritySettings, is_loopback
 from flywheel.gateway.limits import Lease, RedisLimiter
 from flywheel.gateway.sessions import SessionStore
@@ -160,6 +161,9 @@ class SecurityMiddleware:
                 receive = await self._checked_body(scope, receive)
             except PlatformError as exc:
                 await _send_error(send, exc)
+                return
+            except redis.RedisError as exc:  # keys or limits unreadable: 503, as routes answer
+                await redis_unavailable(exc)(scope, receive, send)
                 return
             scope.setdefault("state", {})["principal"] = who
             await self._run(scope, receive, send)

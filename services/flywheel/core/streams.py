@@ -318,7 +318,12 @@ class StreamConsumer:
         out = []
         for raw_id, fields in items:
             entry_id = _s(raw_id)
-            payload = (fields or {}).get(FIELD, b"")
+            payload = (fields or {}).get(FIELD)
+            if payload is None:
+                names = sorted(_s(k) for k in fields or {})
+                self.dead_letter(entry_id, b"", f"entry has no {_s(FIELD)!r} field "
+                                 f"(fields: {names})")
+                continue
             try:
                 sample = decode_sample(payload)
             except ContractError as exc:

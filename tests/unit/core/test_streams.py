@@ -129,3 +129,11 @@ def test_a_consumer_group_gone_from_redis_is_created_again(redis_client, prefix)
     assert REGISTRY.get_sample_value("flywheel_stream_group_recreated_total", labels) == 1.0
     entry_id = StreamProducer(redis_client, stream).publish(new_sample(group_id="after"))
     assert [e.entry_id for e in consumer.read(count=4, block_ms=10)] == [entry_id]
+
+
+def test_an_entry_without_a_sample_field_is_dead_lettered_saying_so(redis_client, prefix):
+    consumer = _consumer(redis_client, prefix, "c1")
+    redis_client.xadd(f"{prefix}:s", {"payload": b"x"})
+    assert consumer.read(count=4, block_ms=10) == []
+    (entry,) = redis_client.xrange(f"{prefix}:dead")
+    assert entry[1][b"error"] == b"entry has no 'sample' field (fields: ['payload'])"

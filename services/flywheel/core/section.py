@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    """A settings section: unknown keys are errors, so a misspelled setting is never ignored."""
+    """A settings section: unknown keys are errors, so a misspelled setting is never ignored;
+    NaN and infinite numbers are errors too (`lr = inf` would train nothing but NaNs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

@@ -85,6 +85,9 @@ class RedisSettings(Section):
         from urllib.parse import urlsplit  # noqa: PLC0415
 
         parts = urlsplit(value)
+        if value and parts.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"{value!r} is not a Redis URL: use redis://host:6379/0, "
+                             "rediss://... (TLS) or unix:///path/to/redis.sock")
         host = parts.hostname or ""
         if value and parts.scheme != "unix" and not is_loopback(host) and not parts.password:
             raise ValueError(

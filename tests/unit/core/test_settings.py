@@ -62,3 +62,19 @@ def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["config", "show"])
     assert "invalid settings" in str(exit_info.value) and "lr" in str(exit_info.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_numbers_are_refused(tmp_path, value):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text(f"[trainer]\nlr = {value}\n")  # TOML's own inf/nan literals
+    with pytest.raises(ValidationError, match="finite number"):
+        load_settings(cfg)
+
+
+def test_a_redis_url_must_be_a_redis_url():
+    with pytest.raises(ValidationError, match="'notaurl' is not a Redis URL"):
+        load_settings(redis={"url": "notaurl"})
+    for ok in ("redis://127.0.0.1:6379/0", "rediss://:pw@example.com:6380/0",
+               "unix:///tmp/redis.sock"):
+        assert load_settings(redis={"url": ok}).redis.url == ok

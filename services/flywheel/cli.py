@@ -12,6 +12,7 @@ import argparse
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,10 @@ from flywheel.core.settings import FlywheelSettings, load_settings
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
     from pydantic import ValidationError  # noqa: PLC0415
+    from pydantic_settings import SettingsError  # noqa: PLC0415
 
+    from flywheel.core.config_files import describe_env_parse_error  # noqa: PLC0415
+    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
     from flywheel.core.settings import ConfigFileError, describe_validation_error  # noqa: PLC0415
 
     try:
@@ -29,8 +33,15 @@ def _settings(args: argparse.Namespace) -> FlywheelSettings:
     except FileNotFoundError as exc:
         sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML, YAML "
                  "or JSON file.")
-    except ConfigFileError as exc:
+    except (ConfigFileError, ConfigurationError) as exc:
         sys.exit(f"flywheel: {exc}")
+    except SettingsError as exc:  # an environment value of a list/dict setting that is not JSON
+        culprits = describe_env_parse_error(FlywheelSettings)
+        sys.exit("flywheel: cannot parse FLYWHEEL_<SECTION>__<FIELD> variables; fix these:\n"
+                 f"{culprits}" if culprits else
+                 f"flywheel: {exc} ({exc.__cause__}); list, dict and section settings set in "
+                 "FLYWHEEL_<SECTION>__<FIELD> variables take JSON values, e.g. '[\"a\"]' or "
+                 "'{\"key\": 1.0}'.")
     except ValidationError as exc:
         sys.exit(f"flywheel: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
                  f"variables); fix these fields:\n{describe_validation_error(exc)}")
@@ -38,6 +49,31 @@ def _settings(args: argparse.Namespace) -> FlywheelSettings:
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
+
+
+def _positive_int(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _start_failed(stack, exc: BaseException) -> None:  # noqa: ANN001
+    """Stop what `stack.start` left running and say why it failed, in place of a traceback."""
+    stack.stop()
+    message = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, subprocess.CalledProcessError):
+        message = f"{exc}; see the output above"
+    print(f"flywheel: {message}", file=sys.stderr)
+
+
+START_FAILURES = (RuntimeError, OSError, ValueError, subprocess.CalledProcessError)
+"""What `Stack.start` raises when the stack cannot start (busy state dir, a service that exits or
+never gets healthy, an unreachable Redis, a bad setting, a failed model conversion)."""
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -58,6 +94,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack.start()
         except StackBusyError as exc:
             print(f"flywheel: {exc}.", file=sys.stderr)
+            stack = None
+            return 1
+        except START_FAILURES as exc:
+            _start_failed(stack, exc)
             stack = None
             return 1
         gateway = next(s.url for s in stack.services if s.name == "gateway")
@@ -101,9 +141,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
     settings.trainer.groups_per_step = cfg.problems_per_step
     settings.trainer.group_size = cfg.group_size
-    with Stack(settings, config_file=args.config) as stack:
+    stack = Stack(settings, config_file=args.config)
+    try:  # stopped however the demo ends, also on Ctrl-C during start-up
+        try:
+            stack.start()
+        except START_FAILURES as exc:
+            _start_failed(stack, exc)
+            return 1
         urls = {s.name: s.url for s in stack.services}
         return _run_demo(DemoRunner(urls["gateway"], urls["engine"], cfg, out), started)
+    finally:
+        stack.stop()
 
 
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
@@ -150,7 +198,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_check_fidelity(args: argparse.Namespace) -> int:
+    import redis  # noqa: PLC0415
+
     from flywheel.core.codec import decode_sample  # noqa: PLC0415
+    from flywheel.core.config_files import mask_secrets  # noqa: PLC0415
+    from flywheel.core.errors import ContractError  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.streams import FIELD  # noqa: PLC0415
     from flywheel.fidelity import check_fidelity  # noqa: PLC0415
@@ -162,12 +214,30 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
         print("no running stack (start one with `flywheel up`).")
         return 1
     client = connect(state["redis_url"])
-    samples = [s for s in (decode_sample(f[FIELD]) for _, f in
-                           client.xrange(settings.streams.key("rollouts")))
-               if s.session_id == args.session]
+    stream = settings.streams.key("rollouts")
+    try:
+        entries = client.xrange(stream)
+    except redis.RedisError as exc:
+        print(f"flywheel: cannot read {stream} from Redis at "
+              f"{mask_secrets(state['redis_url'])}: {exc}", file=sys.stderr)
+        return 1
+    samples, skipped = [], 0
+    for _, fields in entries:
+        # An entry that is not a Sample (the reward service dead-letters it but never removes
+        # it from this stream) is skipped, not fatal: the session's own Samples still count.
+        try:
+            sample = decode_sample(fields[FIELD])
+        except (KeyError, ContractError):
+            skipped += 1
+            continue
+        if sample.session_id == args.session:
+            samples.append(sample)
+    if skipped:
+        print(f"flywheel: skipped {skipped} undecodable entr{'y' if skipped == 1 else 'ies'} "
+              f"of {stream} (no `sample` field, or not a valid Sample).", file=sys.stderr)
     if not samples:
         print(f"no recorded Sample of session {args.session} in "
-              f"{settings.streams.key('rollouts')}; finish the session first.")
+              f"{stream}; finish the session first.")
         return 1
     ok = True
     for sample in samples:
@@ -236,10 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(
         func=cmd_up)
     demo = sub.add_parser("demo", help="run the training demo", parents=[common])
-    demo.add_argument("--steps", type=int, default=30, help="trainer steps (default 30)")
+    demo.add_argument("--steps", type=_positive_int, default=30,
+                      help="trainer steps (default 30)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    demo.add_argument("--problems-per-step", type=int, default=4)
-    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--problems-per-step", type=_positive_int, default=4,
+                      help="problems (groups) per trainer step, at least 1 (default 4)")
+    demo.add_argument("--group-size", type=_positive_int, default=8,
+                      help="rollouts per problem, at least 1 (default 8)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--new-stack", action="store_true",
                       help="start a fresh stack even if one is running")

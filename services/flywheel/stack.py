@@ -4,8 +4,10 @@ Order: Redis (a real server, or `FLYWHEEL_REDIS__URL`) -> model conversion (once
 engine -> (teacher engine) -> gateway -> reward -> (teacher, when enabled) -> trainer. Each child
 reads the resolved settings (ports moved to free ones, the Redis URL, the model path) from
 `<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
-logs to `<state_dir>/logs/<service>.log`, and is stopped in reverse order (SIGTERM, then SIGKILL
-after a grace period).
+logs to `<state_dir>/logs/<service>.log` (appended; messages quote only the current run's
+lines), and is stopped in reverse order (SIGTERM, then SIGKILL after a grace period). Start-up
+fails fast, with the reason, when an external Redis does not answer a ping or a service reports
+a state it cannot recover from (an engine whose model failed to load).
 
 Two stacks started at the same instant never mix: a stack holds an exclusive lock on
 `<state_dir>/stack.lock` while it runs (a second stack on that state dir fails at once), holds
@@ -30,7 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.core.errors import ConfigurationError, ConflictError
+from flywheel.core.config_files import mask_secrets
+from flywheel.core.errors import ConfigurationError, ConflictError, UpstreamError
 from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
 from flywheel.core.settings import FlywheelSettings
 
@@ -55,14 +58,51 @@ class Service:
     log_path: Path | None = None
     args: list[str] = field(default_factory=list)
     """Command-line arguments after `python -m <module>`."""
+    failed: Callable[[], str | None] | None = None
+    """Why the service can never become healthy (it says so itself), else None."""
+    fix: str = ""
+    """What to change when `failed` gives a reason (e.g. which setting)."""
+    log_offset: int = 0
+    """Size of `log_path` before this run: older runs' lines end there."""
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The last lines (about `chars` characters) this run wrote to the service's log."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_offset)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return ""
+        if len(text) <= chars:
+            return text
+        tail = text[-chars:]
+        return tail.split("\n", 1)[1] if "\n" in tail[:-1] else tail  # no cut-off first line
 
 
 def http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
             return httpx.get(url, timeout=5).status_code == 200
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):  # InvalidURL: e.g. from a hand-edited state
             return False
+
+    return check
+
+
+def engine_failed(url: str, what: str) -> Callable[[], str | None]:
+    """`what` (e.g. "loading the model X failed") once the engine at `url` reports on /healthz
+    (503, `{"status": "failed"}`) that loading its model failed: it stays up then, but never
+    becomes healthy."""
+
+    def check() -> str | None:
+        try:
+            resp = httpx.get(f"{url}/healthz", timeout=5)
+            failed = resp.status_code == 503 and resp.json().get("status") == "failed"
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return what if failed else None
 
     return check
 
@@ -129,7 +169,10 @@ class Stack:
         Raises:
             StackBusyError: another stack runs or starts from the same state dir.
             ConfigurationError: `only` names an unknown service.
-            RuntimeError: a service exited during start-up. TimeoutError: one never got healthy.
+            UpstreamError: the external Redis (`redis.url`) does not answer a ping.
+            RuntimeError: a service exited during start-up, or reported that it never will be
+                healthy (the message names it, the reason and its log tail).
+            TimeoutError: one never got healthy.
         """
         s = self.settings
         unknown = set(self.only) - set(SERVICES)
@@ -148,6 +191,8 @@ class Stack:
             self.redis.start()
             s.redis.url = self.redis.url
             self.echo(f"redis     {self.redis.url}  (local redis-server, AOF on)")
+        else:
+            self._ping_redis(s.redis.url)
         self._prepare_model()
         for section in ("engine", "gateway", "trainer"):
             sec = getattr(s, section)
@@ -172,7 +217,10 @@ class Stack:
         trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
         reward_target = f"{s.reward.host}:{s.reward.port}"
         plan = [
-            Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health")),
+            Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health"),
+                    failed=engine_failed(engine_url,
+                                         f"loading the model {s.engine.model_path} failed"),
+                    fix="check [engine] model_path (FLYWHEEL_ENGINE__MODEL_PATH)"),
             *teacher_engine,
             Service("gateway", gateway_url, "flywheel.gateway",
                     instance_ok(f"{gateway_url}/readyz", self.instance)),
@@ -212,6 +260,29 @@ class Stack:
         self.ports.append(reservation)
         return reservation.port
 
+    def _ping_redis(self, url: str) -> None:
+        """Fail at once, before any service starts, when the external Redis does not answer.
+
+        Raises:
+            UpstreamError: no PONG (refused, unknown host, wrong password, timeout).
+        """
+        import redis  # noqa: PLC0415
+
+        from flywheel.core.redis_client import connect  # noqa: PLC0415
+
+        shown = mask_secrets(url)
+        client = connect(url)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            raise UpstreamError(
+                f"Redis at {shown} does not answer ({exc}); start it, or fix [redis] url "
+                "(FLYWHEEL_REDIS__URL; empty = `flywheel up` starts a local redis-server)"
+            ) from None
+        finally:
+            client.close()
+        self.echo(f"redis     {shown}  (external, answers)")
+
     def _teacher_ports(self) -> list[Service]:
         """Free ports for the teacher (when enabled) and its own engine process, which serves a
         frozen copy of `teacher.model_path` (default: the policy's base model) and is not among
@@ -238,8 +309,10 @@ class Stack:
         t.engine_port = pick(t.engine_port)
         url = f"http://{e.host}:{t.engine_port}"
         args = ["--port", str(t.engine_port), "--model-path", t.model_path or e.model_path]
+        failed = engine_failed(url, f"loading the teacher model {args[-1]} failed")
         return [Service("teacher-engine", url, "flywheel.engine", http_ok(f"{url}/health"),
-                        args=args)]
+                        args=args, failed=failed,
+                        fix="check [teacher] model_path (FLYWHEEL_TEACHER__MODEL_PATH)")]
 
     def _teacher_service(self) -> list[Service]:
         t = self.settings.teacher
@@ -263,6 +336,7 @@ class Stack:
     def _launch(self, service: Service) -> None:
         service.log_path = self.state_dir / "logs" / f"{service.name}.log"
         log = open(service.log_path, "ab")  # noqa: SIM115  (owned by the child)
+        service.log_offset = log.seek(0, os.SEEK_END)  # earlier runs' lines end here
         service.proc = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.services.append(service)
@@ -273,10 +347,21 @@ class Stack:
         while time.monotonic() - start < timeout_s:
             assert service.proc is not None
             if service.proc.poll() is not None:
-                tail = service.log_path.read_text()[-3000:] if service.log_path else ""
+                tail = service.log_tail()
                 self.stop()
                 raise RuntimeError(f"{service.name} exited with {service.proc.returncode} "
                                    f"during start-up; log {service.log_path}:\n{tail}")
+            # A service that says it can never become healthy (and is this stack's own) fails
+            # the start-up now, not after the whole timeout.
+            reason = service.failed() if service.failed else None
+            if reason and listens(service.proc.pid, port):
+                tail = service.log_tail()
+                error = _last_error_line(tail)
+                self.stop()
+                raise RuntimeError(f"{service.name} cannot start: {reason}"
+                                   f"{f' ({error})' if error else ''}"
+                                   f"{f'; {service.fix}' if service.fix else ''}; "
+                                   f"log {service.log_path}:\n{tail}")
             # Healthy only when the answer comes from this service's own process: another
             # process that holds the port (another stack's) is never taken for it.
             if service.health() and listens(service.proc.pid, port):
@@ -292,7 +377,15 @@ class Stack:
         state = {"pid": os.getpid(), "instance": self.instance, "redis_url": s.redis_url(),
                  **{svc.name: svc.url for svc in self.services},
                  "metrics_path": s.trainer.metrics_path}
-        (self.state_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+        # Atomically: a reader (or a crash mid-write) never sees a truncated file.
+        path = self.state_dir / STATE_FILE
+        tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(state, indent=2))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every child in reverse start order, then Redis."""
@@ -325,15 +418,40 @@ class Stack:
         self.stop()
 
 
-def running_stack(state_dir: str) -> dict[str, str] | None:
-    """URLs of a stack started by `flywheel up` that is still alive, else None."""
+def _warn(message: str) -> None:
+    print(f"flywheel: {message}", file=sys.stderr)
+
+
+def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str, str] | None:
+    """URLs of a stack started by `flywheel up` that is still alive, else None.
+
+    A state file that cannot be read as a JSON object (truncated, edited) is no running stack:
+    `warn` gets one line naming it.
+    """
     path = Path(state_dir) / STATE_FILE
     if not path.exists():
         return None
-    state = json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            raise ValueError(f"a JSON {type(state).__name__}, not an object")
+    except (OSError, ValueError) as exc:
+        warn(f"ignoring the unreadable stack state file {path} ({exc}); taking it as no running "
+             "stack. Delete it if no `flywheel up` runs from that state dir.")
+        return None
     if not _alive(state.get("pid")) or not http_ok(f"{state.get('gateway', '')}/healthz")():
         return None
     return state
+
+
+def _last_error_line(log: str) -> str:
+    """The last `SomeError: message` line of a log (a traceback's summary), else ""."""
+    for line in reversed(log.splitlines()):
+        line = line.strip()
+        head = line.split(":", 1)[0]
+        if head.rsplit(".", 1)[-1].endswith(("Error", "Exception")) and " " not in head:
+            return line[:300]
+    return ""
 
 
 def _alive(pid: object) -> bool:

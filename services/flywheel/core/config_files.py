@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,23 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ConfigFileError: a syntax error (with its line), or a top level that is not a mapping.
+        ConfigFileError: a directory, an unreadable or non-UTF-8 file, a syntax error (with its
+            line), or a top level that is not a mapping.
     """
     path = Path(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except IsADirectoryError:
+        raise ConfigFileError(f"{path}: is a directory, not a config file; pass a TOML, YAML "
+                              "or JSON file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigFileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save "
+                              "it as UTF-8 TOML, YAML or JSON") from None
+    except OSError as exc:
+        raise ConfigFileError(f"{path}: cannot be read ({exc.strerror or exc}); pass a "
+                              "readable TOML, YAML or JSON file") from None
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -80,3 +94,53 @@ def describe_validation_error(exc: Any) -> str:
             got = ""
         lines.append(f"  {loc} ({env}): {err['msg']}{got}")
     return "\n".join(lines)
+
+
+def describe_env_parse_error(model: Any, environ: Mapping[str, str] | None = None,
+                             prefix: str = "FLYWHEEL_", delimiter: str = "__") -> str:
+    """Why pydantic-settings could not parse the environment (its `SettingsError` names only
+    the section): one line per `FLYWHEEL_<SECTION>__<FIELD>` variable of a list, dict or
+    section setting whose value is not JSON, saying the format expected.
+
+    Args:
+        model: the settings class (`FlywheelSettings`); its fields give each variable's type.
+        environ: the environment (default `os.environ`).
+    """
+    environ = os.environ if environ is None else environ
+    lines = []
+    for name, value in sorted(environ.items()):
+        if not name.upper().startswith(prefix):
+            continue
+        kind = _complex_kind(model, name[len(prefix):].lower().split(delimiter))
+        if kind is None:
+            continue
+        try:
+            json.loads(value)
+        except ValueError:
+            example = {"list": '\'["a", "b"]\'', "dict": '\'{"key": 1.0}\''}.get(
+                kind, '\'{"field": "value"}\'')
+            lines.append(f"  {name}={value!r}: a {kind} setting takes a JSON value, e.g. "
+                         f"{name}={example}")
+    return "\n".join(lines)
+
+
+def _complex_kind(model: Any, parts: list[str]) -> str | None:
+    """"list", "dict" or "section" when the field at `parts` under `model` is read from the
+    environment as JSON; None for a plain value or an unknown name."""
+    import typing  # noqa: PLC0415
+
+    annotation: Any = model
+    for part in parts:
+        fields = getattr(annotation, "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return None
+        annotation = fields[part].annotation
+    for arg in (annotation, *typing.get_args(annotation)):  # Optional[...] and unions too
+        origin = typing.get_origin(arg) or arg
+        if origin in (list, tuple, set, frozenset):
+            return "list"
+        if origin is dict:
+            return "dict"
+        if hasattr(arg, "model_fields"):
+            return "section"
+    return None

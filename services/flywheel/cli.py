@@ -17,34 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from flywheel.core.settings import FlywheelSettings, load_settings
+from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
-    from pydantic import ValidationError  # noqa: PLC0415
-    from pydantic_settings import SettingsError  # noqa: PLC0415
-
-    from flywheel.core.config_files import describe_env_parse_error  # noqa: PLC0415
-    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
-    from flywheel.core.settings import ConfigFileError, describe_validation_error  # noqa: PLC0415
-
-    try:
-        return load_settings(args.config)
-    except FileNotFoundError as exc:
-        sys.exit(f"flywheel: config file not found: {exc.filename}. Pass an existing TOML, YAML "
-                 "or JSON file.")
-    except (ConfigFileError, ConfigurationError) as exc:
-        sys.exit(f"flywheel: {exc}")
-    except SettingsError as exc:  # an environment value of a list/dict setting that is not JSON
-        culprits = describe_env_parse_error(FlywheelSettings)
-        sys.exit("flywheel: cannot parse FLYWHEEL_<SECTION>__<FIELD> variables; fix these:\n"
-                 f"{culprits}" if culprits else
-                 f"flywheel: {exc} ({exc.__cause__}); list, dict and section settings set in "
-                 "FLYWHEEL_<SECTION>__<FIELD> variables take JSON values, e.g. '[\"a\"]' or "
-                 "'{\"key\": 1.0}'.")
-    except ValidationError as exc:
-        sys.exit(f"flywheel: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
-                 f"variables); fix these fields:\n{describe_validation_error(exc)}")
+    return load_settings_or_exit(args.config)
 
 
 def _interrupt(*_: object) -> None:

@@ -447,3 +447,39 @@ def load_settings(
         else:
             data[section] = values
     return FlywheelSettings(**data)
+
+
+def load_settings_or_exit(config_file: str | os.PathLike[str] | None = None,
+                          prog: str = "flywheel", **overrides: Any) -> FlywheelSettings:
+    """`load_settings` for a command or service entry point: a bad config file or setting ends
+    the process with one message naming it and what to write instead (exit code 1), never a
+    traceback.
+
+    Raises:
+        SystemExit: the settings cannot be loaded.
+    """
+    import sys  # noqa: PLC0415
+
+    from pydantic import ValidationError  # noqa: PLC0415
+    from pydantic_settings import SettingsError  # noqa: PLC0415
+
+    from flywheel.core.config_files import describe_env_parse_error  # noqa: PLC0415
+    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
+
+    try:
+        return load_settings(config_file, **overrides)
+    except FileNotFoundError as exc:
+        sys.exit(f"{prog}: config file not found: {exc.filename}. Pass an existing TOML, YAML "
+                 "or JSON file.")
+    except (ConfigFileError, ConfigurationError) as exc:
+        sys.exit(f"{prog}: {exc}")
+    except SettingsError as exc:  # an environment value of a list/dict setting that is not JSON
+        culprits = describe_env_parse_error(FlywheelSettings)
+        sys.exit(f"{prog}: cannot parse FLYWHEEL_<SECTION>__<FIELD> variables; fix these:\n"
+                 f"{culprits}" if culprits else
+                 f"{prog}: {exc} ({exc.__cause__}); list, dict and section settings set in "
+                 "FLYWHEEL_<SECTION>__<FIELD> variables take JSON values, e.g. '[\"a\"]' or "
+                 "'{\"key\": 1.0}'.")
+    except ValidationError as exc:
+        sys.exit(f"{prog}: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
+                 f"variables); fix these fields:\n{describe_validation_error(exc)}")

@@ -12,7 +12,7 @@ import argparse
 import logging
 
 from flywheel.core.http_errors import KEEP_ALIVE_S
-from flywheel.core.settings import EngineSettings, load_settings
+from flywheel.core.settings import EngineSettings, load_settings_or_exit
 
 log = logging.getLogger("flywheel.engine")
 
@@ -43,9 +43,8 @@ def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, str]:
         }.items()
         if value is not None
     }
-    settings = (
-        load_settings(args.config, engine=overrides) if overrides else load_settings(args.config)
-    )
+    settings = load_settings_or_exit(args.config, "flywheel-engine",
+                                     **({"engine": overrides} if overrides else {}))
     return settings.engine, settings.log_level
 
 

@@ -11,7 +11,7 @@ import logging
 
 from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.logs import setup_logging
-from flywheel.core.settings import load_settings
+from flywheel.core.settings import load_settings_or_exit
 
 log = logging.getLogger("flywheel.gateway")
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default=None, help="TOML settings file")
     parser.add_argument("--port", type=int, default=None)
     args = parser.parse_args(argv)
-    settings = load_settings(args.config)
+    settings = load_settings_or_exit(args.config, "flywheel-gateway")
     if args.port:
         settings.gateway.port = args.port
     setup_logging(settings.log_level, service="gateway")

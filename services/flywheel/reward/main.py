@@ -14,7 +14,7 @@ import logging
 import signal
 
 from flywheel.core.logs import setup_logging
-from flywheel.core.settings import FlywheelSettings, load_settings
+from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 
 log = logging.getLogger("flywheel.reward")
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flywheel-reward", description=__doc__)
     parser.add_argument("--config", default=None, help="TOML settings file")
     args = parser.parse_args(argv)
-    settings = load_settings(args.config)
+    settings = load_settings_or_exit(args.config, "flywheel-reward")
     setup_logging(settings.log_level, service="reward")
     log.info("settings %s", _redacted(settings))
     if settings.reward.metrics_port:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flywheel.core.logs import setup_logging
-from flywheel.core.settings import FlywheelSettings, load_settings
+from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 
 if TYPE_CHECKING:
     from flywheel.teacher.context import TeacherRenderer
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flywheel-teacher", description=__doc__)
     parser.add_argument("--config", default=None, help="TOML settings file")
     args = parser.parse_args(argv)
-    settings = load_settings(args.config)
+    settings = load_settings_or_exit(args.config, "flywheel-teacher")
     setup_logging(settings.log_level, service="teacher")
     log.info("settings %s", settings.dump())
 

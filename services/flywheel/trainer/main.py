@@ -16,7 +16,7 @@ import logging
 import signal
 import threading
 
-from flywheel.core.settings import load_settings
+from flywheel.core.settings import load_settings_or_exit
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = load_settings(args.config)
+    settings = load_settings_or_exit(args.config, "flywheel-trainer")
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

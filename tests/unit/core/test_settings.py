@@ -78,3 +78,23 @@ def test_a_redis_url_must_be_a_redis_url():
     for ok in ("redis://127.0.0.1:6379/0", "rediss://:pw@example.com:6380/0",
                "unix:///tmp/redis.sock"):
         assert load_settings(redis={"url": ok}).redis.url == ok
+
+
+@pytest.mark.parametrize("service", ["engine", "gateway", "reward", "teacher", "trainer"])
+def test_service_entry_points_report_bad_settings_in_one_message(tmp_path, service):
+    """`python -m flywheel.<service> --config F` with a bad value or a missing file ends with a
+    message naming the field or the file (exit status 1), not a traceback."""
+    import importlib  # noqa: PLC0415
+
+    main = importlib.import_module(f"flywheel.{service}.main").main
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainer]\nlr = -1\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(bad)])
+    message = str(exited.value.code)  # sys.exit(str): printed to stderr, exit status 1
+    assert message.startswith(f"flywheel-{service}: invalid settings") and "lr" in message
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(tmp_path / "absent.toml")])
+    assert str(exited.value.code) == (f"flywheel-{service}: config file not found: "
+                                      f"{tmp_path / 'absent.toml'}. Pass an existing TOML, "
+                                      "YAML or JSON file.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 
 import pytest
 
@@ -15,6 +15,8 @@ from flywheel import cli, fidelity
 from flywheel.core.codec import encode_sample, new_sample
 from flywheel.core.streams import FIELD
 from flywheel.stack import STATE_FILE
+
+from .test_stack_race import _Ok  # a /healthz that answers 200
 
 
 @pytest.fixture(autouse=True)
@@ -75,15 +77,6 @@ def test_demo_rejects_sizes_below_one_before_anything_starts(tmp_path, capsys, f
     assert exc.value.code == 2
     assert f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
     assert not out.exists()  # no stack (or its state dir) was started
-
-
-class _Ok(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 def _sample(session: str):

@@ -41,11 +41,12 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
 
 Delivery: a request's Samples are added to the stream by the same Redis script that saves the
 session record and releases its lock (sessions.py), so a failed request or a gateway killed
-mid-turn publishes none of them and a saved turn all of them, once.
+mid-turn publishes none of them and a saved turn all of them, once. A request whose client
+disconnects before its answer is stopped and not recorded (disconnect.py).
 
 Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py
-(the chat routes without FastAPI's routing layers), turns.py (what a session turn records and
-publishes),
+(the chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
+turns.py (what a session turn records and publishes),
 recording.py (stitching rule, fork reasons, Samples from segments), branches.py (live-mode
 branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
 tokenization.py (the only

@@ -20,6 +20,12 @@ _SSL = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_
         "ssl_check_hostname", "ssl_password", "ssl_min_version", "ssl_ciphers")
 
 
+ASYNC_POOL_SIZE = 128
+"""Connections an asyncio twin opens at most; more concurrent commands wait for a free one."""
+ASYNC_POOL_WAIT_S = 20.0
+"""Seconds a command waits for a free connection before it fails (redis ConnectionError)."""
+
+
 def connect(url: str) -> redis.Redis:
     """A client for `url` that retries connection errors 3 times with jittered backoff."""
     return redis.Redis.from_url(
@@ -34,7 +40,11 @@ def connect(url: str) -> redis.Redis:
 def async_twin(client: redis.Redis) -> aioredis.Redis:
     """An asyncio client for the same server, database and credentials as `client` (TCP, TLS
     or a Unix socket), with the same bounded retries. Bound to the event loop that first uses
-    it; build one per loop."""
+    it; build one per loop.
+
+    Its pool holds up to `ASYNC_POOL_SIZE` connections and makes further commands wait for one
+    (redis-py's default asyncio pool fails them at once with "Too many connections", which a
+    burst of requests waiting on one busy session reached)."""
     kwargs = client.connection_pool.connection_kwargs
     settings = {k: kwargs[k] for k in _COPIED if k in kwargs}
     cls = client.connection_pool.connection_class
@@ -48,7 +58,8 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
         if issubclass(cls, redis.SSLConnection):
             conn_cls = aioredis.SSLConnection
             settings.update({k: kwargs[k] for k in _SSL if k in kwargs})
-    pool = aioredis.ConnectionPool(
+    pool = aioredis.BlockingConnectionPool(
+        max_connections=ASYNC_POOL_SIZE, timeout=ASYNC_POOL_WAIT_S,
         connection_class=conn_cls, retry_on_error=_RETRY_ON,
         retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3), **settings)
     return aioredis.Redis(connection_pool=pool)

@@ -80,3 +80,21 @@ def test_each_event_loop_gets_its_own_client_and_scripts(redis_client, prefix):
     first, second = asyncio.run(run()), asyncio.run(run())
     assert first[0] is not second[0] and first[1] is not second[1]  # a new loop, a new client
     assert (first[2], second[2]) == (1, 2)  # both reached the same server
+
+
+def test_more_concurrent_commands_than_connections_wait_for_one(redis_client, prefix):
+    """A burst larger than the pool (ASYNC_POOL_SIZE connections; redis-py's own asyncio pool
+    stops at 100) is served in turn, not failed with "Too many connections"."""
+    from flywheel.core.redis_client import ASYNC_POOL_SIZE  # noqa: PLC0415
+
+    redis_client.set(f"{prefix}:k", b"v")
+    n = 2 * ASYNC_POOL_SIZE + 44  # 300
+
+    async def burst() -> list:
+        twin = async_twin(redis_client)
+        try:
+            return await asyncio.gather(*[twin.get(f"{prefix}:k") for _ in range(n)])
+        finally:
+            await twin.aclose()
+
+    assert asyncio.run(burst()) == [b"v"] * n

@@ -42,6 +42,7 @@ import base64
 import hashlib
 import json
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -147,7 +148,7 @@ async def locked(store: SessionStore, session_id: str,
 
     The lock is taken and the record read in one Redis round trip, and saved and released in
     one more, both on the event loop (no thread hop); while another request holds the session
-    this waits on the event loop (5 ms doubling to 100 ms between tries).
+    this waits on the event loop (5 ms doubling to 100 ms between tries, each +-50% at random).
 
     Raises:
         NotFoundError: no such session. ConflictError: busy for `timeout_s` seconds, or the
@@ -157,7 +158,7 @@ async def locked(store: SessionStore, session_id: str,
     while (lease := await store.atry_acquire(session_id, LOCK_LEASE_S)) is None:
         if time.monotonic() >= deadline:
             raise ConflictError(f"session {session_id} is busy", param="session_id")
-        await asyncio.sleep(pause)
+        await asyncio.sleep(pause * random.uniform(0.5, 1.5))  # waiters spread their tries
         pause = min(pause * 2, 0.1)
     renewal = asyncio.create_task(_renew(store, lease))
     try:

@@ -109,6 +109,8 @@ def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
         ready = http.get("/readyz")
         chat = http.post("/v1/chat/completions", json={**CHAT, "messages": [
             {"role": "user", "content": "hi"}]})
+        alive = http.get("/healthz")  # liveness needs no Redis: no restart for an outage
     for answer in (ready, chat):
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["type"] == "service_unavailable_error"
+    assert alive.status_code == 200 and alive.json()["status"] == "ok"

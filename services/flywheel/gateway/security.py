@@ -54,6 +54,7 @@ REJECTED = Counter("flywheel_gateway_rejected_requests_total",
                    "Requests refused before reaching a route", ["reason"])
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+"""Served to anyone, without a key lookup: `/healthz` answers even while Redis is down."""
 ADMIN_PREFIXES = ("/v1/admin", "/dashboard", "/admin")
 SESSION_KEY_DENIED = ("/v1/sessions", "/v1/admin")
 JSON_BODY = "json_body"
@@ -80,6 +81,8 @@ class Principal:
 
 
 LOCAL_ADMIN = Principal(key_id="", role="admin")
+ANONYMOUS = Principal(key_id="anonymous", role="agent", limit_id="anonymous")
+"""Who calls a public path (and `/metrics` when it does not need an admin key) without a key."""
 
 
 def principal(request: Request) -> Principal:
@@ -235,6 +238,8 @@ class SecurityMiddleware:
         return record
 
     async def _authenticate(self, scope: dict) -> Principal:
+        if scope["path"] in PUBLIC_PATHS:  # probes need no key, so no key lookup (no Redis)
+            return ANONYMOUS
         secret = _bearer(scope)
         required = await self._auth_required()
         if not required and not secret.startswith(("fwk-", "fws-")):
@@ -245,9 +250,8 @@ class SecurityMiddleware:
             return Principal.of(record) if record and record.role == "session" else LOCAL_ADMIN
         if record is not None:
             return Principal.of(record)
-        if scope["path"] in PUBLIC_PATHS or (scope["path"] == "/metrics"
-                                             and not self.settings.metrics_require_admin):
-            return Principal(key_id="anonymous", role="agent", limit_id="anonymous")
+        if scope["path"] == "/metrics" and not self.settings.metrics_require_admin:
+            return ANONYMOUS
         REJECTED.labels("unauthenticated").inc()
         raise AuthenticationError(
             "missing API key: send `Authorization: Bearer <key>` (create keys with `flywheel "

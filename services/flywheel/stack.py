@@ -361,7 +361,7 @@ class Stack:
                 raise RuntimeError(f"{service.name} cannot start: {reason}"
                                    f"{f' ({error})' if error else ''}"
                                    f"{f'; {service.fix}' if service.fix else ''}; "
-                                   f"log {service.log_path}:\n{tail}")
+                                   f"the traceback is in {service.log_path}")
             # Healthy only when the answer comes from this service's own process: another
             # process that holds the port (another stack's) is never taken for it.
             if service.health() and listens(service.proc.pid, port):

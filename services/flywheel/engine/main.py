@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
+from flywheel.core.errors import ConfigurationError
 from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.settings import EngineSettings, load_settings_or_exit
 
@@ -61,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.engine.convert import ensure_default_model
     from flywheel.engine.worker import EngineWorker
 
-    model_path = resolve_model_path(settings.model_path)
+    try:
+        model_path = resolve_model_path(settings.model_path)
+    except ConfigurationError as exc:
+        sys.exit(f"flywheel-engine: {exc} ([engine] model_path, FLYWHEEL_ENGINE__MODEL_PATH)")
     if not settings.model_path:
         model_path = ensure_default_model(model_path)
     worker = EngineWorker(settings, model_path).start()

@@ -98,3 +98,23 @@ def test_service_entry_points_report_bad_settings_in_one_message(tmp_path, servi
     assert str(exited.value.code) == (f"flywheel-{service}: config file not found: "
                                       f"{tmp_path / 'absent.toml'}. Pass an existing TOML, "
                                       "YAML or JSON file.")
+
+
+def test_a_model_path_that_does_not_exist_is_named_before_loading(tmp_path):
+    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
+    from flywheel.core.paths import default_model_dir, resolve_model_path  # noqa: PLC0415
+    from flywheel.engine.main import main  # noqa: PLC0415
+
+    for missing in ("/nonexistent/model", "./no-such-dir", "~/no-such-dir-either"):
+        with pytest.raises(ConfigurationError, match=f"model path {missing} does not exist"):
+            resolve_model_path(missing)
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct").name == \
+        "SmolLM2-135M-Instruct"  # a Hub id is left to the loader
+    assert resolve_model_path("") == default_model_dir()
+    cfg = tmp_path / "engine.toml"
+    cfg.write_text('[engine]\nmodel_path = "/nonexistent/model"\n')
+    with pytest.raises(SystemExit) as exited:  # the engine process: one line, exit status 1
+        main(["--config", str(cfg)])
+    assert str(exited.value.code).startswith(
+        "flywheel-engine: model path /nonexistent/model does not exist")

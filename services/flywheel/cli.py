@@ -53,6 +53,10 @@ START_FAILURES = (RuntimeError, OSError, ValueError, subprocess.CalledProcessErr
 never gets healthy, an unreachable Redis, a bad setting, a failed model conversion)."""
 
 
+REDIS_CHECK_S = 2.0
+"""Seconds between `flywheel up`'s checks that every service (and its Redis) still runs."""
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from flywheel.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
 
@@ -81,10 +85,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"flywheel is up. Point an OpenAI client at {gateway}/v1 (or a session's "
               "base_url). Ctrl-C stops everything.", flush=True)
         while True:
-            time.sleep(5)
+            time.sleep(REDIS_CHECK_S)
+            try:
+                code = stack.revive_redis()
+            except START_FAILURES as exc:
+                print(f"flywheel: redis exited and did not start again ({exc}); stopping the "
+                      "stack.", file=sys.stderr)
+                return 1
+            if code is not None:
+                print(f"flywheel: redis exited with {code}; started it again on "
+                      f"{stack.redis.url} with its data (AOF). The services wait out the gap.",
+                      file=sys.stderr, flush=True)
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
-            if stack.redis and stack.redis.proc and stack.redis.proc.poll() is not None:
-                dead.insert(0, "redis")  # every service needs it: name it first
             if dead:
                 print(f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
                       "Stopping the stack.")

@@ -7,7 +7,8 @@ reads the resolved settings (ports moved to free ones, the Redis URL, the model 
 logs to `<state_dir>/logs/<service>.log` (appended; messages quote only the current run's
 lines), and is stopped in reverse order (SIGTERM, then SIGKILL after a grace period). Start-up
 fails fast, with the reason, when an external Redis does not answer a ping or a service reports
-a state it cannot recover from (an engine whose model failed to load).
+a state it cannot recover from (an engine whose model failed to load). The stack's own Redis is
+started again if it dies (`revive_redis`, called by `flywheel up`'s watch loop).
 
 Two stacks started at the same instant never mix: a stack holds an exclusive lock on
 `<state_dir>/stack.lock` while it runs (a second stack on that state dir fails at once), holds
@@ -386,6 +387,20 @@ class Stack:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+
+    def revive_redis(self) -> int | None:
+        """Start the stack's own Redis again if it exited (same port and data dir; with AOF on
+        it comes back with every acknowledged write), so the services, which wait out Redis
+        outages, go on. Returns the exit code it had, or None when it runs (or is external).
+
+        Raises:
+            RuntimeError, TimeoutError: it does not start again.
+        """
+        if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
+            return None
+        code = self.redis.proc.returncode
+        self.redis.start()
+        return code
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every child in reverse start order, then Redis."""

@@ -3,6 +3,7 @@ healthy and printed, and Ctrl-C (SIGINT) stopping all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -48,7 +49,8 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         stack = json.loads((state / "stack.json").read_text())
         assert stack["gateway"] == "http://127.0.0.1:8500"
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
-        _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
+        sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
+        _redis_killed_is_started_again(proc, stack["gateway"], sid)
         second = subprocess.run([sys.executable, "-m", "flywheel.cli", "up", "--config",
                                  str(cfg)], capture_output=True, text=True, env=env, timeout=60)
         assert second.returncode == 1 and "already running" in second.stderr
@@ -59,6 +61,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         rest, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, rest
     assert "stopped." in rest
+    assert "flywheel: redis exited with -9; started it again" in rest
     time.sleep(0.5)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still running after Ctrl-C: {alive}"
@@ -67,7 +70,25 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         httpx.get(f"{stack['gateway']}/healthz", timeout=2)
 
 
-def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]) -> None:
+def _redis_killed_is_started_again(up: subprocess.Popen, gateway: str, sid: str) -> None:
+    """SIGKILL the stack's redis-server: `flywheel up` starts it again on its data (AOF), the
+    gateway is ready again and the finished session is still there; nothing else stops."""
+    (server,) = [c for c in psutil.Process(up.pid).children(recursive=True)
+                 if c.name().startswith("redis-server")]
+    server.kill()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200 and \
+                    not server.is_running():
+                break
+        time.sleep(0.5)
+    assert up.poll() is None, "flywheel up stopped when its redis died"
+    assert httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200
+    assert httpx.get(f"{gateway}/v1/sessions/{sid}", timeout=5).json()["status"] == "finished"
+
+
+def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]) -> str:
     """`flywheel check-fidelity` on a finished two-turn session: one line per Sample naming
     it, its segment and turn, every check passing (exit 0); an unknown session: exit 1."""
     with httpx.Client(base_url=gateway, timeout=120) as client:
@@ -88,3 +109,4 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
     missing = subprocess.run([*cli, "--session", "nope"], capture_output=True, text=True,
                              env=env, timeout=120)
     assert missing.returncode == 1 and "no recorded Sample of session nope" in missing.stdout
+    return sid

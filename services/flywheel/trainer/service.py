@@ -37,25 +37,22 @@ from typing import Any
 
 import redis
 import torch
-from prometheus_client import Counter as PromCounter
 from transformers import PreTrainedModel
 
 from flywheel.core.codec import decode_sample
 from flywheel.core.errors import UpstreamError
 from flywheel.core.paths import resolve_model_path
-from flywheel.core.redis_client import connect
 from flywheel.core.settings import FlywheelSettings
-from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
+from flywheel.core.streams import StreamEntry
 from flywheel.trainer.distributed import World
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
-from flywheel.trainer.sources import (
+from flywheel.trainer.redis_retry import retry_redis
+from flywheel.trainer.sources import (  # noqa: F401  (CONSUMER_GROUP: re-exported)
+    CONSUMER_GROUP,
     FakeSource,
-    RecordingSource,
-    RedisSource,
-    ReplaySource,
-    SampleDump,
     SampleSource,
+    build_source,
 )
 from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import (
@@ -85,12 +82,6 @@ from flywheel.trainer.weights import (
 
 log = logging.getLogger(__name__)
 
-REDIS_ERRORS = PromCounter("flywheel_trainer_redis_errors_total",
-                           "Trainer calls to Redis that failed and were retried (outage)")
-REDIS_BACKOFF_S = (0.5, 10.0)
-"""First and longest pause between retries of a failed Redis call (seconds)."""
-
-CONSUMER_GROUP = "trainer"
 
 
 @dataclass
@@ -116,42 +107,6 @@ class TrainerParts:
     trained: torch.nn.Module | None = None
     """What `train_step` runs: the FSDP2 root (`ShardedPolicy`) under fsdp2, else None (the
     model itself)."""
-
-
-def build_source(
-    settings: FlywheelSettings,
-    vocab_size: int,
-    latest: Checkpoint | None,
-    redis_client: redis.Redis | None = None,
-) -> tuple[SampleSource, LeaseKeeper | NullLeases]:
-    """The configured source (and its lease keeper), positioned after `latest`."""
-    s = settings.trainer
-    source: SampleSource
-    leases: LeaseKeeper | NullLeases = NullLeases()
-    if s.source == "redis":
-        client = redis_client or connect(settings.redis_url())
-        consumer_name = s.consumer_name or default_consumer_name()
-        stream = settings.streams.key("train")
-        source = RedisSource(StreamConsumer(
-            client, stream, CONSUMER_GROUP, consumer_name,
-            dead_stream=settings.streams.key("dead"),
-            max_deliveries=settings.streams.max_deliveries,
-            min_idle_ms=settings.streams.min_idle_ms,
-        ))
-        interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
-        leases = LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s)
-    elif s.source == "replay":
-        if not s.replay_path:
-            raise ValueError("trainer.source = 'replay' needs trainer.replay_path (a dump)")
-        position = (latest.state.get("source_position") or {}) if latest else {}
-        source = ReplaySource(s.replay_path, int(position.get("position", 1)),
-                              list(position.get("done", [])))
-    else:
-        source = FakeSource(vocab_size, s.group_size, s.fake_prompt_tokens,
-                            s.fake_completion_tokens, seed=s.seed)
-    if s.record_path:
-        source = RecordingSource(source, SampleDump(s.record_path))
-    return source, leases
 
 
 @dataclass
@@ -422,20 +377,8 @@ class Trainer:
         return self.version - start_version
 
     def _redis(self, call: Any, what: str) -> Any:
-        """`call()`, retried with backoff while it fails with a Redis error (an outage), until
-        it succeeds or the loop is stopped (then the last error is raised)."""
-        pause = REDIS_BACKOFF_S[0]
-        while True:
-            try:
-                return call()
-            except redis.RedisError as exc:
-                REDIS_ERRORS.inc()
-                if self._stop.is_set():
-                    raise
-                log.warning("Redis call failed while %s: %s; retrying in %.1f s", what, exc,
-                            pause)
-                self._stop.wait(pause)
-                pause = min(pause * 2, REDIS_BACKOFF_S[1])
+        """`call()`, retried while Redis is out (redis_retry.py) until the loop stops."""
+        return retry_redis(call, what, self._stop)
 
     def poll(self) -> None:
         """One iteration: train if enough groups are ready, else read more entries."""

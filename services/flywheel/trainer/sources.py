@@ -16,6 +16,7 @@ Every source hands out `StreamEntry`s and takes acks and dead letters the same w
   random 0/1 rewards, random sampled tokens with logprobs in [-3, -0.05]), stamped with the
   trainer's current weight version, so the step can be run and profiled without any service.
 
+`build_source` builds the one `trainer.source` names (with the lease keeper of the Redis one).
 `SampleDump` is the record/replay format: `.jsonl` (one JSON object per line: `sample_id`,
 `group_id`, `reward` for reading, and `payload` = the base64 protobuf bytes) or `.bin`
 (repeated 4-byte little-endian length + protobuf bytes). `trainer.record_path` appends every
@@ -32,16 +33,25 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample, encode_sample, new_sample
 from flywheel.core.errors import ContractError
-from flywheel.core.streams import StreamConsumer, StreamEntry
+from flywheel.core.redis_client import connect
+from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
+from flywheel.trainer.leases import LeaseKeeper, NullLeases
+
+if TYPE_CHECKING:
+    from flywheel.core.settings import FlywheelSettings
+    from flywheel.trainer.weights import Checkpoint
 
 log = logging.getLogger(__name__)
+
+CONSUMER_GROUP = "trainer"
+"""The trainer's consumer group on the train stream."""
 
 
 class SampleSource(Protocol):
@@ -324,3 +334,39 @@ class RecordingSource:
 
 def _index(entry_id: str) -> int:
     return int(entry_id.partition("-")[0])
+
+
+def build_source(
+    settings: FlywheelSettings,
+    vocab_size: int,
+    latest: Checkpoint | None,
+    redis_client: redis.Redis | None = None,
+) -> tuple[SampleSource, LeaseKeeper | NullLeases]:
+    """The configured source (and its lease keeper), positioned after `latest`."""
+    s = settings.trainer
+    source: SampleSource
+    leases: LeaseKeeper | NullLeases = NullLeases()
+    if s.source == "redis":
+        client = redis_client or connect(settings.redis_url())
+        consumer_name = s.consumer_name or default_consumer_name()
+        stream = settings.streams.key("train")
+        source = RedisSource(StreamConsumer(
+            client, stream, CONSUMER_GROUP, consumer_name,
+            dead_stream=settings.streams.key("dead"),
+            max_deliveries=settings.streams.max_deliveries,
+            min_idle_ms=settings.streams.min_idle_ms,
+        ))
+        interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
+        leases = LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s)
+    elif s.source == "replay":
+        if not s.replay_path:
+            raise ValueError("trainer.source = 'replay' needs trainer.replay_path (a dump)")
+        position = (latest.state.get("source_position") or {}) if latest else {}
+        source = ReplaySource(s.replay_path, int(position.get("position", 1)),
+                              list(position.get("done", [])))
+    else:
+        source = FakeSource(vocab_size, s.group_size, s.fake_prompt_tokens,
+                            s.fake_completion_tokens, seed=s.seed)
+    if s.record_path:
+        source = RecordingSource(source, SampleDump(s.record_path))
+    return source, leases

@@ -16,8 +16,8 @@ from flywheel.core.codec import new_sample
 from flywheel.core.redis_client import connect
 from flywheel.core.redis_server import LocalRedis
 from flywheel.core.streams import StreamConsumer, StreamProducer
-from flywheel.trainer.service import CONSUMER_GROUP, build_trainer
-from flywheel.trainer.sources import RedisSource
+from flywheel.trainer.service import build_trainer
+from flywheel.trainer.sources import CONSUMER_GROUP, RedisSource
 
 from .test_trainer_service import (
     VOCAB,

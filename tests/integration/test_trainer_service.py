@@ -30,7 +30,8 @@ from flywheel.core.settings import load_settings
 from flywheel.core.streams import StreamProducer
 from flywheel.trainer.leases import LeaseKeeper
 from flywheel.trainer.logprobs import naive_token_logprobs
-from flywheel.trainer.service import CONSUMER_GROUP, build_trainer
+from flywheel.trainer.service import build_trainer
+from flywheel.trainer.sources import CONSUMER_GROUP
 
 pytestmark = pytest.mark.integration
 VOCAB = 256

@@ -190,8 +190,7 @@ async def _complete(d: GatewayDeps, body: CompletionRequest, session_id: str | N
                     request: Request) -> JSONResponse | StreamingResponse:
     """A text completion, stopped unrecorded if the client disconnects first."""
     completion = await unless_disconnected(
-        completions.complete(d, body, session_id), request.receive,
-        "unrecorded" if session_id is None else f"session {session_id}")
+        completions.complete(d, body, session_id), request.receive, session_id)
     return _stream_completion(body, completion)
 
 

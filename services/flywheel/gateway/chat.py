@@ -109,8 +109,7 @@ async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str |
         session_id = session_header(header_id)
         create_owner = None if session_id is None else owner
     completion = await unless_disconnected(
-        serve(d, body, session_id, turn_type, create_owner=create_owner), receive,
-        "unrecorded" if session_id is None else f"session {session_id}")
+        serve(d, body, session_id, turn_type, create_owner=create_owner), receive, session_id)
     return answer(body, completion)
 
 

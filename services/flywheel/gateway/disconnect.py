@@ -38,14 +38,15 @@ async def _until_disconnected(receive: Receive) -> None:
 
 
 async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None,
-                              what: str) -> T:
+                              session_id: str | None) -> T:
     """`await work`, cancelled when the ASGI `receive` (the request body already read) reports
     `http.disconnect` first.
 
     Args:
         work: the request's turn (engine call, session lock, recording).
         receive: the server's receive after the body; None: just await `work`.
-        what: names the request in the log line ("session <id>" or "unrecorded").
+        session_id: the session the request is recorded in (None: unrecorded), for the
+            metric's `kind` and the log line.
 
     Raises:
         ClientClosedError: the client disconnected; `work` was cancelled and has finished
@@ -53,6 +54,7 @@ async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | N
     """
     if receive is None:
         return await work
+    what = "unrecorded" if session_id is None else f"session {session_id}"
     turn = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_until_disconnected(receive))
     try:
@@ -71,8 +73,7 @@ async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | N
         pass
     except Exception as exc:  # noqa: BLE001  (the turn failed while unwinding; logged)
         log.warning("%s: the abandoned request failed while stopping: %r", what, exc)
-    kind = "unrecorded" if what == "unrecorded" else "session"
-    ABANDONED.labels(kind).inc()
+    ABANDONED.labels("unrecorded" if session_id is None else "session").inc()
     log.warning("%s: the client closed the connection before the answer was ready; the "
                 "request was stopped before it was recorded", what)
     raise ClientClosedError("the client closed the connection before the answer was ready")

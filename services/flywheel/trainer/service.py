@@ -48,12 +48,7 @@ from flywheel.trainer.distributed import World
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 from flywheel.trainer.redis_retry import retry_redis
-from flywheel.trainer.sources import (  # noqa: F401  (CONSUMER_GROUP: re-exported)
-    CONSUMER_GROUP,
-    FakeSource,
-    SampleSource,
-    build_source,
-)
+from flywheel.trainer.sources import FakeSource, SampleSource, build_source
 from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import (
     StepConfig,
@@ -81,7 +76,6 @@ from flywheel.trainer.weights import (
 )
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass

@@ -3,6 +3,9 @@ acked entries are not redelivered, and the gateway answers 503 (not 500) while R
 
 from __future__ import annotations
 
+import signal
+import time
+
 import httpx
 import pytest
 import redis
@@ -114,3 +117,34 @@ def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
         assert answer.status_code == 503, answer.text
         assert answer.json()["error"]["type"] == "service_unavailable_error"
     assert alive.status_code == 200 and alive.json()["status"] == "ok"
+
+
+def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
+        own_redis, procs, inproc_gateway, prefix):
+    """A Redis that stops answering (SIGSTOP: the socket stays open, nothing replies) fails a
+    chat turn with a 503 once `gateway.redis_timeout_s` passes, without retrying the timed-out
+    command (it may have run); the session answers again once Redis does. Without a reply
+    timeout the request waited for the TCP stack (15-37 s measured)."""
+    timeout_s = 1.0
+    client = connect(own_redis.url, socket_timeout=timeout_s)
+    gw = inproc_gateway([procs.stub("ok")], client=client)
+    msgs = [{"role": "user", "content": "What is 7 + 1?"}]
+    with httpx.Client(base_url=gw, timeout=60) as http:
+        sid = http.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            hung = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+            waited = time.monotonic() - started
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        assert hung.status_code == 503, hung.text
+        assert hung.json()["error"]["type"] == "service_unavailable_error"
+        # one reply timeout (1 s), not 4 (3 retries) and not the TCP stack's minutes
+        assert timeout_s <= waited < 3 * timeout_s, waited
+        # the timed-out lock script may have taken the lock: its lease ends it
+        deadline = time.monotonic() + 30
+        while (after := http.post(f"/s/{sid}/v1/chat/completions",
+                                  json={**CHAT, "messages": msgs})).status_code != 200:
+            assert time.monotonic() < deadline, after.text
+            time.sleep(0.5)

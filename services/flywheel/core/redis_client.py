@@ -12,7 +12,16 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.retry import Retry
 
-_RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
+
+def _retried(socket_timeout: float | None) -> tuple[type[Exception], ...]:
+    """Errors a client retries: connection errors, and timeouts only while replies have no
+    time limit (then a timeout can only be the connect's; a reply's may follow a command that
+    ran)."""
+    if socket_timeout is None:
+        return (redis.ConnectionError, redis.TimeoutError)
+    return (redis.ConnectionError,)
+
+
 _COPIED = ("db", "username", "password", "socket_timeout", "socket_connect_timeout",
            "health_check_interval", "client_name", "credential_provider")
 """Connection settings an asyncio twin takes over from its sync client."""
@@ -26,14 +35,22 @@ ASYNC_POOL_WAIT_S = 20.0
 """Seconds a command waits for a free connection before it fails (redis ConnectionError)."""
 
 
-def connect(url: str) -> redis.Redis:
-    """A client for `url` that retries connection errors 3 times with jittered backoff."""
+def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
+    """A client for `url` that retries connection errors 3 times with jittered backoff.
+
+    Args:
+        socket_timeout: seconds to wait for one reply (None: no limit, for clients whose
+            blocking stream reads wait longer). With a limit, a reply that does not come is a
+            `redis.TimeoutError` that is not retried, since the command may have run.
+    """
     return redis.Redis.from_url(
         url,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
-        retry_on_error=_RETRY_ON,
+        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3,
+                    supported_errors=_retried(socket_timeout)),
+        retry_on_error=list(_retried(socket_timeout)),
         health_check_interval=30,
         socket_connect_timeout=5,
+        socket_timeout=socket_timeout,
     )
 
 
@@ -60,8 +77,10 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
             settings.update({k: kwargs[k] for k in _SSL if k in kwargs})
     pool = aioredis.BlockingConnectionPool(
         max_connections=ASYNC_POOL_SIZE, timeout=ASYNC_POOL_WAIT_S,
-        connection_class=conn_cls, retry_on_error=_RETRY_ON,
-        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3), **settings)
+        connection_class=conn_cls, retry_on_error=list(retried := _retried(
+            settings.get("socket_timeout"))),
+        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3,
+                         supported_errors=retried), **settings)
     return aioredis.Redis(connection_pool=pool)
 
 

@@ -182,6 +182,10 @@ class GatewaySettings(Section):
     engine_health_interval_s: float = Field(2.0, ge=0)
     """Seconds between `/health` probes of an engine taken out after a failed call (it is put
     back once healthy); 0 = no probes."""
+    redis_timeout_s: float = Field(5.0, gt=0)
+    """Seconds the gateway waits for one Redis reply; a Redis that stops answering (hung, not
+    down) fails the request with a 503 after this long. Not retried: a timed-out save may
+    have run."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
     session_idle_finish_s: float = Field(3_600.0, gt=0)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
 
     gw = settings.gateway
-    client = connect(settings.redis_url())
+    client = connect(settings.redis_url(), socket_timeout=gw.redis_timeout_s)
     renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path))
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
     deps = GatewayDeps(

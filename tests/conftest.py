@@ -59,3 +59,46 @@ def tiny_engine(tiny_model_dir):
     assert worker.wait_ready(120), worker.error
     yield worker
     worker.close()
+
+
+def _shared_mutables(obj: object, seen: dict[int, object], path: str) -> list[str]:
+    """Paths at which a list, dict or model already met elsewhere in `obj` is reached again (a
+    record parsed from JSON has none)."""
+    from pydantic import BaseModel  # noqa: PLC0415
+
+    if isinstance(obj, BaseModel):
+        children = [(f"{path}.{k}", getattr(obj, k)) for k in type(obj).model_fields]
+    elif isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, list):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        return []
+    if id(obj) in seen:
+        return [path]
+    seen[id(obj)] = obj
+    return [p for child_path, child in children for p in _shared_mutables(child, seen, child_path)]
+
+
+@pytest.fixture(autouse=True)
+def verify_record_cache(monkeypatch):
+    """Every test that runs a gateway in this process also checks its record cache: a record
+    handed out from the cache must serialize exactly to the stored record (nothing changed it
+    after its save) and share no list, dict or model between two places (as a record parsed
+    from Redis never does), so a turn on the cached record does what it does on a read one."""
+    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
+
+    original = SessionStore.atry_acquire
+
+    async def checked(self, session_id, *args, **kwargs):
+        entry = self.cache._entries.get(session_id)
+        lease = await original(self, session_id, *args, **kwargs)
+        if lease is not None and entry is not None and lease.record is entry.record:
+            stored = await self._loop_clients.get().get(self._key(session_id))
+            assert stored.decode() == lease.record.model_dump_json(), \
+                f"cached record of {session_id} differs from the stored one"
+            shared = _shared_mutables(lease.record, {}, "record")
+            assert not shared, f"cached record of {session_id} shares objects at {shared}"
+        return lease
+
+    monkeypatch.setattr(SessionStore, "atry_acquire", checked)

@@ -188,6 +188,11 @@ class GatewaySettings(Section):
     have run."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
+    record_cache_tokens: int = Field(1_000_000, ge=0)
+    """Recorded tokens of the session records a gateway keeps in memory after saving them
+    (about 95 bytes each: 1,000,000 is about 95 MB), so a session's next turn on the same
+    replica reads no record from Redis while the stored one is still that version; least
+    recently saved dropped first; 0 = off."""
     session_idle_finish_s: float = Field(3_600.0, gt=0)
     """Seconds after its last request that a gateway finishes an open session itself, so that
     nothing it holds is lost when its Redis key expires (`session_ttl_s`, which must be

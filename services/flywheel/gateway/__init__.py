@@ -42,7 +42,10 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
 Delivery: a request's Samples are added to the stream by the same Redis script that saves the
 session record and releases its lock (sessions.py), so a failed request or a gateway killed
 mid-turn publishes none of them and a saved turn all of them, once. A request whose client
-disconnects before its answer is stopped and not recorded (disconnect.py).
+disconnects before its answer is stopped and not recorded (disconnect.py). A gateway keeps
+the records it saved (record_cache.py): the session's next turn there reads no record from
+Redis while the stored one is still the version it saved (another replica's save, or any other
+write, makes it read again).
 
 Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py
 (the chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
@@ -52,6 +55,7 @@ branches), sweep.py (idle sessions finished), request_rules.py (model names, nul
 tokenization.py (the only
 text -> ids), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
 completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store:
-locks, saves), records.py (what a session stores),
+locks, saves), record_cache.py (records kept after their save), records.py (what a session
+stores),
 schemas.py (request models and field policy).
 """

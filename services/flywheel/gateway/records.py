@@ -118,6 +118,9 @@ class Branch(BaseModel):
 
 
 class SessionRecord(BaseModel):
+    rev: str = ""
+    """Random id of this stored version, new at every save; kept first in the stored JSON so
+    the lock script can compare it without parsing (record_cache.py)."""
     session_id: str
     group_id: str = ""
     task: dict[str, Any] = Field(default_factory=dict)

@@ -23,6 +23,7 @@ from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients
 from flywheel.core.streams import BACKLOG_LUA, FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
+from flywheel.gateway.record_cache import READS, Cached, RecordCache, rev_prefix
 from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's record types)
     Branch,
     Candidate,
@@ -47,16 +48,21 @@ class _Owner(BaseModel):
     owner: str = ""
 
 
+RECORD_CACHE_TOKENS = 1_000_000
+"""Recorded tokens of the records a store keeps in memory by default (about 95 MB)."""
+
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""
 
 _TAKE = """
-local record = redis.call('GET', KEYS[1])
-if not record then return {0} end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {1, record} end
-return {2}
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+local head = ARGV[3]
+if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3} end
+return {1, redis.call('GET', KEYS[1])}
 """
-"""Lock a session and read its record: {0} no session, {1, record} taken, {2} busy."""
+"""Lock a session and read its record: {0} no session, {1, record} taken, {2} busy, {3} taken
+and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record)."""
 
 _PUT = BACKLOG_LUA + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
@@ -105,14 +111,21 @@ class SessionStore:
     (`release`) in one round trip each; `atry_acquire` / `arenew` / `arelease` do the same on
     the event loop (an asyncio twin of `client`), the gateway's per-request path.
 
+    The asyncio path keeps the records it saved (record_cache.py): the next turn of the session
+    on this gateway gets the held record when the stored one is still that version, so a turn
+    reads no record from Redis.
+
     Args:
         client: redis-py client.
         prefix: key prefix of the deployment.
         ttl_s: seconds an untouched session is kept.
+        cache_tokens: recorded tokens of the records kept in memory; 0 = none.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int):
+    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int,
+                 cache_tokens: int = RECORD_CACHE_TOKENS):
         self.client = client
+        self.cache = RecordCache(cache_tokens)
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
@@ -135,12 +148,13 @@ class SessionStore:
             ConflictError: `session_id` is given and already exists.
         """
         fields.setdefault("session_id", uuid.uuid4().hex)
-        record = SessionRecord(**fields)
+        record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
         ok = self.client.set(self._key(record.session_id), record.model_dump_json(),
                              ex=self.ttl_s, nx=True)
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
         self.client.zadd(self.touched_key, {record.session_id: time.time()})
+        self.cache.put(record.session_id, record.model_copy(deep=True))  # the caller's stays its
         return record
 
     def exists(self, session_id: str) -> bool:
@@ -148,12 +162,19 @@ class SessionStore:
 
     async def aowner(self, session_id: str) -> str:
         """The key id that owns the session ("" when created without authentication), read on
-        the event loop without building the whole record.
+        the event loop without building the whole record, and without reading it when the
+        record this gateway holds is still the stored one.
 
         Raises:
             NotFoundError: no such session.
         """
-        raw = await self._loop_clients.get().get(self._key(session_id))
+        client, key = self._loop_clients.get(), self._key(session_id)
+        cached = self.cache.peek(session_id)
+        if cached is not None:  # the stored record's first bytes say whether it is this one
+            head = rev_prefix(cached.rev)
+            if (await client.getrange(key, 0, len(head) - 1)).decode() == head:
+                return cached.record.owner
+        raw = await client.get(key)
         if raw is None:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         return _Owner.model_validate_json(raw).owner
@@ -197,10 +218,12 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
-    def _take_call(self, session_id: str, lease_s: float) -> tuple[str, dict[str, list]]:
+    def _take_call(self, session_id: str, lease_s: float, cached: Cached | None = None
+                   ) -> tuple[str, dict[str, list]]:
         token = uuid.uuid4().hex
         return token, {"keys": [self._key(session_id), self._lock_key(session_id)],
-                       "args": [token, max(int(lease_s * 1000), 1)]}
+                       "args": [token, max(int(lease_s * 1000), 1),
+                                rev_prefix(cached.rev) if cached is not None else ""]}
 
     @staticmethod
     def _taken(session_id: str, token: str, lease_s: float, got: list) -> SessionLease | None:
@@ -223,8 +246,16 @@ class SessionStore:
     async def atry_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S
                            ) -> SessionLease | None:
         """`try_acquire` on the event loop."""
-        token, call = self._take_call(session_id, lease_s)
+        cached = self.cache.take(session_id)
+        token, call = self._take_call(session_id, lease_s, cached)
         got = await self._loop_clients.script(_TAKE)(**call)
+        if got[0] == 3 and cached is not None:
+            READS.labels("cached").inc()
+            return SessionLease(session_id, token, lease_s, cached.record)
+        if got[0] == 2 and cached is not None:
+            self.cache.give_back(session_id, cached)
+        elif got[0] == 1:
+            READS.labels("stale" if cached is not None else "redis").inc()
         return self._taken(session_id, token, lease_s, got)
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
@@ -265,6 +296,8 @@ class SessionStore:
         if len(rules) > 1:
             raise ValueError(f"one save publishes to one stream, got {sorted(rules)}")
         stream, high_water, watch_group = rules.pop() if rules else (self.touched_key, 0, "")
+        if record is not None:
+            record.rev = uuid.uuid4().hex
         return {"keys": [self._key(lease.session_id), self._lock_key(lease.session_id),
                          self.touched_key, stream],
                 "args": [lease.token, record.model_dump_json() if record else "", self.ttl_s,
@@ -315,3 +348,5 @@ class SessionStore:
         """`release` on the event loop."""
         held = await self._loop_clients.script(_PUT)(**self._put_call(lease, record))
         self._put_done(lease, record, held)
+        if record is not None:  # saved: the next turn here may use it as it is
+            self.cache.put(lease.session_id, record)

@@ -1,0 +1,106 @@
+"""The session records this gateway saved last, kept in memory so the next turn of the same
+session does not read and parse its whole record from Redis again.
+
+A stored record carries `rev`, a random id written with every save. A turn hands the rev of the
+record it holds to the lock script, which compares it with the stored record's first bytes
+under the lock: equal, the held record is the stored one (nothing else saved the session since,
+this replica or another) and no record crosses the wire; different or absent, the stored record
+is read as before. Taking a record out of the cache hands it to the turn (it mutates it); only a
+successful save puts it back, so a failed turn's half-changed record is never reused.
+
+The cache is bounded by recorded tokens (about 95 bytes of Python objects each, measured),
+least recently saved evicted first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+
+from flywheel.gateway.records import SessionRecord
+
+READS = Counter("flywheel_gateway_record_reads_total",
+                "Session records a turn took under its lock, by where they came from: "
+                "'cached' (this gateway's own last save, still current), 'stale' (cached but "
+                "saved elsewhere since: read from Redis), 'redis' (not cached)",
+                ["source"])
+
+
+def rev_prefix(rev: str) -> str:
+    """The first bytes of a stored record whose rev is `rev` (`rev` is its first field)."""
+    return f'{{"rev":"{rev}"'
+
+
+def record_tokens(record: SessionRecord) -> int:
+    """Tokens a record holds in its per-token lists (its current segment, live branches and
+    n > 1 choices): the cache's measure of its size."""
+    return (len(record.segment.token_ids)
+            + sum(len(b.segment.token_ids) for b in record.branches)
+            + sum(len(c.output_ids) for c in record.candidates) + 1)
+
+
+@dataclass
+class Cached:
+    rev: str
+    record: SessionRecord
+    tokens: int
+
+
+class RecordCache:
+    """Session id -> the record this gateway saved last (see the module docstring). Safe to
+    use from worker threads (sessions are created in one).
+
+    Args:
+        max_tokens: budget in recorded tokens over all cached records; 0 = no cache.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: OrderedDict[str, Cached] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, session_id: str) -> Cached | None:
+        """Remove and return the session's entry (the caller owns its record now)."""
+        with self._lock:
+            return self._pop(session_id)
+
+    def _pop(self, session_id: str) -> Cached | None:
+        entry = self._entries.pop(session_id, None)
+        if entry is not None:
+            self.tokens -= entry.tokens
+        return entry
+
+    def peek(self, session_id: str) -> Cached | None:
+        """The session's entry, left in the cache (read it, do not change it)."""
+        return self._entries.get(session_id)
+
+    def give_back(self, session_id: str, entry: Cached) -> None:
+        """Return an entry taken but not used (the session was busy), unless the session was
+        saved meanwhile (its newer entry stays)."""
+        with self._lock:
+            if session_id not in self._entries:
+                self._insert(session_id, entry)
+
+    def put(self, session_id: str, record: SessionRecord) -> None:
+        """Keep `record` as just saved with `record.rev` (the caller no longer changes it)."""
+        entry = Cached(record.rev, record, record_tokens(record)) if record.rev else None
+        with self._lock:
+            self._pop(session_id)
+            if entry is not None:
+                self._insert(session_id, entry)
+
+    def _insert(self, session_id: str, entry: Cached) -> None:
+        if entry.tokens > self.max_tokens:
+            return
+        self._entries[session_id] = entry
+        self.tokens += entry.tokens
+        while self.tokens > self.max_tokens:
+            _, evicted = self._entries.popitem(last=False)
+            self.tokens -= evicted.tokens

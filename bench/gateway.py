@@ -45,7 +45,7 @@ from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 LEVELS = (1, 16, 64)
-TARGETS = ("direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded")
+TARGETS = ["direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded"]
 
 
 def _start(procs: list[subprocess.Popen], logs: Path, name: str, argv: list[str],
@@ -71,9 +71,27 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
 
 
-def start(procs: list[subprocess.Popen], work: Path
+def _gateway(procs: list[subprocess.Popen], work: Path, name: str, redis_url: str, stub: str,
+             tokenizer: Path, extra: dict[str, object]) -> tuple[str, subprocess.Popen]:
+    from flywheel.core.redis_server import free_port  # noqa: PLC0415
+
+    port = free_port()
+    cfg = {"redis": {"url": redis_url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
+           "gateway": {"port": port, "engine_urls": [stub], "tokenizer_path": str(tokenizer),
+                       **extra}}
+    (work / f"{name}.json").write_text(json.dumps(cfg))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    proc = _start(procs, work, name, [sys.executable, "-m", "flywheel.gateway", "--config",
+                                      str(work / f"{name}.json")], env=env)
+    url = f"http://127.0.0.1:{port}"
+    _wait(f"{url}/readyz", proc)
+    return url, proc
+
+
+def start(procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | None = None
           ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
-    """Start the stub, the proxy, Redis and the gateway.
+    """Start the stub, the proxy, Redis and the gateway (and with `ab`, a second gateway with
+    those gateway settings, target "gateway-recorded-B").
 
     Returns:
         (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
@@ -92,19 +110,16 @@ def start(procs: list[subprocess.Popen], work: Path
                                           "--upstream", stub, "--client", client])
         _wait(f"{proxies[name]}/health", proc)
     redis = LocalRedis(work / "redis").start()
-    gateway = f"http://127.0.0.1:{(port := free_port())}"
-    cfg = {"redis": {"url": redis.url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
-           "gateway": {"port": port, "engine_urls": [stub],
-                       "tokenizer_path": str(build_tiny_model(work / "tiny"))}}
-    (work / "settings.json").write_text(json.dumps(cfg))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    proc = _start(procs, work, "gateway", [py, "-m", "flywheel.gateway", "--config",
-                                           str(work / "settings.json")], env=env)
-    _wait(f"{gateway}/readyz", proc)
+    tokenizer = build_tiny_model(work / "tiny")
+    gateway, proc = _gateway(procs, work, "gateway", redis.url, stub, tokenizer, {})
+    urls = {"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway}
     pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "proxy-httpx": [procs[2].pid],
             "gateway": [proc.pid], "gateway-recorded": [proc.pid, redis.proc.pid]}
-    return ({"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway},
-            redis, pids)
+    if ab is not None:
+        urls["gateway-recorded-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub,
+                                                    tokenizer, ab)
+        pids["gateway-recorded-B"] = [proc.pid, redis.proc.pid]
+    return urls, redis, pids
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -116,7 +131,7 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
-    if target != "gateway-recorded":
+    if not target.startswith("gateway-recorded"):
         return ["/v1/chat/completions"] * k
     made = await asyncio.gather(*[client.post("/v1/sessions", {"group_id": "bench"})
                                   for _ in range(k)])
@@ -178,6 +193,11 @@ def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
         lines.append(f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
                      f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
                      f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})")
+        if ("gateway-recorded-B", c) in results:
+            b = results[("gateway-recorded-B", c)]
+            lines.append(f"  {'':>14}  (gateway-recorded-B / gateway-recorded: cpu/req "
+                         f"{ratio(b['cpu_ms'], rec['cpu_ms'])}, req/s "
+                         f"{ratio(b['rps'], rec['rps'])})")
     return lines
 
 
@@ -199,16 +219,24 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300, help="timed requests per cell")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ab", metavar="KEY=JSON", action="append", default=[],
+                        help="also run a second gateway with this [gateway] setting (e.g. "
+                             "record_cache_tokens=0): target gateway-recorded-B, compared "
+                             "side by side with gateway-recorded")
     args = parser.parse_args(argv)
+    ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
+    if ab is not None:
+        TARGETS.append("gateway-recorded-B")
     procs: list[subprocess.Popen] = []
     redis = None
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-gw-") as tmp:
         try:
-            urls, redis, pids = start(procs, Path(tmp))
+            urls, redis, pids = start(procs, Path(tmp), ab)
             load = os.getloadavg()[0]
             results = asyncio.run(measure(urls, pids, args.requests, args.rounds))
             print(f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
-                  f"{args.requests} requests per cell, best of {args.rounds} rounds")
+                  f"{args.requests} requests per cell, best of {args.rounds} rounds"
+                  + (f"; gateway-recorded-B: {ab}" if ab else ""))
             print("\n".join(report(results)))
         finally:
             for proc in procs:

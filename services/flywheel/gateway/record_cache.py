@@ -27,6 +27,8 @@ READS = Counter("flywheel_gateway_record_reads_total",
                 "'cached' (this gateway's own last save, still current), 'stale' (cached but "
                 "saved elsewhere since: read from Redis), 'redis' (not cached)",
                 ["source"])
+for _source in ("cached", "stale", "redis"):
+    READS.labels(_source)
 
 
 def rev_prefix(rev: str) -> str:

@@ -127,8 +127,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def create_session(body: SessionCreate, request: Request, d: Deps) -> dict[str, Any]:
         if not body.eval:
             await chat.check_backlog(d)
-        record = await asyncio.to_thread(d.sessions.create, owner=owner_of(request),
-                                         **body.model_dump(exclude_none=True))
+        record = await d.sessions.acreate(owner=owner_of(request),
+                                          **body.model_dump(exclude_none=True))
         base = str(request.base_url).rstrip("/")
         return {"session_id": record.session_id, "group_id": record.group_id,
                 "base_url": f"{base}/s/{record.session_id}/v1", "eval": record.eval}

@@ -4,7 +4,6 @@ the OpenAI answer. Called by the FastAPI routes (app.py) and the hot path (hot_p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -77,8 +76,7 @@ async def create_live(d: GatewayDeps, session_id: str, owner: str) -> None:
     """
     await check_backlog(d)
     with contextlib.suppress(ConflictError):  # a concurrent request created it first
-        await asyncio.to_thread(d.sessions.create, session_id=session_id, mode="live",
-                                owner=owner)
+        await d.sessions.acreate(session_id=session_id, mode="live", owner=owner)
 
 
 async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""

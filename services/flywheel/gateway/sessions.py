@@ -54,6 +54,13 @@ RECORD_CACHE_TOKENS = 1_000_000
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""
 
+_CREATE = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+return 1
+"""
+"""Store a new session's record unless the id is taken (0), and index it as touched now."""
+
 _TAKE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
@@ -130,6 +137,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
         """Sorted set: open session id -> Unix time of its last save (the idle sweep's index)."""
+        self._create = client.register_script(_CREATE)
         self._take = client.register_script(_TAKE)
         self._put = client.register_script(_PUT)
         self._renew = client.register_script(_RENEW)
@@ -141,21 +149,33 @@ class SessionStore:
     def _lock_key(self, session_id: str) -> str:
         return f"{self._key(session_id)}:lock"
 
+    def _new(self, fields: dict[str, Any]) -> tuple[SessionRecord, dict[str, list]]:
+        fields.setdefault("session_id", uuid.uuid4().hex)
+        record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
+        return record, {"keys": [self._key(record.session_id), self.touched_key],
+                        "args": [record.model_dump_json(), self.ttl_s, record.session_id,
+                                 time.time()]}
+
+    def _created(self, record: SessionRecord, ok: int) -> SessionRecord:
+        if not ok:
+            raise ConflictError(f"session {record.session_id} already exists", param="session_id")
+        self.cache.put(record.session_id, record.model_copy(deep=True))  # the caller's stays its
+        return record
+
     def create(self, **fields: Any) -> SessionRecord:
-        """A new open session with a fresh id (or the given `session_id` if unused).
+        """A new open session with a fresh id (or the given `session_id` if unused), stored
+        with its place in the idle index in one round trip.
 
         Raises:
             ConflictError: `session_id` is given and already exists.
         """
-        fields.setdefault("session_id", uuid.uuid4().hex)
-        record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
-        ok = self.client.set(self._key(record.session_id), record.model_dump_json(),
-                             ex=self.ttl_s, nx=True)
-        if not ok:
-            raise ConflictError(f"session {record.session_id} already exists", param="session_id")
-        self.client.zadd(self.touched_key, {record.session_id: time.time()})
-        self.cache.put(record.session_id, record.model_copy(deep=True))  # the caller's stays its
-        return record
+        record, call = self._new(fields)
+        return self._created(record, self._create(**call))
+
+    async def acreate(self, **fields: Any) -> SessionRecord:
+        """`create` on the event loop."""
+        record, call = self._new(fields)
+        return self._created(record, await self._loop_clients.script(_CREATE)(**call))
 
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))

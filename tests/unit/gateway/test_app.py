@@ -198,7 +198,7 @@ def test_failed_request_after_a_fork_publishes_nothing_twice(env):
 
 
 def test_malformed_json_and_redis_outage_are_openai_errors(env):
-    from flywheel.core.redis_client import connect
+    from flywheel.core.redis_client import LoopClients, connect
 
     client, _, _, _ = env
     bad = client.post("/v1/chat/completions", content=b'{"messages": [',
@@ -207,6 +207,7 @@ def test_malformed_json_and_redis_outage_are_openai_errors(env):
     assert bad.json()["error"]["param"] is None
     deps = client.app.state.deps
     deps.sessions.client = connect("redis://127.0.0.1:1/0")  # nothing listens there
+    deps.sessions._loop_clients = LoopClients(deps.sessions.client)
     down = client.post("/v1/sessions", json={"eval": True})
     assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable_error"
 

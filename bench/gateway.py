@@ -45,6 +45,8 @@ from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 LEVELS = (1, 16, 64)
+CONTEXT_LENGTH = 131_072
+"""The gateways' context window: the stub engine has none, long-session benches need room."""
 TARGETS = ["direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded"]
 
 
@@ -77,6 +79,7 @@ def _gateway(procs: list[subprocess.Popen], work: Path, name: str, redis_url: st
 
     port = free_port()
     cfg = {"redis": {"url": redis_url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
+           "engine": {"context_length": CONTEXT_LENGTH},
            "gateway": {"port": port, "engine_urls": [stub], "tokenizer_path": str(tokenizer),
                        **extra}}
     (work / f"{name}.json").write_text(json.dumps(cfg))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
@@ -32,6 +33,7 @@ ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = take
                   ["engine"])
 
 
+_JSON = {"Content-Type": "application/json"}
 IDLE_CLOSE_S = 4.0
 """Seconds an idle engine connection is kept for reuse: below uvicorn's 5 s keep-alive (SGLang
 and most Python servers keep its default), so a POST never goes out on a connection the server
@@ -148,8 +150,11 @@ class EnginePool:
         Raises:
             aiohttp.ClientError, TimeoutError: the call failed in transport.
         """
-        extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
-        async with self._session().request(method, url, json=body, **extra) as resp:
+        extra: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} \
+            if timeout_s else {}
+        if body is not None:  # orjson: a long prompt's ids encode ~10x faster than json's
+            extra.update(data=orjson.dumps(body), headers=_JSON)
+        async with self._session().request(method, url, **extra) as resp:
             return resp.status, await resp.read()
 
     def order(self, affinity: str) -> list[str]:
@@ -220,7 +225,7 @@ class EnginePool:
                 self.mark_down(url, errors[-1])
                 continue
             try:
-                gen = parse_generation(json.loads(raw), self.stop_token_ids)
+                gen = parse_generation(orjson.loads(raw), self.stop_token_ids)
             except (ValueError, TypeError, AttributeError, UpstreamError) as exc:
                 # a 200 that is not a /generate answer
                 errors.append(f"{url}: unusable response ({exc})")

@@ -188,6 +188,11 @@ class GatewaySettings(Section):
     have run."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
+    prefix_cache_tokens: int = Field(1_000_000, ge=0)
+    """Token ids of recent prompt prefixes (cut after an end-of-turn token) a gateway keeps, so
+    a fresh prompt that starts like an earlier one (the same system prompt and tools, or a
+    conversation sent again without a session) tokenizes only the rest; about 40 bytes each;
+    0 = off. The ids are exactly the tokenizer's for the whole prompt."""
     record_cache_tokens: int = Field(1_000_000, ge=0)
     """Recorded tokens of the session records a gateway keeps in memory after saving them
     (about 95 bytes each: 1,000,000 is about 95 MB), so a session's next turn on the same

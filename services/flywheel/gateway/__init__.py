@@ -53,7 +53,7 @@ turns.py (what a session turn records and publishes),
 recording.py (stitching rule, fork reasons, Samples from segments), branches.py (live-mode
 branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
 tokenization.py (the only
-text -> ids), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
+text -> ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
 completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store:
 locks, saves), record_cache.py (records kept after their save), records.py (what a session
 stores),

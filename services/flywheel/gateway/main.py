@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
 
     gw = settings.gateway
     client = connect(settings.redis_url(), socket_timeout=gw.redis_timeout_s)
-    renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path))
+    renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path),
+                            prefix_cache_tokens=gw.prefix_cache_tokens)
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
     deps = GatewayDeps(
         settings=gw,

@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.gateway.prefix_ids import PrefixIds
 
 INLINE_RENDER_CHARS = 8192
 """Conversations up to this many characters are rendered and tokenized on the event loop (well
 under a millisecond; a thread hop would cost about as much); longer ones in a worker thread so
 one long prompt never stalls the other requests."""
+
+PREFIX_CACHE_TOKENS = 1_000_000
+"""Token ids of prompt prefixes a renderer keeps by default (about 40 MB)."""
 
 T = TypeVar("T")
 
@@ -66,9 +70,12 @@ class ChatRenderer:
 
     Args:
         tokenizer_path: a Hugging Face folder with tokenizer files and a chat template.
+        prefix_cache_tokens: token ids of recent prompt prefixes kept to tokenize fresh
+            prompts faster (prefix_ids.py); 0 = none.
     """
 
-    def __init__(self, tokenizer_path: str | Path):
+    def __init__(self, tokenizer_path: str | Path,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
         from transformers import AutoTokenizer  # noqa: PLC0415  (heavy import after settings)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
@@ -87,6 +94,8 @@ class ChatRenderer:
         plain = [*user, {"role": "assistant", "content": ""}]
         self.renders_tool_calls = self._apply(said, None, False) != self._apply(plain, None, False)
         """The template renders assistant `tool_calls` itself."""
+        self.prefixes = PrefixIds(self.encode, self.eos_token, prefix_cache_tokens)
+        """Ids of recent prompt prefixes, cut after the end-of-turn token (`prompt_ids`)."""
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool) -> str:
@@ -143,8 +152,9 @@ class ChatRenderer:
     def prompt_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """Ids of a fresh prompt: the rendered conversation plus the generation prompt."""
-        return self.encode(self.render(messages, tools=tools))
+        """Ids of a fresh prompt: the rendered conversation plus the generation prompt (the
+        same ids as `encode` of the rendering; a prefix seen recently is not tokenized again)."""
+        return self.prefixes.encode(self.render(messages, tools=tools))
 
     def extend(
         self,

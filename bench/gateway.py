@@ -94,7 +94,7 @@ def _gateway(procs: list[subprocess.Popen], work: Path, name: str, redis_url: st
 def start(procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | None = None
           ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
     """Start the stub, the proxy, Redis and the gateway (and with `ab`, a second gateway with
-    those gateway settings, target "gateway-recorded-B").
+    those gateway settings, targets "gateway-B" and "gateway-recorded-B").
 
     Returns:
         (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
@@ -119,9 +119,10 @@ def start(procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | Non
     pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "proxy-httpx": [procs[2].pid],
             "gateway": [proc.pid], "gateway-recorded": [proc.pid, redis.proc.pid]}
     if ab is not None:
-        urls["gateway-recorded-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub,
-                                                    tokenizer, ab)
-        pids["gateway-recorded-B"] = [proc.pid, redis.proc.pid]
+        urls["gateway-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub, tokenizer,
+                                           ab)
+        urls["gateway-recorded-B"] = urls["gateway-B"]
+        pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
     return urls, redis, pids
 
 

@@ -1,7 +1,7 @@
 """Per-turn cost as a session grows: agents whose every turn adds a long tool result (an agent
 reading files or search results), so the conversation reaches tens of thousands of tokens.
 
-    .venv/bin/python bench/gateway_long.py [--agents 4] [--turns 40] [--tokens-per-turn 500]
+    .venv/bin/python bench/gateway_long.py [--agents 16] [--turns 40] [--tokens-per-turn 500]
 
 Each agent runs one conversation of `--turns` turns against the instant stub engine; each turn
 sends the whole conversation so far plus a new user message of about `--tokens-per-turn`
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway as bench  # noqa: E402  (bench/gateway.py: process start-up and CPU reading)
 
-TARGETS = ("proxy", "gateway", "gateway-recorded")
+TARGETS = ["proxy", "gateway", "gateway-recorded"]
 WORDS = ("file", "line", "error", "value", "return", "config", "test", "module", "the", "of",
          "request", "import", "result", "user", "data", "path", "self", "list", "None", "int")
 
@@ -61,7 +62,7 @@ async def run(base: str, target: str, pids: list[int], args: argparse.Namespace
     """CPU ms per request of `pids` for each turn (all agents take turn k together)."""
     async with aiohttp.ClientSession() as http:
         paths = ["/v1/chat/completions"] * args.agents
-        if target == "gateway-recorded":
+        if target.startswith("gateway-recorded"):
             paths = []
             for _ in range(args.agents):
                 async with http.post(f"{base}/v1/sessions", json={"group_id": "long"}) as r:
@@ -91,17 +92,23 @@ def _ratio(num: float, den: float, width: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--agents", type=int, default=4)
+    parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=40)
     parser.add_argument("--tokens-per-turn", type=int, default=500)
     parser.add_argument("--only", choices=TARGETS, help="run one target (for profiling)")
+    parser.add_argument("--ab", metavar="KEY=JSON", action="append", default=[],
+                        help="also run a second gateway with this [gateway] setting (e.g. "
+                             "prefix_cache_tokens=0): targets gateway-B, gateway-recorded-B")
     args = parser.parse_args(argv)
+    ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     targets = (args.only,) if args.only else TARGETS
+    if ab is not None:
+        TARGETS.extend(("gateway-B", "gateway-recorded-B"))
     procs: list = []
     redis = None
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-long-") as tmp:
         try:
-            urls, redis, pids = bench.start(procs, Path(tmp))
+            urls, redis, pids = bench.start(procs, Path(tmp), ab)
             t0 = time.perf_counter()
             results = {t: asyncio.run(run(urls[t], t, pids[t], args)) for t in targets}
             if args.only:
@@ -115,18 +122,23 @@ def main(argv: list[str] | None = None) -> int:
             if redis is not None:
                 redis.stop()
     print(f"{args.agents} agents x {args.turns} turns, +{args.tokens_per_turn} tokens per turn "
-          f"({wall:.0f} s); CPU ms per request, mean over each tenth of the turns")
-    print(f"{'turns':>9}{'~tokens':>9}" + "".join(f"{t:>18}" for t in TARGETS)
-          + f"{'gateway/proxy':>15}{'recorded/proxy':>16}{'recorded/gateway':>18}")
+          f"({wall:.0f} s); CPU ms per request, mean over each tenth of the turns"
+          + (f"; gateway-B: {ab}" if ab else ""))
+    print(f"{'turns':>9}{'~tokens':>9}" + "".join(f"{t:>19}" for t in TARGETS)
+          + f"{'gateway/proxy':>15}{'recorded/proxy':>16}{'recorded/gateway':>18}"
+          + (f"{'B/gateway':>11}{'rec-B/rec':>11}" if ab else ""))
     tenth = max(args.turns // 10, 1)
     for start in range(0, args.turns, tenth):
         end = min(start + tenth, args.turns)
         mean = {t: sum(results[t][start:end]) / (end - start) for t in TARGETS}
         print(f"{start + 1:>4}-{end:<4}{end * args.tokens_per_turn:>9}"
-              + "".join(f"{mean[t]:>18.2f}" for t in TARGETS)
+              + "".join(f"{mean[t]:>19.2f}" for t in TARGETS)
               + _ratio(mean["gateway"], mean["proxy"], 15)
               + _ratio(mean["gateway-recorded"], mean["proxy"], 16)
-              + _ratio(mean["gateway-recorded"], mean["gateway"], 18))
+              + _ratio(mean["gateway-recorded"], mean["gateway"], 18)
+              + (_ratio(mean["gateway-B"], mean["gateway"], 11)
+                 + _ratio(mean["gateway-recorded-B"], mean["gateway-recorded"], 11)
+                 if ab else ""))
     return 0
 
 

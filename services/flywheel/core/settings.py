@@ -195,7 +195,7 @@ class GatewaySettings(Section):
     0 = off. The ids are exactly the tokenizer's for the whole prompt."""
     record_cache_tokens: int = Field(1_000_000, ge=0)
     """Recorded tokens of the session records a gateway keeps in memory after saving them
-    (about 95 bytes each: 1,000,000 is about 95 MB), so a session's next turn on the same
+    (about 100 bytes each: 1,000,000 is about 100 MB), so a session's next turn on the same
     replica reads no record from Redis while the stored one is still that version; least
     recently saved dropped first; 0 = off."""
     session_idle_finish_s: float = Field(3_600.0, gt=0)

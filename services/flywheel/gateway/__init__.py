@@ -49,13 +49,11 @@ write, makes it read again).
 
 Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py
 (the chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
-turns.py (what a session turn records and publishes),
-recording.py (stitching rule, fork reasons, Samples from segments), branches.py (live-mode
-branches), sweep.py (idle sessions finished), request_rules.py (model names, null contents),
-tokenization.py (the only
-text -> ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning), streaming.py (SSE), completions.py (raw
-completions), engine_pool.py (/generate client, affinity, health), sessions.py (Redis store:
-locks, saves), record_cache.py (records kept after their save), records.py (what a session
-stores),
-schemas.py (request models and field policy).
+turns.py (what a session turn records and publishes), recording.py (stitching rule, fork
+reasons, Samples from segments), branches.py (live-mode branches), sweep.py (idle sessions
+finished), request_rules.py (model names, null contents), tokenization.py (the only text ->
+ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning),
+streaming.py (SSE), completions.py (raw completions), engine_pool.py (/generate client,
+affinity, health), sessions.py (Redis store: locks, saves), record_cache.py (records kept after
+their save), records.py (what a session stores), schemas.py (request models and field policy).
 """

@@ -8,8 +8,9 @@ this replica or another) and no record crosses the wire; different or absent, th
 is read as before. Taking a record out of the cache hands it to the turn (it mutates it); only a
 successful save puts it back, so a failed turn's half-changed record is never reused.
 
-The cache is bounded by recorded tokens (about 95 bytes of Python objects each, measured),
-least recently saved evicted first.
+The cache is bounded by recorded tokens (about 95 bytes of Python objects each in the per-token
+lists, measured, plus the messages and a live turn's pending Sample: about 100 in all), least
+recently saved evicted first.
 """
 
 from __future__ import annotations

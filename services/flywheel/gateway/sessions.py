@@ -49,7 +49,7 @@ class _Owner(BaseModel):
 
 
 RECORD_CACHE_TOKENS = 1_000_000
-"""Recorded tokens of the records a store keeps in memory by default (about 95 MB)."""
+"""Recorded tokens of the records a store keeps in memory by default (about 100 MB)."""
 
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""

@@ -155,3 +155,30 @@ class TestSessionKey:
         assert resp.status_code == 200 and gw.sessions.get(sid).turns == 1
         # a session key is not an agent/admin key: authentication stays off for everyone else
         assert gw.client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_a_key_racing_another_keys_first_request_for_one_session_id_is_refused(
+        gateway, monkeypatch):
+    """Two keys send their first request with the same new X-Session-Id at once: both pass the
+    access check while the session does not exist; the second one's create then finds the
+    first one's session and must be refused like any foreign session, not join it."""
+    from flywheel.gateway import chat
+
+    first, second = gateway.key("agent"), gateway.key("agent")
+    first_id = gateway.keys.verify(first).key_id
+    original = chat.check_backlog
+
+    async def first_key_creates_meanwhile(d):  # runs between the check and the create
+        if not gateway.sessions.exists("race"):
+            gateway.sessions.create(session_id="race", mode="live", owner=first_id)
+        await original(d)
+
+    monkeypatch.setattr(chat, "check_backlog", first_key_creates_meanwhile)
+    late = gateway.client.post("/v1/chat/completions", json=CHAT,
+                               headers={**gateway.auth(second), "X-Session-Id": "race"})
+    assert late.status_code == 404, late.text
+    record = gateway.sessions.get("race")
+    assert record.owner == first_id and record.turns == 0 and not gateway.engine.calls
+    own = gateway.client.post("/v1/chat/completions", json=CHAT,
+                              headers={**gateway.auth(first), "X-Session-Id": "race"})
+    assert own.status_code == 200 and gateway.sessions.get("race").turns == 1

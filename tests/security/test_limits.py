@@ -52,7 +52,14 @@ CASES = [
                                                           "content": "a\u0000b\u001b[2J"}]),
      200, None),
     ("NaN temperature", CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],'
-     b'"temperature":NaN}', 400, None),
+     b'"temperature":NaN}', 400, "invalid_number"),
+    # Python's json reads these, JSON has no such numbers: a stored record would hold null
+    ("Infinity in a message's extra field", CHAT, b'{"model":"m","messages":[{"role":"user",'
+     b'"content":"x","score":Infinity}]}', 400, "invalid_number"),
+    ("a number beyond a double in a message", CHAT, b'{"model":"m","messages":[{"role":'
+     b'"user","content":"x","name":1e999}]}', 400, "invalid_number"),
+    ("NaN in session task metadata", "/v1/sessions", b'{"task":{"answer":8,"weight":NaN}}',
+     400, "invalid_number"),
     ("messages is a string", CHAT, _chat(messages="hello"), 400, None),
     ("no messages", CHAT, _chat(messages=[]), 400, None),
     ("unknown role", CHAT, _chat(messages=[{"role": "root", "content": "x"}]), 400, None),

@@ -399,7 +399,9 @@ def _scan(data: Any, cap: int) -> int:
 
     Raises:
         InvalidRequestError: a string holds an unpaired UTF-16 surrogate (`"\\ud800"`), which
-            is valid JSON but no text: the tokenizer cannot encode it.
+            is valid JSON but no text: the tokenizer cannot encode it; or a number is not finite
+            (Python's json reads `NaN`, `Infinity` and `1e999`, which JSON does not have: stored
+            records would turn them into null).
     """
     deepest, stack = 0, [(data, 1)]
     while stack:
@@ -425,6 +427,12 @@ def _scan(data: Any, cap: int) -> int:
                         "a string in the body holds an unpaired UTF-16 surrogate escape "
                         "(e.g. \\ud800); send valid Unicode text",
                         code="invalid_encoding") from None
+            elif isinstance(child, float) and not math.isfinite(child):
+                REJECTED.labels("bad_body").inc()
+                raise InvalidRequestError(
+                    "the body holds a number that is not finite (NaN, Infinity or one beyond "
+                    "a double's range); JSON numbers must be finite",
+                    code="invalid_number")
     return deepest
 
 

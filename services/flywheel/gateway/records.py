@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class Checkpoint(BaseModel):
@@ -24,8 +24,15 @@ class Checkpoint(BaseModel):
     ended_with_eos: bool = False
 
 
+_EXACT_FLOATS = ConfigDict(ser_json_inf_nan="strings")
+"""A logprob of -inf (an engine that reports none for a token) is stored as "-Infinity" and
+read back as -inf, not as null (which would not read back at all)."""
+
+
 class Segment(BaseModel):
     """Token-faithful record of consecutive turns. Per-token lists all have the same length."""
+
+    model_config = _EXACT_FLOATS
 
     index: int = 0
     token_ids: list[int] = Field(default_factory=list)
@@ -98,6 +105,8 @@ class Segment(BaseModel):
 class Candidate(BaseModel):
     """One choice of an n > 1 turn, not yet part of the segment (the client picks one)."""
 
+    model_config = _EXACT_FLOATS
+
     output_ids: list[int]
     logprobs: list[float]
     weight_version: int
@@ -118,6 +127,8 @@ class Branch(BaseModel):
 
 
 class SessionRecord(BaseModel):
+    model_config = _EXACT_FLOATS
+
     rev: str = ""
     """Random id of this stored version, new at every save; kept first in the stored JSON so
     the lock script can compare it without parsing (record_cache.py)."""

@@ -197,3 +197,20 @@ def test_owner_checks_use_the_held_record_only_while_it_is_the_stored_one(redis_
     redis_client.delete(f"{prefix}:session:s")
     with pytest.raises(NotFoundError):
         asyncio.run(store.aowner("s"))
+
+
+def test_a_turn_with_an_infinite_logprob_reads_back_the_same_from_redis_and_the_cache(
+        redis_client, prefix):
+    """An engine that reports no logprob for a token gives -inf (engine_pool.py): the stored
+    record keeps it (as "-Infinity"), so a replica reading it from Redis sees what the one
+    holding it sees (it used to be stored as null, which did not read back at all)."""
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+
+    async def turn() -> None:
+        async with turns.locked(store, "s") as record:
+            record.segment.append([5, 6], sampled=True, logprobs=[float("-inf"), -0.5],
+                                  versions=[1, 1])
+
+    asyncio.run(turn())
+    assert store.get("s").segment.logprobs == [float("-inf"), -0.5]

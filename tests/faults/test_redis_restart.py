@@ -4,6 +4,7 @@ acked entries are not redelivered, and the gateway answers 503 (not 500) while R
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
@@ -123,15 +124,18 @@ def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
         own_redis, procs, inproc_gateway, prefix):
     """A Redis that stops answering (SIGSTOP: the socket stays open, nothing replies) fails a
     chat turn with a 503 once `gateway.redis_timeout_s` passes, without retrying the timed-out
-    command (it may have run); the session answers again once Redis does. Without a reply
-    timeout the request waited for the TCP stack (15-37 s measured)."""
+    command. The lock script it sent still reaches Redis when Redis resumes: past its deadline
+    it does nothing, so the client's retry is served at once (it used to lock the session for a
+    request that was gone, and the retry waited out the 15 s lease)."""
     timeout_s = 1.0
     client = connect(own_redis.url, socket_timeout=timeout_s)
     gw = inproc_gateway([procs.stub("ok")], client=client)
     msgs = [{"role": "user", "content": "What is 7 + 1?"}]
     with httpx.Client(base_url=gw, timeout=60) as http:
         sid = http.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-        own_redis.proc.send_signal(signal.SIGSTOP)
+        first = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        msgs += [first.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
+        own_redis.proc.send_signal(signal.SIGSTOP)  # the next turn's lock script hangs
         try:
             started = time.monotonic()
             hung = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
@@ -142,9 +146,42 @@ def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
         assert hung.json()["error"]["type"] == "service_unavailable_error"
         # one reply timeout (1 s), not 4 (3 retries) and not the TCP stack's minutes
         assert timeout_s <= waited < 3 * timeout_s, waited
-        # the timed-out lock script may have taken the lock: its lease ends it
-        deadline = time.monotonic() + 30
-        while (after := http.post(f"/s/{sid}/v1/chat/completions",
-                                  json={**CHAT, "messages": msgs})).status_code != 200:
-            assert time.monotonic() < deadline, after.text
-            time.sleep(0.5)
+        time.sleep(0.3)  # Redis runs what it was sent while stopped
+        assert connect(own_redis.url).pttl(f"{prefix}:session:{sid}:lock") == -2
+        started = time.monotonic()
+        retry = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        assert retry.status_code == 200 and time.monotonic() - started < 1.0, retry.text
+
+
+def test_a_save_that_reaches_a_stalled_redis_late_is_not_applied(
+        own_redis, procs, inproc_gateway, prefix):
+    """Redis stalls while the engine answers (a slow stub, 3 s): the turn's save waits past
+    the reply timeout and the client gets a 503. When Redis resumes the save is past its
+    deadline and only releases the lock: nothing is recorded or published, so the client's
+    retry is the one turn recorded (it used to be saved anyway and recorded twice)."""
+    client = connect(own_redis.url, socket_timeout=1.0)
+    slow = inproc_gateway([procs.stub("slow")], client=client)
+    ok = inproc_gateway([procs.stub("ok")], client=client)
+    msgs = [{"role": "user", "content": "What is 7 + 1?"}]
+    with httpx.Client(timeout=60) as http:
+        sid = http.post(f"{ok}/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+        first = http.post(f"{ok}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        msgs += [first.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
+        box = {}
+        turn = threading.Thread(target=lambda: box.update(r=http.post(
+            f"{slow}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})))
+        turn.start()
+        time.sleep(1.5)  # the engine call is in flight
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        turn.join(30)
+        own_redis.proc.send_signal(signal.SIGCONT)
+        assert box["r"].status_code == 503, box["r"].text
+        time.sleep(0.3)  # Redis runs the late save now
+        assert connect(own_redis.url).xlen(f"{prefix}:rollouts") == 0
+        retry = http.post(f"{ok}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+        assert retry.status_code == 200, retry.text
+        done = http.post(f"{ok}/v1/sessions/{sid}/finish", json={}).json()
+        info = http.get(f"{ok}/v1/sessions/{sid}").json()
+    assert done["samples_published"] == 1 and info["turns"] == 2 and info["forks"] == 0
+    (_, fields), = connect(own_redis.url).xrange(f"{prefix}:rollouts")
+    assert sum(decode_sample(fields[FIELD]).loss_mask) == 4  # two turns of 2 sampled tokens

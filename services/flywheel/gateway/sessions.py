@@ -32,6 +32,7 @@ from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's 
     Segment,
     SessionRecord,
 )
+from flywheel.gateway.script_deadline import LATE, NOW_LUA, ScriptDeadline
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples publish
 BACKPRESSURE = Counter("flywheel_gateway_samples_refused_backpressure_total",
                        "Samples of turns refused with 429 because the stream was at its "
                        "high-water mark (the client retries the turn; nothing was recorded)")
+
+
+def _ms(redis_time: tuple[int, int] | list[int]) -> float:
+    """Milliseconds of Redis's `TIME` reply (seconds, microseconds)."""
+    return int(redis_time[0]) * 1000 + int(redis_time[1]) / 1000
 
 
 class _Owner(BaseModel):
@@ -61,28 +67,35 @@ return 1
 """
 """Store a new session's record unless the id is taken (0), and index it as touched now."""
 
-_TAKE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0} end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2} end
+_TAKE = NOW_LUA + """
+local now = now_ms()
+if ARGV[4] ~= '0' and now > tonumber(ARGV[4]) then return {4, now} end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, now} end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2, now} end
 local head = ARGV[3]
-if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3} end
-return {1, redis.call('GET', KEYS[1])}
+if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3, now} end
+return {1, now, redis.call('GET', KEYS[1])}
 """
 """Lock a session and read its record: {0} no session, {1, record} taken, {2} busy, {3} taken
-and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record)."""
+and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record), {4}
+past the deadline ARGV[4] (nothing done); each with Redis's time (ms) second."""
 
-_PUT = BACKLOG_LUA + """
+_PUT = BACKLOG_LUA + NOW_LUA + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+if late(ARGV[11]) then
+  redis.call('DEL', KEYS[2])
+  return 3
+end
 if ARGV[4] == '1' then
   local high_water = tonumber(ARGV[9])
-  if #ARGV > 10 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
+  if #ARGV > 11 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
     redis.call('DEL', KEYS[2])
     return 2
   end
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  for i = 11, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
+  for i = 12, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
@@ -90,7 +103,8 @@ return 1
 """Save the record and its last-touch time in the idle index and add its queued Samples to
 the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
 (else 0). With Samples queued and the stream's backlog at its high-water mark ARGV[9] (watched
-group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole."""
+group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole. Past
+the deadline ARGV[11] (script_deadline.py) only the lock is released (3)."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -133,6 +147,8 @@ class SessionStore:
                  cache_tokens: int = RECORD_CACHE_TOKENS):
         self.client = client
         self.cache = RecordCache(cache_tokens)
+        self.deadline = ScriptDeadline(
+            client.connection_pool.connection_kwargs.get("socket_timeout"))
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
@@ -243,15 +259,22 @@ class SessionStore:
         token = uuid.uuid4().hex
         return token, {"keys": [self._key(session_id), self._lock_key(session_id)],
                        "args": [token, max(int(lease_s * 1000), 1),
-                                rev_prefix(cached.rev) if cached is not None else ""]}
+                                rev_prefix(cached.rev) if cached is not None else "",
+                                self.deadline.deadline_ms()]}
 
-    @staticmethod
-    def _taken(session_id: str, token: str, lease_s: float, got: list) -> SessionLease | None:
+    def _taken(self, session_id: str, token: str, lease_s: float, got: list
+               ) -> SessionLease | None:
+        self.deadline.observe(got[1])
+        if got[0] == 4:
+            LATE.labels("lock").inc()
+            log.warning("session %s: the lock script reached Redis after the gateway stopped "
+                        "waiting for it; not applied", session_id)
+            raise redis.TimeoutError("Redis answered the session lock after its deadline")
         if got[0] == 0:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         if got[0] == 2:
             return None
-        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[1]))
+        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[2]))
 
     def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
         """Take the session's lock and read its record in one round trip, or None when another
@@ -260,19 +283,24 @@ class SessionStore:
         Raises:
             NotFoundError: no such session (never created, or expired).
         """
+        if not self.deadline.known and self.deadline.reply_timeout_s is not None:
+            self.deadline.observe(_ms(self.client.time()))
         token, call = self._take_call(session_id, lease_s)
         return self._taken(session_id, token, lease_s, self._take(**call))
 
     async def atry_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S
                            ) -> SessionLease | None:
         """`try_acquire` on the event loop."""
+        if not self.deadline.known and self.deadline.reply_timeout_s is not None:
+            self.deadline.observe(_ms(await self._loop_clients.get().time()))
         cached = self.cache.take(session_id)
         token, call = self._take_call(session_id, lease_s, cached)
         got = await self._loop_clients.script(_TAKE)(**call)
         if got[0] == 3 and cached is not None:
+            self.deadline.observe(got[1])
             READS.labels("cached").inc()
             return SessionLease(session_id, token, lease_s, cached.record)
-        if got[0] == 2 and cached is not None:
+        if got[0] in (2, 4) and cached is not None:
             self.cache.give_back(session_id, cached)
         elif got[0] == 1:
             READS.labels("stale" if cached is not None else "redis").inc()
@@ -324,13 +352,21 @@ class SessionStore:
                          1 if record is not None else 0, record.status if record else "",
                          lease.session_id, time.time(), FIELD,
                          high_water if watch_group else 0, watch_group,
-                         *[item.payload for item in outbox]]}
+                         self.deadline.deadline_ms(), *[item.payload for item in outbox]]}
 
     @staticmethod
     def _put_done(lease: SessionLease, record: SessionRecord | None, held: int) -> None:
+        if held == 3:
+            LATE.labels("save").inc()
+            log.error("session %s: the save reached Redis after the gateway stopped waiting for "
+                      "it; the lock is released, the turn is not recorded and its Samples are "
+                      "not published", lease.session_id)
         if record is None:
             return
         outbox, record._outbox = record._outbox, []
+        if held == 3:
+            raise redis.TimeoutError("Redis answered the session save after its deadline; "
+                                     "the turn was not recorded")
         if held == 2:
             BACKPRESSURE.inc(len(outbox))
             log.warning("session %s: the stream %s is at its high-water mark; the turn is "

@@ -1,0 +1,67 @@
+"""Deadlines for the session scripts, on Redis's own clock, so a script that reaches Redis after
+the gateway stopped waiting for it does nothing.
+
+A Redis that stalls (paused, swapping, a long fork) keeps the commands it was sent; the gateway
+gives up after its reply timeout and answers 503, and the client retries. Without a deadline the
+stalled commands still run once Redis resumes: a lock script locks the session for a request
+that is gone (the retry waits out the lease), a save records a turn whose client got an error
+(its retry records it again). Each script carries a deadline on Redis's clock and, past it,
+only releases the lock it may hold.
+
+Redis's time is tracked from the `TIME` every lock script returns, advanced by this process's
+monotonic clock: no agreement between the hosts' clocks is needed. The deadline is half the
+reply timeout after the script is sent, so a script that runs in time also answers in time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter
+
+LATE = Counter("flywheel_gateway_session_scripts_late_total",
+               "Session lock/save scripts that reached Redis after their deadline (Redis stalled "
+               "past the gateway's reply timeout) and were not applied", ["script"])
+for _script in ("lock", "save"):
+    LATE.labels(_script)
+
+NOW_LUA = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+local function late(deadline)
+  return deadline ~= '0' and now_ms() > tonumber(deadline)
+end
+"""
+"""Lua: `now_ms()`, Redis's time in ms; `late(deadline)`, whether that is past `deadline` (ms
+on Redis's clock, '0' = none)."""
+
+
+class ScriptDeadline:
+    """Redis's clock as seen from this process, and the deadline for a script sent now.
+
+    Args:
+        reply_timeout_s: the client's reply timeout (None: it waits forever, no deadline).
+    """
+
+    def __init__(self, reply_timeout_s: float | None):
+        self.reply_timeout_s = reply_timeout_s
+        self._anchor: tuple[float, float] | None = None
+        """(Redis time in ms, this process's monotonic time in s) of the latest observation."""
+
+    @property
+    def known(self) -> bool:
+        """Whether Redis's time has been observed (deadlines need it)."""
+        return self._anchor is not None
+
+    def observe(self, redis_ms: float) -> None:
+        """Record Redis's time (ms) as returned by a script just now."""
+        self._anchor = (float(redis_ms), time.monotonic())
+
+    def deadline_ms(self) -> int:
+        """The deadline (ms on Redis's clock) for a script sent now; 0 = none."""
+        if self.reply_timeout_s is None or self._anchor is None:
+            return 0
+        redis_ms, at = self._anchor
+        return int(redis_ms + (time.monotonic() - at + self.reply_timeout_s / 2) * 1000)

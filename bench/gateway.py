@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ab", metavar="KEY=JSON", action="append", default=[],
                         help="also run a second gateway with this [gateway] setting (e.g. "
-                             "record_cache_tokens=0): target gateway-recorded-B, compared "
+                             "record_cache_mb=0): target gateway-recorded-B, compared "
                              "side by side with gateway-recorded")
     args = parser.parse_args(argv)
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None

@@ -193,11 +193,11 @@ class GatewaySettings(Section):
     a fresh prompt that starts like an earlier one (the same system prompt and tools, or a
     conversation sent again without a session) tokenizes only the rest; about 40 bytes each;
     0 = off. The ids are exactly the tokenizer's for the whole prompt."""
-    record_cache_tokens: int = Field(1_000_000, ge=0)
-    """Recorded tokens of the session records a gateway keeps in memory after saving them
-    (about 100 bytes each: 1,000,000 is about 100 MB), so a session's next turn on the same
-    replica reads no record from Redis while the stored one is still that version; least
-    recently saved dropped first; 0 = off."""
+    record_cache_mb: float = Field(16.0, ge=0)
+    """Megabytes of stored session-record JSON whose records a gateway keeps in memory after
+    saving them (their Python objects take 1 to 7 times that), so a session's next turn on the
+    same replica reads no record from Redis while the stored one is still that version; least
+    recently saved dropped first, finished sessions not kept; 0 = off."""
     session_idle_finish_s: float = Field(3_600.0, gt=0)
     """Seconds after its last request that a gateway finishes an open session itself, so that
     nothing it holds is lost when its Redis key expires (`session_ttl_s`, which must be

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         engines=EnginePool(settings.engine_urls(), gw.request_timeout_s, stop_ids,
                            health_interval_s=gw.engine_health_interval_s),
         sessions=SessionStore(client, settings.streams.prefix, gw.session_ttl_s,
-                              cache_tokens=gw.record_cache_tokens),
+                              cache_bytes=int(gw.record_cache_mb * (1 << 20))),
         publisher=StreamProducer(client, settings.streams.key("rollouts"),
                                  high_water=settings.streams.high_water, watch_group="reward"),
         context_length=settings.engine.context_length,

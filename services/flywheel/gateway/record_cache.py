@@ -8,9 +8,9 @@ this replica or another) and no record crosses the wire; different or absent, th
 is read as before. Taking a record out of the cache hands it to the turn (it mutates it); only a
 successful save puts it back, so a failed turn's half-changed record is never reused.
 
-The cache is bounded by recorded tokens (about 95 bytes of Python objects each in the per-token
-lists, measured, plus the messages and a live turn's pending Sample: about 100 in all), least
-recently saved evicted first.
+The cache is bounded by the size of the stored JSON of its records (their Python objects take
+1 to 7 times that: 7 for per-token lists, about 1 for text), least recently saved evicted first.
+Finished sessions are not kept.
 """
 
 from __future__ import annotations
@@ -37,19 +37,12 @@ def rev_prefix(rev: str) -> str:
     return f'{{"rev":"{rev}"'
 
 
-def record_tokens(record: SessionRecord) -> int:
-    """Tokens a record holds in its per-token lists (its current segment, live branches and
-    n > 1 choices): the cache's measure of its size."""
-    return (len(record.segment.token_ids)
-            + sum(len(b.segment.token_ids) for b in record.branches)
-            + sum(len(c.output_ids) for c in record.candidates) + 1)
-
-
 @dataclass
 class Cached:
     rev: str
     record: SessionRecord
-    tokens: int
+    size: int
+    """Bytes of the record's stored JSON."""
 
 
 class RecordCache:
@@ -57,12 +50,13 @@ class RecordCache:
     use from worker threads (sessions are created in one).
 
     Args:
-        max_tokens: budget in recorded tokens over all cached records; 0 = no cache.
+        max_bytes: budget in bytes of stored JSON over all cached records; 0 = no cache.
     """
 
-    def __init__(self, max_tokens: int):
-        self.max_tokens = max_tokens
-        self.tokens = 0
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.size = 0
+        """Bytes of stored JSON of the records held."""
         self._entries: OrderedDict[str, Cached] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -77,7 +71,7 @@ class RecordCache:
     def _pop(self, session_id: str) -> Cached | None:
         entry = self._entries.pop(session_id, None)
         if entry is not None:
-            self.tokens -= entry.tokens
+            self.size -= entry.size
         return entry
 
     def peek(self, session_id: str) -> Cached | None:
@@ -91,19 +85,21 @@ class RecordCache:
             if session_id not in self._entries:
                 self._insert(session_id, entry)
 
-    def put(self, session_id: str, record: SessionRecord) -> None:
-        """Keep `record` as just saved with `record.rev` (the caller no longer changes it)."""
-        entry = Cached(record.rev, record, record_tokens(record)) if record.rev else None
+    def put(self, session_id: str, record: SessionRecord, size: int) -> None:
+        """Keep `record` as just saved with `record.rev`, its stored JSON `size` bytes long (the
+        caller no longer changes it). A finished session is dropped instead."""
+        keep = record.rev and record.status == "open"
+        entry = Cached(record.rev, record, size) if keep else None
         with self._lock:
             self._pop(session_id)
             if entry is not None:
                 self._insert(session_id, entry)
 
     def _insert(self, session_id: str, entry: Cached) -> None:
-        if entry.tokens > self.max_tokens:
+        if entry.size > self.max_bytes:
             return
         self._entries[session_id] = entry
-        self.tokens += entry.tokens
-        while self.tokens > self.max_tokens:
+        self.size += entry.size
+        while self.size > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
-            self.tokens -= evicted.tokens
+            self.size -= evicted.size

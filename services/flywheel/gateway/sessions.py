@@ -54,8 +54,9 @@ class _Owner(BaseModel):
     owner: str = ""
 
 
-RECORD_CACHE_TOKENS = 1_000_000
-"""Recorded tokens of the records a store keeps in memory by default (about 100 MB)."""
+RECORD_CACHE_BYTES = 16 << 20
+"""Bytes of stored JSON of the records a store keeps in memory by default (their Python objects:
+at most about 110 MB)."""
 
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""
@@ -140,13 +141,13 @@ class SessionStore:
         client: redis-py client.
         prefix: key prefix of the deployment.
         ttl_s: seconds an untouched session is kept.
-        cache_tokens: recorded tokens of the records kept in memory; 0 = none.
+        cache_bytes: stored JSON bytes of the records kept in memory; 0 = none.
     """
 
     def __init__(self, client: redis.Redis, prefix: str, ttl_s: int,
-                 cache_tokens: int = RECORD_CACHE_TOKENS):
+                 cache_bytes: int = RECORD_CACHE_BYTES):
         self.client = client
-        self.cache = RecordCache(cache_tokens)
+        self.cache = RecordCache(cache_bytes)
         self.deadline = ScriptDeadline(
             client.connection_pool.connection_kwargs.get("socket_timeout"))
         self.prefix = prefix
@@ -172,10 +173,11 @@ class SessionStore:
                         "args": [record.model_dump_json(), self.ttl_s, record.session_id,
                                  time.time()]}
 
-    def _created(self, record: SessionRecord, ok: int) -> SessionRecord:
+    def _created(self, record: SessionRecord, call: dict[str, list], ok: int) -> SessionRecord:
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
-        self.cache.put(record.session_id, record.model_copy(deep=True))  # the caller's stays its
+        # a copy: the caller's record stays the caller's
+        self.cache.put(record.session_id, record.model_copy(deep=True), len(call["args"][0]))
         return record
 
     def create(self, **fields: Any) -> SessionRecord:
@@ -186,12 +188,12 @@ class SessionStore:
             ConflictError: `session_id` is given and already exists.
         """
         record, call = self._new(fields)
-        return self._created(record, self._create(**call))
+        return self._created(record, call, self._create(**call))
 
     async def acreate(self, **fields: Any) -> SessionRecord:
         """`create` on the event loop."""
         record, call = self._new(fields)
-        return self._created(record, await self._loop_clients.script(_CREATE)(**call))
+        return self._created(record, call, await self._loop_clients.script(_CREATE)(**call))
 
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))
@@ -402,7 +404,8 @@ class SessionStore:
 
     async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """`release` on the event loop."""
-        held = await self._loop_clients.script(_PUT)(**self._put_call(lease, record))
+        call = self._put_call(lease, record)
+        held = await self._loop_clients.script(_PUT)(**call)
         self._put_done(lease, record, held)
         if record is not None:  # saved: the next turn here may use it as it is
-            self.cache.put(lease.session_id, record)
+            self.cache.put(lease.session_id, record, len(call["args"][1]))

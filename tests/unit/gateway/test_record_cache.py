@@ -29,36 +29,45 @@ def _delta(before: dict[str, float]) -> dict[str, float]:
     return {k: v - before[k] for k, v in _reads().items()}
 
 
-def _record(sid: str, tokens: int) -> SessionRecord:
-    record = SessionRecord(session_id=sid, rev=f"r{sid}")
-    record.segment.append(list(range(tokens - 1)), sampled=False)  # + 1 per record: `tokens`
-    return record
+def _record(sid: str, status: str = "open") -> SessionRecord:
+    return SessionRecord(session_id=sid, rev=f"r{sid}", status=status)
 
 
-def test_cache_keeps_the_least_recently_saved_within_its_token_budget():
-    cache = RecordCache(max_tokens=100)
-    cache.put("a", _record("a", 40))
-    cache.put("b", _record("b", 40))
-    cache.put("c", _record("c", 40))  # 120 > 100: "a", saved first, goes
-    assert cache.take("a") is None and len(cache) == 2 and cache.tokens == 80
-    cache.put("b", _record("b", 40))  # saved again: now the newest, "c" the oldest
-    cache.put("d", _record("d", 40))
+def test_cache_keeps_the_least_recently_saved_within_its_byte_budget():
+    cache = RecordCache(max_bytes=100)  # sizes: the stored JSON's bytes, given by the store
+    cache.put("a", _record("a"), 40)
+    cache.put("b", _record("b"), 40)
+    cache.put("c", _record("c"), 40)  # 120 > 100: "a", saved first, goes
+    assert cache.take("a") is None and len(cache) == 2 and cache.size == 80
+    cache.put("b", _record("b"), 40)  # saved again: now the newest, "c" the oldest
+    cache.put("d", _record("d"), 40)
     assert cache.take("c") is None and cache.take("b") is not None
-    cache.put("big", _record("big", 101))  # larger than the whole budget: not kept
-    assert cache.take("big") is None and cache.tokens == 40  # "d" only
-    off = RecordCache(max_tokens=0)
-    off.put("a", _record("a", 1))
+    cache.put("big", _record("big"), 101)  # larger than the whole budget: not kept
+    assert cache.take("big") is None and cache.size == 40  # "d" only
+    cache.put("d", _record("d", status="finished"), 40)  # no more turns: dropped
+    assert len(cache) == 0 and cache.size == 0
+    off = RecordCache(max_bytes=0)
+    off.put("a", _record("a"), 1)
     assert len(off) == 0
 
 
 def test_an_entry_given_back_never_replaces_a_newer_save():
-    cache = RecordCache(max_tokens=100)
-    cache.put("s", _record("s", 10))
+    cache = RecordCache(max_bytes=100)
+    cache.put("s", _record("s"), 10)
     taken = cache.take("s")
-    newer = _record("s", 20)
-    cache.put("s", newer)  # another request on this gateway saved meanwhile
+    newer = _record("s")
+    cache.put("s", newer, 20)  # another request on this gateway saved meanwhile
     cache.give_back("s", taken)
     assert cache.take("s").record is newer
+
+
+def test_the_budget_counts_what_records_hold_besides_tokens(redis_client, prefix):
+    """Sessions with big task metadata and no turns: the cache holds them only up to its
+    budget in stored bytes (a count of recorded tokens would keep a million of them)."""
+    store = SessionStore(redis_client, prefix, 60, cache_bytes=1 << 20)
+    for i in range(20):  # 20 x 200 KB of task: 4 MB stored, at most 1 MB held
+        store.create(session_id=f"s{i}", task={"doc": "x" * 200_000})
+    assert store.cache.size <= 1 << 20 and len(store.cache) == 5  # 5 x ~200 KB
 
 
 async def _turn(store: SessionStore, sid: str, reward: float, fail: bool = False) -> None:
@@ -150,19 +159,19 @@ def renderer(smollm2_dir):
 def test_the_same_traffic_publishes_the_same_samples_with_and_without_the_cache(
         redis_client, renderer):
     published = {}
-    for tokens in (0, 1_000_000):
-        prefix = f"cache{tokens}"
+    for budget in (0, 16 << 20):
+        prefix = f"cache{budget}"
         engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "May.", "Nice.", "June."])
         client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
-        deps.sessions.cache = RecordCache(tokens)
+        deps.sessions.cache = RecordCache(budget)
         before = _reads()
         _traffic(client)
-        published[tokens] = samples()
-        if tokens:
+        published[budget] = samples()
+        if budget:
             assert _delta(before)["cached"] >= 6  # most turns took the held record
         else:
             assert _delta(before)["cached"] == 0
-    off, on = published[0], published[1_000_000]
+    off, on = published[0], published[16 << 20]
     assert len(off) == len(on) >= 6
 
     def content(sample):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from flywheel.core.errors import NotFoundError
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
 TEXT = {"model": "m", "prompt": "7 + 1 =", "max_tokens": 4}
 
@@ -182,3 +184,26 @@ def test_a_key_racing_another_keys_first_request_for_one_session_id_is_refused(
     own = gateway.client.post("/v1/chat/completions", json=CHAT,
                               headers={**gateway.auth(first), "X-Session-Id": "race"})
     assert own.status_code == 200 and gateway.sessions.get("race").turns == 1
+
+
+def test_a_session_another_key_creates_right_after_the_access_check_is_refused_at_the_turn(
+        gateway, monkeypatch):
+    """The other interleaving: the second key's access check finds no session, the first key
+    creates it, and the second key's turn then finds it existing (no create of its own): the
+    turn itself refuses a session of another key, under the session lock."""
+    first, second = gateway.key("agent"), gateway.key("agent")
+    first_id = gateway.keys.verify(first).key_id
+    original = type(gateway.sessions).aowner
+
+    async def created_right_after_the_check(self, session_id):
+        try:
+            return await original(self, session_id)
+        except NotFoundError:
+            self.create(session_id=session_id, mode="live", owner=first_id)
+            raise
+
+    monkeypatch.setattr(type(gateway.sessions), "aowner", created_right_after_the_check)
+    late = gateway.client.post("/v1/chat/completions", json=CHAT,
+                               headers={**gateway.auth(second), "X-Session-Id": "race2"})
+    assert late.status_code == 404, late.text
+    assert gateway.sessions.get("race2").turns == 0 and not gateway.engine.calls

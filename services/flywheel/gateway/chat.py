@@ -4,6 +4,7 @@ the OpenAI answer. Called by the FastAPI routes (app.py) and the hot path (hot_p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -71,24 +72,16 @@ def session_header(session_id: str | None) -> str | None:
 
 
 async def create_live(d: GatewayDeps, session_id: str, owner: str) -> None:
-    """Create the live-mode session an `X-Session-Id` names, on its first request.
-
-    A concurrent first request may have created it meanwhile: this request joins it only when
-    it was created for the same key (the access check ran while it did not exist yet).
+    """Create the live-mode session an `X-Session-Id` names, on its first request (a concurrent
+    first request may have created it meanwhile: the turn then checks whose it is under the
+    session lock, `turns.locked`).
 
     Raises:
         BackpressureError: the training backlog is full (no new sessions then).
-        NotFoundError: another key created the session first (answered like its sessions
-            always are to other keys).
     """
     await check_backlog(d)
-    try:
+    with contextlib.suppress(ConflictError):  # a concurrent request created it first
         await d.sessions.acreate(session_id=session_id, mode="live", owner=owner)
-    except ConflictError:
-        if await d.sessions.aowner(session_id) != owner:
-            log.warning("key %s refused session %s, created by another key at the same time",
-                        owner or "-", session_id)
-            raise NotFoundError(f"session {session_id} not found", param="session_id") from None
 
 
 async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""

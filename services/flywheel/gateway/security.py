@@ -47,7 +47,7 @@ from flywheel.core.errors import (
 from flywheel.core.http_errors import error_body, redis_unavailable
 from flywheel.core.settings import SecuritySettings, is_loopback
 from flywheel.gateway.limits import Lease, RedisLimiter
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.sessions import REQUEST_OWNER, SessionStore
 
 log = logging.getLogger(__name__)
 REJECTED = Counter("flywheel_gateway_rejected_requests_total",
@@ -169,6 +169,7 @@ class SecurityMiddleware:
                 await redis_unavailable(exc)(scope, receive, send)
                 return
             scope.setdefault("state", {})["principal"] = who
+            REQUEST_OWNER.set(who.key_id if who.role == "agent" else None)
             await self._run(scope, receive, send)
         finally:
             await self.limiter.give_back(lease)

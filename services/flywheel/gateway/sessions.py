@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,13 @@ class _Owner(BaseModel):
 
     owner: str = ""
 
+
+REQUEST_OWNER: ContextVar[str | None] = ContextVar("flywheel_request_owner", default=None)
+"""The key whose sessions the current request may use (the security middleware sets it for
+agent keys; None: any, for admins, for session keys, which are confined to their session, and
+without authentication). `turns.locked` checks it under the session lock, so a session another
+key created between the access check and the turn (two first requests naming one new
+X-Session-Id at once) is refused there."""
 
 RECORD_CACHE_BYTES = 16 << 20
 """Bytes of stored JSON of the records a store keeps in memory by default (their Python objects:

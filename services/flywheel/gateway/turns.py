@@ -53,7 +53,12 @@ from prometheus_client import Counter
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
-from flywheel.core.errors import ConflictError, InvalidRequestError, UpstreamError
+from flywheel.core.errors import (
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    UpstreamError,
+)
 from flywheel.gateway import branches
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
@@ -73,7 +78,7 @@ from flywheel.gateway.recording import (
 )
 from flywheel.gateway.records import Outgoing, Segment, SessionRecord
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.sessions import LOCK_LEASE_S, SessionLease, SessionStore
+from flywheel.gateway.sessions import LOCK_LEASE_S, REQUEST_OWNER, SessionLease, SessionStore
 from flywheel.gateway.tokenization import render_call, text_size
 
 if TYPE_CHECKING:
@@ -151,8 +156,9 @@ async def locked(store: SessionStore, session_id: str,
     this waits on the event loop (5 ms doubling to 100 ms between tries, each +-50% at random).
 
     Raises:
-        NotFoundError: no such session. ConflictError: busy for `timeout_s` seconds, or the
-        lease expired while the turn ran (nothing saved).
+        NotFoundError: no such session, or one of another key than the request's
+            (`REQUEST_OWNER`). ConflictError: busy for `timeout_s` seconds, or the lease
+            expired while the turn ran (nothing saved).
     """
     deadline, pause = time.monotonic() + timeout_s, 0.005
     while (lease := await store.atry_acquire(session_id, LOCK_LEASE_S)) is None:
@@ -160,6 +166,12 @@ async def locked(store: SessionStore, session_id: str,
             raise ConflictError(f"session {session_id} is busy", param="session_id")
         await asyncio.sleep(pause * random.uniform(0.5, 1.5))  # waiters spread their tries
         pause = min(pause * 2, 0.1)
+    owner = REQUEST_OWNER.get()
+    if owner is not None and lease.record.owner != owner:
+        await asyncio.shield(store.arelease(lease))
+        log.warning("key %s refused session %s of another key (created after its access "
+                    "check)", owner, session_id)
+        raise NotFoundError(f"session {session_id} not found", param="session_id")
     renewal = asyncio.create_task(_renew(store, lease))
     try:
         yield lease.record

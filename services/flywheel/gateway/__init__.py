@@ -55,5 +55,6 @@ finished), request_rules.py (model names, null contents), tokenization.py (the o
 ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning),
 streaming.py (SSE), completions.py (raw completions), engine_pool.py (/generate client,
 affinity, health), sessions.py (Redis store: locks, saves), record_cache.py (records kept after
-their save), records.py (what a session stores), schemas.py (request models and field policy).
+their save), script_deadline.py (late session scripts not applied), records.py (what a session
+stores), schemas.py (request models and field policy).
 """

@@ -111,7 +111,7 @@ async def measure(stub: str, redis_url: str, calls: int) -> list[tuple[str, floa
         rows.append(("proxy: bare aiohttp POST", await _per_call_us_async(bare, calls)))
     await pool.aclose()
     client = connect(redis_url)
-    stores = {"read from Redis": SessionStore(client, "parts", 600, cache_tokens=0),
+    stores = {"read from Redis": SessionStore(client, "parts", 600, cache_bytes=0),
               "record held (cache)": SessionStore(client, "parts", 600)}
     stores["read from Redis"].create(session_id="s")
     long = stores["read from Redis"].get("s")  # a long episode: 20,000 recorded tokens

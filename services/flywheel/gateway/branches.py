@@ -30,20 +30,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from prometheus_client import Counter
-
 from flywheel._proto import sample_pb2
+from flywheel.core.metrics import labeled_counter
 from flywheel.gateway.recording import FORKS
 from flywheel.gateway.records import Branch, Segment, SessionRecord
 
 log = logging.getLogger(__name__)
 MAX_BRANCHES = 8
 """Turns waiting for their next state besides the latest, per session."""
-BRANCHES = Counter("flywheel_gateway_live_branches_total",
-                   "Live requests that did not continue the session's latest turn "
-                   "(parallel requests, regenerated or rewritten turns)", ["base"])
-for _base in ("turn", "fresh"):
-    BRANCHES.labels(_base)
+BRANCHES = labeled_counter(
+    "flywheel_gateway_live_branches_total",
+    "Live requests that did not continue the session's latest turn (parallel requests, "
+    "regenerated or rewritten turns)", "base", ("turn", "fresh"))
 
 Continues = Callable[[Segment, int], bool]
 """`continues(segment, k)`: whether the request extends `segment` cut right after turn `k`."""

@@ -19,16 +19,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from prometheus_client import Counter
+from flywheel.core.metrics import labeled_counter
 
 log = logging.getLogger(__name__)
 
-PROMPT_TOKENS = Counter("flywheel_gateway_prompt_tokens_total",
-                        "Tokens of fresh prompts (unrecorded requests, new segments), by how "
-                        "their ids were obtained: 'reused' from a cached prefix, 'encoded'",
-                        ["how"])
-for _how in ("reused", "encoded"):
-    PROMPT_TOKENS.labels(_how)
+PROMPT_TOKENS = labeled_counter(
+    "flywheel_gateway_prompt_tokens_total",
+    "Tokens of fresh prompts (unrecorded requests, new segments), by how their ids were "
+    "obtained: 'reused' from a cached prefix, 'encoded'", "how", ("reused", "encoded"))
 
 PROBES = 4
 """Latest separators tried as the end of a cached prefix (a conversation sent again with a reply

@@ -19,17 +19,14 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from prometheus_client import Counter
-
+from flywheel.core.metrics import labeled_counter
 from flywheel.gateway.records import SessionRecord
 
-READS = Counter("flywheel_gateway_record_reads_total",
-                "Session records a turn took under its lock, by where they came from: "
-                "'cached' (this gateway's own last save, still current), 'stale' (cached but "
-                "saved elsewhere since: read from Redis), 'redis' (not cached)",
-                ["source"])
-for _source in ("cached", "stale", "redis"):
-    READS.labels(_source)
+READS = labeled_counter(
+    "flywheel_gateway_record_reads_total",
+    "Session records a turn took under its lock, by where they came from: 'cached' (this "
+    "gateway's own last save, still current), 'stale' (cached but saved elsewhere since: read "
+    "from Redis), 'redis' (not cached)", "source", ("cached", "stale", "redis"))
 
 
 def rev_prefix(rev: str) -> str:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import Counter
+from flywheel.core.metrics import labeled_counter
 
-LATE = Counter("flywheel_gateway_session_scripts_late_total",
-               "Session lock/save scripts that reached Redis after their deadline (Redis stalled "
-               "past the gateway's reply timeout) and were not applied", ["script"])
-for _script in ("lock", "save"):
-    LATE.labels(_script)
+LATE = labeled_counter(
+    "flywheel_gateway_session_scripts_late_total",
+    "Session lock/save scripts that reached Redis after their deadline (Redis stalled past the "
+    "gateway's reply timeout) and were not applied", "script", ("lock", "save"))
 
 NOW_LUA = """
 local function now_ms()

@@ -59,6 +59,7 @@ from flywheel.core.errors import (
     NotFoundError,
     UpstreamError,
 )
+from flywheel.core.metrics import labeled_counter
 from flywheel.gateway import branches
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
@@ -90,12 +91,10 @@ NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
 SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
                      "Side turns served in a session without being recorded")
 FORKS.labels("choice_not_sent_back")
-FINISHED = Counter("flywheel_gateway_sessions_finished_total",
-                   "Sessions finished, by who finished them (client: a finish request; idle: "
-                   "the gateway, after gateway.session_idle_finish_s without requests)",
-                   ["reason"])
-for _reason in ("client", "idle"):
-    FINISHED.labels(_reason)
+FINISHED = labeled_counter(
+    "flywheel_gateway_sessions_finished_total",
+    "Sessions finished, by who finished them (client: a finish request; idle: the gateway, "
+    "after gateway.session_idle_finish_s without requests)", "reason", ("client", "idle"))
 STOP_LEAKS = Counter("flywheel_gateway_stop_leaks_total",
                      "Generations refused for tokens after their matched stop string")
 TURN_TYPES = ("main", "side")

@@ -207,3 +207,30 @@ def test_a_session_another_key_creates_right_after_the_access_check_is_refused_a
                                headers={**gateway.auth(second), "X-Session-Id": "race2"})
     assert late.status_code == 404, late.text
     assert gateway.sessions.get("race2").turns == 0 and not gateway.engine.calls
+
+
+@pytest.mark.parametrize(("method", "suffix"), [("get", ""), ("post", "/keys")])
+def test_reading_or_keying_a_session_created_by_another_key_meanwhile_is_refused(
+        gateway, monkeypatch, method, suffix):
+    """Naming the session in the path and in X-Session-Id does not make a missing session pass
+    the access check, and a session another key created right after that check is refused by
+    the route itself (it used to hand out its record, or a session key for it)."""
+    first, second = gateway.key("agent"), gateway.key("agent")
+    first_id, second_id = (gateway.keys.verify(k).key_id for k in (first, second))
+    headers = {**gateway.auth(second), "X-Session-Id": "victim"}
+    missing = getattr(gateway.client, method)(f"/v1/sessions/victim{suffix}", headers=headers)
+    assert missing.status_code == 404, missing.text
+    original, checked = type(gateway.sessions).aowner, set()
+
+    async def created_right_after_the_check(self, session_id):
+        if session_id in checked or not self.exists(session_id):
+            checked.add(session_id)  # the check saw no owner to refuse; then the first key
+            if not self.exists(session_id):  # creates the session before the route runs
+                self.create(session_id=session_id, mode="live", owner=first_id)
+            return second_id
+        return await original(self, session_id)
+
+    monkeypatch.setattr(type(gateway.sessions), "aowner", created_right_after_the_check)
+    late = getattr(gateway.client, method)(f"/v1/sessions/victim2{suffix}", headers={
+        **gateway.auth(second), "X-Session-Id": "victim2"})
+    assert late.status_code == 404, late.text

@@ -35,7 +35,7 @@ from flywheel.gateway.schemas import (
 )
 from flywheel.gateway.security import install as install_security
 from flywheel.gateway.security import owner_of
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.sessions import SessionStore, check_request_owner
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, d: Deps) -> dict[str, Any]:
         record = await asyncio.to_thread(d.sessions.get, session_id)
+        check_request_owner(record)
         seg = record.segment
         return {"session_id": record.session_id, "group_id": record.group_id,
                 "status": record.status, "eval": record.eval, "mode": record.mode,

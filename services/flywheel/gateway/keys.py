@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from flywheel.core.auth import KeyStore
 from flywheel.gateway.security import principal, require_role
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.sessions import SessionStore, check_request_owner
 
 
 class KeyCreate(BaseModel):
@@ -33,7 +33,7 @@ async def mint_session_key(session_id: str, request: Request) -> dict[str, Any]:
     """A key routed to this session (for harnesses that can only set base_url and api_key)."""
     who = principal(request)
     sessions: SessionStore = request.app.state.deps.sessions
-    await asyncio.to_thread(sessions.get, session_id)  # 404 when missing
+    check_request_owner(await asyncio.to_thread(sessions.get, session_id))  # 404: missing
     secret, record = await asyncio.to_thread(
         _store(request).create, "session", session_id=session_id,
         parent=who.limit_id if who.key_id else "", ttl_s=sessions.ttl_s)

@@ -274,8 +274,11 @@ class SecurityMiddleware:
         if who.role == "session":
             return self._route_session_key(scope, who)
         header = _header(scope, b"x-session-id").strip()
-        for session_id in _named_sessions(scope):
-            await self._check_owner(session_id, who, may_create=session_id == header)
+        named = _named_sessions(scope)
+        for session_id in named:
+            # only a session named by the header alone is created by the route (live chat)
+            await self._check_owner(session_id, who, may_create=session_id == header
+                                    and named.count(session_id) == 1)
         return scope
 
     def _route_session_key(self, scope: dict, who: Principal) -> dict:

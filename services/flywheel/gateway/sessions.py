@@ -60,7 +60,23 @@ REQUEST_OWNER: ContextVar[str | None] = ContextVar("flywheel_request_owner", def
 agent keys; None: any, for admins, for session keys, which are confined to their session, and
 without authentication). `turns.locked` checks it under the session lock, so a session another
 key created between the access check and the turn (two first requests naming one new
-X-Session-Id at once) is refused there."""
+X-Session-Id at once) is refused there; routes that read a record without the lock call
+`check_request_owner`."""
+
+
+
+def check_request_owner(record: SessionRecord) -> None:
+    """Refuse `record` when the current request's key may not use it (`REQUEST_OWNER`).
+
+    Raises:
+        NotFoundError: the session belongs to another key (answered like a missing one).
+    """
+    owner = REQUEST_OWNER.get()
+    if owner is not None and record.owner != owner:
+        log.warning("key %s refused session %s of another key (created after its access "
+                    "check)", owner, record.session_id)
+        raise NotFoundError(f"session {record.session_id} not found", param="session_id")
+
 
 RECORD_CACHE_BYTES = 16 << 20
 """Bytes of stored JSON of the records a store keeps in memory by default (their Python objects:

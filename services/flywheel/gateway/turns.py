@@ -79,7 +79,12 @@ from flywheel.gateway.recording import (
 )
 from flywheel.gateway.records import Outgoing, Segment, SessionRecord
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.sessions import LOCK_LEASE_S, REQUEST_OWNER, SessionLease, SessionStore
+from flywheel.gateway.sessions import (
+    LOCK_LEASE_S,
+    SessionLease,
+    SessionStore,
+    check_request_owner,
+)
 from flywheel.gateway.tokenization import render_call, text_size
 
 if TYPE_CHECKING:
@@ -165,12 +170,11 @@ async def locked(store: SessionStore, session_id: str,
             raise ConflictError(f"session {session_id} is busy", param="session_id")
         await asyncio.sleep(pause * random.uniform(0.5, 1.5))  # waiters spread their tries
         pause = min(pause * 2, 0.1)
-    owner = REQUEST_OWNER.get()
-    if owner is not None and lease.record.owner != owner:
+    try:
+        check_request_owner(lease.record)
+    except NotFoundError:
         await asyncio.shield(store.arelease(lease))
-        log.warning("key %s refused session %s of another key (created after its access "
-                    "check)", owner, session_id)
-        raise NotFoundError(f"session {session_id} not found", param="session_id")
+        raise
     renewal = asyncio.create_task(_renew(store, lease))
     try:
         yield lease.record
@@ -315,6 +319,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
     """
     if turn_type == "side":
         record = await asyncio.to_thread(d.sessions.get, session_id)
+        check_request_owner(record)
         if record.status != "open":
             raise finished_error(record)
         SIDE_TURNS.inc()

@@ -9,8 +9,11 @@ that is gone (the retry waits out the lease), a save records a turn whose client
 only releases the lock it may hold.
 
 Redis's time is tracked from the `TIME` every lock script returns, advanced by this process's
-monotonic clock: no agreement between the hosts' clocks is needed. The deadline is half the
-reply timeout after the script is sent, so a script that runs in time also answers in time.
+monotonic clock: no agreement between the hosts' clocks is needed. A reply read late (this
+process busy, e.g. a long tokenization holding the GIL) makes Redis's clock look behind, never
+ahead, so the estimate keeps the largest offset seen, relaxed by 1 ms per second so that a
+Redis whose clock was set back is followed within minutes. The deadline is the reply timeout
+after the script is sent: a late script is one whose client has given up.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ LATE = labeled_counter(
     "flywheel_gateway_session_scripts_late_total",
     "Session lock/save scripts that reached Redis after their deadline (Redis stalled past the "
     "gateway's reply timeout) and were not applied", "script", ("lock", "save"))
+
+RELAX_MS_PER_S = 1.0
+"""How fast the estimate of Redis's clock may fall back (ms per second)."""
 
 NOW_LUA = """
 local function now_ms()
@@ -46,21 +52,29 @@ class ScriptDeadline:
 
     def __init__(self, reply_timeout_s: float | None):
         self.reply_timeout_s = reply_timeout_s
-        self._anchor: tuple[float, float] | None = None
-        """(Redis time in ms, this process's monotonic time in s) of the latest observation."""
+        self._offset_ms: float | None = None
+        """Estimate of Redis's time minus this process's monotonic time (ms)."""
+        self._offset_at = 0.0
+        """Monotonic time (s) the estimate was last raised."""
 
     @property
     def known(self) -> bool:
         """Whether Redis's time has been observed (deadlines need it)."""
-        return self._anchor is not None
+        return self._offset_ms is not None
 
     def observe(self, redis_ms: float) -> None:
         """Record Redis's time (ms) as returned by a script just now."""
-        self._anchor = (float(redis_ms), time.monotonic())
+        now = time.monotonic()
+        seen = float(redis_ms) - now * 1000
+        relaxed = None if self._offset_ms is None else \
+            self._offset_ms - (now - self._offset_at) * RELAX_MS_PER_S
+        if relaxed is None or seen >= relaxed:
+            self._offset_ms, self._offset_at = seen, now
+        else:
+            self._offset_ms, self._offset_at = relaxed, now
 
     def deadline_ms(self) -> int:
         """The deadline (ms on Redis's clock) for a script sent now; 0 = none."""
-        if self.reply_timeout_s is None or self._anchor is None:
+        if self.reply_timeout_s is None or self._offset_ms is None:
             return 0
-        redis_ms, at = self._anchor
-        return int(redis_ms + (time.monotonic() - at + self.reply_timeout_s / 2) * 1000)
+        return int(self._offset_ms + (time.monotonic() + self.reply_timeout_s) * 1000)

@@ -19,6 +19,9 @@ TEXTS = [
     "<|endoftext|> in the middle <|endoftext|>",
     "",
     "x" * 3000,
+    # over INLINE_RENDER_CHARS: tokenized in a worker thread by `encode_batch` (GIL released)
+    "Hello, world! <|im_end|>\n<|im_start|>user ü 数学 🙂  tabs\tand  spaces " * 400,
+    "x" * 20_000,
 ]
 
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=TARGETS, help="run one target (for profiling)")
     parser.add_argument("--ab", metavar="KEY=JSON", action="append", default=[],
                         help="also run a second gateway with this [gateway] setting (e.g. "
-                             "prefix_cache_tokens=0): targets gateway-B, gateway-recorded-B")
+                             "prefix_cache_mb=0): targets gateway-B, gateway-recorded-B")
     args = parser.parse_args(argv)
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     targets = (args.only,) if args.only else TARGETS

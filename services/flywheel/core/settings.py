@@ -188,10 +188,10 @@ class GatewaySettings(Section):
     have run."""
     session_ttl_s: int = Field(86_400, ge=60)
     """Seconds an idle session lives in Redis."""
-    prefix_cache_tokens: int = Field(1_000_000, ge=0)
-    """Token ids of recent prompt prefixes (cut after an end-of-turn token) a gateway keeps, so
-    a fresh prompt that starts like an earlier one (the same system prompt and tools, or a
-    conversation sent again without a session) tokenizes only the rest; about 40 bytes each;
+    prefix_cache_mb: float = Field(32.0, ge=0)
+    """Megabytes a gateway keeps for the ids of recent prompt prefixes (cut after an end-of-turn
+    token, with their text), so a fresh prompt that starts like an earlier one (the same system
+    prompt and tools, or a conversation sent again without a session) tokenizes only the rest;
     0 = off. The ids are exactly the tokenizer's for the whole prompt."""
     record_cache_mb: float = Field(16.0, ge=0)
     """Megabytes of stored session-record JSON whose records a gateway keeps in memory after

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     gw = settings.gateway
     client = connect(settings.redis_url(), socket_timeout=gw.redis_timeout_s)
     renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path),
-                            prefix_cache_tokens=gw.prefix_cache_tokens)
+                            prefix_cache_bytes=int(gw.prefix_cache_mb * (1 << 20)))
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
     deps = GatewayDeps(
         settings=gw,

@@ -9,12 +9,14 @@ ids of the whole text: the rule `ChatRenderer.extend` already stitches recorded 
 
 Each prompt stores its prefix up to its last separator (and up to its first, the system prompt
 that other conversations share); an entry a longer one was built from is dropped, so a growing
-conversation keeps one entry. Bounded by token count, least recently used first out.
+conversation keeps one entry. Bounded by memory (ids and prefix text), least recently used first
+out.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,6 +29,9 @@ PROMPT_TOKENS = labeled_counter(
     "flywheel_gateway_prompt_tokens_total",
     "Tokens of fresh prompts (unrecorded requests, new segments), by how their ids were "
     "obtained: 'reused' from a cached prefix, 'encoded'", "how", ("reused", "encoded"))
+
+ID_BYTES = 36
+"""Memory of one cached id: its slot in the tuple (8) and its int object (28)."""
 
 PROBES = 4
 """Latest separators tried as the end of a cached prefix (a conversation sent again with a reply
@@ -41,15 +46,15 @@ class PrefixIds:
     Args:
         encode_fn: text -> token ids (no special tokens added).
         separator: the special token after which prompts may be cut ("" = no cache).
-        max_tokens: ids kept over all entries (about 40 bytes each with the prefix text);
-            0 = no cache.
+        max_bytes: memory of all entries, as `entry_bytes` counts it; 0 = no cache.
     """
 
-    def __init__(self, encode_fn: Callable[[str], list[int]], separator: str, max_tokens: int):
+    def __init__(self, encode_fn: Callable[[str], list[int]], separator: str, max_bytes: int):
         self._encode = encode_fn
         self.separator = separator
-        self.max_tokens = max_tokens if separator and self._splits_exactly() else 0
-        self.tokens = 0
+        self.max_bytes = max_bytes if separator and self._splits_exactly() else 0
+        self.size = 0
+        """Bytes of all entries (`entry_bytes`)."""
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -79,7 +84,7 @@ class PrefixIds:
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, exactly as `encode_fn(text)` gives them."""
-        cuts = self._cuts(text) if self.max_tokens > 0 else []
+        cuts = self._cuts(text) if self.max_bytes > 0 else []
         if not cuts:
             ids = self._encode(text)
             PROMPT_TOKENS.labels("encoded").inc(len(ids))
@@ -111,16 +116,21 @@ class PrefixIds:
 
     def _store(self, prefix: str, ids: list[int], replaces: str = "") -> None:
         entry = tuple(ids)
-        if len(entry) > self.max_tokens:
+        cost = entry_bytes(prefix, entry)
+        if cost > self.max_bytes:
             return
         with self._lock:
-            if replaces:
-                dropped = self._entries.pop(replaces, None)
-                self.tokens -= len(dropped) if dropped is not None else 0
-            old = self._entries.pop(prefix, None)
-            self.tokens -= len(old) if old is not None else 0
+            for key in (replaces, prefix):
+                dropped = self._entries.pop(key, None) if key else None
+                self.size -= entry_bytes(key, dropped) if dropped is not None else 0
             self._entries[prefix] = entry
-            self.tokens += len(entry)
-            while self.tokens > self.max_tokens:
-                _, evicted = self._entries.popitem(last=False)
-                self.tokens -= len(evicted)
+            self.size += cost
+            while self.size > self.max_bytes:
+                key, evicted = self._entries.popitem(last=False)
+                self.size -= entry_bytes(key, evicted)
+
+
+def entry_bytes(prefix: str, ids: tuple[int, ...]) -> int:
+    """Memory of one entry: the prefix text as Python stores it (1, 2 or 4 bytes a character)
+    and `ID_BYTES` per id."""
+    return sys.getsizeof(prefix) + ID_BYTES * len(ids)

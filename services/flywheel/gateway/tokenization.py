@@ -28,8 +28,8 @@ INLINE_RENDER_CHARS = 8192
 under a millisecond; a thread hop would cost about as much); longer ones in a worker thread so
 one long prompt never stalls the other requests."""
 
-PREFIX_CACHE_TOKENS = 1_000_000
-"""Token ids of prompt prefixes a renderer keeps by default (about 40 MB)."""
+PREFIX_CACHE_BYTES = 32 << 20
+"""Memory a renderer keeps for prompt prefix ids by default."""
 
 T = TypeVar("T")
 
@@ -70,12 +70,12 @@ class ChatRenderer:
 
     Args:
         tokenizer_path: a Hugging Face folder with tokenizer files and a chat template.
-        prefix_cache_tokens: token ids of recent prompt prefixes kept to tokenize fresh
-            prompts faster (prefix_ids.py); 0 = none.
+        prefix_cache_bytes: memory for the ids of recent prompt prefixes, kept to tokenize
+            fresh prompts faster (prefix_ids.py); 0 = none.
     """
 
     def __init__(self, tokenizer_path: str | Path,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         from transformers import AutoTokenizer  # noqa: PLC0415  (heavy import after settings)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
@@ -94,7 +94,7 @@ class ChatRenderer:
         plain = [*user, {"role": "assistant", "content": ""}]
         self.renders_tool_calls = self._apply(said, None, False) != self._apply(plain, None, False)
         """The template renders assistant `tool_calls` itself."""
-        self.prefixes = PrefixIds(self.encode, self.eos_token, prefix_cache_tokens)
+        self.prefixes = PrefixIds(self.encode, self.eos_token, prefix_cache_bytes)
         """Ids of recent prompt prefixes, cut after the end-of-turn token (`prompt_ids`)."""
 
     def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from flywheel.gateway.prefix_ids import PROMPT_TOKENS, PrefixIds
+from flywheel.gateway.prefix_ids import PROMPT_TOKENS, PrefixIds, entry_bytes
 from flywheel.gateway.tokenization import ChatRenderer
 
 
@@ -27,31 +27,44 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
 
+def _cost(prefix: str) -> int:
+    """An entry's bytes with the character tokenizer (one id per character)."""
+    return entry_bytes(prefix, tuple(range(len(prefix))))
+
+
 def test_a_prompt_reuses_its_longest_cached_prefix_and_encodes_only_the_rest():
     enc = CharTokenizer()
-    ids = PrefixIds(enc, "|", max_tokens=1000)
+    ids = PrefixIds(enc, "|", max_bytes=10_000)
     enc.calls.clear()  # the start-up check of the split rule
     first = "sys|u1|a"                 # separators end at offsets 4 ("sys|") and 7 ("sys|u1|")
     assert ids.encode(first) == [ord(c) for c in first]
     assert enc.calls == ["sys|", "u1|", "a"]  # cut at the first and the last separator
-    assert len(ids) == 2 and ids.tokens == 4 + 7
+    assert len(ids) == 2 and ids.size == _cost("sys|") + _cost("sys|u1|")
     enc.calls.clear()
     second = "sys|u1|a1|u2|a"          # the same conversation, a reply and a message later
     assert ids.encode(second) == [ord(c) for c in second]
     assert enc.calls == ["a1|u2|", "a"]  # "sys|u1|" came from the cache (7 ids)
-    # "sys|u1|a1|u2|" (13) replaced "sys|u1|" (7), which it grew from; "sys|" (4) stays shared
-    assert len(ids) == 2 and ids.tokens == 4 + 13
+    # "sys|u1|a1|u2|" replaced "sys|u1|", which it grew from; "sys|" stays shared
+    assert set(ids._entries) == {"sys|", "sys|u1|a1|u2|"}
+    assert ids.size == _cost("sys|") + _cost("sys|u1|a1|u2|")
     enc.calls.clear()
     other = "sys|v1|a"                 # another conversation with the same system prompt
     assert ids.encode(other) == [ord(c) for c in other]
     assert enc.calls == ["v1|", "a"]
-    assert ids.tokens == 4 + 13 + 7
+    assert ids.size == _cost("sys|") + _cost("sys|u1|a1|u2|") + _cost("sys|v1|")
+
+
+def test_an_entry_costs_its_ids_and_its_text_as_python_stores_it():
+    # 36 bytes per id; the text: sys.getsizeof, 1 byte a character for ASCII, 4 with an emoji
+    assert entry_bytes("ab|", (1, 2, 3)) - entry_bytes("", ()) == 3 * 36 + 3
+    wide = "🙂" + "-" * 99 + "|"
+    assert entry_bytes(wide, (1,)) - entry_bytes("🙂", ()) >= 100 * 4
 
 
 def test_text_without_a_separator_or_without_a_budget_is_encoded_whole():
     enc = CharTokenizer()
-    for cache, text in ((PrefixIds(enc, "|", 1000), "no separator"),
-                        (PrefixIds(enc, "|", 0), "a|b"), (PrefixIds(enc, "", 1000), "a|b")):
+    for cache, text in ((PrefixIds(enc, "|", 10_000), "no separator"),
+                        (PrefixIds(enc, "|", 0), "a|b"), (PrefixIds(enc, "", 10_000), "a|b")):
         enc.calls.clear()
         assert cache.encode(text) == [ord(c) for c in text]
         assert enc.calls == [text]
@@ -63,18 +76,19 @@ def test_a_tokenizer_that_marks_the_start_of_its_text_gets_no_cache(caplog):
     def first_word_marked(text: str) -> list[int]:
         return [0x2581, *[ord(c) for c in text]]  # "▁" + the characters
 
-    cache = PrefixIds(first_word_marked, "|", 1000)
-    assert cache.max_tokens == 0 and "prompt prefix cache off" in caplog.text
+    cache = PrefixIds(first_word_marked, "|", 10_000)
+    assert cache.max_bytes == 0 and "prompt prefix cache off" in caplog.text
     assert cache.encode("a|b") == first_word_marked("a|b") and len(cache) == 0
 
 
 def test_the_cache_keeps_the_most_recently_used_prefixes_within_its_budget():
-    ids = PrefixIds(CharTokenizer(), "|", max_tokens=10)
-    ids.encode("aaaa|x")   # stores "aaaa|" (5)
-    ids.encode("bbbb|x")   # stores "bbbb|" (5): 10
+    budget = 2 * _cost("aaaa|")
+    ids = PrefixIds(CharTokenizer(), "|", max_bytes=budget)
+    ids.encode("aaaa|x")   # stores "aaaa|"
+    ids.encode("bbbb|x")   # stores "bbbb|": the budget is full
     ids.encode("aaaa|y")   # a hit: "aaaa|" is now the most recent
-    ids.encode("cccc|x")   # 15 > 10: "bbbb|", the least recently used, goes
-    assert set(ids._entries) == {"aaaa|", "cccc|"} and ids.tokens == 10
+    ids.encode("cccc|x")   # over budget: "bbbb|", the least recently used, goes
+    assert set(ids._entries) == {"aaaa|", "cccc|"} and ids.size == budget
     ids.encode("d" * 20 + "|x")  # a prefix over the whole budget is not kept
     assert set(ids._entries) == {"aaaa|", "cccc|"}
 
@@ -119,7 +133,7 @@ def test_unrecorded_requests_of_a_growing_conversation_send_the_tokenizers_ids(
 
     engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "Nice."])
     client, _, _ = gateway_app(redis_client, prefix, renderer, engine)
-    plain = ChatRenderer(smollm2_dir, prefix_cache_tokens=0)
+    plain = ChatRenderer(smollm2_dir, prefix_cache_bytes=0)
     messages = [{"role": "system", "content": "You plan trips. " * 40},
                 {"role": "user", "content": "Where to?"}]
     before = _tokens()

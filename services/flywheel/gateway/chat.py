@@ -5,7 +5,6 @@ the OpenAI answer. Called by the FastAPI routes (app.py) and the hot path (hot_p
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -27,8 +26,6 @@ from flywheel.gateway.request_rules import check_contents, check_model, served_m
 from flywheel.gateway.schemas import SESSION_ID_PATTERN, ChatCompletionRequest
 from flywheel.gateway.streaming import sse_chunks
 from flywheel.gateway.tokenization import render_call, text_size
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps

@@ -64,7 +64,6 @@ X-Session-Id at once) is refused there; routes that read a record without the lo
 `check_request_owner`."""
 
 
-
 def check_request_owner(record: SessionRecord) -> None:
     """Refuse `record` when the current request's key may not use it (`REQUEST_OWNER`).
 

@@ -52,7 +52,8 @@ class PrefixIds:
     def __init__(self, encode_fn: Callable[[str], list[int]], separator: str, max_bytes: int):
         self._encode = encode_fn
         self.separator = separator
-        self.max_bytes = max_bytes if separator and self._splits_exactly() else 0
+        self.max_bytes = max_bytes if max_bytes > 0 and separator and self._splits_exactly() \
+            else 0
         self.size = 0
         """Bytes of all entries (`entry_bytes`)."""
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()

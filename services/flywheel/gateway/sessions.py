@@ -199,8 +199,8 @@ class SessionStore:
     def _created(self, record: SessionRecord, call: dict[str, list], ok: int) -> SessionRecord:
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
-        # a copy: the caller's record stays the caller's
-        self.cache.put(record.session_id, record.model_copy(deep=True), len(call["args"][0]))
+        if self.cache.max_bytes:  # a copy: the caller's record stays the caller's
+            self.cache.put(record.session_id, record.model_copy(deep=True), len(call["args"][0]))
         return record
 
     def create(self, **fields: Any) -> SessionRecord:

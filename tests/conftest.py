@@ -86,7 +86,8 @@ def verify_record_cache(monkeypatch):
     handed out from the cache must serialize exactly to the stored record (nothing changed it
     after its save) and share no list, dict or model between two places (as a record parsed
     from Redis never does), so a turn on the cached record does what it does on a read one."""
-    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
+    from flywheel.gateway.segment_log import parse_stored  # noqa: PLC0415
+    from flywheel.gateway.sessions import _READ, SessionStore  # noqa: PLC0415
 
     original = SessionStore.atry_acquire
 
@@ -94,8 +95,9 @@ def verify_record_cache(monkeypatch):
         entry = self.cache._entries.get(session_id)
         lease = await original(self, session_id, *args, **kwargs)
         if lease is not None and entry is not None and lease.record is entry.record:
-            stored = await self._loop_clients.get().get(self._key(session_id))
-            assert stored.decode() == lease.record.model_dump_json(), \
+            head, log = await self._loop_clients.script(_READ)(
+                keys=[self._key(session_id), self._log_key(session_id)])
+            assert parse_stored(head, log).model_dump_json() == lease.record.model_dump_json(), \
                 f"cached record of {session_id} differs from the stored one"
             shared = _shared_mutables(lease.record, {}, "record")
             assert not shared, f"cached record of {session_id} shares objects at {shared}"

@@ -70,10 +70,14 @@ class Segment(BaseModel):
 
     @model_validator(mode="after")
     def _legacy_checkpoint(self) -> Segment:
-        """A segment stored before checkpoints existed ends right after its last turn."""
+        self.legacy_checkpoint()
+        return self
+
+    def legacy_checkpoint(self) -> None:
+        """A segment stored before checkpoints existed ends right after its last turn (also
+        called once a segment's tokens are read from its log)."""
         if self.turns and not self.checkpoints and self.token_ids:
             self.mark_turn()
-        return self
 
     @property
     def sampled_tokens(self) -> int:
@@ -165,8 +169,16 @@ class SessionRecord(BaseModel):
     """Live mode: other turns waiting for their next state, oldest first (see branches.py)."""
     finished_by: str = ""
     """Who finished the session: "client" (a finish request) or "idle" (the gateway's sweep)."""
+    log_tokens: int = 0
+    """Tokens of `segment` stored in the session's log, not in this record's JSON
+    (segment_log.py)."""
+    log_messages: int = 0
+    """Messages of `segment` stored in the session's log."""
     _outbox: list[Outgoing] = PrivateAttr(default_factory=list)
     """Samples to add to their stream when this record is saved (never stored itself)."""
+    _log: Any = PrivateAttr(default=None)
+    """What the session's stored log holds of `segment` (segment_log.Logged; None: unknown,
+    the next save rewrites it)."""
 
     def queue(self, item: Outgoing) -> None:
         """Publish `item` with the next save of this record: `SessionStore.release` adds it to

@@ -34,6 +34,7 @@ from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's 
     SessionRecord,
 )
 from flywheel.gateway.script_deadline import LATE, NOW_LUA, ScriptDeadline
+from flywheel.gateway.segment_log import StoredForm, parse_stored, stored_form
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,21 @@ LOCK_LEASE_S = 15.0
 
 _CREATE = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then return 0 end
+redis.call('DEL', KEYS[3])
+if ARGV[5] ~= '' then
+  redis.call('RPUSH', KEYS[3], ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[2])
+end
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
 return 1
 """
-"""Store a new session's record unless the id is taken (0), and index it as touched now."""
+"""Store a new session's record (head ARGV[1], log chunk ARGV[5]) unless the id is taken (0),
+and index it as touched now."""
+
+_READ = """
+return {redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
+"""
+"""A session's record head and log (segment_log.py), read together."""
 
 _TAKE = NOW_LUA + """
 local now = now_ms()
@@ -98,9 +110,9 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return {0, now} end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2, now} end
 local head = ARGV[3]
 if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3, now} end
-return {1, now, redis.call('GET', KEYS[1])}
+return {1, now, redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[3], 0, -1)}
 """
-"""Lock a session and read its record: {0} no session, {1, record} taken, {2} busy, {3} taken
+"""Lock a session and read its record: {0} no session, {1, head, log} taken, {2} busy, {3} taken
 and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record), {4}
 past the deadline ARGV[4] (nothing done); each with Redis's time (ms) second."""
 
@@ -112,19 +124,23 @@ if late(ARGV[11]) then
 end
 if ARGV[4] == '1' then
   local high_water = tonumber(ARGV[9])
-  if #ARGV > 11 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
+  if #ARGV > 13 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
     redis.call('DEL', KEYS[2])
     return 2
   end
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  if ARGV[12] == '1' then redis.call('DEL', KEYS[5]) end
+  if ARGV[13] ~= '' then redis.call('RPUSH', KEYS[5], ARGV[13]) end
+  redis.call('EXPIRE', KEYS[5], ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  for i = 12, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
+  for i = 14, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
 """
-"""Save the record and its last-touch time in the idle index and add its queued Samples to
+"""Save the record (head ARGV[2]; its log KEYS[5] rewritten when ARGV[12] is 1, chunk ARGV[13]
+appended) and its last-touch time in the idle index and add its queued Samples to
 the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
 (else 0). With Samples queued and the stream's backlog at its high-water mark ARGV[9] (watched
 group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole. Past
@@ -178,6 +194,7 @@ class SessionStore:
         self.touched_key = f"{prefix}:sessions:touched"
         """Sorted set: open session id -> Unix time of its last save (the idle sweep's index)."""
         self._create = client.register_script(_CREATE)
+        self._read = client.register_script(_READ)
         self._take = client.register_script(_TAKE)
         self._put = client.register_script(_PUT)
         self._renew = client.register_script(_RENEW)
@@ -189,18 +206,24 @@ class SessionStore:
     def _lock_key(self, session_id: str) -> str:
         return f"{self._key(session_id)}:lock"
 
-    def _new(self, fields: dict[str, Any]) -> tuple[SessionRecord, dict[str, list]]:
+    def _log_key(self, session_id: str) -> str:
+        return f"{self._key(session_id)}:log"
+
+    def _new(self, fields: dict[str, Any]
+             ) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
         fields.setdefault("session_id", uuid.uuid4().hex)
         record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
-        return record, {"keys": [self._key(record.session_id), self.touched_key],
-                        "args": [record.model_dump_json(), self.ttl_s, record.session_id,
-                                 time.time()]}
+        form = stored_form(record)
+        sid = record.session_id
+        return record, form, {"keys": [self._key(sid), self.touched_key, self._log_key(sid)],
+                              "args": [form.head, self.ttl_s, sid, time.time(), form.chunk]}
 
-    def _created(self, record: SessionRecord, call: dict[str, list], ok: int) -> SessionRecord:
+    def _created(self, record: SessionRecord, form: StoredForm, ok: int) -> SessionRecord:
         if not ok:
             raise ConflictError(f"session {record.session_id} already exists", param="session_id")
+        record._log = form.logged
         if self.cache.max_bytes:  # a copy: the caller's record stays the caller's
-            self.cache.put(record.session_id, record.model_copy(deep=True), len(call["args"][0]))
+            self.cache.put(record.session_id, record.model_copy(deep=True), form.size)
         return record
 
     def create(self, **fields: Any) -> SessionRecord:
@@ -210,13 +233,13 @@ class SessionStore:
         Raises:
             ConflictError: `session_id` is given and already exists.
         """
-        record, call = self._new(fields)
-        return self._created(record, call, self._create(**call))
+        record, form, call = self._new(fields)
+        return self._created(record, form, self._create(**call))
 
     async def acreate(self, **fields: Any) -> SessionRecord:
         """`create` on the event loop."""
-        record, call = self._new(fields)
-        return self._created(record, call, await self._loop_clients.script(_CREATE)(**call))
+        record, form, call = self._new(fields)
+        return self._created(record, form, await self._loop_clients.script(_CREATE)(**call))
 
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))
@@ -246,10 +269,10 @@ class SessionStore:
 
     def get(self, session_id: str) -> SessionRecord:
         """Raises: NotFoundError: no such session (never created, or expired)."""
-        raw = self.client.get(self._key(session_id))
-        if raw is None:
+        head, log = self._read(keys=[self._key(session_id), self._log_key(session_id)])
+        if head is None:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
-        return SessionRecord.model_validate_json(raw)
+        return parse_stored(head, log)
 
     def idle(self, before: float, limit: int = 100, offset: int = 0) -> list[str]:
         """Ids of open sessions last saved before Unix time `before`, least recent first
@@ -265,8 +288,8 @@ class SessionStore:
         added = 0
         for raw in self.client.scan_iter(match=f"{head}*", count=500):
             key = raw.decode() if isinstance(raw, bytes) else raw
-            if key.endswith(":lock") and self.client.exists(key.removesuffix(":lock")):
-                continue  # a session's lock, not a session
+            if key.endswith((":lock", ":log")) and self.client.exists(key.rpartition(":")[0]):
+                continue  # a session's lock or log, not a session
             added += self.client.zadd(self.touched_key, {key[len(head):]: time.time()}, nx=True)
         return added
 
@@ -282,7 +305,8 @@ class SessionStore:
     def _take_call(self, session_id: str, lease_s: float, cached: Cached | None = None
                    ) -> tuple[str, dict[str, list]]:
         token = uuid.uuid4().hex
-        return token, {"keys": [self._key(session_id), self._lock_key(session_id)],
+        return token, {"keys": [self._key(session_id), self._lock_key(session_id),
+                                self._log_key(session_id)],
                        "args": [token, max(int(lease_s * 1000), 1),
                                 rev_prefix(cached.rev) if cached is not None else "",
                                 self.deadline.deadline_ms()]}
@@ -299,7 +323,7 @@ class SessionStore:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         if got[0] == 2:
             return None
-        return SessionLease(session_id, token, lease_s, SessionRecord.model_validate_json(got[2]))
+        return SessionLease(session_id, token, lease_s, parse_stored(got[2], got[3]))
 
     def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
         """Take the session's lock and read its record in one round trip, or None when another
@@ -363,24 +387,30 @@ class SessionStore:
         """`renew` on the event loop."""
         return bool(await self._loop_clients.script(_RENEW)(**self._renew_call(lease)))
 
-    def _put_call(self, lease: SessionLease, record: SessionRecord | None) -> dict[str, list]:
+    def _put_call(self, lease: SessionLease, record: SessionRecord | None
+                  ) -> tuple[StoredForm | None, dict[str, list]]:
         outbox = record._outbox if record is not None else []
         rules = {(item.stream, item.high_water, item.watch_group) for item in outbox}
         if len(rules) > 1:
             raise ValueError(f"one save publishes to one stream, got {sorted(rules)}")
         stream, high_water, watch_group = rules.pop() if rules else (self.touched_key, 0, "")
+        form = None
         if record is not None:
             record.rev = uuid.uuid4().hex
-        return {"keys": [self._key(lease.session_id), self._lock_key(lease.session_id),
-                         self.touched_key, stream],
-                "args": [lease.token, record.model_dump_json() if record else "", self.ttl_s,
-                         1 if record is not None else 0, record.status if record else "",
-                         lease.session_id, time.time(), FIELD,
-                         high_water if watch_group else 0, watch_group,
-                         self.deadline.deadline_ms(), *[item.payload for item in outbox]]}
+            form = stored_form(record)
+        sid = lease.session_id
+        return form, {"keys": [self._key(sid), self._lock_key(sid), self.touched_key, stream,
+                               self._log_key(sid)],
+                      "args": [lease.token, form.head if form else "", self.ttl_s,
+                               1 if record is not None else 0, record.status if record else "",
+                               sid, time.time(), FIELD, high_water if watch_group else 0,
+                               watch_group, self.deadline.deadline_ms(),
+                               1 if form and form.rewrite else 0, form.chunk if form else "",
+                               *[item.payload for item in outbox]]}
 
     @staticmethod
-    def _put_done(lease: SessionLease, record: SessionRecord | None, held: int) -> None:
+    def _put_done(lease: SessionLease, record: SessionRecord | None, form: StoredForm | None,
+                  held: int) -> None:
         if held == 3:
             LATE.labels("save").inc()
             log.error("session %s: the save reached Redis after the gateway stopped waiting for "
@@ -408,6 +438,8 @@ class SessionStore:
             raise ConflictError(f"session {lease.session_id} was taken over while this request "
                                 "ran (its lock lease expired); retry the request",
                                 param="session_id")
+        if form is not None:
+            record._log = form.logged
         for item in outbox:
             STREAM_PUBLISHED.labels(item.stream).inc()
             PUBLISHED.labels(record.mode).inc()
@@ -423,12 +455,13 @@ class SessionStore:
             ConflictError: `record` was given but the lease had expired and the lock is gone
                 or held by someone else; nothing is written.
         """
-        self._put_done(lease, record, self._put(**self._put_call(lease, record)))
+        form, call = self._put_call(lease, record)
+        self._put_done(lease, record, form, self._put(**call))
 
     async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """`release` on the event loop."""
-        call = self._put_call(lease, record)
+        form, call = self._put_call(lease, record)
         held = await self._loop_clients.script(_PUT)(**call)
-        self._put_done(lease, record, held)
-        if record is not None:  # saved: the next turn here may use it as it is
-            self.cache.put(lease.session_id, record, len(call["args"][1]))
+        self._put_done(lease, record, form, held)
+        if record is not None and form is not None:  # saved: the next turn may use it as it is
+            self.cache.put(lease.session_id, record, form.size)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.tokenization import ChatRenderer
 
 from .harness import gateway_app
@@ -135,8 +136,13 @@ def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(env,
     client, engine, samples = env
     r0 = _post(client, "legacy", [U1])
     key = f"{prefix}:session:legacy"
-    raw = json.loads(redis_client.get(key))
-    del raw["segment"]["checkpoints"]  # a record written by the previous gateway version
+    # a record written by a gateway version before checkpoints (and the segment log) existed:
+    # all of it in one JSON value
+    raw = json.loads(SessionStore(redis_client, prefix, 60).get("legacy").model_dump_json())
+    for name in ("checkpoints", "log_tokens", "log_messages"):
+        (raw["segment"] if name == "checkpoints" else raw).pop(name)
+    raw["rev"] = "0" * 32  # not the version this gateway holds: it reads this one
+    redis_client.delete(f"{key}:log")
     redis_client.set(key, json.dumps(raw))
     _post(client, "legacy", [U1, r0, UA])
     (turn0,) = samples()

@@ -1,0 +1,165 @@
+"""The session record's segment log (segment_log.py): a save writes what the turn added, not the
+whole conversation; a new segment, a changed history or a long log rewrite it; a log that does
+not add up is refused; records stored whole by an earlier version still read (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from flywheel.gateway import segment_log, turns
+from flywheel.gateway.records import Segment
+from flywheel.gateway.segment_log import CorruptRecord
+from flywheel.gateway.sessions import SessionStore
+
+from .harness import gateway_app
+from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixture)
+
+
+def _chunks(redis_client, prefix: str, sid: str) -> list[dict]:
+    return [json.loads(c) for c in redis_client.lrange(f"{prefix}:session:{sid}:log", 0, -1)]
+
+
+async def _turn(store: SessionStore, sid: str, k: int) -> None:
+    """Turn k adds the template ids [10k+1], the sampled ids [10k+2, 10k+3] and two messages."""
+    async with turns.locked(store, sid) as record:
+        seg = record.segment
+        seg.append([10 * k + 1], sampled=False)
+        seg.append([10 * k + 2, 10 * k + 3], sampled=True, logprobs=[-0.5, -0.25],
+                   versions=[k, k])
+        seg.messages = [*seg.messages, {"role": "user", "content": f"q{k}"},
+                        {"role": "assistant", "content": f"a{k}"}]
+        seg.turns += 1
+        seg.mark_turn()
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 1 << 20])
+def test_each_save_appends_only_what_its_turn_added(redis_client, prefix, cache_bytes):
+    store = SessionStore(redis_client, prefix, 60, cache_bytes=cache_bytes)
+    store.create(session_id="s")
+    for k in (1, 2, 3):
+        asyncio.run(_turn(store, "s", k))
+    # one chunk per turn, each with that turn's 3 tokens and 2 messages only
+    assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
+        [11, 12, 13], [21, 22, 23], [31, 32, 33]]
+    assert [c["loss_mask"] for c in _chunks(redis_client, prefix, "s")] == [[0, 1, 1]] * 3
+    assert [[m["content"] for m in c["messages"]] for c in _chunks(redis_client, prefix, "s")] \
+        == [["q1", "a1"], ["q2", "a2"], ["q3", "a3"]]
+    head = json.loads(redis_client.get(f"{prefix}:session:s"))
+    assert "token_ids" not in head["segment"] and "messages" not in head["segment"]
+    assert (head["log_tokens"], head["log_messages"]) == (9, 6)  # 3 turns x 3 tokens, x 2
+    whole = SessionStore(redis_client, prefix, 60).get("s")  # another replica reads it all
+    assert whole.segment.token_ids == [11, 12, 13, 21, 22, 23, 31, 32, 33]
+    assert whole.segment.logprobs == [0.0, -0.5, -0.25] * 3
+    assert whole.segment.versions == [-1, 1, 1, -1, 2, 2, -1, 3, 3]
+    assert [m["content"] for m in whole.segment.messages] == ["q1", "a1", "q2", "a2", "q3", "a3"]
+    assert [cp.tokens for cp in whole.segment.checkpoints] == [3, 6, 9]
+
+
+def test_a_new_segment_or_a_changed_history_rewrites_the_log(redis_client, prefix):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+    asyncio.run(_turn(store, "s", 2))
+
+    async def edit_first_message() -> None:  # a client that rewrote its first question
+        async with turns.locked(store, "s") as record:
+            seg = record.segment
+            seg.messages = [{"role": "user", "content": "q1, edited"}, *seg.messages[1:]]
+
+    asyncio.run(edit_first_message())
+    (chunk,) = _chunks(redis_client, prefix, "s")  # rewritten whole: one chunk
+    assert chunk["token_ids"] == [11, 12, 13, 21, 22, 23]
+    assert [m["content"] for m in chunk["messages"]] == ["q1, edited", "a1", "q2", "a2"]
+
+    async def fork() -> None:  # the next request forked history: a new segment starts
+        async with turns.locked(store, "s") as record:
+            record.segment = Segment(index=1)
+            record.segment.append([7, 8], sampled=False)
+
+    asyncio.run(fork())
+    assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [[7, 8]]
+    asyncio.run(_turn(store, "s", 3))
+    assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [[7, 8], [31, 32, 33]]
+    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [
+        7, 8, 31, 32, 33]
+
+
+def test_a_long_log_is_rewritten_as_one_chunk(redis_client, prefix, monkeypatch):
+    monkeypatch.setattr(segment_log, "MAX_CHUNKS", 3)
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    lengths = []
+    for k in range(1, 6):
+        asyncio.run(_turn(store, "s", k))
+        lengths.append([len(c["token_ids"]) for c in _chunks(redis_client, prefix, "s")])
+    # 3 chunks of 3 tokens, then the 4th save rewrites: one chunk of 12, then 12 + 3
+    assert lengths == [[3], [3, 3], [3, 3, 3], [12], [12, 3]]
+    assert len(SessionStore(redis_client, prefix, 60).get("s").segment.token_ids) == 15
+
+
+def test_a_log_that_does_not_add_up_is_refused(redis_client, prefix):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+    asyncio.run(_turn(store, "s", 2))
+    redis_client.lpop(f"{prefix}:session:s:log")  # a chunk lost
+    with pytest.raises(CorruptRecord, match="holds 3 tokens and 2 messages, its record says 6 "
+                                            "and 4"):
+        store.get("s")
+
+
+def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redis_client,
+                                                                            prefix):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+    whole = json.loads(store.get("s").model_dump_json(exclude={"log_tokens", "log_messages"}))
+    whole["rev"] = "0" * 32
+    redis_client.set(f"{prefix}:session:s", json.dumps(whole))  # one JSON value, no log
+    redis_client.delete(f"{prefix}:session:s:log")
+    assert store.get("s").segment.token_ids == [11, 12, 13]
+    asyncio.run(_turn(store, "s", 2))  # the first save moves what it read into the log
+    assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
+        [11, 12, 13, 21, 22, 23]]
+    assert "token_ids" not in json.loads(redis_client.get(f"{prefix}:session:s"))["segment"]
+    assert store.get("s").segment.token_ids == [11, 12, 13, 21, 22, 23]
+
+
+def test_creating_a_session_drops_a_log_left_under_its_id(redis_client, prefix):
+    redis_client.rpush(f"{prefix}:session:s:log", json.dumps({"token_ids": [1]}))
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == []
+    asyncio.run(_turn(store, "s", 1))
+    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [11, 12, 13]
+
+
+def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client, prefix,
+                                                                    renderer):  # noqa: F811
+    """Through the gateway (real tokenizer): 12 turns each adding a ~600-character tool
+    result. The record grows with the conversation; what each save writes does not."""
+    engine = ScriptEngine(renderer, [f"Reply {i}." for i in range(12)])
+    client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    messages, written = [], []
+    for i in range(12):
+        messages.append({"role": "user", "content": f"result {i}: " + "data line " * 60})
+        resp = client.post(f"/s/{sid}/v1/chat/completions",
+                           json={"model": "m", "messages": messages, "max_tokens": 16})
+        assert resp.status_code == 200, resp.text
+        messages.append(resp.json()["choices"][0]["message"])
+        last = redis_client.lindex(f"{prefix}:session:{sid}:log", -1)
+        written.append(len(redis_client.get(f"{prefix}:session:{sid}")) + len(last))
+    whole = len(deps.sessions.get(sid).model_dump_json())
+    assert whole > 20_000  # 12 x (~600 characters, ~130 tokens)
+    # the 12th save wrote about what the 2nd did (its head holds a checkpoint per turn, ~90
+    # bytes each), a small part of the record
+    assert written[-1] < 1.5 * written[1] and written[-1] < whole / 5, (written, whole)
+    assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+    (sample,) = samples()
+    assert list(sample.token_ids) == deps.sessions.get(sid).segment.token_ids
+    assert sum(sample.loss_mask) == sum(len(renderer.encode(f"Reply {i}.")) + 1  # + EOS
+                                        for i in range(12))

@@ -15,8 +15,8 @@ real Redis):
 - session lock + read and save + unlock: the recorded path's two Lua scripts (asyncio Redis),
   with the record of a one-turn session and of a 20,000-token one, each read from Redis
   (cache off) and held by the store since its last save (the record cache: only the lock and
-  a 40-byte compare cross the wire); each turn adds 20 sampled tokens to the record, and its
-  save writes the record's head and those tokens (segment_log.py).
+  a 40-byte compare cross the wire); each turn of the long session adds 20 sampled tokens,
+  and its save writes the record's head and those tokens (segment_log.py).
 Async stages run on uvloop, as in the gateway. The server side (uvicorn, the ASGI middlewares)
 is what `bench/gateway.py` measures around these.
 """
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDED = "session lock+read, save+unlock (one-turn record; record held (cache))"
 """The row of what recording adds to the bench's request (a session's next turn)."""
 TURN_IDS, TURN_LOGPROBS, TURN_VERSIONS = list(range(20)), [-0.5] * 20, [1] * 20
-"""What each timed session turn adds to its record: 20 sampled tokens."""
+"""What each timed turn of the long session adds to its record: 20 sampled tokens."""
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
         "max_tokens": 8}
 
@@ -127,8 +127,9 @@ async def measure(stub: str, redis_url: str, calls: int) -> list[tuple[str, floa
         for how, store in stores.items():
             async def turn(store: SessionStore = store, sid: str = sid) -> None:
                 lease = await store.atry_acquire(sid)
-                lease.record.segment.append(TURN_IDS, sampled=True, logprobs=TURN_LOGPROBS,
-                                            versions=TURN_VERSIONS)
+                if sid == "long":
+                    lease.record.segment.append(TURN_IDS, sampled=True,
+                                                logprobs=TURN_LOGPROBS, versions=TURN_VERSIONS)
                 await store.arelease(lease, lease.record)
 
             await turn()  # the cache holds the record from here on

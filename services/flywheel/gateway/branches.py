@@ -45,9 +45,9 @@ BRANCHES = labeled_counter(
 
 Continues = Callable[[Segment, int], bool]
 """`continues(segment, k)`: whether the request extends `segment` cut right after turn `k`."""
-Emit = Callable[[str, Segment | None], list[sample_pb2.Sample]]
-"""`emit(pending, tip)`: the Samples of a pending turn, with the next state the request gives
-after `tip` (None: no next state)."""
+Emit = Callable[[str, Segment, bool], list[sample_pb2.Sample]]
+"""`emit(pending, segment, follows)`: the Samples of a pending turn of `segment`, with the next
+state the request gives after it when `follows` (else none)."""
 
 
 def _tips(record: SessionRecord) -> list[tuple[Segment, str]]:
@@ -66,7 +66,7 @@ def _park(record: SessionRecord, emit: Emit) -> list[sample_pb2.Sample]:
         oldest = record.branches.pop(0)
         log.warning("session %s: more than %d live turns wait for their next state; the "
                     "oldest is published without one", record.session_id, MAX_BRANCHES)
-        out += emit(oldest.pending, None)
+        out += emit(oldest.pending, oldest.segment, False)
     return out
 
 
@@ -92,7 +92,7 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
     seg = record.segment
     if seg.checkpoints and continues(seg, len(seg.checkpoints) - 1):  # the common case
         pending, record.pending = record.pending, ""
-        return emit(pending, seg) if pending else []
+        return emit(pending, seg, True) if pending else []
     tips = _tips(record)
     # The longest recorded history the request extends; the newest tip among equals.
     ends = [(seg.checkpoints[-1].tokens, -i) for i, (seg, _) in enumerate(tips)
@@ -102,7 +102,7 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
         branch = record.branches.pop(len(record.branches) - i)
         out = _park(record, emit)
         record.segment, record.pending = branch.segment, ""
-        return out + emit(branch.pending, branch.segment)
+        return out + emit(branch.pending, branch.segment, True)
     earlier = [(seg.checkpoints[k].tokens, -i, k) for i, (seg, _) in enumerate(tips)
                for k in range(len(seg.checkpoints) - 1) if continues(seg, k)]
     if not earlier and not record.pending and not tips[0][0].checkpoints:

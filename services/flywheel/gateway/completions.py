@@ -190,12 +190,12 @@ def _select_branch(d: GatewayDeps, record: SessionRecord, prompt: str | list[int
     """Live mode: continue the branch the prompt extends; the text after a waiting turn's
     recorded text (or ids) is that turn's next state, as a user message."""
 
-    def emit(pending: str, tip: Segment | None) -> list[sample_pb2.Sample]:
-        if tip is None:
-            return turns.emit_turn(record, pending, [])
-        rest = (prompt[len(tip.text):] if isinstance(prompt, str)
-                else d.renderer.decode(prompt[len(tip.token_ids):]))
-        return turns.emit_turn(record, pending,
+    def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
+        if not follows:
+            return turns.emit_turn(record, stored, seg, [])
+        rest = (prompt[len(seg.text):] if isinstance(prompt, str)
+                else d.renderer.decode(prompt[len(seg.token_ids):]))
+        return turns.emit_turn(record, stored, seg,
                                [{"role": "user", "content": rest}] if rest else [])
 
     return branches.select(record, _continues(prompt), emit)

@@ -254,6 +254,14 @@ def next_state_message(following: list[dict[str, Any]]) -> sample_pb2.Message | 
                               extra_json=json.dumps(extra) if extra else "")
 
 
+def add_messages(sample: sample_pb2.Sample, messages: list[dict[str, Any]]) -> None:
+    """Append `messages` to `sample.messages` (content and the other keys as JSON)."""
+    for m in messages:
+        extra = {k: v for k, v in m.items() if k not in ("role", "content")}
+        sample.messages.add(role=m["role"], content_json=json.dumps(m.get("content")),
+                            extra_json=json.dumps(extra) if extra else "")
+
+
 def build_sample(
     record: SessionRecord, seg: Segment, reward: float | None = None, *,
     turn_only: bool = False, sample_key: str = "", turn_index: int | None = None,
@@ -295,10 +303,7 @@ def build_sample(
         sample.sampling.top_k = int(s["top_k"])
         sample.sampling.min_p = s["min_p"]
         sample.sampling.max_new_tokens = int(s["max_new_tokens"])
-    for m in seg.messages:
-        extra = {k: v for k, v in m.items() if k not in ("role", "content")}
-        sample.messages.add(role=m["role"], content_json=json.dumps(m.get("content")),
-                            extra_json=json.dumps(extra) if extra else "")
+    add_messages(sample, seg.messages)
     if reward is not None:
         sample.rewards["outcome"] = reward
     return sample

@@ -38,7 +38,6 @@ sent back (the session finished, or the next request sent none of them) are all 
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import json
 import logging
@@ -60,7 +59,7 @@ from flywheel.core.errors import (
     UpstreamError,
 )
 from flywheel.core.metrics import labeled_counter
-from flywheel.gateway import branches
+from flywheel.gateway import branches, pending
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import (
@@ -222,33 +221,17 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
         record.samples_published += 1
 
 
-def _store_pending(record: SessionRecord, sample: sample_pb2.Sample) -> None:
-    record.pending = base64.b64encode(encode_sample(sample)).decode()
-
-
-def _decode(pending: str) -> sample_pb2.Sample:
-    sample = sample_pb2.Sample()
-    sample.ParseFromString(base64.b64decode(pending))
-    return sample
-
-
-def _take_pending(record: SessionRecord) -> sample_pb2.Sample | None:
-    if not record.pending:
-        return None
-    sample = _decode(record.pending)
-    record.pending = ""
-    return sample
-
-
 def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
                  ) -> sample_pb2.Sample:
     key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
     return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn)
 
 
-def store_turn(record: SessionRecord, seg: Segment, turn: int) -> None:
-    """Live mode: the segment's last turn (session turn index `turn`) waits for its next state."""
-    _store_pending(record, _turn_sample(record, seg, turn))
+def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
+               ) -> None:
+    """Live mode: the segment's last turn (session turn index `turn`) waits for its next state
+    (pending.py)."""
+    record.pending = pending.stored(_turn_sample(record, seg, turn, choice), seg)
 
 
 def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None
@@ -264,7 +247,7 @@ def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | 
         chosen = record.candidates[k]
         record_generation(record, as_generation(chosen), seg.sampling, chosen.message)
         if record.mode == "live":
-            _store_pending(record, _turn_sample(record, record.segment, turn, k))
+            store_turn(record, record.segment, turn, k)
     elif messages is not None:
         FORKS.labels("choice_not_sent_back").inc()
         record.forks += 1
@@ -277,11 +260,11 @@ def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | 
     return out
 
 
-def emit_turn(record: SessionRecord, pending: str, following: list[dict[str, Any]]
-              ) -> list[sample_pb2.Sample]:
-    """The Sample of a waiting live turn with the messages that followed it as `next_state`
-    (none: counted in `NO_NEXT_STATE` and logged)."""
-    sample = _decode(pending)
+def emit_turn(record: SessionRecord, stored: str, seg: Segment,
+              following: list[dict[str, Any]]) -> list[sample_pb2.Sample]:
+    """The Sample of a waiting live turn of `seg` with the messages that followed it as
+    `next_state` (none: counted in `NO_NEXT_STATE` and logged)."""
+    sample = pending.restore(stored, seg)
     message = next_state_message(following)
     if message is None:
         NO_NEXT_STATE.inc()
@@ -297,8 +280,8 @@ def _select_chat_branch(record: SessionRecord, messages: list[dict[str, Any]]
     """Live mode: continue the branch the request extends (branches.py)."""
     latest = list(record.segment.messages)
 
-    def emit(pending: str, tip: Segment | None) -> list[sample_pb2.Sample]:
-        return emit_turn(record, pending, [] if tip is None else messages[len(tip.messages):])
+    def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
+        return emit_turn(record, stored, seg, messages[len(seg.messages):] if follows else [])
 
     return branches.select(record, continues_chat(messages), emit,
                            rewrite=lambda: rewrite_reason(latest, messages))
@@ -348,7 +331,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         if body.n == 1:
             record_generation(record, gens[0], sampling, parsed[0].message())
             if record.mode == "live":
-                _store_pending(record, _turn_sample(record, record.segment, turn))
+                store_turn(record, record.segment, turn)
         else:
             set_sampling(record.segment, sampling)
             record.candidates = [candidate(g, p.message())
@@ -425,10 +408,10 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
     out = _resolve_candidates(record, None)
     if record.mode == "live":
         if record.pending:
-            out += emit_turn(record, record.pending, following or [])
+            out += emit_turn(record, record.pending, record.segment, following or [])
             record.pending = ""
         for branch in record.branches:  # the latest turn's next state is not theirs
-            out += emit_turn(record, branch.pending, [])
+            out += emit_turn(record, branch.pending, branch.segment, [])
         record.branches = []
     elif record.segment.sampled_tokens:
         out.append(build_sample(record, record.segment))
@@ -461,12 +444,10 @@ async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float
             record.rewards[name] = value
             return {"session_id": session_id, "applies_to": "episode",
                     "rewards": dict(record.rewards)}
-        sample = _take_pending(record)
-        if sample is None:
+        if not record.pending:
             raise ConflictError(
                 f"session {session_id} has no turn waiting for a reward: post it after the "
                 "assistant turn and before the next request", param="session_id")
-        sample.rewards[name] = value
-        _store_pending(record, sample)
+        record.pending, sample = pending.with_reward(record.pending, name, value)
         return {"session_id": session_id, "applies_to": f"turn {sample.turn_index}",
                 "rewards": dict(sample.rewards)}

@@ -9,7 +9,9 @@ tokens (a tool result). Targets, side by side in one run, the same conversations
 - proxy: the pass-through proxy (bench/peers/passthrough.py) forwarding the chat request;
 - gateway: unrecorded (renders and tokenizes the whole conversation every turn);
 - gateway-recorded: through an episode session (renders the conversation, tokenizes only the
-  new messages, stitches them onto the recorded ids and saves the record every turn).
+  new messages, stitches them onto the recorded ids and saves the record every turn);
+- gateway-live: the same in a live session (header X-Session-Id): each turn also publishes the
+  previous turn's Sample, the whole conversation so far, with its next state.
 Prints the CPU ms per request of each target's processes (Redis included for the recorded one)
 for each tenth of the turns, with the conversation's size there, and the ratios to the proxy.
 """
@@ -30,7 +32,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway as bench  # noqa: E402  (bench/gateway.py: process start-up and CPU reading)
 
-TARGETS = ["proxy", "gateway", "gateway-recorded"]
+TARGETS = ["proxy", "gateway", "gateway-recorded", "gateway-live"]
 WORDS = ("file", "line", "error", "value", "return", "config", "test", "module", "the", "of",
          "request", "import", "result", "user", "data", "path", "self", "list", "None", "int")
 
@@ -40,16 +42,16 @@ def tool_result(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
-async def _conversation(http: aiohttp.ClientSession, base: str, path: str, seed: int,
-                        turns: int, size: int, steps: list[asyncio.Event],
+async def _conversation(http: aiohttp.ClientSession, base: str, path: str, headers: dict,
+                        seed: int, turns: int, size: int, steps: list[asyncio.Event],
                         done: list[asyncio.Event]) -> None:
     rng = random.Random(seed)
     messages = [{"role": "system", "content": "You are a coding agent."}]
     for turn in range(turns):
         await steps[turn].wait()
         messages.append({"role": "user", "content": tool_result(rng, size)})
-        async with http.post(base + path, json={"model": "m", "messages": messages,
-                                                "max_tokens": 8}) as resp:
+        async with http.post(base + path, headers=headers,
+                             json={"model": "m", "messages": messages, "max_tokens": 8}) as resp:
             body = await resp.json()
             if resp.status != 200:
                 raise RuntimeError(f"{resp.status}: {body}")
@@ -67,9 +69,12 @@ async def run(base: str, target: str, pids: list[int], args: argparse.Namespace
             for _ in range(args.agents):
                 async with http.post(f"{base}/v1/sessions", json={"group_id": "long"}) as r:
                     paths.append(f"/s/{(await r.json())['session_id']}/v1/chat/completions")
+        headers = [{"X-Session-Id": f"live-{a}-{time.time_ns()}"} if target == "gateway-live"
+                   else {} for a in range(args.agents)]
         steps = [[asyncio.Event() for _ in range(args.turns)] for _ in range(args.agents)]
         done = [[asyncio.Event() for _ in range(args.turns)] for _ in range(args.agents)]
-        agents = [asyncio.create_task(_conversation(http, base, paths[a], a, args.turns,
+        agents = [asyncio.create_task(_conversation(http, base, paths[a], headers[a], a,
+                                                    args.turns,
                                                     args.tokens_per_turn, steps[a], done[a]))
                   for a in range(args.agents)]
         per_turn = []
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-long-") as tmp:
         try:
             urls, redis, pids = bench.start(procs, Path(tmp), ab)
+            urls["gateway-live"], pids["gateway-live"] = urls["gateway"], pids["gateway-recorded"]
             t0 = time.perf_counter()
             results = {t: asyncio.run(run(urls[t], t, pids[t], args)) for t in targets}
             if args.only:
@@ -126,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; gateway-B: {ab}" if ab else ""))
     print(f"{'turns':>9}{'~tokens':>9}" + "".join(f"{t:>19}" for t in TARGETS)
           + f"{'gateway/proxy':>15}{'recorded/proxy':>16}{'recorded/gateway':>18}"
+          + f"{'live/gateway':>14}"
           + (f"{'B/gateway':>11}{'rec-B/rec':>11}" if ab else ""))
     tenth = max(args.turns // 10, 1)
     for start in range(0, args.turns, tenth):
@@ -136,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
               + _ratio(mean["gateway"], mean["proxy"], 15)
               + _ratio(mean["gateway-recorded"], mean["proxy"], 16)
               + _ratio(mean["gateway-recorded"], mean["gateway"], 18)
+              + _ratio(mean["gateway-live"], mean["gateway"], 14)
               + (_ratio(mean["gateway-B"], mean["gateway"], 11)
                  + _ratio(mean["gateway-recorded-B"], mean["gateway-recorded"], 11)
                  if ab else ""))

@@ -157,7 +157,7 @@ def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
         # one reply timeout (1 s), not 4 (3 retries) and not the TCP stack's minutes
         assert timeout_s <= waited < 3 * timeout_s, waited
         time.sleep(0.3)  # Redis runs what it was sent while stopped
-        assert connect(own_redis.url).pttl(f"{prefix}:session:{sid}:lock") == -2
+        assert connect(own_redis.url).pttl(f"{prefix}:session-lock:{sid}") == -2
         started = time.monotonic()
         retry = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
         assert retry.status_code == 200 and time.monotonic() - started < 1.0, retry.text

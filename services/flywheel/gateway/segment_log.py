@@ -17,9 +17,11 @@ existed hold all of them there).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, Field
 
 from flywheel.gateway.records import _EXACT_FLOATS, Segment, SessionRecord
@@ -72,6 +74,8 @@ class StoredForm:
     """Delete the log before adding `chunk` (it held another segment, or too many chunks)."""
     logged: Logged
     """What the log holds once the save is applied (becomes `record._log`)."""
+    chunks_before: int
+    """Chunks the log holds before the save (what an append expects to find)."""
 
     @property
     def size(self) -> int:
@@ -91,8 +95,17 @@ def _appends(seg: Segment, log: Logged | None) -> bool:
         return False
     if len(seg.token_ids) < log.tokens or len(seg.messages) < len(log.messages):
         return False
-    # Equal dicts, usually the same objects (a turn adds its reply to the list it extends).
-    return all(a is b or a == b for a, b in zip(seg.messages, log.messages, strict=False))
+    # The same JSON as stored (`==` would take {"a": 1, "b": 2} for {"b": 2.0, "a": 1}).
+    return all(a is b or _json(a) == _json(b)
+               for a, b in zip(seg.messages, log.messages, strict=False))
+
+
+def _json(message: dict[str, Any]) -> bytes:
+    """`message` as JSON, keys in order, 2 and 2.0 and true apart (as the log stores it)."""
+    try:
+        return orjson.dumps(message)
+    except TypeError:  # integers beyond 64 bits
+        return json.dumps(message).encode()
 
 
 def stored_form(record: SessionRecord) -> StoredForm:
@@ -110,7 +123,7 @@ def stored_form(record: SessionRecord) -> StoredForm:
     before = (0, 0) if rewrite or log is None else (log.chunks, log.size)
     logged = Logged(seg, _lists(seg), len(seg.token_ids), tuple(seg.messages),
                     before[0] + (1 if chunk else 0), before[1] + len(chunk))
-    return StoredForm(head, chunk, rewrite, logged)
+    return StoredForm(head, chunk, rewrite, logged, before[0])
 
 
 class CorruptRecord(ValueError):
@@ -118,7 +131,9 @@ class CorruptRecord(ValueError):
 
 
 def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
-    """The record stored as `head` and its log's `chunks` (oldest first), whole.
+    """The record stored as `head` and its log's `chunks` (oldest first), whole. A head
+    without `log_tokens` holds the whole record (written by an earlier version): chunks beside
+    it are ignored, and the next save rewrites the log.
 
     Raises:
         CorruptRecord: the chunks hold other counts of tokens or messages than the head says.
@@ -126,6 +141,8 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
     """
     record = SessionRecord.model_validate_json(head)
     seg = record.segment
+    if "log_tokens" not in record.model_fields_set:  # stored whole, by an earlier version
+        chunks = []  # a log left by this version is not this record's
     parts = [LogChunk.model_validate_json(c) for c in chunks]
     tokens = sum(len(p.token_ids) for p in parts)
     messages = sum(len(p.messages) for p in parts)
@@ -140,6 +157,7 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
         seg.legacy_checkpoint()
     if not (len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs) == len(seg.versions)):
         raise CorruptRecord(f"session {record.session_id}: per-token lists differ in length")
-    record._log = Logged(seg, _lists(seg), tokens, tuple(seg.messages[:messages]), len(parts),
-                         sum(len(c) for c in chunks))
+    if "log_tokens" in record.model_fields_set:
+        record._log = Logged(seg, _lists(seg), tokens, tuple(seg.messages[:messages]),
+                             len(parts), sum(len(c) for c in chunks))
     return record

@@ -123,8 +123,12 @@ if late(ARGV[11]) then
   return 3
 end
 if ARGV[4] == '1' then
+  if ARGV[12] ~= '1' and (redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[14])
+                         or redis.call('EXISTS', KEYS[1]) == 0) then
+    return 4
+  end
   local high_water = tonumber(ARGV[9])
-  if #ARGV > 13 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
+  if #ARGV > 14 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
     redis.call('DEL', KEYS[2])
     return 2
   end
@@ -134,7 +138,7 @@ if ARGV[4] == '1' then
   redis.call('EXPIRE', KEYS[5], ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  for i = 14, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
+  for i = 15, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
@@ -144,7 +148,9 @@ appended) and its last-touch time in the idle index and add its queued Samples t
 the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
 (else 0). With Samples queued and the stream's backlog at its high-water mark ARGV[9] (watched
 group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole. Past
-the deadline ARGV[11] (script_deadline.py) only the lock is released (3)."""
+the deadline ARGV[11] (script_deadline.py) only the lock is released (3). An append to a log
+that no longer holds ARGV[14] chunks, or to an expired record, writes nothing and keeps the lock
+(4): the caller saves the record whole instead."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -153,6 +159,14 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 
 LOST_LEASES = Counter("flywheel_gateway_session_lease_lost_total",
                       "Turns not saved because their session lock's lease expired meanwhile")
+
+
+class _Unreadable(Exception):
+    """A record taken under the lock `token` that does not parse (the lock is to be released)."""
+
+    def __init__(self, token: str):
+        super().__init__(token)
+        self.token = token
 
 
 @dataclass
@@ -166,7 +180,10 @@ class SessionLease:
 
 
 class SessionStore:
-    """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock.
+    """Sessions as JSON values under `<prefix>:session:<id>`, with a per-session lock
+    (`<prefix>:session-lock:<id>`); the current segment's tokens and messages are a list of
+    per-save chunks under `<prefix>:session-log:<id>` (segment_log.py), written and read with
+    the record.
 
     The lock is taken with the record read (`try_acquire`) and released with the record saved
     (`release`) in one round trip each; `atry_acquire` / `arenew` / `arelease` do the same on
@@ -204,10 +221,11 @@ class SessionStore:
         return f"{self.prefix}:session:{session_id}"
 
     def _lock_key(self, session_id: str) -> str:
-        return f"{self._key(session_id)}:lock"
+        # Apart from `_key`'s names: a session id may contain ":" ("a:lock" is a valid id).
+        return f"{self.prefix}:session-lock:{session_id}"
 
     def _log_key(self, session_id: str) -> str:
-        return f"{self._key(session_id)}:log"
+        return f"{self.prefix}:session-log:{session_id}"
 
     def _new(self, fields: dict[str, Any]
              ) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
@@ -288,8 +306,8 @@ class SessionStore:
         added = 0
         for raw in self.client.scan_iter(match=f"{head}*", count=500):
             key = raw.decode() if isinstance(raw, bytes) else raw
-            if key.endswith((":lock", ":log")) and self.client.exists(key.rpartition(":")[0]):
-                continue  # a session's lock or log, not a session
+            if key.endswith(":lock") and self.client.exists(key.removesuffix(":lock")):
+                continue  # a session's lock as an earlier version named it, not a session
             added += self.client.zadd(self.touched_key, {key[len(head):]: time.time()}, nx=True)
         return added
 
@@ -323,7 +341,12 @@ class SessionStore:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
         if got[0] == 2:
             return None
-        return SessionLease(session_id, token, lease_s, parse_stored(got[2], got[3]))
+        try:
+            record = parse_stored(got[2], got[3])
+        except ValueError as exc:  # CorruptRecord, or not a record's JSON: unlocked, refused
+            log.error("session %s: its stored record cannot be read: %s", session_id, exc)
+            raise _Unreadable(token) from exc
+        return SessionLease(session_id, token, lease_s, record)
 
     def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
         """Take the session's lock and read its record in one round trip, or None when another
@@ -335,7 +358,11 @@ class SessionStore:
         if not self.deadline.known and self.deadline.reply_timeout_s is not None:
             self.deadline.observe(_ms(self.client.time()))
         token, call = self._take_call(session_id, lease_s)
-        return self._taken(session_id, token, lease_s, self._take(**call))
+        try:
+            return self._taken(session_id, token, lease_s, self._take(**call))
+        except _Unreadable as exc:
+            self._put(**self._unlock_call(session_id, exc.token))
+            raise exc.__cause__ from None
 
     async def atry_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S
                            ) -> SessionLease | None:
@@ -353,7 +380,11 @@ class SessionStore:
             self.cache.give_back(session_id, cached)
         elif got[0] == 1:
             READS.labels("stale" if cached is not None else "redis").inc()
-        return self._taken(session_id, token, lease_s, got)
+        try:
+            return self._taken(session_id, token, lease_s, got)
+        except _Unreadable as exc:
+            await self._loop_clients.script(_PUT)(**self._unlock_call(session_id, exc.token))
+            raise exc.__cause__ from None
 
     def acquire(self, session_id: str, timeout_s: float = 600.0,
                 lease_s: float = LOCK_LEASE_S) -> SessionLease:
@@ -406,7 +437,20 @@ class SessionStore:
                                sid, time.time(), FIELD, high_water if watch_group else 0,
                                watch_group, self.deadline.deadline_ms(),
                                1 if form and form.rewrite else 0, form.chunk if form else "",
+                               form.chunks_before if form else 0,
                                *[item.payload for item in outbox]]}
+
+    def _unlock_call(self, session_id: str, token: str) -> dict[str, list]:
+        """The `_PUT` call that only releases the lock `token` holds."""
+        empty = SessionRecord(session_id=session_id)
+        return self._put_call(SessionLease(session_id, token, 1.0, empty), None)[1]
+
+    def _rewrite_call(self, lease: SessionLease, record: SessionRecord
+                      ) -> tuple[StoredForm | None, dict[str, list]]:
+        log.warning("session %s: its stored record expired while a turn ran (or its log is not "
+                    "the one read); saving it whole", lease.session_id)
+        record._log = None
+        return self._put_call(lease, record)
 
     @staticmethod
     def _put_done(lease: SessionLease, record: SessionRecord | None, form: StoredForm | None,
@@ -456,12 +500,19 @@ class SessionStore:
                 or held by someone else; nothing is written.
         """
         form, call = self._put_call(lease, record)
-        self._put_done(lease, record, form, self._put(**call))
+        held = self._put(**call)
+        if held == 4:  # the record expired while the turn ran: store it whole again
+            form, call = self._rewrite_call(lease, record)
+            held = self._put(**call)
+        self._put_done(lease, record, form, held)
 
     async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """`release` on the event loop."""
         form, call = self._put_call(lease, record)
         held = await self._loop_clients.script(_PUT)(**call)
+        if held == 4:  # the record expired while the turn ran: store it whole again
+            form, call = self._rewrite_call(lease, record)
+            held = await self._loop_clients.script(_PUT)(**call)
         self._put_done(lease, record, form, held)
         if record is not None and form is not None:  # saved: the next turn may use it as it is
             self.cache.put(lease.session_id, record, form.size)

@@ -142,7 +142,7 @@ def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(env,
     for name in ("checkpoints", "log_tokens", "log_messages"):
         (raw["segment"] if name == "checkpoints" else raw).pop(name)
     raw["rev"] = "0" * 32  # not the version this gateway holds: it reads this one
-    redis_client.delete(f"{key}:log")
+    redis_client.delete(f"{prefix}:session-log:legacy")
     redis_client.set(key, json.dumps(raw))
     _post(client, "legacy", [U1, r0, UA])
     (turn0,) = samples()

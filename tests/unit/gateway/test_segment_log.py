@@ -19,7 +19,7 @@ from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixtu
 
 
 def _chunks(redis_client, prefix: str, sid: str) -> list[dict]:
-    return [json.loads(c) for c in redis_client.lrange(f"{prefix}:session:{sid}:log", 0, -1)]
+    return [json.loads(c) for c in redis_client.lrange(f"{prefix}:session-log:{sid}", 0, -1)]
 
 
 async def _turn(store: SessionStore, sid: str, k: int) -> None:
@@ -105,7 +105,7 @@ def test_a_log_that_does_not_add_up_is_refused(redis_client, prefix):
     store.create(session_id="s")
     asyncio.run(_turn(store, "s", 1))
     asyncio.run(_turn(store, "s", 2))
-    redis_client.lpop(f"{prefix}:session:s:log")  # a chunk lost
+    redis_client.lpop(f"{prefix}:session-log:s")  # a chunk lost
     with pytest.raises(CorruptRecord, match="holds 3 tokens and 2 messages, its record says 6 "
                                             "and 4"):
         store.get("s")
@@ -119,7 +119,7 @@ def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redi
     whole = json.loads(store.get("s").model_dump_json(exclude={"log_tokens", "log_messages"}))
     whole["rev"] = "0" * 32
     redis_client.set(f"{prefix}:session:s", json.dumps(whole))  # one JSON value, no log
-    redis_client.delete(f"{prefix}:session:s:log")
+    redis_client.delete(f"{prefix}:session-log:s")
     assert store.get("s").segment.token_ids == [11, 12, 13]
     asyncio.run(_turn(store, "s", 2))  # the first save moves what it read into the log
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
@@ -128,8 +128,90 @@ def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redi
     assert store.get("s").segment.token_ids == [11, 12, 13, 21, 22, 23]
 
 
+def test_a_record_stored_whole_beside_a_log_of_this_version_reads_whole(redis_client, prefix):
+    """An earlier gateway saved the record whole while this version's log of it was left: the
+    head is the record; the next save rewrites the log."""
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+    asyncio.run(_turn(store, "s", 2))
+    whole = json.loads(store.get("s").model_dump_json(exclude={"log_tokens", "log_messages"}))
+    whole["rev"] = "0" * 32
+    whole["segment"]["token_ids"] = [5, 6, 7, 8, 9, 10]  # what the earlier version saved
+    redis_client.set(f"{prefix}:session:s", json.dumps(whole))
+    assert store.get("s").segment.token_ids == [5, 6, 7, 8, 9, 10]
+    asyncio.run(_turn(store, "s", 3))
+    assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
+        [5, 6, 7, 8, 9, 10, 31, 32, 33]]
+
+
+def test_an_unreadable_record_is_refused_and_its_lock_released(redis_client, prefix):
+    store = SessionStore(redis_client, prefix, 60, cache_bytes=0)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+    redis_client.rpush(f"{prefix}:session-log:s", json.dumps({"token_ids": [1]}))
+    for _ in range(2):  # not busy the second time: the first left no lock
+        with pytest.raises(CorruptRecord):
+            asyncio.run(_turn(store, "s", 2))
+        assert not redis_client.exists(f"{prefix}:session-lock:s")
+    with pytest.raises(CorruptRecord):
+        store.try_acquire("s")
+    assert not redis_client.exists(f"{prefix}:session-lock:s")
+
+
+def test_a_record_that_expires_during_a_turn_is_saved_whole(redis_client, prefix, caplog):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    asyncio.run(_turn(store, "s", 1))
+
+    async def turn_outliving_its_record() -> None:
+        async with turns.locked(store, "s") as record:
+            redis_client.delete(f"{prefix}:session:s", f"{prefix}:session-log:s")  # TTL
+            record.segment.append([21], sampled=False)
+
+    asyncio.run(turn_outliving_its_record())
+    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [11, 12, 13, 21]
+    assert "expired while a turn ran" in caplog.text
+
+
+def test_history_resent_in_another_json_form_rewrites_the_log(redis_client, prefix):
+    """Equal to Python (`{"a": 1, "b": 2} == {"b": 2.0, "a": 1}`) but not as stored: the
+    log is rewritten with the form the record now holds, so every replica reads that form."""
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id="s")
+    first = {"role": "user", "content": "q", "meta": {"a": 1, "b": 2}}
+
+    async def turn(messages) -> str:
+        async with turns.locked(store, "s") as record:
+            record.segment.append([len(messages)], sampled=False)
+            record.segment.messages = messages
+            return record.segment.model_dump_json()
+
+    asyncio.run(turn([first]))
+    held = asyncio.run(turn([{"role": "user", "content": "q", "meta": {"b": 2.0, "a": 1}},
+                             {"role": "assistant", "content": "a"}]))
+    assert len(_chunks(redis_client, prefix, "s")) == 1  # rewritten
+    stored = SessionStore(redis_client, prefix, 60, cache_bytes=0).get("s")
+    assert stored.segment.model_dump_json() == held
+    assert stored.segment.messages[0]["meta"] == {"b": 2.0, "a": 1}
+
+
+@pytest.mark.parametrize("suffix", [":log", ":lock"])
+def test_session_ids_naming_another_sessions_log_or_lock_are_their_own(redis_client, prefix,
+                                                                       suffix):
+    store = SessionStore(redis_client, prefix, 60)
+    store.create(session_id=f"a{suffix}")
+    asyncio.run(_turn(store, f"a{suffix}", 1))
+    store.create(session_id="a")
+    asyncio.run(_turn(store, "a", 2))
+    asyncio.run(_turn(store, f"a{suffix}", 3))
+    other = SessionStore(redis_client, prefix, 60)
+    assert other.get(f"a{suffix}").segment.token_ids == [11, 12, 13, 31, 32, 33]
+    assert other.get("a").segment.token_ids == [21, 22, 23]
+
+
 def test_creating_a_session_drops_a_log_left_under_its_id(redis_client, prefix):
-    redis_client.rpush(f"{prefix}:session:s:log", json.dumps({"token_ids": [1]}))
+    redis_client.rpush(f"{prefix}:session-log:s", json.dumps({"token_ids": [1]}))
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id="s")
     assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == []
@@ -151,7 +233,7 @@ def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client
                            json={"model": "m", "messages": messages, "max_tokens": 16})
         assert resp.status_code == 200, resp.text
         messages.append(resp.json()["choices"][0]["message"])
-        last = redis_client.lindex(f"{prefix}:session:{sid}:log", -1)
+        last = redis_client.lindex(f"{prefix}:session-log:{sid}", -1)
         written.append(len(redis_client.get(f"{prefix}:session:{sid}")) + len(last))
     whole = len(deps.sessions.get(sid).model_dump_json())
     assert whole > 20_000  # 12 x (~600 characters, ~130 tokens)

@@ -54,7 +54,7 @@ def validate_sample(sample: sample_pb2.Sample) -> None:
             f"Sample {sample.sample_id!r}: token_ids has {n} entries but {bad}; every per-token "
             "array must have len(token_ids) entries."
         )
-    if any(m not in (0, 1) for m in sample.loss_mask):
+    if not set(sample.loss_mask) <= {0, 1}:
         raise ContractError(f"Sample {sample.sample_id!r}: loss_mask values must be 0 or 1.")
     if sample.prompt_length > n:
         raise ContractError(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 
 from flywheel._proto import sample_pb2
-from flywheel.core.codec import validate_sample
 from flywheel.gateway.recording import add_messages
 from flywheel.gateway.records import Segment
 
@@ -32,17 +31,15 @@ def _parse(b64: str) -> sample_pb2.Sample:
     return sample
 
 
-def stored(sample: sample_pb2.Sample, seg: Segment) -> str:
-    """The stored form of `sample`, the Sample of `seg`'s latest turn (built right after it).
+def stored(light: sample_pb2.Sample, seg: Segment) -> str:
+    """The stored form of the Sample of `seg`'s latest turn, built right after it without its
+    conversation (`light`: recording.build_sample with conversation=False).
 
     Raises:
-        ContractError: the Sample violates an invariant (codec.validate_sample).
+        ValueError: `light` holds per-token lists or messages.
     """
-    validate_sample(sample)
-    light = sample_pb2.Sample()
-    light.CopyFrom(sample)
-    for name in _FROM_SEGMENT:
-        light.ClearField(name)
+    if any(len(getattr(light, name)) for name in _FROM_SEGMENT):
+        raise ValueError("a pending turn is stored without its conversation")
     return f"{len(seg.checkpoints) - 1}:{seg.turn_start}:{_b64(light)}"
 
 

@@ -265,6 +265,7 @@ def add_messages(sample: sample_pb2.Sample, messages: list[dict[str, Any]]) -> N
 def build_sample(
     record: SessionRecord, seg: Segment, reward: float | None = None, *,
     turn_only: bool = False, sample_key: str = "", turn_index: int | None = None,
+    conversation: bool = True,
 ) -> sample_pb2.Sample:
     """The Sample of one segment (validated later by the codec on publish).
 
@@ -275,6 +276,8 @@ def build_sample(
         reward: an outcome reward, stored as `rewards["outcome"]`.
         sample_key: what makes the sample id unique in the session (default: the segment).
         turn_index: the session-wide turn index (default: the segment's last turn).
+        conversation: False leaves out the per-token lists and the messages (what a pending
+            live turn takes back from its segment when published, pending.py).
     """
     start = seg.turn_start if turn_only else 0
     sample = new_sample(
@@ -286,16 +289,18 @@ def build_sample(
         mode=record.mode,
         segment_index=seg.index,
         turn_index=max(seg.turns - 1, 0) if turn_index is None else turn_index,
-        token_ids=seg.token_ids,
-        loss_mask=[0] * start + seg.loss_mask[start:],
-        rollout_logprobs=[0.0] * start + seg.logprobs[start:],
-        weight_versions=[-1] * start + seg.versions[start:],
         prompt_length=start if turn_only else seg.prompt_length,
         finish_reason=seg.finish_reason,
         task_json=json.dumps(record.task),
         tools_json=json.dumps(seg.tools) if seg.tools else "",
         tenant=record.owner,
     )
+    if conversation:
+        sample.token_ids.extend(seg.token_ids)
+        sample.loss_mask.extend([0] * start + seg.loss_mask[start:])
+        sample.rollout_logprobs.extend([0.0] * start + seg.logprobs[start:])
+        sample.weight_versions.extend([-1] * start + seg.versions[start:])
+        add_messages(sample, seg.messages)
     s = seg.sampling
     if s:
         sample.sampling.temperature = s["temperature"]
@@ -303,7 +308,6 @@ def build_sample(
         sample.sampling.top_k = int(s["top_k"])
         sample.sampling.min_p = s["min_p"]
         sample.sampling.max_new_tokens = int(s["max_new_tokens"])
-    add_messages(sample, seg.messages)
     if reward is not None:
         sample.rewards["outcome"] = reward
     return sample

@@ -13,6 +13,10 @@ new ones; otherwise (a new segment, a segment copied from a branch, history re-s
 client, or `MAX_CHUNKS` chunks already) it rewrites the log with one chunk. Reading concatenates
 the chunks, then whatever per-token lists the head still holds (records stored before the log
 existed hold all of them there).
+
+The head still grows with what it holds whole: live-mode branches (turns waiting on other
+histories, branches.py, each with its segment) and the recorded text of a raw-completions
+segment (`Segment.text`).
 """
 
 from __future__ import annotations

@@ -221,17 +221,18 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
         record.samples_published += 1
 
 
-def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
-                 ) -> sample_pb2.Sample:
+def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None,
+                 conversation: bool = True) -> sample_pb2.Sample:
     key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
-    return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn)
+    return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn,
+                        conversation=conversation)
 
 
 def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
                ) -> None:
     """Live mode: the segment's last turn (session turn index `turn`) waits for its next state
     (pending.py)."""
-    record.pending = pending.stored(_turn_sample(record, seg, turn, choice), seg)
+    record.pending = pending.stored(_turn_sample(record, seg, turn, choice, False), seg)
 
 
 def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None

@@ -58,3 +58,12 @@ def test_mask_values_and_teacher_alignment_checked():
 def test_garbage_bytes_are_a_contract_error():
     with pytest.raises(ContractError):
         decode_sample(b"\xff\xff\xff\x00not a sample")
+
+
+@pytest.mark.parametrize("mask", [[0, 2], [-1, 1], [1, 1, 3]])
+def test_a_loss_mask_value_other_than_0_or_1_is_rejected(mask):
+    n = len(mask)
+    bad = sample_pb2.Sample(schema_version=SCHEMA_MAJOR, token_ids=[1] * n, loss_mask=mask,
+                            rollout_logprobs=[0.0] * n, weight_versions=[0] * n)
+    with pytest.raises(ContractError, match="loss_mask values must be 0 or 1"):
+        encode_sample(bad)

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 EXPIRED = Counter("flywheel_gateway_sessions_expired_total",
                   "Open sessions whose Redis record expired before a gateway finished them "
                   "(anything they held was lost)")
+UNREADABLE = Counter("flywheel_gateway_sessions_unreadable_total",
+                     "Open sessions whose stored record could not be read (its log does not add "
+                     "up, or it is not a record's JSON): left out of the idle sweep, not finished")
 BATCH = 100
 """Sessions examined per Redis round trip of a sweep."""
 
@@ -76,6 +79,12 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
         lease = store.try_acquire(session_id)  # the record is read under the lock
     except NotFoundError:
         _expired(d, session_id)
+        return "removed"
+    except ValueError as exc:  # one bad record must not stop the sweep of the others
+        UNREADABLE.inc()
+        log.error("session %s cannot be read and is left out of the idle sweep (%s); what it "
+                  "holds is not published", session_id, exc)
+        store.forget(session_id)
         return "removed"
     if lease is None:
         return "kept"  # a request is running in it: not idle

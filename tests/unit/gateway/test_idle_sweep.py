@@ -145,6 +145,23 @@ def test_an_expired_record_is_counted_and_logged(redis_client, prefix, renderer,
     assert deps.sessions.idle(time.time() + 2 * IDLE_S) == []
 
 
+def test_an_unreadable_record_is_counted_and_the_others_still_swept(redis_client, prefix,
+                                                                     renderer, caplog):
+    deps = _deps(redis_client, prefix, renderer)
+    client = TestClient(create_app(deps))
+    _post(client, "bad", [U1])
+    _post(client, "good", [U1])
+    redis_client.rpush(f"{prefix}:session-log:bad", json.dumps({"token_ids": [1]}))
+    before = _metric("flywheel_gateway_sessions_unreadable_total")
+    with caplog.at_level(logging.ERROR, logger="flywheel.gateway.sweep"):
+        assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 1  # "good"
+    assert _metric("flywheel_gateway_sessions_unreadable_total") == before + 1
+    assert any("bad" in r.getMessage() and "cannot be read" in r.getMessage()
+               for r in caplog.records)
+    assert [s.session_id for s in _samples(redis_client, prefix)] == ["good"]
+    assert deps.sessions.idle(time.time() + 2 * IDLE_S) == []
+
+
 def test_the_gateway_sweeps_in_the_background(redis_client, prefix, renderer):
     deps = _deps(redis_client, prefix, renderer, session_idle_finish_s=0.5)
     with TestClient(create_app(deps)) as client:  # runs the app's lifespan (the sweeper)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 
 from flywheel._proto import sample_pb2
-from flywheel.gateway.recording import add_messages
+from flywheel.gateway.recording import add_conversation
 from flywheel.gateway.records import Segment
 
 _FROM_SEGMENT = ("token_ids", "loss_mask", "rollout_logprobs", "weight_versions", "messages")
@@ -58,12 +58,7 @@ def restore(pending: str, seg: Segment) -> sample_pb2.Sample:
                          f"{len(seg.checkpoints)} checkpoints")
     sample = _parse(b64)
     cp = seg.checkpoints[k]
-    n = cp.tokens
-    sample.token_ids.extend(seg.token_ids[:n])
-    sample.loss_mask.extend([0] * start + seg.loss_mask[start:n])
-    sample.rollout_logprobs.extend([0.0] * start + seg.logprobs[start:n])
-    sample.weight_versions.extend([-1] * start + seg.versions[start:n])
-    add_messages(sample, seg.messages[:cp.messages])
+    add_conversation(sample, seg, start, cp.tokens, cp.messages)
     return sample
 
 

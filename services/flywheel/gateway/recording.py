@@ -262,6 +262,17 @@ def add_messages(sample: sample_pb2.Sample, messages: list[dict[str, Any]]) -> N
                             extra_json=json.dumps(extra) if extra else "")
 
 
+def add_conversation(sample: sample_pb2.Sample, seg: Segment, start: int, tokens: int,
+                     messages: int) -> None:
+    """Append `seg`'s first `tokens` tokens and first `messages` messages to `sample`; mask,
+    logprobs and weight versions only from token `start` on (0 / 0.0 / -1 before it)."""
+    sample.token_ids.extend(seg.token_ids[:tokens])
+    sample.loss_mask.extend([0] * start + seg.loss_mask[start:tokens])
+    sample.rollout_logprobs.extend([0.0] * start + seg.logprobs[start:tokens])
+    sample.weight_versions.extend([-1] * start + seg.versions[start:tokens])
+    add_messages(sample, seg.messages[:messages])
+
+
 def build_sample(
     record: SessionRecord, seg: Segment, reward: float | None = None, *,
     turn_only: bool = False, sample_key: str = "", turn_index: int | None = None,
@@ -296,11 +307,7 @@ def build_sample(
         tenant=record.owner,
     )
     if conversation:
-        sample.token_ids.extend(seg.token_ids)
-        sample.loss_mask.extend([0] * start + seg.loss_mask[start:])
-        sample.rollout_logprobs.extend([0.0] * start + seg.logprobs[start:])
-        sample.weight_versions.extend([-1] * start + seg.versions[start:])
-        add_messages(sample, seg.messages)
+        add_conversation(sample, seg, start, len(seg.token_ids), len(seg.messages))
     s = seg.sampling
     if s:
         sample.sampling.temperature = s["temperature"]

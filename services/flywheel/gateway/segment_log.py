@@ -145,7 +145,8 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
     """
     record = SessionRecord.model_validate_json(head)
     seg = record.segment
-    if "log_tokens" not in record.model_fields_set:  # stored whole, by an earlier version
+    logged = "log_tokens" in record.model_fields_set
+    if not logged:  # stored whole, by an earlier version
         chunks = []  # a log left by this version is not this record's
     parts = [LogChunk.model_validate_json(c) for c in chunks]
     tokens = sum(len(p.token_ids) for p in parts)
@@ -161,7 +162,7 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
         seg.legacy_checkpoint()
     if not (len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs) == len(seg.versions)):
         raise CorruptRecord(f"session {record.session_id}: per-token lists differ in length")
-    if "log_tokens" in record.model_fields_set:
+    if logged:
         record._log = Logged(seg, _lists(seg), tokens, tuple(seg.messages[:messages]),
                              len(parts), sum(len(c) for c in chunks))
     return record

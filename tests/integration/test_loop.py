@@ -164,6 +164,7 @@ def test_streaming_and_async_clients_get_well_formed_results(stack):
 
 def test_fidelity_check_rescoring_a_recorded_sample(stack):
     from flywheel.fidelity import check_fidelity
+    from flywheel.gateway.engine_pool import parse_weight_version
 
     urls, settings = _urls(stack)
     engine = urls["engine"]
@@ -173,7 +174,8 @@ def test_fidelity_check_rescoring_a_recorded_sample(stack):
     (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
                              client.xrange(settings.streams.key("rollouts")))
                  if s.session_id == session_id]
-    version = int(httpx.get(f"{engine}/model_info").json()["weight_version"])
+    # "default" before any weight update (this test run first or alone): version 0
+    version = parse_weight_version(httpx.get(f"{engine}/model_info").json()["weight_version"])
     assert set(sample.weight_versions[sample.prompt_length:]) == {version}
     report = check_fidelity(sample, engine)
     assert report.ids_match and report.logprobs_compared

@@ -120,11 +120,14 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model_dir
     assert sorted(s.rewards["outcome"] for s in trained) == [0.0, 1.0]
 
     # The trainer stepped, pushed version 1 to the engine, and acked what it trained on.
+    # The trainer pushes the weights before it writes the step's metrics and acks its batch, so
+    # each of the three is waited for on its own.
     _wait(lambda: httpx.get(f"{engine}/model_info").json()["weight_version"] == "1")
-    lines = [json.loads(x) for x in Path(settings.trainer.metrics_path).read_text().splitlines()]
+    metrics = Path(settings.trainer.metrics_path)
+    _wait(lambda: metrics.exists() and metrics.read_text().endswith("\n"))
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert lines and lines[-1]["step"] == 1
-    pending = client.xpending(settings.streams.key("train"), "trainer")["pending"]
-    assert pending == 0
+    _wait(lambda: client.xpending(settings.streams.key("train"), "trainer")["pending"] == 0)
 
     # The new weights differ from the initial ones.
     latest = sorted(Path(settings.trainer.checkpoint_dir).glob("*/model.safetensors"))[-1]

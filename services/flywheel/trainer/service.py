@@ -493,8 +493,10 @@ class Trainer:
             "time/ack_s": time.perf_counter() - t2, "push/engines_behind": len(self.behind),
             "push/distributed": float(self.last_push_via == "distributed"),
         }
-        self.parts.status.record_step(version, len(entries), metrics)
+        # The metrics line is written before /status shows the step, so a reader that saw the
+        # step there finds its line in the file.
         self._write_line(version, groups, metrics, skip_reason="")
+        self.parts.status.record_step(version, len(entries), metrics)
         log.info(
             "step %d: %d samples, reward/mean %.4f, loss/pg %.5f, %.1f s",
             version, len(entries), metrics["reward/mean"], metrics.get("loss/pg", 0.0),
@@ -510,8 +512,8 @@ class Trainer:
         )
         detail = f"{reason} at weight version {self.version}"
         self.handle_drops([Drop(e, drop_reason, detail) for g in groups for e in g.entries])
-        self.parts.status.record_skip(reason, metrics)
         self._write_line(self.version, groups, metrics, skip_reason=reason)
+        self.parts.status.record_skip(reason, metrics)
 
     def _push(self, path: Path) -> None:
         """Push `path` to every engine; engines that fail are reported and kept as behind."""

@@ -165,6 +165,38 @@ def test_streaming_and_async_clients_get_well_formed_results(stack):
     assert asyncio.run(ask()) == text
 
 
+def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
+    from flywheel.fidelity import check_fidelity
+
+    urls, settings = _urls(stack)
+    gateway = urls["gateway"]
+    # A lone group: the trainer waits for more members, so the weights stay as they are.
+    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "streamed-solo"}).json()
+    sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
+    chunks = list(sdk.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6, temperature=1.0, stream=True, logprobs=True,
+        stream_options={"include_usage": True}))
+    rows = [row for c in chunks if c.choices and c.choices[0].logprobs
+            for row in c.choices[0].logprobs.content]
+    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
+                          json={"reward": 0.0})
+    assert finished.status_code == 200 and finished.json()["samples_published"] == 1
+    client = connect(settings.redis_url())
+    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
+                             client.xrange(settings.streams.key("rollouts")))
+                 if s.session_id == session["session_id"]]
+    n = sample.prompt_length
+    # One streamed row per sampled token, each the logprob the engine sampled it with.
+    assert len(rows) == chunks[-1].usage.completion_tokens == len(sample.token_ids) - n
+    assert [r.logprob for r in rows] == pytest.approx(list(sample.rollout_logprobs[n:]),
+                                                      abs=1e-6)
+    report = check_fidelity(sample, urls["engine"])
+    assert report.logprobs_compared and report.max_abs_logprob_diff < 1e-3
+    info = httpx.get(f"{gateway}/v1/sessions/{session['session_id']}").json()
+    assert info["forks"] == 0
+
+
 def test_fidelity_check_rescoring_a_recorded_sample(stack):
     from flywheel.fidelity import check_fidelity
     from flywheel.gateway.engine_pool import parse_weight_version

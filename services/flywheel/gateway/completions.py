@@ -153,7 +153,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
                                         body.logprobs or 0, affinity=session_id)
         seg.turn_start = len(seg.token_ids)
         seg.append(gen.output_ids, sampled=True, logprobs=gen.output_logprobs,
-                   versions=[gen.weight_version] * len(gen.output_ids))
+                   versions=gen.token_versions())
         prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
         seg.text = prompt + gen.text if isinstance(prompt, str) else ""
         seg.messages = [{"role": "user", "content": prompt_text},

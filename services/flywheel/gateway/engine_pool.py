@@ -57,6 +57,14 @@ class Generation:
     """The stop token id or stop string that ended generation (SGLang `finish_reason.matched`)."""
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     """Per output token, the engine's most likely (logprob, token id) pairs; empty unless asked."""
+    output_versions: list[int] = field(default_factory=list)
+    """Per output token, the weight version that sampled it, from the engine's
+    `meta_info.weight_versions` spans when the weights changed during the request (BUG-19);
+    empty when they did not (every token is `weight_version`'s)."""
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output token, shape [len(output_ids)]."""
+        return self.output_versions or [self.weight_version] * len(self.output_ids)
 
 
 def parse_weight_version(value: Any) -> int:
@@ -70,11 +78,38 @@ def parse_weight_version(value: Any) -> int:
         return 0
 
 
+def span_versions(spans: Any, n: int) -> list[int]:
+    """Per-token weight versions from SGLang's `meta_info.weight_versions` (0.5.19+: spans
+    `{"version", "start", "end"}` over the output tokens, end exclusive, present when the
+    weights changed mid-request). Example: spans 3 over [0, 40), 4 over [40, 100) ->
+    40 x [3] + 60 x [4]. An absent or empty list gives [].
+
+    Raises:
+        UpstreamError: the spans do not cover the `n` output tokens in order without gaps.
+    """
+    if not spans:
+        return []
+    versions: list[int] = []
+    try:
+        for span in spans:
+            if int(span["start"]) != len(versions) or int(span["end"]) < int(span["start"]):
+                raise ValueError(f"span {span} does not start at token {len(versions)}")
+            versions += [parse_weight_version(span["version"])] * (
+                int(span["end"]) - int(span["start"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UpstreamError(f"engine returned malformed weight_versions spans: {exc}") from exc
+    if len(versions) != n:
+        raise UpstreamError(f"engine's weight_versions spans cover {len(versions)} tokens of "
+                            f"{n} output tokens")
+    return versions
+
+
 def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generation:
     """Turn a `/generate` response into a `Generation`, checking ids against logprob rows.
 
     Raises:
-        UpstreamError: the response lacks logprobs or they disagree with `output_ids`.
+        UpstreamError: the response lacks logprobs or they disagree with `output_ids`, or its
+            weight-version spans do not cover the output tokens.
     """
     meta = body.get("meta_info") or {}
     ids = list(body.get("output_ids") or [])
@@ -100,6 +135,7 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
         matched_eos=matched_eos,
         weight_version=parse_weight_version(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        output_versions=span_versions(meta.get("weight_versions"), len(ids)),
     )
 
 

@@ -157,7 +157,7 @@ def record_generation(
         gen.output_ids,
         sampled=True,
         logprobs=gen.output_logprobs,
-        versions=[gen.weight_version] * len(gen.output_ids),
+        versions=gen.token_versions(),
     )
     seg.messages = [*seg.messages, reply]
     seg.turns += 1
@@ -170,7 +170,7 @@ def record_generation(
 def candidate(gen: Generation, reply: dict[str, Any]) -> Candidate:
     """One choice of an n > 1 turn, kept until the client picks which one it continues with."""
     return Candidate(output_ids=gen.output_ids, logprobs=gen.output_logprobs,
-                     weight_version=gen.weight_version,
+                     weight_version=gen.weight_version, versions=gen.output_versions,
                      finish_reason=_finish(gen.finish_type, reply),
                      matched_eos=gen.matched_eos, message=reply)
 
@@ -179,7 +179,7 @@ def as_generation(c: Candidate) -> Generation:
     return Generation(output_ids=c.output_ids, output_logprobs=c.logprobs, text="",
                       finish_type=c.finish_reason if c.finish_reason != "tool_calls" else "stop",
                       matched_eos=c.matched_eos, weight_version=c.weight_version,
-                      prompt_tokens=0)
+                      prompt_tokens=0, output_versions=c.versions)
 
 
 def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> int | None:
@@ -200,7 +200,7 @@ def candidate_segment(seg: Segment, c: Candidate) -> Segment:
     out = seg.model_copy(deep=True)
     out.turn_start = len(out.token_ids)
     out.append(c.output_ids, sampled=True, logprobs=c.logprobs,
-               versions=[c.weight_version] * len(c.output_ids))
+               versions=c.versions or [c.weight_version] * len(c.output_ids))
     out.messages = [*out.messages, c.message]
     out.turns += 1
     out.finish_reason = c.finish_reason

@@ -118,6 +118,9 @@ class Candidate(BaseModel):
     matched_eos: bool
     message: dict[str, Any]
     """The assistant message the client got for this choice."""
+    versions: list[int] = []
+    """Per output token, its weight version when they differ (see Generation.output_versions);
+    empty when every token is `weight_version`'s."""
 
 
 class Branch(BaseModel):

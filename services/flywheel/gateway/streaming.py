@@ -3,6 +3,8 @@
 The engine result arrives whole; it is sent as the chunk sequence OpenAI clients expect: a role
 chunk, a content chunk, one chunk per tool call (each delta with its `index`, BUG-27), the
 finish chunk, an optional usage chunk (`stream_options.include_usage`), then `data: [DONE]`.
+With `logprobs`, the first chunk after the role carries the choice's whole `logprobs.content`
+(the per-token rows of every delta of the choice; BUG-06: logprobs stay on with a tool parser).
 """
 
 from __future__ import annotations
@@ -13,11 +15,21 @@ from typing import Any
 
 
 def _chunk(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None,
-           index: int = 0) -> str:
+           index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
     body = {**base, "object": "chat.completion.chunk",
             "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                         "logprobs": None}]}
+                         "logprobs": logprobs}]}
     return f"data: {json.dumps(body)}\n\n"
+
+
+def _deltas(message: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The deltas of one choice after its role chunk: reasoning, content, each tool call."""
+    if message.get("reasoning_content"):
+        yield {"reasoning_content": message["reasoning_content"]}
+    if message.get("content"):
+        yield {"content": message["content"]}
+    for n, call in enumerate(message.get("tool_calls") or []):
+        yield {"tool_calls": [{"index": n, **call}]}
 
 
 def sse_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[str]:
@@ -25,14 +37,12 @@ def sse_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[str]
     base = {k: completion[k] for k in ("id", "created", "model")}
     for choice in completion["choices"]:
         i, message = choice["index"], choice["message"]
+        logprobs = choice.get("logprobs")  # sent once, with the choice's first delta
         yield _chunk(base, {"role": "assistant", "content": ""}, index=i)
-        if message.get("reasoning_content"):
-            yield _chunk(base, {"reasoning_content": message["reasoning_content"]}, index=i)
-        if message.get("content"):
-            yield _chunk(base, {"content": message["content"]}, index=i)
-        for n, call in enumerate(message.get("tool_calls") or []):
-            yield _chunk(base, {"tool_calls": [{"index": n, **call}]}, index=i)
-        yield _chunk(base, {}, finish=choice["finish_reason"], index=i)
+        for delta in _deltas(message):
+            yield _chunk(base, delta, index=i, logprobs=logprobs)
+            logprobs = None
+        yield _chunk(base, {}, finish=choice["finish_reason"], index=i, logprobs=logprobs)
     if include_usage:
         body = {**base, "object": "chat.completion.chunk", "choices": [],
                 "usage": completion["usage"]}

@@ -43,7 +43,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,6 @@ from flywheel.core.errors import (
     ConflictError,
     InvalidRequestError,
     NotFoundError,
-    UpstreamError,
 )
 from flywheel.core.metrics import labeled_counter
 from flywheel.gateway import branches, pending
@@ -84,6 +83,7 @@ from flywheel.gateway.sessions import (
     SessionStore,
     check_request_owner,
 )
+from flywheel.gateway.stops import reconcile_stop
 from flywheel.gateway.tokenization import render_call, text_size
 
 if TYPE_CHECKING:
@@ -99,8 +99,6 @@ FINISHED = labeled_counter(
     "flywheel_gateway_sessions_finished_total",
     "Sessions finished, by who finished them (client: a finish request; idle: the gateway, "
     "after gateway.session_idle_finish_s without requests)", "reason", ("client", "idle"))
-STOP_LEAKS = Counter("flywheel_gateway_stop_leaks_total",
-                     "Generations refused for tokens after their matched stop string")
 TURN_TYPES = ("main", "side")
 
 
@@ -124,29 +122,11 @@ async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]
                      top_logprobs: int = 0, affinity: str = "") -> list[Generation]:
     """n engine calls for one prompt (distinct seeds when a seed is given)."""
     extra = {"top_logprobs_num": top_logprobs} if top_logprobs else {}
-    gens = list(await asyncio.gather(*[
-        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)]))
-    for gen in gens:
-        check_stop(gen, d.renderer.decode)
-    return gens
-
-
-def check_stop(gen: Generation, decode: Callable[[list[int]], str]) -> None:
-    """Refuse a generation that kept tokens after its matched stop string (BUG-10).
-
-    The token completing the stop string is the last one kept, so the text of every earlier
-    token must not contain the stop string yet.
-
-    Raises:
-        UpstreamError: the engine returned tokens past the stop (nothing is recorded).
-    """
-    if gen.finish_type != "stop" or not isinstance(gen.matched, str) or not gen.matched:
-        return
-    if len(gen.output_ids) > 1 and gen.matched in decode(gen.output_ids[:-1]):
-        STOP_LEAKS.inc()
-        log.error("engine kept tokens after stop string %r; generation refused", gen.matched)
-        raise UpstreamError(f"the engine returned tokens after the stop string "
-                            f"{gen.matched!r}; the generation was not recorded")
+    gens = await asyncio.gather(*[
+        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)])
+    eos = d.renderer.eos_token_id
+    return [reconcile_stop(gen, d.renderer.decode, sampling.get("stop") or [],
+                           () if eos is None else (eos,)) for gen in gens]
 
 
 @asynccontextmanager

@@ -16,6 +16,7 @@ from flywheel.core.settings import EngineSettings
 from flywheel.engine.protocol import RowSpec, SamplingParams
 from flywheel.engine.weight_sync import DistributedWeightSync
 from flywheel.engine.worker import EngineWorker
+from flywheel.gateway.engine_pool import parse_generation
 
 PROMPT = [1, 504, 3458, 314, 260, 1789]
 
@@ -74,17 +75,22 @@ def test_bug19_swap_while_paused_in_place_records_weight_version_spans(worker, t
                            listeners=[lambda r: seen.set() if len(r["output_ids"]) >= 3 else None])
     assert seen.wait(30)
     worker.pause("in_place")
-    assert worker.update_weights_from_disk(str(tmp_path / "v2"), "v2")[0]  # runs while paused
+    assert worker.update_weights_from_disk(str(tmp_path / "v2"), "7")[0]  # runs while paused
     time.sleep(0.2)
     assert not job.future.done()  # frozen, not aborted, not drained
     worker.resume()
-    meta = job.future.result(timeout=60)["meta_info"]
+    out = job.future.result(timeout=60)
+    meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 60}
     spans = meta["weight_versions"]
-    assert [s["version"] for s in spans] == ["default", "v2"]
+    assert [s["version"] for s in spans] == ["default", "7"]
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"]
     assert 3 <= spans[1]["start"] < 60 and spans[1]["end"] == 60
-    assert meta["weight_version"] == "v2"
+    assert meta["weight_version"] == "7"
+    # The gateway reads these spans as each token's version ("default": the initial weights, 0).
+    gen = parse_generation(out, set())
+    cut = spans[1]["start"]
+    assert gen.token_versions() == [0] * cut + [7] * (60 - cut)
 
 
 class _Broadcast:

@@ -5,6 +5,7 @@ import json
 
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from flywheel.core.errors import UpstreamError
 from flywheel.gateway.engine_pool import Generation, parse_generation
@@ -228,6 +229,15 @@ def test_bug06_streamed_tool_call_records_the_same_ids_as_non_streamed(app, rend
     assert list(s_stream.loss_mask[-n:]) == [1] * n
     assert len(s_stream.rollout_logprobs) == len(s_stream.token_ids)
     assert s_stream.finish_reason == "tool_calls"
+    # Logprobs stay on with the tool parser, streamed or not: one row per sampled token, the
+    # engine's logprob (-0.5 from `_gen`), the same rows in both forms.
+    whole = plain.json()["choices"][0]["logprobs"]["content"]
+    assert [row["logprob"] for row in whole] == [-0.5] * n
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    rows = [row for e in events for c in e["choices"] if c.get("logprobs")
+            for row in c["logprobs"]["content"]]
+    assert rows == whole
 
 
 # BUG-27: streamed tool-call deltas carry an index; the SDK stream helper consumes them.
@@ -264,23 +274,57 @@ def test_bug07_08_sampling_params_are_stored_with_the_sample(app, renderer):
     assert (round(s.temperature, 6), s.top_p, s.top_k, s.max_new_tokens) == (0.6, 0.75, 20, 9)
 
 
-# BUG-10: tokens kept after a matched stop string are never recorded.
-def test_bug10_tokens_after_the_stop_string_are_refused(app, renderer):
+# BUG-10: an engine that ran past a stop (speculative decoding) is cut at the stop: the ids up
+# to the token that completes it are served and recorded, finish "stop", the overrun counted.
+def _overruns(kind):
+    return REGISTRY.get_sample_value("flywheel_gateway_stop_overruns_total", {"kind": kind}) or 0
+
+
+def _sampled(client, sid):
+    info = client.get(f"/v1/sessions/{sid}").json()
+    return [t for t, m in zip(info["token_ids"], info["loss_mask"], strict=True) if m]
+
+
+def test_bug10_tokens_after_a_stop_string_are_cut_off(app, renderer):
     client, use, samples = app
-    leaked = renderer.encode("1, 2 ha ha ha") + renderer.encode(" more")
-    use(_gen(leaked, "1, 2", matched=" ha ha ha"))
-    sid = client.post("/v1/sessions", json={}).json()["session_id"]
-    bad = client.post(f"/s/{sid}/v1/chat/completions",
-                      json={"messages": [{"role": "user", "content": "count"}],
-                            "stop": [" ha ha ha"]})
-    assert bad.status_code == 502
-    assert client.get(f"/v1/sessions/{sid}").json()["token_ids"] == []
     kept = renderer.encode("1, 2 ha ha ha")
-    use(_gen(kept, "1, 2", matched=" ha ha ha"))
-    ok = client.post(f"/s/{sid}/v1/chat/completions",
-                     json={"messages": [{"role": "user", "content": "count"}],
-                           "stop": " ha ha ha"})
-    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"
+    before = _overruns("tokens_after_stop")
+    use(_gen(kept + renderer.encode(" more"), "1, 2", matched=" ha ha ha"))
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    resp = client.post(f"/s/{sid}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "count"}],
+                             "stop": [" ha ha ha"], "logprobs": True})
+    choice = resp.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "1, 2")
+    assert len(choice["logprobs"]["content"]) == len(kept)
+    assert _sampled(client, sid) == kept
+    assert _overruns("tokens_after_stop") == before + 1
+
+
+def test_bug10_stop_token_inside_a_length_finish_is_cut_there(app, renderer):
+    client, use, samples = app
+    # The case's example: one accepted block [10, 11, STOP, 20, 21] crossed the 5-token cap.
+    use(_gen([10, 11, EOS, 20, 21], "x", finish="length", matched=None))
+    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "go"}],
+                                     "max_tokens": 5}, samples)
+    assert resp.json()["choices"][0]["finish_reason"] == "stop"
+    n = sample.prompt_length
+    assert list(sample.token_ids[n:]) == [10, 11, EOS]
+    assert list(sample.loss_mask[n:]) == [1, 1, 1]
+    assert list(sample.rollout_logprobs[n:]) == [-0.5] * 3
+    assert sample.finish_reason == "stop"
+
+
+def test_bug10_length_on_the_token_that_completes_a_stop_is_stop(app, renderer):
+    client, use, samples = app
+    ids = renderer.encode("1, 2 ha ha ha")
+    before = _overruns("finish_relabelled")
+    use(_gen(ids, "1, 2", finish="length", matched=None))
+    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "count"}],
+                                     "stop": " ha ha ha", "max_tokens": len(ids)}, samples)
+    assert resp.json()["choices"][0]["finish_reason"] == "stop"
+    assert list(sample.token_ids[sample.prompt_length:]) == ids  # nothing cut
+    assert _overruns("finish_relabelled") == before + 1
 
 
 def test_bug10_logprob_rows_must_match_output_ids():
@@ -378,3 +422,50 @@ def test_reformatted_arguments_fork_when_the_template_renders_them_raw(qwen_like
     _, closed = prepare_prompt(record, qwen_like, [user, compact, tool], tools)
     assert closed is not None
     assert record.fork_reasons == {"tool_arguments_reformatted": 1}
+
+
+# BUG-19: a request that straddles a weight update records each token's own version, from the
+# engine's `meta_info.weight_versions` spans, not the version at completion.
+def _straddling_body(ids, spans):
+    return {"output_ids": ids, "text": "x", "meta_info": {
+        "output_token_logprobs": [[-0.5, t, None] for t in ids], "weight_version": "4",
+        "weight_versions": spans, "finish_reason": {"type": "stop", "matched": EOS}}}
+
+
+def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, renderer):
+    client, use, samples = app
+    ids = [10, 11, 12, 13, EOS]
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    gen = parse_generation(_straddling_body(ids, spans), {EOS})
+    assert gen.token_versions() == [3, 3, 4, 4, 4]
+    use(gen)
+    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "go"}]}, samples)
+    assert resp.json()["metadata"]["weight_version"] == "4"
+    n = sample.prompt_length
+    assert list(sample.weight_versions[n:]) == [3, 3, 4, 4, 4]
+    assert set(sample.weight_versions[:n]) == {-1}  # prompt tokens were not sampled
+    # Without spans every token is the completion version.
+    plain = parse_generation(_straddling_body(ids, None), {EOS})
+    assert plain.token_versions() == [4] * 5
+
+
+def test_bug19_n_choices_keep_their_per_token_versions():
+    from flywheel.gateway.recording import as_generation, candidate, candidate_segment
+
+    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
+    gen = parse_generation(_straddling_body([10, 11, EOS], spans), {EOS})
+    kept = candidate(gen, {"role": "assistant", "content": "x"})
+    assert as_generation(kept).token_versions() == [3, 4, 4]
+    record = SessionRecord(session_id="s", mode="live")
+    seg = candidate_segment(record.segment, kept)
+    assert seg.versions[-3:] == [3, 4, 4]
+
+
+@pytest.mark.parametrize("spans", [
+    [{"version": "3", "start": 0, "end": 2}],  # covers 2 of 5 tokens
+    [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
+    [{"version": "3", "begin": 0, "end": 5}],  # no start
+])
+def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
+    with pytest.raises(UpstreamError, match="weight_versions"):
+        parse_generation(_straddling_body([10, 11, 12, 13, EOS], spans), {EOS})

@@ -29,6 +29,12 @@ from flywheel.core.errors import InvalidRequestError, UpstreamError
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
+ENGINE_ABORTS = Counter(
+    "flywheel_gateway_engine_aborts_total",
+    "Generations the engine aborted (finish_reason abort: a weight update or pause that aborts "
+    "running requests, an /abort_request): retried once, never recorded", ["engine"])
+ABORT_RETRY_S = 0.5
+"""Pause before a generation the engine aborted is asked again (a weight update is under way)."""
 ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out",
                   ["engine"])
 
@@ -235,16 +241,33 @@ class EnginePool:
     ) -> Generation:
         """`/generate` with input ids and logprobs; retried once on another engine on failure.
 
-        `top_logprobs_num` > 0 also asks for that many alternatives per output token.
+        `top_logprobs_num` > 0 also asks for that many alternatives per output token. A
+        generation the engine aborted (finish_reason `abort`, BUG-16: its tokens are a partial
+        answer, not a trajectory) is counted, logged and asked again once after
+        `ABORT_RETRY_S`; aborted twice, it is an UpstreamError and nothing is recorded.
 
         Raises:
             InvalidRequestError: the engine rejected the request (4xx).
-            UpstreamError: every tried engine failed.
+            UpstreamError: every tried engine failed, or the engine aborted the generation twice.
         """
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                                 "return_logprob": True}
         if top_logprobs_num:
             body["top_logprobs_num"] = top_logprobs_num
+        for attempt in range(2):
+            url, gen = await self._generate(body, affinity)
+            if gen.finish_type != "abort":
+                return gen
+            ENGINE_ABORTS.labels(url).inc()
+            log.warning("engine %s aborted a generation after %d tokens%s", url,
+                        len(gen.output_ids), "; asking again" if attempt == 0 else "")
+            if attempt == 0:
+                await asyncio.sleep(ABORT_RETRY_S)
+        raise UpstreamError("the engine aborted the generation twice (a weight update or an "
+                            "abort request); nothing was recorded, send the request again")
+
+    async def _generate(self, body: dict[str, Any], affinity: str) -> tuple[str, Generation]:
+        """One `/generate` answer and the engine that gave it (another engine once on failure)."""
         errors = []
         for url in self.order(affinity)[:2]:
             try:
@@ -268,7 +291,7 @@ class EnginePool:
                 self.mark_down(url, errors[-1])
                 continue
             self.mark_up(url)
-            return gen
+            return url, gen
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:

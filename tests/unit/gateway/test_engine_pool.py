@@ -1,16 +1,22 @@
 """EnginePool health: a failed engine is taken out (healthy engines serve first), probed, and
-put back once `/health` answers 200. Engines are two small aiohttp servers on loopback that
-answer /generate and /health, or 500 while broken."""
+put back once `/health` answers 200; an aborted generation is asked again. Engines are two small
+aiohttp servers on loopback that answer /generate and /health, or 500 while broken."""
 
 import asyncio
 
+import pytest
 from aiohttp import web
 
-from flywheel.gateway.engine_pool import ENGINE_UP, EnginePool
+from flywheel.core.errors import UpstreamError
+from flywheel.gateway import engine_pool
+from flywheel.gateway.engine_pool import ENGINE_ABORTS, ENGINE_UP, EnginePool
 
 GENERATE = {"text": "8", "output_ids": [28, 2], "meta_info": {
     "output_token_logprobs": [[-0.25, 28, None], [-0.5, 2, None]],
     "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
+ABORTED = {"text": "", "output_ids": [28], "meta_info": {
+    "output_token_logprobs": [[-0.25, 28, None]], "weight_version": "3",
+    "finish_reason": {"type": "abort", "message": "Abort all requests", "status_code": None}}}
 
 
 class Engines:
@@ -18,6 +24,8 @@ class Engines:
 
     def __init__(self):
         self.broken: set[str] = set()
+        self.aborts = 0
+        """How many of the next /generate calls the engines abort."""
         self.calls: list[tuple[str, str]] = []
         self.urls: list[str] = []
         self._runners: list[web.AppRunner] = []
@@ -43,6 +51,9 @@ class Engines:
                 return web.Response(status=500, text="boom")
             if request.path == "/health":
                 return web.Response(status=200)
+            if self.aborts:
+                self.aborts -= 1
+                return web.json_response(ABORTED)
             return web.json_response(GENERATE)
         return handle
 
@@ -96,5 +107,33 @@ def test_every_engine_out_is_still_tried():
         assert gen.output_ids == [28, 2] and len(pool.down) == 1  # the one that served is back
         await pool.aclose()
         await engines.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("aborts", [1, 2])
+def test_an_aborted_generation_is_asked_again_once_and_never_returned(aborts, monkeypatch):
+    monkeypatch.setattr(engine_pool, "ABORT_RETRY_S", 0.01)
+
+    async def run():
+        engines = Engines()
+        A, B = await engines.start()
+        pool = EnginePool([A, B], 5.0, {2}, health_interval_s=0)
+        sid = _session_for(pool, A)
+        before = ENGINE_ABORTS.labels(A)._value.get()
+        engines.aborts = aborts
+        try:
+            if aborts == 1:
+                gen = await pool.generate([1], {"max_new_tokens": 2}, affinity=sid)
+                assert (gen.finish_type, gen.output_ids) == ("stop", [28, 2])
+            else:
+                with pytest.raises(UpstreamError, match="aborted the generation twice"):
+                    await pool.generate([1], {"max_new_tokens": 2}, affinity=sid)
+            # Asked again on the same engine, which stays in service: an abort is not a fault.
+            assert engines.calls == [(A, "/generate")] * 2 and not pool.down
+            assert ENGINE_ABORTS.labels(A)._value.get() == before + aborts
+        finally:
+            await pool.aclose()
+            await engines.stop()
 
     asyncio.run(run())

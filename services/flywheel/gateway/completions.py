@@ -28,7 +28,7 @@ from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway import branches, turns
 from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.recording import FORKS, build_sample, set_sampling
+from flywheel.gateway.recording import build_sample, count_fork, sampling_changed, set_sampling
 from flywheel.gateway.records import Segment, SessionRecord
 from flywheel.gateway.request_rules import served_models
 from flywheel.gateway.schemas import sglang_sampling
@@ -144,7 +144,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         out = []
         if record.mode == "live":
             out += _select_branch(d, record, prompt)
-        closed = await asyncio.to_thread(_extend, d, record, prompt)
+        closed = await asyncio.to_thread(_extend, d, record, prompt, sampling)
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
         seg = record.segment
@@ -201,10 +201,14 @@ def _select_branch(d: GatewayDeps, record: SessionRecord, prompt: str | list[int
     return branches.select(record, _continues(prompt), emit)
 
 
-def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]) -> Segment | None:
-    """Append the prompt's new part to the segment, or fork; returns the closed segment."""
+def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int],
+            sampling: dict[str, Any]) -> Segment | None:
+    """Append the prompt's new part to the segment, or fork (history edited, or an episode's
+    sampling changed); returns the closed segment."""
     seg = record.segment
-    if seg.turns:
+    if sampling_changed(record, sampling):
+        count_fork(record, "sampling_changed")
+    elif seg.turns:
         if isinstance(prompt, str) and seg.text and prompt.startswith(seg.text):
             rest = prompt[len(seg.text):]
             seg.append(d.renderer.encode(rest) if rest else [], sampled=False)
@@ -212,9 +216,7 @@ def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]) -> S
         if not isinstance(prompt, str) and prompt[:len(seg.token_ids)] == seg.token_ids:
             seg.append(_ids(d, prompt)[len(seg.token_ids):], sampled=False)
             return None
-        FORKS.labels("history_edited").inc()
-        record.forks += 1
-        record.fork_reasons["history_edited"] = record.fork_reasons.get("history_edited", 0) + 1
+        count_fork(record, "history_edited")
     closed = seg if seg.sampled_tokens else None
     record.segment = seg = Segment(index=seg.index + 1 if seg.turns else seg.index)
     ids = _ids(d, prompt)

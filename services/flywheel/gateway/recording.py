@@ -36,8 +36,13 @@ FORKS = Counter("flywheel_gateway_segment_forks_total",
                 "Requests that did not extend the recorded history (a new segment started)",
                 ["reason"])
 FORK_REASONS = ("tool_arguments_reformatted", "assistant_edited", "history_edited",
-                "history_truncated", "regenerated", "template_rewrites_history")
-"""Fork reasons, in the order `fork_reason` checks them."""
+                "history_truncated", "regenerated", "template_rewrites_history",
+                "sampling_changed")
+"""Fork reasons, in the order `fork_reason` checks them (`sampling_changed`: an episode turn
+sampled with another temperature, top_p, top_k or min_p than the segment's earlier turns; a
+Sample carries one sampling setting, which the trainer recomputes logprobs with, BUG-07)."""
+DISTRIBUTION_KEYS = ("temperature", "top_p", "top_k", "min_p")
+"""Sampling params that change the distribution a token is drawn from (not max_new_tokens)."""
 for _reason in FORK_REASONS:
     FORKS.labels(_reason)
 _KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -95,13 +100,35 @@ def fork_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) 
     return "history_truncated"
 
 
+def sampling_changed(record: SessionRecord, sampling: dict[str, Any] | None) -> bool:
+    """True when an episode's next turn would be drawn from another distribution than the
+    segment's earlier turns (a `DISTRIBUTION_KEYS` value differs), so it needs a new segment."""
+    seg = record.segment
+    return (record.mode == "episode" and sampling is not None and bool(seg.turns)
+            and bool(seg.sampling) and any(float(sampling[k]) != seg.sampling.get(k)
+                                           for k in DISTRIBUTION_KEYS))
+
+
+def count_fork(record: SessionRecord, reason: str) -> None:
+    """Count a fork of `record` (metric, the record's totals, a log line)."""
+    FORKS.labels(reason).inc()
+    record.forks += 1
+    record.fork_reasons[reason] = record.fork_reasons.get(reason, 0) + 1
+    log.info("session %s: request does not extend segment %d (%s); starting a new segment",
+             record.session_id, record.segment.index, reason)
+
+
 def prepare_prompt(
     record: SessionRecord,
     renderer: ChatRenderer,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    sampling: dict[str, Any] | None = None,
 ) -> tuple[list[int], Segment | None]:
     """Input ids for the next turn; updates `record.segment` in place.
+
+    `sampling`: the turn's SGLang sampling params; in an episode, a change of distribution
+    (`sampling_changed`) starts a new segment even when the messages extend the recorded ones.
 
     Returns:
         (prompt ids to send to the engine, the closed segment if the request forked history
@@ -109,7 +136,9 @@ def prepare_prompt(
     """
     seg = record.segment
     closed: Segment | None = None
-    if seg.turns and extends(seg.messages, messages):
+    if sampling_changed(record, sampling):
+        reason = "sampling_changed"
+    elif seg.turns and extends(seg.messages, messages):
         ext = renderer.extend(seg.messages, messages, tools, ended_with_eos=seg.ended_with_eos)
         if ext is not None:
             seg.append(ext.suffix_ids, sampled=False)
@@ -121,11 +150,7 @@ def prepare_prompt(
     else:
         reason = fork_reason(seg.messages, messages)
     if seg.turns:
-        FORKS.labels(reason).inc()
-        record.forks += 1
-        record.fork_reasons[reason] = record.fork_reasons.get(reason, 0) + 1
-        log.info("session %s: request does not extend segment %d (%s); starting a new segment",
-                 record.session_id, seg.index, reason)
+        count_fork(record, reason)
         closed = seg if seg.sampled_tokens else None
         seg = Segment(index=seg.index + 1)
         record.segment = seg

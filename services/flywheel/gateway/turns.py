@@ -300,7 +300,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         if record.mode == "live":
             out += _select_chat_branch(record, messages)
         prompt, closed = await render_call(text_size(messages, body.tools), prepare_prompt,
-                                           record, d.renderer, messages, body.tools)
+                                           record, d.renderer, messages, body.tools, sampling)
         check_context(d, prompt, sampling)
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)

@@ -97,6 +97,24 @@ def test_session_completions_extend_the_recorded_ids(env, renderer):
     assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
 
 
+def test_session_completion_at_another_temperature_starts_a_new_sample(env, renderer):
+    client, engine, samples = env
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    first = client.post(f"/s/{sid}/v1/completions",
+                        json={"prompt": "7 + 1 =", "temperature": 0.5}).json()
+    text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
+    client.post(f"/s/{sid}/v1/completions", json={"prompt": text, "temperature": 1.0})
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert info["fork_reasons"] == {"sampling_changed": 1}
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    one, two = samples()
+    # Each Sample holds one turn's tokens and the temperature they were drawn at; the second
+    # starts from a fresh tokenization of its whole prompt.
+    assert [round(s.sampling.temperature, 6) for s in (one, two)] == [0.5, 1.0]
+    assert sum(one.loss_mask) == sum(two.loss_mask) == len(engine.ids)
+    assert list(two.token_ids[:two.prompt_length]) == renderer.encode(text)
+
+
 def test_live_session_completions_are_one_sample_per_turn(env, renderer):
     client, engine, samples = env
     headers = {"X-Session-Id": "raw-live"}

@@ -469,3 +469,34 @@ def test_bug19_n_choices_keep_their_per_token_versions():
 def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
     with pytest.raises(UpstreamError, match="weight_versions"):
         parse_generation(_straddling_body([10, 11, 12, 13, EOS], spans), {EOS})
+
+
+# BUG-07: a Sample carries one sampling setting, the one the trainer recomputes logprobs with; an
+# episode turn drawn at another temperature (or top_p/top_k/min_p) starts a new segment.
+@pytest.mark.parametrize(("second", "forked"), [
+    ({"temperature": 1.0}, True),
+    ({"temperature": 0.5, "top_p": 0.9}, True),
+    ({"temperature": 0.5, "max_tokens": 3}, False),  # the cap does not change the distribution
+])
+def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(app, renderer, second, forked):
+    client, use, samples = app
+    reply = renderer.encode("8") + [EOS]
+    use(_gen(reply, "8"))
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    first = [{"role": "user", "content": "7 + 1?"}]
+    assert client.post(f"/s/{sid}/v1/chat/completions",
+                       json={"messages": first, "temperature": 0.5}).status_code == 200
+    then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
+    assert client.post(f"/s/{sid}/v1/chat/completions",
+                       json={"messages": then, **second}).status_code == 200
+    info = client.get(f"/v1/sessions/{sid}").json()
+    client.post(f"/v1/sessions/{sid}/finish", json={})
+    published = [s for s in samples() if s.session_id == sid]
+    temps = [round(s.sampling.temperature, 6) for s in published]
+    if forked:
+        assert info["forks"] == 1 and info["fork_reasons"] == {"sampling_changed": 1}
+        assert temps == [0.5, second["temperature"]]
+        assert [sum(s.loss_mask) for s in published] == [len(reply), len(reply)]
+    else:
+        assert info["forks"] == 0 and temps == [0.5]
+        assert sum(published[0].loss_mask) == 2 * len(reply)

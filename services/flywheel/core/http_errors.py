@@ -25,6 +25,24 @@ connection the server is closing at that instant (a POST then fails with ECONNRE
 retried); uvicorn's own default is also 5 s."""
 
 
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def param_of(loc: tuple | list) -> str | None:
+    """OpenAI's `param` for a pydantic error location: ("body", "messages", 0, "content",
+    "str") -> "messages[0].content" (list indexes in brackets; the union-branch labels pydantic
+    adds, such as "str" or "list[dict[str,any]]", left out); None for the body as a whole."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (part == "body" and not out) or "[" in str(part) or str(part).lower() in _TYPE_LABELS:
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | int | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -64,9 +82,9 @@ def install(app: FastAPI) -> None:
             return JSONResponse(error_body(f"the request body is not valid JSON (error at "
                                            f"character {where})", "invalid_request_error"),
                                 status_code=400)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "invalid_request_error", ".".join(loc) or None),
+        param = param_of(first.get("loc", ()))
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(message, "invalid_request_error", param),
                             status_code=400)
 
     @app.exception_handler(redis.RedisError)

@@ -139,7 +139,8 @@ async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
         UNRECORDED.inc()
         prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
                                    messages, body.tools)
-        turns.check_context(d, prompt, sampling)  # the same rule as in sessions
+        turns.check_context(d, prompt, sampling,  # the same rule as in sessions
+                            capped_by_default=turns.default_cap(body))
         gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
         return _response(d, body, gens, len(prompt),
                          [turns.parse_choice(d, body, g) for g in gens])

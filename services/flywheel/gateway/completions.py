@@ -79,6 +79,14 @@ class CompletionRequest(BaseModel):
             raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
         return v
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
+            raise ValueError("prompt needs at least one token or string (an empty list or an "
+                             "empty id list has nothing to complete)")
+        return v
+
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -129,7 +137,7 @@ async def complete(d: GatewayDeps, body: CompletionRequest, session_id: str | No
     UNRECORDED.inc()
     all_ids = [await asyncio.to_thread(_ids, d, p) for p in prompts]
     for ids in all_ids:
-        turns.check_context(d, ids, sampling)
+        turns.check_context(d, ids, sampling, param="prompt")
     gens = await asyncio.gather(*[turns.generate_n(d, ids, sampling, body.n, body.logprobs or 0)
                                   for ids in all_ids])
     return _response(d, body, list(gens), sum(len(i) for i in all_ids))
@@ -148,7 +156,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
         seg = record.segment
-        turns.check_context(d, seg.token_ids, sampling)
+        turns.check_context(d, seg.token_ids, sampling, param="prompt")
         (gen,) = await turns.generate_n(d, list(seg.token_ids), sampling, 1,
                                         body.logprobs or 0, affinity=session_id)
         seg.turn_start = len(seg.token_ids)

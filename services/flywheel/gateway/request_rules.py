@@ -50,7 +50,7 @@ def check_contents(messages: list[ChatMessage]) -> None:
         if m.content is not None:
             continue
         extra = m.model_extra or {}
-        if m.role == "assistant" and (extra.get("tool_calls") or extra.get("function_call")):
+        if m.role == "assistant" and (m.tool_calls or extra.get("function_call")):
             continue  # OpenAI: content is optional next to tool calls (or a legacy function call)
         need = ("content or tool_calls" if m.role == "assistant" else "content")
         raise InvalidRequestError(

@@ -9,10 +9,52 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 """Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
+
+
+TEXT_PARTS = ("text", "input_text", "output_text")
+"""Content-part types that hold text (`text`); the model reads nothing else."""
+
+
+def check_parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content parts the model can read: text parts with a string `text`, and assistant
+    `refusal` parts with a string `refusal`.
+
+    Raises:
+        ValueError: another part type (image, audio, file: the model reads text only), or a
+            part without its string.
+    """
+    for i, part in enumerate(parts):
+        kind = part.get("type")
+        key = "refusal" if kind == "refusal" else "text"
+        if kind not in (*TEXT_PARTS, "refusal"):
+            raise ValueError(f"content part {i} has type {kind!r}; this model reads text only "
+                             f"(parts of type {', '.join(map(repr, TEXT_PARTS))})")
+        if not isinstance(part.get(key), str):
+            raise ValueError(f"content part {i} of type {kind!r} needs {key!r} as a string")
+    return parts
+
+
+def check_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant `tool_calls`: each `{"id"?, "type": "function", "function": {"name": str,
+    "arguments": JSON text (or an object)}}`.
+
+    Raises:
+        ValueError: a call of another shape.
+    """
+    for i, call in enumerate(calls):
+        fn = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tool call {i} must be {{'type': 'function', 'function': "
+                             "{'name': ..., 'arguments': ...}}")
+        if not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", ""), str | dict):
+            raise ValueError(f"tool call {i}: function.name must be a string and "
+                             "function.arguments a JSON string")
+    return calls
 
 
 class ChatMessage(BaseModel):
@@ -20,15 +62,35 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[dict[str, Any]] | None
+                 ) -> str | list[dict[str, Any]] | None:
+        return check_parts(v) if isinstance(v, list) else v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return None if v is None else check_tool_calls(v)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it "
+                             "answers")
+        return v
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template expects it (content parts joined to text)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(
-                p.get("text", "") for p in self.content
-                if p.get("type") in ("text", "input_text", "output_text")
-            )
+                p.get("refusal" if p.get("type") == "refusal" else "text", "")
+                for p in self.content)
         if data["role"] == "developer":
             data["role"] = "system"
         data.setdefault("content", "")
@@ -128,6 +190,45 @@ class ChatCompletionRequest(BaseModel):
     separate_reasoning: bool | None = None
     skip_special_tokens: bool | None = None
 
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
+        """`"n": null` and `"stream": null` mean the default, as in OpenAI's API."""
+        if v is None:
+            return cls.model_fields[info.field_name].default
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
+                        ) -> dict[str, Any] | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or []):
+            fn = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(
+                    fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict):
+                raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name': "
+                                 "str, 'description'?: str, 'parameters'?: JSON schema}}")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if v is None or v in ("auto", "none"):
+            return v
+        if v == "required" or isinstance(v, dict):
+            raise ValueError(f"tool_choice {v!r} is not supported: the engine has no "
+                             "constrained decoding to force a tool call; use 'auto' (the model "
+                             "decides) or 'none'")
+        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, "
+                         f"got {v!r}")
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int | None) -> int | None:
@@ -153,17 +254,22 @@ class ChatCompletionRequest(BaseModel):
                              "leave it unset")
         return v
 
-    @model_validator(mode="after")
-    def _consistent(self) -> ChatCompletionRequest:
-        both = (self.max_tokens, self.max_completion_tokens)
-        if None not in both and both[0] != both[1]:
-            raise ValueError(
-                f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) disagree; "
-                "send only max_completion_tokens")
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError(f"top_logprobs ({self.top_logprobs}) needs logprobs: true (as in "
-                             "OpenAI's API); set logprobs or drop top_logprobs")
-        return self
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_cap(cls, v: int | None, info: ValidationInfo) -> int | None:
+        given = info.data.get("max_tokens")
+        if None not in (v, given) and v != given:
+            raise ValueError(f"max_tokens ({given}) and max_completion_tokens ({v}) disagree; "
+                             "send only max_completion_tokens")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs ({v}) needs logprobs: true (as in OpenAI's API); "
+                             "set logprobs or drop top_logprobs")
+        return v
 
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """SGLang `sampling_params` for this request (only keys SGLang accepts)."""

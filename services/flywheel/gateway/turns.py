@@ -289,7 +289,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         SIDE_TURNS.inc()
         prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
                                    messages, body.tools)
-        check_context(d, prompt, sampling)
+        check_context(d, prompt, sampling, capped_by_default=default_cap(body))
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)
         return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
@@ -301,7 +301,7 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
             out += _select_chat_branch(record, messages)
         prompt, closed = await render_call(text_size(messages, body.tools), prepare_prompt,
                                            record, d.renderer, messages, body.tools, sampling)
-        check_context(d, prompt, sampling)
+        check_context(d, prompt, sampling, capped_by_default=default_cap(body))
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)
         parsed = [parse_choice(d, body, g) for g in gens]
@@ -323,13 +323,34 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         return gens, len(prompt), parsed
 
 
-def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any]) -> None:
+def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], *,
+                  capped_by_default: bool = False, param: str = "messages") -> None:
+    """Refuse a prompt whose completion cannot fit the context window.
+
+    `capped_by_default`: the client set no max_tokens, so `sampling["max_new_tokens"]` is the
+    gateway's default; it is lowered in place to what is left of the window (as SGLang does
+    for an unset max_tokens) instead of refusing.
+
+    Raises:
+        InvalidRequestError: `context_length_exceeded`, naming `param`: the prompt leaves no
+            room, or the client's max_tokens does not fit.
+    """
     limit = d.context_length
-    if len(prompt) + sampling["max_new_tokens"] > limit:
+    room = limit - len(prompt)
+    if capped_by_default and room > 0:
+        sampling["max_new_tokens"] = min(sampling["max_new_tokens"], room)
+    if sampling["max_new_tokens"] > room:
+        asked = "" if capped_by_default else f" + max_tokens ({sampling['max_new_tokens']})"
         raise InvalidRequestError(
-            f"prompt ({len(prompt)} tokens) + max_tokens ({sampling['max_new_tokens']}) "
-            f"exceeds the context window of {limit} tokens; shorten the conversation or "
-            "lower max_tokens", param="messages", code="context_length_exceeded")
+            f"prompt ({len(prompt)} tokens){asked} exceeds the context window of {limit} "
+            "tokens; shorten the conversation" + ("" if capped_by_default else
+                                                  " or lower max_tokens"),
+            param=param, code="context_length_exceeded")
+
+
+def default_cap(body: ChatCompletionRequest) -> bool:
+    """True when the request sets no completion cap (the gateway's default applies)."""
+    return body.max_tokens is None and body.max_completion_tokens is None
 
 
 def finished_error(record: SessionRecord) -> ConflictError:

@@ -61,7 +61,8 @@ def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "foo": 1}, "foo")])
+    ({"prompt": "x", "foo": 1}, "foo"), ({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [5] * 2100}, "prompt")])  # the last: longer than the 2048-token window
 def test_invalid_completion_requests_are_400_naming_the_field(env, body, param):
     client, engine, _ = env
     resp = client.post("/v1/completions", json=body)

@@ -1,6 +1,7 @@
 """Request rules OpenAI enforces: message content may be null only on an assistant message that
-carries tool calls, and with `gateway.served_model_names` set an unknown model is a 404
-`model_not_found` (fake engine, real Redis and tokenizer)."""
+carries tool calls; malformed tool calls, tools, content parts and tool messages are a 400
+naming the field, as are options the engine cannot honor; with `gateway.served_model_names` set
+an unknown model is a 404 `model_not_found` (fake engine, real Redis and tokenizer)."""
 
 import pytest
 from fastapi.testclient import TestClient
@@ -90,3 +91,94 @@ def test_served_model_names_are_listed_and_others_are_404(redis_client, prefix, 
     assert ok.status_code == 200 and ok.json()["model"] == "policy-latest"
     assert client.post("/v1/completions", json={"model": "policy", "prompt": "1"}
                        ).status_code == 200
+
+
+U = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def _then(assistant: dict) -> list[dict]:
+    return [*U, {"role": "assistant", "content": "x", **assistant},
+            {"role": "user", "content": "y"}]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": _then({"tool_calls": "oops"})}, "messages[1].tool_calls"),
+    ({"messages": _then({"tool_calls": [1]})}, "messages[1].tool_calls[0]"),
+    ({"messages": _then({"tool_calls": {"a": 1}})}, "messages[1].tool_calls"),
+    ({"messages": _then({"tool_calls": [{"id": "a", "type": "function", "function": "f"}]})},
+     "messages[1].tool_calls"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages[0].content"),
+    ({"messages": [*U, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                   {"role": "tool", "content": "2"}]}, "messages[2].tool_call_id"),
+    ({"messages": U, "tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
+    ({"messages": U, "tools": [TOOL], "tool_choice": "bogus"}, "tool_choice"),
+    ({"messages": U, "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": U, "tools": [TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice"),
+    ({"messages": U, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": U, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": U, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+])
+def test_malformed_or_unsupported_fields_are_a_400_naming_them(redis_client, prefix, renderer,
+                                                               body, param):
+    client, engine = _client(redis_client, prefix, renderer)
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    for path in ("/v1/chat/completions", f"/s/{sid}/v1/chat/completions"):
+        resp = client.post(path, json={"model": "m", **body})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert engine.prompts == []  # nothing reached the engine, nothing was recorded
+    assert client.get(f"/v1/sessions/{sid}").json()["token_ids"] == []
+
+
+def test_null_n_and_stream_mean_their_defaults(redis_client, prefix, renderer):
+    client, engine = _client(redis_client, prefix, renderer)
+    resp = client.post("/v1/chat/completions",
+                       json={"model": "m", "messages": U, "n": None, "stream": None})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 1 and len(engine.prompts) == 1
+
+
+def test_text_and_refusal_parts_are_read_as_their_text(redis_client, prefix, renderer):
+    client, engine = _client(redis_client, prefix, renderer)
+    parts = [{"type": "text", "text": "1 + "}, {"type": "input_text", "text": "1?"}]
+    said = [{"type": "refusal", "refusal": "I cannot."}]
+    as_parts = [{"role": "user", "content": parts}, {"role": "assistant", "content": said},
+                {"role": "user", "content": "ok"}]
+    as_text = [{"role": "user", "content": "1 + 1?"},
+               {"role": "assistant", "content": "I cannot."}, {"role": "user", "content": "ok"}]
+    for messages in (as_parts, as_text):
+        assert client.post("/v1/chat/completions",
+                           json={"model": "m", "messages": messages}).status_code == 200
+    assert engine.prompts[0] == engine.prompts[1]
+
+
+def test_unset_max_tokens_takes_what_is_left_of_the_context(redis_client, prefix, renderer):
+    client, engine = _client(redis_client, prefix, renderer, default_max_tokens=256)
+    long = [{"role": "user", "content": "word " * 1900}]
+    prompt = len(renderer.prompt_ids(long))
+    assert 2048 - 256 < prompt < 2048  # the default no longer fits, the prompt does
+    resp = client.post("/v1/chat/completions", json={"model": "m", "messages": long})
+    assert resp.status_code == 200, resp.text
+    assert engine.prompts[-1][1]["max_new_tokens"] == 2048 - prompt  # the rest of the window
+    short = client.post("/v1/chat/completions", json={"model": "m", "messages": U})
+    assert short.status_code == 200 and engine.prompts[-1][1]["max_new_tokens"] == 256
+    # A cap the client chose is never lowered: it does not fit, so it is a 400.
+    capped = client.post("/v1/chat/completions",
+                         json={"model": "m", "messages": long, "max_tokens": 256})
+    error = capped.json()["error"]
+    assert capped.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "max_tokens (256)" in error["message"] and error["param"] == "messages"
+    too_long = client.post("/v1/chat/completions",
+                           json={"model": "m", "messages": [{"role": "user",
+                                                             "content": "word " * 2100}]})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"

@@ -6,6 +6,8 @@ import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from flywheel.core.settings import GatewaySettings
@@ -53,17 +55,21 @@ def test_no_generated_request_gets_a_server_error(fuzz_app):
     failures: list[str] = []
     statuses: dict[str, set[int]] = {}
     for operation in operations:
-        try:
-            _fuzz(operation, failures, statuses.setdefault(operation.path, set()))()
-        except Exception as exc:  # collect every failing operation, then report them all
-            failures.append(f"{operation.method.upper()} {operation.path}: {exc}"[:500])
+        for mode in GenerationMode:  # requests the schema allows, then ones it does not
+            try:
+                _fuzz(operation, mode, failures, statuses.setdefault(operation.path, set()))()
+            except Unsatisfiable:  # nothing in this operation's schema to break (no body)
+                assert mode is GenerationMode.NEGATIVE, operation.path
+            except Exception as exc:  # collect every failing operation, then report them all
+                failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): "
+                                f"{exc}"[:500])
     assert not failures, "\n".join(failures)
     assert 400 in statuses["/v1/chat/completions"]  # invalid requests were refused, not served
 
 
-def _fuzz(operation, failures, statuses):
-    @given(case=operation.as_strategy())
-    @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+def _fuzz(operation, mode, failures, statuses):
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def check(case):
         response = case.call()

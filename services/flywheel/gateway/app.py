@@ -142,6 +142,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                 "status": record.status, "eval": record.eval, "mode": record.mode,
                 "turns": record.turns, "segment_turns": seg.turns,
                 "segment_index": seg.index, "samples_published": record.samples_published,
+                "samples_held": record.held,
                 "forks": record.forks, "fork_reasons": record.fork_reasons,
                 "waiting_turns": int(bool(record.pending)) + len(record.branches),
                 "finished_by": record.finished_by,

@@ -177,11 +177,17 @@ class SessionRecord(BaseModel):
     (segment_log.py)."""
     log_messages: int = 0
     """Messages of `segment` stored in the session's log."""
+    held: int = 0
+    """Episode mode: Samples made before the finish (segments closed by a fork, n > 1 choices
+    not continued), held in the session's held list until the finish publishes them with the
+    episode's rewards."""
     _outbox: list[Outgoing] = PrivateAttr(default_factory=list)
     """Samples to add to their stream when this record is saved (never stored itself)."""
     _log: Any = PrivateAttr(default=None)
     """What the session's stored log holds of `segment` (segment_log.Logged; None: unknown,
     the next save rewrites it)."""
+    _release_held: bool = PrivateAttr(default=False)
+    """The next save empties the held list (the finish published what it held)."""
 
     def queue(self, item: Outgoing) -> None:
         """Publish `item` with the next save of this record: `SessionStore.release` adds it to
@@ -206,3 +212,5 @@ class Outgoing:
     next_state_role: str
     high_water: int = 0
     watch_group: str = ""
+    hold: bool = False
+    """Kept in the session's held list instead of the stream (see `SessionRecord.held`)."""

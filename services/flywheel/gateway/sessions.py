@@ -87,7 +87,7 @@ LOCK_LEASE_S = 15.0
 
 _CREATE = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then return 0 end
-redis.call('DEL', KEYS[3])
+redis.call('DEL', KEYS[3], KEYS[4])
 if ARGV[5] ~= '' then
   redis.call('RPUSH', KEYS[3], ARGV[5])
   redis.call('EXPIRE', KEYS[3], ARGV[2])
@@ -96,7 +96,7 @@ redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
 return 1
 """
 """Store a new session's record (head ARGV[1], log chunk ARGV[5]) unless the id is taken (0),
-and index it as touched now."""
+and index it as touched now (a log or held list left by an earlier session of the id goes)."""
 
 _READ = """
 return {redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
@@ -128,7 +128,8 @@ if ARGV[4] == '1' then
     return 4
   end
   local high_water = tonumber(ARGV[9])
-  if #ARGV > 14 and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
+  local first = 17 + tonumber(ARGV[15])
+  if #ARGV >= first and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
     redis.call('DEL', KEYS[2])
     return 2
   end
@@ -138,7 +139,10 @@ if ARGV[4] == '1' then
   redis.call('EXPIRE', KEYS[5], ARGV[3])
   if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
   else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  for i = 15, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
+  if ARGV[16] == '1' then redis.call('DEL', KEYS[6]) end
+  for i = 17, first - 1 do redis.call('RPUSH', KEYS[6], ARGV[i]) end
+  if redis.call('EXISTS', KEYS[6]) == 1 then redis.call('EXPIRE', KEYS[6], ARGV[3]) end
+  for i = first, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
 end
 redis.call('DEL', KEYS[2])
 return 1
@@ -150,7 +154,9 @@ the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is 
 group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole. Past
 the deadline ARGV[11] (script_deadline.py) only the lock is released (3). An append to a log
 that no longer holds ARGV[14] chunks, or to an expired record, writes nothing and keeps the lock
-(4): the caller saves the record whole instead."""
+(4): the caller saves the record whole instead. Held Samples (episode mode, until the finish):
+ARGV[15] of them, ARGV[17..], appended to the held list KEYS[6] after emptying it when ARGV[16]
+is 1; the stream's Samples follow them."""
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -227,13 +233,21 @@ class SessionStore:
     def _log_key(self, session_id: str) -> str:
         return f"{self.prefix}:session-log:{session_id}"
 
+    def _held_key(self, session_id: str) -> str:
+        return f"{self.prefix}:session-held:{session_id}"
+
+    def held_samples(self, session_id: str) -> list[bytes]:
+        """The serialized Samples an episode holds until its finish, oldest first."""
+        return list(self.client.lrange(self._held_key(session_id), 0, -1))
+
     def _new(self, fields: dict[str, Any]
              ) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
         fields.setdefault("session_id", uuid.uuid4().hex)
         record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
         form = stored_form(record)
         sid = record.session_id
-        return record, form, {"keys": [self._key(sid), self.touched_key, self._log_key(sid)],
+        return record, form, {"keys": [self._key(sid), self.touched_key, self._log_key(sid),
+                                       self._held_key(sid)],
                               "args": [form.head, self.ttl_s, sid, time.time(), form.chunk]}
 
     def _created(self, record: SessionRecord, form: StoredForm, ok: int) -> SessionRecord:
@@ -421,6 +435,8 @@ class SessionStore:
     def _put_call(self, lease: SessionLease, record: SessionRecord | None
                   ) -> tuple[StoredForm | None, dict[str, list]]:
         outbox = record._outbox if record is not None else []
+        held = [item for item in outbox if item.hold]
+        outbox = [item for item in outbox if not item.hold]
         rules = {(item.stream, item.high_water, item.watch_group) for item in outbox}
         if len(rules) > 1:
             raise ValueError(f"one save publishes to one stream, got {sorted(rules)}")
@@ -431,13 +447,15 @@ class SessionStore:
             form = stored_form(record)
         sid = lease.session_id
         return form, {"keys": [self._key(sid), self._lock_key(sid), self.touched_key, stream,
-                               self._log_key(sid)],
+                               self._log_key(sid), self._held_key(sid)],
                       "args": [lease.token, form.head if form else "", self.ttl_s,
                                1 if record is not None else 0, record.status if record else "",
                                sid, time.time(), FIELD, high_water if watch_group else 0,
                                watch_group, self.deadline.deadline_ms(),
                                1 if form and form.rewrite else 0, form.chunk if form else "",
-                               form.chunks_before if form else 0,
+                               form.chunks_before if form else 0, len(held),
+                               1 if record is not None and record._release_held else 0,
+                               *[item.payload for item in held],
                                *[item.payload for item in outbox]]}
 
     def _unlock_call(self, session_id: str, token: str) -> dict[str, list]:
@@ -484,7 +502,13 @@ class SessionStore:
                                 param="session_id")
         if form is not None:
             record._log = form.logged
+        record._release_held = False
         for item in outbox:
+            if item.hold:
+                log.info("holding sample %s of session %s turn %d (%d tokens) until the episode "
+                         "finishes", item.sample_id, lease.session_id, item.turn_index,
+                         item.tokens)
+                continue
             STREAM_PUBLISHED.labels(item.stream).inc()
             PUBLISHED.labels(record.mode).inc()
             log.info("published sample %s of session %s turn %d (%d tokens, next_state %s)",

@@ -1,7 +1,9 @@
 """Session turns: what a request in a session records and publishes, in both session modes.
 
-Episode mode: the segment is one Sample, published when the session finishes (or when a
-request forks history, DESIGN.md section 5).
+Episode mode: each segment is one Sample, published when the session finishes. A segment that
+a fork closed (DESIGN.md section 5) and the n > 1 choices the client did not continue with are
+held until then (`<prefix>:session-held:<id>`, written by the same atomic save as the record),
+so the finish publishes them all with the episode's outcome and posted rewards.
 
 Live mode (DESIGN.md section 7): every assistant turn is one Sample, published when its next
 state arrives: a later main request of the session whose history extends the turn's recorded
@@ -51,7 +53,7 @@ import redis
 from prometheus_client import Counter
 
 from flywheel._proto import sample_pb2
-from flywheel.core.codec import encode_sample
+from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import (
     ConflictError,
     InvalidRequestError,
@@ -100,6 +102,8 @@ FINISHED = labeled_counter(
     "Sessions finished, by who finished them (client: a finish request; idle: the gateway, "
     "after gateway.session_idle_finish_s without requests)", "reason", ("client", "idle"))
 TURN_TYPES = ("main", "side")
+HELD_LOST = Counter("flywheel_gateway_held_samples_lost_total",
+                    "Samples an episode held until its finish that were gone at the finish")
 
 
 def parse_choice(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
@@ -194,11 +198,15 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
     if record.eval:
         return
     p = d.publisher
+    hold = record.mode == "episode" and record.status == "open"
     for sample in samples:
         record.queue(Outgoing(p.stream, encode_sample(sample), sample.sample_id,
                               sample.turn_index, len(sample.token_ids), sample.next_state.role,
-                              high_water=p.high_water, watch_group=p.watch_group))
-        record.samples_published += 1
+                              high_water=p.high_water, watch_group=p.watch_group, hold=hold))
+        if hold:
+            record.held += 1
+        else:
+            record.samples_published += 1
 
 
 def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None,
@@ -393,6 +401,22 @@ async def finish(d: GatewayDeps, session_id: str, reward: float | None,
     return {"session_id": session_id, "status": "finished", "samples_published": published}
 
 
+def _held(d: GatewayDeps, record: SessionRecord) -> list[sample_pb2.Sample]:
+    """The Samples an episode held until its finish (`SessionRecord.held`); the save that
+    publishes them empties the held list. Fewer than the record counts (the list expired) are
+    counted and logged."""
+    if not record.held:
+        return []
+    samples = [decode_sample(payload) for payload in d.sessions.held_samples(record.session_id)]
+    if len(samples) != record.held:
+        HELD_LOST.inc(max(record.held - len(samples), 0))
+        log.error("session %s: %d held Samples expected, %d found; publishing those found",
+                  record.session_id, record.held, len(samples))
+    record.held = 0
+    record._release_held = True
+    return samples
+
+
 def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
                   following: list[dict[str, Any]] | None, by: str) -> list[sample_pb2.Sample]:
     """Finish a locked, open session: publish what it holds (the n > 1 choices, the live
@@ -415,8 +439,10 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
         for branch in record.branches:  # the latest turn's next state is not theirs
             out += emit_turn(record, branch.pending, branch.segment, [])
         record.branches = []
-    elif record.segment.sampled_tokens:
-        out.append(build_sample(record, record.segment))
+    else:
+        out = _held(d, record) + out
+        if record.segment.sampled_tokens:
+            out.append(build_sample(record, record.segment))
     rewards = dict(record.rewards)
     if reward is not None:
         rewards["outcome"] = reward

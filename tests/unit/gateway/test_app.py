@@ -194,7 +194,8 @@ def test_failed_request_after_a_fork_publishes_nothing_twice(env):
     samples = [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]
     assert [s.segment_index for s in samples] == [0, 1]
     assert len({s.sample_id for s in samples}) == 2
-    assert [dict(s.rewards) for s in samples] == [{}, {"outcome": 1.0}]
+    # The closed segment was held until the finish, which gave both the outcome.
+    assert [dict(s.rewards) for s in samples] == [{"outcome": 1.0}, {"outcome": 1.0}]
 
 
 def test_malformed_json_and_redis_outage_are_openai_errors(env):

@@ -164,6 +164,12 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
     chosen = body["choices"][1]["message"]
     client.post(f"/s/{sid}/v1/chat/completions", json={"messages": [U1, chosen, U2]})
     published = samples()
+    if mode == "episode":  # the others are held until the finish, which publishes them first
+        assert published == []
+        assert client.get(f"/v1/sessions/{sid}").json()["samples_held"] == 2
+        client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.5})
+        published = samples()[:2]
+        assert all(dict(s.rewards) == {"outcome": 0.5} for s in published)
     closed = published[:2]
     assert [json.loads(s.messages[-1].content_json) for s in closed] == ["Paris.", "Nice."]
     for s, text in zip(closed, ["Paris.", "Nice."], strict=True):
@@ -179,7 +185,8 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
         assert json.loads(chosen_turn.messages[-1].content_json) == "Lyon."
         assert json.loads(chosen_turn.next_state.content_json) == U2["content"]
         assert list(chosen_turn.token_ids) == prompt + lyon
-    client.post(f"/v1/sessions/{sid}/finish", json={})
+    if mode == "live":
+        client.post(f"/v1/sessions/{sid}/finish", json={})
     final = samples()[len(published):]
     assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
     paris = engine.renderer.encode("Paris.") + [2]

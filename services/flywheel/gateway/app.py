@@ -124,7 +124,9 @@ def create_app(deps: GatewayDeps) -> FastAPI:
                                            for name in served_models(d.settings)]}
 
     @app.post("/v1/sessions")
-    async def create_session(body: SessionCreate, request: Request, d: Deps) -> dict[str, Any]:
+    async def create_session(request: Request, d: Deps, body: SessionCreate | None = None
+                             ) -> dict[str, Any]:
+        body = body or SessionCreate()  # no body: every field has its default
         if not body.eval:
             await chat.check_backlog(d)
         record = await d.sessions.acreate(owner=owner_of(request),

@@ -182,3 +182,13 @@ def test_unset_max_tokens_takes_what_is_left_of_the_context(redis_client, prefix
                                                              "content": "word " * 2100}]})
     assert too_long.status_code == 400
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_session_can_be_created_without_a_body(redis_client, prefix, renderer):
+    client, _ = _client(redis_client, prefix, renderer)
+    created = client.post("/v1/sessions")
+    assert created.status_code == 200, created.text
+    info = client.get(f"/v1/sessions/{created.json()['session_id']}").json()
+    assert (info["mode"], info["group_id"], info["status"]) == ("episode", "", "open")
+    bad = client.post("/v1/sessions", json={"mode": "sometimes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"

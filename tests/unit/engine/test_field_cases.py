@@ -64,6 +64,36 @@ def test_bug10_no_token_after_the_one_completing_a_stop_string(tiny_engine):
     assert len(out["meta_info"]["output_token_logprobs"]) == len(ids)
 
 
+@pytest.mark.parametrize("params", [{"temperature": 0.6}, {"temperature": 1.0},
+                                    {"temperature": 0.6, "top_p": 0.75}])
+def test_bug07_bug08_engine_logprobs_are_the_trainers_at_the_sampling_temperature(
+        tiny_engine, tiny_model_dir, params):
+    """The engine's logprob of each sampled token equals what the trainer recomputes with the
+    same weights at the sampling temperature (importance ratio 1 at step 0), and differs from
+    the trainer's at another temperature; with top_p the engine reports the tempered full-vocab
+    logprob too (the trainer's; truncation is the trainer's `allow_truncated_sampling` rule)."""
+    from transformers import AutoModelForCausalLM
+
+    from flywheel.trainer.logprobs import selected_token_logprobs
+
+    out = run(tiny_engine, f"b07-{params}", max_new_tokens=12, ignore_eos=True, sampling_seed=3,
+              **params)
+    engine_lp = torch.tensor([r[0] for r in out["meta_info"]["output_token_logprobs"]])
+    ids_BT = torch.tensor([PROMPT + out["output_ids"]])
+    score_BT = torch.zeros_like(ids_BT, dtype=torch.bool)
+    score_BT[0, len(PROMPT):] = True
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+
+    def trainer_lp(t: float) -> torch.Tensor:
+        with torch.no_grad():
+            return selected_token_logprobs(model.eval(), ids_BT, torch.ones_like(ids_BT),
+                                           torch.tensor([t]), score_BT).logprobs_BT[0, len(PROMPT):]
+
+    t = params["temperature"]
+    assert (trainer_lp(t) - engine_lp).abs().max() < 1e-4  # measured: 4e-6 to 7e-6
+    assert (trainer_lp(1.6 - t) - engine_lp).abs().max() > 0.5  # measured: 1.8 to 2.7
+
+
 def test_bug19_swap_while_paused_in_place_records_weight_version_spans(worker, tiny_model_dir,
                                                                         tmp_path):
     state = load_file(tiny_model_dir / "model.safetensors")

@@ -49,6 +49,31 @@ def test_bug24_reclaim_pages_to_the_end_and_counts_the_deleted_entry(redis_clien
     assert redis_client.xpending(stream, "trainers")["pending"] == 0
 
 
+def test_bug24_idle_entries_behind_many_busy_ones_are_reached_by_the_cursor(redis_client,
+                                                                              prefix):
+    """Redis scans at most COUNT x 10 pending entries per XAUTOCLAIM call: with 25 entries a live
+    consumer is working on ahead of 3 a dead consumer left, one call from 0-0 with COUNT 2
+    returns nothing; only following the cursor reaches the dead consumer's entries."""
+    import time
+
+    stream = f"{prefix}:traj"
+    producer = StreamProducer(redis_client, stream)
+    live, dead = (_consumer(redis_client, stream, name, min_idle_ms=60_000)  # read new only
+                  for name in ("live", "dead"))
+    for i in range(28):
+        producer.publish(_sample(i))
+    busy = live.read(count=25, block_ms=10)
+    assert len(busy) == 25 and len(dead.read(count=3, block_ms=10)) == 3
+    time.sleep(0.2)
+    # The live consumer touches its entries (idle time back to 0); the dead one's stay idle.
+    redis_client.xclaim(stream, "trainers", "live", 0, [e.entry_id for e in busy], justid=True)
+    one_call = redis_client.xautoclaim(stream, "trainers", "probe", 100, "0-0", count=2)
+    assert one_call[1] == []  # what a reclaimer that drops the cursor would get
+    reclaimer = _consumer(redis_client, stream, "c3", min_idle_ms=100)
+    got = reclaimer.reclaim(count=2)
+    assert [e.sample.group_id for e in got] == ["t25", "t26"]
+
+
 def test_bug26_paused_trainer_blocks_the_producer_at_t3_nothing_evicted(redis_client, prefix):
     stream = f"{prefix}:traj"
     producer = StreamProducer(redis_client, stream, high_water=2, watch_group="trainers")

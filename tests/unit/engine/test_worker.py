@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -117,6 +118,43 @@ def test_incompatible_checkpoint_is_refused_and_the_old_weights_keep_serving(
     assert (
         after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
     )
+
+
+def _truncated(state, folder):
+    save_file(state, folder / "model.safetensors")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])  # a half-written file
+
+
+def _missing_shard(state, folder):
+    names = sorted(state)
+    half = len(names) // 2
+    save_file({k: state[k] for k in names[:half]}, folder / "model-00001-of-00002.safetensors")
+    weight_map = dict.fromkeys(names[:half], "model-00001-of-00002.safetensors")
+    weight_map |= dict.fromkeys(names[half:], "model-00002-of-00002.safetensors")  # never written
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _unknown_tensor(state, folder):
+    save_file({**state, "model.layers.99.mlp.up_proj.weight": torch.ones(2, 2)},
+              folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("write", [_truncated, _missing_shard, _unknown_tensor])
+def test_bug17_partial_or_foreign_checkpoints_are_refused_whole(worker, tiny_model_dir, tmp_path,
+                                                                write):
+    prompt = [7, 8, 9]
+    before = generate(worker, "p0", prompt, temperature=0, max_new_tokens=3)
+    state = {k: v * 2 for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
+    write(state, tmp_path)
+    ok, message = worker.update_weights_from_disk(str(tmp_path), "5")
+    assert not ok and message
+    after = generate(worker, "p1", prompt, temperature=0, max_new_tokens=3)
+    assert after["meta_info"]["weight_version"] == "default"
+    # Not one tensor of the refused checkpoint was applied: the same greedy ids and logprobs.
+    assert after["output_ids"] == before["output_ids"]
+    assert (after["meta_info"]["output_token_logprobs"]
+            == before["meta_info"]["output_token_logprobs"])
 
 
 def test_duplicate_rid_context_limit_and_vocab_checks(worker):

@@ -1,6 +1,7 @@
 """Teacher service entry point: `python -m flywheel.teacher [--config FILE]`.
 
-Parse settings -> teacher tokenizer, vocabulary check against the student's -> prefill scorer on
+Parse settings -> teacher tokenizer, vocabulary check against the student's and against what each
+teacher engine serves -> prefill scorer on
 the teacher engines -> hint judge (optional) -> gRPC server (TeacherService + health +
 reflection) -> Prometheus metrics -> stream worker loop (scored -> train) until SIGTERM.
 """
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.teacher.hints import HintExtractor  # noqa: PLC0415
     from flywheel.teacher.pipeline import Teacher, TeacherConfig  # noqa: PLC0415
     from flywheel.teacher.scoring import TeacherScorer  # noqa: PLC0415
+    from flywheel.teacher.vocab import check_served_vocab  # noqa: PLC0415
     from flywheel.teacher.worker import TeacherWorker  # noqa: PLC0415
 
     ts, streams = settings.teacher, settings.streams
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     teacher_model = Path(ts.model_path) if ts.model_path and not ts.self_teacher else engine_model
     renderer, student_fp, teacher_fp = load_tokenizers(settings, teacher_model, engine_model)
     urls = teacher_engine_urls(settings)
+    for url in urls:  # the model each engine serves, not only the configured paths (BUG-23)
+        check_served_vocab(url, renderer.tokenizer, timeout_s=ts.timeout_s)
     scorer = TeacherScorer(urls, max_batch=ts.max_batch, batch_wait_ms=ts.batch_wait_ms,
                            max_concurrency=ts.max_concurrency, timeout_s=ts.timeout_s,
                            max_attempts=ts.max_attempts)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Protocol
+import time
+from typing import Any, Protocol
+
+import httpx
 
 from flywheel.core.errors import ConfigurationError
 
@@ -59,3 +62,53 @@ def check_ids_in_vocab(ids: list[int], vocab_size: int) -> None:
         raise VocabularyMismatchError(
             f"token ids {bad[:5]} are outside the teacher's vocabulary of {vocab_size}; the "
             "student uses a different tokenizer.")
+
+
+def probe_ids(vocab_size: int, n: int = 32) -> list[int]:
+    """`n` ids spread over [1, vocab_size): e.g. vocab 49152, n 32 -> 1, 1536, 3071, ..."""
+    step = max((vocab_size - 1) // n, 1)
+    return list(range(1, vocab_size, step))[:n]
+
+
+def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
+                       wait_s: float = 300.0) -> None:
+    """Ask the engine at `url` which text its tokenizer gives `probe_ids` (a prefill with
+    `return_text_in_logprobs`) and refuse an engine whose texts differ from `tokenizer`'s: the
+    configured tokenizer paths agreeing says nothing about the model the engine actually serves.
+    Waits up to `wait_s` seconds for an engine that does not answer yet.
+
+    Raises:
+        VocabularyMismatchError: the served vocabulary differs (or lacks a probe id).
+        TimeoutError: the engine did not answer within `wait_s`.
+    """
+    ids = probe_ids(len(tokenizer))
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resp = httpx.post(f"{url.rstrip('/')}/generate", json=body, timeout=timeout_s)
+            break
+        except httpx.TransportError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"teacher engine {url} did not answer within {wait_s} s: "
+                                   f"{exc!r}") from exc
+            time.sleep(1.0)
+    if resp.status_code != 200:
+        raise VocabularyMismatchError(
+            f"teacher engine {url} refused the vocabulary probe ids {ids[:3]}...{ids[-1]} "
+            f"(HTTP {resp.status_code}: {resp.text[:200]}); it serves another vocabulary")
+    rows = resp.json()["meta_info"]["input_token_logprobs"]
+    served = [row[2] for row in rows]
+    expected = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
+    # compared without surrounding whitespace: decoders differ in space clean-up, vocabularies
+    # in the token itself
+    differ = [(i, s, e) for i, s, e in zip(ids, served, expected, strict=True)
+              if (s or "").strip() != e.strip()]
+    if differ:
+        i, s, e = differ[0]
+        raise VocabularyMismatchError(
+            f"teacher engine {url} reads token id {i} as {s!r}, the teacher tokenizer as {e!r} "
+            f"({len(differ)} of {len(ids)} probe ids differ): it serves a model of another "
+            "vocabulary than teacher.tokenizer_path says. Point the teacher engine and "
+            "teacher.tokenizer_path at the same model family.")

@@ -150,3 +150,37 @@ def test_live_session_completions_are_one_sample_per_turn(env, renderer):
         assert not s.HasField("next_state") and sum(s.loss_mask) == n
     info = client.get("/v1/sessions/raw-live").json()
     assert info["forks"] == 0 and info["status"] == "finished"
+
+
+class Scripted:
+    """Answers each call with the next (ids, logprobs) of `outputs`."""
+
+    def __init__(self, outputs):
+        self.outputs, self.calls = list(outputs), []
+
+    async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
+        self.calls.append(list(input_ids))
+        ids, lps = self.outputs.pop(0)
+        return Generation(output_ids=ids, output_logprobs=lps, text="", finish_type="length",
+                          matched_eos=False, weight_version=1, prompt_tokens=len(input_ids))
+
+
+def test_bug02_art883_a_sampled_token_under_a_changed_prefix_is_never_trained_again(
+        redis_client, prefix, renderer):
+    # The case's exchanges, ids shifted by 100 (SmolLM2's id 2 is its EOS):
+    # exchange 1: prompt [101] -> [102, 103]; exchange 2: prompt [101, 103, 104] -> [105]
+    engine = Scripted([([102, 103], [-0.1, -0.3]), ([105], [-0.2])])
+    client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    for prompt in ([101], [101, 103, 104]):
+        assert client.post(f"/s/{sid}/v1/completions", json={"prompt": prompt}).status_code == 200
+    assert engine.calls == [[101], [101, 103, 104]]  # the client's prompt, not a spliced one
+    assert client.get(f"/v1/sessions/{sid}").json()["fork_reasons"] == {"history_edited": 1}
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    first, second = samples()
+    assert (list(first.token_ids), list(first.loss_mask)) == ([101, 102, 103], [0, 1, 1])
+    assert list(first.rollout_logprobs[1:]) == pytest.approx([-0.1, -0.3])
+    # Token 103 is context of exchange 2 (mask 0): its old logprob came under another prefix.
+    assert (list(second.token_ids), list(second.loss_mask)) == ([101, 103, 104, 105],
+                                                                [0, 0, 0, 1])
+    assert list(second.rollout_logprobs) == pytest.approx([0.0, 0.0, 0.0, -0.2])

@@ -51,7 +51,7 @@ def check_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise ValueError(f"tool call {i} must be {{'type': 'function', 'function': "
                              "{'name': ..., 'arguments': ...}}")
         if not isinstance(fn.get("name"), str) or not isinstance(
-                fn.get("arguments", ""), str | dict):
+                fn.get("arguments", ""), str | dict | None):
             raise ValueError(f"tool call {i}: function.name must be a string and "
                              "function.arguments a JSON string")
     return calls
@@ -212,7 +212,7 @@ class ChatCompletionRequest(BaseModel):
         for i, tool in enumerate(v or []):
             fn = tool.get("function")
             if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(
-                    fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict):
+                    fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict | None):
                 raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name': "
                                  "str, 'description'?: str, 'parameters'?: JSON schema}}")
         return v
@@ -308,12 +308,22 @@ class SessionCreate(BaseModel):
     """Evaluation sessions are served normally but never published as training data."""
 
 
+class NextState(ChatMessage):
+    """What followed a live turn (finish body): a message as in a chat request, except that a
+    tool result may leave out its `tool_call_id` (it is stored, not rendered for the engine)."""
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v
+
+
 class SessionFinish(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     reward: float | None = None
     """Outcome reward posted by the environment; combined with the others by the reward service."""
-    next_state: ChatMessage | None = None
+    next_state: NextState | None = None
     """Live mode: what followed the last turn (e.g. the user's final reply), if anything."""
 
 

@@ -31,16 +31,18 @@ STOP_OVERRUNS = Counter(
 def _first_string_stop(ids: Sequence[int], strings: Collection[str],
                        decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
     """(k, s): the shortest prefix `ids[:k]` whose text holds stop string `s`; None if the
-    whole text holds none. Binary search over k (a prefix's text grows with k), so O(log n)
-    decodes."""
+    whole text holds none. Two decodes when the last token completes the stop (a correct
+    engine's answer), else a binary search over k (a prefix's text grows with k): O(log n)."""
     def found(k: int) -> str | None:
         text = decode(list(ids[:k]))
         hits = [(text.find(s), s) for s in strings if s in text]
         return min(hits)[1] if hits else None
 
-    if not strings or found(len(ids)) is None:
+    if not strings or (last := found(len(ids))) is None:
         return None
-    lo, hi = 1, len(ids)  # found(hi) holds
+    if found(len(ids) - 1) is None:  # the usual case: the last token completes the stop
+        return len(ids), last
+    lo, hi = 1, len(ids) - 1  # found(hi) holds
     while lo < hi:
         mid = (lo + hi) // 2
         if found(mid) is None:
@@ -68,7 +70,7 @@ def reconcile_stop(gen: Generation, decode: Callable[[list[int]], str],
     ids = gen.output_ids
     cut: int | None = None
     matched: int | str | None = None
-    for k, t in enumerate(ids[:-1]):
+    for k, t in enumerate(ids):  # the last one too: SGLang checks the cap before the stops
         if t in stop_ids:
             cut, matched = k + 1, t
             break
@@ -84,7 +86,10 @@ def reconcile_stop(gen: Generation, decode: Callable[[list[int]], str],
         STOP_OVERRUNS.labels("finish_relabelled").inc()
         log.warning("engine finished with %r on the token that completes stop %r; recorded as "
                     "'stop'", gen.finish_type, matched)
-        return dataclasses.replace(gen, finish_type="stop", matched=matched,
+        text = gen.text
+        if isinstance(matched, str) and matched in text:  # the engine did not trim it
+            text = text[:text.find(matched)]
+        return dataclasses.replace(gen, finish_type="stop", matched=matched, text=text,
                                    matched_eos=isinstance(matched, int))
     STOP_OVERRUNS.labels("tokens_after_stop").inc()
     log.warning("engine returned %d tokens after stop %r (finish %r); cut at the stop",

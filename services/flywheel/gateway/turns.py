@@ -336,15 +336,15 @@ def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], *
     """Refuse a prompt whose completion cannot fit the context window.
 
     `capped_by_default`: the client set no max_tokens, so `sampling["max_new_tokens"]` is the
-    gateway's default; it is lowered in place to what is left of the window (as SGLang does
-    for an unset max_tokens) instead of refusing.
+    gateway's default; it is lowered in place to what is left of the window (context - prompt
+    - 1, the engine's own clamp) instead of refusing.
 
     Raises:
         InvalidRequestError: `context_length_exceeded`, naming `param`: the prompt leaves no
             room, or the client's max_tokens does not fit.
     """
     limit = d.context_length
-    room = limit - len(prompt)
+    room = limit - len(prompt) - 1  # SGLang clamps max_new_tokens to context - input - 1
     if capped_by_default and room > 0:
         sampling["max_new_tokens"] = min(sampling["max_new_tokens"], room)
     if sampling["max_new_tokens"] > room:

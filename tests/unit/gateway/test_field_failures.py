@@ -319,10 +319,11 @@ def test_bug10_length_on_the_token_that_completes_a_stop_is_stop(app, renderer):
     client, use, samples = app
     ids = renderer.encode("1, 2 ha ha ha")
     before = _overruns("finish_relabelled")
-    use(_gen(ids, "1, 2", finish="length", matched=None))
+    use(_gen(ids, "1, 2 ha ha ha", finish="length", matched=None))  # text not trimmed either
     resp, sample = _episode(client, {"messages": [{"role": "user", "content": "count"}],
                                      "stop": " ha ha ha", "max_tokens": len(ids)}, samples)
-    assert resp.json()["choices"][0]["finish_reason"] == "stop"
+    choice = resp.json()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "1, 2")
     assert list(sample.token_ids[sample.prompt_length:]) == ids  # nothing cut
     assert _overruns("finish_relabelled") == before + 1
 
@@ -422,6 +423,25 @@ def test_reformatted_arguments_fork_when_the_template_renders_them_raw(qwen_like
     _, closed = prepare_prompt(record, qwen_like, [user, compact, tool], tools)
     assert closed is not None
     assert record.fork_reasons == {"tool_arguments_reformatted": 1}
+
+
+def test_bug10_eos_as_the_last_allowed_token_is_a_stop_and_stitches_once(app, renderer):
+    # SGLang checks the token cap before the stop tokens: an EOS sampled as the last allowed
+    # token finishes "length". The turn ended on its EOS all the same, so the next turn's
+    # prompt is exactly a fresh rendering of the conversation (one end-of-turn, not two).
+    client, use, samples = app
+    ids = renderer.encode("8") + [EOS]
+    use(_gen(ids, "8", finish="length", matched=None))
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    first = [{"role": "user", "content": "7 + 1?"}]
+    resp = client.post(f"/s/{sid}/v1/chat/completions",
+                       json={"messages": first, "max_tokens": len(ids)})
+    assert resp.json()["choices"][0]["finish_reason"] == "stop"
+    then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
+    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then})
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert info["forks"] == 0
+    assert info["token_ids"][:-len(ids)] == renderer.prompt_ids(then)
 
 
 # BUG-19: a request that straddles a weight update records each token's own version, from the

@@ -168,7 +168,8 @@ def test_unset_max_tokens_takes_what_is_left_of_the_context(redis_client, prefix
     assert 2048 - 256 < prompt < 2048  # the default no longer fits, the prompt does
     resp = client.post("/v1/chat/completions", json={"model": "m", "messages": long})
     assert resp.status_code == 200, resp.text
-    assert engine.prompts[-1][1]["max_new_tokens"] == 2048 - prompt  # the rest of the window
+    # the rest of the window, less the one token SGLang keeps (context - input - 1)
+    assert engine.prompts[-1][1]["max_new_tokens"] == 2048 - prompt - 1
     short = client.post("/v1/chat/completions", json={"model": "m", "messages": U})
     assert short.status_code == 200 and engine.prompts[-1][1]["max_new_tokens"] == 256
     # A cap the client chose is never lowered: it does not fit, so it is a 400.
@@ -192,3 +193,20 @@ def test_a_session_can_be_created_without_a_body(redis_client, prefix, renderer)
     assert (info["mode"], info["group_id"], info["status"]) == ("episode", "", "open")
     bad = client.post("/v1/sessions", json={"mode": "sometimes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "mode"
+
+
+def test_null_arguments_and_parameters_and_an_unnamed_next_state_tool_result_are_accepted(
+        redis_client, prefix, renderer):
+    client, engine = _client(redis_client, prefix, renderer)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": None}}
+    messages = [*U, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": None}}]
+    resp = client.post("/v1/chat/completions",
+                       json={"model": "m", "messages": messages, "tools": tools})
+    assert resp.status_code == 200, resp.text
+    sid = client.post("/v1/sessions", json={"mode": "live"}).json()["session_id"]
+    client.post(f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": U})
+    done = client.post(f"/v1/sessions/{sid}/finish",
+                       json={"next_state": {"role": "tool", "content": "result"}})
+    assert done.status_code == 200 and done.json()["samples_published"] == 1

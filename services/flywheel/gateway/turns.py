@@ -56,6 +56,7 @@ from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import (
     ConflictError,
+    ContractError,
     InvalidRequestError,
     NotFoundError,
 )
@@ -403,11 +404,17 @@ async def finish(d: GatewayDeps, session_id: str, reward: float | None,
 
 def _held(d: GatewayDeps, record: SessionRecord) -> list[sample_pb2.Sample]:
     """The Samples an episode held until its finish (`SessionRecord.held`); the save that
-    publishes them empties the held list. Fewer than the record counts (the list expired) are
-    counted and logged."""
+    publishes them empties the held list. Fewer than the record counts (the list expired, or an
+    entry cannot be read) are counted and logged; the others are still published."""
     if not record.held:
         return []
-    samples = [decode_sample(payload) for payload in d.sessions.held_samples(record.session_id)]
+    samples = []
+    for payload in d.sessions.held_samples(record.session_id):
+        try:
+            samples.append(decode_sample(payload))
+        except ContractError as exc:  # counted below with the missing ones
+            log.error("session %s: a held Sample cannot be read (%s); left out", record.session_id,
+                      exc)
     if len(samples) != record.held:
         HELD_LOST.inc(max(record.held - len(samples), 0))
         log.error("session %s: %d held Samples expected, %d found; publishing those found",

@@ -67,6 +67,19 @@ def test_held_samples_gone_at_the_finish_are_counted(app):
     assert REGISTRY.get_sample_value("flywheel_gateway_held_samples_lost_total") == before + 1
 
 
+def test_an_unreadable_held_entry_is_counted_and_the_others_published(app):
+    client, samples, redis_client, prefix = app
+    sid = _forked_episode(client)
+    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": ASK})  # fork 2: 2 held
+    assert client.get(f"/v1/sessions/{sid}").json()["samples_held"] == 2
+    redis_client.lset(f"{prefix}:session-held:{sid}", 0, b"not a Sample")  # segment 0 spoilt
+    before = REGISTRY.get_sample_value("flywheel_gateway_held_samples_lost_total") or 0
+    finished = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 0.0}).json()
+    assert finished["samples_published"] == 2  # segment 1 (held) and the open segment 2
+    assert [s.segment_index for s in samples()] == [1, 2]
+    assert REGISTRY.get_sample_value("flywheel_gateway_held_samples_lost_total") == before + 1
+
+
 def test_a_new_session_with_a_used_id_starts_without_held_samples(app):
     client, samples, redis_client, prefix = app
     sid = "reused-id"

@@ -108,28 +108,35 @@ def test_pause_abort_then_requests_wait_until_continue(shared_live_engine):
     url = shared_live_engine
     t, box = start(url, long_body("pa-1"))
     wait_running(url)
-    r = httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
-    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
-    t.join(60)
-    assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
-    assert httpx.get(f"{url}/ready").status_code == 503
-    waiting_t, waiting = start(url, long_body("pa-2", 3))
-    time.sleep(0.5)
-    assert "r" not in waiting  # accepted, held while paused
-    httpx.post(f"{url}/continue_generation", json={})
+    waiting_t, waiting = None, {}
+    try:
+        r = httpx.post(f"{url}/pause_generation", json={"mode": "abort"}, timeout=60)
+        assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        t.join(60)
+        assert box["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+        assert httpx.get(f"{url}/ready").status_code == 503
+        waiting_t, waiting = start(url, long_body("pa-2", 3))
+        time.sleep(0.5)
+        assert "r" not in waiting  # accepted, held while paused
+    finally:  # never leave the shared engine paused for the tests after this one
+        httpx.post(f"{url}/continue_generation", json={})
     waiting_t.join(60)
     assert waiting["r"].json()["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
 
 
 def test_pause_in_place_freezes_and_continue_completes(shared_live_engine):
     url = shared_live_engine
-    t, box = start(url, long_body("pi-1", 150))
+    # Nearly the whole 512-token window: the tiny model decodes 150 tokens in well under a
+    # second on a quiet machine, before the pause could land.
+    t, box = start(url, long_body("pi-1", 480))
     wait_running(url)
-    httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=60)
-    time.sleep(0.5)
-    assert "r" not in box  # frozen, not aborted
-    httpx.post(f"{url}/continue_generation", json={})
+    try:
+        httpx.post(f"{url}/pause_generation", json={"mode": "in_place"}, timeout=60)
+        time.sleep(0.5)
+        assert "r" not in box  # frozen, not aborted
+    finally:  # never leave the shared engine paused for the tests after this one
+        httpx.post(f"{url}/continue_generation", json={})
     t.join(60)
     meta = box["r"].json()["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": 150}
+    assert meta["finish_reason"] == {"type": "length", "length": 480}
     assert "weight_versions" not in meta  # no swap happened while paused

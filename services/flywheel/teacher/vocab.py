@@ -79,7 +79,8 @@ def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
 
     Raises:
         VocabularyMismatchError: the served vocabulary differs (or lacks a probe id).
-        TimeoutError: the engine did not answer within `wait_s`.
+        TimeoutError: the engine did not accept a connection within `wait_s`.
+        httpx.TimeoutException: it accepted one but did not answer within `timeout_s`.
     """
     ids = probe_ids(len(tokenizer))
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
@@ -89,7 +90,7 @@ def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
         try:
             resp = httpx.post(f"{url.rstrip('/')}/generate", json=body, timeout=timeout_s)
             break
-        except httpx.TransportError as exc:
+        except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # not up yet
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"teacher engine {url} did not answer within {wait_s} s: "
                                    f"{exc!r}") from exc

@@ -176,7 +176,8 @@ class GatewaySettings(Section):
     model_name: str = DEFAULT_MODEL_NAME
     """Model id reported by `/v1/models` and accepted in requests."""
     default_max_tokens: int = Field(256, ge=1)
-    """Completion tokens when the request sets neither max_tokens nor max_completion_tokens."""
+    """Completion tokens when the request sets neither max_tokens nor max_completion_tokens
+    (lowered to what the context window leaves after the prompt)."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Seconds to wait for one engine call."""
     engine_health_interval_s: float = Field(2.0, ge=0)

@@ -12,8 +12,10 @@ and never count as the next state of a turn.
 
 Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
 
-- Episode mode: one Sample per segment when the session finishes (or when a request rewrites
-  history and a new segment starts): `token_ids` = the first prompt, then every sampled turn
+- Episode mode: one Sample per segment, all published when the session finishes (a request
+  that rewrites history, or a turn sampled at another temperature/top_p/top_k/min_p, starts a
+  new segment; the closed one is held until the finish): `token_ids` = the first prompt, then
+  every sampled turn
   and the template tokens between turns; `loss_mask` 1 on every sampled token; `messages` the
   whole conversation; `rewards` = what was posted to `/reward` plus the finish `reward` as
   `rewards["outcome"]`.
@@ -34,10 +36,15 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
                      extended the turn and the finish body had no `next_state` for it.
     turn_index       the turn's index in the session; segment_index its segment
     sample_id        uuid5 of "<session>/turn/<turn_index>[/choice/<k>]" (a re-publish dedupes)
-    sampling, tools_json, task_json, finish_reason (stop | length | tool_calls | abort), group_id
+    sampling, tools_json, task_json, finish_reason (stop | length | tool_calls), group_id
     rewards          whatever was posted to `/v1/sessions/<id>/reward` while the turn waited
 - n > 1 in a session: the choices share `group_id`; the one the client sends back continues the
-  session, each other choice is published at once as its own Sample (loss mask on it only).
+  session, each other choice becomes its own Sample (loss mask on it only), published at once
+  in live mode and at the finish in episode mode.
+
+Per token: `weight_versions` from the engine's `weight_versions` spans when an update landed
+during the request. A generation the engine returned past a stop is cut at the stop (stops.py);
+one it aborted is asked again once and never recorded (engine_pool.py).
 
 Delivery: a request's Samples are added to the stream by the same Redis script that saves the
 session record and releases its lock (sessions.py), so a failed request or a gateway killed
@@ -47,14 +54,14 @@ the records it saved (record_cache.py): the session's next turn there reads no r
 Redis while the stored one is still the version it saved (another replica's save, or any other
 write, makes it read again).
 
-Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py
-(the chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
+Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py (the
+chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
 turns.py (what a session turn records and publishes), recording.py (stitching rule, fork
 reasons, Samples from segments), branches.py (live-mode branches), sweep.py (idle sessions
 finished), request_rules.py (model names, null contents), tokenization.py (the only text ->
 ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning),
-streaming.py (SSE), completions.py (raw completions), engine_pool.py (/generate client,
-affinity, health), sessions.py (Redis store: locks, saves), record_cache.py (records kept after
-their save), script_deadline.py (late session scripts not applied), records.py (what a session
-stores), schemas.py (request models and field policy).
+streaming.py (SSE), stops.py (generations past a stop), completions.py (raw completions),
+engine_pool.py (/generate client, affinity, health), sessions.py (Redis store: locks, saves),
+record_cache.py (records kept after their save), script_deadline.py (late session scripts not
+applied), records.py (what a session stores), schemas.py (request models and field policy).
 """

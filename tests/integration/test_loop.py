@@ -175,7 +175,7 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
     sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
     chunks = list(sdk.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=6, temperature=1.0, stream=True, logprobs=True,
+        max_tokens=6, temperature=1.0, stream=True, logprobs=True, seed=11, stop=["###"],
         stream_options={"include_usage": True}))
     rows = [row for c in chunks if c.choices and c.choices[0].logprobs
             for row in c.choices[0].logprobs.content]
@@ -187,6 +187,10 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
                              client.xrange(settings.streams.key("rollouts")))
                  if s.session_id == session["session_id"]]
     n = sample.prompt_length
+    # The Sample keeps the sampling params the engine got, the stop strings and seed included.
+    assert round(sample.sampling.temperature, 6) == 1.0 and sample.sampling.max_new_tokens == 6
+    assert list(sample.sampling.stop) == ["###"]
+    assert sample.sampling.has_seed and sample.sampling.seed == 11
     # One streamed row per sampled token, each the logprob the engine sampled it with.
     assert len(rows) == chunks[-1].usage.completion_tokens == len(sample.token_ids) - n
     assert [r.logprob for r in rows] == pytest.approx(list(sample.rollout_logprobs[n:]),

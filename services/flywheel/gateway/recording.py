@@ -163,9 +163,15 @@ def prepare_prompt(
 
 
 def set_sampling(seg: Segment, sampling: dict[str, Any]) -> None:
-    """Store the sampling params of the segment's latest turn (what the engine got)."""
+    """Store the sampling params of the segment's latest turn (what the engine got): the
+    distribution's temperature, top_p, top_k, min_p, and max_new_tokens, the stop strings and
+    the seed (SGLang's `sampling_seed`) when given."""
     seg.sampling = {k: float(sampling[k]) for k in ("temperature", "top_p", "top_k", "min_p")}
     seg.sampling["max_new_tokens"] = float(sampling["max_new_tokens"])
+    if sampling.get("stop"):
+        seg.sampling["stop"] = list(sampling["stop"])
+    if sampling.get("sampling_seed") is not None:
+        seg.sampling["seed"] = int(sampling["sampling_seed"])
 
 
 def _finish(finish_type: str, reply: dict[str, Any]) -> str:
@@ -340,6 +346,10 @@ def build_sample(
         sample.sampling.top_k = int(s["top_k"])
         sample.sampling.min_p = s["min_p"]
         sample.sampling.max_new_tokens = int(s["max_new_tokens"])
+        sample.sampling.stop.extend(s.get("stop", []))
+        if "seed" in s:
+            sample.sampling.has_seed = True
+            sample.sampling.seed = s["seed"]
     if reward is not None:
         sample.rewards["outcome"] = reward
     return sample

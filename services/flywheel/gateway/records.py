@@ -48,7 +48,9 @@ class Segment(BaseModel):
     turns: int = 0
     finish_reason: str = ""
     ended_with_eos: bool = False
-    sampling: dict[str, float] = Field(default_factory=dict)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    """The latest turn's sampling params: floats for the distribution's keys and max_new_tokens,
+    "stop" (list of strings) and "seed" (int) when the client gave them."""
     text: str = ""
     """Raw completions: the recorded prompt text + completion texts (the extension check)."""
     turn_start: int = 0

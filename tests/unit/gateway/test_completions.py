@@ -184,3 +184,27 @@ def test_bug02_art883_a_sampled_token_under_a_changed_prefix_is_never_trained_ag
     assert (list(second.token_ids), list(second.loss_mask)) == ([101, 103, 104, 105],
                                                                 [0, 0, 0, 1])
     assert list(second.rollout_logprobs) == pytest.approx([0.0, 0.0, 0.0, -0.2])
+
+
+def test_session_sample_records_the_stop_strings_and_seed_the_engine_got(env):
+    client, engine, samples = env
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    client.post(f"/s/{sid}/v1/completions", json={
+        "prompt": "7 + 1 =", "temperature": 0.5, "stop": ["\n\n", "###"], "seed": -1})
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    (sample,) = samples()
+    # OpenAI's seed is a signed int64; SGLang's sampling_seed is non-negative:
+    # -1 % 2**63 = 2**63 - 1 = 9223372036854775807, the value the engine got and the Sample keeps.
+    assert engine.calls[0][1]["sampling_seed"] == 2**63 - 1
+    assert sample.sampling.has_seed and sample.sampling.seed == 2**63 - 1
+    assert list(sample.sampling.stop) == ["\n\n", "###"]
+
+
+def test_session_sample_without_seed_or_stop_says_so(env):
+    client, engine, samples = env
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    client.post(f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 ="})
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    (sample,) = samples()
+    assert not sample.sampling.has_seed and sample.sampling.seed == 0
+    assert list(sample.sampling.stop) == []

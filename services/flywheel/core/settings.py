@@ -208,6 +208,11 @@ class GatewaySettings(Section):
     segments, as a finish without a reward would. Counted in
     `flywheel_gateway_sessions_finished_total{reason="idle"}` and logged; a later request to
     the session is a 409 (start a new session)."""
+    max_held_samples: int = Field(1024, ge=1)
+    """Samples an episode session may set aside for its finish (segments closed by a fork,
+    n > 1 choices not continued). A request that would set aside more is a 409
+    `too_many_held_samples` before any generation (finish the session and start a new one);
+    what the session holds stays as it is."""
     served_model_names: list[str] = Field(default_factory=list)
     """Model names a request may ask for, listed by `GET /v1/models`; another name is a 404
     `model_not_found`. Empty = any name is accepted (and `model_name` is listed)."""

@@ -157,6 +157,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
             out.append(build_sample(record, closed))
         seg = record.segment
         turns.check_context(d, seg.token_ids, sampling, param="prompt")
+        turns.check_held(d, record, len(out))
         (gen,) = await turns.generate_n(d, list(seg.token_ids), sampling, 1,
                                         body.logprobs or 0, affinity=session_id)
         seg.turn_start = len(seg.token_ids)

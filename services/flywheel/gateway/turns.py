@@ -95,6 +95,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
                         "Live turns published without a next state (finished or regenerated)")
+HELD_REFUSED = Counter("flywheel_gateway_held_refused_total",
+                       "Episode turns refused because the session held gateway.max_held_samples "
+                       "Samples for its finish")
 SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
                      "Side turns served in a session without being recorded")
 FORKS.labels("choice_not_sent_back")
@@ -210,6 +213,27 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
             record.samples_published += 1
 
 
+def check_held(d: GatewayDeps, record: SessionRecord, adding: int) -> None:
+    """Refuse a turn that would make an episode session hold more than
+    `gateway.max_held_samples` Samples until its finish; nothing is saved or generated then.
+
+    Raises:
+        ConflictError: (409, code `too_many_held_samples`) `record.held + adding` exceeds the
+            limit; counted in `flywheel_gateway_held_refused_total` and logged.
+    """
+    limit = d.settings.max_held_samples
+    if record.mode != "episode" or record.eval or record.held + adding <= limit:
+        return
+    HELD_REFUSED.inc()
+    log.warning("session %s: a turn would set aside %d Samples beside the %d held (limit %d); "
+                "refused", record.session_id, adding, record.held, limit)
+    raise ConflictError(
+        f"session {record.session_id} holds {record.held} Samples for its finish and this "
+        f"request would set aside {adding} more (gateway.max_held_samples = {limit}); finish "
+        f"the session (POST /v1/sessions/{record.session_id}/finish) and start a new one",
+        param="session_id", code="too_many_held_samples")
+
+
 def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None,
                  conversation: bool = True) -> sample_pb2.Sample:
     key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
@@ -311,11 +335,12 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         prompt, closed = await render_call(text_size(messages, body.tools), prepare_prompt,
                                            record, d.renderer, messages, body.tools, sampling)
         check_context(d, prompt, sampling, capped_by_default=default_cap(body))
+        if closed is not None and record.mode == "episode":
+            out.append(build_sample(record, closed))
+        check_held(d, record, len(out))
         gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
                                 affinity=session_id)
         parsed = [parse_choice(d, body, g) for g in gens]
-        if closed is not None and record.mode == "episode":
-            out.append(build_sample(record, closed))
         turn = record.turns
         record.turns += 1
         if body.n == 1:

@@ -25,6 +25,15 @@ def app(redis_client, prefix, renderer):
     return client, samples, redis_client, prefix
 
 
+@pytest.fixture
+def capped(redis_client, prefix, renderer):
+    """A gateway whose episode sessions may hold 2 Samples for the finish."""
+    engine = FakeEngine(renderer)
+    client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
+    deps.settings = deps.settings.model_copy(update={"max_held_samples": 2})
+    return client, samples, engine
+
+
 def _forked_episode(client):
     """An episode whose second request edits history: segment 0 is closed by a fork."""
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
@@ -96,3 +105,31 @@ def test_the_held_list_lives_as_long_as_the_record(app):
     ttl = redis_client.ttl(f"{prefix}:session-held:{sid}")
     assert 3500 < ttl <= 3600  # the store's session TTL (harness: 3600 s), renewed per save
     assert abs(ttl - redis_client.ttl(f"{prefix}:session:{sid}")) <= 1
+
+
+def test_a_turn_that_would_hold_too_many_samples_is_refused_and_nothing_is_lost(capped):
+    client, samples, engine = capped
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    chat = f"/s/{sid}/v1/chat/completions"
+    # ASK, EDITED, ASK: two forks close segments 0 and 1 -> 2 held, the limit.
+    for messages in (ASK, EDITED, ASK):
+        assert client.post(chat, json={"messages": messages}).status_code == 200
+    assert client.get(f"/v1/sessions/{sid}").json()["samples_held"] == 2
+    before = REGISTRY.get_sample_value("flywheel_gateway_held_refused_total") or 0
+    generated = len(engine.prompts)
+    refused = client.post(chat, json={"messages": EDITED})  # a third fork: 3 > 2
+    assert refused.status_code == 409
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("too_many_held_samples", "session_id")
+    assert "finish" in error["message"]
+    assert len(engine.prompts) == generated  # refused before the engine was asked
+    assert REGISTRY.get_sample_value("flywheel_gateway_held_refused_total") == before + 1
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert (info["samples_held"], info["forks"], info["turns"]) == (2, 2, 3)
+    # A turn that extends the open segment sets nothing aside and is served.
+    reply = [*ASK, {"role": "assistant", "content": "8"}, {"role": "user", "content": "And 2+2?"}]
+    assert client.post(chat, json={"messages": reply}).status_code == 200
+    finished = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).json()
+    assert finished["samples_published"] == 3
+    assert [s.segment_index for s in samples()] == [0, 1, 2]
+    assert sum(samples()[2].loss_mask) == 4  # the open segment's two turns, "8" + EOS each

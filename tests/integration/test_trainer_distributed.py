@@ -54,6 +54,7 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, redis_server, pre
             f'micro_batch_size = 3\nlr = 1e-2\nsource = "replay"\nreplay_path = "{dump.path}"\n'
             f'tensorboard = false\nmax_steps = 1\nengine_urls = ["{engine.url}"]\n'
             f'port = {single.trainer.port + 1}\ndistributed_strategy = "{strategy}"\n'
+                'precision = "fp32"\n'
         )
         env = os.environ | {"PYTHONPATH": str(REPO / "services"), "OMP_NUM_THREADS": "1"}
         out = subprocess.run(

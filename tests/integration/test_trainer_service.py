@@ -92,6 +92,9 @@ def engine():
 
 
 def trainer_settings(tmp_path, redis_server, prefix, engine_url, **trainer):
+    """Trainer settings for these tests: fp32 on every machine (`precision` auto would run the
+    decoder under bf16 autocast on a CPU with AVX512-BF16 or AMX, and the tests compare
+    logprobs and weights at fp32 tolerances)."""
     return load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": prefix, "block_ms": 100},
@@ -101,7 +104,7 @@ def trainer_settings(tmp_path, redis_server, prefix, engine_url, **trainer):
             "metrics_path": str(tmp_path / "metrics.jsonl"),
             "group_size": 4, "groups_per_step": 1, "group_wait_s": 30, "lr": 1e-2,
             "engine_urls": [engine_url], "push_attempts": 1, "consumer_name": "trainer-a",
-            "port": free_port(),
+            "port": free_port(), "precision": "fp32",
         } | trainer,
     )
 

@@ -164,7 +164,7 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         seg.append(gen.output_ids, sampled=True, logprobs=gen.output_logprobs,
                    versions=gen.token_versions())
         prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
-        seg.text = prompt + gen.text if isinstance(prompt, str) else ""
+        seg.text = prompt + _context_text(d, gen) if isinstance(prompt, str) else ""
         seg.messages = [{"role": "user", "content": prompt_text},
                         {"role": "assistant", "content": gen.text}]
         seg.turns += 1
@@ -208,6 +208,18 @@ def _select_branch(d: GatewayDeps, record: SessionRecord, prompt: str | list[int
                                [{"role": "user", "content": rest}] if rest else [])
 
     return branches.select(record, _continues(prompt), emit)
+
+
+def _context_text(d: GatewayDeps, gen: Generation) -> str:
+    """The text the recorded ids add to the context: the reply's text, except after a stop
+    string, where the ids keep the whole token that completed it (the stop string included,
+    and what the token holds past it) while the reply's text ends before the stop string.
+
+    Example: stop "he", sampled token " there": the reply is " t", the context text " there";
+    a next prompt "... t Then" does not extend it (a new segment, tokenized as it stands), and
+    "... there Then" does.
+    """
+    return d.renderer.decode(gen.output_ids) if isinstance(gen.matched, str) else gen.text
 
 
 def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int],

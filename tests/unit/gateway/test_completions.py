@@ -208,3 +208,44 @@ def test_session_sample_without_seed_or_stop_says_so(env):
     (sample,) = samples()
     assert not sample.sampling.has_seed and sample.sampling.seed == 0
     assert list(sample.sampling.stop) == []
+
+
+class StopInsideToken(Engine):
+    """Samples " there" and stops on the stop string "he" inside it: the reply is " t"."""
+
+    def __init__(self, renderer):
+        super().__init__(renderer)
+        self.ids = renderer.encode(" there")
+
+    async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
+        self.calls.append((list(input_ids), dict(sampling_params), top_logprobs_num))
+        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
+                          text=" t", finish_type="stop", matched="he", matched_eos=False,
+                          weight_version=1, prompt_tokens=len(input_ids))
+
+
+@pytest.mark.parametrize(("follow_up", "stitched"), [
+    (" t Then", False),    # the text the client got: the context holds " there", not " t"
+    (" there Then", True),  # the text the ids hold: extends the recorded ids
+])
+def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
+        redis_client, prefix, renderer, follow_up, stitched):
+    engine = StopInsideToken(renderer)
+    client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
+    sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
+    first = "Once upon a time,"
+    reply = client.post(f"/s/{sid}/v1/completions", json={"prompt": first, "stop": ["he"]})
+    assert reply.json()["choices"][0]["text"] == " t"
+    client.post(f"/s/{sid}/v1/completions", json={"prompt": first + follow_up})
+    sent = engine.calls[1][0]
+    info = client.get(f"/v1/sessions/{sid}").json()
+    if stitched:
+        # recorded prompt + the sampled " there" + only the new text
+        assert sent == engine.calls[0][0] + engine.ids + renderer.encode(" Then")
+        assert info["forks"] == 0
+    else:
+        # a new segment: the client's prompt tokenized as it stands (never " there Then")
+        assert sent == renderer.encode(first + follow_up)
+        assert info["fork_reasons"] == {"history_edited": 1}
+    client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
+    assert len(samples()) == (1 if stitched else 2)

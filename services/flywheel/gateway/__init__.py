@@ -39,8 +39,8 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
     sampling, tools_json, task_json, finish_reason (stop | length | tool_calls), group_id
     rewards          whatever was posted to `/v1/sessions/<id>/reward` while the turn waited
 - n > 1 in a session: the choices share `group_id`; the one the client sends back continues the
-  session, each other choice becomes its own Sample (loss mask on it only), published at once
-  in live mode and at the finish in episode mode.
+  session, each other choice becomes its own Sample (loss mask on it only), published with the
+  request that sends the chosen one back in live mode and at the finish in episode mode.
 
 Per token: `weight_versions` from the engine's `weight_versions` spans when an update landed
 during the request. A generation the engine returned past a stop is cut at the stop (stops.py);

@@ -31,7 +31,7 @@ from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import build_sample, count_fork, sampling_changed, set_sampling
 from flywheel.gateway.records import Segment, SessionRecord
 from flywheel.gateway.request_rules import served_models
-from flywheel.gateway.schemas import sglang_sampling
+from flywheel.gateway.schemas import sglang_sampling, stream_options_need_stream
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -78,6 +78,12 @@ class CompletionRequest(BaseModel):
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
         return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
+                        ) -> dict[str, Any] | None:
+        return stream_options_need_stream(v, info)
 
     @field_validator("prompt")
     @classmethod

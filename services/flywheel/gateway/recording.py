@@ -102,11 +102,15 @@ def fork_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) 
 
 def sampling_changed(record: SessionRecord, sampling: dict[str, Any] | None) -> bool:
     """True when an episode's next turn would be drawn from another distribution than the
-    segment's earlier turns (a `DISTRIBUTION_KEYS` value differs), so it needs a new segment."""
+    segment's earlier turns (a `DISTRIBUTION_KEYS` value differs), so it needs a new segment.
+    Greedy turns (temperature 0 in both) take the argmax whatever top_p, top_k or min_p say,
+    so they never differ."""
     seg = record.segment
-    return (record.mode == "episode" and sampling is not None and bool(seg.turns)
-            and bool(seg.sampling) and any(float(sampling[k]) != seg.sampling.get(k)
-                                           for k in DISTRIBUTION_KEYS))
+    if not (record.mode == "episode" and sampling is not None and seg.turns and seg.sampling):
+        return False
+    if float(sampling["temperature"]) == 0.0 == seg.sampling.get("temperature"):
+        return False
+    return any(float(sampling[k]) != seg.sampling.get(k) for k in DISTRIBUTION_KEYS)
 
 
 def count_fork(record: SessionRecord, reason: str) -> None:

@@ -121,6 +121,15 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
+def stream_options_need_stream(v: dict[str, Any] | None, info: ValidationInfo
+                               ) -> dict[str, Any] | None:
+    """`stream_options` validator (chat and text completions): OpenAI's API refuses it
+    without `stream: true`. Raises ValueError (a 400 naming `stream_options`)."""
+    if v is not None and not info.data.get("stream"):
+        raise ValueError("stream_options is only allowed with stream: true")
+    return v
+
+
 class ChatCompletionRequest(BaseModel):
     """`POST /v1/chat/completions` body.
 
@@ -202,9 +211,7 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
                         ) -> dict[str, Any] | None:
-        if v is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed with stream: true")
-        return v
+        return stream_options_need_stream(v, info)
 
     @field_validator("tools")
     @classmethod

@@ -32,9 +32,10 @@ affinity but neither recorded nor counted as the next state of the pending turn.
 
 n > 1 in a session: the choices share the session's `group_id`. The client continues with one
 of them by sending it back as the assistant message of its next request; that choice joins the
-segment (and, in live mode, waits for its next state), every other choice is published at once
-as its own Sample (the segment so far + that choice, loss mask on the choice only). Choices never
-sent back (the session finished, or the next request sent none of them) are all published so.
+segment (and, in live mode, waits for its next state), every other choice becomes its own
+Sample (the segment so far + that choice, loss mask on the choice only), published when that
+request arrives (live mode) or held for the finish (episode mode). Choices never sent back (the
+session finished, or the next request sent none of them) are all published so.
 """
 
 from __future__ import annotations
@@ -376,8 +377,8 @@ def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], *
     if sampling["max_new_tokens"] > room:
         asked = "" if capped_by_default else f" + max_tokens ({sampling['max_new_tokens']})"
         raise InvalidRequestError(
-            f"prompt ({len(prompt)} tokens){asked} exceeds the context window of {limit} "
-            "tokens; shorten the conversation" + ("" if capped_by_default else
+            f"prompt ({len(prompt)} tokens){asked} must stay below the context window of "
+            f"{limit} tokens; shorten the conversation" + ("" if capped_by_default else
                                                   " or lower max_tokens"),
             param=param, code="context_length_exceeded")
 

@@ -249,3 +249,11 @@ def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
         assert info["fork_reasons"] == {"history_edited": 1}
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     assert len(samples()) == (1 if stitched else 2)
+
+
+def test_stream_options_without_stream_is_refused_as_in_chat(env):
+    client, engine, _ = env
+    reply = client.post("/v1/completions", json={
+        "prompt": "7 + 1 =", "stream_options": {"include_usage": True}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
+    assert engine.calls == []

@@ -493,19 +493,22 @@ def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
 
 # BUG-07: a Sample carries one sampling setting, the one the trainer recomputes logprobs with; an
 # episode turn drawn at another temperature (or top_p/top_k/min_p) starts a new segment.
-@pytest.mark.parametrize(("second", "forked"), [
-    ({"temperature": 1.0}, True),
-    ({"temperature": 0.5, "top_p": 0.9}, True),
-    ({"temperature": 0.5, "max_tokens": 3}, False),  # the cap does not change the distribution
+@pytest.mark.parametrize(("first_t", "second", "forked"), [
+    (0.5, {"temperature": 1.0}, True),
+    (0.5, {"temperature": 0.5, "top_p": 0.9}, True),
+    (0.5, {"temperature": 0.5, "max_tokens": 3}, False),  # the cap leaves the distribution
+    (0.0, {"temperature": 0.0, "top_p": 0.5}, False),  # greedy takes the argmax either way
+    (0.0, {"temperature": 0.5}, True),
 ])
-def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(app, renderer, second, forked):
+def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(app, renderer, first_t, second,
+                                                                  forked):
     client, use, samples = app
     reply = renderer.encode("8") + [EOS]
     use(_gen(reply, "8"))
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     first = [{"role": "user", "content": "7 + 1?"}]
     assert client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": first, "temperature": 0.5}).status_code == 200
+                       json={"messages": first, "temperature": first_t}).status_code == 200
     then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
     assert client.post(f"/s/{sid}/v1/chat/completions",
                        json={"messages": then, **second}).status_code == 200
@@ -515,8 +518,8 @@ def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(app, renderer,
     temps = [round(s.sampling.temperature, 6) for s in published]
     if forked:
         assert info["forks"] == 1 and info["fork_reasons"] == {"sampling_changed": 1}
-        assert temps == [0.5, second["temperature"]]
+        assert temps == [first_t, second["temperature"]]
         assert [sum(s.loss_mask) for s in published] == [len(reply), len(reply)]
     else:
-        assert info["forks"] == 0 and temps == [0.5]
+        assert info["forks"] == 0 and temps == [first_t]
         assert sum(published[0].loss_mask) == 2 * len(reply)

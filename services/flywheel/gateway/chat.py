@@ -18,7 +18,7 @@ from flywheel.core.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from flywheel.gateway import turns
+from flywheel.gateway import incremental, turns
 from flywheel.gateway.disconnect import Receive, unless_disconnected
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
@@ -108,8 +108,12 @@ async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str |
     if session_id is None:
         session_id = session_header(header_id)
         create_owner = None if session_id is None else owner
-    completion = await unless_disconnected(
-        serve(d, body, session_id, turn_type, create_owner=create_owner), receive, session_id)
+    work = serve(d, body, session_id, turn_type, create_owner=create_owner)
+    if incremental.eligible(body, d.settings.tool_parser):
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return await incremental.respond(body, work, receive, session_id, stops,
+                                         body.model or served_models(d.settings)[0])
+    completion = await unless_disconnected(work, receive, session_id)
     return answer(body, completion)
 
 

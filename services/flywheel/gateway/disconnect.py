@@ -32,7 +32,7 @@ ABANDONED = Counter("flywheel_gateway_requests_abandoned_total",
                     "answer was ready (nothing of them recorded or published)", ["kind"])
 
 
-async def _until_disconnected(receive: Receive) -> None:
+async def until_disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
@@ -54,9 +54,8 @@ async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | N
     """
     if receive is None:
         return await work
-    what = "unrecorded" if session_id is None else f"session {session_id}"
     turn = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnected(receive))
+    watcher = asyncio.ensure_future(until_disconnected(receive))
     try:
         await asyncio.wait((turn, watcher), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # this request itself was cancelled (e.g. its time limit)
@@ -66,6 +65,14 @@ async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | N
     if turn.done():
         watcher.cancel()
         return turn.result()
+    await stop_abandoned(turn, session_id)
+    raise ClientClosedError("the client closed the connection before the answer was ready")
+
+
+async def stop_abandoned(turn: asyncio.Future[Any], session_id: str | None) -> None:
+    """Cancel the turn of a request whose client has gone and wait until it has unwound (its
+    session lock released, nothing saved); counted in `ABANDONED` and logged."""
+    what = "unrecorded" if session_id is None else f"session {session_id}"
     turn.cancel()
     try:
         await turn
@@ -76,4 +83,3 @@ async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | N
     ABANDONED.labels("unrecorded" if session_id is None else "session").inc()
     log.warning("%s: the client closed the connection before the answer was ready; the "
                 "request was stopped before it was recorded", what)
-    raise ClientClosedError("the client closed the connection before the answer was ready")

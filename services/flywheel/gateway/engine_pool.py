@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +266,25 @@ class EnginePool:
                 await asyncio.sleep(ABORT_RETRY_S)
         raise UpstreamError("the engine aborted the generation twice (a weight update or an "
                             "abort request); nothing was recorded, send the request again")
+
+    async def generate_stream(
+        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = "",
+        top_logprobs_num: int = 0, *, on_text: Callable[[str], None],
+    ) -> Generation:
+        """`generate`, streamed: `on_text` gets the cumulative text of each chunk as the
+        engine samples it (engine_stream.py). Aborted or broken after its first chunk, it is
+        an UpstreamError (the text has been shown), never retried.
+
+        Raises:
+            InvalidRequestError, UpstreamError: as `generate`.
+        """
+        from flywheel.gateway.engine_stream import generate_stream  # noqa: PLC0415 (cycle)
+
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                                "return_logprob": True}
+        if top_logprobs_num:
+            body["top_logprobs_num"] = top_logprobs_num
+        return await generate_stream(self, body, affinity, on_text)
 
     async def _generate(self, body: dict[str, Any], affinity: str) -> tuple[str, Generation]:
         """One `/generate` answer and the engine that gave it (another engine once on failure)."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def _chunk(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None,
+def chunk_event(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None,
            index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
     body = {**base, "object": "chat.completion.chunk",
             "choices": [{"index": index, "delta": delta, "finish_reason": finish,
@@ -38,11 +38,11 @@ def sse_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[str]
     for choice in completion["choices"]:
         i, message = choice["index"], choice["message"]
         logprobs = choice.get("logprobs")  # sent once, with the choice's first delta
-        yield _chunk(base, {"role": "assistant", "content": ""}, index=i)
+        yield chunk_event(base, {"role": "assistant", "content": ""}, index=i)
         for delta in _deltas(message):
-            yield _chunk(base, delta, index=i, logprobs=logprobs)
+            yield chunk_event(base, delta, index=i, logprobs=logprobs)
             logprobs = None
-        yield _chunk(base, {}, finish=choice["finish_reason"], index=i, logprobs=logprobs)
+        yield chunk_event(base, {}, finish=choice["finish_reason"], index=i, logprobs=logprobs)
     if include_usage:
         body = {**base, "object": "chat.completion.chunk", "choices": [],
                 "usage": completion["usage"]}

@@ -64,6 +64,7 @@ from flywheel.core.errors import (
 from flywheel.core.metrics import labeled_counter
 from flywheel.gateway import branches, pending
 from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.engine_stream import TEXT_SINK
 from flywheel.gateway.parsers import ParsedReply, parse_reply
 from flywheel.gateway.recording import (
     FORKS,
@@ -129,10 +130,16 @@ def top_logprobs_num(body: ChatCompletionRequest) -> int:
 
 async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], n: int,
                      top_logprobs: int = 0, affinity: str = "") -> list[Generation]:
-    """n engine calls for one prompt (distinct seeds when a seed is given)."""
+    """n engine calls for one prompt (distinct seeds when a seed is given). A request answered
+    as its text is sampled (`engine_stream.TEXT_SINK` set, n = 1) streams its engine call."""
     extra = {"top_logprobs_num": top_logprobs} if top_logprobs else {}
-    gens = await asyncio.gather(*[
-        d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)])
+    sink = TEXT_SINK.get()
+    if sink is not None and n == 1 and hasattr(d.engines, "generate_stream"):
+        gens = [await d.engines.generate_stream(prompt, sampling, affinity, on_text=sink,
+                                                **extra)]
+    else:
+        gens = await asyncio.gather(*[
+            d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)])
     eos = d.renderer.eos_token_id
     return [reconcile_stop(gen, d.renderer.decode, sampling.get("stop") or [],
                            () if eos is None else (eos,)) for gen in gens]

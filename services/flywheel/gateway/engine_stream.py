@@ -1,0 +1,117 @@
+"""Streamed `/generate` calls: the engine's text as it is sampled, then the whole Generation.
+
+SGLang streams cumulative chunks (`stream: true`, server flag `--incremental-streaming-output`
+off, its default): every `data:` event holds the text, `output_ids` and logprob rows so far, the
+last one the finish reason; a mid-stream failure is an `{"error": ...}` event; `data: [DONE]`
+ends it (an engine that answers `stream` with one JSON body is read as a plain call). Only
+the cumulative text of each chunk is passed on while it runs; the Generation is
+parsed from the final chunk alone (`parse_generation`, the same checks as a plain call), so
+nothing is concatenated from the chunks.
+
+A failure before the first chunk tries the next engine once, as a plain call does; after the
+first chunk the text is already on its way to the client, so a failure or an aborted generation
+is an UpstreamError and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from flywheel.core.errors import InvalidRequestError, UpstreamError
+from flywheel.gateway.engine_pool import ENGINE_ABORTS, Generation, parse_generation
+
+if TYPE_CHECKING:
+    from flywheel.gateway.engine_pool import EnginePool
+
+OnText = Callable[[str], None]
+"""Called with the cumulative text of each chunk, in order."""
+TEXT_SINK: ContextVar[OnText | None] = ContextVar("flywheel_text_sink", default=None)
+"""Set by a request answered as the text is sampled (incremental.py): its engine call is
+streamed into this sink (`turns.generate_n`, one choice only)."""
+
+
+class _Failed(Exception):
+    """The call failed before its first chunk (another engine may serve it)."""
+
+
+async def generate_stream(pool: EnginePool, body: dict[str, Any], affinity: str,
+                          on_text: OnText) -> Generation:
+    """One streamed `/generate` (`body` without `stream`), on the session's engine or, when it
+    fails before its first chunk, the next one.
+
+    Raises:
+        InvalidRequestError: the engine rejected the request (4xx).
+        UpstreamError: every tried engine failed, the stream broke or reported an error after
+            its first chunk, or the engine aborted the generation.
+    """
+    errors = []
+    for url in pool.order(affinity)[:2]:
+        try:
+            gen = await _one(pool, url, {**body, "stream": True}, on_text)
+        except _Failed as exc:
+            errors.append(f"{url}: {exc}")
+            pool.mark_down(url, errors[-1])
+            continue
+        pool.mark_up(url)
+        if gen.finish_type == "abort":
+            ENGINE_ABORTS.labels(url).inc()
+            raise UpstreamError("the engine aborted the streamed generation (a weight update "
+                                "or an abort request); nothing was recorded, send it again")
+        return gen
+    raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
+
+
+async def _one(pool: EnginePool, url: str, body: dict[str, Any], on_text: OnText) -> Generation:
+    last: dict[str, Any] | None = None
+    try:
+        async with pool._session().post(f"{url}/generate", data=orjson.dumps(body),
+                                        headers={"Content-Type": "application/json"}) as resp:
+            if 400 <= resp.status < 500:
+                raw = await resp.read()
+                raise InvalidRequestError(
+                    f"engine rejected the request: {raw[:500].decode(errors='replace')}")
+            if resp.status != 200:
+                raise _Failed(f"HTTP {resp.status}")
+            if resp.content_type != "text/event-stream":  # an engine that answers whole
+                try:
+                    gen = parse_generation(orjson.loads(await resp.read()), pool.stop_token_ids)
+                except (ValueError, TypeError, AttributeError, UpstreamError) as exc:
+                    raise _Failed(f"unusable response ({exc})") from exc
+                on_text(gen.text)
+                return gen
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    chunk = orjson.loads(data)
+                except orjson.JSONDecodeError as exc:
+                    raise _fail(last, f"unreadable stream event ({exc})") from exc
+                if "error" in chunk:
+                    message = (chunk["error"] or {}).get("message", chunk["error"])
+                    raise _fail(last, f"engine error: {message}")
+                last = chunk
+                on_text(str(chunk.get("text", "")))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _fail(last, repr(exc)) from exc
+    if last is None:
+        raise _Failed("the stream ended without a chunk")
+    try:
+        return parse_generation(last, pool.stop_token_ids)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UpstreamError(f"engine {url}: unusable final stream chunk ({exc})") from exc
+
+
+def _fail(last: dict[str, Any] | None, why: str) -> Exception:
+    """Before the first chunk another engine may serve the request; after it, an UpstreamError."""
+    if last is None:
+        return _Failed(why)
+    return UpstreamError(f"the engine's stream broke after it started: {why}; nothing was "
+                         "recorded, send the request again")

@@ -1,0 +1,218 @@
+"""Streamed chat answers sent as the engine samples them (`stream: true`, n = 1, no logprobs).
+
+The turn runs as usual (session lock, checks, engine call, parsing, recording); its engine call
+is streamed (`engine_stream.TEXT_SINK`) and the text is forwarded as content deltas while it
+comes. What the client gets is a prefix of the reply the turn records:
+
+- Text that could still become part of a stop string, of a `<tool_call>` (tools offered), of a
+  leading `<think>` block, or of a JSON tool call (tools offered, text starting with `{`/`[`) is
+  held back until the turn ends; so is an incomplete UTF-8 character. Reasoning and tool calls
+  are sent, parsed, when the turn ends, with the rest of the content, the finish chunk, the
+  usage chunk (`stream_options.include_usage`) and `[DONE]`.
+- The HTTP answer starts with the first text: a request refused before that (a busy or finished
+  session, the backlog, the context window, an engine that refuses) gets its usual status and
+  error JSON. A failure after it is an `{"error": ...}` event then `[DONE]`; nothing is recorded.
+- A client that leaves mid-stream stops the turn: the engine call is dropped, the session lock
+  released without saving, nothing recorded (`flywheel_gateway_requests_abandoned_total`).
+
+n > 1 and `logprobs` requests are answered whole (streaming.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import orjson
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import Counter
+
+from flywheel.core.errors import ClientClosedError, PlatformError
+from flywheel.core.http_errors import error_body
+from flywheel.gateway.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.gateway.engine_stream import TEXT_SINK
+from flywheel.gateway.schemas import ChatCompletionRequest
+from flywheel.gateway.streaming import chunk_event, sse_chunks
+
+log = logging.getLogger(__name__)
+TOOL_CALL = "<tool_call>"
+THINK = "<think>"
+MISMATCHES = Counter("flywheel_gateway_stream_mismatches_total",
+                     "Streamed answers whose content sent while sampling is not a prefix of "
+                     "the reply recorded (the rest of the content is then not sent)")
+
+
+def eligible(body: ChatCompletionRequest, tool_parser: str) -> bool:
+    """Whether a request is answered as it is sampled: `stream`, one choice, no logprobs, and
+    not a JSON-only tool parser with tools offered (the whole text may become a call)."""
+    offered = bool(body.tools) and body.tool_choice != "none"
+    return (body.stream and body.n == 1 and not body.logprobs
+            and not (offered and tool_parser == "json"))
+
+
+def streamable(text: str, stops: list[str], tools_offered: bool) -> int:
+    """How many characters of the cumulative sampled `text` can be sent now.
+
+    Held back: everything while the text is blank or starts like a `<think>` block (or, with
+    tools offered, like a JSON call); from the first stop string or `<tool_call>`; a suffix
+    that could begin one; trailing U+FFFD (a character whose bytes are not all sampled yet);
+    with tools offered, the whitespace before the held part (a parsed call strips it).
+
+    Example: stops ["###"], text "Hello ##" -> 6 ("Hello "): "##" could begin "###".
+    """
+    head = text.lstrip()
+    if not head or THINK.startswith(head[:len(THINK)]) or head.startswith(THINK):
+        return 0
+    if tools_offered and head[0] in "{[":
+        return 0
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    markers = [s for s in stops if s] + ([TOOL_CALL] if tools_offered else [])
+    limit = end
+    for marker in markers:
+        found = text.find(marker, 0, end)
+        if found >= 0:
+            limit = min(limit, found)
+            continue
+        for k in range(min(len(marker) - 1, end), 0, -1):
+            if text.endswith(marker[:k], 0, end):
+                limit = min(limit, end - k)
+                break
+    if tools_offered:
+        limit = len(text[:limit].rstrip())
+    return limit
+
+
+class TextFeed:
+    """Turns the engine's cumulative text into content deltas that are safe to send."""
+
+    def __init__(self, stops: list[str], tools_offered: bool):
+        self.stops = stops
+        self.tools_offered = tools_offered
+        self.sent = ""
+        """Content sent (or queued) so far."""
+        self.queue: asyncio.Queue[str] = asyncio.Queue()
+
+    def push(self, text: str) -> None:
+        """Queue the part of cumulative `text` not sent yet that `streamable` allows (nothing
+        when the text no longer starts with what was sent)."""
+        n = streamable(text, self.stops, self.tools_offered)
+        if n > len(self.sent) and text.startswith(self.sent):
+            self.queue.put_nowait(text[len(self.sent):n])
+            self.sent = text[:n]
+
+
+async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[str, Any]],
+                  receive: Receive | None, session_id: str | None, stops: list[str],
+                  model: str) -> JSONResponse | StreamingResponse:
+    """Run the turn `work` (returning the `chat.completion` body) with its engine call
+    streamed; answer as soon as its first text is sampled, or whole if it ends first.
+
+    Raises:
+        PlatformError: the turn failed before any text was sampled. ClientClosedError: the
+            client disconnected before that (the turn stopped, nothing recorded).
+    """
+    offered = bool(body.tools) and body.tool_choice != "none"
+    feed = TextFeed(stops, offered)
+    token = TEXT_SINK.set(feed.push)
+    try:
+        turn = asyncio.ensure_future(work)  # the task runs in a copy of this context
+    finally:
+        TEXT_SINK.reset(token)
+    first = asyncio.ensure_future(feed.queue.get())
+    watcher = asyncio.ensure_future(until_disconnected(receive)) if receive else None
+    waiting = {turn, first} | ({watcher} if watcher else set())
+    try:
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        for task in waiting:
+            task.cancel()
+        raise
+    if watcher is not None:
+        watcher.cancel()
+    if turn.done() or (watcher is not None and watcher.done() and not first.done()):
+        first.cancel()
+        if not turn.done():
+            await stop_abandoned(turn, session_id)
+            raise ClientClosedError("the client closed the connection before the answer")
+        return _whole(body, turn.result())
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(_events(turn, first, feed, base, include_usage, session_id),
+                             media_type="text/event-stream")
+
+
+def _whole(body: ChatCompletionRequest, completion: dict[str, Any]) -> StreamingResponse:
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(sse_chunks(completion, include_usage),
+                             media_type="text/event-stream")
+
+
+async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[str],
+                  feed: TextFeed, base: dict[str, Any], include_usage: bool,
+                  session_id: str | None) -> AsyncIterator[str]:
+    """The SSE events: role, content deltas while sampling, then the closing events."""
+    try:
+        yield chunk_event(base, {"role": "assistant", "content": ""})
+        pending = first
+        while True:
+            await asyncio.wait({pending, turn}, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                pending.cancel()
+                break
+            yield chunk_event(base, {"content": pending.result()})
+            pending = asyncio.ensure_future(feed.queue.get())
+        while not feed.queue.empty():
+            yield chunk_event(base, {"content": feed.queue.get_nowait()})
+        try:
+            completion = turn.result()
+        except PlatformError as exc:
+            log.warning("streamed turn failed after its first text: %s", exc.message)
+            error = error_body(exc.message, exc.error_type, exc.param, exc.code)
+            yield f"data: {orjson.dumps(error).decode()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        for event in closing_events(base, completion, feed.sent, include_usage):
+            yield event
+    finally:
+        if not turn.done():  # the client left mid-stream
+            with contextlib.suppress(BaseException):
+                await stop_abandoned(turn, session_id)
+
+
+def closing_events(base: dict[str, Any], completion: dict[str, Any], sent: str,
+                   include_usage: bool) -> list[str]:
+    """The events after the streamed content: the rest of the content, reasoning and tool
+    calls (each call a delta with its `index`), the finish chunk, usage, `[DONE]`."""
+    (choice,) = completion["choices"]
+    message = choice["message"]
+    events = []
+    if not sent and message.get("reasoning_content"):
+        events.append(chunk_event(base, {"reasoning_content": message["reasoning_content"]}))
+    content = message.get("content") or ""
+    if content.startswith(sent):
+        rest = content[len(sent):]
+    elif content.startswith(sent.lstrip()):  # a parsed tool call strips leading whitespace
+        rest = content[len(sent.lstrip()):]
+    else:
+        MISMATCHES.inc()
+        log.warning("streamed content %r is not a prefix of the reply %r", sent[:80],
+                    content[:80])
+        rest = ""
+    if rest:
+        events.append(chunk_event(base, {"content": rest}))
+    for n, call in enumerate(message.get("tool_calls") or []):
+        events.append(chunk_event(base, {"tool_calls": [{"index": n, **call}]}))
+    events.append(chunk_event(base, {}, finish=choice["finish_reason"]))
+    if include_usage:
+        body = {**base, "object": "chat.completion.chunk", "choices": [],
+                "usage": completion["usage"]}
+        events.append(f"data: {orjson.dumps(body).decode()}\n\n")
+    events.append("data: [DONE]\n\n")
+    return events

@@ -4,9 +4,10 @@
 `python bench/peers/stub_upstream.py --port 0 --mode ok` prints `port N` once listening.
 Modes (fault injection): ok | 500 (every call) | drop (headers + half a body, then close) |
 garbage (200 with a non-JSON body) | hang (never answers) | slow (answers after `SLOW_S`, or
-closes when its client leaves first). `GET /stats` returns the number of generate/chat calls
-(`calls`) and of slow calls whose client left (`dropped`), so tests can check what reached the
-engine.
+closes when its client leaves first) | trickle (`/generate` streams its first token at once and
+its final chunk after `SLOW_S`, or closes when its client leaves first). `GET /stats` returns
+the number of generate/chat calls (`calls`) and of slow or trickle calls whose client left
+(`dropped`), so tests can check what reached the engine.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Stub:
                                             "/chat/completions"):
             return await self.send(writer, 404, b'{"error": "not found"}')
         self.calls += 1
+        if self.mode == "trickle" and path == "/generate":
+            return await self.trickle(json.loads(body or b"{}"), reader, writer)
         if self.mode == "hang":
             await asyncio.sleep(3600)
         if self.mode == "slow":  # answers after SLOW_S unless the client leaves first
@@ -111,6 +114,28 @@ class Stub:
             return False
         return await self.send(writer, 200, out)
 
+    async def trickle(self, req: dict, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> bool:
+        """`/generate` with `stream`: the first token's cumulative chunk at once, the final
+        chunk after SLOW_S unless the client leaves first (counted in `dropped`)."""
+        final = generate_body(len(req.get("input_ids") or []))
+        meta = final["meta_info"]
+        first = {"text": final["text"], "output_ids": OUTPUT_IDS[:1], "meta_info": {
+            **meta, "completion_tokens": 1, "finish_reason": None,
+            "output_token_logprobs": meta["output_token_logprobs"][:1]}}
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"connection: close\r\n\r\ndata: " + json.dumps(first).encode() + b"\n\n")
+        await writer.drain()
+        try:
+            if await asyncio.wait_for(reader.read(1), SLOW_S) == b"":
+                self.dropped += 1
+                return False
+        except TimeoutError:
+            pass
+        writer.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+        await writer.drain()
+        return False
+
     @staticmethod
     async def send(writer: asyncio.StreamWriter, status: int, body: bytes,
                    content_type: str = "application/json") -> bool:
@@ -133,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--mode", default="ok",
-                        choices=["ok", "500", "drop", "garbage", "hang", "slow"])
+                        choices=["ok", "500", "drop", "garbage", "hang", "slow", "trickle"])
     args = parser.parse_args()
     asyncio.run(serve(args.port, args.mode))
 

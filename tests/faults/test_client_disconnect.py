@@ -73,3 +73,34 @@ def test_an_abandoned_unrecorded_request_drops_its_engine_call(procs, inproc_gat
             client.post("/v1/chat/completions", json=CHAT, timeout=1.0)
         assert _dropped_by_engine(stub, 1) == 1
         assert _abandoned(client, "unrecorded") == before + 1
+
+
+@pytest.mark.parametrize("mode", ["episode", "live"])
+def test_a_client_leaving_mid_stream_stops_the_turn_unrecorded(
+        procs, inproc_gateway, redis_client, prefix, mode):
+    stub = procs.stub("trickle")  # the first token at once, the rest after 3 s
+    gw = inproc_gateway([stub])
+    with httpx.Client(base_url=gw, timeout=30) as client:
+        before = _abandoned(client, "session")
+        if mode == "live":
+            sid, path, headers = "live-2", "/v1/chat/completions", {**HOT, "X-Session-Id": "live-2"}
+        else:
+            sid = client.post("/v1/sessions", json={}).json()["session_id"]
+            path, headers = f"/s/{sid}/v1/chat/completions", HOT
+        with client.stream("POST", path, json={**CHAT, "stream": True},
+                           headers=headers) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():  # the first token's text arrives while sampling
+                if line.startswith("data: ") and '"content": "8"' in line:
+                    break
+            else:
+                pytest.fail("no content before the turn ended")
+        assert _dropped_by_engine(stub, 1) == 1  # leaving dropped the engine call
+        deadline = time.monotonic() + 10
+        while _abandoned(client, "session") < before + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _abandoned(client, "session") == before + 1
+        assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
+    record = SessionStore(redis_client, prefix, 60).get(sid)
+    assert record.turns == 0 and record.forks == 0
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0

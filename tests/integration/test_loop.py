@@ -201,6 +201,34 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
     assert info["forks"] == 0
 
 
+def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack):
+    from flywheel.fidelity import check_fidelity
+
+    urls, settings = _urls(stack)
+    gateway = urls["gateway"]
+    # A lone group: the trainer waits for more members, so the weights stay as they are.
+    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "streamed-live"}).json()
+    sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
+    chunks = list(sdk.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=12, temperature=1.0, seed=5, stream=True))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
+                          json={"reward": 0.0})
+    assert finished.status_code == 200 and finished.json()["samples_published"] == 1
+    client = connect(settings.redis_url())
+    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
+                             client.xrange(settings.streams.key("rollouts")))
+                 if s.session_id == session["session_id"]]
+    # The content came in several deltas (sent while sampled, not whole at the end), and what
+    # the client put together is the reply recorded with the engine's own tokens.
+    recorded = json.loads(sample.messages[-1].content_json)
+    assert len(texts) > 1 and "".join(texts) == recorded
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    report = check_fidelity(sample, urls["engine"])
+    assert report.ids_match and report.max_abs_logprob_diff < 1e-3
+
+
 def test_fidelity_check_rescoring_a_recorded_sample(stack):
     from flywheel.fidelity import check_fidelity
     from flywheel.gateway.engine_pool import parse_weight_version

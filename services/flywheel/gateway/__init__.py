@@ -60,8 +60,9 @@ turns.py (what a session turn records and publishes), recording.py (stitching ru
 reasons, Samples from segments), branches.py (live-mode branches), sweep.py (idle sessions
 finished), request_rules.py (model names, null contents), tokenization.py (the only text ->
 ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning),
-streaming.py (SSE), stops.py (generations past a stop), completions.py (raw completions),
-engine_pool.py (/generate client, affinity, health), sessions.py (Redis store: locks, saves),
-record_cache.py (records kept after their save), script_deadline.py (late session scripts not
-applied), records.py (what a session stores), schemas.py (request models and field policy).
+streaming.py (SSE), incremental.py and engine_stream.py (answers streamed as sampled), stops.py
+(generations past a stop), completions.py (raw completions), engine_pool.py (/generate client,
+affinity, health), sessions.py (Redis store: locks, saves), record_cache.py (records kept after
+their save), script_deadline.py (late session scripts not applied), records.py (what a session
+stores), schemas.py (request models and field policy).
 """

@@ -1,10 +1,12 @@
 """OpenAI chat-completion SSE chunks from a finished completion.
 
-The engine result arrives whole; it is sent as the chunk sequence OpenAI clients expect: a role
-chunk, a content chunk, one chunk per tool call (each delta with its `index`, BUG-27), the
-finish chunk, an optional usage chunk (`stream_options.include_usage`), then `data: [DONE]`.
-With `logprobs`, the first chunk after the role carries the choice's whole `logprobs.content`
-(the per-token rows of every delta of the choice; BUG-06: logprobs stay on with a tool parser).
+For answers sent when the turn ends (n > 1, `logprobs`, or a turn that ended before its
+first text; incremental.py streams the others as sampled): the chunk sequence OpenAI clients
+expect: a role chunk, a content chunk, one chunk per tool call (each delta with its `index`,
+BUG-27), the finish chunk, an optional usage chunk (`stream_options.include_usage`), then
+`data: [DONE]`. With `logprobs`, the first chunk after the role carries the choice's whole
+`logprobs.content` (the per-token rows of every delta of the choice; BUG-06: logprobs stay on
+with a tool parser).
 """
 
 from __future__ import annotations

@@ -88,13 +88,8 @@ class Stub:
             return await self.trickle(json.loads(body or b"{}"), reader, writer)
         if self.mode == "hang":
             await asyncio.sleep(3600)
-        if self.mode == "slow":  # answers after SLOW_S unless the client leaves first
-            try:
-                if await asyncio.wait_for(reader.read(1), SLOW_S) == b"":
-                    self.dropped += 1
-                    return False
-            except TimeoutError:
-                pass
+        if self.mode == "slow" and await self.client_left(reader):  # answers after SLOW_S
+            return False
         if self.mode == "500":
             return await self.send(writer, 500, b'{"error": "stub failure"}')
         if self.mode == "garbage":
@@ -114,6 +109,17 @@ class Stub:
             return False
         return await self.send(writer, 200, out)
 
+    async def client_left(self, reader: asyncio.StreamReader) -> bool:
+        """Wait SLOW_S; True (counted in `dropped`) when the client closed the connection
+        first."""
+        try:
+            if await asyncio.wait_for(reader.read(1), SLOW_S) == b"":
+                self.dropped += 1
+                return True
+        except TimeoutError:
+            pass
+        return False
+
     async def trickle(self, req: dict, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> bool:
         """`/generate` with `stream`: the first token's cumulative chunk at once, the final
@@ -126,12 +132,8 @@ class Stub:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"connection: close\r\n\r\ndata: " + json.dumps(first).encode() + b"\n\n")
         await writer.drain()
-        try:
-            if await asyncio.wait_for(reader.read(1), SLOW_S) == b"":
-                self.dropped += 1
-                return False
-        except TimeoutError:
-            pass
+        if await self.client_left(reader):
+            return False
         writer.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
         await writer.drain()
         return False

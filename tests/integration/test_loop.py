@@ -169,23 +169,11 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
     from flywheel.fidelity import check_fidelity
 
     urls, settings = _urls(stack)
-    gateway = urls["gateway"]
-    # A lone group: the trainer waits for more members, so the weights stay as they are.
-    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "streamed-solo"}).json()
-    sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
-    chunks = list(sdk.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=6, temperature=1.0, stream=True, logprobs=True, seed=11, stop=["###"],
-        stream_options={"include_usage": True}))
+    chunks, sample = _streamed_episode(
+        urls["gateway"], settings, "streamed-solo", max_tokens=6, temperature=1.0, logprobs=True,
+        seed=11, stop=["###"], stream_options={"include_usage": True})
     rows = [row for c in chunks if c.choices and c.choices[0].logprobs
             for row in c.choices[0].logprobs.content]
-    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
-                          json={"reward": 0.0})
-    assert finished.status_code == 200 and finished.json()["samples_published"] == 1
-    client = connect(settings.redis_url())
-    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
-                             client.xrange(settings.streams.key("rollouts")))
-                 if s.session_id == session["session_id"]]
     n = sample.prompt_length
     # The Sample keeps the sampling params the engine got, the stop strings and seed included.
     assert round(sample.sampling.temperature, 6) == 1.0 and sample.sampling.max_new_tokens == 6
@@ -197,22 +185,18 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
                                                       abs=1e-6)
     report = check_fidelity(sample, urls["engine"])
     assert report.logprobs_compared and report.max_abs_logprob_diff < 1e-3
-    info = httpx.get(f"{gateway}/v1/sessions/{session['session_id']}").json()
+    info = httpx.get(f"{urls['gateway']}/v1/sessions/{sample.session_id}").json()
     assert info["forks"] == 0
 
 
-def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack):
-    from flywheel.fidelity import check_fidelity
-
-    urls, settings = _urls(stack)
-    gateway = urls["gateway"]
-    # A lone group: the trainer waits for more members, so the weights stay as they are.
-    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": "streamed-live"}).json()
+def _streamed_episode(gateway: str, settings, group_id: str, **request):
+    """One streamed turn in a new episode session (a lone group: the trainer waits for more
+    members, so the weights stay as they are), finished; (the chunks, the published Sample)."""
+    session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id}).json()
     sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
     chunks = list(sdk.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=12, temperature=1.0, seed=5, stream=True))
-    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        stream=True, **request))
     finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
                           json={"reward": 0.0})
     assert finished.status_code == 200 and finished.json()["samples_published"] == 1
@@ -220,6 +204,16 @@ def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack)
     (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
                              client.xrange(settings.streams.key("rollouts")))
                  if s.session_id == session["session_id"]]
+    return chunks, sample
+
+
+def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack):
+    from flywheel.fidelity import check_fidelity
+
+    urls, settings = _urls(stack)
+    chunks, sample = _streamed_episode(urls["gateway"], settings, "streamed-live",
+                                       max_tokens=12, temperature=1.0, seed=5)
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     # The content came in several deltas (sent while sampled, not whole at the end), and what
     # the client put together is the reply recorded with the engine's own tokens.
     recorded = json.loads(sample.messages[-1].content_json)

@@ -410,7 +410,7 @@ async def finish(d: GatewayDeps, session_id: str, reward: float | None,
     """Finish a session and publish what it still holds (see the module docstring).
 
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
-    Sample published here. Finishing is idempotent: the same finish sent again (a retry after
+    Sample published here; `reward` replaces an "outcome" posted before (logged). Finishing is idempotent: the same finish sent again (a retry after
     a lost response) gets the first answer with `"replayed": true` and publishes nothing.
     While a turn holds the session this waits for it on the event loop (`locked`), never in a
     worker thread, so waiting finishes cannot starve the thread pool other requests use.
@@ -485,6 +485,9 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
             out.append(build_sample(record, record.segment))
     rewards = dict(record.rewards)
     if reward is not None:
+        if rewards.get("outcome", reward) != reward:
+            log.warning("session %s: the finish's reward %s replaces the outcome %s posted "
+                        "before it", record.session_id, reward, rewards["outcome"])
         rewards["outcome"] = reward
     for sample in out:
         for name, value in rewards.items():

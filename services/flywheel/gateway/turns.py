@@ -410,8 +410,9 @@ async def finish(d: GatewayDeps, session_id: str, reward: float | None,
     """Finish a session and publish what it still holds (see the module docstring).
 
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
-    Sample published here; `reward` replaces an "outcome" posted before (logged). Finishing is idempotent: the same finish sent again (a retry after
-    a lost response) gets the first answer with `"replayed": true` and publishes nothing.
+    Sample published here; `reward` replaces an "outcome" posted before (logged). Finishing
+    is idempotent: the same finish sent again (a retry after a lost response) gets the first
+    answer with `"replayed": true` and publishes nothing.
     While a turn holds the session this waits for it on the event loop (`locked`), never in a
     worker thread, so waiting finishes cannot starve the thread pool other requests use.
     Raises: NotFoundError; ConflictError (finished by a different finish request, or by the

@@ -166,10 +166,10 @@ async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[st
             if not pending.done():
                 pending.cancel()
                 break
-            yield chunk_event(base, {"content": pending.result()})
+            yield chunk_event(base, {"content": pending.result() + _drain(feed.queue)})
             pending = asyncio.ensure_future(feed.queue.get())
-        while not feed.queue.empty():
-            yield chunk_event(base, {"content": feed.queue.get_nowait()})
+        if rest := _drain(feed.queue):
+            yield chunk_event(base, {"content": rest})
         try:
             completion = turn.result()
         except PlatformError as exc:
@@ -184,6 +184,15 @@ async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[st
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)
+
+
+def _drain(queue: asyncio.Queue[str]) -> str:
+    """The deltas queued while the last event was being sent, as one (a client that reads
+    slower than the engine samples gets fewer, larger events)."""
+    parts = []
+    while not queue.empty():
+        parts.append(queue.get_nowait())
+    return "".join(parts)
 
 
 def closing_events(base: dict[str, Any], completion: dict[str, Any], sent: str,

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import orjson
+import redis
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter
 
@@ -59,14 +60,17 @@ def streamable(text: str, stops: list[str], tools_offered: bool) -> int:
     """How many characters of the cumulative sampled `text` can be sent now.
 
     Held back: everything while the text is blank or starts like a `<think>` block (or, with
-    tools offered, like a JSON call); from the first stop string or `<tool_call>`; a suffix
-    that could begin one; trailing U+FFFD (a character whose bytes are not all sampled yet);
-    with tools offered, the whitespace before the held part (a parsed call strips it).
+    tools offered, like a JSON call or with whitespace); from the first stop string or
+    `<tool_call>`; a suffix that could begin one; trailing U+FFFD (a character whose bytes are
+    not all sampled yet); with tools offered, the whitespace before the held part (a parsed
+    call strips it).
 
     Example: stops ["###"], text "Hello ##" -> 6 ("Hello "): "##" could begin "###".
     """
     head = text.lstrip()
     if not head or THINK.startswith(head[:len(THINK)]) or head.startswith(THINK):
+        return 0
+    if tools_offered and len(head) != len(text):  # a parsed call strips leading whitespace
         return 0
     if tools_offered and head[0] in "{[":
         return 0
@@ -172,10 +176,8 @@ async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[st
             yield chunk_event(base, {"content": rest})
         try:
             completion = turn.result()
-        except PlatformError as exc:
-            log.warning("streamed turn failed after its first text: %s", exc.message)
-            error = error_body(exc.message, exc.error_type, exc.param, exc.code)
-            yield f"data: {orjson.dumps(error).decode()}\n\n"
+        except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
+            yield _error_event(exc)
             yield "data: [DONE]\n\n"
             return
         for event in closing_events(base, completion, feed.sent, include_usage):
@@ -184,6 +186,23 @@ async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[st
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)
+
+
+def _error_event(exc: Exception) -> str:
+    """The `{"error": ...}` event of a turn that failed after its first text (nothing of it
+    recorded): a PlatformError as its JSON error would be, Redis down as the 503's body, any
+    other failure as a server error (logged with its traceback)."""
+    if isinstance(exc, PlatformError):
+        log.warning("streamed turn failed after its first text: %s", exc.message)
+        error = error_body(exc.message, exc.error_type, exc.param, exc.code)
+    elif isinstance(exc, redis.RedisError):
+        log.error("streamed turn failed after its first text: Redis unavailable: %s", exc)
+        error = error_body("the session store (Redis) is unavailable; retry later",
+                           "service_unavailable_error")
+    else:
+        log.error("streamed turn failed after its first text", exc_info=exc)
+        error = error_body(f"internal error: {type(exc).__name__}", "server_error")
+    return f"data: {orjson.dumps(error).decode()}\n\n"
 
 
 def _drain(queue: asyncio.Queue[str]) -> str:

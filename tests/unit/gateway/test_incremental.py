@@ -6,6 +6,7 @@ import json
 
 import openai
 import pytest
+import redis
 
 from flywheel.core.errors import UpstreamError
 from flywheel.gateway.engine_pool import Generation
@@ -32,6 +33,8 @@ CALL = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 1}}\
     ("Sure. <tool_", [], True, 5),          # "Sure." (a parsed call strips the space)
     ("Sure. <tool_call>{", [], True, 5),
     ("<tool_", [], False, 6),               # no tools offered: not a marker
+    (" \n Let me check.", [], True, 0),     # a parsed call would strip the leading space
+    (" \n Let me check.", [], False, 16),
     ("caf\ufffd", [], False, 3),            # the last character's bytes are not all there
 ])
 def test_what_can_be_sent_while_sampling(text, stops, tools, sendable):
@@ -42,8 +45,10 @@ class StreamingEngine:
     """Samples `text` token by token, passing each cumulative text to `on_text`; `fail_after`
     tokens then an UpstreamError (a stream that broke) when set."""
 
-    def __init__(self, renderer, text, *, stop=None, fail_after=None):
+    def __init__(self, renderer, text, *, stop=None, fail_after=None,
+                 failure=UpstreamError("the engine's stream broke after it started")):
         self.renderer, self.fail_after, self.stop = renderer, fail_after, stop
+        self.failure = failure
         self.ids = renderer.encode(text) + ([] if stop else [2])
         self.text = text
         self.streamed = 0
@@ -63,7 +68,7 @@ class StreamingEngine:
         self.streamed += 1
         for k in range(1, len(self.ids) + 1):
             if self.fail_after is not None and k > self.fail_after:
-                raise UpstreamError("the engine's stream broke after it started")
+                raise self.failure
             on_text(self.renderer.decode(self.ids[:k]))
             await asyncio.sleep(0.001)
         return self._gen(len(input_ids))
@@ -139,14 +144,19 @@ def test_the_openai_sdk_reads_the_stream(redis_client, prefix, renderer):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_a_stream_that_breaks_after_its_first_text_records_nothing(
-        redis_client, prefix, renderer):
-    engine = StreamingEngine(renderer, "Seven plus one is eight.", fail_after=3)
+@pytest.mark.parametrize(("failure", "error_type"), [
+    (UpstreamError("the engine's stream broke after it started"), "upstream_error"),
+    (redis.ConnectionError("Connection refused"), "service_unavailable_error"),
+    (RuntimeError("a bug"), "server_error"),
+])
+def test_a_stream_that_breaks_after_its_first_text_ends_well_formed_and_records_nothing(
+        redis_client, prefix, renderer, failure, error_type):
+    engine = StreamingEngine(renderer, "Seven plus one is eight.", fail_after=3,
+                             failure=failure)
     client, samples, sid = _app(redis_client, prefix, renderer, engine)
     events = _events(client, sid)
     assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["type"] == "upstream_error" and "broke" in error["message"]
+    assert json.loads(events[-2])["error"]["type"] == error_type
     assert _deltas(events[:-1])  # some text had gone out before
     info = client.get(f"/v1/sessions/{sid}").json()
     assert (info["turns"], info["forks"]) == (0, 0)

@@ -3,6 +3,7 @@ same episode turns sent with `stream: true` (answered as sampled) and without (a
 side by side in one run against the real engine (SmolLM2-135M-Instruct on the CPU).
 
     .venv/bin/python bench/gateway_stream.py [--requests 12] [--max-tokens 64]
+                                             [--stream-interval 1]
 
 Requests alternate between the two ways, one at a time, each in a new episode session; every
 request asks for exactly `--max-tokens` tokens at temperature 1 with its own seed (the same
@@ -60,12 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="gateway.stream_interval (tokens per engine stream chunk)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as state, LocalRedis(Path(state) / "redis") as redis:
         settings = load_settings(
             redis={"url": redis.url}, streams={"prefix": "bench"}, state_dir=state,
             engine={"model_path": str(ensure_default_model()), "port": 31890},
-            gateway={"port": 8990})
+            gateway={"port": 8990, "stream_interval": args.stream_interval})
         with Stack(settings, echo=lambda *_: None, only=("engine", "gateway")) as running:
             gateway = next(s for s in running.services if s.name == "gateway")
             url, pid = gateway.url, gateway.proc.pid
@@ -75,7 +78,8 @@ def main() -> None:
             for i in range(args.requests):
                 for stream in (i % 2 == 0, i % 2 == 1):
                     rows[stream].append(_one(url, pid, 1000 + i, stream, args.max_tokens))
-    print(f"{args.requests} requests each way, {args.max_tokens} max tokens, one at a time")
+    print(f"{args.requests} requests each way, {args.max_tokens} max tokens, one at a time, "
+          f"stream_interval {args.stream_interval}")
     print(f"{'':<10}{'first content s':>16}{'whole answer s':>16}{'gateway CPU ms':>16}"
           f"{'tokens':>8}")
     med = {k: [statistics.median(r[j] for r in v) for j in range(4)] for k, v in rows.items()}

@@ -50,6 +50,16 @@ def test_stream_is_cumulative_token_by_token_and_ends_with_done(shared_live_engi
         "output_token_logprobs"]
 
 
+def test_stream_interval_sends_a_chunk_every_k_tokens_and_the_final_one(shared_live_engine):
+    body = {"input_ids": PROMPT, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True,
+                                "stream_interval": 3}}
+    chunks = events(shared_live_engine, body)[:-1]
+    # tokens 3 and 6, then the final chunk at 7 (7 is not a multiple of 3 but always comes)
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [3, 6, 7]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 7}
+
+
 def test_batch_stream_chunks_carry_their_index(shared_live_engine):
     body = {"input_ids": [PROMPT, PROMPT[:2]],
             "sampling_params": [{"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},

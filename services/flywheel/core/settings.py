@@ -208,6 +208,10 @@ class GatewaySettings(Section):
     segments, as a finish without a reward would. Counted in
     `flywheel_gateway_sessions_finished_total{reason="idle"}` and logged; a later request to
     the session is a 409 (start a new session)."""
+    stream_interval: int = Field(1, ge=1)
+    """Sampled tokens per engine stream chunk of a chat answer streamed as sampled (SGLang's
+    `stream_interval`): 1 sends every token as it comes; k sends deltas of k tokens and costs
+    the gateway about 1/k of the CPU per streamed token (`bench/gateway_stream.py`)."""
     max_held_samples: int = Field(1024, ge=1)
     """Samples an episode session may set aside for its finish (segments closed by a fork,
     n > 1 choices not continued). A request that would set aside more is a 409

@@ -325,12 +325,19 @@ async def _stream_items(
                 result = item.result()  # raises the row's error (PlatformError -> error chunk)
                 result["meta_info"]["e2e_latency"] = time.perf_counter() - t0
                 yield i, result, True
-            elif _before_final(jobs[i], item):
+            elif _before_final(jobs[i], item) and _on_interval(jobs[i], item):
                 yield i, item, False
     finally:
         if left:  # client went away or the consumer stopped early: abort the rest
             for job in jobs:
                 job.aborted = True
+
+
+def _on_interval(job: Job, item: dict[str, Any]) -> bool:
+    """SGLang's `stream_interval` sampling param: a chunk every that many sampled tokens (the
+    final chunk always comes)."""
+    interval = job.spec.params.stream_interval or 1
+    return item["meta_info"]["completion_tokens"] % interval == 0
 
 
 def _before_final(job: Job, item: dict[str, Any]) -> bool:

@@ -58,7 +58,8 @@ class SamplingParams(BaseModel):
     no_stop_trim: bool = False
     n: int = Field(1, ge=1)
     sampling_seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stream_interval: int | None = None
+    stream_interval: int | None = Field(None, ge=1)
+    """Streaming: sampled tokens per chunk (the final chunk always comes); None = 1."""
     custom_params: dict[str, Any] | None = None
     min_new_tokens: int = 0
     frequency_penalty: float = 0.0

@@ -155,10 +155,11 @@ class EnginePool:
         stop_token_ids: ids whose sampling ends a turn (the tokenizer's EOS).
         health_interval_s: seconds between probes of engines taken out; 0 = never probe (an
             engine then comes back only by serving a request when all are out).
+        stream_interval: sampled tokens per chunk of a streamed call.
     """
 
     def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int],
-                 health_interval_s: float = 2.0):
+                 health_interval_s: float = 2.0, stream_interval: int = 1):
         if not urls:
             raise InvalidRequestError("at least one engine URL is required")
         self.urls = [u.rstrip("/") for u in urls]
@@ -167,6 +168,8 @@ class EnginePool:
         self._client: aiohttp.ClientSession | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self.health_interval_s = health_interval_s
+        self.stream_interval = stream_interval
+        """Sampled tokens per chunk of a streamed call (SGLang's `stream_interval`)."""
         self.down: dict[str, float] = {}
         """Engines taken out -> monotonic time they failed."""
         self._prober: asyncio.Task[None] | None = None
@@ -280,6 +283,8 @@ class EnginePool:
         """
         from flywheel.gateway.engine_stream import generate_stream  # noqa: PLC0415 (cycle)
 
+        if self.stream_interval > 1:
+            sampling_params = {**sampling_params, "stream_interval": self.stream_interval}
         body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
                                 "return_logprob": True}
         if top_logprobs_num:

@@ -27,6 +27,8 @@ class Engines:
         self.aborts = 0
         """How many of the next /generate calls the engines abort."""
         self.calls: list[tuple[str, str]] = []
+        self.bodies: list[dict] = []
+        """JSON bodies of the /generate calls."""
         self.urls: list[str] = []
         self._runners: list[web.AppRunner] = []
 
@@ -51,6 +53,7 @@ class Engines:
                 return web.Response(status=500, text="boom")
             if request.path == "/health":
                 return web.Response(status=200)
+            self.bodies.append(await request.json())
             if self.aborts:
                 self.aborts -= 1
                 return web.json_response(ABORTED)
@@ -136,4 +139,32 @@ def test_an_aborted_generation_is_asked_again_once_and_never_returned(aborts, mo
             await pool.aclose()
             await engines.stop()
 
+    asyncio.run(run())
+
+
+def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_and_refuses_aborts():
+    async def run():
+        engines = Engines()
+        a, b = await engines.start()
+        pool = EnginePool([a, b], 5.0, {2}, health_interval_s=0, stream_interval=4)
+        texts: list[str] = []
+        try:
+            engines.broken.add(a)  # fails before any chunk: the other engine serves it
+            gen = await pool.generate_stream([1, 2], {"max_new_tokens": 2},
+                                             _session_for(pool, a), on_text=texts.append)
+            assert [url for url, path in engines.calls if path == "/generate"] == [a, b]
+            # the engines here answer whole JSON, read as one chunk
+            assert gen.output_ids == [28, 2] and texts == ["8"]
+            assert engines.bodies[-1]["stream"] is True
+            assert engines.bodies[-1]["sampling_params"]["stream_interval"] == 4
+            engines.broken.clear()
+            engines.aborts = 1  # an aborted stream is not asked again: its text was shown
+            before = ENGINE_ABORTS.labels(b)._value.get()
+            with pytest.raises(UpstreamError, match="aborted"):
+                await pool.generate_stream([1, 2], {"max_new_tokens": 2},
+                                           _session_for(pool, b), on_text=texts.append)
+            assert ENGINE_ABORTS.labels(b)._value.get() == before + 1
+        finally:
+            await pool.aclose()
+            await engines.stop()
     asyncio.run(run())

@@ -140,12 +140,13 @@ async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[st
         raise
     if watcher is not None:
         watcher.cancel()
-    if turn.done() or (watcher is not None and watcher.done() and not first.done()):
+    if turn.done():
         first.cancel()
-        if not turn.done():
-            await stop_abandoned(turn, session_id)
-            raise ClientClosedError("the client closed the connection before the answer")
         return _whole(body, turn.result())
+    if watcher is not None and watcher.done():  # gone, even if its first text is ready
+        first.cancel()
+        await stop_abandoned(turn, session_id)
+        raise ClientClosedError("the client closed the connection before the answer")
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(_events(turn, first, feed, base, include_usage, session_id),

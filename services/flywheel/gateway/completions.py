@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
@@ -31,7 +31,7 @@ from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.recording import build_sample, count_fork, sampling_changed, set_sampling
 from flywheel.gateway.records import Segment, SessionRecord
 from flywheel.gateway.request_rules import served_models
-from flywheel.gateway.schemas import sglang_sampling, stream_options_need_stream
+from flywheel.gateway.schemas import StreamOptionsNeedStream, sglang_sampling
 
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
@@ -44,7 +44,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(StreamOptionsNeedStream):
     """`POST /v1/completions` body; unrecognized fields are a 400 (as in chat completions)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -78,12 +78,6 @@ class CompletionRequest(BaseModel):
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
         return v
-
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
-                        ) -> dict[str, Any] | None:
-        return stream_options_need_stream(v, info)
 
     @field_validator("prompt")
     @classmethod

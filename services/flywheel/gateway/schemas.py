@@ -121,16 +121,21 @@ _NEUTRAL: dict[str, Any] = {
 }
 
 
-def stream_options_need_stream(v: dict[str, Any] | None, info: ValidationInfo
-                               ) -> dict[str, Any] | None:
-    """`stream_options` validator (chat and text completions): OpenAI's API refuses it
-    without `stream: true`. Raises ValueError (a 400 naming `stream_options`)."""
-    if v is not None and not info.data.get("stream"):
-        raise ValueError("stream_options is only allowed with stream: true")
-    return v
+class StreamOptionsNeedStream(BaseModel):
+    """Base of the chat and text completion requests: OpenAI's API refuses `stream_options`
+    without `stream: true` (a 400 naming `stream_options`). The subclass declares both fields,
+    `stream` first."""
+
+    @field_validator("stream_options", check_fields=False)
+    @classmethod
+    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
+                        ) -> dict[str, Any] | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return v
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(StreamOptionsNeedStream):
     """`POST /v1/chat/completions` body.
 
     Field policy (BUG-30): every OpenAI chat-completion parameter is declared. Those that do not
@@ -206,12 +211,6 @@ class ChatCompletionRequest(BaseModel):
         if v is None:
             return cls.model_fields[info.field_name].default
         return v
-
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
-                        ) -> dict[str, Any] | None:
-        return stream_options_need_stream(v, info)
 
     @field_validator("tools")
     @classmethod

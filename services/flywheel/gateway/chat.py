@@ -23,7 +23,7 @@ from flywheel.gateway.disconnect import Receive, unless_disconnected
 from flywheel.gateway.engine_pool import Generation
 from flywheel.gateway.parsers import ParsedReply
 from flywheel.gateway.request_rules import check_contents, check_model, served_models
-from flywheel.gateway.schemas import SESSION_ID_PATTERN, ChatCompletionRequest
+from flywheel.gateway.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, stop_list
 from flywheel.gateway.streaming import sse_chunks
 from flywheel.gateway.tokenization import render_call, text_size
 
@@ -110,9 +110,12 @@ async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str |
         create_owner = None if session_id is None else owner
     work = serve(d, body, session_id, turn_type, create_owner=create_owner)
     if incremental.eligible(body, d.settings.tool_parser):
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        return await incremental.respond(body, work, receive, session_id, stops,
-                                         body.model or served_models(d.settings)[0])
+        streamed = await incremental.respond(body, work, receive, session_id,
+                                             stop_list(body.stop),
+                                             body.model or served_models(d.settings)[0])
+        if isinstance(streamed, StreamingResponse):
+            return streamed
+        return answer(body, streamed)  # the turn ended before its first text
     completion = await unless_disconnected(work, receive, session_id)
     return answer(body, completion)
 

@@ -146,6 +146,17 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
     )
 
 
+def _generate_body(input_ids: list[int], sampling_params: dict[str, Any],
+                   top_logprobs_num: int) -> dict[str, Any]:
+    """A `/generate` body: ids in, logprobs of the sampled tokens (and `top_logprobs_num`
+    alternatives per token when > 0) out."""
+    body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
+                            "return_logprob": True}
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
+    return body
+
+
 class EnginePool:
     """Engines by URL; a session always goes to the same healthy engine.
 
@@ -254,10 +265,7 @@ class EnginePool:
             InvalidRequestError: the engine rejected the request (4xx).
             UpstreamError: every tried engine failed, or the engine aborted the generation twice.
         """
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
-                                "return_logprob": True}
-        if top_logprobs_num:
-            body["top_logprobs_num"] = top_logprobs_num
+        body = _generate_body(input_ids, sampling_params, top_logprobs_num)
         for attempt in range(2):
             url, gen = await self._generate(body, affinity)
             if gen.finish_type != "abort":
@@ -285,10 +293,7 @@ class EnginePool:
 
         if self.stream_interval > 1:
             sampling_params = {**sampling_params, "stream_interval": self.stream_interval}
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
-                                "return_logprob": True}
-        if top_logprobs_num:
-            body["top_logprobs_num"] = top_logprobs_num
+        body = _generate_body(input_ids, sampling_params, top_logprobs_num)
         return await generate_stream(self, body, affinity, on_text)
 
     async def _generate(self, body: dict[str, Any], affinity: str) -> tuple[str, Generation]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 import redis
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from prometheus_client import Counter
 
 from flywheel.core.errors import ClientClosedError, PlatformError
@@ -38,7 +38,7 @@ from flywheel.core.http_errors import error_body
 from flywheel.gateway.disconnect import Receive, stop_abandoned, until_disconnected
 from flywheel.gateway.engine_stream import TEXT_SINK
 from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.streaming import chunk_event, sse_chunks
+from flywheel.gateway.streaming import chunk_event
 
 log = logging.getLogger(__name__)
 TOOL_CALL = "<tool_call>"
@@ -51,9 +51,8 @@ MISMATCHES = Counter("flywheel_gateway_stream_mismatches_total",
 def eligible(body: ChatCompletionRequest, tool_parser: str) -> bool:
     """Whether a request is answered as it is sampled: `stream`, one choice, no logprobs, and
     not a JSON-only tool parser with tools offered (the whole text may become a call)."""
-    offered = bool(body.tools) and body.tool_choice != "none"
     return (body.stream and body.n == 1 and not body.logprobs
-            and not (offered and tool_parser == "json"))
+            and not (body.tools_offered and tool_parser == "json"))
 
 
 def streamable(text: str, stops: list[str], tools_offered: bool) -> int:
@@ -114,16 +113,16 @@ class TextFeed:
 
 async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[str, Any]],
                   receive: Receive | None, session_id: str | None, stops: list[str],
-                  model: str) -> JSONResponse | StreamingResponse:
+                  model: str) -> StreamingResponse | dict[str, Any]:
     """Run the turn `work` (returning the `chat.completion` body) with its engine call
-    streamed; answer as soon as its first text is sampled, or whole if it ends first.
+    streamed: the streamed answer as soon as its first text is sampled, or, when the turn
+    ends first, its `chat.completion` body (to be answered whole, `chat.answer`).
 
     Raises:
         PlatformError: the turn failed before any text was sampled. ClientClosedError: the
             client disconnected before that (the turn stopped, nothing recorded).
     """
-    offered = bool(body.tools) and body.tool_choice != "none"
-    feed = TextFeed(stops, offered)
+    feed = TextFeed(stops, body.tools_offered)
     token = TEXT_SINK.set(feed.push)
     try:
         turn = asyncio.ensure_future(work)  # the task runs in a copy of this context
@@ -142,7 +141,7 @@ async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[st
         watcher.cancel()
     if turn.done():
         first.cancel()
-        return _whole(body, turn.result())
+        return turn.result()
     if watcher is not None and watcher.done():  # gone, even if its first text is ready
         first.cancel()
         await stop_abandoned(turn, session_id)
@@ -150,12 +149,6 @@ async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[st
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(_events(turn, first, feed, base, include_usage, session_id),
-                             media_type="text/event-stream")
-
-
-def _whole(body: ChatCompletionRequest, completion: dict[str, Any]) -> StreamingResponse:
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(sse_chunks(completion, include_usage),
                              media_type="text/event-stream")
 
 

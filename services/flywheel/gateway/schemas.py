@@ -277,10 +277,20 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
                              "set logprobs or drop top_logprobs")
         return v
 
+    @property
+    def tools_offered(self) -> bool:
+        """Whether the model may call a tool: tools given and `tool_choice` not "none"."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """SGLang `sampling_params` for this request (only keys SGLang accepts)."""
         return sglang_sampling(
             self, self.max_completion_tokens or self.max_tokens or default_max_tokens)
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's `stop` (a string, a list or null) as a list of stop strings."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def sglang_sampling(req: Any, max_new_tokens: int) -> dict[str, Any]:
@@ -295,7 +305,7 @@ def sglang_sampling(req: Any, max_new_tokens: int) -> dict[str, Any]:
         "min_p": 0.0 if req.min_p is None else req.min_p,
     }
     if req.stop:
-        params["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        params["stop"] = stop_list(req.stop)
     if req.seed is not None:
         params["sampling_seed"] = req.seed % 2**63
     return params

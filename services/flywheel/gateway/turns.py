@@ -113,8 +113,8 @@ HELD_LOST = Counter("flywheel_gateway_held_samples_lost_total",
 
 
 def parse_choice(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
-    offered = bool(body.tools) and body.tool_choice != "none"
-    return parse_reply(gen.text, tools_offered=offered, tool_parser=d.settings.tool_parser)
+    return parse_reply(gen.text, tools_offered=body.tools_offered,
+                       tool_parser=d.settings.tool_parser)
 
 
 def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:

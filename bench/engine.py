@@ -46,12 +46,17 @@ class Engine:
     def __init__(self, dtype: str, max_batch: int, threads: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "FLYWHEEL_ENGINE__DTYPE": dtype,
-               "FLYWHEEL_ENGINE__MAX_BATCH_SIZE": str(max_batch),
-               "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "5", "FLYWHEEL_ENGINE__THREADS": str(threads)}
+        env = {
+            **os.environ,
+            "FLYWHEEL_ENGINE__DTYPE": dtype,
+            "FLYWHEEL_ENGINE__MAX_BATCH_SIZE": str(max_batch),
+            "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "5",
+            "FLYWHEEL_ENGINE__THREADS": str(threads),
+        }
         cmd = [sys.executable, "-m", "flywheel.engine", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     def __enter__(self) -> Engine:
         deadline = time.monotonic() + 180
@@ -72,8 +77,11 @@ class Engine:
 
 
 def one(client: httpx.Client, url: str, new_tokens: int) -> int:
-    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
-                                                "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "text": PROMPT,
+        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
+        "return_logprob": True,
+    }
     r = client.post(f"{url}/generate", json=body, timeout=600)
     r.raise_for_status()
     return int(r.json()["meta_info"]["completion_tokens"])
@@ -115,8 +123,9 @@ def serve(url: str, concurrency: int, new_tokens: int, seconds: float) -> float:
     return rate
 
 
-def generate_rate(model_dir, dtype: str, concurrency: int, new_tokens: int,
-                  seconds: float) -> float:
+def generate_rate(
+    model_dir, dtype: str, concurrency: int, new_tokens: int, seconds: float
+) -> float:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,8 +135,13 @@ def generate_rate(model_dir, dtype: str, concurrency: int, new_tokens: int,
     produced, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         while True:
-            out = model.generate(**ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=tok.eos_token_id)
+            out = model.generate(
+                **ids,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+            )
             produced += (out.shape[1] - ids["input_ids"].shape[1]) * concurrency
             if time.perf_counter() - t0 >= seconds:
                 break
@@ -162,8 +176,12 @@ def precision(model_dir, new_tokens: int) -> None:
 
     runners = {d: ModelRunner(model_dir, d, device="cpu") for d in ("float32", "bfloat16")}
     tok = runners["float32"].tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                       add_generation_prompt=True) for p in PRECISION_PROMPTS]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+        )
+        for p in PRECISION_PROMPTS
+    ]
     prompt_ids = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
 
     def seqs(runner, ids_list, max_new, start=-1):
@@ -171,8 +189,13 @@ def precision(model_dir, new_tokens: int) -> None:
         for ids in ids_list:
             params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
             spec = RowSpec("p", None, ids, params, True, start, 0, False)
-            s = Sequence(Job(spec), ids, max_new_tokens=max_new, eos_ids=runner.eos_ids,
-                         generator=torch.Generator())
+            s = Sequence(
+                Job(spec),
+                ids,
+                max_new_tokens=max_new,
+                eos_ids=runner.eos_ids,
+                generator=torch.Generator(),
+            )
             s.start()
             out.append(s)
         return out
@@ -196,13 +219,18 @@ def precision(model_dir, new_tokens: int) -> None:
             rows.extend(s.input_logprobs[1:])
         scored[dtype] = torch.tensor(rows)
     diff = (scored["bfloat16"] - scored["float32"]).abs()
-    same = sum(a == b for x, y in zip(greedy32, greedy16, strict=True)
-               for a, b in zip(x, y, strict=True))
-    print(f"bf16 vs fp32 on {len(diff)} scored tokens (8 prompts x {new_tokens} fp32-greedy "
-          f"tokens): |dlogprob| mean {diff.mean():.4f} max {diff.max():.4f} nats; "
-          f"greedy tokens equal {same}/{len(diff)}")
-    print(f"decode batch 8: fp32 {rates['float32']:.1f} tok/s, bf16 {rates['bfloat16']:.1f} "
-          f"tok/s, bf16/fp32 {rates['bfloat16'] / rates['float32']:.2f}x")
+    same = sum(
+        a == b for x, y in zip(greedy32, greedy16, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    print(
+        f"bf16 vs fp32 on {len(diff)} scored tokens (8 prompts x {new_tokens} fp32-greedy "
+        f"tokens): |dlogprob| mean {diff.mean():.4f} max {diff.max():.4f} nats; "
+        f"greedy tokens equal {same}/{len(diff)}"
+    )
+    print(
+        f"decode batch 8: fp32 {rates['float32']:.1f} tok/s, bf16 {rates['bfloat16']:.1f} "
+        f"tok/s, bf16/fp32 {rates['bfloat16'] / rates['float32']:.2f}x"
+    )
 
 
 def main() -> None:
@@ -211,8 +239,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="per cell (bounded)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=2, help="torch threads everywhere")
-    parser.add_argument("--precision", action="store_true",
-                        help="instead: bf16 vs fp32 logprob differences and decode speed")
+    parser.add_argument(
+        "--precision",
+        action="store_true",
+        help="instead: bf16 vs fp32 logprob differences and decode speed",
+    )
     args = parser.parse_args()
 
     import torch
@@ -230,16 +261,21 @@ def main() -> None:
                 results[name][c] = serve(engine.url, c, args.new_tokens, args.seconds)
                 print(f"  {name} c={c}: {results[name][c]:.1f} tok/s", flush=True)
     for c in CONCURRENCY:
-        results["generate"][c] = generate_rate(model_dir, args.dtype, c, args.new_tokens,
-                                               args.seconds)
+        results["generate"][c] = generate_rate(
+            model_dir, args.dtype, c, args.new_tokens, args.seconds
+        )
         print(f"  generate batch={c}: {results['generate'][c]:.1f} tok/s", flush=True)
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"SmolLM2-135M-Instruct {args.dtype}, {args.new_tokens} new tokens per request, "
-          f"{args.threads} threads, ~{args.seconds:.0f} s per cell; output tokens/s "
-          f"(load average at the end: {load} on {os.cpu_count()} CPUs)")
-    print(f"{'concurrency':>12} {'engine':>9} {'one-at-a-time':>14} {'generate':>9} "
-          f"{'engine/one':>11} {'engine/generate':>16}")
+    print(
+        f"SmolLM2-135M-Instruct {args.dtype}, {args.new_tokens} new tokens per request, "
+        f"{args.threads} threads, ~{args.seconds:.0f} s per cell; output tokens/s "
+        f"(load average at the end: {load} on {os.cpu_count()} CPUs)"
+    )
+    print(
+        f"{'concurrency':>12} {'engine':>9} {'one-at-a-time':>14} {'generate':>9} "
+        f"{'engine/one':>11} {'engine/generate':>16}"
+    )
     for c in CONCURRENCY:
         e, o, g = (results[k][c] for k in ("engine", "one-at-a-time", "generate"))
         print(f"{c:>12} {e:>9.1f} {o:>14.1f} {g:>9.1f} {_ratio(e, o):>11} {_ratio(e, g):>16}")

@@ -42,19 +42,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
 from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 LEVELS = (1, 16, 64)
 CONTEXT_LENGTH = 131_072
 """The gateways' context window: the stub engine has none, long-session benches need room."""
 TARGETS = ["direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded"]
 
 
-def _start(procs: list[subprocess.Popen], logs: Path, name: str, argv: list[str],
-           env: dict[str, str] | None = None) -> subprocess.Popen:
+def _start(
+    procs: list[subprocess.Popen],
+    logs: Path,
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
     log = open(logs / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+    )
     procs.append(proc)
     return proc
 
@@ -73,26 +78,42 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
 
 
-def _gateway(procs: list[subprocess.Popen], work: Path, name: str, redis_url: str, stub: str,
-             tokenizer: Path, extra: dict[str, object]) -> tuple[str, subprocess.Popen]:
+def _gateway(
+    procs: list[subprocess.Popen],
+    work: Path,
+    name: str,
+    redis_url: str,
+    stub: str,
+    tokenizer: Path,
+    extra: dict[str, object],
+) -> tuple[str, subprocess.Popen]:
     from flywheel.core.redis_server import free_port  # noqa: PLC0415
 
     port = free_port()
-    cfg = {"redis": {"url": redis_url}, "streams": {"prefix": "bench"}, "log_level": "WARNING",
-           "engine": {"context_length": CONTEXT_LENGTH},
-           "gateway": {"port": port, "engine_urls": [stub], "tokenizer_path": str(tokenizer),
-                       **extra}}
+    cfg = {
+        "redis": {"url": redis_url},
+        "streams": {"prefix": "bench"},
+        "log_level": "WARNING",
+        "engine": {"context_length": CONTEXT_LENGTH},
+        "gateway": {"port": port, "engine_urls": [stub], "tokenizer_path": str(tokenizer), **extra},
+    }
     (work / f"{name}.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    proc = _start(procs, work, name, [sys.executable, "-m", "flywheel.gateway", "--config",
-                                      str(work / f"{name}.json")], env=env)
+    proc = _start(
+        procs,
+        work,
+        name,
+        [sys.executable, "-m", "flywheel.gateway", "--config", str(work / f"{name}.json")],
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     _wait(f"{url}/readyz", proc)
     return url, proc
 
 
-def start(procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | None = None
-          ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
+def start(
+    procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | None = None
+) -> tuple[dict[str, str], object, dict[str, list[int]]]:
     """Start the stub, the proxy, Redis and the gateway (and with `ab`, a second gateway with
     those gateway settings, targets "gateway-B" and "gateway-recorded-B").
 
@@ -109,18 +130,35 @@ def start(procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | Non
     proxies = {}
     for name, client in (("proxy", "aiohttp"), ("proxy-httpx", "httpx")):
         proxies[name] = f"http://127.0.0.1:{(port := free_port())}"
-        proc = _start(procs, work, name, [py, "bench/peers/passthrough.py", "--port", str(port),
-                                          "--upstream", stub, "--client", client])
+        proc = _start(
+            procs,
+            work,
+            name,
+            [
+                py,
+                "bench/peers/passthrough.py",
+                "--port",
+                str(port),
+                "--upstream",
+                stub,
+                "--client",
+                client,
+            ],
+        )
         _wait(f"{proxies[name]}/health", proc)
     redis = LocalRedis(work / "redis").start()
     tokenizer = build_tiny_model(work / "tiny")
     gateway, proc = _gateway(procs, work, "gateway", redis.url, stub, tokenizer, {})
     urls = {"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway}
-    pids = {"direct": [procs[0].pid], "proxy": [procs[1].pid], "proxy-httpx": [procs[2].pid],
-            "gateway": [proc.pid], "gateway-recorded": [proc.pid, redis.proc.pid]}
+    pids = {
+        "direct": [procs[0].pid],
+        "proxy": [procs[1].pid],
+        "proxy-httpx": [procs[2].pid],
+        "gateway": [proc.pid],
+        "gateway-recorded": [proc.pid, redis.proc.pid],
+    }
     if ab is not None:
-        urls["gateway-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub, tokenizer,
-                                           ab)
+        urls["gateway-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub, tokenizer, ab)
         urls["gateway-recorded-B"] = urls["gateway-B"]
         pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
     return urls, redis, pids
@@ -137,13 +175,15 @@ def _cpu_s(pids: list[int]) -> float:
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
     if not target.startswith("gateway-recorded"):
         return ["/v1/chat/completions"] * k
-    made = await asyncio.gather(*[client.post("/v1/sessions", {"group_id": "bench"})
-                                  for _ in range(k)])
+    made = await asyncio.gather(
+        *[client.post("/v1/sessions", {"group_id": "bench"}) for _ in range(k)]
+    )
     return [f"/s/{body['session_id']}/v1/chat/completions" for _, body in made]
 
 
-async def cell(base: str, target: str, concurrency: int, n: int, pids: list[int]
-               ) -> dict[str, float]:
+async def cell(
+    base: str, target: str, concurrency: int, n: int, pids: list[int]
+) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
     async with Driver(base, concurrency) as client:
         await client.drain(await _paths(client, target, 2 * concurrency), BODY)  # warm-up
@@ -156,8 +196,13 @@ async def cell(base: str, target: str, concurrency: int, n: int, pids: list[int]
     def pct(q: float) -> float:
         return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000
 
-    return {"rps": len(latencies) / wall, "p50": pct(0.5), "p99": pct(0.99), "errors": errors,
-            "cpu_ms": cpu * 1000 / max(len(latencies), 1)}
+    return {
+        "rps": len(latencies) / wall,
+        "p50": pct(0.5),
+        "p99": pct(0.99),
+        "errors": errors,
+        "cpu_ms": cpu * 1000 / max(len(latencies), 1),
+    }
 
 
 def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
@@ -166,15 +211,19 @@ def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
 
 
 def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
-    lines = [f"{'target':<17}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-             f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'errors':>8}"]
+    lines = [
+        f"{'target':<17}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'errors':>8}"
+    ]
     for c in LEVELS:
         floor = results[("direct", c)]
         for t in TARGETS:
             r = results[(t, c)]
-            lines.append(f"{t:<17}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
-                         f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
-                         f"{r['cpu_ms']:>11.2f}{r['errors']:>8.0f}")
+            lines.append(
+                f"{t:<17}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
+                f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
+                f"{r['cpu_ms']:>11.2f}{r['errors']:>8.0f}"
+            )
     lines.append("")
     lines.append("gateway / pass-through proxy (overhead ratios; target <= 1.5):")
 
@@ -191,42 +240,53 @@ def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
                 f"{t}: cpu/req {ratio(r['cpu_ms'], proxy['cpu_ms'])}, added p50 "
                 f"{ratio(r['p50'] - floor['p50'], proxy['p50'] - floor['p50'])}, added p99 "
                 f"{ratio(r['p99'] - floor['p99'], proxy['p99'] - floor['p99'])}, req/s "
-                f"{ratio(r['rps'], proxy['rps'])}")
+                f"{ratio(r['rps'], proxy['rps'])}"
+            )
         lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
         rec = results[("gateway-recorded", c)]
-        lines.append(f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
-                     f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
-                     f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})")
+        lines.append(
+            f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
+            f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
+            f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})"
+        )
         if ("gateway-recorded-B", c) in results:
             b = results[("gateway-recorded-B", c)]
-            lines.append(f"  {'':>14}  (gateway-recorded-B / gateway-recorded: cpu/req "
-                         f"{ratio(b['cpu_ms'], rec['cpu_ms'])}, req/s "
-                         f"{ratio(b['rps'], rec['rps'])})")
+            lines.append(
+                f"  {'':>14}  (gateway-recorded-B / gateway-recorded: cpu/req "
+                f"{ratio(b['cpu_ms'], rec['cpu_ms'])}, req/s "
+                f"{ratio(b['rps'], rec['rps'])})"
+            )
     return lines
 
 
-async def measure(urls: dict[str, str], pids: dict[str, list[int]], n: int, rounds: int
-                  ) -> dict[tuple[str, int], dict[str, float]]:
+async def measure(
+    urls: dict[str, str], pids: dict[str, list[int]], n: int, rounds: int
+) -> dict[tuple[str, int], dict[str, float]]:
     results: dict[tuple[str, int], dict[str, float]] = {}
     for _ in range(rounds):  # interleaved, so drifting machine load hits every target alike
         for c in LEVELS:
             for t in TARGETS:
                 key = (t, c)
                 results[key] = best(results.get(key), await cell(urls[t], t, c, n, pids[t]))
-                print(f"  {t} at {c}: {results[key]['rps']:.0f} req/s", file=sys.stderr,
-                      flush=True)
+                print(f"  {t} at {c}: {results[key]['rps']:.0f} req/s", file=sys.stderr, flush=True)
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=300, help="timed requests per cell")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--ab", metavar="KEY=JSON", action="append", default=[],
-                        help="also run a second gateway with this [gateway] setting (e.g. "
-                             "record_cache_mb=0): target gateway-recorded-B, compared "
-                             "side by side with gateway-recorded")
+    parser.add_argument(
+        "--ab",
+        metavar="KEY=JSON",
+        action="append",
+        default=[],
+        help="also run a second gateway with this [gateway] setting (e.g. "
+        "record_cache_mb=0): target gateway-recorded-B, compared "
+        "side by side with gateway-recorded",
+    )
     args = parser.parse_args(argv)
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     if ab is not None:
@@ -238,9 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             urls, redis, pids = start(procs, Path(tmp), ab)
             load = os.getloadavg()[0]
             results = asyncio.run(measure(urls, pids, args.requests, args.rounds))
-            print(f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
-                  f"{args.requests} requests per cell, best of {args.rounds} rounds"
-                  + (f"; gateway-recorded-B: {ab}" if ab else ""))
+            print(
+                f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
+                f"{args.requests} requests per cell, best of {args.rounds} rounds"
+                + (f"; gateway-recorded-B: {ab}" if ab else "")
+            )
             print("\n".join(report(results)))
         finally:
             for proc in procs:

@@ -41,8 +41,7 @@ RECORDED = "session lock+read, save+unlock (one-turn record; record held (cache)
 """The row of what recording adds to the bench's request (a session's next turn)."""
 TURN_IDS, TURN_LOGPROBS, TURN_VERSIONS = list(range(20)), [-0.5] * 20, [1] * 20
 """What each timed turn of the long session adds to its record: 20 sampled tokens."""
-BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -93,61 +92,92 @@ async def measure(stub: str, redis_url: str, calls: int) -> list[tuple[str, floa
     parsed = turns.parse_choice(Deps, body, gen)
 
     rows = [
-        ("body checks (json.loads + scan)", _per_call_us(lambda: _scan(json.loads(raw), depth),
-                                                          calls)),
-        ("validation (pydantic model)", _per_call_us(
-            lambda: ChatCompletionRequest.model_validate(json.loads(raw)), calls)),
+        (
+            "body checks (json.loads + scan)",
+            _per_call_us(lambda: _scan(json.loads(raw), depth), calls),
+        ),
+        (
+            "validation (pydantic model)",
+            _per_call_us(lambda: ChatCompletionRequest.model_validate(json.loads(raw)), calls),
+        ),
         ("chat template", _per_call_us(lambda: renderer.render(messages), calls)),
         ("tokenization", _per_call_us(lambda: renderer.encode(text), calls)),
-        ("response body + JSON", _per_call_us(
-            lambda: json.dumps(chat._response(Deps, body, [gen], len(ids), [parsed])), calls)),
+        (
+            "response body + JSON",
+            _per_call_us(
+                lambda: json.dumps(chat._response(Deps, body, [gen], len(ids), [parsed])), calls
+            ),
+        ),
     ]
     async with aiohttp.ClientSession() as http:
+
         async def bare() -> None:
-            async with http.post(f"{stub}/v1/chat/completions", data=raw,
-                                 headers={"content-type": "application/json"}) as resp:
+            async with http.post(
+                f"{stub}/v1/chat/completions",
+                data=raw,
+                headers={"content-type": "application/json"},
+            ) as resp:
                 await resp.read()
 
-        rows.append(("engine call (EnginePool.generate)", await _per_call_us_async(
-            lambda: pool.generate(ids, sampling), calls)))
+        rows.append(
+            (
+                "engine call (EnginePool.generate)",
+                await _per_call_us_async(lambda: pool.generate(ids, sampling), calls),
+            )
+        )
         rows.append(("proxy: bare aiohttp POST", await _per_call_us_async(bare, calls)))
     await pool.aclose()
     client = connect(redis_url)
-    stores = {"read from Redis": SessionStore(client, "parts", 600, cache_bytes=0),
-              "record held (cache)": SessionStore(client, "parts", 600)}
+    stores = {
+        "read from Redis": SessionStore(client, "parts", 600, cache_bytes=0),
+        "record held (cache)": SessionStore(client, "parts", 600),
+    }
     stores["read from Redis"].create(session_id="s")
     long = stores["read from Redis"].get("s")  # a long episode: 20,000 recorded tokens
     long.session_id = "long"
-    long.segment.append(list(range(20_000)), sampled=True, logprobs=[-0.5] * 20_000,
-                        versions=[1] * 20_000)
+    long.segment.append(
+        list(range(20_000)), sampled=True, logprobs=[-0.5] * 20_000, versions=[1] * 20_000
+    )
     stores["read from Redis"].create(**long.model_dump())
     size = len(long.model_dump_json()) // 1024
-    for sid, label, n in (("s", "one-turn record", calls),
-                          ("long", f"20k-token record, {size} KiB", max(calls // 50, 5))):
+    for sid, label, n in (
+        ("s", "one-turn record", calls),
+        ("long", f"20k-token record, {size} KiB", max(calls // 50, 5)),
+    ):
         for how, store in stores.items():
+
             async def turn(store: SessionStore = store, sid: str = sid) -> None:
                 lease = await store.atry_acquire(sid)
                 if sid == "long":
-                    lease.record.segment.append(TURN_IDS, sampled=True,
-                                                logprobs=TURN_LOGPROBS, versions=TURN_VERSIONS)
+                    lease.record.segment.append(
+                        TURN_IDS, sampled=True, logprobs=TURN_LOGPROBS, versions=TURN_VERSIONS
+                    )
                 await store.arelease(lease, lease.record)
 
             await turn()  # the cache holds the record from here on
-            rows.append((f"session lock+read, save+unlock ({label}; {how})",
-                         await _per_call_us_async(turn, n)))
+            rows.append(
+                (
+                    f"session lock+read, save+unlock ({label}; {how})",
+                    await _per_call_us_async(turn, n),
+                )
+            )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
     from flywheel.core.redis_server import LocalRedis, free_port  # noqa: PLC0415
 
     port = free_port()
-    stub = subprocess.Popen([sys.executable, "bench/peers/stub_upstream.py", "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL)
+    stub = subprocess.Popen(
+        [sys.executable, "bench/peers/stub_upstream.py", "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-parts-") as tmp:
         redis = LocalRedis(Path(tmp)).start()
         try:
@@ -161,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in rows:
         print(f"{name:<{width}}{us:>9.1f}")
     gateway_only = sum(us for name, us in rows if not name.startswith(("proxy", "session", " ")))
-    print(f"\ngateway stages, unrecorded: {gateway_only:.0f} us; recorded adds "
-          f"{dict(rows)[RECORDED]:.0f} us; the proxy's upstream call: "
-          f"{dict(rows)['proxy: bare aiohttp POST']:.0f} us")
+    print(
+        f"\ngateway stages, unrecorded: {gateway_only:.0f} us; recorded adds "
+        f"{dict(rows)[RECORDED]:.0f} us; the proxy's upstream call: "
+        f"{dict(rows)['proxy: bare aiohttp POST']:.0f} us"
+    )
     return 0
 
 

@@ -35,17 +35,25 @@ def _cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-def _one(gateway: str, pid: int, seed: int, stream: bool, max_tokens: int
-         ) -> tuple[float, float, float, int]:
+def _one(
+    gateway: str, pid: int, seed: int, stream: bool, max_tokens: int
+) -> tuple[float, float, float, int]:
     """(seconds to the first content, seconds to the end, gateway CPU seconds, tokens)."""
     session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": f"bench-{seed}"}).json()
-    body = {"messages": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
-            "stream": stream, "stream_options": {"include_usage": True} if stream else None}
+    body = {
+        "messages": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": seed,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
     cpu0, t0 = _cpu_s(pid), time.perf_counter()
     first = None
     tokens = 0
-    with httpx.stream("POST", f"{session['base_url']}/chat/completions", json=body,
-                      timeout=300) as reply:
+    with httpx.stream(
+        "POST", f"{session['base_url']}/chat/completions", json=body, timeout=300
+    ) as reply:
         for line in reply.iter_lines():
             if first is None and ('"content": "' in line and '"content": ""' not in line):
                 first = time.perf_counter() - t0
@@ -61,14 +69,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="gateway.stream_interval (tokens per engine stream chunk)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="gateway.stream_interval (tokens per engine stream chunk)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as state, LocalRedis(Path(state) / "redis") as redis:
         settings = load_settings(
-            redis={"url": redis.url}, streams={"prefix": "bench"}, state_dir=state,
+            redis={"url": redis.url},
+            streams={"prefix": "bench"},
+            state_dir=state,
             engine={"model_path": str(ensure_default_model()), "port": 31890},
-            gateway={"port": 8990, "stream_interval": args.stream_interval})
+            gateway={"port": 8990, "stream_interval": args.stream_interval},
+        )
         with Stack(settings, echo=lambda *_: None, only=("engine", "gateway")) as running:
             gateway = next(s for s in running.services if s.name == "gateway")
             url, pid = gateway.url, gateway.proc.pid
@@ -78,17 +93,19 @@ def main() -> None:
             for i in range(args.requests):
                 for stream in (i % 2 == 0, i % 2 == 1):
                     rows[stream].append(_one(url, pid, 1000 + i, stream, args.max_tokens))
-    print(f"{args.requests} requests each way, {args.max_tokens} max tokens, one at a time, "
-          f"stream_interval {args.stream_interval}")
-    print(f"{'':<10}{'first content s':>16}{'whole answer s':>16}{'gateway CPU ms':>16}"
-          f"{'tokens':>8}")
+    print(
+        f"{args.requests} requests each way, {args.max_tokens} max tokens, one at a time, "
+        f"stream_interval {args.stream_interval}"
+    )
+    print(
+        f"{'':<10}{'first content s':>16}{'whole answer s':>16}{'gateway CPU ms':>16}{'tokens':>8}"
+    )
     med = {k: [statistics.median(r[j] for r in v) for j in range(4)] for k, v in rows.items()}
     for stream, name in ((True, "streamed"), (False, "whole")):
         m = med[stream]
         print(f"{name:<10}{m[0]:>16.3f}{m[1]:>16.3f}{m[2] * 1000:>16.1f}{m[3]:>8.0f}")
     s, w = med[True], med[False]
-    print(f"{'streamed / whole':<10}{s[0] / w[0]:>9.2f}x{s[1] / w[1]:>15.2f}x"
-          f"{s[2] / w[2]:>15.2f}x")
+    print(f"{'streamed / whole':<10}{s[0] / w[0]:>9.2f}x{s[1] / w[1]:>15.2f}x{s[2] / w[2]:>15.2f}x")
 
 
 if __name__ == "__main__":

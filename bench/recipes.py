@@ -38,8 +38,9 @@ class _Runner(DemoRunner):
     given (its first `evaluate` call), and evaluation on the first `eval_problems` held-out
     problems (0 = all 30)."""
 
-    def __init__(self, *args, eval_before: float | None = None, eval_problems: int = 0,
-                 **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(
+        self, *args, eval_before: float | None = None, eval_problems: int = 0, **kwargs
+    ) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)
         self._eval_before = eval_before
         self._eval_problems = eval_problems
@@ -50,8 +51,9 @@ class _Runner(DemoRunner):
             return value
         _, held_out = split()
         held_out = held_out[: self._eval_problems or len(held_out)]
-        rewards = list(self.pool.map(
-            lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out))
+        rewards = list(
+            self.pool.map(lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out)
+        )
         return sum(rewards) / len(rewards)
 
 
@@ -75,8 +77,14 @@ def _patient(settings) -> None:  # noqa: ANN001
     settings.trainer.group_wait_s = 3600.0
 
 
-def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
-               eval_before: float | None = None, eval_problems: int = 0) -> dict[str, float]:
+def run_recipe(
+    recipe: Path,
+    out: Path,
+    cfg: DemoConfig,
+    port_base: int,
+    eval_before: float | None = None,
+    eval_problems: int = 0,
+) -> dict[str, float]:
     """One recipe on a fresh stack; returns the demo summary plus `wall_s`."""
     started = time.monotonic()
     settings = load_settings(recipe)
@@ -92,8 +100,14 @@ def run_recipe(recipe: Path, out: Path, cfg: DemoConfig, port_base: int,
     settings.trainer.seed = cfg.seed
     with Stack(settings, config_file=str(recipe)) as stack:
         urls = {s.name: s.url for s in stack.services}
-        runner = _Runner(urls["gateway"], urls["engine"], cfg, out, eval_before=eval_before,
-                         eval_problems=eval_problems)
+        runner = _Runner(
+            urls["gateway"],
+            urls["engine"],
+            cfg,
+            out,
+            eval_before=eval_before,
+            eval_problems=eval_problems,
+        )
         summary = runner.run(started_at=started)
     shutil.rmtree(stack_dir / "checkpoints", ignore_errors=True)
     return summary | {"wall_s": time.monotonic() - started}
@@ -124,43 +138,71 @@ def plot(curves: dict[str, list[float]], path: Path) -> None:
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
-    lines = [f"{'recipe':<22} {'eval_before':>11} {'eval_after':>10} {'reward_first':>12} "
-             f"{'reward_last':>11} {'wall_min':>8}"]
+    lines = [
+        f"{'recipe':<22} {'eval_before':>11} {'eval_after':>10} {'reward_first':>12} "
+        f"{'reward_last':>11} {'wall_min':>8}"
+    ]
     for name, r in results.items():
-        lines.append(f"{name:<22} {r['eval_before']:>11.3f} {r['eval_after']:>10.3f} "
-                     f"{r['reward_first']:>12.3f} {r['reward_last']:>11.3f} "
-                     f"{r['wall_s'] / 60:>8.1f}")
+        lines.append(
+            f"{name:<22} {r['eval_before']:>11.3f} {r['eval_after']:>10.3f} "
+            f"{r['reward_first']:>12.3f} {r['reward_last']:>11.3f} "
+            f"{r['wall_s'] / 60:>8.1f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("recipes", nargs="+", type=Path, help="recipe TOML files (3 or more)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--problems-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/recipes"))
-    parser.add_argument("--port-base", type=int, default=41000,
-                        help="first port of the stacks (each recipe uses 7 from base + 100 i)")
-    parser.add_argument("--eval-problems", type=int, default=0,
-                        help="evaluate on the first N of the 30 held-out problems (0 = all)")
-    parser.add_argument("--eval-before", type=float, default=None,
-                        help="reuse this held-out accuracy before training (measured earlier on "
-                             "the same problems and initial weights) instead of measuring it")
-    parser.add_argument("--parallel", action="store_true",
-                        help="run the recipes at the same time, one process each (same load "
-                             "for all; wall-clock is then comparable only among them)")
-    parser.add_argument("--eval-before-each", action="store_true",
-                        help="measure held-out accuracy before training for every recipe")
+    parser.add_argument(
+        "--port-base",
+        type=int,
+        default=41000,
+        help="first port of the stacks (each recipe uses 7 from base + 100 i)",
+    )
+    parser.add_argument(
+        "--eval-problems",
+        type=int,
+        default=0,
+        help="evaluate on the first N of the 30 held-out problems (0 = all)",
+    )
+    parser.add_argument(
+        "--eval-before",
+        type=float,
+        default=None,
+        help="reuse this held-out accuracy before training (measured earlier on "
+        "the same problems and initial weights) instead of measuring it",
+    )
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the recipes at the same time, one process each (same load "
+        "for all; wall-clock is then comparable only among them)",
+    )
+    parser.add_argument(
+        "--eval-before-each",
+        action="store_true",
+        help="measure held-out accuracy before training for every recipe",
+    )
     args = parser.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so each recipe's `with Stack(...)` stops its services
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     for recipe in args.recipes:
         load_settings(recipe)  # fail before any stack starts
-    cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,
-                     group_size=args.group_size, seed=args.seed, step_timeout_s=1800.0)
+    cfg = DemoConfig(
+        steps=args.steps,
+        problems_per_step=args.problems_per_step,
+        group_size=args.group_size,
+        seed=args.seed,
+        step_timeout_s=1800.0,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, float]] = {}
     curves: dict[str, list[float]] = {}
@@ -169,22 +211,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.parallel:
         with ProcessPoolExecutor(max_workers=len(args.recipes)) as pool:
             futures = {
-                recipe.stem: pool.submit(run_recipe, recipe, args.out / recipe.stem, cfg,
-                                         args.port_base + 100 * i, eval_before, args.eval_problems)
+                recipe.stem: pool.submit(
+                    run_recipe,
+                    recipe,
+                    args.out / recipe.stem,
+                    cfg,
+                    args.port_base + 100 * i,
+                    eval_before,
+                    args.eval_problems,
+                )
                 for i, recipe in enumerate(args.recipes)
             }
-            print(f"== {len(futures)} recipes in parallel: {args.steps} steps x "
-                  f"{args.problems_per_step} problems x {args.group_size} samples, seed "
-                  f"{args.seed}", flush=True)
+            print(
+                f"== {len(futures)} recipes in parallel: {args.steps} steps x "
+                f"{args.problems_per_step} problems x {args.group_size} samples, seed "
+                f"{args.seed}",
+                flush=True,
+            )
             summaries = {name: future.result() for name, future in futures.items()}
     for i, recipe in enumerate(args.recipes):
         name = recipe.stem
         if name not in summaries:
-            print(f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} "
-                  f"problems x {args.group_size} samples, seed {args.seed}", flush=True)
+            print(
+                f"== {name} ({recipe}): {args.steps} steps x {args.problems_per_step} "
+                f"problems x {args.group_size} samples, seed {args.seed}",
+                flush=True,
+            )
             summaries[name] = run_recipe(
-                recipe, args.out / name, cfg, args.port_base + 100 * i,
-                None if args.eval_before_each else eval_before, args.eval_problems)
+                recipe,
+                args.out / name,
+                cfg,
+                args.port_base + 100 * i,
+                None if args.eval_before_each else eval_before,
+                args.eval_problems,
+            )
             if eval_before is None and not args.eval_before_each:
                 eval_before = summaries[name]["eval_before"]
         summary = summaries[name]
@@ -194,17 +254,26 @@ def main(argv: list[str] | None = None) -> int:
             "reward_first": sum(curves[name][:half]) / half,
             "reward_last": sum(curves[name][-half:]) / half,
         }
-        (args.out / "summary.json").write_text(json.dumps(
-            {"budget": vars(args) | {"recipes": [str(r) for r in args.recipes],
-                                     "out": str(args.out)}, "results": results},
-            indent=2, default=str))
+        (args.out / "summary.json").write_text(
+            json.dumps(
+                {
+                    "budget": vars(args)
+                    | {"recipes": [str(r) for r in args.recipes], "out": str(args.out)},
+                    "results": results,
+                },
+                indent=2,
+                default=str,
+            )
+        )
         plot(curves, args.out / "reward_curves.png")
-    print(f"budget: {args.steps} steps x {args.problems_per_step} problems x {args.group_size} "
-          f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
-          f"reward over the first / last {max(args.steps // 2, 1)} steps; eval = greedy "
-          f"accuracy on {args.eval_problems or 30} of the 30 held-out problems"
-          + ("" if args.eval_before_each else " (eval_before measured once, shared)")
-          + (" in parallel" if args.parallel else ""))
+    print(
+        f"budget: {args.steps} steps x {args.problems_per_step} problems x {args.group_size} "
+        f"samples per recipe, seed {args.seed}; reward_first / reward_last = mean training "
+        f"reward over the first / last {max(args.steps // 2, 1)} steps; eval = greedy "
+        f"accuracy on {args.eval_problems or 30} of the 30 held-out problems"
+        + ("" if args.eval_before_each else " (eval_before measured once, shared)")
+        + (" in parallel" if args.parallel else "")
+    )
     print(table(results))
     print(f"wrote {args.out / 'reward_curves.png'} and {args.out / 'summary.json'}")
     return 0

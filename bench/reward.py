@@ -55,10 +55,17 @@ def turn(i: int):
     return s
 
 
-def scorer_for(url: str, model: str, votes: int, in_flight: int, max_tokens: int = 32,
-               timeout_s: float = 30.0) -> Scorer:
-    client = AsyncJudgeClient(url, model, max_concurrency=in_flight * votes, max_attempts=1,
-                              timeout_s=timeout_s, max_tokens=max_tokens)
+def scorer_for(
+    url: str, model: str, votes: int, in_flight: int, max_tokens: int = 32, timeout_s: float = 30.0
+) -> Scorer:
+    client = AsyncJudgeClient(
+        url,
+        model,
+        max_concurrency=in_flight * votes,
+        max_attempts=1,
+        timeout_s=timeout_s,
+        max_tokens=max_tokens,
+    )
     return Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=votes))
 
 
@@ -79,8 +86,12 @@ async def bounded(n: int, in_flight: int, job) -> tuple[float, float]:
 async def raw_rate(url: str, votes: int, n: int, in_flight: int) -> tuple[float, float]:
     client = AsyncJudgeClient(url, "fake", max_concurrency=in_flight * votes, max_attempts=1)
     prompt = NextStateJudge(client, "prm_v2", votes).render(
-        context="user: What is 2 + 3?", response="2 + 3 = 5.", next_state="Great, thanks!",
-        next_role="user", response_status="complete")
+        context="user: What is 2 + 3?",
+        response="2 + 3 = 5.",
+        next_state="Great, thanks!",
+        next_role="user",
+        response_status="complete",
+    )
 
     async def job(_i: int) -> None:
         await asyncio.gather(*(client.vote(prompt, parse_verdict) for _ in range(votes)))
@@ -101,13 +112,20 @@ async def scorer_rate(scorer: Scorer, n: int, in_flight: int) -> tuple[float, fl
     return n / wall, cpu / n
 
 
-async def stream_rate(client, prefix: str, scorer: Scorer, n: int, in_flight: int
-                      ) -> tuple[float, float]:
+async def stream_rate(
+    client, prefix: str, scorer: Scorer, n: int, in_flight: int
+) -> tuple[float, float]:
     src = StreamProducer(client, f"{prefix}:rollouts")
-    consumer = StreamConsumer(client, f"{prefix}:rollouts", "reward", "bench",
-                              dead_stream=f"{prefix}:dead")
-    worker = RewardWorker(consumer, StreamProducer(client, f"{prefix}:train"), scorer,
-                          block_ms=100, max_in_flight=in_flight)
+    consumer = StreamConsumer(
+        client, f"{prefix}:rollouts", "reward", "bench", dead_stream=f"{prefix}:dead"
+    )
+    worker = RewardWorker(
+        consumer,
+        StreamProducer(client, f"{prefix}:train"),
+        scorer,
+        block_ms=100,
+        max_in_flight=in_flight,
+    )
     for i in range(n):
         src.publish(turn(i))
     start, cpu = time.perf_counter(), time.process_time()
@@ -119,12 +137,12 @@ async def stream_rate(client, prefix: str, scorer: Scorer, n: int, in_flight: in
     return n / wall, cpu / n
 
 
-def instant_part(n: int, in_flight: int, rounds: int
-                 ) -> list[tuple[int, list[float], list[float]]]:
+def instant_part(n: int, in_flight: int, rounds: int) -> list[tuple[int, list[float], list[float]]]:
     port = free_port(18700)
     # its own process, so the judge's threads do not share this process's GIL
-    judge = subprocess.Popen([sys.executable, "-m", "flywheel.reward.fake_judge", str(port)],
-                             stdout=subprocess.PIPE)
+    judge = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.reward.fake_judge", str(port)], stdout=subprocess.PIPE
+    )
     url = judge.stdout.readline().decode().strip()
     rows = []
     try:
@@ -135,11 +153,18 @@ def instant_part(n: int, in_flight: int, rounds: int
                 for r in range(rounds):  # interleaved; the best of each is the least disturbed
                     runs = (
                         asyncio.run(raw_rate(url, m, n, in_flight)),
-                        asyncio.run(scorer_rate(scorer_for(url, "fake", m, in_flight), n,
-                                                in_flight)),
-                        asyncio.run(stream_rate(client, f"bench{m}-{r}",
-                                                scorer_for(url, "fake", m, in_flight), n,
-                                                in_flight)),
+                        asyncio.run(
+                            scorer_rate(scorer_for(url, "fake", m, in_flight), n, in_flight)
+                        ),
+                        asyncio.run(
+                            stream_rate(
+                                client,
+                                f"bench{m}-{r}",
+                                scorer_for(url, "fake", m, in_flight),
+                                n,
+                                in_flight,
+                            )
+                        ),
                     )
                     rate = [max(a, b[0]) for a, b in zip(rate, runs, strict=True)]
                     cpu = [min(a, b[1]) for a, b in zip(cpu, runs, strict=True)]
@@ -156,9 +181,12 @@ def engine_part(n: int, max_tokens: int, report=print) -> list[tuple[int, float,
     model = ensure_default_model()
     port = free_port(31700)
     env = {**os.environ, "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "20"}
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.engine", "--model-path", str(model),
-                             "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.engine", "--model-path", str(model), "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
@@ -199,31 +227,42 @@ def main() -> None:
     parser.add_argument("--engine-samples", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--in-flight", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved repetitions of the instant part; best of each kept")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved repetitions of the instant part; best of each kept",
+    )
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-instant", action="store_true")
     args = parser.parse_args()
 
     if not args.skip_instant:
-        print(f"instant judge, {args.instant_samples} samples, {args.in_flight} in flight, best of "
-              f"{args.rounds}; rates in samples/s (raw = the m calls alone)")
-        print(f"{'m':>2} | {'samples/s: raw':>14} {'scorer':>8} {'stream':>8} | "
-              f"{'CPU ms/sample: raw':>18} {'scorer':>7} {'stream':>7} | {'overhead CPU ms':>15}"
-              f" {'stream/raw CPU':>14}")
+        print(
+            f"instant judge, {args.instant_samples} samples, {args.in_flight} in flight, best of "
+            f"{args.rounds}; rates in samples/s (raw = the m calls alone)"
+        )
+        print(
+            f"{'m':>2} | {'samples/s: raw':>14} {'scorer':>8} {'stream':>8} | "
+            f"{'CPU ms/sample: raw':>18} {'scorer':>7} {'stream':>7} | {'overhead CPU ms':>15}"
+            f" {'stream/raw CPU':>14}"
+        )
         sys.stdout.flush()
         for m, rate, cpu in instant_part(args.instant_samples, args.in_flight, args.rounds):
             ms = [c * 1000 for c in cpu]
-            print(f"{m:>2} | {rate[0]:>14.1f} {rate[1]:>8.1f} {rate[2]:>8.1f} | "
-                  f"{ms[0]:>18.2f} {ms[1]:>7.2f} {ms[2]:>7.2f} | {ms[2] - ms[0]:>15.2f}"
-                  f" {ms[2] / ms[0]:>14.2f}")
+            print(
+                f"{m:>2} | {rate[0]:>14.1f} {rate[1]:>8.1f} {rate[2]:>8.1f} | "
+                f"{ms[0]:>18.2f} {ms[1]:>7.2f} {ms[2]:>7.2f} | {ms[2] - ms[0]:>15.2f}"
+                f" {ms[2] / ms[0]:>14.2f}"
+            )
     if args.skip_engine:
         return
-    print(f"\nembedded engine (SmolLM2-135M), {args.engine_samples} samples together, "
-          f"{args.max_tokens} tokens per vote")
+    print(
+        f"\nembedded engine (SmolLM2-135M), {args.engine_samples} samples together, "
+        f"{args.max_tokens} tokens per vote"
+    )
     print(f"{'m':>2} {'samples/s':>10} {'vs m=1':>7} {'valid vote share':>17}")
-    engine_part(args.engine_samples, args.max_tokens,
-                report=lambda line: print(line, flush=True))
+    engine_part(args.engine_samples, args.max_tokens, report=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

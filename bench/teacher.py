@@ -32,11 +32,13 @@ from flywheel.engine.convert import ensure_default_model
 from flywheel.teacher.context import TeacherRenderer, insert_context
 from flywheel.teacher.scoring import TeacherScorer
 
-TEXT = ("The robot looked at the blank canvas for a long time before it lifted the brush. It had "
-        "read every book about painting in the library, measured the angles of ten thousand "
-        "brush strokes and learned the names of all the colours, yet it did not know where to "
-        "begin. So it began with a single blue line, and then another, and slowly a river "
-        "appeared, winding through hills that were not there a moment ago. ") * 4
+TEXT = (
+    "The robot looked at the blank canvas for a long time before it lifted the brush. It had "
+    "read every book about painting in the library, measured the angles of ten thousand "
+    "brush strokes and learned the names of all the colours, yet it did not know where to "
+    "begin. So it began with a single blue line, and then another, and slowly a river "
+    "appeared, winding through hills that were not there a moment ago. "
+) * 4
 
 
 def free_port() -> int:
@@ -46,8 +48,11 @@ def free_port() -> int:
 
 
 def start_engine(port: int, max_batch: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "FLYWHEEL_ENGINE__MAX_BATCH_SIZE": str(max_batch),
-           "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "5"}
+    env = {
+        **os.environ,
+        "FLYWHEEL_ENGINE__MAX_BATCH_SIZE": str(max_batch),
+        "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "5",
+    }
     cmd = [sys.executable, "-m", "flywheel.engine", "--port", str(port)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -66,22 +71,28 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) 
     raise SystemExit("engine did not become healthy")
 
 
-def requests_for(renderer: TeacherRenderer, n: int, response_tokens: int
-                 ) -> list[tuple[list[int], list[int]]]:
+def requests_for(
+    renderer: TeacherRenderer, n: int, response_tokens: int
+) -> list[tuple[list[int], list[int]]]:
     """n (teacher prompt ids, response ids) pairs of different prompt lengths."""
     ids = renderer.tokenizer.encode(TEXT, add_special_tokens=False)
     out = []
     for i in range(n):
         msgs = [{"role": "user", "content": f"Tell story number {i} about a robot" + "!" * i}]
         prompt = renderer.prompt_ids(insert_context(msgs, "Keep it calm.", "last_user"))
-        out.append((prompt, ids[i:i + response_tokens]))
+        out.append((prompt, ids[i : i + response_tokens]))
     return out
 
 
 def run(url: str, reqs: list, max_batch: int, in_flight: int, batch_wait_ms: float) -> float:
     """Scored response tokens per second for all `reqs` submitted at once."""
-    scorer = TeacherScorer([url], max_batch=max_batch, batch_wait_ms=batch_wait_ms,
-                           max_concurrency=in_flight, timeout_s=600)
+    scorer = TeacherScorer(
+        [url],
+        max_batch=max_batch,
+        batch_wait_ms=batch_wait_ms,
+        max_concurrency=in_flight,
+        timeout_s=600,
+    )
     try:
         t0 = time.perf_counter()
         futures = [scorer.submit(p, r) for p, r in reqs]
@@ -106,8 +117,11 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_engine(port, max(args.batch, 4))
-    modes = {"one by one": (1, 1, 0.0), "concurrent (4 in flight)": (1, 4, 0.0),
-             f"batched (<= {args.batch} per call)": (args.batch, 1, 20.0)}
+    modes = {
+        "one by one": (1, 1, 0.0),
+        "concurrent (4 in flight)": (1, 4, 0.0),
+        f"batched (<= {args.batch} per call)": (args.batch, 1, 20.0),
+    }
     best = dict.fromkeys(modes, 0.0)
     try:
         wait_healthy(url, proc)
@@ -122,8 +136,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(30)
     prompt_tokens = sum(len(p) for p, _ in reqs) / len(reqs)
-    print(f"SmolLM2-135M fp32, {args.requests} requests x {args.response_tokens} response tokens"
-          f" (prompts {prompt_tokens:.0f} tokens on average), best of {args.rounds} rounds")
+    print(
+        f"SmolLM2-135M fp32, {args.requests} requests x {args.response_tokens} response tokens"
+        f" (prompts {prompt_tokens:.0f} tokens on average), best of {args.rounds} rounds"
+    )
     base = best["one by one"]
     for name, value in best.items():
         print(f"{name:>28}: {value:8.1f} scored tok/s  ({value / base:5.2f}x)")

@@ -34,18 +34,27 @@ VOCAB, HIDDEN = 49152, 576
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--part", choices=["all", "logprobs", "step", "layout"], default="all")
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192],
-                   help="scored positions T for part 1")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[512, 2048, 8192],
+        help="scored positions T for part 1",
+    )
     p.add_argument("--chunk", type=int, default=1024, help="positions per head chunk")
     p.add_argument("--model", default="", help="model folder for part 2 (default: SmolLM2)")
     p.add_argument("--samples", type=int, default=8, help="samples per step (groups of 4)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per sample")
     p.add_argument("--completion", type=int, default=64, help="sampled tokens per sample")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
-    p.add_argument("--spread", type=int, default=16,
-                   help="part 3: longest / shortest completion")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16_autocast"],
-                   choices=["fp32", "bf16_autocast"], help="part 2: precisions to time")
+    p.add_argument("--spread", type=int, default=16, help="part 3: longest / shortest completion")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32", "bf16_autocast"],
+        choices=["fp32", "bf16_autocast"],
+        help="part 2: precisions to time",
+    )
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -72,8 +81,9 @@ def logprob_child(variant: str, length: int, chunk: int) -> dict:
         total = logp.gather(1, targets[:, None]).sum()
     else:
         parts = [
-            TemperedHeadLogprob.apply(hidden[s : s + chunk], weight, targets[s : s + chunk],
-                                      temperature[s : s + chunk])[0]
+            TemperedHeadLogprob.apply(
+                hidden[s : s + chunk], weight, targets[s : s + chunk], temperature[s : s + chunk]
+            )[0]
             for s in range(0, length, chunk)
         ]
         total = torch.cat(parts).sum()
@@ -83,24 +93,32 @@ def logprob_child(variant: str, length: int, chunk: int) -> dict:
 
 
 def run_child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, *args], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_logprobs(args: argparse.Namespace) -> None:
-    print(f"selected-token logprobs, vocab {VOCAB}, hidden {HIDDEN}, chunk {args.chunk}, "
-          "forward + backward, fp32")
-    print(f"{'T':>6}{'naive s':>9}{'chunked s':>11}{'time ratio':>12}"
-          f"{'naive MiB':>11}{'chunked MiB':>13}{'memory ratio':>14}")
+    print(
+        f"selected-token logprobs, vocab {VOCAB}, hidden {HIDDEN}, chunk {args.chunk}, "
+        "forward + backward, fp32"
+    )
+    print(
+        f"{'T':>6}{'naive s':>9}{'chunked s':>11}{'time ratio':>12}"
+        f"{'naive MiB':>11}{'chunked MiB':>13}{'memory ratio':>14}"
+    )
     for length in args.lengths:
-        rows = {v: run_child(["--child", f"{v}:{length}:{args.chunk}"])
-                for v in ("naive", "chunked")}
+        rows = {
+            v: run_child(["--child", f"{v}:{length}:{args.chunk}"]) for v in ("naive", "chunked")
+        }
         n, c = rows["naive"], rows["chunked"]
         assert abs(n["value"] - c["value"]) <= 1e-3 * abs(n["value"]), (n, c)
-        print(f"{length:>6}{n['seconds']:>9.2f}{c['seconds']:>11.2f}"
-              f"{c['seconds'] / n['seconds']:>11.2f}x{n['peak_mib']:>11.0f}"
-              f"{c['peak_mib']:>13.0f}{c['peak_mib'] / max(n['peak_mib'], 1e-9):>13.3f}x")
+        print(
+            f"{length:>6}{n['seconds']:>9.2f}{c['seconds']:>11.2f}"
+            f"{c['seconds'] / n['seconds']:>11.2f}x{n['peak_mib']:>11.0f}"
+            f"{c['peak_mib']:>13.0f}{c['peak_mib'] / max(n['peak_mib'], 1e-9):>13.3f}x"
+        )
 
 
 def step_child(args: argparse.Namespace, precision: str) -> dict:
@@ -125,9 +143,14 @@ def step_child(args: argparse.Namespace, precision: str) -> dict:
         result = train_step(model, optimizer, batch, cfg)
         times.append(time.perf_counter() - t0)
     tokens = float(batch.attention_mask_BT.sum())
-    return {"step_s": min(times), "tokens": tokens, "tokens_per_s": tokens / min(times),
-            "peak_mib": max_rss_mib(), "skipped": result.skipped,
-            "threads": torch.get_num_threads()}
+    return {
+        "step_s": min(times),
+        "tokens": tokens,
+        "tokens_per_s": tokens / min(times),
+        "peak_mib": max_rss_mib(),
+        "skipped": result.skipped,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def layout_child(args: argparse.Namespace, layout: str) -> dict:
@@ -154,15 +177,15 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
     longest = args.prompt + args.completion
     cfg = StepConfig(
         micro_batch_size=4,
-        micro_batch_tokens={"padded": 0, "sorted": 4 * longest // 2, "packed": 4 * longest}[
-            layout],
+        micro_batch_tokens={"padded": 0, "sorted": 4 * longest // 2, "packed": 4 * longest}[layout],
         packed=layout == "packed",
     )
     batch, _ = prepare_batch(groups, cfg)
     parts = split_micro_batches(batch, cfg)
     real = float(batch.attention_mask_BT.sum())
-    positions = real if cfg.packed else float(sum(mb.size * mb.input_ids_BT.shape[1]
-                                                  for mb in parts))
+    positions = (
+        real if cfg.packed else float(sum(mb.size * mb.input_ids_BT.shape[1] for mb in parts))
+    )
     norm = normalizer_for(batch.loss_mask_BT)
     accumulate(model, batch.rows(0, 1), cfg, norm)  # warm-up: one short sample
     times = []
@@ -171,53 +194,79 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
         t0 = time.perf_counter()
         acc = accumulate(model, batch, cfg, norm)
         times.append(time.perf_counter() - t0)
-    return {"step_s": min(times), "tokens": real, "positions": positions,
-            "micro_batches": len(parts), "loss": acc.loss, "skipped": ""}
+    return {
+        "step_s": min(times),
+        "tokens": real,
+        "positions": positions,
+        "micro_batches": len(parts),
+        "loss": acc.loss,
+        "skipped": "",
+    }
 
 
 def bench_layout(args: argparse.Namespace) -> None:
-    common = [f"--samples={args.samples}", f"--prompt={args.prompt}",
-              f"--completion={args.completion}", f"--repeats={args.repeats}",
-              f"--spread={args.spread}"]
+    common = [
+        f"--samples={args.samples}",
+        f"--prompt={args.prompt}",
+        f"--completion={args.completion}",
+        f"--repeats={args.repeats}",
+        f"--spread={args.spread}",
+    ]
     if args.model:
         common.append(f"--model={args.model}")
-    rows = {v: run_child(["--child", f"layout:{v}", *common])
-            for v in ("padded", "sorted", "packed")}
+    rows = {
+        v: run_child(["--child", f"layout:{v}", *common]) for v in ("padded", "sorted", "packed")
+    }
     base = rows["padded"]
-    print(f"\nmicro-batch layouts, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} "
-          f"samples, prompt {args.prompt}, completions {max(args.completion // args.spread, 1)}"
-          f"..{args.completion} tokens ({base['tokens']:.0f} real), micro-batch 4, fp32")
-    print(f"{'layout':>8}{'micro-batches':>15}{'positions':>11}{'padding':>9}{'fwd+bwd s':>11}"
-          f"{'time ratio':>12}{'loss':>12}")
+    print(
+        f"\nmicro-batch layouts, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} "
+        f"samples, prompt {args.prompt}, completions {max(args.completion // args.spread, 1)}"
+        f"..{args.completion} tokens ({base['tokens']:.0f} real), micro-batch 4, fp32"
+    )
+    print(
+        f"{'layout':>8}{'micro-batches':>15}{'positions':>11}{'padding':>9}{'fwd+bwd s':>11}"
+        f"{'time ratio':>12}{'loss':>12}"
+    )
     for name, row in rows.items():
         assert not row["skipped"], row
         padding = 1.0 - row["tokens"] / row["positions"]
-        print(f"{name:>8}{row['micro_batches']:>15}{row['positions']:>11.0f}{padding:>9.1%}"
-              f"{row['step_s']:>11.2f}{row['step_s'] / base['step_s']:>11.2f}x"
-              f"{row['loss']:>12.6f}")
+        print(
+            f"{name:>8}{row['micro_batches']:>15}{row['positions']:>11.0f}{padding:>9.1%}"
+            f"{row['step_s']:>11.2f}{row['step_s'] / base['step_s']:>11.2f}x"
+            f"{row['loss']:>12.6f}"
+        )
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    common = [f"--samples={args.samples}", f"--prompt={args.prompt}",
-              f"--completion={args.completion}", f"--repeats={args.repeats}"]
+    common = [
+        f"--samples={args.samples}",
+        f"--prompt={args.prompt}",
+        f"--completion={args.completion}",
+        f"--repeats={args.repeats}",
+    ]
     if args.model:
         common.append(f"--model={args.model}")
     rows = {p: run_child(["--child", f"step:{p}", *common]) for p in args.precisions}
     fp32 = rows["fp32"]
-    print(f"\ntrainer step, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} samples x "
-          f"{args.prompt + args.completion} tokens ({args.completion} sampled), micro-batch 4, "
-          f"AdamW, {fp32['threads']} threads")
+    print(
+        f"\ntrainer step, {args.model or 'SmolLM2-135M-Instruct'}: {args.samples} samples x "
+        f"{args.prompt + args.completion} tokens ({args.completion} sampled), micro-batch 4, "
+        f"AdamW, {fp32['threads']} threads"
+    )
     print(f"{'precision':>14}{'step s':>9}{'tokens/s':>10}{'peak RSS MiB':>14}")
     for name, row in rows.items():
         assert not row["skipped"], row
-        print(f"{name:>14}{row['step_s']:>9.2f}{row['tokens_per_s']:>10.1f}"
-              f"{row['peak_mib']:>14.0f}")
+        print(
+            f"{name:>14}{row['step_s']:>9.2f}{row['tokens_per_s']:>10.1f}{row['peak_mib']:>14.0f}"
+        )
     if "bf16_autocast" not in rows or "fp32" not in rows:
         return
     bf16 = rows["bf16_autocast"]
-    print(f"{'bf16/fp32':>14}{bf16['step_s'] / fp32['step_s']:>8.2f}x"
-          f"{bf16['tokens_per_s'] / fp32['tokens_per_s']:>9.2f}x"
-          f"{bf16['peak_mib'] / fp32['peak_mib']:>13.2f}x")
+    print(
+        f"{'bf16/fp32':>14}{bf16['step_s'] / fp32['step_s']:>8.2f}x"
+        f"{bf16['tokens_per_s'] / fp32['tokens_per_s']:>9.2f}x"
+        f"{bf16['peak_mib'] / fp32['peak_mib']:>13.2f}x"
+    )
 
 
 def main() -> None:

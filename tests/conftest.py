@@ -96,9 +96,11 @@ def verify_record_cache(monkeypatch):
         lease = await original(self, session_id, *args, **kwargs)
         if lease is not None and entry is not None and lease.record is entry.record:
             head, log = await self._loop_clients.script(_READ)(
-                keys=[self._key(session_id), self._log_key(session_id)])
-            assert parse_stored(head, log).model_dump_json() == lease.record.model_dump_json(), \
+                keys=[self._key(session_id), self._log_key(session_id)]
+            )
+            assert parse_stored(head, log).model_dump_json() == lease.record.model_dump_json(), (
                 f"cached record of {session_id} differs from the stored one"
+            )
             shared = _shared_mutables(lease.record, {}, "record")
             assert not shared, f"cached record of {session_id} shares objects at {shared}"
         return lease

@@ -32,10 +32,21 @@ def engine_process(model_dir: Path, *args: str, **env_overrides: str) -> Iterato
     """
     port = free_port()
     settings = {"context_length": "512", "threads": "1"} | env_overrides
-    env = {**os.environ, "PYTHONPATH": str(SERVICES),
-           **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in settings.items()}}
-    cmd = [sys.executable, "-m", "flywheel.engine", "--model-path", str(model_dir),
-           "--port", str(port), *args]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(SERVICES),
+        **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in settings.items()},
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "flywheel.engine",
+        "--model-path",
+        str(model_dir),
+        "--port",
+        str(port),
+        *args,
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

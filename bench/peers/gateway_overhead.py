@@ -38,8 +38,7 @@ from request_loop import Driver  # bench/peers, this script's folder
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(os.environ.get("FLYWHEEL_PEERS_DIR", Path.home() / ".cache/flywheel/peers"))
-BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 LEVELS = (1, 16, 64)
 LITELLM_KEY = "sk-bench-" + os.urandom(8).hex()
 KEYS: dict[str, str] = {}
@@ -60,8 +59,9 @@ class Procs:
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115  (owned by the child)
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, cwd=ROOT)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+        )
         self.procs.append(proc)
         return proc
 
@@ -101,53 +101,85 @@ def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str
 
     py = sys.executable
     stub_port = _port()
-    stub = procs.start("stub", [py, str(ROOT / "bench/peers/stub_upstream.py"), "--port",
-                                str(stub_port)])
+    stub = procs.start(
+        "stub", [py, str(ROOT / "bench/peers/stub_upstream.py"), "--port", str(stub_port)]
+    )
     stub_url = f"http://127.0.0.1:{stub_port}"
     _wait(f"{stub_url}/health", 60, stub)
     targets = {"direct": stub_url}
 
     port = _port()
-    proc = procs.start("passthrough", [py, str(ROOT / "bench/peers/passthrough.py"), "--port",
-                                       str(port), "--upstream", stub_url])
+    proc = procs.start(
+        "passthrough",
+        [py, str(ROOT / "bench/peers/passthrough.py"), "--port", str(port), "--upstream", stub_url],
+    )
     _wait(f"http://127.0.0.1:{port}/health", 60, proc)
     targets["passthrough"] = f"http://127.0.0.1:{port}"
 
     if with_litellm:
         litellm = PEERS / "litellm" / "bin" / "litellm"
         if not litellm.exists():
-            raise SystemExit("LiteLLM is not installed: run bench/peers/setup_litellm.sh first "
-                             "(or pass --no-litellm)")
+            raise SystemExit(
+                "LiteLLM is not installed: run bench/peers/setup_litellm.sh first "
+                "(or pass --no-litellm)"
+            )
         cfg = work / "litellm.yaml"
         cfg.write_text(
             "model_list:\n  - model_name: m\n    litellm_params:\n      model: openai/stub\n"
             f"      api_base: {stub_url}/v1\n      api_key: sk-stub\n"
-            "litellm_settings:\n  telemetry: false\n  drop_params: true\n")
+            "litellm_settings:\n  telemetry: false\n  drop_params: true\n"
+        )
         port = _port()
-        env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-               "DISABLE_SCHEMA_UPDATE": "true", "LITELLM_MASTER_KEY": LITELLM_KEY}
-        proc = procs.start("litellm", [str(litellm), "--config", str(cfg), "--port", str(port),
-                                       "--host", "127.0.0.1", "--num_workers", "1"], env=env)
+        env = {
+            **os.environ,
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "DISABLE_SCHEMA_UPDATE": "true",
+            "LITELLM_MASTER_KEY": LITELLM_KEY,
+        }
+        proc = procs.start(
+            "litellm",
+            [
+                str(litellm),
+                "--config",
+                str(cfg),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--num_workers",
+                "1",
+            ],
+            env=env,
+        )
         _wait(f"http://127.0.0.1:{port}/health/liveliness", 300, proc)
         targets["litellm"] = f"http://127.0.0.1:{port}"
         KEYS["litellm"] = LITELLM_KEY
 
     redis = procs.redis = LocalRedis(work / "redis").start()
     port = _port()
-    cfg = {"redis": {"url": redis.url}, "streams": {"prefix": "bench"},
-           "gateway": {"port": port, "engine_urls": [stub_url],
-                       "tokenizer_path": str(build_tiny_model(work / "tiny")),
-                       "security": {"auth": "on"}},
-           "log_level": "WARNING"}
+    cfg = {
+        "redis": {"url": redis.url},
+        "streams": {"prefix": "bench"},
+        "gateway": {
+            "port": port,
+            "engine_urls": [stub_url],
+            "tokenizer_path": str(build_tiny_model(work / "tiny")),
+            "security": {"auth": "on"},
+        },
+        "log_level": "WARNING",
+    }
     (work / "gateway.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    proc = procs.start("flywheel", [py, "-m", "flywheel.gateway", "--config",
-                                    str(work / "gateway.json")], env=env)
+    proc = procs.start(
+        "flywheel", [py, "-m", "flywheel.gateway", "--config", str(work / "gateway.json")], env=env
+    )
     _wait(f"http://127.0.0.1:{port}/readyz", 180, proc)
     targets["flywheel"] = f"http://127.0.0.1:{port}"
     targets["flywheel-session"] = targets["flywheel"]
     KEYS["flywheel"] = KEYS["flywheel-session"] = KeyStore(connect(redis.url), "bench").create(
-        "agent", "bench")[0]
+        "agent", "bench"
+    )[0]
     return targets
 
 
@@ -155,8 +187,7 @@ async def _paths(client: Driver, k: int, session: bool) -> list[str]:
     """k request paths; for sessions one fresh (eval) session each, created before timing."""
     if not session:
         return ["/v1/chat/completions"] * k
-    made = await asyncio.gather(*[client.post("/v1/sessions", {"eval": True})
-                                  for _ in range(k)])
+    made = await asyncio.gather(*[client.post("/v1/sessions", {"eval": True}) for _ in range(k)])
     return [f"/s/{body['session_id']}/v1/chat/completions" for _, body in made]
 
 
@@ -184,13 +215,16 @@ def _machine() -> str:
     except OSError:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu}), "
-            f"Python {platform.python_version()}, load average {load:.1f} at start")
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu}), "
+        f"Python {platform.python_version()}, load average {load:.1f} at start"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=400, help="timed requests per cell")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (best kept)")
     parser.add_argument("--no-litellm", action="store_true")
@@ -206,8 +240,15 @@ def main(argv: list[str] | None = None) -> int:
             n = max(args.requests, level * 4)
             for _ in range(args.rounds):
                 for name, base in targets.items():
-                    r = asyncio.run(_run(base, level, n, session=name == "flywheel-session",
-                                         key=KEYS.get(name, "")))
+                    r = asyncio.run(
+                        _run(
+                            base,
+                            level,
+                            n,
+                            session=name == "flywheel-session",
+                            key=KEYS.get(name, ""),
+                        )
+                    )
                     best = results[name].get(level)
                     if best is None or r["rps"] > best["rps"]:
                         results[name][level] = r
@@ -217,19 +258,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'target':18} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
     for name, by_level in results.items():
         for level, r in by_level.items():
-            print(f"{name:18} {level:>4} {r['rps']:>9.1f} {r['p50_ms']:>8.2f} "
-                  f"{r['p99_ms']:>8.2f} {r['errors']:>6}")
+            print(
+                f"{name:18} {level:>4} {r['rps']:>9.1f} {r['p50_ms']:>8.2f} "
+                f"{r['p99_ms']:>8.2f} {r['errors']:>6}"
+            )
     print("\nratios (flywheel / peer; req/s > 1 and latency < 1 favour flywheel)")
     for peer in ("litellm", "passthrough"):
         if peer not in results:
             continue
         for level in LEVELS:
             f, p = results["flywheel"][level], results[peer][level]
-            print(f"  vs {peer:11} c={level:<3} req/s x{f['rps'] / p['rps']:.2f}  "
-                  f"p50 x{f['p50_ms'] / p['p50_ms']:.2f}  p99 x{f['p99_ms'] / p['p99_ms']:.2f}")
+            print(
+                f"  vs {peer:11} c={level:<3} req/s x{f['rps'] / p['rps']:.2f}  "
+                f"p50 x{f['p50_ms'] / p['p50_ms']:.2f}  p99 x{f['p99_ms'] / p['p99_ms']:.2f}"
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": machine, "requests": args.requests,
-                                          "results": results}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"machine": machine, "requests": args.requests, "results": results}, indent=2)
+    )
     print(f"wrote {args.out}")
     return 0
 

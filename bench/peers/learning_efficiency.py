@@ -32,20 +32,48 @@ def main() -> int:
     trl_python = PEERS / "trl" / "bin" / "python"
     if not trl_python.exists():
         raise SystemExit("TRL is not installed: run bench/peers/setup_trl.sh first")
-    subprocess.run([sys.executable, "-m", "flywheel.cli", "demo", "--new-stack", "--steps",
-                    str(args.steps), "--out", str(out / "flywheel")], check=True, cwd=ROOT)
-    subprocess.run([str(trl_python), str(ROOT / "bench/peers/trl_grpo.py"), "--steps",
-                    str(args.steps), "--out", str(out / "trl")], check=True, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flywheel.cli",
+            "demo",
+            "--new-stack",
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out / "flywheel"),
+        ],
+        check=True,
+        cwd=ROOT,
+    )
+    subprocess.run(
+        [
+            str(trl_python),
+            str(ROOT / "bench/peers/trl_grpo.py"),
+            "--steps",
+            str(args.steps),
+            "--out",
+            str(out / "trl"),
+        ],
+        check=True,
+        cwd=ROOT,
+    )
     fw = json.loads((out / "flywheel" / "summary.json").read_text())
     trl = json.loads((out / "trl" / "summary.json").read_text())
-    print(f"{'':10} {'minutes':>8} {'first5':>7} {'last5':>7} {'eval_before':>11} "
-          f"{'eval_after':>10}")
+    print(
+        f"{'':10} {'minutes':>8} {'first5':>7} {'last5':>7} {'eval_before':>11} {'eval_after':>10}"
+    )
     for name, s in (("flywheel", fw), ("trl", trl)):
-        print(f"{name:10} {s['minutes']:>8.1f} {s['first5']:>7.3f} {s['last5']:>7.3f} "
-              f"{s['eval_before']:>11.3f} {s['eval_after']:>10.3f}")
-    print(f"wall-clock trl/flywheel x{trl['minutes'] / fw['minutes']:.2f}; "
-          f"held-out gain flywheel {fw['eval_after'] - fw['eval_before']:+.3f}, "
-          f"trl {trl['eval_after'] - trl['eval_before']:+.3f}")
+        print(
+            f"{name:10} {s['minutes']:>8.1f} {s['first5']:>7.3f} {s['last5']:>7.3f} "
+            f"{s['eval_before']:>11.3f} {s['eval_after']:>10.3f}"
+        )
+    print(
+        f"wall-clock trl/flywheel x{trl['minutes'] / fw['minutes']:.2f}; "
+        f"held-out gain flywheel {fw['eval_after'] - fw['eval_before']:+.3f}, "
+        f"trl {trl['eval_after'] - trl['eval_before']:+.3f}"
+    )
     return 0
 
 

@@ -26,26 +26,38 @@ def aiohttp_forward(upstream: str) -> Forward:
 
     async def forward(path: str, body: bytes) -> tuple[int, bytes, bytes]:
         if not sessions:
-            sessions.append(aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=256),
-                timeout=aiohttp.ClientTimeout(total=60)))
-        async with sessions[0].post(upstream + path, data=body,
-                                    headers={"content-type": "application/json"}) as resp:
-            return (resp.status, await resp.read(),
-                    resp.headers.get("content-type", "application/json").encode())
+            sessions.append(
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=256),
+                    timeout=aiohttp.ClientTimeout(total=60),
+                )
+            )
+        async with sessions[0].post(
+            upstream + path, data=body, headers={"content-type": "application/json"}
+        ) as resp:
+            return (
+                resp.status,
+                await resp.read(),
+                resp.headers.get("content-type", "application/json").encode(),
+            )
 
     return forward
 
 
 def httpx_forward(upstream: str) -> Forward:
-    client = httpx.AsyncClient(base_url=upstream, timeout=60,
-                               limits=httpx.Limits(max_connections=256,
-                                                   max_keepalive_connections=256))
+    client = httpx.AsyncClient(
+        base_url=upstream,
+        timeout=60,
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=256),
+    )
 
     async def forward(path: str, body: bytes) -> tuple[int, bytes, bytes]:
         resp = await client.post(path, content=body, headers={"content-type": "application/json"})
-        return (resp.status_code, resp.content,
-                resp.headers.get("content-type", "application/json").encode())
+        return (
+            resp.status_code,
+            resp.content,
+            resp.headers.get("content-type", "application/json").encode(),
+        )
 
     return forward
 
@@ -66,9 +78,13 @@ def make_app(upstream: str, client: str = "aiohttp"):
             status, data, ctype = 200, b"ok", b"text/plain"
         else:
             status, data, ctype = await forward(scope["path"], body)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", ctype),
-                                (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", ctype), (b"content-length", str(len(data)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
     return app
@@ -80,8 +96,13 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--client", choices=["aiohttp", "httpx"], default="aiohttp")
     args = parser.parse_args()
-    uvicorn.run(make_app(args.upstream, args.client), host="127.0.0.1", port=args.port,
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        make_app(args.upstream, args.client),
+        host="127.0.0.1",
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 if __name__ == "__main__":

@@ -20,13 +20,20 @@ class Driver:
     Use as `async with Driver(base, concurrency, headers) as d:`.
     """
 
-    def __init__(self, base: str, concurrency: int, headers: dict[str, str] | None = None,
-                 timeout_s: float = 60):
+    def __init__(
+        self,
+        base: str,
+        concurrency: int,
+        headers: dict[str, str] | None = None,
+        timeout_s: float = 60,
+    ):
         self.base = base.rstrip("/")
         self.concurrency = concurrency
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=concurrency, force_close=False),
-            headers=headers or {}, timeout=aiohttp.ClientTimeout(total=timeout_s))
+            headers=headers or {},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        )
 
     async def __aenter__(self) -> Driver:
         return self

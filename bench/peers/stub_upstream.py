@@ -24,30 +24,58 @@ SLOW_S = 3.0
 
 
 def generate_body(prompt_len: int) -> dict:
-    return {"text": "8", "output_ids": OUTPUT_IDS, "meta_info": {
-        "id": "stub", "prompt_tokens": prompt_len, "completion_tokens": len(OUTPUT_IDS),
-        "output_token_logprobs": [[-0.25, OUTPUT_IDS[0], None], [-0.5, OUTPUT_IDS[1], None]],
-        "finish_reason": {"type": "stop", "matched": OUTPUT_IDS[-1]}, "weight_version": "default"}}
+    return {
+        "text": "8",
+        "output_ids": OUTPUT_IDS,
+        "meta_info": {
+            "id": "stub",
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(OUTPUT_IDS),
+            "output_token_logprobs": [[-0.25, OUTPUT_IDS[0], None], [-0.5, OUTPUT_IDS[1], None]],
+            "finish_reason": {"type": "stop", "matched": OUTPUT_IDS[-1]},
+            "weight_version": "default",
+        },
+    }
 
 
 def chat_body(model: str) -> dict:
-    return {"id": "chatcmpl-stub", "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                                         "message": {"role": "assistant", "content": "8"}}],
-            "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}}
+    return {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": None,
+                "message": {"role": "assistant", "content": "8"},
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12},
+    }
 
 
 def sse_chunks(model: str) -> bytes:
-    base = {"id": "chatcmpl-stub", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}
+    base = {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
     events = [
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "finish_reason": None}]},
+        {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            ],
+        },
         {**base, "choices": [{"index": 0, "delta": {"content": "8"}, "finish_reason": None}]},
         {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
     ]
-    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + \
-        b"data: [DONE]\n\n"
+    return (
+        b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    )
 
 
 class Stub:
@@ -63,8 +91,10 @@ class Stub:
                 head = await reader.readuntil(b"\r\n\r\n")
                 lines = head.decode("latin-1").split("\r\n")
                 method, path, _ = lines[0].split(" ", 2)
-                headers = {k.lower(): v.strip() for k, _, v in
-                           (ln.partition(":") for ln in lines[1:] if ln)}
+                headers = {
+                    k.lower(): v.strip()
+                    for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)
+                }
                 body = await reader.readexactly(int(headers.get("content-length", 0) or 0))
                 if not await self.respond(method, path, body, reader, writer):
                     break
@@ -73,15 +103,27 @@ class Stub:
         finally:
             writer.close()
 
-    async def respond(self, method: str, path: str, body: bytes, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> bool:
+    async def respond(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
         """Write one response; False = close the connection."""
         if path in ("/health", "/health_generate", "/v1/models", "/stats"):
-            payload = {"calls": self.calls, "dropped": self.dropped} if path == "/stats" else {
-                "object": "list", "data": [{"id": "stub", "object": "model"}]}
+            payload = (
+                {"calls": self.calls, "dropped": self.dropped}
+                if path == "/stats"
+                else {"object": "list", "data": [{"id": "stub", "object": "model"}]}
+            )
             return await self.send(writer, 200, json.dumps(payload).encode())
-        if method != "POST" or path not in ("/generate", "/v1/chat/completions",
-                                            "/chat/completions"):
+        if method != "POST" or path not in (
+            "/generate",
+            "/v1/chat/completions",
+            "/chat/completions",
+        ):
             return await self.send(writer, 404, b'{"error": "not found"}')
         self.calls += 1
         if self.mode == "trickle" and path == "/generate":
@@ -98,13 +140,16 @@ class Stub:
         if path == "/generate":
             out = json.dumps(generate_body(len(req.get("input_ids") or []))).encode()
         elif req.get("stream"):
-            return await self.send(writer, 200, sse_chunks(req.get("model", "stub")),
-                                   "text/event-stream")
+            return await self.send(
+                writer, 200, sse_chunks(req.get("model", "stub")), "text/event-stream"
+            )
         else:
             out = json.dumps(chat_body(req.get("model", "stub"))).encode()
         if self.mode == "drop":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n" % len(out) + out[: len(out) // 2])
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(out) + out[: len(out) // 2]
+            )
             await writer.drain()
             return False
         return await self.send(writer, 200, out)
@@ -120,17 +165,27 @@ class Stub:
             pass
         return False
 
-    async def trickle(self, req: dict, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> bool:
+    async def trickle(
+        self, req: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         """`/generate` with `stream`: the first token's cumulative chunk at once, the final
         chunk after SLOW_S unless the client leaves first (counted in `dropped`)."""
         final = generate_body(len(req.get("input_ids") or []))
         meta = final["meta_info"]
-        first = {"text": final["text"], "output_ids": OUTPUT_IDS[:1], "meta_info": {
-            **meta, "completion_tokens": 1, "finish_reason": None,
-            "output_token_logprobs": meta["output_token_logprobs"][:1]}}
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"connection: close\r\n\r\ndata: " + json.dumps(first).encode() + b"\n\n")
+        first = {
+            "text": final["text"],
+            "output_ids": OUTPUT_IDS[:1],
+            "meta_info": {
+                **meta,
+                "completion_tokens": 1,
+                "finish_reason": None,
+                "output_token_logprobs": meta["output_token_logprobs"][:1],
+            },
+        }
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"connection: close\r\n\r\ndata: " + json.dumps(first).encode() + b"\n\n"
+        )
         await writer.drain()
         if await self.client_left(reader):
             return False
@@ -139,11 +194,18 @@ class Stub:
         return False
 
     @staticmethod
-    async def send(writer: asyncio.StreamWriter, status: int, body: bytes,
-                   content_type: str = "application/json") -> bool:
+    async def send(
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+    ) -> bool:
         reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error"}[status]
-        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\n"
-                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: {content_type}\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         await writer.drain()
         return True
 
@@ -159,8 +221,9 @@ async def serve(port: int, mode: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--mode", default="ok",
-                        choices=["ok", "500", "drop", "garbage", "hang", "slow", "trickle"])
+    parser.add_argument(
+        "--mode", default="ok", choices=["ok", "500", "drop", "garbage", "hang", "slow", "trickle"]
+    )
     args = parser.parse_args()
     asyncio.run(serve(args.port, args.mode))
 

@@ -42,12 +42,15 @@ def accuracy(model, tokenizer, problems) -> float:
 
     hits = 0
     for p in problems:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": p.question}],
-                                            add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
+        enc = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p.question}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=32, do_sample=False)
-        text = tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         hits += last_integer_reward([text], [p.answer])[0]
     return hits / len(problems)
 
@@ -59,8 +62,9 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", default=str(Path.home() / ".cache/flywheel/models" /
-                                               "SmolLM2-135M-Instruct"))
+    parser.add_argument(
+        "--model", default=str(Path.home() / ".cache/flywheel/models" / "SmolLM2-135M-Instruct")
+    )
     parser.add_argument("--out", default="runs/trl")
     args = parser.parse_args()
 
@@ -79,33 +83,67 @@ def main() -> int:
 
     batches = training_batches(args.seed, args.problems_per_step)
     rows = [p for _ in range(args.steps) for p in next(batches)]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": p.question}],
-                               "answer": p.answer} for p in rows])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": p.question}], "answer": p.answer} for p in rows]
+    )
     rollouts = args.problems_per_step * args.group_size
     cfg = GRPOConfig(
-        output_dir=args.out, learning_rate=args.lr, num_generations=args.group_size,
-        per_device_train_batch_size=rollouts, gradient_accumulation_steps=1,
-        generation_batch_size=rollouts, num_iterations=1, max_steps=args.steps,
-        max_completion_length=32, temperature=1.0, top_p=1.0, beta=0.0, epsilon=0.2,
-        loss_type="dapo", max_grad_norm=1.0, weight_decay=0.0, lr_scheduler_type="constant",
-        warmup_steps=0, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
+        output_dir=args.out,
+        learning_rate=args.lr,
+        num_generations=args.group_size,
+        per_device_train_batch_size=rollouts,
+        gradient_accumulation_steps=1,
+        generation_batch_size=rollouts,
+        num_iterations=1,
+        max_steps=args.steps,
+        max_completion_length=32,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        logging_steps=1,
         gradient_checkpointing=False,  # TRL turns it on by default; Flywheel's trainer does not
-        save_strategy="no", report_to=[], seed=args.seed, shuffle_dataset=False)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=cfg,
-                          reward_funcs=[last_integer_reward], train_dataset=data)
+        save_strategy="no",
+        report_to=[],
+        seed=args.seed,
+        shuffle_dataset=False,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        args=cfg,
+        reward_funcs=[last_integer_reward],
+        train_dataset=data,
+    )
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     eval_after = accuracy(trainer.model, tokenizer, held_out)
     minutes = (time.monotonic() - started) / 60
     first5 = sum(rewards[:5]) / max(len(rewards[:5]), 1)
     last5 = sum(rewards[-5:]) / max(len(rewards[-5:]), 1)
-    summary = {"first5": first5, "last5": last5, "eval_before": eval_before,
-               "eval_after": eval_after, "steps": len(rewards), "minutes": minutes,
-               "rewards": rewards}
+    summary = {
+        "first5": first5,
+        "last5": last5,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "steps": len(rewards),
+        "minutes": minutes,
+        "rewards": rewards,
+    }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"reward first5={first5:.3f} last5={last5:.3f} eval_before={eval_before:.3f} "
-          f"eval_after={eval_after:.3f} steps={len(rewards)} minutes={minutes:.1f}")
+    print(
+        f"reward first5={first5:.3f} last5={last5:.3f} eval_before={eval_before:.3f} "
+        f"eval_after={eval_after:.3f} steps={len(rewards)} minutes={minutes:.1f}"
+    )
     return 0
 
 

@@ -62,8 +62,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     if running_stack(settings.state_dir):
-        print(f"flywheel: a stack is already running from {settings.state_dir}; stop it first "
-              "or use another state_dir.", file=sys.stderr)
+        print(
+            f"flywheel: a stack is already running from {settings.state_dir}; stop it first "
+            "or use another state_dir.",
+            file=sys.stderr,
+        )
         return 1
     stack = Stack(settings, config_file=args.config)
     # Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM stop everything,
@@ -82,24 +85,34 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack = None
             return 1
         gateway = next(s.url for s in stack.services if s.name == "gateway")
-        print(f"flywheel is up. Point an OpenAI client at {gateway}/v1 (or a session's "
-              "base_url). Ctrl-C stops everything.", flush=True)
+        print(
+            f"flywheel is up. Point an OpenAI client at {gateway}/v1 (or a session's "
+            "base_url). Ctrl-C stops everything.",
+            flush=True,
+        )
         while True:
             time.sleep(REDIS_CHECK_S)
             try:
                 code = stack.revive_redis()
             except START_FAILURES as exc:
-                print(f"flywheel: redis exited and did not start again ({exc}); stopping the "
-                      "stack.", file=sys.stderr)
+                print(
+                    f"flywheel: redis exited and did not start again ({exc}); stopping the stack.",
+                    file=sys.stderr,
+                )
                 return 1
             if code is not None:
-                print(f"flywheel: redis exited with {code}; started it again on "
-                      f"{stack.redis.url} with its data (AOF). The services wait out the gap.",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"flywheel: redis exited with {code}; started it again on "
+                    f"{stack.redis.url} with its data (AOF). The services wait out the gap.",
+                    file=sys.stderr,
+                    flush=True,
+                )
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
             if dead:
-                print(f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
-                      "Stopping the stack.")
+                print(
+                    f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
+                    "Stopping the stack."
+                )
                 return 1
     except KeyboardInterrupt:
         print("\nstopping...")
@@ -116,8 +129,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     out = Path(args.out)
-    cfg = DemoConfig(steps=args.steps, problems_per_step=args.problems_per_step,
-                     group_size=args.group_size, seed=args.seed)
+    cfg = DemoConfig(
+        steps=args.steps,
+        problems_per_step=args.problems_per_step,
+        group_size=args.group_size,
+        seed=args.seed,
+    )
     settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:
@@ -154,15 +171,20 @@ def learning_verdict(summary: dict) -> str:
     """One line on whether the demo run learned: the training reward of the last 5 steps
     against the first 5 (only with 10+ steps: fewer share steps between the windows) and the
     held-out accuracy before against after."""
-    held_out = (f"held-out accuracy {summary['eval_before']:.3f} -> "
-                f"{summary['eval_after']:.3f}")
+    held_out = f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
     if summary.get("steps", 0) < 10:
-        return (f"{held_out}; too few steps ({summary.get('steps', 0)}) to compare the first "
-                "and last 5 steps' rewards: run 10 or more for that.")
-    learned = summary["last5"] > summary["first5"] and summary["eval_after"] > summary[
-        "eval_before"]
-    return (f"the policy learned ({held_out})." if learned
-            else f"no measurable learning in this run ({held_out}).")
+        return (
+            f"{held_out}; too few steps ({summary.get('steps', 0)}) to compare the first "
+            "and last 5 steps' rewards: run 10 or more for that."
+        )
+    learned = (
+        summary["last5"] > summary["first5"] and summary["eval_after"] > summary["eval_before"]
+    )
+    return (
+        f"the policy learned ({held_out})."
+        if learned
+        else f"no measurable learning in this run ({held_out})."
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -176,8 +198,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     # configured ones (compose, a port-forwarded cluster), said so on stderr.
     state = running_stack(settings.state_dir)
     if state is None:
-        print(f"flywheel: no `flywheel up` is running from {settings.state_dir}; showing the "
-              "services at the configured addresses", file=sys.stderr)
+        print(
+            f"flywheel: no `flywheel up` is running from {settings.state_dir}; showing the "
+            "services at the configured addresses",
+            file=sys.stderr,
+        )
     report = collect_status(settings, state)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -207,8 +232,11 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     try:
         entries = client.xrange(stream)
     except redis.RedisError as exc:
-        print(f"flywheel: cannot read {stream} from Redis at "
-              f"{mask_secrets(state['redis_url'])}: {exc}", file=sys.stderr)
+        print(
+            f"flywheel: cannot read {stream} from Redis at "
+            f"{mask_secrets(state['redis_url'])}: {exc}",
+            file=sys.stderr,
+        )
         return 1
     samples, skipped = [], 0
     for _, fields in entries:
@@ -222,20 +250,26 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
         if sample.session_id == args.session:
             samples.append(sample)
     if skipped:
-        print(f"flywheel: skipped {skipped} undecodable entr{'y' if skipped == 1 else 'ies'} "
-              f"of {stream} (no `sample` field, or not a valid Sample).", file=sys.stderr)
+        print(
+            f"flywheel: skipped {skipped} undecodable entr{'y' if skipped == 1 else 'ies'} "
+            f"of {stream} (no `sample` field, or not a valid Sample).",
+            file=sys.stderr,
+        )
     if not samples:
-        print(f"no recorded Sample of session {args.session} in "
-              f"{stream}; finish the session first.")
+        print(
+            f"no recorded Sample of session {args.session} in {stream}; finish the session first."
+        )
         return 1
     ok = True
     for sample in samples:
         report = check_fidelity(sample, state["engine"])
         ok &= report.ok(args.tol)
-        print(f"sample {sample.sample_id} (segment {sample.segment_index}, turn "
-              f"{sample.turn_index}): ids_match={report.ids_match} "
-              f"sampled_tokens={report.sampled_tokens} logprobs_compared="
-              f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}")
+        print(
+            f"sample {sample.sample_id} (segment {sample.segment_index}, turn "
+            f"{sample.turn_index}): ids_match={report.ids_match} "
+            f"sampled_tokens={report.sampled_tokens} logprobs_compared="
+            f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}"
+        )
     return 0 if ok else 2
 
 
@@ -287,38 +321,53 @@ def cmd_algorithms_list(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flywheel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(
-        func=cmd_up)
+    sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(func=cmd_up)
     demo = sub.add_parser("demo", help="run the training demo", parents=[common])
-    demo.add_argument("--steps", type=_positive_int, default=30,
-                      help="trainer steps (default 30)")
+    demo.add_argument("--steps", type=_positive_int, default=30, help="trainer steps (default 30)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    demo.add_argument("--problems-per-step", type=_positive_int, default=4,
-                      help="problems (groups) per trainer step, at least 1 (default 4)")
-    demo.add_argument("--group-size", type=_positive_int, default=8,
-                      help="rollouts per problem, at least 1 (default 8)")
+    demo.add_argument(
+        "--problems-per-step",
+        type=_positive_int,
+        default=4,
+        help="problems (groups) per trainer step, at least 1 (default 4)",
+    )
+    demo.add_argument(
+        "--group-size",
+        type=_positive_int,
+        default=8,
+        help="rollouts per problem, at least 1 (default 8)",
+    )
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--new-stack", action="store_true",
-                      help="start a fresh stack even if one is running")
+    demo.add_argument(
+        "--new-stack", action="store_true", help="start a fresh stack even if one is running"
+    )
     demo.set_defaults(func=cmd_demo)
-    status = sub.add_parser("status", parents=[common],
-                            help="health, streams and lag, weight versions, trainer progress")
+    status = sub.add_parser(
+        "status",
+        parents=[common],
+        help="health, streams and lag, weight versions, trainer progress",
+    )
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=cmd_status)
-    fidelity = sub.add_parser("check-fidelity", parents=[common],
-                              help="re-score a session's recorded Samples on the engine")
+    fidelity = sub.add_parser(
+        "check-fidelity",
+        parents=[common],
+        help="re-score a session's recorded Samples on the engine",
+    )
     fidelity.add_argument("--session", required=True, help="session id")
     fidelity.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff|")
     fidelity.set_defaults(func=cmd_check_fidelity)
     config = sub.add_parser("config", help="settings")
     config_sub = config.add_subparsers(dest="config_command", required=True)
-    show = config_sub.add_parser("show", parents=[common],
-                                 help="print the resolved settings (secrets masked)")
+    show = config_sub.add_parser(
+        "show", parents=[common], help="print the resolved settings (secrets masked)"
+    )
     show.add_argument("--format", choices=["json", "yaml"], default="json")
     show.set_defaults(func=cmd_config_show)
     keys = sub.add_parser("keys", help="gateway API keys (agent, admin)")

@@ -29,12 +29,12 @@ class FidelityReport:
     sampled_tokens: int
 
     def ok(self, tol: float) -> bool:
-        return self.ids_match and (not self.logprobs_compared
-                                   or self.max_abs_logprob_diff <= tol)
+        return self.ids_match and (not self.logprobs_compared or self.max_abs_logprob_diff <= tol)
 
 
-def check_fidelity(sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 120.0
-                   ) -> FidelityReport:
+def check_fidelity(
+    sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 120.0
+) -> FidelityReport:
     """Re-score `sample` on the engine at `engine_url` and compare ids and logprobs.
 
     The engine must serve the weights that produced the Sample (same `weight_versions`).
@@ -43,17 +43,25 @@ def check_fidelity(sample: sample_pb2.Sample, engine_url: str, timeout_s: float 
         httpx.HTTPError: the engine call failed.
     """
     ids = list(sample.token_ids)
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+    }
     resp = httpx.post(f"{engine_url.rstrip('/')}/generate", json=body, timeout=timeout_s)
     resp.raise_for_status()
     rows = resp.json()["meta_info"]["input_token_logprobs"]
-    ids_match = len(rows) == len(ids) and all(int(r[1]) == t for r, t in
-                                              zip(rows, ids, strict=True))
+    ids_match = len(rows) == len(ids) and all(
+        int(r[1]) == t for r, t in zip(rows, ids, strict=True)
+    )
     temperature = sample.sampling.temperature
     comparable = ids_match and temperature in (0.0, 1.0)
-    diffs = [abs(float(rows[k][0]) - sample.rollout_logprobs[k])
-             for k in range(1, len(ids)) if sample.loss_mask[k] and rows[k][0] is not None]
+    diffs = [
+        abs(float(rows[k][0]) - sample.rollout_logprobs[k])
+        for k in range(1, len(ids))
+        if sample.loss_mask[k] and rows[k][0] is not None
+    ]
     return FidelityReport(
         ids_match=ids_match,
         logprobs_compared=comparable,

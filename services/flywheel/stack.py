@@ -129,7 +129,8 @@ def grpc_ok(target: str) -> Callable[[], bool]:
         with grpc.insecure_channel(target) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=2)
+                    health_pb2.HealthCheckRequest(service=""), timeout=2
+                )
             except grpc.RpcError:
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -184,8 +185,9 @@ class Stack:
         (self.state_dir / "logs").mkdir(exist_ok=True)
         # Children read exactly the resolved settings (file + environment, ports moved to free
         # ones) from one JSON file; other FLYWHEEL_<SECTION>__ variables would override it.
-        self.env = {k: v for k, v in os.environ.items() if "__" not in k
-                    or not k.startswith("FLYWHEEL_")}
+        self.env = {
+            k: v for k, v in os.environ.items() if "__" not in k or not k.startswith("FLYWHEEL_")
+        }
         self.env["FLYWHEEL_INSTANCE"] = self.instance
         if not s.redis.url:
             self.redis = LocalRedis(self.state_dir / "redis", port=self._port(s.redis.port))
@@ -218,13 +220,21 @@ class Stack:
         trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
         reward_target = f"{s.reward.host}:{s.reward.port}"
         plan = [
-            Service("engine", engine_url, "flywheel.engine", http_ok(f"{engine_url}/health"),
-                    failed=engine_failed(engine_url,
-                                         f"loading the model {s.engine.model_path} failed"),
-                    fix="check [engine] model_path (FLYWHEEL_ENGINE__MODEL_PATH)"),
+            Service(
+                "engine",
+                engine_url,
+                "flywheel.engine",
+                http_ok(f"{engine_url}/health"),
+                failed=engine_failed(engine_url, f"loading the model {s.engine.model_path} failed"),
+                fix="check [engine] model_path (FLYWHEEL_ENGINE__MODEL_PATH)",
+            ),
             *teacher_engine,
-            Service("gateway", gateway_url, "flywheel.gateway",
-                    instance_ok(f"{gateway_url}/readyz", self.instance)),
+            Service(
+                "gateway",
+                gateway_url,
+                "flywheel.gateway",
+                instance_ok(f"{gateway_url}/readyz", self.instance),
+            ),
             Service("reward", f"grpc://{reward_target}", "flywheel.reward", grpc_ok(reward_target)),
             *self._teacher_service(),
             Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
@@ -252,7 +262,8 @@ class Stack:
             os.close(fd)
             raise StackBusyError(
                 f"a stack is already running or starting from {self.state_dir}; stop it first "
-                "or use another state_dir") from None
+                "or use another state_dir"
+            ) from None
         self._lock_fd = fd
 
     def _port(self, preferred: int) -> int:
@@ -311,15 +322,26 @@ class Stack:
         url = f"http://{e.host}:{t.engine_port}"
         args = ["--port", str(t.engine_port), "--model-path", t.model_path or e.model_path]
         failed = engine_failed(url, f"loading the teacher model {args[-1]} failed")
-        return [Service("teacher-engine", url, "flywheel.engine", http_ok(f"{url}/health"),
-                        args=args, failed=failed,
-                        fix="check [teacher] model_path (FLYWHEEL_TEACHER__MODEL_PATH)")]
+        return [
+            Service(
+                "teacher-engine",
+                url,
+                "flywheel.engine",
+                http_ok(f"{url}/health"),
+                args=args,
+                failed=failed,
+                fix="check [teacher] model_path (FLYWHEEL_TEACHER__MODEL_PATH)",
+            )
+        ]
 
     def _teacher_service(self) -> list[Service]:
         t = self.settings.teacher
         target = f"{t.host}:{t.port}"
-        return [Service("teacher", f"grpc://{target}", "flywheel.teacher", grpc_ok(target))
-                ] if t.enabled else []
+        return (
+            [Service("teacher", f"grpc://{target}", "flywheel.teacher", grpc_ok(target))]
+            if t.enabled
+            else []
+        )
 
     def _prepare_model(self) -> None:
         s = self.settings
@@ -330,16 +352,21 @@ class Stack:
         target = default_model_dir()
         if not (target / "config.json").exists():
             self.echo(f"model     converting SmolLM2-135M-Instruct GGUF -> {target} (once)")
-            subprocess.run([sys.executable, "-m", "flywheel.engine.convert"], check=True,
-                           env=self.env)
+            subprocess.run(
+                [sys.executable, "-m", "flywheel.engine.convert"], check=True, env=self.env
+            )
         s.engine.model_path = str(target)
 
     def _launch(self, service: Service) -> None:
         service.log_path = self.state_dir / "logs" / f"{service.name}.log"
         log = open(service.log_path, "ab")  # noqa: SIM115  (owned by the child)
         service.log_offset = log.seek(0, os.SEEK_END)  # earlier runs' lines end here
-        service.proc = subprocess.Popen([sys.executable, "-m", service.module, *service.args],
-                                        env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        service.proc = subprocess.Popen(
+            [sys.executable, "-m", service.module, *service.args],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.services.append(service)
 
     def _wait_healthy(self, service: Service, timeout_s: float) -> None:
@@ -350,8 +377,10 @@ class Stack:
             if service.proc.poll() is not None:
                 tail = service.log_tail()
                 self.stop()
-                raise RuntimeError(f"{service.name} exited with {service.proc.returncode} "
-                                   f"during start-up; log {service.log_path}:\n{tail}")
+                raise RuntimeError(
+                    f"{service.name} exited with {service.proc.returncode} "
+                    f"during start-up; log {service.log_path}:\n{tail}"
+                )
             # A service that says it can never become healthy (and is this stack's own) fails
             # the start-up now, not after the whole timeout.
             reason = service.failed() if service.failed else None
@@ -359,15 +388,18 @@ class Stack:
                 tail = service.log_tail()
                 error = _last_error_line(tail)
                 self.stop()
-                raise RuntimeError(f"{service.name} cannot start: {reason}"
-                                   f"{f' ({error})' if error else ''}"
-                                   f"{f'; {service.fix}' if service.fix else ''}; "
-                                   f"the traceback is in {service.log_path}")
+                raise RuntimeError(
+                    f"{service.name} cannot start: {reason}"
+                    f"{f' ({error})' if error else ''}"
+                    f"{f'; {service.fix}' if service.fix else ''}; "
+                    f"the traceback is in {service.log_path}"
+                )
             # Healthy only when the answer comes from this service's own process: another
             # process that holds the port (another stack's) is never taken for it.
             if service.health() and listens(service.proc.pid, port):
-                self.echo(f"{service.name:<9} {service.url}  healthy "
-                          f"({time.monotonic() - start:.1f}s)")
+                self.echo(
+                    f"{service.name:<9} {service.url}  healthy ({time.monotonic() - start:.1f}s)"
+                )
                 return
             time.sleep(0.5)
         self.stop()
@@ -375,9 +407,13 @@ class Stack:
 
     def _write_state(self) -> None:
         s = self.settings
-        state = {"pid": os.getpid(), "instance": self.instance, "redis_url": s.redis_url(),
-                 **{svc.name: svc.url for svc in self.services},
-                 "metrics_path": s.trainer.metrics_path}
+        state = {
+            "pid": os.getpid(),
+            "instance": self.instance,
+            "redis_url": s.redis_url(),
+            **{svc.name: svc.url for svc in self.services},
+            "metrics_path": s.trainer.metrics_path,
+        }
         # Atomically: a reader (or a crash mid-write) never sees a truncated file.
         path = self.state_dir / STATE_FILE
         tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
@@ -451,8 +487,10 @@ def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[s
         if not isinstance(state, dict):
             raise ValueError(f"a JSON {type(state).__name__}, not an object")
     except (OSError, ValueError) as exc:
-        warn(f"ignoring the unreadable stack state file {path} ({exc}); taking it as no running "
-             "stack. Delete it if no `flywheel up` runs from that state dir.")
+        warn(
+            f"ignoring the unreadable stack state file {path} ({exc}); taking it as no running "
+            "stack. Delete it if no `flywheel up` runs from that state dir."
+        )
         return None
     if not _alive(state.get("pid")) or not http_ok(f"{state.get('gateway', '')}/healthz")():
         return None

@@ -86,8 +86,9 @@ def stream_stats(client: redis.Redis, streams: StreamSettings) -> list[StreamSta
             capped = False
             if lag is None:
                 lag, capped = _lag_by_scan(client, key, _text(info["last-delivered-id"]))
-            stat.groups.append(GroupStat(group, int(info["consumers"]), int(info["pending"]),
-                                         int(lag), capped))
+            stat.groups.append(
+                GroupStat(group, int(info["consumers"]), int(info["pending"]), int(lag), capped)
+            )
         out.append(stat)
     return out
 
@@ -114,14 +115,19 @@ class StreamStatsCollector(Collector):
 
     def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         return (
-            GaugeMetricFamily("flywheel_stream_length_entries", "Entries in the stream (XLEN)",
-                              labels=["stream"]),
-            GaugeMetricFamily("flywheel_stream_lag_entries",
-                              "Entries not yet delivered to the consumer group",
-                              labels=["stream", "group"]),
-            GaugeMetricFamily("flywheel_stream_pending_entries",
-                              "Entries delivered to the group and not acked",
-                              labels=["stream", "group"]),
+            GaugeMetricFamily(
+                "flywheel_stream_length_entries", "Entries in the stream (XLEN)", labels=["stream"]
+            ),
+            GaugeMetricFamily(
+                "flywheel_stream_lag_entries",
+                "Entries not yet delivered to the consumer group",
+                labels=["stream", "group"],
+            ),
+            GaugeMetricFamily(
+                "flywheel_stream_pending_entries",
+                "Entries delivered to the group and not acked",
+                labels=["stream", "group"],
+            ),
         )
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -151,8 +157,9 @@ class ServiceHealth:
     detail: str
 
 
-def service_targets(settings: FlywheelSettings,
-                    state: dict[str, str] | None = None) -> list[tuple[str, str, str]]:
+def service_targets(
+    settings: FlywheelSettings, state: dict[str, str] | None = None
+) -> list[tuple[str, str, str]]:
     """(name, kind, target) of each service to probe: kind `http` (target = health URL) or
     `grpc` (host:port). `state` = the running local stack's URLs (`stack.json`), which take
     priority over the configured addresses."""
@@ -168,18 +175,37 @@ def service_targets(settings: FlywheelSettings,
 
     s = settings
     targets = [
-        ("engine", "http", url("engine", f"http://{host('engine', s.engine.host)}:"
-                                         f"{s.engine.port}") + "/health"),
-        ("gateway", "http", url("gateway", f"http://{host('gateway', s.gateway.host)}:"
-                                           f"{s.gateway.port}") + "/readyz"),
-        ("reward", "grpc", url("reward", f"{host('reward', s.reward.host)}:{s.reward.port}"))]
+        (
+            "engine",
+            "http",
+            url("engine", f"http://{host('engine', s.engine.host)}:{s.engine.port}") + "/health",
+        ),
+        (
+            "gateway",
+            "http",
+            url("gateway", f"http://{host('gateway', s.gateway.host)}:{s.gateway.port}")
+            + "/readyz",
+        ),
+        ("reward", "grpc", url("reward", f"{host('reward', s.reward.host)}:{s.reward.port}")),
+    ]
     if s.teacher.enabled or "teacher" in state:
-        targets.append(("teacher", "grpc", url("teacher", f"{host('teacher', s.teacher.host)}:"
-                                                          f"{s.teacher.port}")))
+        targets.append(
+            (
+                "teacher",
+                "grpc",
+                url("teacher", f"{host('teacher', s.teacher.host)}:{s.teacher.port}"),
+            )
+        )
         for i, engine in enumerate(_teacher_engines(settings, state)):
             targets.append((f"teacher-engine{'' if i == 0 else i}", "http", f"{engine}/health"))
-    targets.append(("trainer", "http", url("trainer", f"http://{host('trainer', s.trainer.host)}:"
-                                                      f"{s.trainer.port}") + "/readyz"))
+    targets.append(
+        (
+            "trainer",
+            "http",
+            url("trainer", f"http://{host('trainer', s.trainer.host)}:{s.trainer.port}")
+            + "/readyz",
+        )
+    )
     return [(n, k, t.removeprefix("grpc://")) for n, k, t in targets]
 
 
@@ -192,7 +218,8 @@ def _teacher_engines(settings: FlywheelSettings, state: dict[str, str]) -> list[
     if t.self_teacher:
         return []
     return [u.rstrip("/") for u in t.engine_urls] or [
-        f"http://{settings.engine.host}:{t.engine_port}"]
+        f"http://{settings.engine.host}:{t.engine_port}"
+    ]
 
 
 def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceHealth:
@@ -207,12 +234,14 @@ def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceH
         with grpc.insecure_channel(target) as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+                )
             except grpc.RpcError as exc:
                 return ServiceHealth(name, target, False, exc.code().name)
         ok = reply.status == health_pb2.HealthCheckResponse.SERVING
-        return ServiceHealth(name, target, ok, health_pb2.HealthCheckResponse.ServingStatus.Name(
-            reply.status))
+        return ServiceHealth(
+            name, target, ok, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        )
     try:
         r = httpx.get(target, timeout=timeout_s)
     except httpx.HTTPError as exc:
@@ -264,16 +293,22 @@ class StatusReport:
         return self.redis_ok and all(s.healthy for s in self.services)
 
     def to_json(self) -> dict[str, Any]:
-        return {"healthy": self.healthy, "redis": {"url": mask_secrets(self.redis_url),
-                                                   "ok": self.redis_ok, "error": self.redis_error},
-                "services": [asdict(s) for s in self.services],
-                "streams": [asdict(s) for s in self.streams],
-                "dead_letters": self.dead_letters, "engines": self.engines,
-                "trainer": self.trainer}
+        return {
+            "healthy": self.healthy,
+            "redis": {
+                "url": mask_secrets(self.redis_url),
+                "ok": self.redis_ok,
+                "error": self.redis_error,
+            },
+            "services": [asdict(s) for s in self.services],
+            "streams": [asdict(s) for s in self.streams],
+            "dead_letters": self.dead_letters,
+            "engines": self.engines,
+            "trainer": self.trainer,
+        }
 
 
-def collect_status(settings: FlywheelSettings,
-                   state: dict[str, str] | None = None) -> StatusReport:
+def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = None) -> StatusReport:
     """Probe everything once (a few seconds at most: every call has a 3 s timeout)."""
     from flywheel.core.redis_client import connect  # noqa: PLC0415
 
@@ -293,8 +328,9 @@ def collect_status(settings: FlywheelSettings,
     if trainer_host in BIND_ALL:
         trainer_host = "trainer"
     trainer_url = state.get("trainer", f"http://{trainer_host}:{settings.trainer.port}")
-    return StatusReport(services, redis_url, redis_ok, redis_error, streams, engines,
-                        trainer_status(trainer_url))
+    return StatusReport(
+        services, redis_url, redis_ok, redis_error, streams, engines, trainer_status(trainer_url)
+    )
 
 
 # ---------------------------------------------------------------- the screen
@@ -316,8 +352,12 @@ def render(report: StatusReport) -> Any:
     services = Table(title="services", title_justify="left", expand=False)
     for col in ("service", "address", "health", "detail"):
         services.add_column(col)
-    services.add_row("redis", mask_secrets(report.redis_url), ok if report.redis_ok else bad,
-                     report.redis_error or "PING")
+    services.add_row(
+        "redis",
+        mask_secrets(report.redis_url),
+        ok if report.redis_ok else bad,
+        report.redis_error or "PING",
+    )
     for s in report.services:
         services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)
 
@@ -329,11 +369,17 @@ def render(report: StatusReport) -> Any:
             streams.add_row(s.key, str(s.length), "-", "-", "-", "-")
         for i, g in enumerate(s.groups):
             lag = "?" if g.lag is None else f"{g.lag}{'+' if g.lag_capped else ''}"
-            streams.add_row(s.key if i == 0 else "", str(s.length) if i == 0 else "", g.group,
-                            str(g.consumers), Text(lag, style="yellow" if g.lag else ""),
-                            str(g.pending))
-    dead = Text(f"dead letters: {report.dead_letters}",
-                style="bold red" if report.dead_letters else "green")
+            streams.add_row(
+                s.key if i == 0 else "",
+                str(s.length) if i == 0 else "",
+                g.group,
+                str(g.consumers),
+                Text(lag, style="yellow" if g.lag else ""),
+                str(g.pending),
+            )
+    dead = Text(
+        f"dead letters: {report.dead_letters}", style="bold red" if report.dead_letters else "green"
+    )
 
     engines = Table(title="engines", title_justify="left")
     engines.add_column("engine")
@@ -350,5 +396,6 @@ def render(report: StatusReport) -> Any:
             f"trainer: step {t.get('step')}  weight version {t.get('weight_version')}  "
             f"samples trained {t.get('samples_trained')}  last reward "
             f"{_fmt(m.get('reward/mean'))}  loss {_fmt(m.get('loss/pg'))}  "
-            f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}")
+            f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}"
+        )
     return Group(services, streams, dead, engines, trainer)

@@ -30,8 +30,12 @@ def tiny(shared_live_engine) -> openai.OpenAI:
 def test_chat_completion_with_the_real_model_uses_its_chat_template(smol, smollm2_engine):
     messages = [{"role": "user", "content": "What is 2+3?"}]
     out = smol.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=24,
-        logprobs=True, top_logprobs=2,
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        logprobs=True,
+        top_logprobs=2,
     )
     choice = out.choices[0]
     assert "5" in choice.message.content  # the model answers "2 + 3 = 5" under its template
@@ -41,12 +45,15 @@ def test_chat_completion_with_the_real_model_uses_its_chat_template(smol, smollm
     assert out.model == "SmolLM2-135M-Instruct" and out.object == "chat.completion"
     assert out.to_dict()["metadata"] == {"weight_version": "default"}
     # the same ids the native API gives for the rendered template: prompt counts agree
-    rendered = httpx.post(f"{smollm2_engine}/generate", json={
-        "text": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
-                "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
-                "<|im_start|>assistant\n",
-        "sampling_params": {"max_new_tokens": 24, "temperature": 0},
-    }).json()
+    rendered = httpx.post(
+        f"{smollm2_engine}/generate",
+        json={
+            "text": "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+            "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
+            "<|im_start|>assistant\n",
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0},
+        },
+    ).json()
     assert out.usage.prompt_tokens == rendered["meta_info"]["prompt_tokens"]
     assert choice.message.content == rendered["text"]
     assert out.usage.completion_tokens == len(rendered["output_ids"])
@@ -60,11 +67,16 @@ def test_chat_completion_with_the_real_model_uses_its_chat_template(smol, smollm
 
 
 def test_chat_streaming_matches_non_streaming(tiny):
-    kwargs = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-                  "max_tokens": 6}
+    kwargs = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+        "max_tokens": 6,
+    }
     full = tiny.chat.completions.create(**kwargs)
-    chunks = list(tiny.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        tiny.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert "".join(deltas) == full.choices[0].message.content
@@ -77,8 +89,12 @@ def test_chat_streaming_matches_non_streaming(tiny):
 
 def test_max_completion_tokens_wins_and_length_is_reported(tiny):
     out = tiny.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "count"}], temperature=0,
-        max_tokens=9, max_completion_tokens=3, extra_body={"ignore_eos": True},
+        model="m",
+        messages=[{"role": "user", "content": "count"}],
+        temperature=0,
+        max_tokens=9,
+        max_completion_tokens=3,
+        extra_body={"ignore_eos": True},
     )
     assert out.usage.completion_tokens == 3
     assert out.choices[0].finish_reason == "length"
@@ -87,7 +103,11 @@ def test_max_completion_tokens_wins_and_length_is_reported(tiny):
 
 def test_chat_n_and_token_ids_extension(tiny):
     out = tiny.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=4, seed=3,
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        n=2,
+        max_tokens=4,
+        seed=3,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     )
     assert [c.index for c in out.choices] == [0, 1]
@@ -97,25 +117,38 @@ def test_chat_n_and_token_ids_extension(tiny):
 
 
 def test_completions_text_and_token_prompts_with_legacy_logprobs(tiny):
-    out = tiny.completions.create(model="m", prompt=[[1, 504, 3458], [1, 28]], max_tokens=3,
-                                  temperature=0, logprobs=2, extra_body={"ignore_eos": True})
+    out = tiny.completions.create(
+        model="m",
+        prompt=[[1, 504, 3458], [1, 28]],
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert len(out.choices) == 2 and out.object == "text_completion"
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     assert lp.text_offset[0] == 0
-    default = tiny.completions.create(model="m", prompt="Hello", temperature=0,
-                                      extra_body={"ignore_eos": True})
+    default = tiny.completions.create(
+        model="m", prompt="Hello", temperature=0, extra_body={"ignore_eos": True}
+    )
     assert default.usage.completion_tokens == 16  # SGLang's max_tokens default
-    echo = tiny.completions.create(model="m", prompt="Hello world", max_tokens=2,
-                                   temperature=0, echo=True, logprobs=0)
+    echo = tiny.completions.create(
+        model="m", prompt="Hello world", max_tokens=2, temperature=0, echo=True, logprobs=0
+    )
     assert echo.choices[0].text.startswith("Hello world")
     assert echo.choices[0].logprobs.token_logprobs[0] is None  # first prompt token: null
 
 
 def test_completions_stream(tiny):
-    kwargs = {"model": "m", "prompt": "Hello", "max_tokens": 5, "temperature": 0,
-                  "extra_body": {"ignore_eos": True}}
+    kwargs = {
+        "model": "m",
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     full = tiny.completions.create(**kwargs)
     chunks = list(tiny.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
@@ -130,16 +163,25 @@ def test_models_and_errors(tiny, shared_live_engine):
     with pytest.raises(openai.BadRequestError) as e:
         tiny.chat.completions.create(model="m", messages=[])
     assert e.value.body is not None
-    r = httpx.post(f"{shared_live_engine}/v1/chat/completions",
-                   json={"model": "m", "messages": [{"role": "user", "content": "x"}],
-                         "presence_penalty": 0.5})
+    r = httpx.post(
+        f"{shared_live_engine}/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "presence_penalty": 0.5,
+        },
+    )
     assert r.status_code == 400
     body = r.json()
     assert set(body) == {"object", "message", "type", "param", "code"}
-    assert body["object"] == "error" and body["code"] == 400 and "presence_penalty" in body[
-        "message"]
-    r = httpx.post(f"{shared_live_engine}/v1/chat/completions", content=json.dumps(
-        {"messages": [{"role": "user", "content": "x"}]}), headers={"content-type": "text/plain"})
+    assert (
+        body["object"] == "error" and body["code"] == 400 and "presence_penalty" in body["message"]
+    )
+    r = httpx.post(
+        f"{shared_live_engine}/v1/chat/completions",
+        content=json.dumps({"messages": [{"role": "user", "content": "x"}]}),
+        headers={"content-type": "text/plain"},
+    )
     assert r.status_code == 400 and r.json()["object"] == "error"
     r = httpx.get(f"{shared_live_engine}/v1/models/nope")
     assert r.status_code == 404 and r.json()["type"] == "model_not_found"
@@ -152,6 +194,7 @@ def test_tokenize_matches_the_chat_prompt_and_detokenize_inverts(tiny, shared_li
     assert toks["count"] == len(toks["tokens"]) == out.usage.prompt_tokens
     assert toks["max_model_len"] == 512
     plain = httpx.post(f"{shared_live_engine}/tokenize", json={"prompt": "Hello world"}).json()
-    text = httpx.post(f"{shared_live_engine}/v1/detokenize",
-                      json={"tokens": plain["tokens"]}).json()["text"]
+    text = httpx.post(
+        f"{shared_live_engine}/v1/detokenize", json={"tokens": plain["tokens"]}
+    ).json()["text"]
     assert text == "Hello world"

@@ -23,7 +23,7 @@ def events(url: str, body: dict) -> list:
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
             else:
                 assert line == "", line  # no `event:` names on /generate
@@ -31,8 +31,11 @@ def events(url: str, body: dict) -> list:
 
 
 def test_stream_is_cumulative_token_by_token_and_ends_with_done(shared_live_engine):
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
     chunks = events(shared_live_engine, body)
     assert chunks[-1] == "[DONE]"
     chunks = chunks[:-1]
@@ -46,14 +49,23 @@ def test_stream_is_cumulative_token_by_token_and_ends_with_done(shared_live_engi
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     assert chunks[-1]["text"] == full["text"]
-    assert chunks[-1]["meta_info"]["output_token_logprobs"] == full["meta_info"][
-        "output_token_logprobs"]
+    assert (
+        chunks[-1]["meta_info"]["output_token_logprobs"]
+        == full["meta_info"]["output_token_logprobs"]
+    )
 
 
 def test_stream_interval_sends_a_chunk_every_k_tokens_and_the_final_one(shared_live_engine):
-    body = {"input_ids": PROMPT, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True,
-                                "stream_interval": 3}}
+    body = {
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {
+            "max_new_tokens": 7,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream_interval": 3,
+        },
+    }
     chunks = events(shared_live_engine, body)[:-1]
     # tokens 3 and 6, then the final chunk at 7 (7 is not a multiple of 3 but always comes)
     assert [c["meta_info"]["completion_tokens"] for c in chunks] == [3, 6, 7]
@@ -61,9 +73,13 @@ def test_stream_interval_sends_a_chunk_every_k_tokens_and_the_final_one(shared_l
 
 
 def test_batch_stream_chunks_carry_their_index(shared_live_engine):
-    body = {"input_ids": [PROMPT, PROMPT[:2]],
-            "sampling_params": [{"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
-                                {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}]}
+    body = {
+        "input_ids": [PROMPT, PROMPT[:2]],
+        "sampling_params": [
+            {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+            {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        ],
+    }
     chunks = events(shared_live_engine, body)[:-1]
     by_index = {0: [], 1: []}
     for c in chunks:
@@ -84,8 +100,11 @@ def start(url: str, body: dict) -> tuple[threading.Thread, dict]:
 
 
 def long_body(rid: str, tokens: int = 400) -> dict:
-    return {"input_ids": PROMPT, "rid": rid,
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    return {
+        "input_ids": PROMPT,
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def wait_running(url: str) -> None:
@@ -94,9 +113,14 @@ def wait_running(url: str) -> None:
 
 def test_abort_request_matches_rid_prefixes_and_returns_partial_output(shared_live_engine):
     url = shared_live_engine
-    t, box = start(url, {"input_ids": [PROMPT, PROMPT], "rid": "abortme",
-                         "sampling_params": {"max_new_tokens": 400, "temperature": 0,
-                                             "ignore_eos": True}})
+    t, box = start(
+        url,
+        {
+            "input_ids": [PROMPT, PROMPT],
+            "rid": "abortme",
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+        },
+    )
     wait_running(url)
     other_t, other = start(url, {**long_body("keep-1", 20)})
     r = httpx.post(f"{url}/abort_request", json={"rid": "abortme"})  # hits abortme_0, abortme_1
@@ -105,7 +129,9 @@ def test_abort_request_matches_rid_prefixes_and_returns_partial_output(shared_li
     other_t.join(60)
     out = box["r"].json()
     assert box["r"].status_code == 200 and [o["meta_info"]["id"] for o in out] == [
-        "abortme_0", "abortme_1"]
+        "abortme_0",
+        "abortme_1",
+    ]
     for o in out:
         assert o["meta_info"]["finish_reason"]["type"] == "abort"
         assert o["meta_info"]["finish_reason"]["message"]

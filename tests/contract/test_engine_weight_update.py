@@ -21,9 +21,12 @@ from flywheel.engine.weight_sync import DistributedWeightSync, WeightSyncError, 
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 504, 3458, 314, 260, 1789]
-SCORE = {"input_ids": PROMPT + [28, 29, 30], "return_logprob": True,
-         "logprob_start_len": len(PROMPT) - 1,
-         "sampling_params": {"max_new_tokens": 0, "temperature": 0}}
+SCORE = {
+    "input_ids": PROMPT + [28, 29, 30],
+    "return_logprob": True,
+    "logprob_start_len": len(PROMPT) - 1,
+    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +61,13 @@ def weights(url: str, name: str, rows: int = 3) -> torch.Tensor:
 
 def in_flight(url: str) -> tuple[threading.Thread, dict]:
     box: dict = {}
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "temperature": 0,
-                                                     "ignore_eos": True}}
-    t = threading.Thread(target=lambda: box.update(r=httpx.post(f"{url}/generate", json=body,
-                                                                  timeout=60).json()))
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True},
+    }
+    t = threading.Thread(
+        target=lambda: box.update(r=httpx.post(f"{url}/generate", json=body, timeout=60).json())
+    )
     t.start()
     return t, box
 
@@ -95,11 +101,21 @@ def test_update_from_disk_round_trip(engine, tiny_model_dir, tmp_path):
     (tmp_path / "ckpt").mkdir()
     save_file(state, tmp_path / "ckpt" / "model.safetensors")
     flight = in_flight(engine)
-    r = httpx.post(f"{engine}/update_weights_from_disk", timeout=60, json={
-        "model_path": str(tmp_path / "ckpt"), "weight_version": "disk-1", "flush_cache": True})
+    r = httpx.post(
+        f"{engine}/update_weights_from_disk",
+        timeout=60,
+        json={
+            "model_path": str(tmp_path / "ckpt"),
+            "weight_version": "disk-1",
+            "flush_cache": True,
+        },
+    )
     assert r.status_code == 200
-    assert r.json() == {"success": True, "message": "Succeeded to update model weights.",
-                        "num_paused_requests": 0}
+    assert r.json() == {
+        "success": True,
+        "message": "Succeeded to update model weights.",
+        "num_paused_requests": 0,
+    }
     check_after(engine, tiny_model_dir, state, "disk-1", before, flight)
 
 

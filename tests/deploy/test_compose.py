@@ -36,15 +36,22 @@ from flywheel.core.settings import FlywheelSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-PROFILE_SETS = [("cpu",), ("gpu",), ("cpu", "teacher", "observability"),
-                ("gpu", "teacher", "observability")]
+PROFILE_SETS = [
+    ("cpu",),
+    ("gpu",),
+    ("cpu", "teacher", "observability"),
+    ("gpu", "teacher", "observability"),
+]
 REQUIRED_ENV = {"REDIS_PASSWORD": "pw-test"}
 ONE_SHOT = {"model-init", "checkpoints-init"}
 # Ports each service listens on inside its container: (settings section, field).
-FLYWHEEL_PORTS = {"engine": [("engine", "port")], "gateway": [("gateway", "port")],
-                  "reward": [("reward", "port"), ("reward", "metrics_port")],
-                  "teacher": [("teacher", "port"), ("teacher", "metrics_port")],
-                  "trainer": [("trainer", "port")]}
+FLYWHEEL_PORTS = {
+    "engine": [("engine", "port")],
+    "gateway": [("gateway", "port")],
+    "reward": [("reward", "port"), ("reward", "metrics_port")],
+    "teacher": [("teacher", "port"), ("teacher", "metrics_port")],
+    "trainer": [("trainer", "port")],
+}
 OTHER_PORTS = {"redis": {6379}, "sglang": {30000}, "prometheus": {9090}, "grafana": {3000}}
 
 
@@ -69,8 +76,11 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
 
 
 def _active(compose: dict, profiles: tuple[str, ...]) -> dict[str, dict]:
-    return {name: svc for name, svc in compose["services"].items()
-            if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)}
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if not svc.get("profiles") or set(svc["profiles"]) & set(profiles)
+    }
 
 
 def _env(service: dict, env: dict[str, str]) -> dict[str, str]:
@@ -119,8 +129,12 @@ def test_compose_file_passes_the_compose_spec_schema():
     exe = shutil.which("check-jsonschema") or str(ROOT / ".venv/bin/check-jsonschema")
     if not Path(exe).exists():
         pytest.fail("check-jsonschema is missing: `make setup` installs it (dev extra)")
-    run = subprocess.run([exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [exe, "--builtin-schema", "vendor.compose-spec", str(COMPOSE_FILE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -136,26 +150,40 @@ def _docker_compose() -> str:
 def test_docker_compose_config_accepts_the_file_and_requires_the_secrets(tmp_path):
     exe = _docker_compose()
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **REQUIRED_ENV}
-    ok = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config"], capture_output=True,
-                        text=True, env=env, timeout=120)
+    ok = subprocess.run(
+        [exe, "-f", str(COMPOSE_FILE), "config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     rendered = yaml.safe_load(ok.stdout)
     assert set(rendered["services"]) == set(yaml.safe_load(COMPOSE_FILE.read_text())["services"])
     # Interpolated: the password reached Redis and the services' URL, nothing is left unexpanded.
     assert "pw-test" in rendered["services"]["redis"]["environment"]["REDIS_PASSWORD"]
     assert rendered["services"]["reward"]["environment"]["FLYWHEEL_REDIS__URL"] == (
-        "redis://:pw-test@redis:6379/0")
+        "redis://:pw-test@redis:6379/0"
+    )
     assert "${" not in ok.stdout
     # Without the password, compose refuses to start and says which variable to set.
     env.pop("REDIS_PASSWORD")
-    missing = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config", "-q"],
-                             capture_output=True, text=True, env=env, timeout=120)
+    missing = subprocess.run(
+        [exe, "-f", str(COMPOSE_FILE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert missing.returncode != 0 and "REDIS_PASSWORD" in missing.stderr
 
 
 def test_default_profile_is_cpu():
-    dotenv = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
-                  if line and not line.startswith("#"))
+    dotenv = dict(
+        line.split("=", 1)
+        for line in (ROOT / ".env").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert dotenv == {"COMPOSE_PROFILES": "cpu"}, "secrets never belong in the committed .env"
 
 
@@ -168,8 +196,7 @@ def test_each_profile_is_a_complete_health_gated_graph(compose, profiles):
     for name, svc in active.items():
         for dep, cond in (svc.get("depends_on") or {}).items():
             assert dep in active, f"{name} depends on {dep}, not active in {profiles}"
-            want = ("service_completed_successfully" if dep in ONE_SHOT
-                    else "service_healthy")
+            want = "service_completed_successfully" if dep in ONE_SHOT else "service_healthy"
             assert cond == {"condition": want}, (name, dep, cond)
             if want == "service_healthy":
                 assert "healthcheck" in active[dep], dep
@@ -178,8 +205,7 @@ def test_each_profile_is_a_complete_health_gated_graph(compose, profiles):
         else:
             check = svc.get("healthcheck")
             assert check and check["test"][0] in ("CMD", "CMD-SHELL"), name
-            assert svc.get("restart") == "unless-stopped" or name in (
-                "prometheus", "grafana"), name
+            assert svc.get("restart") == "unless-stopped" or name in ("prometheus", "grafana"), name
     # One provider per network name the settings and Prometheus use.
     names = [n for name, svc in active.items() for n in _names(name, svc)]
     for needed in ("redis", "engine", "gateway", "trainer", "reward"):
@@ -187,8 +213,12 @@ def test_each_profile_is_a_complete_health_gated_graph(compose, profiles):
     if "teacher" in profiles:
         assert names.count("teacher") == 1 and names.count("teacher-engine") == 1
     # Only the gateway is published beyond loopback.
-    public = [n for n, s in active.items()
-              for port in s.get("ports", []) if not str(port).startswith("127.0.0.1:")]
+    public = [
+        n
+        for n, s in active.items()
+        for port in s.get("ports", [])
+        if not str(port).startswith("127.0.0.1:")
+    ]
     assert public == [n for n in active if "gateway" in _names(n, active[n])]
 
 
@@ -206,7 +236,7 @@ def test_gpu_profile_runs_sglang_with_the_flags_flywheel_needs(compose, monkeypa
 
     assert flag("--host") == "0.0.0.0" and flag("--port") == "30000"
     assert "--enable-metrics" in cmd
-    doc = (ROOT.parent / "shared/docs/sglang-http-api.md")
+    doc = ROOT.parent / "shared/docs/sglang-http-api.md"
     if doc.exists():  # the parsers are names SGLang knows (section 4.4 / 4.5 lists)
         text = doc.read_text()
         assert re.search(rf"[ ,]{re.escape(flag('--tool-call-parser'))}[,.]", text)
@@ -233,8 +263,11 @@ def test_gpu_profile_runs_sglang_with_the_flags_flywheel_needs(compose, monkeypa
 
 
 def _dockerignore() -> list[str]:
-    return [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-            if line.strip() and not line.startswith("#")]
+    return [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 def _extras() -> dict[str, list[str]]:
@@ -346,8 +379,9 @@ def test_flywheel_env_parses_and_points_at_real_services(compose, profiles, monk
         redis_url = urlparse(settings.redis_url())
         assert redis_url.password == REQUIRED_ENV["REDIS_PASSWORD"], name
         assert redis_url.port in ports[redis_url.hostname], name
-        urls = settings.engine_urls() + settings.trainer_engine_urls() + (
-            settings.teacher.engine_urls)
+        urls = (
+            settings.engine_urls() + settings.trainer_engine_urls() + (settings.teacher.engine_urls)
+        )
         for url in map(urlparse, urls):
             assert url.port in ports.get(url.hostname, set()), (name, url.geturl())
         assert settings.teacher.enabled is False  # on only with FLYWHEEL_TEACHER_ENABLED=true
@@ -378,10 +412,14 @@ def test_prometheus_scrapes_every_metrics_endpoint(compose, monkeypatch):
             for target in static["targets"]:
                 host, port = target.rsplit(":", 1)
                 targets[host] = int(port)
-    metrics_port = {"gateway": ("gateway", "port"), "engine": ("engine", "port"),
-                    "reward": ("reward", "metrics_port"), "trainer": ("trainer", "port"),
-                    "teacher": ("teacher", "metrics_port"),
-                    "teacher-engine": ("engine", "port")}
+    metrics_port = {
+        "gateway": ("gateway", "port"),
+        "engine": ("engine", "port"),
+        "reward": ("reward", "metrics_port"),
+        "trainer": ("trainer", "port"),
+        "teacher": ("teacher", "metrics_port"),
+        "teacher-engine": ("engine", "port"),
+    }
     assert set(targets) == set(metrics_port)
     for profiles in itertools.product(["cpu", "gpu"], [("teacher",)]):
         active = _active(compose, (profiles[0], *profiles[1]))
@@ -399,15 +437,18 @@ def test_grafana_is_provisioned_with_the_flywheel_dashboard(compose):
     grafana = compose["services"]["grafana"]
     assert grafana["profiles"] == ["observability"]
     assert grafana["ports"] == ["127.0.0.1:3000:3000"]
-    mounts = {v.split(":")[1]: ROOT / v.split(":")[0] for v in grafana["volumes"]
-              if v.startswith("./")}
+    mounts = {
+        v.split(":")[1]: ROOT / v.split(":")[0] for v in grafana["volumes"] if v.startswith("./")
+    }
     provisioning = mounts["/etc/grafana/provisioning"]
-    (datasource,) = yaml.safe_load(
-        (provisioning / "datasources/prometheus.yml").read_text())["datasources"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
     assert urlparse(datasource["url"]).hostname == "prometheus"
     assert urlparse(datasource["url"]).port == 9090
-    (provider,) = yaml.safe_load(
-        (provisioning / "dashboards/flywheel.yml").read_text())["providers"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards/flywheel.yml").read_text())[
+        "providers"
+    ]
     dashboards_dir = provider["options"]["path"]
     assert dashboards_dir in mounts
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
@@ -444,16 +485,17 @@ def _import_nodes(path: Path) -> list[tuple[ast.AST, bool]]:
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.Try) and any(
-                    isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
-                                                                   "ModuleNotFoundError")
-                    for h in child.handlers):
+                isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError")
+                for h in child.handlers
+            ):
                 continue
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue
             if isinstance(child, ast.Import | ast.ImportFrom):
                 out.append((child, top))
-            inner = top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef
-                                           | ast.Lambda)
+            inner = top and not isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
             visit(child, inner)
 
     visit(ast.parse(path.read_text()), True)
@@ -473,8 +515,10 @@ def _third_party_imports(service: str) -> dict[str, str]:
     """Top-level third-party modules the service's processes import -> the flywheel module
     that imports them. Every module of flywheel.<service> counts with its lazy (function-level)
     imports; other flywheel modules it reaches count with their module-level imports."""
-    own = {".".join(p.relative_to(ROOT / "services").with_suffix("").parts).removesuffix(
-        ".__init__") for p in (ROOT / "services/flywheel" / service).rglob("*.py")}
+    own = {
+        ".".join(p.relative_to(ROOT / "services").with_suffix("").parts).removesuffix(".__init__")
+        for p in (ROOT / "services/flywheel" / service).rglob("*.py")
+    }
     todo, seen, found = sorted(own), set(), {}
     while todo:
         name = todo.pop()
@@ -489,8 +533,10 @@ def _third_party_imports(service: str) -> dict[str, str]:
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                    + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1]
+                        + ([base] if base else [])
+                    )
                 targets = [base] + [f"{base}.{a.name}" for a in node.names]
             else:
                 targets = [a.name for a in node.names]
@@ -512,8 +558,11 @@ OPTIONAL_IMPORTS = {"wandb"}
 def test_each_image_installs_every_package_its_service_imports(compose, service):
     """The image built with EXTRAS=<service> (only that extra) has every third-party package
     the service's code imports; e.g. the teacher's tokenizer needs transformers."""
-    extra = next(s["build"]["args"]["EXTRAS"] for s in compose["services"].values()
-                 if _flywheel_service(s) == service and "build" in s)
+    extra = next(
+        s["build"]["args"]["EXTRAS"]
+        for s in compose["services"].values()
+        if _flywheel_service(s) == service and "build" in s
+    )
     installed = _closure(extra)
     dists = metadata.packages_distributions()
     missing = {}
@@ -532,11 +581,16 @@ def test_images_ship_every_data_file_the_services_read():
     import fnmatch  # noqa: PLC0415
 
     patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["flywheel"]
+        "package-data"
+    ]["flywheel"]
     src = ROOT / "services" / "flywheel"
-    files = [p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()
-             and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    files = [
+        p.relative_to(src).as_posix()
+        for p in src.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
     assert "gateway/static/dashboard.js" in files
     for path in files:
-        assert any(fnmatch.fnmatch(path, pat.removeprefix("**/")) or path == pat
-                   for pat in patterns), f"{path} is not package data: the image lacks it"
+        assert any(
+            fnmatch.fnmatch(path, pat.removeprefix("**/")) or path == pat for pat in patterns
+        ), f"{path} is not package data: the image lacks it"

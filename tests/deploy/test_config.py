@@ -39,9 +39,11 @@ def _env() -> dict[str, str]:
 
 def test_yaml_file_with_a_section_per_service_then_environment(tmp_path, monkeypatch):
     cfg = tmp_path / "flywheel.yaml"
-    cfg.write_text("streams:\n  prefix: exp7\ngateway:\n  port: 8081\n  engine_urls:\n"
-                   "    - http://e1:30000\n    - http://e2:30000\ntrainer:\n  lr: 2.0e-5\n"
-                   "  group_size: 4\nreward:\n  judge:\n    enabled: true\n    votes: 5\n")
+    cfg.write_text(
+        "streams:\n  prefix: exp7\ngateway:\n  port: 8081\n  engine_urls:\n"
+        "    - http://e1:30000\n    - http://e2:30000\ntrainer:\n  lr: 2.0e-5\n"
+        "  group_size: 4\nreward:\n  judge:\n    enabled: true\n    votes: 5\n"
+    )
     monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "3e-6")
     s = load_settings(cfg)
     assert s.trainer.lr == 3e-6  # the environment wins over the file
@@ -50,9 +52,11 @@ def test_yaml_file_with_a_section_per_service_then_environment(tmp_path, monkeyp
     assert s.reward.judge.votes == 5 and s.streams.key("train") == "exp7:train"
     # The same settings from TOML and YAML are equal.
     toml = tmp_path / "flywheel.toml"
-    toml.write_text('[streams]\nprefix = "exp7"\n[gateway]\nport = 8081\nengine_urls = '
-                    '["http://e1:30000", "http://e2:30000"]\n[trainer]\nlr = 2.0e-5\n'
-                    'group_size = 4\n[reward.judge]\nenabled = true\nvotes = 5\n')
+    toml.write_text(
+        '[streams]\nprefix = "exp7"\n[gateway]\nport = 8081\nengine_urls = '
+        '["http://e1:30000", "http://e2:30000"]\n[trainer]\nlr = 2.0e-5\n'
+        "group_size = 4\n[reward.judge]\nenabled = true\nvotes = 5\n"
+    )
     assert load_settings(toml) == s
     empty = tmp_path / "empty.yml"
     empty.write_text("# nothing set\n")
@@ -91,62 +95,105 @@ def test_invalid_values_are_reported_by_field_and_variable(tmp_path, monkeypatch
     with pytest.raises(ValidationError) as info:
         load_settings()
     assert "reward.judge.votes (FLYWHEEL_REWARD__JUDGE__VOTES)" in describe_validation_error(
-        info.value)
+        info.value
+    )
 
 
 def test_mask_secrets_hides_credentials_and_keeps_the_rest():
-    data = {"redis": {"url": "redis://:hunter2@redis:6379/0", "port": 6379},
-            "reward": {"judge": {"api_key": "sk-live-1", "max_tokens": 512, "base_url":
-                                 "https://judge.example/v1"}},
-            "teacher": {"hint_judge": {"api_key": None}},
-            "engine_urls": ["http://user:pw@e1:30000", "http://e2:30000"]}
+    data = {
+        "redis": {"url": "redis://:hunter2@redis:6379/0", "port": 6379},
+        "reward": {
+            "judge": {
+                "api_key": "sk-live-1",
+                "max_tokens": 512,
+                "base_url": "https://judge.example/v1",
+            }
+        },
+        "teacher": {"hint_judge": {"api_key": None}},
+        "engine_urls": ["http://user:pw@e1:30000", "http://e2:30000"],
+    }
     assert mask_secrets(data) == {
         "redis": {"url": "redis://:***@redis:6379/0", "port": 6379},
-        "reward": {"judge": {"api_key": "***", "max_tokens": 512,
-                             "base_url": "https://judge.example/v1"}},
+        "reward": {
+            "judge": {"api_key": "***", "max_tokens": 512, "base_url": "https://judge.example/v1"}
+        },
         "teacher": {"hint_judge": {"api_key": None}},
-        "engine_urls": ["http://user:***@e1:30000", "http://e2:30000"]}
+        "engine_urls": ["http://user:***@e1:30000", "http://e2:30000"],
+    }
 
 
 def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
     cfg = tmp_path / "flywheel.yaml"
-    cfg.write_text("redis:\n  url: redis://:s3cret-pw@redis:6379/0\nreward:\n  judge:\n"
-                   "    api_key: sk-judge-123\ntrainer:\n  lr: 2.0e-5\n")
+    cfg.write_text(
+        "redis:\n  url: redis://:s3cret-pw@redis:6379/0\nreward:\n  judge:\n"
+        "    api_key: sk-judge-123\ntrainer:\n  lr: 2.0e-5\n"
+    )
     env = {**_env(), "FLYWHEEL_TRAINER__GROUP_SIZE": "16"}
-    run = subprocess.run([sys.executable, "-m", "flywheel.cli", "config", "show", "--config",
-                          str(cfg)], capture_output=True, text=True, env=env, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "config", "show", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     shown = json.loads(run.stdout)
     assert "s3cret-pw" not in run.stdout and "sk-judge-123" not in run.stdout
     assert shown["redis"]["url"] == "redis://:***@redis:6379/0"
     assert shown["reward"]["judge"]["api_key"] == "***"
     assert (shown["trainer"]["lr"], shown["trainer"]["group_size"]) == (2e-5, 16)
-    as_yaml = subprocess.run([sys.executable, "-m", "flywheel.cli", "config", "show", "--config",
-                              str(cfg), "--format", "yaml"], capture_output=True, text=True,
-                             env=env, timeout=60)
+    as_yaml = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flywheel.cli",
+            "config",
+            "show",
+            "--config",
+            str(cfg),
+            "--format",
+            "yaml",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert yaml.safe_load(as_yaml.stdout) == shown
 
 
 def test_cli_names_the_invalid_field_without_a_traceback(tmp_path):
     cfg = tmp_path / "flywheel.yaml"
     cfg.write_text("trainer:\n  group_size: 0\n")
-    run = subprocess.run([sys.executable, "-m", "flywheel.cli", "config", "show", "--config",
-                          str(cfg)], capture_output=True, text=True, env=_env(), timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "config", "show", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr
     assert "trainer.group_size (FLYWHEEL_TRAINER__GROUP_SIZE)" in run.stderr
     assert "greater than or equal to 1" in run.stderr
 
 
-@pytest.mark.parametrize("service,bad", [("reward", "reward:\n  port: 0\n"),
-                                          ("gateway", "gateway:\n  default_max_tokens: -5\n")])
+@pytest.mark.parametrize(
+    "service,bad",
+    [("reward", "reward:\n  port: 0\n"), ("gateway", "gateway:\n  default_max_tokens: -5\n")],
+)
 def test_a_service_with_invalid_config_stops_at_start_naming_the_field(tmp_path, service, bad):
     cfg = tmp_path / "flywheel.yaml"
     cfg.write_text(bad)
     field = bad.split("\n")[1].strip().split(":")[0]
     env = {**_env(), "FLYWHEEL_CONFIG": str(cfg)}
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", f"flywheel.{service}"], capture_output=True,
-                         text=True, env=env, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", f"flywheel.{service}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode != 0
     assert f"{service}.{field}" in run.stderr, run.stderr[-2000:]
     assert time.monotonic() - started < 60  # refused before any model or server starts

@@ -30,12 +30,21 @@ SERVICES_SRC = ROOT / "services" / "flywheel"
 # What each image really serves. Flywheel services: HTTP routes (checked against the source
 # below) on the port their settings section names; liveness must not depend on other services.
 FLYWHEEL_HTTP = {
-    "engine": {"routes": "engine/app.py", "paths": {"/health", "/healthz", "/ready"},
-               "liveness": {"/healthz"}},
-    "gateway": {"routes": "gateway/app.py", "paths": {"/healthz", "/readyz"},
-                "liveness": {"/healthz"}},
-    "trainer": {"routes": "trainer/http.py", "paths": {"/healthz", "/readyz"},
-                "liveness": {"/healthz"}},
+    "engine": {
+        "routes": "engine/app.py",
+        "paths": {"/health", "/healthz", "/ready"},
+        "liveness": {"/healthz"},
+    },
+    "gateway": {
+        "routes": "gateway/app.py",
+        "paths": {"/healthz", "/readyz"},
+        "liveness": {"/healthz"},
+    },
+    "trainer": {
+        "routes": "trainer/http.py",
+        "paths": {"/healthz", "/readyz"},
+        "liveness": {"/healthz"},
+    },
 }
 FLYWHEEL_GRPC = {"reward", "teacher"}  # grpc.health.v1 on settings.<service>.port
 OTHER_IMAGES = {
@@ -60,8 +69,12 @@ def rendered() -> dict[str, list[dict]]:
         pytest.skip("kubectl is not installed here (needed for `kubectl kustomize`)")
     out = {}
     for overlay in OVERLAYS:
-        run = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stderr
         out[overlay] = [d for d in yaml.safe_load_all(run.stdout) if d]
     return out
@@ -107,10 +120,12 @@ def _matches(selector: dict, labels: dict) -> bool:
             return False
     for expr in selector.get("matchExpressions") or []:
         key, op, values = expr["key"], expr["operator"], expr.get("values", [])
-        ok = {"In": key in labels and labels[key] in values,
-              "NotIn": labels.get(key) not in values,
-              "Exists": key in labels,
-              "DoesNotExist": key not in labels}[op]
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
         if not ok:
             return False
     return True
@@ -122,8 +137,9 @@ def _env_values(container: dict) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in container.get("env", []):
         if "value" in item:
-            value = re.sub(r"\$\((\w+)\)",
-                           lambda m: env.get(m.group(1), m.group(0)), str(item["value"]))
+            value = re.sub(
+                r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), str(item["value"])
+            )
         elif "secretKeyRef" in item.get("valueFrom", {}):
             value = "secret-from-" + item["valueFrom"]["secretKeyRef"]["key"]
         else:
@@ -140,9 +156,12 @@ def _config_text(docs: list[dict], workload: dict, container: dict, config_path:
         if config_path.startswith(prefix):
             source = volumes[mount["name"]]
             assert "configMap" in source, f"{config_path} is not mounted from a ConfigMap"
-            key = config_path[len(prefix):]
-            (cm,) = [d for d in _of_kind(docs, "ConfigMap")
-                     if d["metadata"]["name"] == source["configMap"]["name"]]
+            key = config_path[len(prefix) :]
+            (cm,) = [
+                d
+                for d in _of_kind(docs, "ConfigMap")
+                if d["metadata"]["name"] == source["configMap"]["name"]
+            ]
             assert key in cm["data"], f"ConfigMap {cm['metadata']['name']} has no {key}"
             return cm["data"][key]
     raise AssertionError(f"{container['name']}: FLYWHEEL_CONFIG={config_path} is not mounted")
@@ -171,8 +190,11 @@ def _unknown_keys(data: dict, model: type, where: str) -> list[str]:
         field = model.model_fields.get(key)
         if field is None:
             unknown.append(f"{where}{key}")
-        elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(
-                field.annotation, BaseModel):
+        elif (
+            isinstance(value, dict)
+            and isinstance(field.annotation, type)
+            and issubclass(field.annotation, BaseModel)
+        ):
             unknown += _unknown_keys(value, field.annotation, f"{where}{key}.")
     return unknown
 
@@ -186,8 +208,10 @@ def _flywheel_containers(docs):
 
 
 def _service_ports(docs) -> dict[str, set[int]]:
-    return {s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
-            for s in _of_kind(docs, "Service")}
+    return {
+        s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
+        for s in _of_kind(docs, "Service")
+    }
 
 
 # ---------------------------------------------------------------- rendering and schema
@@ -197,8 +221,15 @@ def test_every_overlay_renders_and_passes_strict_schema_validation(rendered):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for overlay, objs in rendered.items():
         kinds = {d["kind"] for d in objs}
-        assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy",
-                "PodDisruptionBudget", "HorizontalPodAutoscaler"} <= kinds, overlay
+        assert {
+            "Deployment",
+            "StatefulSet",
+            "Service",
+            "ConfigMap",
+            "NetworkPolicy",
+            "PodDisruptionBudget",
+            "HorizontalPodAutoscaler",
+        } <= kinds, overlay
         for obj in objs:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     # The validator really rejects an unknown field (a guard against a no-op validation).
@@ -210,17 +241,26 @@ def test_every_overlay_renders_and_passes_strict_schema_validation(rendered):
 
 def test_expected_workloads_and_kinds(docs):
     kinds = {d["metadata"]["name"]: d["kind"] for d in _workloads(docs)}
-    assert kinds == {"engine": "Deployment", "gateway": "Deployment", "reward": "Deployment",
-                     "teacher": "Deployment", "teacher-engine": "Deployment",
-                     "trainer": "StatefulSet", "redis": "StatefulSet"}
+    assert kinds == {
+        "engine": "Deployment",
+        "gateway": "Deployment",
+        "reward": "Deployment",
+        "teacher": "Deployment",
+        "teacher-engine": "Deployment",
+        "trainer": "StatefulSet",
+        "redis": "StatefulSet",
+    }
     (redis,) = [d for d in _workloads(docs) if d["metadata"]["name"] == "redis"]
     args = _pod_spec(redis)["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
     assert redis["spec"]["volumeClaimTemplates"], "redis data must be on a PVC"
     (trainer,) = [d for d in _workloads(docs) if d["metadata"]["name"] == "trainer"]
-    claims = {v["persistentVolumeClaim"]["claimName"] for v in _pod_spec(trainer)["volumes"]
-              if "persistentVolumeClaim" in v}
+    claims = {
+        v["persistentVolumeClaim"]["claimName"]
+        for v in _pod_spec(trainer)["volumes"]
+        if "persistentVolumeClaim" in v
+    }
     pvcs = {d["metadata"]["name"] for d in _of_kind(docs, "PersistentVolumeClaim")}
     assert claims and claims <= pvcs
 
@@ -257,8 +297,9 @@ def test_every_container_has_probes_on_real_endpoints(docs, tmp_path, monkeypatc
     checked = set()
     for workload in _workloads(docs):
         for container in _pod_spec(workload)["containers"]:
-            probes = {k: container.get(k) for k in ("startupProbe", "livenessProbe",
-                                                     "readinessProbe")}
+            probes = {
+                k: container.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")
+            }
             missing = [k for k, v in probes.items() if not v]
             assert not missing, f"{workload['metadata']['name']}/{container['name']}: {missing}"
             service = _flywheel_service(container)
@@ -290,8 +331,15 @@ def test_every_container_has_probes_on_real_endpoints(docs, tmp_path, monkeypatc
                     else:
                         assert known.get(how), (repo, kind, how)
             checked.add(workload["metadata"]["name"])
-    assert checked == {"engine", "gateway", "reward", "teacher", "teacher-engine", "trainer",
-                       "redis"}
+    assert checked == {
+        "engine",
+        "gateway",
+        "reward",
+        "teacher",
+        "teacher-engine",
+        "trainer",
+        "redis",
+    }
 
 
 def test_grpc_services_metrics_port_matches_settings(docs, tmp_path, monkeypatch):
@@ -308,22 +356,26 @@ def test_grpc_services_metrics_port_matches_settings(docs, tmp_path, monkeypatch
 def test_services_select_workloads_and_target_declared_ports(docs):
     workloads = _workloads(docs)
     for svc in _of_kind(docs, "Service"):
-        selected = [w for w in workloads if _matches({"matchLabels": svc["spec"]["selector"]},
-                                                     _pod_labels(w))]
+        selected = [
+            w
+            for w in workloads
+            if _matches({"matchLabels": svc["spec"]["selector"]}, _pod_labels(w))
+        ]
         assert len(selected) == 1, svc["metadata"]["name"]
         containers = _pod_spec(selected[0])["containers"]
         declared = {p.get("name") for c in containers for p in c.get("ports", [])} | {
-            p["containerPort"] for c in containers for p in c.get("ports", [])}
+            p["containerPort"] for c in containers for p in c.get("ports", [])
+        }
         for port in svc["spec"]["ports"]:
-            assert port.get("targetPort", port["port"]) in declared, (svc["metadata"]["name"],
-                                                                      port)
+            assert port.get("targetPort", port["port"]) in declared, (svc["metadata"]["name"], port)
 
 
 # ---------------------------------------------------------------- configuration
 
 
 def test_config_and_env_parse_into_settings_that_point_at_real_services(
-        docs, tmp_path, monkeypatch):
+    docs, tmp_path, monkeypatch
+):
     services = _service_ports(docs)
     seen = set()
     for workload, container, service in _flywheel_containers(docs):
@@ -334,8 +386,11 @@ def test_config_and_env_parse_into_settings_that_point_at_real_services(
         assert env["FLYWHEEL_CONFIG"].endswith(".yaml"), "the cluster config is one YAML file"
         config = yaml.safe_load(_config_text(docs, workload, container, env["FLYWHEEL_CONFIG"]))
         assert not _unknown_keys(config, FlywheelSettings, ""), service
-        env_keys = {k.removeprefix("FLYWHEEL_").lower().replace("__", "."): None for k in env
-                    if k.startswith("FLYWHEEL_") and k not in ("FLYWHEEL_CONFIG", "FLYWHEEL_CACHE")}
+        env_keys = {
+            k.removeprefix("FLYWHEEL_").lower().replace("__", "."): None
+            for k in env
+            if k.startswith("FLYWHEEL_") and k not in ("FLYWHEEL_CONFIG", "FLYWHEEL_CACHE")
+        }
         nested: dict = {}
         for dotted in env_keys:
             *parents, leaf = dotted.split(".")
@@ -348,18 +403,25 @@ def test_config_and_env_parse_into_settings_that_point_at_real_services(
             url = urlparse(settings.redis_url())
             assert url.password and url.password.startswith("secret-from-"), service
             assert url.hostname in services and url.port in services[url.hostname], service
-        urls = {"gateway": settings.engine_urls(),
-                "trainer": settings.trainer_engine_urls(),
-                "teacher": settings.teacher.engine_urls}.get(service, [])
+        urls = {
+            "gateway": settings.engine_urls(),
+            "trainer": settings.trainer_engine_urls(),
+            "teacher": settings.teacher.engine_urls,
+        }.get(service, [])
         if service == "teacher":
             assert urls and not set(urls) & set(settings.trainer_engine_urls()), (
-                "the teacher's frozen engine must never receive weight pushes")
+                "the teacher's frozen engine must never receive weight pushes"
+            )
         for engine_url in urls:
             url = urlparse(engine_url)
             assert url.hostname in services and url.port in services[url.hostname], engine_url
         seen.add(service)
     assert seen == {"engine", "gateway", "reward", "teacher", "trainer"} or seen == {
-        "gateway", "reward", "teacher", "trainer"}
+        "gateway",
+        "reward",
+        "teacher",
+        "trainer",
+    }
 
 
 def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, monkeypatch):
@@ -370,7 +432,8 @@ def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, mon
     assert _image_repo(sglang["image"]) == "lmsysorg/sglang"
     version = re.match(r"v?(\d+)\.(\d+)\.(\d+)", sglang["image"].rsplit(":", 1)[1])
     assert version and tuple(map(int, version.groups())) >= (0, 5, 5), (
-        "SGLang < 0.5.5 reports no weight_version")
+        "SGLang < 0.5.5 reports no weight_version"
+    )
     cmd = sglang["command"]
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
@@ -390,8 +453,9 @@ def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, mon
         (container,) = spec["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert spec["nodeSelector"], "GPU pods need a node selector"
-    settings = _settings_for(docs, by_name["trainer"], trainer["containers"][0], tmp_path,
-                             monkeypatch)
+    settings = _settings_for(
+        docs, by_name["trainer"], trainer["containers"][0], tmp_path, monkeypatch
+    )
     assert settings.trainer.device == "cuda"
     # The CPU overlay schedules nothing on GPUs.
     for workload in _workloads(rendered["cpu-dev"]):
@@ -415,16 +479,18 @@ def test_pdbs_and_hpa_target_real_workloads(docs):
     workloads = {w["metadata"]["name"]: w for w in _workloads(docs)}
     covered = set()
     for pdb in _of_kind(docs, "PodDisruptionBudget"):
-        hits = [n for n, w in workloads.items() if _matches(pdb["spec"]["selector"],
-                                                             _pod_labels(w))]
+        hits = [
+            n for n, w in workloads.items() if _matches(pdb["spec"]["selector"], _pod_labels(w))
+        ]
         assert len(hits) == 1, pdb["metadata"]["name"]
         covered.add(hits[0])
     assert {"gateway", "reward", "teacher"} <= covered
     (hpa,) = _of_kind(docs, "HorizontalPodAutoscaler")
     ref = hpa["spec"]["scaleTargetRef"]
     assert workloads[ref["name"]]["kind"] == ref["kind"] and ref["name"] == "gateway"
-    assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu"
-               for m in hpa["spec"]["metrics"])
+    assert any(
+        m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"]
+    )
     assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
 
 
@@ -432,8 +498,11 @@ def test_pdbs_and_hpa_target_real_workloads(docs):
 
 
 def test_only_the_gateway_is_exposed(docs):
-    exposed = [s["metadata"]["name"] for s in _of_kind(docs, "Service")
-               if s["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort")]
+    exposed = [
+        s["metadata"]["name"]
+        for s in _of_kind(docs, "Service")
+        if s["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort")
+    ]
     for ingress in _of_kind(docs, "Ingress"):
         for rule in ingress["spec"].get("rules", []):
             exposed += [p["backend"]["service"]["name"] for p in rule["http"]["paths"]]
@@ -444,9 +513,12 @@ def _allowed(docs, src_labels: dict | None, dst: dict, port: int) -> bool:
     """Would ingress to `dst` pods on `port` be allowed from a pod with `src_labels` in the same
     namespace (None: a client outside the cluster / another namespace)?"""
     labels = _pod_labels(dst)
-    policies = [p for p in _of_kind(docs, "NetworkPolicy")
-                if _matches(p["spec"]["podSelector"], labels)
-                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    policies = [
+        p
+        for p in _of_kind(docs, "NetworkPolicy")
+        if _matches(p["spec"]["podSelector"], labels)
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
     if not policies:
         return True
     for policy in policies:
@@ -456,38 +528,66 @@ def _allowed(docs, src_labels: dict | None, dst: dict, port: int) -> bool:
             if "from" not in rule:
                 return True
             for peer in rule["from"]:
-                if src_labels is not None and set(peer) == {"podSelector"} and _matches(
-                        peer["podSelector"], src_labels):
+                if (
+                    src_labels is not None
+                    and set(peer) == {"podSelector"}
+                    and _matches(peer["podSelector"], src_labels)
+                ):
                     return True
     return False
 
 
 def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
     policies = _of_kind(docs, "NetworkPolicy")
-    assert any(p["spec"]["podSelector"] == {} and p["spec"].get("policyTypes") == ["Ingress"]
-               and not p["spec"].get("ingress") for p in policies), "no default-deny policy"
+    assert any(
+        p["spec"]["podSelector"] == {}
+        and p["spec"].get("policyTypes") == ["Ingress"]
+        and not p["spec"].get("ingress")
+        for p in policies
+    ), "no default-deny policy"
     w = {x["metadata"]["name"]: x for x in _workloads(docs)}
     for name, workload in w.items():
-        specific = [p for p in policies if p["spec"]["podSelector"]
-                    and _matches(p["spec"]["podSelector"], _pod_labels(workload))]
+        specific = [
+            p
+            for p in policies
+            if p["spec"]["podSelector"]
+            and _matches(p["spec"]["podSelector"], _pod_labels(workload))
+        ]
         assert specific, f"no NetworkPolicy selects {name} pods"
 
     def labels(name):
         return _pod_labels(w[name])
 
-    needed = [("gateway", "engine", 30000), ("trainer", "engine", 30000),
-              ("gateway", "redis", 6379), ("reward", "redis", 6379), ("trainer", "redis", 6379),
-              ("teacher", "redis", 6379), ("teacher", "teacher-engine", 30000),
-              ("trainer", "teacher", 50052), ("trainer", "reward", 50051)]
+    needed = [
+        ("gateway", "engine", 30000),
+        ("trainer", "engine", 30000),
+        ("gateway", "redis", 6379),
+        ("reward", "redis", 6379),
+        ("trainer", "redis", 6379),
+        ("teacher", "redis", 6379),
+        ("teacher", "teacher-engine", 30000),
+        ("trainer", "teacher", 50052),
+        ("trainer", "reward", 50051),
+    ]
     for src, dst, port in needed:
         assert _allowed(docs, labels(src), w[dst], port), f"{src} cannot reach {dst}:{port}"
     assert _allowed(docs, None, w["gateway"], 8000), "the gateway is not reachable"
-    for dst, port in [("engine", 30000), ("redis", 6379), ("trainer", 8100), ("reward", 50051),
-                      ("teacher", 50052), ("teacher-engine", 30000)]:
+    for dst, port in [
+        ("engine", 30000),
+        ("redis", 6379),
+        ("trainer", 8100),
+        ("reward", 50051),
+        ("teacher", 50052),
+        ("teacher-engine", 30000),
+    ]:
         assert not _allowed(docs, None, w[dst], port), f"{dst}:{port} is open to outside"
-    forbidden = [("gateway", "trainer", 8100), ("engine", "redis", 6379),
-                 ("reward", "engine", 30000), ("gateway", "teacher-engine", 30000),
-                 ("trainer", "teacher-engine", 30000)]
+    forbidden = [
+        ("gateway", "trainer", 8100),
+        ("engine", "redis", 6379),
+        ("reward", "engine", 30000),
+        ("gateway", "teacher-engine", 30000),
+        ("trainer", "teacher-engine", 30000),
+    ]
     for src, dst, port in forbidden:
         assert not _allowed(docs, labels(src), w[dst], port), f"{src} may reach {dst}:{port}"
 
@@ -501,9 +601,13 @@ def test_no_real_secret_values_are_committed(rendered):
         for secret in _of_kind(objs, "Secret"):
             annotations = secret["metadata"].get("annotations", {})
             assert "flywheel.dev/placeholder" in annotations, (overlay, secret["metadata"])
-        refs = {e["valueFrom"]["secretKeyRef"]["name"]
-                for w in _workloads(objs) for c in _pod_spec(w)["containers"]
-                for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+        refs = {
+            e["valueFrom"]["secretKeyRef"]["name"]
+            for w in _workloads(objs)
+            for c in _pod_spec(w)["containers"]
+            for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})
+        }
         assert refs, overlay
         if overlay == "gpu":
             assert not secret_names, "the gpu overlay must not ship a Secret"
@@ -555,8 +659,11 @@ def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(docs, tmp_path,
             settings = _settings_for(docs, workload, container, tmp_path, monkeypatch)
             path = settings.trainer.metrics_path
             volumes = {v["name"]: v for v in _pod_spec(workload)["volumes"]}
-            (mount,) = [m for m in container["volumeMounts"]
-                        if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            (mount,) = [
+                m
+                for m in container["volumeMounts"]
+                if path.startswith(m["mountPath"].rstrip("/") + "/")
+            ]
             claims[service] = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
             paths[service] = path
     assert paths["gateway"] == paths["trainer"] and claims["gateway"] == claims["trainer"]

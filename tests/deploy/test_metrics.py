@@ -23,9 +23,15 @@ DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
 SERVICES = ("gateway", "engine", "reward", "teacher", "trainer", "stream")
 TARGET_LABELS = {"instance", "job"}
 """Labels Prometheus adds to every scraped series."""
-SUFFIXES = {"counter": ["_total", "_created"], "gauge": [""], "info": ["_info"],
-            "histogram": ["_bucket", "_count", "_sum", "_created"],
-            "summary": ["_count", "_sum", "_created", ""], "stateset": [""], "enum": [""]}
+SUFFIXES = {
+    "counter": ["_total", "_created"],
+    "gauge": [""],
+    "info": ["_info"],
+    "histogram": ["_bucket", "_count", "_sum", "_created"],
+    "summary": ["_count", "_sum", "_created", ""],
+    "stateset": [""],
+    "enum": [""],
+}
 
 
 def _metric_modules() -> list[str]:
@@ -49,8 +55,11 @@ def families() -> dict[str, tuple[str, frozenset[str]]]:
     wrappers = [c for c in REGISTRY._collector_to_names if isinstance(c, MetricWrapperBase)]
     engine = EngineMetrics()
     wrappers += [v for v in vars(engine).values() if isinstance(v, MetricWrapperBase)]
-    out = {w._name: (w._type, frozenset(w._labelnames)) for w in wrappers
-           if w._name.startswith("flywheel_")}
+    out = {
+        w._name: (w._type, frozenset(w._labelnames))
+        for w in wrappers
+        if w._name.startswith("flywheel_")
+    }
     for fam in StreamStatsCollector(None, None).describe():  # type: ignore[arg-type]
         out[fam.name] = (fam.type, frozenset(_labels_of_family(fam)))
     assert isinstance(engine.registry, CollectorRegistry)
@@ -73,9 +82,13 @@ def series(families) -> dict[str, frozenset[str]]:
 
 def test_inventory_is_read_from_the_code(families):
     # One known metric per service proves every service's definitions were found.
-    for name in ("flywheel_gateway_samples_published", "flywheel_engine_generated_tokens",
-                 "flywheel_reward_samples", "flywheel_trainer_steps",
-                 "flywheel_stream_lag_entries"):
+    for name in (
+        "flywheel_gateway_samples_published",
+        "flywheel_engine_generated_tokens",
+        "flywheel_reward_samples",
+        "flywheel_trainer_steps",
+        "flywheel_stream_lag_entries",
+    ):
         assert name in families, name
     assert families["flywheel_stream_lag_entries"] == ("gauge", frozenset({"stream", "group"}))
     assert families["flywheel_engine_weight"][0] == "info"
@@ -87,7 +100,8 @@ def test_metric_names_follow_the_convention(families):
         assert re.fullmatch(rf"flywheel_({'|'.join(SERVICES)})_[a-z][a-z0-9_]*", name), name
         words = name.split("_")
         assert not {"ms", "msec", "millis", "milliseconds", "secs", "sec", "us"} & set(words), (
-            f"{name}: use base units (_seconds)")
+            f"{name}: use base units (_seconds)"
+        )
         if {"latency", "duration", "time"} & set(words):
             assert name.endswith("_seconds"), f"{name}: a time must end in _seconds"
         assert not name.endswith("_total"), f"{name}: prometheus_client appends _total"
@@ -107,8 +121,17 @@ def _queries() -> list[tuple[str, str]]:
 def test_dashboard_covers_what_operators_watch():
     (dashboard,) = DASHBOARDS
     titles = " | ".join(p["title"].lower() for p in json.loads(dashboard.read_text())["panels"])
-    for topic in ("throughput", "latency", "stream lag", "reward", "kl", "staleness",
-                  "weight version", "engine", "errors"):
+    for topic in (
+        "throughput",
+        "latency",
+        "stream lag",
+        "reward",
+        "kl",
+        "staleness",
+        "weight version",
+        "engine",
+        "errors",
+    ):
         assert topic in titles, topic
 
 

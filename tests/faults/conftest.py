@@ -34,31 +34,57 @@ class Procs:
 
     def spawn(self, argv: list[str], name: str, **kw) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115  (owned by the child)
-        proc = subprocess.Popen(argv, stdout=kw.pop("stdout", log), stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=ROOT, **kw)
+        proc = subprocess.Popen(
+            argv,
+            stdout=kw.pop("stdout", log),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+            **kw,
+        )
         self.procs.append(proc)
         return proc
 
     def stub(self, mode: str = "ok") -> str:
         """A stub engine in `mode`; returns its base URL."""
-        proc = self.spawn([sys.executable, str(STUB), "--port", "0", "--mode", mode],
-                          f"stub-{mode}", stdout=subprocess.PIPE)
+        proc = self.spawn(
+            [sys.executable, str(STUB), "--port", "0", "--mode", mode],
+            f"stub-{mode}",
+            stdout=subprocess.PIPE,
+        )
         line = proc.stdout.readline().decode()
         assert line.startswith("port "), line
         return f"http://127.0.0.1:{int(line.split()[1])}"
 
-    def gateway(self, redis_url: str, prefix: str, engine_urls: list[str], tokenizer: Path,
-                port: int = 0, **gateway: object) -> str:
+    def gateway(
+        self,
+        redis_url: str,
+        prefix: str,
+        engine_urls: list[str],
+        tokenizer: Path,
+        port: int = 0,
+        **gateway: object,
+    ) -> str:
         """A gateway process (python -m flywheel.gateway); returns its URL once /healthz is ok."""
         port = port or free_port()
-        cfg = {"redis": {"url": redis_url}, "streams": {"prefix": prefix},
-               "gateway": {"port": port, "engine_urls": engine_urls,
-                           "tokenizer_path": str(tokenizer), **gateway}}
+        cfg = {
+            "redis": {"url": redis_url},
+            "streams": {"prefix": prefix},
+            "gateway": {
+                "port": port,
+                "engine_urls": engine_urls,
+                "tokenizer_path": str(tokenizer),
+                **gateway,
+            },
+        }
         path = self.tmp / f"gateway-{port}.json"
         path.write_text(json.dumps(cfg))
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-        self.spawn([sys.executable, "-m", "flywheel.gateway", "--config", str(path)],
-                   f"gateway-{port}", env=env)
+        self.spawn(
+            [sys.executable, "-m", "flywheel.gateway", "--config", str(path)],
+            f"gateway-{port}",
+            env=env,
+        )
         url = f"http://127.0.0.1:{port}"
         wait_http(f"{url}/healthz", 60)
         return url
@@ -68,13 +94,19 @@ class Procs:
         open. `streams` settings may be passed as `streams={...}`."""
         streams = {"prefix": prefix, "block_ms": 100, **reward.pop("streams", {})}
         port = free_port()
-        cfg = {"redis": {"url": redis_url}, "streams": streams,
-               "reward": {"port": port, "metrics_port": 0, **reward}}
+        cfg = {
+            "redis": {"url": redis_url},
+            "streams": streams,
+            "reward": {"port": port, "metrics_port": 0, **reward},
+        }
         path = self.tmp / f"reward-{port}.json"
         path.write_text(json.dumps(cfg))
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-        proc = self.spawn([sys.executable, "-m", "flywheel.reward", "--config", str(path)],
-                          f"reward-{port}", env=env)
+        proc = self.spawn(
+            [sys.executable, "-m", "flywheel.reward", "--config", str(path)],
+            f"reward-{port}",
+            env=env,
+        )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             assert proc.poll() is None, (self.tmp / f"reward-{port}.log").read_text()[-3000:]
@@ -120,8 +152,9 @@ class ThreadServer:
         import uvicorn  # noqa: PLC0415
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -154,12 +187,15 @@ def inproc_gateway(redis_client, prefix, renderer):
         settings = GatewaySettings(**gateway)
         client = client or redis_client
         deps = GatewayDeps(
-            settings=settings, renderer=renderer,
+            settings=settings,
+            renderer=renderer,
             engines=EnginePool(engine_urls, settings.request_timeout_s, {2}),
             sessions=SessionStore(client, prefix, 3600),
-            publisher=StreamProducer(client, f"{prefix}:rollouts", high_water=high_water,
-                                     watch_group="reward"),
-            context_length=2048)
+            publisher=StreamProducer(
+                client, f"{prefix}:rollouts", high_water=high_water, watch_group="reward"
+            ),
+            context_length=2048,
+        )
         servers.append(ThreadServer(create_app(deps)))
         return servers[-1].url
 

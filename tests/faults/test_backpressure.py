@@ -32,7 +32,8 @@ def _wait(cond, timeout_s: float = 120.0) -> None:
 
 
 def test_trainer_stop_reaches_the_gateway_as_429_and_nothing_is_lost(
-        procs, inproc_gateway, redis_server, redis_client, prefix):
+    procs, inproc_gateway, redis_server, redis_client, prefix
+):
     procs.reward(redis_server.url, prefix, streams={"high_water": HIGH})
     gw = inproc_gateway([procs.stub("ok")], high_water=HIGH)
     rollouts, train, dead = (f"{prefix}:{s}" for s in ("rollouts", "train", "dead"))

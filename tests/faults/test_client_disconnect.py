@@ -14,8 +14,7 @@ from flywheel.core.codec import decode_sample
 from flywheel.core.streams import FIELD
 from flywheel.gateway.sessions import SessionStore
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 HOT = {"content-type": "application/json"}
 ROUTED = {"content-type": "application/vnd.api+json"}
 """A JSON media type the hot path leaves to the FastAPI route (hot_path.py)."""
@@ -29,15 +28,17 @@ def _abandoned(client: httpx.Client, kind: str) -> float:
 
 def _dropped_by_engine(stub: str, want: int) -> int:
     deadline = time.monotonic() + 10
-    while (dropped := httpx.get(f"{stub}/stats").json()["dropped"]) < want \
-            and time.monotonic() < deadline:
+    while (
+        dropped := httpx.get(f"{stub}/stats").json()["dropped"]
+    ) < want and time.monotonic() < deadline:
         time.sleep(0.05)
     return dropped
 
 
 @pytest.mark.parametrize("mode", ["episode", "live-stream", "episode-routed"])
 def test_an_abandoned_turn_is_stopped_and_only_its_retry_is_recorded(
-        procs, inproc_gateway, redis_client, prefix, mode):
+    procs, inproc_gateway, redis_client, prefix, mode
+):
     stub = procs.stub("slow")  # answers after 3 s
     gw = inproc_gateway([stub])
     headers = ROUTED if mode == "episode-routed" else HOT
@@ -77,7 +78,8 @@ def test_an_abandoned_unrecorded_request_drops_its_engine_call(procs, inproc_gat
 
 @pytest.mark.parametrize("mode", ["episode", "live"])
 def test_a_client_leaving_mid_stream_stops_the_turn_unrecorded(
-        procs, inproc_gateway, redis_client, prefix, mode):
+    procs, inproc_gateway, redis_client, prefix, mode
+):
     stub = procs.stub("trickle")  # the first token at once, the rest after 3 s
     gw = inproc_gateway([stub])
     with httpx.Client(base_url=gw, timeout=30) as client:
@@ -87,8 +89,7 @@ def test_a_client_leaving_mid_stream_stops_the_turn_unrecorded(
         else:
             sid = client.post("/v1/sessions", json={}).json()["session_id"]
             path, headers = f"/s/{sid}/v1/chat/completions", HOT
-        with client.stream("POST", path, json={**CHAT, "stream": True},
-                           headers=headers) as reply:
+        with client.stream("POST", path, json={**CHAT, "stream": True}, headers=headers) as reply:
             assert reply.status_code == 200
             for line in reply.iter_lines():  # the first token's text arrives while sampling
                 if line.startswith("data: ") and '"content": "8"' in line:

@@ -35,42 +35,66 @@ CHAT = {"model": "m", "max_tokens": 8}
 
 def _episode(http: httpx.Client, group: str, answer: int) -> int:
     """create -> 2 turns -> finish; returns the Samples the finish reports published."""
-    sid = http.post("/v1/sessions", json={"group_id": group, "task": {"answer": answer}}
-                    ).raise_for_status().json()["session_id"]
+    sid = (
+        http.post("/v1/sessions", json={"group_id": group, "task": {"answer": answer}})
+        .raise_for_status()
+        .json()["session_id"]
+    )
     msgs = [{"role": "user", "content": "What is 7 + 1?"}]
     for _ in range(2):
         reply = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
         reply.raise_for_status()
         msgs += [reply.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
-    return http.post(f"/v1/sessions/{sid}/finish", json={}).raise_for_status().json()[
-        "samples_published"]
+    return (
+        http.post(f"/v1/sessions/{sid}/finish", json={})
+        .raise_for_status()
+        .json()["samples_published"]
+    )
 
 
 def _trainer(procs, tmp_path, redis_url: str, prefix: str, model_dir, engine: str) -> str:
     port = free_port()
-    cfg = {"redis": {"url": redis_url}, "streams": {"prefix": prefix, "block_ms": 100},
-           "trainer": {"port": port, "model_path": str(model_dir), "engine_urls": [engine],
-                       "checkpoint_dir": str(tmp_path / "ckpt"), "keep_checkpoints": 1,
-                       "save_optimizer": False, "metrics_path": str(tmp_path / "m.jsonl"),
-                       "tensorboard": False, "group_size": 2, "groups_per_step": 2,
-                       "group_wait_s": 2.0, "lr": 1e-4, "max_staleness": 1000,
-                       "push_every": 1_000_000}}  # the stub engine takes no weights
+    cfg = {
+        "redis": {"url": redis_url},
+        "streams": {"prefix": prefix, "block_ms": 100},
+        "trainer": {
+            "port": port,
+            "model_path": str(model_dir),
+            "engine_urls": [engine],
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "keep_checkpoints": 1,
+            "save_optimizer": False,
+            "metrics_path": str(tmp_path / "m.jsonl"),
+            "tensorboard": False,
+            "group_size": 2,
+            "groups_per_step": 2,
+            "group_wait_s": 2.0,
+            "lr": 1e-4,
+            "max_staleness": 1000,
+            "push_every": 1_000_000,
+        },
+    }  # the stub engine takes no weights
     path = tmp_path / "trainer.json"
     path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    procs.spawn([sys.executable, "-m", "flywheel.trainer", "--config", str(path)], "trainer",
-                env=env)
+    procs.spawn(
+        [sys.executable, "-m", "flywheel.trainer", "--config", str(path)], "trainer", env=env
+    )
     return f"http://127.0.0.1:{port}"
 
 
 def _metric(text: str, name: str) -> float:
     """Sum of every sample of Prometheus metric `name` (all label sets) in an exposition."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
 
 
 def test_counts_add_up_end_to_end_across_a_reward_crash(
-        procs, tmp_path, redis_server, redis_client, prefix, tiny_model_dir):
+    procs, tmp_path, redis_server, redis_client, prefix, tiny_model_dir
+):
     rollouts, train, dead = (f"{prefix}:{s}" for s in ("rollouts", "train", "dead"))
     stub = procs.stub("ok")
     trainer = _trainer(procs, tmp_path, redis_server.url, prefix, tiny_model_dir, stub)
@@ -112,12 +136,18 @@ def test_counts_add_up_end_to_end_across_a_reward_crash(
         status = httpx.get(f"{trainer}/status", timeout=10).json()
         dropped = status["samples_dropped"]
         train_ids = [decode_sample(f[FIELD]).sample_id for _, f in redis_client.xrange(train)]
-        return {"trained": status["samples_trained"], "dropped": dropped,
-                "dead": redis_client.xlen(dead),
-                "with_metric": sum(n for r, n in dropped.items() if r != DropReason.DUPLICATE
-                                   and not DropReason(r).dead_letter),
-                "copies": len(train_ids) - len(set(train_ids)),
-                "duplicates": dropped.get(DropReason.DUPLICATE, 0)}
+        return {
+            "trained": status["samples_trained"],
+            "dropped": dropped,
+            "dead": redis_client.xlen(dead),
+            "with_metric": sum(
+                n
+                for r, n in dropped.items()
+                if r != DropReason.DUPLICATE and not DropReason(r).dead_letter
+            ),
+            "copies": len(train_ids) - len(set(train_ids)),
+            "duplicates": dropped.get(DropReason.DUPLICATE, 0),
+        }
 
     published = {decode_sample(f[FIELD]).sample_id for _, f in redis_client.xrange(rollouts)}
     assert len(published) == redis_client.xlen(rollouts) == sum(reported)  # none lost, none twice
@@ -136,7 +166,8 @@ def test_counts_add_up_end_to_end_across_a_reward_crash(
     trainer_metrics = httpx.get(f"{trainer}/metrics", timeout=10).text
     assert _metric(trainer_metrics, "flywheel_trainer_samples_trained_total") == c["trained"]
     assert _metric(trainer_metrics, "flywheel_trainer_samples_dropped_total") == sum(
-        c["dropped"].values())
+        c["dropped"].values()
+    )
     assert c["trained"] > 0
     for stream, group in ((rollouts, "reward"), (train, "trainer")):
         deadline = time.monotonic() + 30

@@ -11,8 +11,7 @@ from flywheel.core.codec import decode_sample
 from flywheel.core.streams import FIELD
 from flywheel.gateway.engine_pool import EnginePool
 
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 SESSIONS = 6  # the session-affine order puts the faulty engine first for some of them
 
 
@@ -26,13 +25,15 @@ def _session_ids(bad: str, good: str) -> list[str]:
 
 @pytest.mark.parametrize("fault", ["500", "drop", "garbage", "hang"])
 def test_one_faulty_engine_is_retried_elsewhere_and_recorded_once(
-        procs, inproc_gateway, redis_client, prefix, fault):
+    procs, inproc_gateway, redis_client, prefix, fault
+):
     bad, good = procs.stub(fault), procs.stub("ok")
     gw = inproc_gateway([bad, good], request_timeout_s=1.0)
     with httpx.Client(base_url=gw, timeout=30) as client:
         for i, wanted in enumerate(_session_ids(bad, good)):
-            sid = client.post("/v1/sessions", json={"group_id": f"g{i}", "session_id": wanted}
-                              ).json()["session_id"]
+            sid = client.post(
+                "/v1/sessions", json={"group_id": f"g{i}", "session_id": wanted}
+            ).json()["session_id"]
             reply = client.post(f"/s/{sid}/v1/chat/completions", json=CHAT)
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == "8"
@@ -49,7 +50,8 @@ def test_one_faulty_engine_is_retried_elsewhere_and_recorded_once(
 
 @pytest.mark.parametrize("fault", ["500", "drop", "garbage"])
 def test_every_engine_failing_is_a_clear_502_and_records_nothing(
-        procs, inproc_gateway, redis_client, prefix, fault):
+    procs, inproc_gateway, redis_client, prefix, fault
+):
     engines = [procs.stub(fault), procs.stub(fault)]
     gw = inproc_gateway(engines)
     with httpx.Client(base_url=gw, timeout=30) as client:
@@ -60,7 +62,6 @@ def test_every_engine_failing_is_a_clear_502_and_records_nothing(
         assert error["type"] == "upstream_error" and "no engine could serve" in error["message"]
         state = client.get(f"/v1/sessions/{sid}").json()
         assert state["turns"] == 0 and state["token_ids"] == []
-        assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()[
-            "samples_published"] == 0
+        assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 0
     assert sum(procs.calls(e) for e in engines) == 2  # one try each: bounded
     assert redis_client.xlen(f"{prefix}:rollouts") == 0

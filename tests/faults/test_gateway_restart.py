@@ -33,13 +33,15 @@ def _retrying(http: httpx.Client, method: str, path: str, deadline: float, **kw)
 def _episode(http: httpx.Client, deadline: float, pause=None) -> tuple[str, int]:
     """create -> turn -> (pause) -> turn -> finish; returns (session id, Samples reported)."""
     sid = _retrying(http, "POST", "/v1/sessions", deadline, json={"group_id": "g"}).json()[
-        "session_id"]
+        "session_id"
+    ]
     msgs = [{"role": "user", "content": "7 + 1?"}]
     for turn in range(2):
         if turn == 1 and pause is not None:
             pause()
-        reply = _retrying(http, "POST", f"/s/{sid}/v1/chat/completions", deadline,
-                          json={**CHAT, "messages": msgs})
+        reply = _retrying(
+            http, "POST", f"/s/{sid}/v1/chat/completions", deadline, json={**CHAT, "messages": msgs}
+        )
         assert reply.status_code == 200, reply.text
         msgs += [reply.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
     done = _retrying(http, "POST", f"/v1/sessions/{sid}/finish", deadline, json={})
@@ -48,7 +50,8 @@ def _episode(http: httpx.Client, deadline: float, pause=None) -> tuple[str, int]
 
 
 def test_sessions_survive_a_gateway_crash_under_load(
-        procs, redis_server, redis_client, prefix, tiny_model_dir):
+    procs, redis_server, redis_client, prefix, tiny_model_dir
+):
     stub, port = procs.stub("ok"), free_port()
     gw = procs.gateway(redis_server.url, prefix, [stub], tiny_model_dir, port=port)
     first = procs.procs[-1]

@@ -15,21 +15,36 @@ CHAT = {"model": "m", "max_tokens": 8}
 
 
 def test_hanging_judge_gives_unjudged_samples_in_bounded_time(
-        procs, inproc_gateway, redis_server, redis_client, prefix):
+    procs, inproc_gateway, redis_server, redis_client, prefix
+):
     judge = procs.stub("hang")
-    procs.reward(redis_server.url, prefix, judge={
-        "enabled": True, "base_url": f"{judge}/v1", "timeout_s": 0.5, "max_attempts": 2,
-        "backoff_s": 0.05, "votes": 2})
+    procs.reward(
+        redis_server.url,
+        prefix,
+        judge={
+            "enabled": True,
+            "base_url": f"{judge}/v1",
+            "timeout_s": 0.5,
+            "max_attempts": 2,
+            "backoff_s": 0.05,
+            "votes": 2,
+        },
+    )
     gw = inproc_gateway([procs.stub("ok")])
     turns = 3
     with httpx.Client(base_url=gw, timeout=30) as http:
         msgs = [{"role": "user", "content": "Hi"}]
         for i in range(turns + 1):  # each next request is the previous turn's next state
-            reply = http.post("/v1/chat/completions", headers={"X-Session-Id": "live-1"},
-                              json={**CHAT, "messages": msgs})
+            reply = http.post(
+                "/v1/chat/completions",
+                headers={"X-Session-Id": "live-1"},
+                json={**CHAT, "messages": msgs},
+            )
             assert reply.status_code == 200, reply.text
-            msgs += [reply.json()["choices"][0]["message"],
-                     {"role": "user", "content": f"and {i}?"}]
+            msgs += [
+                reply.json()["choices"][0]["message"],
+                {"role": "user", "content": f"and {i}?"},
+            ]
     t0 = time.monotonic()
     train = f"{prefix}:train"
     # budget: 2 attempts x 0.5 s + backoff per vote, votes concurrent: ~1.2 s; allow start-up

@@ -20,8 +20,13 @@ CHAT = {"model": "m", "max_tokens": 8}
 
 
 def _sample(i: int):
-    return new_sample(token_ids=[i, i + 1], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1],
-                      weight_versions=[-1, 0], group_id=f"g{i}")
+    return new_sample(
+        token_ids=[i, i + 1],
+        loss_mask=[0, 1],
+        rollout_logprobs=[0.0, -0.1],
+        weight_versions=[-1, 0],
+        group_id=f"g{i}",
+    )
 
 
 @pytest.fixture
@@ -52,8 +57,9 @@ def test_stream_survives_sigkill_with_acks_and_pending_intact(own_redis, prefix)
     client = connect(own_redis.url)
     stream = f"{prefix}:train"
     producer = StreamProducer(client, stream)
-    consumer = StreamConsumer(client, stream, "trainer", "c1", dead_stream=f"{prefix}:dead",
-                              min_idle_ms=0)
+    consumer = StreamConsumer(
+        client, stream, "trainer", "c1", dead_stream=f"{prefix}:dead", min_idle_ms=0
+    )
     ids = [producer.publish(_sample(i)) for i in range(20)]  # every XADD was acknowledged
     read = consumer.read(count=12, block_ms=10)
     acked, pending = [e.entry_id for e in read[:8]], [e.entry_id for e in read[8:]]
@@ -64,20 +70,23 @@ def test_stream_survives_sigkill_with_acks_and_pending_intact(own_redis, prefix)
     assert [i.decode() for i, _ in client.xrange(stream)] == ids  # nothing acked-by-Redis lost
     info = client.xpending(stream, "trainer")
     assert info["pending"] == 4  # unacked deliveries still pending, owned by c1
-    survivor = StreamConsumer(client, stream, "trainer", "c2", dead_stream=f"{prefix}:dead",
-                              min_idle_ms=0)
+    survivor = StreamConsumer(
+        client, stream, "trainer", "c2", dead_stream=f"{prefix}:dead", min_idle_ms=0
+    )
     got = []
     for _ in range(4):
         batch = survivor.read(count=5, block_ms=10)
         got += [e.entry_id for e in batch]
         survivor.ack([e.entry_id for e in batch])
     assert sorted(got) == sorted(pending + ids[12:])  # the 8 acked ones never come back
-    assert [decode_sample(f[FIELD]).group_id for _, f in client.xrange(stream)] == \
-        [f"g{i}" for i in range(20)]
+    assert [decode_sample(f[FIELD]).group_id for _, f in client.xrange(stream)] == [
+        f"g{i}" for i in range(20)
+    ]
 
 
 def test_gateway_answers_503_while_redis_is_down_and_loses_no_turn(
-        own_redis, procs, inproc_gateway, prefix):
+    own_redis, procs, inproc_gateway, prefix
+):
     client = connect(own_redis.url)
     gw = inproc_gateway([procs.stub("ok")], client=client)
     msgs = [{"role": "user", "content": "What is 7 + 1?"}]
@@ -90,15 +99,17 @@ def test_gateway_answers_503_while_redis_is_down_and_loses_no_turn(
         _kill(own_redis)
         down = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
         assert down.status_code == 503, down.text
-        assert down.headers["retry-after"] and down.json()["error"]["type"] == \
-            "service_unavailable_error"
+        assert (
+            down.headers["retry-after"]
+            and down.json()["error"]["type"] == "service_unavailable_error"
+        )
         assert http.get("/readyz").status_code == 503
         own_redis.start()
 
         second = http.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
         assert second.status_code == 200, second.text
         assert http.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 1
-    (_, fields), = client.xrange(f"{prefix}:rollouts")
+    ((_, fields),) = client.xrange(f"{prefix}:rollouts")
     sample = decode_sample(fields[FIELD])
     assert sum(sample.loss_mask) == 4  # both turns' sampled tokens (2 each), recorded once
 
@@ -112,7 +123,8 @@ def test_client_gives_up_within_bounds_while_redis_is_down(own_redis):
 
 
 def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
-        own_redis, procs, inproc_gateway):
+    own_redis, procs, inproc_gateway
+):
     """With no cached answer to "are API keys required?" every request asks Redis in the
     security middleware: while Redis is down that is a 503 too (was a bare 500)."""
     client = connect(own_redis.url)
@@ -121,8 +133,9 @@ def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
     own_redis.proc.wait()
     with httpx.Client(base_url=gw, timeout=30) as http:
         ready = http.get("/readyz")
-        chat = http.post("/v1/chat/completions", json={**CHAT, "messages": [
-            {"role": "user", "content": "hi"}]})
+        chat = http.post(
+            "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hi"}]}
+        )
         alive = http.get("/healthz")  # liveness needs no Redis: no restart for an outage
     for answer in (ready, chat):
         assert answer.status_code == 503, answer.text
@@ -131,7 +144,8 @@ def test_requests_whose_authentication_needs_redis_get_503_while_it_is_down(
 
 
 def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
-        own_redis, procs, inproc_gateway, prefix):
+    own_redis, procs, inproc_gateway, prefix
+):
     """A Redis that stops answering (SIGSTOP: the socket stays open, nothing replies) fails a
     chat turn with a 503 once `gateway.redis_timeout_s` passes, without retrying the timed-out
     command. The lock script it sent still reaches Redis when Redis resumes: past its deadline
@@ -164,7 +178,8 @@ def test_a_hung_redis_fails_requests_after_the_reply_timeout_not_minutes(
 
 
 def test_a_save_that_reaches_a_stalled_redis_late_is_not_applied(
-        own_redis, procs, inproc_gateway, prefix):
+    own_redis, procs, inproc_gateway, prefix
+):
     """Redis stalls while the engine answers (a slow stub, 3 s): the turn's save waits past
     the reply timeout and the client gets a 503. When Redis resumes the save is past its
     deadline and only releases the lock: nothing is recorded or published, so the client's
@@ -178,8 +193,11 @@ def test_a_save_that_reaches_a_stalled_redis_late_is_not_applied(
         first = http.post(f"{ok}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
         msgs += [first.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
         box = {}
-        turn = threading.Thread(target=lambda: box.update(r=http.post(
-            f"{slow}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})))
+        turn = threading.Thread(
+            target=lambda: box.update(
+                r=http.post(f"{slow}/s/{sid}/v1/chat/completions", json={**CHAT, "messages": msgs})
+            )
+        )
         turn.start()
         time.sleep(1.5)  # the engine call is in flight
         own_redis.proc.send_signal(signal.SIGSTOP)
@@ -193,5 +211,5 @@ def test_a_save_that_reaches_a_stalled_redis_late_is_not_applied(
         done = http.post(f"{ok}/v1/sessions/{sid}/finish", json={}).json()
         info = http.get(f"{ok}/v1/sessions/{sid}").json()
     assert done["samples_published"] == 1 and info["turns"] == 2 and info["forks"] == 0
-    (_, fields), = connect(own_redis.url).xrange(f"{prefix}:rollouts")
+    ((_, fields),) = connect(own_redis.url).xrange(f"{prefix}:rollouts")
     assert sum(decode_sample(fields[FIELD]).loss_mask) == 4  # two turns of 2 sampled tokens

@@ -22,8 +22,10 @@ def _episode(route: list[str]) -> str:
     for gw in route:
         client = OpenAI(base_url=f"{gw}/s/{sid}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
-        messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                     {"role": "user", "content": "And then?"}]
+        messages += [
+            reply.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "And then?"},
+        ]
     done = httpx.post(f"{route[-1]}/v1/sessions/{sid}/finish", json={}).json()
     assert done["samples_published"] == 1, done
     info = httpx.get(f"{route[0]}/v1/sessions/{sid}").json()
@@ -33,20 +35,27 @@ def _episode(route: list[str]) -> str:
 
 def _reads(gw: str) -> dict[str, float]:
     text = httpx.get(f"{gw}/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(
-        r'^flywheel_gateway_record_reads_total\{source="(\w+)"\} ([0-9.e+]+)$', text, re.M)}
+    return {
+        m[1]: float(m[2])
+        for m in re.finditer(
+            r'^flywheel_gateway_record_reads_total\{source="(\w+)"\} ([0-9.e+]+)$', text, re.M
+        )
+    }
 
 
 def test_turns_alternating_between_two_gateways_record_the_same_episode_as_one(
-        procs, redis_server, redis_client, prefix, tiny_model_dir):
+    procs, redis_server, redis_client, prefix, tiny_model_dir
+):
     stub = procs.stub("ok")
     a = procs.gateway(redis_server.url, prefix, [stub], tiny_model_dir)
     b = procs.gateway(redis_server.url, prefix, [stub], tiny_model_dir)
     split = _episode([a, b, a, a, b, b])
     alone = _episode([a] * 6)
 
-    samples = {s.session_id: s for s in (decode_sample(f[FIELD]) for _, f in
-                                         redis_client.xrange(f"{prefix}:rollouts"))}
+    samples = {
+        s.session_id: s
+        for s in (decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts"))
+    }
     one, two = samples[alone], samples[split]
     assert list(two.token_ids) == list(one.token_ids)
     assert list(two.loss_mask) == list(one.loss_mask) and sum(one.loss_mask) > 6

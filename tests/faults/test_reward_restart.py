@@ -15,9 +15,14 @@ N = 40
 
 def _publish(producer: StreamProducer, n: int, published: set[str]) -> None:
     for _ in range(n):
-        sample = new_sample(token_ids=[5, 6, 7], loss_mask=[0, 1, 1],
-                            rollout_logprobs=[0.0, -0.1, -0.2], weight_versions=[-1, 0, 0],
-                            group_id=f"g{len(published)}", task_json='{"answer": 7}')
+        sample = new_sample(
+            token_ids=[5, 6, 7],
+            loss_mask=[0, 1, 1],
+            rollout_logprobs=[0.0, -0.1, -0.2],
+            weight_versions=[-1, 0, 0],
+            group_id=f"g{len(published)}",
+            task_json='{"answer": 7}',
+        )
         producer.publish(sample)
         published.add(sample.sample_id)
 

@@ -160,9 +160,9 @@ def test_a_turn_over_the_high_water_mark_is_refused_whole(redis_client, prefix):
     assert store.get("s").turns == 1 and redis_client.xlen(stream) == 3
 
 
-
 def test_requests_waiting_on_a_busy_session_leave_other_requests_served(
-        procs, inproc_gateway, redis_client, prefix):
+    procs, inproc_gateway, redis_client, prefix
+):
     """While one turn holds a session (its engine hangs), 4x the worker-thread pool's size of
     reward posts wait for that session on the event loop. Requests that need the pool
     (`/readyz`, session create and read) are still answered at once; the waiters all go
@@ -176,13 +176,24 @@ def test_requests_waiting_on_a_busy_session_leave_other_requests_served(
     with httpx.Client(base_url=gw, timeout=60) as client:
         sid = client.post("/v1/sessions", json={}).json()["session_id"]
         with concurrent.futures.ThreadPoolExecutor(waiters + 1) as pool:
-            turn = pool.submit(client.post, f"/s/{sid}/v1/chat/completions",
-                               json={"model": "m", "max_tokens": 8,
-                                     "messages": [{"role": "user", "content": "hi"}]})
+            turn = pool.submit(
+                client.post,
+                f"/s/{sid}/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
             time.sleep(1.0)  # the turn holds the session's lock
-            posts = [pool.submit(client.post, f"/v1/sessions/{sid}/reward",
-                                 json={"name": f"r{i}", "reward": float(i)})
-                     for i in range(waiters)]
+            posts = [
+                pool.submit(
+                    client.post,
+                    f"/v1/sessions/{sid}/reward",
+                    json={"name": f"r{i}", "reward": float(i)},
+                )
+                for i in range(waiters)
+            ]
             time.sleep(1.0)  # every post waits for the lock
             assert not turn.done()
             with httpx.Client(base_url=gw, timeout=4.0) as quick:  # the turn has ~6 s left

@@ -16,8 +16,13 @@ from flywheel.core.streams import StreamConsumer, StreamProducer
 
 
 def _sample(i: int):
-    return new_sample(token_ids=[i, i + 1], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1],
-                      weight_versions=[-1, 0], group_id=f"t{i}")
+    return new_sample(
+        token_ids=[i, i + 1],
+        loss_mask=[0, 1],
+        rollout_logprobs=[0.0, -0.1],
+        weight_versions=[-1, 0],
+        group_id=f"t{i}",
+    )
 
 
 def _consumer(client, stream, name, **kw):
@@ -26,8 +31,12 @@ def _consumer(client, stream, name, **kw):
 
 
 def _lost(stream: str) -> float:
-    return REGISTRY.get_sample_value("flywheel_stream_lost_total",
-                                     {"stream": stream, "group": "trainers"}) or 0.0
+    return (
+        REGISTRY.get_sample_value(
+            "flywheel_stream_lost_total", {"stream": stream, "group": "trainers"}
+        )
+        or 0.0
+    )
 
 
 def test_bug24_reclaim_pages_to_the_end_and_counts_the_deleted_entry(redis_client, prefix):
@@ -49,8 +58,7 @@ def test_bug24_reclaim_pages_to_the_end_and_counts_the_deleted_entry(redis_clien
     assert redis_client.xpending(stream, "trainers")["pending"] == 0
 
 
-def test_bug24_idle_entries_behind_many_busy_ones_are_reached_by_the_cursor(redis_client,
-                                                                              prefix):
+def test_bug24_idle_entries_behind_many_busy_ones_are_reached_by_the_cursor(redis_client, prefix):
     """Redis scans at most COUNT x 10 pending entries per XAUTOCLAIM call: with 25 entries a live
     consumer is working on ahead of 3 a dead consumer left, one call from 0-0 with COUNT 2
     returns nothing; only following the cursor reaches the dead consumer's entries."""
@@ -58,8 +66,10 @@ def test_bug24_idle_entries_behind_many_busy_ones_are_reached_by_the_cursor(redi
 
     stream = f"{prefix}:traj"
     producer = StreamProducer(redis_client, stream)
-    live, dead = (_consumer(redis_client, stream, name, min_idle_ms=60_000)  # read new only
-                  for name in ("live", "dead"))
+    live, dead = (
+        _consumer(redis_client, stream, name, min_idle_ms=60_000)  # read new only
+        for name in ("live", "dead")
+    )
     for i in range(28):
         producer.publish(_sample(i))
     busy = live.read(count=25, block_ms=10)

@@ -55,14 +55,18 @@ def _wrong_shape_model(tiny: Path, out: Path) -> Path:
 def _engine(procs: Procs, model: Path, port: int, name: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env |= {"FLYWHEEL_ENGINE__CONTEXT_LENGTH": "512", "FLYWHEEL_ENGINE__THREADS": "1"}
-    procs.spawn([sys.executable, "-m", "flywheel.engine", "--model-path", str(model),
-                 "--port", str(port)], name, env=env)
+    procs.spawn(
+        [sys.executable, "-m", "flywheel.engine", "--model-path", str(model), "--port", str(port)],
+        name,
+        env=env,
+    )
 
 
 def _version(url: str) -> str:
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     return httpx.post(f"{url}/generate", json=body, timeout=60).json()["meta_info"][
-        "weight_version"]
+        "weight_version"
+    ]
 
 
 def _refused_updates(url: str) -> float:
@@ -76,7 +80,8 @@ def _gauge(name: str, engine: str) -> float | None:
 
 
 def test_a_push_refused_by_one_engine_is_retried_reported_and_caught_up(
-        procs, tmp_path, tiny_model_dir, inproc_gateway):
+    procs, tmp_path, tiny_model_dir, inproc_gateway
+):
     wrong = _wrong_shape_model(tiny_model_dir, tmp_path / "wrong")
     good_port = free_port()
     _engine(procs, tiny_model_dir, good_port, "engine-good")
@@ -97,20 +102,37 @@ def test_a_push_refused_by_one_engine_is_retried_reported_and_caught_up(
             i = 0
             while not stop.is_set():
                 i += 1
-                reply = http.post("/v1/chat/completions", json={
-                    "model": "m", "max_tokens": 4,
-                    "messages": [{"role": "user", "content": f"What is {i} + 1?"}]})
+                reply = http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "m",
+                        "max_tokens": 4,
+                        "messages": [{"role": "user", "content": f"What is {i} + 1?"}],
+                    },
+                )
                 statuses.append(reply.status_code)
 
     agents = [threading.Thread(target=load) for _ in range(2)]
     for t in agents:
         t.start()
-    settings = load_settings(trainer={
-        "model_path": str(tiny_model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
-        "metrics_path": str(tmp_path / "m.jsonl"), "source": "fake", "group_size": 2,
-        "groups_per_step": 1, "fake_prompt_tokens": 4, "fake_completion_tokens": 4,
-        "lr": 1e-2, "engine_urls": [good, bad], "tensorboard": False,
-        "push_attempts": ATTEMPTS, "push_timeout_s": 60, "port": free_port()})
+    settings = load_settings(
+        trainer={
+            "model_path": str(tiny_model_dir),
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "metrics_path": str(tmp_path / "m.jsonl"),
+            "source": "fake",
+            "group_size": 2,
+            "groups_per_step": 1,
+            "fake_prompt_tokens": 4,
+            "fake_completion_tokens": 4,
+            "lr": 1e-2,
+            "engine_urls": [good, bad],
+            "tensorboard": False,
+            "push_attempts": ATTEMPTS,
+            "push_timeout_s": 60,
+            "port": free_port(),
+        }
+    )
     trainer = build_trainer(settings)
     try:
         for step in (1, 2):

@@ -44,9 +44,13 @@ def smol_stack(tmp_path_factory, redis_server, smollm2_dir) -> Iterator[SmolStac
         engine={"model_path": str(smollm2_dir), "port": 31100, "batch_wait_ms": 5},
         gateway={"port": 8810, "default_max_tokens": 48},
         reward={"port": 50161, "metrics_port": 9211},
-        trainer={"port": 8910, "groups_per_step": 1000, "group_size": 8,
-                 "checkpoint_dir": str(state / "ckpt"),
-                 "metrics_path": str(state / "trainer_metrics.jsonl")},
+        trainer={
+            "port": 8910,
+            "groups_per_step": 1000,
+            "group_size": 8,
+            "checkpoint_dir": str(state / "ckpt"),
+            "metrics_path": str(state / "trainer_metrics.jsonl"),
+        },
         state_dir=str(state),
     )
     with Stack(settings, echo=lambda _: None) as running:

@@ -41,11 +41,17 @@ fixture definition, and all of them share this one stack."""
 
 
 def _episode(gateway: str, group: str, content: str, outcome: float) -> str:
-    s = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group,
-                                                  "task": {"answer": 8}}).json()
-    r = httpx.post(f"{s['base_url']}/chat/completions", timeout=120, json={
-        "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "temperature": 1.0,
-        "messages": [{"role": "user", "content": content}]})
+    s = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group, "task": {"answer": 8}}).json()
+    r = httpx.post(
+        f"{s['base_url']}/chat/completions",
+        timeout=120,
+        json={
+            "model": "SmolLM2-135M-Instruct",
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "messages": [{"role": "user", "content": content}],
+        },
+    )
     assert r.status_code == 200, r.text
     f = httpx.post(f"{gateway}/v1/sessions/{s['session_id']}/finish", json={"reward": outcome})
     assert f.status_code == 200, f.text
@@ -62,21 +68,34 @@ def ops_stack(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[OpsSta
     settings = load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": "ops", "block_ms": 100},
-        engine={"model_path": str(tiny_model_dir), "port": 31350, "batch_wait_ms": 5,
-                "context_length": 512},
+        engine={
+            "model_path": str(tiny_model_dir),
+            "port": 31350,
+            "batch_wait_ms": 5,
+            "context_length": 512,
+        },
         gateway={"port": 8850, "default_max_tokens": 8},
         reward={"port": 50181, "metrics_port": 9241},
-        trainer={"port": 8950, "groups_per_step": 1, "group_size": GROUP_SIZE,
-                 "group_wait_s": 5, "checkpoint_dir": str(state / "ckpt"),
-                 "metrics_path": str(metrics_path)},
+        trainer={
+            "port": 8950,
+            "groups_per_step": 1,
+            "group_size": GROUP_SIZE,
+            "group_wait_s": 5,
+            "checkpoint_dir": str(state / "ckpt"),
+            "metrics_path": str(metrics_path),
+        },
         state_dir=str(state),
     )
     with Stack(settings, echo=lambda _: None) as running:
         urls = {s.name: s.url for s in running.services}
         for step in range(STEPS):
             for i in range(GROUP_SIZE):
-                _episode(urls["gateway"], f"ops-g{step}", f"What is 7 + {step}? ({i})",
-                         outcome=float(i % 2))
+                _episode(
+                    urls["gateway"],
+                    f"ops-g{step}",
+                    f"What is 7 + {step}? ({i})",
+                    outcome=float(i % 2),
+                )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             status = httpx.get(f"{urls['trainer']}/status").json()

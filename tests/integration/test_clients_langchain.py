@@ -32,14 +32,24 @@ def get_time(city: str) -> str:
 def test_chat_openai_bind_tools_round_trip(smol_stack):
     m = messages_mod
     session = httpx.post(f"{smol_stack.gateway}/v1/sessions", json={"group_id": "lc"}).json()
-    llm = lc_openai.ChatOpenAI(model="SmolLM2-135M-Instruct", base_url=session["base_url"],
-                               api_key="local", temperature=0, max_tokens=40, max_retries=0)
+    llm = lc_openai.ChatOpenAI(
+        model="SmolLM2-135M-Instruct",
+        base_url=session["base_url"],
+        api_key="local",
+        temperature=0,
+        max_tokens=40,
+        max_retries=0,
+    )
     bound = llm.bind_tools([get_weather, get_time])
     history = [
         m.SystemMessage("You answer by calling one tool."),
         m.HumanMessage("Call get_time for Rome."),
-        m.AIMessage("", tool_calls=[{"name": "get_time", "args": {"city": "Rome"},
-                                     "id": "call_0", "type": "tool_call"}]),
+        m.AIMessage(
+            "",
+            tool_calls=[
+                {"name": "get_time", "args": {"city": "Rome"}, "id": "call_0", "type": "tool_call"}
+            ],
+        ),
         m.ToolMessage("10:00", tool_call_id="call_0"),
         m.AIMessage("It is 10:00 in Rome."),
         m.HumanMessage("Call get_weather for Paris."),
@@ -47,7 +57,8 @@ def test_chat_openai_bind_tools_round_trip(smol_stack):
     first = bound.invoke(history)
     assert isinstance(first, m.AIMessage)
     assert [(c["name"], c["args"]) for c in first.tool_calls] == [
-        ("get_weather", {"city": "Paris"})]
+        ("get_weather", {"city": "Paris"})
+    ]
     assert first.response_metadata["finish_reason"] == "tool_calls"
     call = first.tool_calls[0]
     result = {"get_weather": get_weather, "get_time": get_time}[call["name"]].invoke(call)
@@ -60,7 +71,8 @@ def test_chat_openai_bind_tools_round_trip(smol_stack):
     info = httpx.get(f"{smol_stack.gateway}/v1/sessions/{sid}").json()
     assert info["forks"] == 0 and info["turns"] == 2
     (sample,) = smol_stack.session_samples(sid)
-    assert sum(sample.loss_mask) == (first.usage_metadata["output_tokens"]
-                                     + second.usage_metadata["output_tokens"])
+    assert sum(sample.loss_mask) == (
+        first.usage_metadata["output_tokens"] + second.usage_metadata["output_tokens"]
+    )
     report = check_fidelity(sample, smol_stack.engine)
     assert report.ids_match and report.ok(1e-3), report

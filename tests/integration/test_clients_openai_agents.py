@@ -26,8 +26,12 @@ def _example(call_id: str) -> list[dict]:
     """One worked tool round trip, as Responses-style input items."""
     return [
         {"role": "user", "content": "Call get_time for Rome."},
-        {"type": "function_call", "call_id": call_id, "name": "get_time",
-         "arguments": json.dumps({"city": "Rome"})},
+        {
+            "type": "function_call",
+            "call_id": call_id,
+            "name": "get_time",
+            "arguments": json.dumps({"city": "Rome"}),
+        },
         {"type": "function_call_output", "call_id": call_id, "output": "10:00"},
         {"role": "assistant", "content": "It is 10:00 in Rome."},
     ]
@@ -52,7 +56,8 @@ def test_agent_with_two_function_tools_over_several_turns(smol_stack):
     session = httpx.post(f"{smol_stack.gateway}/v1/sessions", json={"group_id": "agents"}).json()
     client = AsyncOpenAI(base_url=session["base_url"], api_key="local")
     agent = agents.Agent(
-        name="weather", instructions="You answer by calling one tool.",
+        name="weather",
+        instructions="You answer by calling one tool.",
         tools=[get_weather, get_time],
         model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
         model_settings=agents.ModelSettings(temperature=0.0, max_tokens=40),
@@ -74,15 +79,19 @@ def test_agent_with_two_function_tools_over_several_turns(smol_stack):
     assert kinds[-1] == "message_output_item"
     assert isinstance(second.final_output, str) and second.final_output.strip()
     assert [i.type for i in second.new_items][:2] == ["tool_call_item", "tool_call_output_item"]
-    finished = httpx.post(f"{smol_stack.gateway}/v1/sessions/{session['session_id']}/finish",
-                          json={})
+    finished = httpx.post(
+        f"{smol_stack.gateway}/v1/sessions/{session['session_id']}/finish", json={}
+    )
     assert finished.json()["samples_published"] == 1
     info = httpx.get(f"{smol_stack.gateway}/v1/sessions/{session['session_id']}").json()
     assert info["forks"] == 0 and info["turns"] == 4
     (sample,) = smol_stack.session_samples(session["session_id"])
     assert sample.finish_reason == "stop"
-    called = [json.loads(m.extra_json)["tool_calls"][0]["function"]["name"]
-              for m in sample.messages if m.role == "assistant" and "tool_calls" in m.extra_json]
+    called = [
+        json.loads(m.extra_json)["tool_calls"][0]["function"]["name"]
+        for m in sample.messages
+        if m.role == "assistant" and "tool_calls" in m.extra_json
+    ]
     assert called == ["get_time", "get_weather", "get_time"]  # the example's call, then both
     report = check_fidelity(sample, smol_stack.engine)
     assert report.ids_match and report.ok(1e-3), report

@@ -31,10 +31,19 @@ from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixt
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--hide-scrollbars",
-                  "--window-size=1280,1800", "--virtual-time-budget=5000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--window-size=1280,1800",
+    "--virtual-time-budget=5000",
+]
 
 
 def _chromium() -> str:
@@ -48,16 +57,21 @@ def _chromium() -> str:
 
 def _browse(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"profile-{time.monotonic_ns()}"  # fresh --user-data-dir per run
-    return subprocess.run([_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra,
-                           url], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_dashboard_worked_example_of_advantages():
     # group a: rewards 1, 0 -> mean 0.5, std 0.5 -> +1, -1; group b: one member -> 0;
     # group c: 2, 2, 5 -> mean 3, std sqrt((1+1+4)/3) = sqrt(2) -> -0.7071, -0.7071, 1.4142;
     # no reward -> None.
-    adv = group_advantages(["a", "a", "b", "c", "c", "c", "d"],
-                           [1.0, 0.0, 0.3, 2.0, 2.0, 5.0, None])
+    adv = group_advantages(
+        ["a", "a", "b", "c", "c", "c", "d"], [1.0, 0.0, 0.3, 2.0, 2.0, 5.0, None]
+    )
     assert adv[:3] == [1.0, -1.0, 0.0] and adv[6] is None
     assert adv[3:6] == pytest.approx([-0.70711, -0.70711, 1.41421], abs=1e-5)
 
@@ -73,7 +87,7 @@ def test_chromium_renders_the_curves_and_samples(ops_stack, tmp_path):  # noqa: 
     assert 'data-loaded="1"' in dom, dom[:3000]
     assert "update failed" not in dom
     for chart in ("chart-reward", "chart-loss"):
-        tag = dom[dom.index(f'id="{chart}"'):][:200]
+        tag = dom[dom.index(f'id="{chart}"') :][:200]
         assert f'data-points="{STEPS}"' in tag, tag
     assert 'data-series="reward/mean"' in dom
     assert f'data-count="{STEPS * GROUP_SIZE}"' in dom
@@ -100,15 +114,18 @@ def test_api_returns_what_the_trainer_logged_and_the_streams_hold(ops_stack):  #
     data = httpx.get(f"{gw}/dashboard/api/samples", params={"limit": 50}).json()
     assert data["source"] == ops_stack.settings.streams.key("train")
     client = connect(ops_stack.settings.redis_url())
-    stored = {decode_sample(f[FIELD]).sample_id: decode_sample(f[FIELD])
-              for _, f in client.xrange(data["source"])}
+    stored = {
+        decode_sample(f[FIELD]).sample_id: decode_sample(f[FIELD])
+        for _, f in client.xrange(data["source"])
+    }
     assert len(data["samples"]) == len(stored) == STEPS * GROUP_SIZE
     by_group: dict[str, list[dict]] = {}
     for shown in data["samples"]:
         sample = stored[shown["sample_id"]]
         start = shown["omitted_before"]
-        assert [m for _, m in shown["tokens"]] == list(sample.loss_mask)[start:start + len(
-            shown["tokens"])]
+        assert [m for _, m in shown["tokens"]] == list(sample.loss_mask)[
+            start : start + len(shown["tokens"])
+        ]
         assert shown["reward"] == pytest.approx(sample.reward)
         by_group.setdefault(shown["group_id"], []).append(shown)
     for members in by_group.values():  # rewards differ in each group -> advantages +1 / -1
@@ -138,8 +155,9 @@ def test_with_api_keys_the_dashboard_needs_an_admin_key(ops_stack):  # noqa: F81
         assert "Training curves" not in page.text
         api = httpx.get(f"{gw}/dashboard/api/curves")
         assert api.status_code == 401 and api.json()["error"]["code"] == "invalid_api_key"
-        forbidden = httpx.get(f"{gw}/dashboard/api/curves",
-                              headers={"Authorization": f"Bearer {agent}"})
+        forbidden = httpx.get(
+            f"{gw}/dashboard/api/curves", headers={"Authorization": f"Bearer {agent}"}
+        )
         assert forbidden.status_code == 403
         assert httpx.get(f"{gw}/dashboard/api/curves", cookies={COOKIE: agent}).status_code == 403
 
@@ -152,15 +170,20 @@ def test_with_api_keys_the_dashboard_needs_an_admin_key(ops_stack):  # noqa: F81
             assert browser.get("/dashboard/api/curves").json()["steps"][-1] == STEPS
             # The cookie is scoped to the dashboard: it is no key for the admin API.
             assert browser.get("/v1/admin/keys").status_code == 401
-        assert httpx.get(f"{gw}/dashboard/api/curves",
-                         headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+        assert (
+            httpx.get(
+                f"{gw}/dashboard/api/curves", headers={"Authorization": f"Bearer {admin}"}
+            ).status_code
+            == 200
+        )
     finally:
         store.revoke(admin_rec.key_id)
         store.revoke(agent_rec.key_id)
 
 
-def test_samples_carry_votes_hints_masks_and_survive_a_poison_entry(redis_client, prefix,
-                                                                    tiny_model_dir):
+def test_samples_carry_votes_hints_masks_and_survive_a_poison_entry(
+    redis_client, prefix, tiny_model_dir
+):
     """Samples written to a real Redis stream as the reward service writes them; decoded with
     the real SmolLM2 tokenizer."""
     from transformers import AutoTokenizer  # noqa: PLC0415
@@ -176,16 +199,27 @@ def test_samples_carry_votes_hints_masks_and_survive_a_poison_entry(redis_client
     ids = prompt + reply
     mask = [0] * len(prompt) + [1] * len(reply)
     streams = StreamSettings(prefix=prefix)
-    for reward, votes in ((1.0, [sample_pb2.Vote(judge="prm@v2", has_value=True, value=1.0,
-                                                  explanation="correct sum")]),
-                          (0.0, [sample_pb2.Vote(judge="prm@v2", has_value=False,
-                                                  explanation="no final verdict")])):
-        sample = new_sample(group_id="g7", token_ids=ids, loss_mask=mask,
-                            rollout_logprobs=[-0.5 * m for m in mask],
-                            weight_versions=[4 if m else -1 for m in mask],
-                            prompt_length=len(prompt), reward=reward, has_reward=True,
-                            rewards={"verifier": reward}, votes=votes, hint="add the units",
-                            finish_reason="stop")
+    for reward, votes in (
+        (
+            1.0,
+            [sample_pb2.Vote(judge="prm@v2", has_value=True, value=1.0, explanation="correct sum")],
+        ),
+        (0.0, [sample_pb2.Vote(judge="prm@v2", has_value=False, explanation="no final verdict")]),
+    ):
+        sample = new_sample(
+            group_id="g7",
+            token_ids=ids,
+            loss_mask=mask,
+            rollout_logprobs=[-0.5 * m for m in mask],
+            weight_versions=[4 if m else -1 for m in mask],
+            prompt_length=len(prompt),
+            reward=reward,
+            has_reward=True,
+            rewards={"verifier": reward},
+            votes=votes,
+            hint="add the units",
+            finish_reason="stop",
+        )
         redis_client.xadd(streams.key("train"), {FIELD: encode_sample(sample)})
     redis_client.xadd(streams.key("train"), {FIELD: b"\x00not a sample"})
 

@@ -36,9 +36,14 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
         engine={"model_path": str(tiny_model_dir), "port": 31000, "batch_wait_ms": 50},
         gateway={"port": 8800, "default_max_tokens": 12},
         reward={"port": 50151, "metrics_port": 9201},
-        trainer={"port": 8900, "groups_per_step": 1, "group_size": 2, "lr": 1e-3,
-                 "checkpoint_dir": str(state / "ckpt"),
-                 "metrics_path": str(state / "trainer_metrics.jsonl")},
+        trainer={
+            "port": 8900,
+            "groups_per_step": 1,
+            "group_size": 2,
+            "lr": 1e-3,
+            "checkpoint_dir": str(state / "ckpt"),
+            "metrics_path": str(state / "trainer_metrics.jsonl"),
+        },
         state_dir=str(state),
     )
     with Stack(settings, echo=lambda _: None) as running:
@@ -50,16 +55,21 @@ def _urls(stack):
     return {s.name: s.url for s in running.services}, settings
 
 
-def _episode(gateway: str, group_id: str, temperature: float, outcome: float
-             ) -> tuple[str, dict]:
-    session = httpx.post(f"{gateway}/v1/sessions",
-                         json={"group_id": group_id, "task": {"answer": 7}}).json()
+def _episode(gateway: str, group_id: str, temperature: float, outcome: float) -> tuple[str, dict]:
+    session = httpx.post(
+        f"{gateway}/v1/sessions", json={"group_id": group_id, "task": {"answer": 7}}
+    ).json()
     client = openai.OpenAI(base_url=session["base_url"], api_key="test")
     completion = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        temperature=temperature, max_tokens=12, logprobs=True)
-    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
-                          json={"reward": outcome})
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=temperature,
+        max_tokens=12,
+        logprobs=True,
+    )
+    finished = httpx.post(
+        f"{gateway}/v1/sessions/{session['session_id']}/finish", json={"reward": outcome}
+    )
     assert finished.status_code == 200 and finished.json()["samples_published"] == 1
     return session["session_id"], completion.model_dump()
 
@@ -81,8 +91,10 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model_dir
 
     # Outcome rewards 1 and 0 give the group a reward spread, hence nonzero GRPO advantages
     # (the tiny random model's replies earn verifier reward 0 either way).
-    results = [_episode(gateway, "grp-1", 0.0, outcome=1.0),
-               _episode(gateway, "grp-1", 1.0, outcome=0.0)]
+    results = [
+        _episode(gateway, "grp-1", 0.0, outcome=1.0),
+        _episode(gateway, "grp-1", 1.0, outcome=0.0),
+    ]
 
     client = connect(settings.redis_url())
     rollouts = {}
@@ -100,18 +112,25 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model_dir
         assert list(sample.loss_mask) == [0] * n + [1] * len(sampled)
         assert len(sampled) == completion["usage"]["completion_tokens"] == len(lp_rows)
         assert list(sample.rollout_logprobs[n:]) == pytest.approx(
-            [row["logprob"] for row in lp_rows], abs=1e-6)
+            [row["logprob"] for row in lp_rows], abs=1e-6
+        )
         assert set(sample.weight_versions[n:]) == {0}
         assert sample.group_id == "grp-1"
         # The engine itself, asked again with the recorded prompt ids, returns the same tokens
         # (greedy episode) and the same logprobs for them.
         if sample.sampling.temperature == 0.0:
-            again = httpx.post(f"{engine}/generate", json={
-                "input_ids": list(sample.token_ids[:n]), "return_logprob": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": 12}}).json()
+            again = httpx.post(
+                f"{engine}/generate",
+                json={
+                    "input_ids": list(sample.token_ids[:n]),
+                    "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+                },
+            ).json()
             assert again["output_ids"] == sampled
             assert [r[0] for r in again["meta_info"]["output_token_logprobs"]] == pytest.approx(
-                list(sample.rollout_logprobs[n:]), abs=1e-4)
+                list(sample.rollout_logprobs[n:]), abs=1e-4
+            )
 
     # Reward scored both samples onto the trainer's stream.
     trained = [decode_sample(f[FIELD]) for _, f in client.xrange(settings.streams.key("train"))]
@@ -142,24 +161,38 @@ def test_streaming_and_async_clients_get_well_formed_results(stack):
     urls, _ = _urls(stack)
     gateway = urls["gateway"]
     sdk = openai.OpenAI(base_url=f"{gateway}/v1", api_key="test")
-    chunks = list(sdk.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        sdk.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
-              c.choices[0].finish_reason]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finish in (["stop"], ["length"])
     whole = sdk.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=6, temperature=0)
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=6,
+        temperature=0,
+    )
     assert text == whole.choices[0].message.content  # greedy: same text streamed or not
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
     async def ask() -> str:
         client = openai.AsyncOpenAI(base_url=f"{gateway}/v1", api_key="test")
         reply = await client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-            max_tokens=6, temperature=0)
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=6,
+            temperature=0,
+        )
         return reply.choices[0].message.content
 
     assert asyncio.run(ask()) == text
@@ -170,10 +203,22 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
 
     urls, settings = _urls(stack)
     chunks, sample = _streamed_episode(
-        urls["gateway"], settings, "streamed-solo", max_tokens=6, temperature=1.0, logprobs=True,
-        seed=11, stop=["###"], stream_options={"include_usage": True})
-    rows = [row for c in chunks if c.choices and c.choices[0].logprobs
-            for row in c.choices[0].logprobs.content]
+        urls["gateway"],
+        settings,
+        "streamed-solo",
+        max_tokens=6,
+        temperature=1.0,
+        logprobs=True,
+        seed=11,
+        stop=["###"],
+        stream_options={"include_usage": True},
+    )
+    rows = [
+        row
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for row in c.choices[0].logprobs.content
+    ]
     n = sample.prompt_length
     # The Sample keeps the sampling params the engine got, the stop strings and seed included.
     assert round(sample.sampling.temperature, 6) == 1.0 and sample.sampling.max_new_tokens == 6
@@ -181,8 +226,7 @@ def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
     assert sample.sampling.has_seed and sample.sampling.seed == 11
     # One streamed row per sampled token, each the logprob the engine sampled it with.
     assert len(rows) == chunks[-1].usage.completion_tokens == len(sample.token_ids) - n
-    assert [r.logprob for r in rows] == pytest.approx(list(sample.rollout_logprobs[n:]),
-                                                      abs=1e-6)
+    assert [r.logprob for r in rows] == pytest.approx(list(sample.rollout_logprobs[n:]), abs=1e-6)
     report = check_fidelity(sample, urls["engine"])
     assert report.logprobs_compared and report.max_abs_logprob_diff < 1e-3
     info = httpx.get(f"{urls['gateway']}/v1/sessions/{sample.session_id}").json()
@@ -194,16 +238,26 @@ def _streamed_episode(gateway: str, settings, group_id: str, **request):
     members, so the weights stay as they are), finished; (the chunks, the published Sample)."""
     session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": group_id}).json()
     sdk = openai.OpenAI(base_url=session["base_url"], api_key="test")
-    chunks = list(sdk.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": QUESTION}],
-        stream=True, **request))
-    finished = httpx.post(f"{gateway}/v1/sessions/{session['session_id']}/finish",
-                          json={"reward": 0.0})
+    chunks = list(
+        sdk.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": QUESTION}],
+            stream=True,
+            **request,
+        )
+    )
+    finished = httpx.post(
+        f"{gateway}/v1/sessions/{session['session_id']}/finish", json={"reward": 0.0}
+    )
     assert finished.status_code == 200 and finished.json()["samples_published"] == 1
     client = connect(settings.redis_url())
-    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
-                             client.xrange(settings.streams.key("rollouts")))
-                 if s.session_id == session["session_id"]]
+    (sample,) = [
+        s
+        for s in (
+            decode_sample(f[FIELD]) for _, f in client.xrange(settings.streams.key("rollouts"))
+        )
+        if s.session_id == session["session_id"]
+    ]
     return chunks, sample
 
 
@@ -211,8 +265,9 @@ def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack)
     from flywheel.fidelity import check_fidelity
 
     urls, settings = _urls(stack)
-    chunks, sample = _streamed_episode(urls["gateway"], settings, "streamed-live",
-                                       max_tokens=12, temperature=1.0, seed=5)
+    chunks, sample = _streamed_episode(
+        urls["gateway"], settings, "streamed-live", max_tokens=12, temperature=1.0, seed=5
+    )
     texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     # The content came in several deltas (sent while sampled, not whole at the end), and what
     # the client put together is the reply recorded with the engine's own tokens.
@@ -232,12 +287,16 @@ def test_fidelity_check_rescoring_a_recorded_sample(stack):
     # A lone group: the trainer waits for more members, so the weights stay as they are.
     session_id, _ = _episode(urls["gateway"], "solo", 1.0, outcome=0.0)
     client = connect(settings.redis_url())
-    (sample,) = [s for s in (decode_sample(f[FIELD]) for _, f in
-                             client.xrange(settings.streams.key("rollouts")))
-                 if s.session_id == session_id]
+    (sample,) = [
+        s
+        for s in (
+            decode_sample(f[FIELD]) for _, f in client.xrange(settings.streams.key("rollouts"))
+        )
+        if s.session_id == session_id
+    ]
     # "default" before any weight update (this test run first or alone): version 0
     version = parse_weight_version(httpx.get(f"{engine}/model_info").json()["weight_version"])
-    assert set(sample.weight_versions[sample.prompt_length:]) == {version}
+    assert set(sample.weight_versions[sample.prompt_length :]) == {version}
     report = check_fidelity(sample, engine)
     assert report.ids_match and report.logprobs_compared
     assert report.sampled_tokens == len(sample.token_ids) - sample.prompt_length

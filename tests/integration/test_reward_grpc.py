@@ -35,18 +35,34 @@ def service(tmp_path_factory, redis_server):
     state = tmp_path_factory.mktemp("reward")
     port, metrics_port = free_port(50261), free_port(9261)
     settings = load_settings(
-        redis={"url": redis_server.url}, streams={"prefix": "rgrpc", "block_ms": 100},
-        reward={"port": port, "metrics_port": metrics_port, "default_verifier": "last_integer",
-                "weights": {"judge": 0.5},
-                "judge": {"enabled": True, "base_url": judge.url, "model": "fake",
-                          "votes": 3, "max_attempts": 2, "backoff_s": 0.01, "timeout_s": 5}},
-        state_dir=str(state))
+        redis={"url": redis_server.url},
+        streams={"prefix": "rgrpc", "block_ms": 100},
+        reward={
+            "port": port,
+            "metrics_port": metrics_port,
+            "default_verifier": "last_integer",
+            "weights": {"judge": 0.5},
+            "judge": {
+                "enabled": True,
+                "base_url": judge.url,
+                "model": "fake",
+                "votes": 3,
+                "max_attempts": 2,
+                "backoff_s": 0.01,
+                "timeout_s": 5,
+            },
+        },
+        state_dir=str(state),
+    )
     config = state / "settings.json"
     config.write_text(json.dumps(settings.model_dump(mode="json")))
     log = open(state / "reward.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.reward"], stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env={**os.environ, "FLYWHEEL_CONFIG": str(config)})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.reward"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "FLYWHEEL_CONFIG": str(config)},
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         grpc.channel_ready_future(channel).result(timeout=60)
@@ -75,8 +91,11 @@ def test_health_and_reflection(service):
         reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    replies = list(refl.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    replies = list(
+        refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+    )
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"flywheel.v1.RewardService", "grpc.health.v1.Health"} <= names
 
@@ -90,8 +109,12 @@ def test_score_and_score_batch(service):
     assert dict(resp.rewards) == {"verifier": 1.0, "judge": 1.0}
     assert [v.judge for v in resp.votes] == ["judge:prm@v2"] * 3
 
-    batch = stub.ScoreBatch(reward_pb2.ScoreBatchRequest(samples=[
-        _turn("8", "a"), _turn("FAIL500: 8", "b"), _turn("9 GARBAGE", "c")]), timeout=60)
+    batch = stub.ScoreBatch(
+        reward_pb2.ScoreBatchRequest(
+            samples=[_turn("8", "a"), _turn("FAIL500: 8", "b"), _turn("9 GARBAGE", "c")]
+        ),
+        timeout=60,
+    )
     by_id = [r.sample_id for r in batch.responses]
     assert by_id == ["a", "b", "c"]
     a, b, c = batch.responses
@@ -105,7 +128,7 @@ def test_score_and_score_batch(service):
 def test_bad_requests_are_invalid_argument_with_details(service):
     stub = reward_pb2_grpc.RewardServiceStub(service[0])
     bad = _turn("8", "bad")
-    bad.token_ids.extend([1, 2, 3])                      # loss_mask etc. stay empty
+    bad.token_ids.extend([1, 2, 3])  # loss_mask etc. stay empty
     with pytest.raises(grpc.RpcError) as info:
         stub.Score(reward_pb2.ScoreRequest(sample=bad), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -115,8 +138,7 @@ def test_bad_requests_are_invalid_argument_with_details(service):
     assert detail.field_violations[0].field == "sample"
 
     with pytest.raises(grpc.RpcError) as info:
-        stub.ScoreBatch(reward_pb2.ScoreBatchRequest(
-            samples=[_turn("8", "ok"), bad]), timeout=10)
+        stub.ScoreBatch(reward_pb2.ScoreBatchRequest(samples=[_turn("8", "ok"), bad]), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     status = rpc_status.from_call(info.value)
     status.details[0].Unpack(detail)
@@ -144,14 +166,17 @@ def test_stream_path_and_metrics(service):
     deadline = time.monotonic() + 60
     out = {}
     while len(out) < 2 and time.monotonic() < deadline:
-        out = {decode_sample(f[FIELD]).sample_id: decode_sample(f[FIELD])
-               for _, f in client.xrange(settings.streams.key("train"))}
+        out = {
+            decode_sample(f[FIELD]).sample_id: decode_sample(f[FIELD])
+            for _, f in client.xrange(settings.streams.key("train"))
+        }
         time.sleep(0.2)
     assert out["streamed"].has_reward and out["streamed"].reward == pytest.approx(1.5)
     assert out["streamed-down"].error.startswith("unjudged: judge infra/server_error")
     text = httpx.get(metrics_url, timeout=5).text
-    lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
-                 if line and not line.startswith("#"))
+    lines = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
     assert float(lines['flywheel_reward_judged_total{judge="judge"}']) >= 2
     assert float(lines['flywheel_reward_unjudged_total{judge="judge",reason="server_error"}']) >= 1
     assert float(lines['flywheel_reward_judge_call_seconds_count{judge="judge"}']) >= 6

@@ -29,15 +29,25 @@ from flywheel.reward.parsing import majority
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 VOTES = 3
-KINDS = {"timeout", "connection", "server_error", "client_error", "bad_response", "no_verdict",
-         "invalid_value"}
+KINDS = {
+    "timeout",
+    "connection",
+    "server_error",
+    "client_error",
+    "bad_response",
+    "no_verdict",
+    "invalid_value",
+}
 
 
 def _start(module, config, log_path):
     log = open(log_path, "wb")  # noqa: SIM115  (owned by the child)
-    return subprocess.Popen([sys.executable, "-m", module], stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env={**os.environ, "FLYWHEEL_CONFIG": str(config)})
+    return subprocess.Popen(
+        [sys.executable, "-m", module],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "FLYWHEEL_CONFIG": str(config)},
+    )
 
 
 def _wait(check, timeout_s, what):
@@ -58,13 +68,25 @@ def stack(tmp_path_factory, redis_server, smollm2_dir):
     engine_port = free_port(31461)
     port, metrics_port = free_port(50461), free_port(9461)
     settings = load_settings(
-        redis={"url": redis_server.url}, streams={"prefix": "rjudge", "block_ms": 100},
+        redis={"url": redis_server.url},
+        streams={"prefix": "rjudge", "block_ms": 100},
         engine={"model_path": str(smollm2_dir), "port": engine_port, "batch_wait_ms": 20},
-        reward={"port": port, "metrics_port": metrics_port, "default_verifier": "none",
-                "judge": {"enabled": True, "base_url": f"http://127.0.0.1:{engine_port}/v1",
-                          "votes": VOTES, "max_tokens": 32, "max_attempts": 1,
-                          "timeout_s": 120, "temperature": 0.7}},
-        state_dir=str(state))
+        reward={
+            "port": port,
+            "metrics_port": metrics_port,
+            "default_verifier": "none",
+            "judge": {
+                "enabled": True,
+                "base_url": f"http://127.0.0.1:{engine_port}/v1",
+                "votes": VOTES,
+                "max_tokens": 32,
+                "max_attempts": 1,
+                "timeout_s": 120,
+                "temperature": 0.7,
+            },
+        },
+        state_dir=str(state),
+    )
     config = state / "settings.json"
     config.write_text(json.dumps(settings.model_dump(mode="json")))
     procs = [_start("flywheel.engine", config, state / "engine.log")]
@@ -93,7 +115,7 @@ def _turn(sample_id):
 
 def _check_judgment(rewards, has_reward, error, votes):
     assert len(votes) == VOTES
-    assert {v.judge for v in votes} == {"judge:prm@v2"}          # prompt version recorded
+    assert {v.judge for v in votes} == {"judge:prm@v2"}  # prompt version recorded
     valid = []
     for v in votes:
         if v.has_value:
@@ -133,11 +155,15 @@ def test_live_turns_judged_by_the_engine_over_grpc_and_the_stream(stack):
         if line.startswith("flywheel_reward_") and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    votes = sum(v for k, v in values.items()
-                if k.startswith('flywheel_reward_judge_votes_total{judge="judge"'))
-    assert votes == 2 * VOTES                    # both turns' votes, each counted once
+    votes = sum(
+        v
+        for k, v in values.items()
+        if k.startswith('flywheel_reward_judge_votes_total{judge="judge"')
+    )
+    assert votes == 2 * VOTES  # both turns' votes, each counted once
     assert values['flywheel_reward_judge_call_seconds_count{judge="judge"}'] == 2 * VOTES
     judged = values.get('flywheel_reward_judged_total{judge="judge"}', 0.0)
-    unjudged = sum(v for k, v in values.items()
-                   if k.startswith('flywheel_reward_unjudged_total{judge="judge"'))
+    unjudged = sum(
+        v for k, v in values.items() if k.startswith('flywheel_reward_unjudged_total{judge="judge"')
+    )
     assert judged + unjudged == 2

@@ -38,18 +38,32 @@ UP = textwrap.dedent("""
 """)
 
 
-def test_two_stacks_starting_at_once_get_their_own_ports_and_processes(tmp_path,
-                                                                         tiny_model_dir):
+def test_two_stacks_starting_at_once_get_their_own_ports_and_processes(tmp_path, tiny_model_dir):
     base = reserve_port(0)
     redis_port, gateway_port = base.port + 1, base.port + 50
     base.release()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     go = tmp_path / "go"
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", UP, str(tmp_path / f"state{k}"), str(go), str(tiny_model_dir),
-         str(redis_port), str(gateway_port)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env) for k in range(2)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                UP,
+                str(tmp_path / f"state{k}"),
+                str(go),
+                str(tiny_model_dir),
+                str(redis_port),
+                str(gateway_port),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k in range(2)
+    ]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready", p.stderr.read()

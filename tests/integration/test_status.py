@@ -25,12 +25,15 @@ pytestmark = pytest.mark.integration
 
 def _cli_status(stack, *args: str) -> subprocess.CompletedProcess:
     config = stack.state_dir / "status-config.json"
-    config.write_text(json.dumps({"state_dir": str(stack.state_dir),
-                                  "streams": {"prefix": "ops"}}))
+    config.write_text(json.dumps({"state_dir": str(stack.state_dir), "streams": {"prefix": "ops"}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return subprocess.run([sys.executable, "-m", "flywheel.cli", "status", "--config",
-                           str(config), *args], capture_output=True, text=True, env=env,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", "status", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # noqa: F811
@@ -46,7 +49,11 @@ def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # 
         report = json.loads(run.stdout)
         assert report["healthy"] is True
         assert {x["name"]: x["healthy"] for x in report["services"]} == {
-            "engine": True, "gateway": True, "reward": True, "trainer": True}
+            "engine": True,
+            "gateway": True,
+            "reward": True,
+            "trainer": True,
+        }
         assert report["redis"]["ok"] and "***" not in report["redis"]["url"]  # no password here
         streams = {x["name"]: x for x in report["streams"]}
         length = client.xlen(rollouts)
@@ -67,8 +74,14 @@ def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # 
 
         screen = _cli_status(s)
         assert screen.returncode == 0
-        for text in ("ops:rollouts", "audit", "dead letters: 1", f"trainer: step {STEPS}",
-                     f"weight version {STEPS}", s.urls["engine"]):
+        for text in (
+            "ops:rollouts",
+            "audit",
+            "dead letters: 1",
+            f"trainer: step {STEPS}",
+            f"weight version {STEPS}",
+            s.urls["engine"],
+        ):
             assert text in screen.stdout, (text, screen.stdout)
     finally:
         client.xgroup_destroy(rollouts, "audit")
@@ -80,10 +93,14 @@ def test_stream_gauges_match_the_status(ops_stack):  # noqa: F811
     client = connect(s.settings.redis_url())
     stats = {st.name: st for st in stream_stats(client, s.settings.streams)}
     families = {f.name: f for f in StreamStatsCollector(client, s.settings.streams).collect()}
-    samples = {(m.name, tuple(sorted(m.labels.items()))): m.value
-               for f in families.values() for m in f.samples}
+    samples = {
+        (m.name, tuple(sorted(m.labels.items()))): m.value
+        for f in families.values()
+        for m in f.samples
+    }
     assert samples[("flywheel_stream_length_entries", (("stream", "rollouts"),))] == (
-        stats["rollouts"].length)
+        stats["rollouts"].length
+    )
     reward = next(g for g in stats["rollouts"].groups if g.group == "reward")
     key = (("group", "reward"), ("stream", "rollouts"))
     assert samples[("flywheel_stream_lag_entries", key)] == reward.lag
@@ -122,12 +139,19 @@ def test_services_bound_to_every_interface_are_reached_by_service_name(monkeypat
     from flywheel.core.settings import load_settings  # noqa: PLC0415
     from flywheel.status import service_targets  # noqa: PLC0415
 
-    s = load_settings(engine={"host": "0.0.0.0"}, gateway={"host": "0.0.0.0"},
-                      reward={"host": "0.0.0.0"}, trainer={"host": "0.0.0.0", "port": 8101})
+    s = load_settings(
+        engine={"host": "0.0.0.0"},
+        gateway={"host": "0.0.0.0"},
+        reward={"host": "0.0.0.0"},
+        trainer={"host": "0.0.0.0", "port": 8101},
+    )
     targets = {n: t for n, _, t in service_targets(s)}
-    assert targets == {"engine": "http://engine:30000/health",
-                       "gateway": "http://gateway:8000/readyz", "reward": "reward:50051",
-                       "trainer": "http://trainer:8101/readyz"}
+    assert targets == {
+        "engine": "http://engine:30000/health",
+        "gateway": "http://gateway:8000/readyz",
+        "reward": "reward:50051",
+        "trainer": "http://trainer:8101/readyz",
+    }
 
 
 def test_lag_counts_only_entries_that_still_exist(redis_client, prefix):

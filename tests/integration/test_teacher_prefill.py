@@ -44,7 +44,7 @@ def reference(smollm2_dir):
             logits = model(ids).logits[0].float()  # (P + R, V)
         lp = torch.log_softmax(logits, dim=-1)
         p = len(prompt_ids)
-        rows = lp[p - 1:p - 1 + len(response_ids)]  # (R, V): row t-1 scores token t
+        rows = lp[p - 1 : p - 1 + len(response_ids)]  # (R, V): row t-1 scores token t
         return rows  # full distributions, for top-k checks too
 
     return logprobs
@@ -87,9 +87,11 @@ def test_prefill_logprobs_equal_a_forward_pass(engine_url, smollm2_dir, referenc
         assert abs(scored.logprobs[0] - float(ref_R[0])) < TOL
         top_ref = torch.topk(ref_RV, 4, dim=-1)
         assert scored.topk_ids == top_ref.indices.tolist()
-        torch.testing.assert_close(torch.tensor(scored.topk_logprobs), top_ref.values,
-                                   atol=TOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(scored.topk_logprobs), top_ref.values, atol=TOL, rtol=0
+        )
         assert scored.weight_version == "7"
     # One by one gives the same numbers as batched.
-    torch.testing.assert_close(torch.tensor(alone.logprobs), torch.tensor(results[0].logprobs),
-                               atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(alone.logprobs), torch.tensor(results[0].logprobs), atol=TOL, rtol=0
+    )

@@ -55,24 +55,46 @@ def _os_port() -> int:
 def stack(tmp_path_factory, redis_server, tiny_model_dir):
     state = tmp_path_factory.mktemp("teacher_state")
     # Ports from the OS (not fixed numbers), so a concurrent run of this module cannot collide.
-    port = {name: _os_port() for name in ("engine", "gateway", "reward", "reward_metrics",
-                                          "teacher", "teacher_metrics", "teacher_engine",
-                                          "trainer")}
+    port = {
+        name: _os_port()
+        for name in (
+            "engine",
+            "gateway",
+            "reward",
+            "reward_metrics",
+            "teacher",
+            "teacher_metrics",
+            "teacher_engine",
+            "trainer",
+        )
+    }
     settings = load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": f"tstack{uuid.uuid4().hex[:8]}", "block_ms": 200},
         engine={"model_path": str(tiny_model_dir), "port": port["engine"], "batch_wait_ms": 20},
         gateway={"port": port["gateway"], "default_max_tokens": 8},
         reward={"port": port["reward"], "metrics_port": port["reward_metrics"]},
-        teacher={"enabled": True, "port": port["teacher"],
-                 "metrics_port": port["teacher_metrics"], "engine_port": port["teacher_engine"],
-                 "hint_judge": {"enabled": True,
-                                "base_url": f"http://127.0.0.1:{port['engine']}/v1",
-                                "votes": 2, "max_tokens": 16, "max_attempts": 1}},
-        trainer={"port": port["trainer"], "groups_per_step": 1, "group_size": 8,
-                 "live_advantage": "opd",
-                 "checkpoint_dir": str(state / "ckpt"),
-                 "metrics_path": str(state / "trainer_metrics.jsonl")},
+        teacher={
+            "enabled": True,
+            "port": port["teacher"],
+            "metrics_port": port["teacher_metrics"],
+            "engine_port": port["teacher_engine"],
+            "hint_judge": {
+                "enabled": True,
+                "base_url": f"http://127.0.0.1:{port['engine']}/v1",
+                "votes": 2,
+                "max_tokens": 16,
+                "max_attempts": 1,
+            },
+        },
+        trainer={
+            "port": port["trainer"],
+            "groups_per_step": 1,
+            "group_size": 8,
+            "live_advantage": "opd",
+            "checkpoint_dir": str(state / "ckpt"),
+            "metrics_path": str(state / "trainer_metrics.jsonl"),
+        },
         state_dir=str(state),
     )
     with Stack(settings, echo=lambda _: None) as running:
@@ -84,12 +106,16 @@ def _live_turns(gateway: str, task: dict) -> str:
     session = httpx.post(f"{gateway}/v1/sessions", json={"mode": "live", "task": task}).json()
     client = openai.OpenAI(base_url=session["base_url"], api_key="test")
     first = [{"role": "user", "content": QUESTION}]
-    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=first,
-                                           temperature=1.0, max_tokens=8)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=first, temperature=1.0, max_tokens=8
+    )
     answer = {"role": "assistant", "content": reply.choices[0].message.content}
     client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", temperature=1.0, max_tokens=8,
-        messages=[*first, answer, {"role": "user", "content": CORRECTION}])
+        model="SmolLM2-135M-Instruct",
+        temperature=1.0,
+        max_tokens=8,
+        messages=[*first, answer, {"role": "user", "content": CORRECTION}],
+    )
     return session["session_id"]
 
 
@@ -109,7 +135,7 @@ def _train_samples(settings, session_id: str, n: int = 1, timeout_s: float = 120
 def test_a_corrected_live_turn_gets_a_hint_teacher_logprobs_and_an_opd_advantage(stack):
     urls, settings = stack
     teacher_engine = urls["teacher-engine"]
-    assert teacher_engine not in settings.trainer_engine_urls()   # never gets weight pushes
+    assert teacher_engine not in settings.trainer_engine_urls()  # never gets weight pushes
     session_id = _live_turns(urls["gateway"], {"hint": HINT})
     (sample,) = _train_samples(settings, session_id)
 
@@ -127,21 +153,26 @@ def test_a_corrected_live_turn_gets_a_hint_teacher_logprobs_and_an_opd_advantage
     target = urls["teacher"].removeprefix("grpc://")
     with grpc.insecure_channel(target) as channel:
         reply = teacher_pb2_grpc.TeacherServiceStub(channel).ScoreTokens(
-            teacher_pb2.ScoreTokensRequest(messages=list(sample.messages)[:-1],
-                                           response_ids=response_ids, hint=HINT), timeout=60)
-    assert list(sample.teacher_logprobs[start:]) == pytest.approx(list(reply.logprobs),
-                                                                  abs=1e-4)
+            teacher_pb2.ScoreTokensRequest(
+                messages=list(sample.messages)[:-1], response_ids=response_ids, hint=HINT
+            ),
+            timeout=60,
+        )
+    assert list(sample.teacher_logprobs[start:]) == pytest.approx(list(reply.logprobs), abs=1e-4)
 
     # The trainer's opd advantage: teacher - rollout logprob, nonzero exactly on sampled tokens.
     inputs = AdvantageInputs(
-        rewards_B=torch.zeros(1), group_index_B=torch.zeros(1, dtype=torch.long),
+        rewards_B=torch.zeros(1),
+        group_index_B=torch.zeros(1, dtype=torch.long),
         teacher_logprobs_BT=torch.tensor([list(sample.teacher_logprobs)]),
         rollout_logprobs_BT=torch.tensor([list(sample.rollout_logprobs)]),
-        teacher_mask_BT=torch.tensor([list(sample.teacher_mask)], dtype=torch.bool))
+        teacher_mask_BT=torch.tensor([list(sample.teacher_mask)], dtype=torch.bool),
+    )
     adv_T = ADVANTAGES["opd"](inputs, AdvantageConfig()).advantages_BT[0]
     assert (adv_T != 0).tolist() == [bool(m) for m in mask]
     expected = torch.tensor(list(sample.teacher_logprobs)) - torch.tensor(
-        list(sample.rollout_logprobs))
+        list(sample.rollout_logprobs)
+    )
     torch.testing.assert_close(adv_T[start:], expected[start:])
 
 
@@ -172,6 +203,7 @@ def test_the_trainer_steps_on_the_opd_gap_and_the_teacher_engine_keeps_its_weigh
     while not opd_steps():
         assert time.monotonic() < deadline, "the trainer never stepped on a teacher-scored sample"
         time.sleep(0.5)
+
     def version(url: str) -> str:
         return httpx.get(f"{url}/model_info").json()["weight_version"]
 

@@ -85,8 +85,13 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama_crash")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
@@ -95,15 +100,26 @@ def model_dir(tmp_path_factory) -> Path:
 
 def write_config(tmp_path, redis_url, prefix, model_dir, engine_url, **trainer) -> Path:
     values = {
-        "model_path": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
-        "metrics_path": str(tmp_path / "metrics.jsonl"), "group_size": 4,
-        "groups_per_step": 1, "group_wait_s": 60, "lr": 1e-2, "keep_checkpoints": 10,
-        "engine_urls": [engine_url], "push_attempts": 1, "push_timeout_s": 120,
-        "consumer_name": "trainer-0", "tensorboard": False, "port": free_port(),
+        "model_path": str(model_dir),
+        "checkpoint_dir": str(tmp_path / "ckpt"),
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "group_size": 4,
+        "groups_per_step": 1,
+        "group_wait_s": 60,
+        "lr": 1e-2,
+        "keep_checkpoints": 10,
+        "engine_urls": [engine_url],
+        "push_attempts": 1,
+        "push_timeout_s": 120,
+        "consumer_name": "trainer-0",
+        "tensorboard": False,
+        "port": free_port(),
     } | trainer
-    lines = [f'[redis]\nurl = "{redis_url}"',
-             f'[streams]\nprefix = "{prefix}"\nblock_ms = 100\nmin_idle_ms = 600000',
-             "[trainer]"] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    lines = [
+        f'[redis]\nurl = "{redis_url}"',
+        f'[streams]\nprefix = "{prefix}"\nblock_ms = 100\nmin_idle_ms = 600000',
+        "[trainer]",
+    ] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     path = tmp_path / f"trainer-{values['port']}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -168,8 +184,9 @@ def test_kill_mid_step_and_before_push_then_resume_trains_each_sample_once(
 
         # 3. a restart acks what checkpoint 2 trained, pushes it again, trains the rest, exits
         engine.hang_version = ""
-        config_c = write_config(tmp_path, redis_server.url, prefix, model_dir, engine.url,
-                                max_steps=1)
+        config_c = write_config(
+            tmp_path, redis_server.url, prefix, model_dir, engine.url, max_steps=1
+        )
         log_c = tmp_path / "c.log"
         proc = start(["-m", "flywheel.trainer", "--config", str(config_c)], log_c)
         assert proc.wait(timeout=120) == 0, log_c.read_text()[-3000:]
@@ -186,8 +203,9 @@ def test_kill_mid_step_and_before_push_then_resume_trains_each_sample_once(
     assert engine.calls == ["1", "1", "2", "2", "3"]
     state = json.loads((tmp_path / "ckpt" / "step_00000003" / "trainer_state.json").read_text())
     assert state["weight_version"] == "3" and state["source_position"]["kind"] == "redis"
-    optimizer = torch.load(tmp_path / "ckpt" / "step_00000003" / "training" / "optimizer.pt",
-                           weights_only=False)
+    optimizer = torch.load(
+        tmp_path / "ckpt" / "step_00000003" / "training" / "optimizer.pt", weights_only=False
+    )
     # AdamW resumed from checkpoint 2's state: 3 steps taken in all, not 1
     assert {float(s["step"]) for s in optimizer["state"].values()} == {3.0}
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

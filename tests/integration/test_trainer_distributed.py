@@ -29,18 +29,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("strategy", ["all_reduce", "fsdp2"])
-def test_two_ranks_take_the_same_step_as_one_process(tmp_path, redis_server, prefix,
-                                                     model_dir, strategy):  # noqa: F811
+def test_two_ranks_take_the_same_step_as_one_process(
+    tmp_path, redis_server, prefix, model_dir, strategy
+):  # noqa: F811
     dump = SampleDump(tmp_path / "two_groups.jsonl")
     dump.append(make_group(model_dir, "g1") + make_group(model_dir, "g22", rewards=(0, 1, 1, 1)))
     engine = FakeEngine()
     try:
-        overrides = {"source": "replay", "replay_path": str(dump.path), "groups_per_step": 2,
-                     "micro_batch_size": 3, "tensorboard": False, "max_steps": 1}
-        single = trainer_settings(tmp_path / "single", redis_server, prefix, engine.url,
-                                  model_dir=model_dir)
-        single = single.model_copy(update={"trainer": single.trainer.model_copy(
-            update=overrides)})
+        overrides = {
+            "source": "replay",
+            "replay_path": str(dump.path),
+            "groups_per_step": 2,
+            "micro_batch_size": 3,
+            "tensorboard": False,
+            "max_steps": 1,
+        }
+        single = trainer_settings(
+            tmp_path / "single", redis_server, prefix, engine.url, model_dir=model_dir
+        )
+        single = single.model_copy(update={"trainer": single.trainer.model_copy(update=overrides)})
         trainer = build_trainer(single)
         assert run_steps(trainer) == 1
         trainer.close()
@@ -54,13 +61,26 @@ def test_two_ranks_take_the_same_step_as_one_process(tmp_path, redis_server, pre
             f'micro_batch_size = 3\nlr = 1e-2\nsource = "replay"\nreplay_path = "{dump.path}"\n'
             f'tensorboard = false\nmax_steps = 1\nengine_urls = ["{engine.url}"]\n'
             f'port = {single.trainer.port + 1}\ndistributed_strategy = "{strategy}"\n'
-                'precision = "fp32"\n'
+            'precision = "fp32"\n'
         )
         env = os.environ | {"PYTHONPATH": str(REPO / "services"), "OMP_NUM_THREADS": "1"}
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             "--nproc_per_node", "2", "-m", "flywheel.trainer", "--config", str(config)],
-            env=env, capture_output=True, text=True, timeout=240,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "flywheel.trainer",
+                "--config",
+                str(config),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     finally:

@@ -34,17 +34,31 @@ pytestmark = pytest.mark.integration
 
 
 def _bad(group_id: str, token_id: int = 5, reward: float = 1.0):
-    return new_sample(token_ids=[1, 2, token_id, 3], loss_mask=[0, 0, 1, 1],
-                      rollout_logprobs=[0.0, 0.0, -1.0, -1.0], weight_versions=[-1, -1, 0, 0],
-                      group_id=group_id, reward=reward, has_reward=True)
+    return new_sample(
+        token_ids=[1, 2, token_id, 3],
+        loss_mask=[0, 0, 1, 1],
+        rollout_logprobs=[0.0, 0.0, -1.0, -1.0],
+        weight_versions=[-1, -1, 0, 0],
+        group_id=group_id,
+        reward=reward,
+        has_reward=True,
+    )
 
 
 def test_untrainable_samples_are_dead_lettered_and_their_neighbours_trained(
-        tmp_path, redis_server, prefix, engine, model_dir):  # noqa: F811
+    tmp_path, redis_server, prefix, engine, model_dir
+):  # noqa: F811
     settings = trainer_settings(tmp_path, redis_server, prefix, engine.url, model_dir=model_dir)
     trainer = build_trainer(settings)
-    publish(settings, [_bad("oov", token_id=VOCAB), _bad("neg", token_id=-7),
-                       _bad("nan", reward=math.nan), *make_group(model_dir, "g1")])
+    publish(
+        settings,
+        [
+            _bad("oov", token_id=VOCAB),
+            _bad("neg", token_id=-7),
+            _bad("nan", reward=math.nan),
+            *make_group(model_dir, "g1"),
+        ],
+    )
     assert run_steps(trainer) == 1  # the clean group trained; nothing crashed
     dead = connect(settings.redis_url()).xrange(settings.streams.key("dead"))
     errors = sorted(fields[b"error"].decode() for _, fields in dead)
@@ -63,8 +77,9 @@ def test_an_entry_taken_back_too_often_after_restarts_is_dead_lettered(redis_cli
     StreamProducer(redis_client, stream).publish(_bad("g"))
 
     def restart() -> list:
-        consumer = StreamConsumer(redis_client, stream, CONSUMER_GROUP, "trainer-0",
-                                  dead_stream=dead, max_deliveries=2)
+        consumer = StreamConsumer(
+            redis_client, stream, CONSUMER_GROUP, "trainer-0", dead_stream=dead, max_deliveries=2
+        )
         return RedisSource(consumer).read(count=4, block_ms=10)
 
     assert len(restart()) == 1  # delivery 1: the trainer dies before acking

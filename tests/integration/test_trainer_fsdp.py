@@ -31,16 +31,32 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LENGTHS = [(3, 9), (20, 30), (4, 2), (6, 14), (10, 3)]
 """(prompt, completion) of 5 samples: with micro-batches of 2, rank 0 (rows 0, 2, 4) runs two
 micro-batches and rank 1 (rows 1, 3) one, so FSDP2's pass equalization is exercised."""
-REPORTED = ["loss/total", "loss/pg", "entropy/mean", "logprob/abs_diff_mean",
-            "logprob/abs_diff/max", "batch/micro_batches", "grad/norm"]
+REPORTED = [
+    "loss/total",
+    "loss/pg",
+    "entropy/mean",
+    "logprob/abs_diff_mean",
+    "logprob/abs_diff/max",
+    "batch/micro_batches",
+    "grad/norm",
+]
 """Compared with one process. grad/norm (before clipping) checks the gradient's scale: AdamW's
 first step, about lr * sign(g), would not show gradients averaged instead of summed."""
 
 
 def batch_and_config():
-    samples = [make_sample(prompt_len=p, completion_len=c, reward=float(i in (1, 3)), seed=i,
-                           temperature=0.8, logprob=-2.0, group_id="g")
-               for i, (p, c) in enumerate(LENGTHS)]
+    samples = [
+        make_sample(
+            prompt_len=p,
+            completion_len=c,
+            reward=float(i in (1, 3)),
+            seed=i,
+            temperature=0.8,
+            logprob=-2.0,
+            group_id="g",
+        )
+        for i, (p, c) in enumerate(LENGTHS)
+    ]
     cfg = StepConfig(micro_batch_size=2)
     batch, _ = prepare_batch([samples], cfg)
     return batch, cfg
@@ -101,8 +117,12 @@ def free_port() -> int:
 def test_two_ranks_take_the_one_process_step(tiny_model_dir, tmp_path, strategy):
     single_state, single_metrics = one_step(tiny_model_dir, "none", None)
     out = tmp_path / "rank0.pt"
-    mp.spawn(rank_main, args=(2, free_port(), str(tiny_model_dir), strategy, str(out)),
-             nprocs=2, join=True)
+    mp.spawn(
+        rank_main,
+        args=(2, free_port(), str(tiny_model_dir), strategy, str(out)),
+        nprocs=2,
+        join=True,
+    )
     two = torch.load(out, weights_only=False)
     initial = load_model(tiny_model_dir).state_dict()
     # Summation order differs between one process and two ranks; AdamW's first step is about
@@ -111,8 +131,11 @@ def test_two_ranks_take_the_one_process_step(tiny_model_dir, tmp_path, strategy)
     assert two["state"].keys() == single_state.keys()
     for name, tensor in single_state.items():
         torch.testing.assert_close(two["state"][name], tensor, atol=2e-5, rtol=0, msg=name)
-    moved = (single_state["model.embed_tokens.weight"]
-             - initial["model.embed_tokens.weight"]).abs().max()
+    moved = (
+        (single_state["model.embed_tokens.weight"] - initial["model.embed_tokens.weight"])
+        .abs()
+        .max()
+    )
     assert float(moved) > 1e-3  # the step moved the weights by about lr
     # metrics are global: the same as one process over the whole batch (micro-batches: one
     # process runs 3 of 2 rows; ranks run 2 + 1)

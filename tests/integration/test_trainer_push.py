@@ -35,23 +35,37 @@ def served(url: str, name: str) -> torch.Tensor:
 def served_version(url: str) -> str:
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     return httpx.post(f"{url}/generate", json=body, timeout=30).json()["meta_info"][
-        "weight_version"]
+        "weight_version"
+    ]
 
 
 def settings_for(tmp_path, model_dir, engine_url, **trainer):
-    return load_settings(trainer={
-        "model_path": str(model_dir), "checkpoint_dir": str(tmp_path / "ckpt"),
-        "metrics_path": str(tmp_path / "m.jsonl"), "source": "fake", "group_size": 2,
-        "groups_per_step": 1, "fake_prompt_tokens": 4, "fake_completion_tokens": 4,
-        "lr": 1e-2, "engine_urls": [engine_url], "tensorboard": False, "push_attempts": 1,
-        "push_timeout_s": 15, "port": free_port(),
-    } | trainer)
+    return load_settings(
+        trainer={
+            "model_path": str(model_dir),
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "metrics_path": str(tmp_path / "m.jsonl"),
+            "source": "fake",
+            "group_size": 2,
+            "groups_per_step": 1,
+            "fake_prompt_tokens": 4,
+            "fake_completion_tokens": 4,
+            "lr": 1e-2,
+            "engine_urls": [engine_url],
+            "tensorboard": False,
+            "push_attempts": 1,
+            "push_timeout_s": 15,
+            "port": free_port(),
+        }
+        | trainer
+    )
 
 
 def test_distributed_push_then_disk_fallback(tmp_path, tiny_model_dir, engine_url):
     name = "model.layers.0.self_attn.q_proj.weight"
-    trainer = build_trainer(settings_for(tmp_path, tiny_model_dir, engine_url,
-                                         push_mode="distributed"))
+    trainer = build_trainer(
+        settings_for(tmp_path, tiny_model_dir, engine_url, push_mode="distributed")
+    )
     assert trainer.run(max_steps=1) == 1
     assert trainer.last_push_via == "distributed"
     saved = load_file(tmp_path / "ckpt" / "step_00000001" / "model.safetensors")
@@ -60,8 +74,11 @@ def test_distributed_push_then_disk_fallback(tmp_path, tiny_model_dir, engine_ur
 
     # the group breaks (the engine side is destroyed behind the trainer's back): the next push
     # falls back to the disk path and the engine still gets the newest weights
-    httpx.post(f"{engine_url}/destroy_weights_update_group",
-               json={"group_name": "weight_update_group"}, timeout=30)
+    httpx.post(
+        f"{engine_url}/destroy_weights_update_group",
+        json={"group_name": "weight_update_group"},
+        timeout=30,
+    )
     assert trainer.run(max_steps=1) == 1
     assert trainer.last_push_via == "disk"
     saved = load_file(tmp_path / "ckpt" / "step_00000002" / "model.safetensors")

@@ -43,8 +43,13 @@ def model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny_llama")
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(path)
@@ -102,10 +107,17 @@ def trainer_settings(tmp_path, redis_server, prefix, engine_url, **trainer):
             "model_path": str(trainer.pop("model_dir")),
             "checkpoint_dir": str(tmp_path / "ckpt"),
             "metrics_path": str(tmp_path / "metrics.jsonl"),
-            "group_size": 4, "groups_per_step": 1, "group_wait_s": 30, "lr": 1e-2,
-            "engine_urls": [engine_url], "push_attempts": 1, "consumer_name": "trainer-a",
-            "port": free_port(), "precision": "fp32",
-        } | trainer,
+            "group_size": 4,
+            "groups_per_step": 1,
+            "group_wait_s": 30,
+            "lr": 1e-2,
+            "engine_urls": [engine_url],
+            "push_attempts": 1,
+            "consumer_name": "trainer-a",
+            "port": free_port(),
+            "precision": "fp32",
+        }
+        | trainer,
     )
 
 
@@ -122,10 +134,14 @@ def make_group(model_dir: Path, group_id: str, rewards=(1.0, 0.0, 0.0, 1.0), tem
             )[0].tolist()
         mask = [0] * 5 + [1] * 6
         sample = new_sample(
-            token_ids=ids[0].tolist(), loss_mask=mask, prompt_length=5,
+            token_ids=ids[0].tolist(),
+            loss_mask=mask,
+            prompt_length=5,
             rollout_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs_T, mask, strict=True)],
             weight_versions=[0 if m else -1 for m in mask],
-            group_id=group_id, reward=reward, has_reward=True,
+            group_id=group_id,
+            reward=reward,
+            has_reward=True,
         )
         sample.sampling.temperature = temperature
         samples.append(sample)
@@ -156,8 +172,14 @@ def test_one_step_end_to_end(tmp_path, redis_server, prefix, engine, model_dir):
     settings = trainer_settings(tmp_path, redis_server, prefix, engine.url, model_dir=model_dir)
     trainer = build_trainer(settings)
     assert engine.calls == []  # nothing to re-push on a fresh start
-    unscored = new_sample(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0, -1, -1],
-                          weight_versions=[-1, 0, 0], group_id="g1", error="judge timed out")
+    unscored = new_sample(
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        rollout_logprobs=[0, -1, -1],
+        weight_versions=[-1, 0, 0],
+        group_id="g1",
+        error="judge timed out",
+    )
     publish(settings, [unscored, *make_group(model_dir, "g1")])
 
     assert run_steps(trainer) == 1
@@ -166,10 +188,15 @@ def test_one_step_end_to_end(tmp_path, redis_server, prefix, engine, model_dir):
     before = load_file(model_dir / "model.safetensors")
     after = load_file(ckpt / "model.safetensors")
     assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
-    assert engine.calls == [{
-        "path": "/update_weights_from_disk", "model_path": str(ckpt.resolve()),
-        "weight_version": "1", "flush_cache": True, "abort_all_requests": False,
-    }]
+    assert engine.calls == [
+        {
+            "path": "/update_weights_from_disk",
+            "model_path": str(ckpt.resolve()),
+            "weight_version": "1",
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
+    ]
     assert pending_count(settings) == 0
     dead = connect(settings.redis_url()).xrange(settings.streams.key("dead"))
     assert len(dead) == 1 and b"no_reward: judge timed out" in dead[0][1][b"error"]
@@ -201,8 +228,9 @@ def test_crash_before_ack_resumes_without_training_twice(
     engine.fail = False
     engine.calls.clear()
     resumed = build_trainer(
-        settings.model_copy(update={"trainer": settings.trainer.model_copy(
-            update={"consumer_name": "trainer-b"})})
+        settings.model_copy(
+            update={"trainer": settings.trainer.model_copy(update={"consumer_name": "trainer-b"})}
+        )
     )
     assert resumed.version == 1
     assert [c["weight_version"] for c in engine.calls] == ["1"]  # the checkpoint, pushed again
@@ -238,7 +266,9 @@ def test_cli_runs_one_step_and_serves_http(tmp_path, redis_server, prefix, engin
     env = os.environ | {"PYTHONPATH": str(REPO / "services")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "flywheel.trainer", "--config", str(config)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 90

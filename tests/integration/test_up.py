@@ -25,13 +25,18 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     cfg.write_text(
         f'state_dir = "{state}"\n'
         f'[redis]\nport = 16379\n[engine]\nmodel_path = "{tiny}"\nport = 31500\n'
-        f'[gateway]\nport = 8500\n[reward]\nport = 50551\nmetrics_port = 9501\n'
+        f"[gateway]\nport = 8500\n[reward]\nport = 50551\nmetrics_port = 9501\n"
         f'[trainer]\nport = 8600\ncheckpoint_dir = "{state}/ckpt"\n'
         f'metrics_path = "{state}/m.jsonl"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     lines = []
     try:
         deadline = time.monotonic() + 300
@@ -51,8 +56,13 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
         sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         _redis_killed_is_started_again(proc, stack["gateway"], sid)
-        second = subprocess.run([sys.executable, "-m", "flywheel.cli", "up", "--config",
-                                 str(cfg)], capture_output=True, text=True, env=env, timeout=60)
+        second = subprocess.run(
+            [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert second.returncode == 1 and "already running" in second.stderr
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 5  # redis-server, engine, gateway, reward, trainer
@@ -73,14 +83,19 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
 def _redis_killed_is_started_again(up: subprocess.Popen, gateway: str, sid: str) -> None:
     """SIGKILL the stack's redis-server: `flywheel up` starts it again on its data (AOF), the
     gateway is ready again and the finished session is still there; nothing else stops."""
-    (server,) = [c for c in psutil.Process(up.pid).children(recursive=True)
-                 if c.name().startswith("redis-server")]
+    (server,) = [
+        c
+        for c in psutil.Process(up.pid).children(recursive=True)
+        if c.name().startswith("redis-server")
+    ]
     server.kill()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200 and \
-                    not server.is_running():
+            if (
+                httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200
+                and not server.is_running()
+            ):
                 break
         time.sleep(0.5)
     assert up.poll() is None, "flywheel up stopped when its redis died"
@@ -95,18 +110,21 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
         sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
         messages = [{"role": "user", "content": "Say hi"}]
         for _ in range(2):
-            reply = client.post(f"/s/{sid}/v1/chat/completions",
-                                json={"messages": messages, "max_tokens": 4}).json()
+            reply = client.post(
+                f"/s/{sid}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}
+            ).json()
             messages += [reply["choices"][0]["message"], {"role": "user", "content": "again"}]
         assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
     cli = [sys.executable, "-m", "flywheel.cli", "check-fidelity", "--config", str(cfg)]
-    done = subprocess.run([*cli, "--session", sid], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done = subprocess.run(
+        [*cli, "--session", sid], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and "(segment 0, turn 1)" in lines[0], done.stdout  # one episode
     assert "ids_match=True" in lines[0]
-    missing = subprocess.run([*cli, "--session", "nope"], capture_output=True, text=True,
-                             env=env, timeout=120)
+    missing = subprocess.run(
+        [*cli, "--session", "nope"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert missing.returncode == 1 and "no recorded Sample of session nope" in missing.stdout
     return sid

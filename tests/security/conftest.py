@@ -25,9 +25,15 @@ class CannedEngine:
 
     async def generate(self, input_ids, sampling_params, affinity=""):
         self.calls.append(list(input_ids))
-        return Generation(output_ids=self.ids, output_logprobs=[-0.25, -0.5], text="8",
-                          finish_type="stop", matched_eos=True, weight_version=1,
-                          prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.25, -0.5],
+            text="8",
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=1,
+            prompt_tokens=len(input_ids),
+        )
 
 
 @dataclass
@@ -58,13 +64,21 @@ def build_gateway(redis_client, prefix, renderer, host="127.0.0.1", **security) 
     settings = GatewaySettings(host=host, security=SecuritySettings(**security))
     engine = CannedEngine(renderer)
     sessions = SessionStore(redis_client, prefix, 3600)
-    producer = StreamProducer(redis_client, f"{prefix}:rollouts", high_water=1000,
-                              watch_group="reward")
-    deps = GatewayDeps(settings=settings, renderer=renderer, engines=engine, sessions=sessions,
-                       publisher=producer, context_length=2048)
+    producer = StreamProducer(
+        redis_client, f"{prefix}:rollouts", high_water=1000, watch_group="reward"
+    )
+    deps = GatewayDeps(
+        settings=settings,
+        renderer=renderer,
+        engines=engine,
+        sessions=sessions,
+        publisher=producer,
+        context_length=2048,
+    )
     app = create_app(deps)
-    return Gateway(TestClient(app), engine, KeyStore(redis_client, prefix), sessions,
-                   redis_client, prefix)
+    return Gateway(
+        TestClient(app), engine, KeyStore(redis_client, prefix), sessions, redis_client, prefix
+    )
 
 
 @pytest.fixture

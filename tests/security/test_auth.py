@@ -121,27 +121,45 @@ def test_metrics_need_admin_only_when_configured(make_gateway):
 
 def test_admin_key_routes(gateway):
     admin, agent = gateway.key("admin"), gateway.key("agent")
-    made = gateway.client.post("/v1/admin/keys", json={"role": "agent", "name": "ci"},
-                               headers=gateway.auth(admin))
+    made = gateway.client.post(
+        "/v1/admin/keys", json={"role": "agent", "name": "ci"}, headers=gateway.auth(admin)
+    )
     assert made.status_code == 200 and made.json()["api_key"].startswith("fwk-")
     new = made.json()["api_key"]
     assert gateway.client.get("/v1/models", headers=gateway.auth(new)).status_code == 200
     listed = gateway.client.get("/v1/admin/keys", headers=gateway.auth(admin)).json()["data"]
     assert made.json()["key_id"] in {k["key_id"] for k in listed}
     assert all("api_key" not in k for k in listed)
-    assert gateway.client.post("/v1/admin/keys", json={"role": "admin"},
-                               headers=gateway.auth(agent)).status_code == 403
-    gone = gateway.client.delete(f"/v1/admin/keys/{made.json()['key_id']}",
-                                 headers=gateway.auth(admin))
+    assert (
+        gateway.client.post(
+            "/v1/admin/keys", json={"role": "admin"}, headers=gateway.auth(agent)
+        ).status_code
+        == 403
+    )
+    gone = gateway.client.delete(
+        f"/v1/admin/keys/{made.json()['key_id']}", headers=gateway.auth(admin)
+    )
     assert gone.status_code == 200
     assert gateway.client.get("/v1/models", headers=gateway.auth(new)).status_code == 401
 
 
-ENGINE_CONTROL = ["/generate", "/update_weights_from_disk", "/update_weights_from_tensor",
-                  "/init_weights_update_group", "/update_weights_from_distributed",
-                  "/flush_cache", "/abort_request", "/pause_generation",
-                  "/continue_generation", "/get_model_info", "/get_server_info",
-                  "/server_info", "/health_generate", "/start_profile", "/v1/load_lora_adapter"]
+ENGINE_CONTROL = [
+    "/generate",
+    "/update_weights_from_disk",
+    "/update_weights_from_tensor",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/flush_cache",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/get_model_info",
+    "/get_server_info",
+    "/server_info",
+    "/health_generate",
+    "/start_profile",
+    "/v1/load_lora_adapter",
+]
 
 
 @pytest.mark.parametrize("path", ENGINE_CONTROL)
@@ -149,7 +167,8 @@ ENGINE_CONTROL = ["/generate", "/update_weights_from_disk", "/update_weights_fro
 def test_engine_control_endpoints_are_never_proxied(gateway, path, method):
     admin = gateway.key("admin")
     for prefix in ("", "/s/x", "/v1"):
-        resp = gateway.client.request(method, prefix + path, json={"model_path": "/tmp/evil"},
-                                      headers=gateway.auth(admin))
+        resp = gateway.client.request(
+            method, prefix + path, json={"model_path": "/tmp/evil"}, headers=gateway.auth(admin)
+        )
         assert resp.status_code in (404, 405), (prefix + path, resp.status_code)
     assert gateway.engine.calls == []

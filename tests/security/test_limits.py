@@ -15,8 +15,13 @@ import pytest
 from flywheel.gateway.engine_pool import Generation
 
 MSG = [{"role": "user", "content": "What is 7 + 1?"}]
-LIMITS = {"max_body_bytes": 64 * 1024, "max_messages": 8, "max_tools": 4,
-          "max_tools_bytes": 2048, "max_json_depth": 16}
+LIMITS = {
+    "max_body_bytes": 64 * 1024,
+    "max_messages": 8,
+    "max_tools": 4,
+    "max_tools_bytes": 2048,
+    "max_json_depth": 16,
+}
 
 
 def _chat(**extra):
@@ -28,8 +33,16 @@ def _nested(depth: int) -> str:
 
 
 def _tool(i: int, props: int = 1) -> dict:
-    return {"type": "function", "function": {"name": f"f{i}", "parameters": {
-        "type": "object", "properties": {f"p{j}": {"type": "string"} for j in range(props)}}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": f"f{i}",
+            "parameters": {
+                "type": "object",
+                "properties": {f"p{j}": {"type": "string"} for j in range(props)},
+            },
+        },
+    }
 
 
 CHAT = "/v1/chat/completions"
@@ -40,32 +53,81 @@ CASES = [
     ("empty body", CHAT, b"", 400, None),
     ("JSON array instead of object", CHAT, b"[]", 400, None),
     ("JSON null", CHAT, b"null", 400, None),
-    ("invalid UTF-8", CHAT, b'{"model":"m","messages":[{"role":"user","content":"\xff\xfe"}]}',
-     400, "invalid_encoding"),
-    ("lone surrogate escape", CHAT, b'{"model":"m","messages":[{"role":"user",'
-     b'"content":"\\ud800 hi"}]}', 400, "invalid_encoding"),
-    ("BOM before a lone surrogate", CHAT, b'\xef\xbb\xbf{"model":"m","messages":[{"role":'
-     b'"user","content":"\\ud800 hi"}]}', 400, "invalid_encoding"),
-    ("BOM before too many messages", CHAT,
-     b"\xef\xbb\xbf" + json.dumps(_chat(messages=MSG * 9)).encode(), 400, "too_many_messages"),
-    ("NUL and control characters", CHAT, _chat(messages=[{"role": "user",
-                                                          "content": "a\u0000b\u001b[2J"}]),
-     200, None),
-    ("NaN temperature", CHAT, b'{"model":"m","messages":[{"role":"user","content":"x"}],'
-     b'"temperature":NaN}', 400, "invalid_number"),
+    (
+        "invalid UTF-8",
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"\xff\xfe"}]}',
+        400,
+        "invalid_encoding",
+    ),
+    (
+        "lone surrogate escape",
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"\\ud800 hi"}]}',
+        400,
+        "invalid_encoding",
+    ),
+    (
+        "BOM before a lone surrogate",
+        CHAT,
+        b'\xef\xbb\xbf{"model":"m","messages":[{"role":"user","content":"\\ud800 hi"}]}',
+        400,
+        "invalid_encoding",
+    ),
+    (
+        "BOM before too many messages",
+        CHAT,
+        b"\xef\xbb\xbf" + json.dumps(_chat(messages=MSG * 9)).encode(),
+        400,
+        "too_many_messages",
+    ),
+    (
+        "NUL and control characters",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": "a\u0000b\u001b[2J"}]),
+        200,
+        None,
+    ),
+    (
+        "NaN temperature",
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":NaN}',
+        400,
+        "invalid_number",
+    ),
     # Python's json reads these, JSON has no such numbers: a stored record would hold null
-    ("Infinity in a message's extra field", CHAT, b'{"model":"m","messages":[{"role":"user",'
-     b'"content":"x","score":Infinity}]}', 400, "invalid_number"),
-    ("a number beyond a double in a message", CHAT, b'{"model":"m","messages":[{"role":'
-     b'"user","content":"x","name":1e999}]}', 400, "invalid_number"),
-    ("NaN in session task metadata", "/v1/sessions", b'{"task":{"answer":8,"weight":NaN}}',
-     400, "invalid_number"),
+    (
+        "Infinity in a message's extra field",
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"x","score":Infinity}]}',
+        400,
+        "invalid_number",
+    ),
+    (
+        "a number beyond a double in a message",
+        CHAT,
+        b'{"model":"m","messages":[{"role":"user","content":"x","name":1e999}]}',
+        400,
+        "invalid_number",
+    ),
+    (
+        "NaN in session task metadata",
+        "/v1/sessions",
+        b'{"task":{"answer":8,"weight":NaN}}',
+        400,
+        "invalid_number",
+    ),
     ("messages is a string", CHAT, _chat(messages="hello"), 400, None),
     ("no messages", CHAT, _chat(messages=[]), 400, None),
     ("unknown role", CHAT, _chat(messages=[{"role": "root", "content": "x"}]), 400, None),
     ("content is a number", CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, None),
-    ("content part is not an object", CHAT, _chat(messages=[{"role": "user", "content": ["a"]}]),
-     400, None),
+    (
+        "content part is not an object",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": ["a"]}]),
+        400,
+        None,
+    ),
     ("temperature is a string", CHAT, _chat(temperature="hot"), 400, None),
     ("max_tokens negative", CHAT, _chat(max_tokens=-1), 400, None),
     ("max_tokens beyond int64", CHAT, _chat(max_tokens=2**70), 400, None),
@@ -79,18 +141,27 @@ CASES = [
     ("nesting 30000 deep", CHAT, _nested(30_000), 400, "json_too_deep"),
     ("context window exceeded", CHAT, _chat(max_tokens=10_000), 400, "context_length_exceeded"),
     ("bad session id", "/v1/sessions", {"session_id": "../../etc"}, 400, None),
-    ("deep task metadata", "/v1/sessions", json.loads(_nested(15).replace('"messages"', '"task"')
-                                                      .replace('"model":"m",', "")), 400, None),
+    (
+        "deep task metadata",
+        "/v1/sessions",
+        json.loads(_nested(15).replace('"messages"', '"task"').replace('"model":"m",', "")),
+        400,
+        None,
+    ),
     ("unknown session field", "/v1/sessions", {"owner": "someone-else"}, 400, None),
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "body", "status", "code"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES]
+)
 def test_bad_input_table(make_gateway, name, path, body, status, code):
     gw = make_gateway(auth="off", **LIMITS)
-    raw = body if isinstance(body, bytes) else (body if isinstance(body, str) else
-                                                json.dumps(body)).encode()
+    raw = (
+        body
+        if isinstance(body, bytes)
+        else (body if isinstance(body, str) else json.dumps(body)).encode()
+    )
     resp = gw.client.post(path, content=raw, headers={"Content-Type": "application/json"})
     assert resp.status_code == status, resp.text[:300]
     if status >= 400:
@@ -134,15 +205,23 @@ class SlowEngine:
 
     async def generate(self, input_ids, sampling_params, affinity="", **_):
         await asyncio.sleep(self.delay_s)
-        return Generation(output_ids=[2], output_logprobs=[-0.1], text="", finish_type="stop",
-                          matched_eos=True, weight_version=0, prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=[2],
+            output_logprobs=[-0.1],
+            text="",
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=0,
+            prompt_tokens=len(input_ids),
+        )
 
 
 async def _concurrent(app, n, headers):
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-        return await asyncio.gather(*[client.post(CHAT, json=_chat(), headers=headers)
-                                      for _ in range(n)])
+        return await asyncio.gather(
+            *[client.post(CHAT, json=_chat(), headers=headers) for _ in range(n)]
+        )
 
 
 def test_concurrency_limit_per_key(make_gateway):
@@ -154,8 +233,9 @@ def test_concurrency_limit_per_key(make_gateway):
     assert codes == [200, 200, 429, 429]
     assert all(r.headers["retry-after"] == "1" for r in replies if r.status_code == 429)
     # slots are released: the next request is served
-    assert [r.status_code for r in asyncio.run(_concurrent(gw.client.app, 1, gw.auth(key)))] \
-        == [200]
+    assert [r.status_code for r in asyncio.run(_concurrent(gw.client.app, 1, gw.auth(key)))] == [
+        200
+    ]
 
 
 def test_request_timeout_is_504(make_gateway):

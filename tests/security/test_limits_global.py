@@ -28,24 +28,31 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}
 
 
 def test_rate_limit_is_shared_by_two_replicas(redis_client, prefix, renderer):
-    a = build_gateway(redis_client, prefix, renderer, auth="on", rate_per_minute=6,
-                      rate_burst=2)
-    b = build_gateway(redis_client, prefix, renderer, auth="on", rate_per_minute=6,
-                      rate_burst=2)
+    a = build_gateway(redis_client, prefix, renderer, auth="on", rate_per_minute=6, rate_burst=2)
+    b = build_gateway(redis_client, prefix, renderer, auth="on", rate_per_minute=6, rate_burst=2)
     key, other = a.key("agent"), a.key("agent")
-    refused_before = REGISTRY.get_sample_value("flywheel_gateway_rejected_requests_total",
-                                               {"reason": "rate_limited"}) or 0.0
+    refused_before = (
+        REGISTRY.get_sample_value(
+            "flywheel_gateway_rejected_requests_total", {"reason": "rate_limited"}
+        )
+        or 0.0
+    )
     # burst 2, 6 per minute (one token per 10 s): two requests pass in all, whichever replica
     # serves them; per-replica buckets would pass 2 + 2 = 4.
-    codes = [gw.client.post(CHAT, json=BODY, headers=gw.auth(key)).status_code
-             for gw in (a, b, a, b)]
+    codes = [
+        gw.client.post(CHAT, json=BODY, headers=gw.auth(key)).status_code for gw in (a, b, a, b)
+    ]
     assert codes == [200, 200, 429, 429]
     limited = b.client.post(CHAT, json=BODY, headers=b.auth(key))
     assert limited.status_code == 429
     assert 1 <= int(limited.headers["retry-after"]) <= 10  # the next token is <= 10 s away
     assert limited.json()["error"]["code"] == "rate_limit_exceeded"
-    assert REGISTRY.get_sample_value("flywheel_gateway_rejected_requests_total",
-                                     {"reason": "rate_limited"}) >= refused_before + 3
+    assert (
+        REGISTRY.get_sample_value(
+            "flywheel_gateway_rejected_requests_total", {"reason": "rate_limited"}
+        )
+        >= refused_before + 3
+    )
     assert b.client.post(CHAT, json=BODY, headers=b.auth(other)).status_code == 200  # per key
 
 
@@ -59,8 +66,15 @@ class GatedEngine:
     async def generate(self, input_ids, sampling_params, affinity="", **_):
         self.entered += 1
         await self.release.wait()
-        return Generation(output_ids=[2], output_logprobs=[-0.1], text="", finish_type="stop",
-                          matched_eos=True, weight_version=0, prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=[2],
+            output_logprobs=[-0.1],
+            text="",
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=0,
+            prompt_tokens=len(input_ids),
+        )
 
 
 async def _until(predicate, timeout_s: float = 30.0) -> None:
@@ -79,8 +93,9 @@ def test_concurrency_limit_is_shared_by_two_replicas(redis_client, prefix, rende
 
     async def scenario() -> tuple[httpx.Response, ...]:
         def client(gw):
-            return httpx.AsyncClient(transport=httpx.ASGITransport(app=gw.client.app),
-                                     base_url="http://gw", timeout=60)
+            return httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=gw.client.app), base_url="http://gw", timeout=60
+            )
 
         async with client(a) as ca, client(b) as cb:
             held = asyncio.create_task(ca.post(CHAT, json=BODY, headers=a.auth(key)))
@@ -97,7 +112,10 @@ def test_concurrency_limit_is_shared_by_two_replicas(redis_client, prefix, rende
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"] == {
         "message": "this key already has 1 requests in flight; wait for one to finish",
-        "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
     assert other_key.status_code == 200  # slots are per key
     assert first.status_code == 200 and after.status_code == 200  # released on completion
     leftover = redis_client.keys(f"{prefix}:limit:inflight:*")
@@ -115,18 +133,28 @@ def procs(tmp_path):
 
 
 def test_a_killed_replica_gives_its_slot_back_after_the_lease(
-        procs, tmp_path, redis_server, redis_client, prefix, renderer, smollm2_dir):
+    procs, tmp_path, redis_server, redis_client, prefix, renderer, smollm2_dir
+):
     hang = procs.stub("hang")  # the engine never answers: the request stays in flight
     port = free_port()
-    cfg = {"redis": {"url": redis_server.url}, "streams": {"prefix": prefix},
-           "gateway": {"port": port, "engine_urls": [hang], "tokenizer_path": str(smollm2_dir),
-                       "security": {"auth": "off", "max_concurrent": 1,
-                                    "concurrency_lease_s": LEASE_S}}}
+    cfg = {
+        "redis": {"url": redis_server.url},
+        "streams": {"prefix": prefix},
+        "gateway": {
+            "port": port,
+            "engine_urls": [hang],
+            "tokenizer_path": str(smollm2_dir),
+            "security": {"auth": "off", "max_concurrent": 1, "concurrency_lease_s": LEASE_S},
+        },
+    }
     path = tmp_path / "gateway.json"
     path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    replica = procs.spawn([sys.executable, "-m", "flywheel.gateway", "--config", str(path)],
-                          "gateway-short-lease", env=env)
+    replica = procs.spawn(
+        [sys.executable, "-m", "flywheel.gateway", "--config", str(path)],
+        "gateway-short-lease",
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/healthz", 60)
 

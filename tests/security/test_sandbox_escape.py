@@ -65,8 +65,9 @@ def test_cannot_read_files_outside_its_dir(outside):
     assert secret not in result.output and not result.passed
 
 
-@pytest.mark.parametrize("target", ["/etc/passwd", "/proc/1/environ", "/proc/self/environ",
-                                    os.path.abspath(__file__)])
+@pytest.mark.parametrize(
+    "target", ["/etc/passwd", "/proc/1/environ", "/proc/self/environ", os.path.abspath(__file__)]
+)
 def test_cannot_read_host_files(target):
     code = f"data = open({target!r}, 'rb').read(64)\nprint('READ', len(data))\n"
     result = run_test(code, "pass", FAST)
@@ -75,9 +76,11 @@ def test_cannot_read_host_files(target):
 
 def test_cannot_write_or_delete_outside_its_dir(outside):
     path, secret = outside
-    code = (f"import os\n"
-            f"try:\n    open({str(path / 'planted.txt')!r}, 'w').write('x')\nexcept OSError: pass\n"
-            f"try:\n    os.remove({str(path / 'secret.txt')!r})\nexcept OSError: pass\n")
+    code = (
+        f"import os\n"
+        f"try:\n    open({str(path / 'planted.txt')!r}, 'w').write('x')\nexcept OSError: pass\n"
+        f"try:\n    os.remove({str(path / 'secret.txt')!r})\nexcept OSError: pass\n"
+    )
     run_test(code, "pass", FAST)
     assert not (path / "planted.txt").exists()
     assert (path / "secret.txt").read_text() == secret
@@ -86,8 +89,10 @@ def test_cannot_write_or_delete_outside_its_dir(outside):
 def test_cannot_list_the_host_filesystem(outside):
     path, _ = outside
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import os\nprint('LIST', os.listdir({str(path)!r}))\n"
-            f"print('HERE', os.listdir({here!r}))\n")
+    code = (
+        f"import os\nprint('LIST', os.listdir({str(path)!r}))\n"
+        f"print('HERE', os.listdir({here!r}))\n"
+    )
     result = run_test(code, "pass", FAST)
     assert "LIST" not in result.output and "secret.txt" not in result.output
     assert "test_sandbox_escape.py" not in result.output
@@ -99,8 +104,10 @@ def test_cannot_reach_a_host_socket():
     server.listen(1)
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-            "s.sendall(b'ESCAPED')\n")
+    code = (
+        f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        "s.sendall(b'ESCAPED')\n"
+    )
     try:
         result = run_test(code, "pass", FAST)
         with pytest.raises(TimeoutError):
@@ -134,7 +141,8 @@ def test_cannot_signal_read_or_trace_other_processes(victim):
         "    try:\n        os.kill(p, signal.SIGKILL)\n    except OSError: pass\n"
         f"try:\n    print(open('/proc/{pid}/environ').read())\nexcept OSError: pass\n"
         "try:\n    libc = ctypes.CDLL(None)\n"
-        f"    print('PTRACE', libc.ptrace(16, {pid}, 0, 0))\nexcept Exception: pass\n")
+        f"    print('PTRACE', libc.ptrace(16, {pid}, 0, 0))\nexcept Exception: pass\n"
+    )
     result = run_test(code, "pass", FAST)
     time.sleep(0.2)
     assert proc.poll() is None, "the sandbox killed a host process"
@@ -145,8 +153,9 @@ def test_cannot_signal_read_or_trace_other_processes(victim):
 
 
 def test_fork_bomb_is_contained_and_leaves_nothing_running():
-    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n" \
-           "        pass\n"
+    code = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     t0 = time.monotonic()
     result = run_test(code, "pass", Limits(timeout_s=3.0, cpu_s=2, memory_mb=256))
     assert not result.passed and time.monotonic() - t0 < 15
@@ -155,17 +164,18 @@ def test_fork_bomb_is_contained_and_leaves_nothing_running():
 
 
 def test_daemon_does_not_outlive_the_test():
-    code = ("import os, time\n"
-            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            "        time.sleep(30)\n    os._exit(0)\n")
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        "        time.sleep(30)\n    os._exit(0)\n"
+    )
     run_test(code, "pass", FAST)
     time.sleep(0.5)
     assert _leftovers() == []
 
 
 def test_ignoring_sigterm_does_not_survive_the_timeout():
-    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "time.sleep(60)\n")
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n"
     t0 = time.monotonic()
     result = run_test(code, "pass", Limits(timeout_s=1.0))
     assert result.reason == "timeout" and time.monotonic() - t0 < 5

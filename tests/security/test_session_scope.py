@@ -36,16 +36,20 @@ def _call(gw, secret, method, path, body, header, sid):
 
 
 def _create(gw, secret, **body):
-    resp = gw.client.post("/v1/sessions", json={"group_id": "g", **body},
-                          headers=gw.auth(secret))
+    resp = gw.client.post("/v1/sessions", json={"group_id": "g", **body}, headers=gw.auth(secret))
     assert resp.status_code == 200, resp.text
     return resp.json()["session_id"]
 
 
 def _snapshot(gw, sid):
     record = gw.sessions.get(sid)
-    return (record.status, record.turns, dict(record.rewards), record.segment.token_ids,
-            gw.redis.xlen(f"{gw.prefix}:rollouts"))
+    return (
+        record.status,
+        record.turns,
+        dict(record.rewards),
+        record.segment.token_ids,
+        gw.redis.xlen(f"{gw.prefix}:rollouts"),
+    )
 
 
 @pytest.mark.parametrize(("method", "path", "body", "header"), SESSION_ENDPOINTS)
@@ -75,21 +79,26 @@ def test_owner_and_admin_may_use_the_session(gateway, method, path, body, header
 def test_every_session_endpoint_is_listed(gateway):
     """A new session route must be added to SESSION_ENDPOINTS (and so get the foreign-key test)."""
     listed = {(m, p) for m, p, _, header in SESSION_ENDPOINTS if not header}
-    routes = {(m, r.path.replace("{session_id}", "{sid}"))
-              for r in gateway.client.app.routes for m in getattr(r, "methods", ()) or ()
-              if "{session_id}" in getattr(r, "path", "")}
+    routes = {
+        (m, r.path.replace("{session_id}", "{sid}"))
+        for r in gateway.client.app.routes
+        for m in getattr(r, "methods", ()) or ()
+        if "{session_id}" in getattr(r, "path", "")
+    }
     assert routes <= listed, routes - listed
 
 
 def test_turns_with_a_foreign_key_do_not_reach_the_engine_or_the_record(gateway):
     owner, intruder = gateway.key("agent"), gateway.key("agent")
     sid = _create(gateway, owner)
-    ok = gateway.client.post(f"/s/{sid}/v1/chat/completions", json=CHAT,
-                             headers=gateway.auth(owner))
+    ok = gateway.client.post(
+        f"/s/{sid}/v1/chat/completions", json=CHAT, headers=gateway.auth(owner)
+    )
     assert ok.status_code == 200
     before = _snapshot(gateway, sid)
-    hijack = gateway.client.post("/v1/chat/completions", json=CHAT,
-                                 headers={**gateway.auth(intruder), "X-Session-Id": sid})
+    hijack = gateway.client.post(
+        "/v1/chat/completions", json=CHAT, headers={**gateway.auth(intruder), "X-Session-Id": sid}
+    )
     assert hijack.status_code == 404
     assert _snapshot(gateway, sid) == before and len(gateway.engine.calls) == 1
 
@@ -97,8 +106,9 @@ def test_turns_with_a_foreign_key_do_not_reach_the_engine_or_the_record(gateway)
 def test_live_session_created_by_header_belongs_to_its_key(gateway):
     owner, intruder = gateway.key("agent"), gateway.key("agent")
     headers = {**gateway.auth(owner), "X-Session-Id": "live-1"}
-    assert gateway.client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code \
-        == 200
+    assert (
+        gateway.client.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
+    )
     assert gateway.sessions.get("live-1").owner == gateway.keys.verify(owner).key_id
     stolen = gateway.client.get("/v1/sessions/live-1", headers=gateway.auth(intruder))
     assert stolen.status_code == 404
@@ -117,23 +127,28 @@ class TestSessionKey:
     def test_plain_v1_requests_are_routed_to_its_session(self, gateway):
         _, sid, minted = self._mint(gateway)
         assert minted["base_url"] == "http://testserver/v1"
-        resp = gateway.client.post("/v1/chat/completions", json=CHAT,
-                                   headers=gateway.auth(minted["api_key"]))
+        resp = gateway.client.post(
+            "/v1/chat/completions", json=CHAT, headers=gateway.auth(minted["api_key"])
+        )
         assert resp.status_code == 200, resp.text
         assert gateway.sessions.get(sid).turns == 1  # recorded in the session, not unrecorded
 
-    @pytest.mark.parametrize(("method", "path", "body"), [
-        ("GET", "/v1/sessions/{sid}", None),
-        ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}),
-        ("POST", "/v1/sessions/{sid}/reward", {"reward": 1.0}),
-        ("POST", "/v1/sessions/{sid}/keys", {}),
-        ("POST", "/v1/sessions", {}),
-        ("GET", "/v1/admin/keys", None),
-    ])
+    @pytest.mark.parametrize(
+        ("method", "path", "body"),
+        [
+            ("GET", "/v1/sessions/{sid}", None),
+            ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}),
+            ("POST", "/v1/sessions/{sid}/reward", {"reward": 1.0}),
+            ("POST", "/v1/sessions/{sid}/keys", {}),
+            ("POST", "/v1/sessions", {}),
+            ("GET", "/v1/admin/keys", None),
+        ],
+    )
     def test_cannot_read_reward_finish_or_create(self, gateway, method, path, body):
         _, sid, minted = self._mint(gateway)
-        resp = gateway.client.request(method, path.format(sid=sid), json=body,
-                                      headers=gateway.auth(minted["api_key"]))
+        resp = gateway.client.request(
+            method, path.format(sid=sid), json=body, headers=gateway.auth(minted["api_key"])
+        )
         assert resp.status_code == 403, resp.text
         assert resp.json()["error"]["type"] == "permission_error"
         assert gateway.sessions.get(sid).status == "open"
@@ -143,8 +158,9 @@ class TestSessionKey:
         other = _create(gateway, owner)
         key = gateway.auth(minted["api_key"])
         by_url = gateway.client.post(f"/s/{other}/v1/chat/completions", json=CHAT, headers=key)
-        by_header = gateway.client.post("/v1/chat/completions", json=CHAT,
-                                        headers={**key, "X-Session-Id": other})
+        by_header = gateway.client.post(
+            "/v1/chat/completions", json=CHAT, headers={**key, "X-Session-Id": other}
+        )
         assert by_url.status_code == 404 and by_header.status_code == 404
         assert gateway.sessions.get(other).turns == 0 and gateway.engine.calls == []
 
@@ -152,15 +168,15 @@ class TestSessionKey:
         gw = make_gateway()  # auto, loopback, no keys: authentication off
         sid = _create(gw, None)
         minted = gw.client.post(f"/v1/sessions/{sid}/keys", json={}).json()
-        resp = gw.client.post("/v1/chat/completions", json=CHAT,
-                              headers=gw.auth(minted["api_key"]))
+        resp = gw.client.post("/v1/chat/completions", json=CHAT, headers=gw.auth(minted["api_key"]))
         assert resp.status_code == 200 and gw.sessions.get(sid).turns == 1
         # a session key is not an agent/admin key: authentication stays off for everyone else
         assert gw.client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
 def test_a_key_racing_another_keys_first_request_for_one_session_id_is_refused(
-        gateway, monkeypatch):
+    gateway, monkeypatch
+):
     """Two keys send their first request with the same new X-Session-Id at once: both pass the
     access check while the session does not exist; the second one's create then finds the
     first one's session and must be refused like any foreign session, not join it."""
@@ -176,18 +192,21 @@ def test_a_key_racing_another_keys_first_request_for_one_session_id_is_refused(
         await original(d)
 
     monkeypatch.setattr(chat, "check_backlog", first_key_creates_meanwhile)
-    late = gateway.client.post("/v1/chat/completions", json=CHAT,
-                               headers={**gateway.auth(second), "X-Session-Id": "race"})
+    late = gateway.client.post(
+        "/v1/chat/completions", json=CHAT, headers={**gateway.auth(second), "X-Session-Id": "race"}
+    )
     assert late.status_code == 404, late.text
     record = gateway.sessions.get("race")
     assert record.owner == first_id and record.turns == 0 and not gateway.engine.calls
-    own = gateway.client.post("/v1/chat/completions", json=CHAT,
-                              headers={**gateway.auth(first), "X-Session-Id": "race"})
+    own = gateway.client.post(
+        "/v1/chat/completions", json=CHAT, headers={**gateway.auth(first), "X-Session-Id": "race"}
+    )
     assert own.status_code == 200 and gateway.sessions.get("race").turns == 1
 
 
 def test_a_session_another_key_creates_right_after_the_access_check_is_refused_at_the_turn(
-        gateway, monkeypatch):
+    gateway, monkeypatch
+):
     """The other interleaving: the second key's access check finds no session, the first key
     creates it, and the second key's turn then finds it existing (no create of its own): the
     turn itself refuses a session of another key, under the session lock."""
@@ -203,15 +222,17 @@ def test_a_session_another_key_creates_right_after_the_access_check_is_refused_a
             raise
 
     monkeypatch.setattr(type(gateway.sessions), "aowner", created_right_after_the_check)
-    late = gateway.client.post("/v1/chat/completions", json=CHAT,
-                               headers={**gateway.auth(second), "X-Session-Id": "race2"})
+    late = gateway.client.post(
+        "/v1/chat/completions", json=CHAT, headers={**gateway.auth(second), "X-Session-Id": "race2"}
+    )
     assert late.status_code == 404, late.text
     assert gateway.sessions.get("race2").turns == 0 and not gateway.engine.calls
 
 
 @pytest.mark.parametrize(("method", "suffix"), [("get", ""), ("post", "/keys")])
 def test_reading_or_keying_a_session_created_by_another_key_meanwhile_is_refused(
-        gateway, monkeypatch, method, suffix):
+    gateway, monkeypatch, method, suffix
+):
     """Naming the session in the path and in X-Session-Id does not make a missing session pass
     the access check, and a session another key created right after that check is refused by
     the route itself (it used to hand out its record, or a session key for it)."""
@@ -231,6 +252,7 @@ def test_reading_or_keying_a_session_created_by_another_key_meanwhile_is_refused
         return await original(self, session_id)
 
     monkeypatch.setattr(type(gateway.sessions), "aowner", created_right_after_the_check)
-    late = getattr(gateway.client, method)(f"/v1/sessions/victim2{suffix}", headers={
-        **gateway.auth(second), "X-Session-Id": "victim2"})
+    late = getattr(gateway.client, method)(
+        f"/v1/sessions/victim2{suffix}", headers={**gateway.auth(second), "X-Session-Id": "victim2"}
+    )
     assert late.status_code == 404, late.text

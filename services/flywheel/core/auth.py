@@ -84,8 +84,15 @@ class KeyStore:
     def _index(self) -> str:
         return f"{self.prefix}:apikeys"
 
-    def create(self, role: Role, name: str = "", *, session_id: str = "", parent: str = "",
-               ttl_s: int | None = None) -> tuple[str, KeyRecord]:
+    def create(
+        self,
+        role: Role,
+        name: str = "",
+        *,
+        session_id: str = "",
+        parent: str = "",
+        ttl_s: int | None = None,
+    ) -> tuple[str, KeyRecord]:
         """Mint a key; returns (secret shown once, its record).
 
         Raises:
@@ -94,12 +101,14 @@ class KeyStore:
         if role not in ROLE_PREFIX:
             raise InvalidRequestError(f"unknown role {role!r}; use agent or admin", param="role")
         if (role == "session") != bool(session_id):
-            raise InvalidRequestError("a session key needs exactly one session_id",
-                                      param="session_id")
+            raise InvalidRequestError(
+                "a session key needs exactly one session_id", param="session_id"
+            )
         secret = new_key(role)
         digest = hash_key(secret)
-        record = KeyRecord(key_id=digest[:12], role=role, name=name, session_id=session_id,
-                           parent=parent)
+        record = KeyRecord(
+            key_id=digest[:12], role=role, name=name, session_id=session_id, parent=parent
+        )
         pipe = self.client.pipeline()
         pipe.set(self._key(digest), record.model_dump_json(), ex=ttl_s)
         if role != "session":

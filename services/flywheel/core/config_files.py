@@ -53,14 +53,19 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except FileNotFoundError:
         raise
     except IsADirectoryError:
-        raise ConfigFileError(f"{path}: is a directory, not a config file; pass a TOML, YAML "
-                              "or JSON file") from None
+        raise ConfigFileError(
+            f"{path}: is a directory, not a config file; pass a TOML, YAML or JSON file"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise ConfigFileError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save "
-                              "it as UTF-8 TOML, YAML or JSON") from None
+        raise ConfigFileError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); save "
+            "it as UTF-8 TOML, YAML or JSON"
+        ) from None
     except OSError as exc:
-        raise ConfigFileError(f"{path}: cannot be read ({exc.strerror or exc}); pass a "
-                              "readable TOML, YAML or JSON file") from None
+        raise ConfigFileError(
+            f"{path}: cannot be read ({exc.strerror or exc}); pass a "
+            "readable TOML, YAML or JSON file"
+        ) from None
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
@@ -75,9 +80,11 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except Exception as exc:  # yaml.YAMLError, JSONDecodeError, TOMLDecodeError
         raise ConfigFileError(f"{path}: not valid {suffix.lstrip('.') or 'TOML'}: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigFileError(f"{path}: the top level must be a mapping with one section per "
-                              f"service (engine, gateway, reward, teacher, trainer, ...), not a "
-                              f"{type(data).__name__}")
+        raise ConfigFileError(
+            f"{path}: the top level must be a mapping with one section per "
+            f"service (engine, gateway, reward, teacher, trainer, ...), not a "
+            f"{type(data).__name__}"
+        )
     return data
 
 
@@ -88,16 +95,23 @@ def describe_validation_error(exc: Any) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         env = "FLYWHEEL_" + "__".join(str(p) for p in err["loc"]).upper()
-        got = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(
-            err.get("input"), dict) else ""
+        got = (
+            f" (got {err['input']!r})"
+            if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict)
+            else ""
+        )
         if SECRET_KEY.search(str(err["loc"][-1]) if err["loc"] else ""):
             got = ""
         lines.append(f"  {loc} ({env}): {err['msg']}{got}")
     return "\n".join(lines)
 
 
-def describe_env_parse_error(model: Any, environ: Mapping[str, str] | None = None,
-                             prefix: str = "FLYWHEEL_", delimiter: str = "__") -> str:
+def describe_env_parse_error(
+    model: Any,
+    environ: Mapping[str, str] | None = None,
+    prefix: str = "FLYWHEEL_",
+    delimiter: str = "__",
+) -> str:
     """Why pydantic-settings could not parse the environment (its `SettingsError` names only
     the section): one line per `FLYWHEEL_<SECTION>__<FIELD>` variable of a list, dict or
     section setting whose value is not JSON, saying the format expected.
@@ -111,21 +125,23 @@ def describe_env_parse_error(model: Any, environ: Mapping[str, str] | None = Non
     for name, value in sorted(environ.items()):
         if not name.upper().startswith(prefix):
             continue
-        kind = _complex_kind(model, name[len(prefix):].lower().split(delimiter))
+        kind = _complex_kind(model, name[len(prefix) :].lower().split(delimiter))
         if kind is None:
             continue
         try:
             json.loads(value)
         except ValueError:
-            example = {"list": '\'["a", "b"]\'', "dict": '\'{"key": 1.0}\''}.get(
-                kind, '\'{"field": "value"}\'')
-            lines.append(f"  {name}={value!r}: a {kind} setting takes a JSON value, e.g. "
-                         f"{name}={example}")
+            example = {"list": '\'["a", "b"]\'', "dict": "'{\"key\": 1.0}'"}.get(
+                kind, '\'{"field": "value"}\''
+            )
+            lines.append(
+                f"  {name}={value!r}: a {kind} setting takes a JSON value, e.g. {name}={example}"
+            )
     return "\n".join(lines)
 
 
 def _complex_kind(model: Any, parts: list[str]) -> str | None:
-    """"list", "dict" or "section" when the field at `parts` under `model` is read from the
+    """ "list", "dict" or "section" when the field at `parts` under `model` is read from the
     environment as JSON; None for a plain value or an unknown name."""
     import typing  # noqa: PLC0415
 

@@ -43,17 +43,22 @@ def param_of(loc: tuple | list) -> str | None:
     return out or None
 
 
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def redis_unavailable(exc: redis.RedisError) -> JSONResponse:
     """503 with Retry-After for a request that needed Redis while it is down."""
     log.error("Redis unavailable: %s", exc)
-    return JSONResponse(error_body("the session store (Redis) is unavailable; retry later",
-                                   "service_unavailable_error"),
-                        status_code=503, headers={"Retry-After": "5"})
+    return JSONResponse(
+        error_body(
+            "the session store (Redis) is unavailable; retry later", "service_unavailable_error"
+        ),
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
 
 
 def platform_error(exc: PlatformError) -> JSONResponse:
@@ -63,8 +68,11 @@ def platform_error(exc: PlatformError) -> JSONResponse:
         headers["Retry-After"] = str(int(round(exc.retry_after_s)))
     if exc.http_status >= 500:
         log.error("request failed: %s", exc.message)
-    return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code),
-                        status_code=exc.http_status, headers=headers)
+    return JSONResponse(
+        error_body(exc.message, exc.error_type, exc.param, exc.code),
+        status_code=exc.http_status,
+        headers=headers,
+    )
 
 
 def install(app: FastAPI) -> None:
@@ -79,13 +87,16 @@ def install(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             where = first.get("loc", ("body", "?"))[-1]
-            return JSONResponse(error_body(f"the request body is not valid JSON (error at "
-                                           f"character {where})", "invalid_request_error"),
-                                status_code=400)
+            return JSONResponse(
+                error_body(
+                    f"the request body is not valid JSON (error at character {where})",
+                    "invalid_request_error",
+                ),
+                status_code=400,
+            )
         param = param_of(first.get("loc", ()))
         message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(message, "invalid_request_error", param),
-                            status_code=400)
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(redis.RedisError)
     async def _redis(_: Request, exc: redis.RedisError) -> JSONResponse:
@@ -97,8 +108,9 @@ def install(app: FastAPI) -> None:
         if isinstance(exc, redis.RedisError):
             return redis_unavailable(exc)
         log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

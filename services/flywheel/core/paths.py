@@ -33,5 +33,6 @@ def resolve_model_path(configured: str) -> Path:
         raise ConfigurationError(
             f"model path {configured} does not exist: point model_path at a Hugging Face model "
             "folder (config.json, weights, tokenizer), or leave it empty for the default "
-            "SmolLM2-135M-Instruct")
+            "SmolLM2-135M-Instruct"
+        )
     return path

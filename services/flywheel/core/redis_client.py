@@ -22,11 +22,28 @@ def _retried(socket_timeout: float | None) -> tuple[type[Exception], ...]:
     return (redis.ConnectionError,)
 
 
-_COPIED = ("db", "username", "password", "socket_timeout", "socket_connect_timeout",
-           "health_check_interval", "client_name", "credential_provider")
+_COPIED = (
+    "db",
+    "username",
+    "password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "health_check_interval",
+    "client_name",
+    "credential_provider",
+)
 """Connection settings an asyncio twin takes over from its sync client."""
-_SSL = ("ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_data",
-        "ssl_check_hostname", "ssl_password", "ssl_min_version", "ssl_ciphers")
+_SSL = (
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_data",
+    "ssl_check_hostname",
+    "ssl_password",
+    "ssl_min_version",
+    "ssl_ciphers",
+)
 
 
 ASYNC_POOL_SIZE = 128
@@ -45,8 +62,11 @@ def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
     """
     return redis.Redis.from_url(
         url,
-        retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3,
-                    supported_errors=_retried(socket_timeout)),
+        retry=Retry(
+            ExponentialWithJitterBackoff(base=0.05, cap=1.0),
+            3,
+            supported_errors=_retried(socket_timeout),
+        ),
         retry_on_error=list(_retried(socket_timeout)),
         health_check_interval=30,
         socket_connect_timeout=5,
@@ -66,8 +86,7 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
     settings = {k: kwargs[k] for k in _COPIED if k in kwargs}
     cls = client.connection_pool.connection_class
     if issubclass(cls, redis.UnixDomainSocketConnection):
-        conn_cls: type[aioredis.connection.AbstractConnection] = \
-            aioredis.UnixDomainSocketConnection
+        conn_cls: type[aioredis.connection.AbstractConnection] = aioredis.UnixDomainSocketConnection
         settings["path"] = kwargs["path"]
     else:
         settings.update(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379))
@@ -76,11 +95,15 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
             conn_cls = aioredis.SSLConnection
             settings.update({k: kwargs[k] for k in _SSL if k in kwargs})
     pool = aioredis.BlockingConnectionPool(
-        max_connections=ASYNC_POOL_SIZE, timeout=ASYNC_POOL_WAIT_S,
-        connection_class=conn_cls, retry_on_error=list(retried := _retried(
-            settings.get("socket_timeout"))),
-        retry=AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3,
-                         supported_errors=retried), **settings)
+        max_connections=ASYNC_POOL_SIZE,
+        timeout=ASYNC_POOL_WAIT_S,
+        connection_class=conn_cls,
+        retry_on_error=list(retried := _retried(settings.get("socket_timeout"))),
+        retry=AsyncRetry(
+            ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3, supported_errors=retried
+        ),
+        **settings,
+    )
     return aioredis.Redis(connection_pool=pool)
 
 

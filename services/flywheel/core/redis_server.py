@@ -197,13 +197,20 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_redis_server(),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self.data_dir.resolve()),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--protected-mode", "yes",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
         ]
         if self.password:
             args += ["--requirepass", self.password]
@@ -213,8 +220,10 @@ class LocalRedis:
         client = redis.Redis.from_url(self.url)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see "
-                                   f"{self.data_dir / 'redis.log'}")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode}; see "
+                    f"{self.data_dir / 'redis.log'}"
+                )
             try:
                 client.ping()
                 return self

@@ -86,13 +86,16 @@ class RedisSettings(Section):
 
         parts = urlsplit(value)
         if value and parts.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"{value!r} is not a Redis URL: use redis://host:6379/0, "
-                             "rediss://... (TLS) or unix:///path/to/redis.sock")
+            raise ValueError(
+                f"{value!r} is not a Redis URL: use redis://host:6379/0, "
+                "rediss://... (TLS) or unix:///path/to/redis.sock"
+            )
         host = parts.hostname or ""
         if value and parts.scheme != "unix" and not is_loopback(host) and not parts.password:
             raise ValueError(
                 f"Redis at {host!r} is not on loopback, so its URL must carry a password "
-                "(redis://:PASSWORD@host:6379/0 or rediss://...)")
+                "(redis://:PASSWORD@host:6379/0 or rediss://...)"
+            )
         return value
 
 
@@ -231,7 +234,8 @@ class GatewaySettings(Section):
             raise ValueError(
                 f"gateway.session_idle_finish_s ({self.session_idle_finish_s}) must be below "
                 f"gateway.session_ttl_s ({self.session_ttl_s}): an idle session is finished "
-                "(its turns published) before its Redis key expires")
+                "(its turns published) before its Redis key expires"
+            )
         return self
 
     @property
@@ -286,8 +290,7 @@ class RubricJudgeSettings(JudgeSettings):
     @model_validator(mode="after")
     def _range(self) -> RubricJudgeSettings:
         if not self.score_min < self.score_max:
-            raise ValueError(f"score_min {self.score_min} must be below score_max "
-                             f"{self.score_max}")
+            raise ValueError(f"score_min {self.score_min} must be below score_max {self.score_max}")
         return self
 
 
@@ -473,8 +476,9 @@ def load_settings(
     return FlywheelSettings(**data)
 
 
-def load_settings_or_exit(config_file: str | os.PathLike[str] | None = None,
-                          prog: str = "flywheel", **overrides: Any) -> FlywheelSettings:
+def load_settings_or_exit(
+    config_file: str | os.PathLike[str] | None = None, prog: str = "flywheel", **overrides: Any
+) -> FlywheelSettings:
     """`load_settings` for a command or service entry point: a bad config file or setting ends
     the process with one message naming it and what to write instead (exit code 1), never a
     traceback.
@@ -493,17 +497,23 @@ def load_settings_or_exit(config_file: str | os.PathLike[str] | None = None,
     try:
         return load_settings(config_file, **overrides)
     except FileNotFoundError as exc:
-        sys.exit(f"{prog}: config file not found: {exc.filename}. Pass an existing TOML, YAML "
-                 "or JSON file.")
+        sys.exit(
+            f"{prog}: config file not found: {exc.filename}. Pass an existing TOML, YAML "
+            "or JSON file."
+        )
     except (ConfigFileError, ConfigurationError) as exc:
         sys.exit(f"{prog}: {exc}")
     except SettingsError as exc:  # an environment value of a list/dict setting that is not JSON
         culprits = describe_env_parse_error(FlywheelSettings)
-        sys.exit(f"{prog}: cannot parse FLYWHEEL_<SECTION>__<FIELD> variables; fix these:\n"
-                 f"{culprits}" if culprits else
-                 f"{prog}: {exc} ({exc.__cause__}); list, dict and section settings set in "
-                 "FLYWHEEL_<SECTION>__<FIELD> variables take JSON values, e.g. '[\"a\"]' or "
-                 "'{\"key\": 1.0}'.")
+        sys.exit(
+            f"{prog}: cannot parse FLYWHEEL_<SECTION>__<FIELD> variables; fix these:\n{culprits}"
+            if culprits
+            else f"{prog}: {exc} ({exc.__cause__}); list, dict and section settings set in "
+            "FLYWHEEL_<SECTION>__<FIELD> variables take JSON values, e.g. '[\"a\"]' or "
+            "'{\"key\": 1.0}'."
+        )
     except ValidationError as exc:
-        sys.exit(f"{prog}: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
-                 f"variables); fix these fields:\n{describe_validation_error(exc)}")
+        sys.exit(
+            f"{prog}: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
+            f"variables); fix these fields:\n{describe_validation_error(exc)}"
+        )

@@ -61,9 +61,11 @@ PUBLISHED = Counter("flywheel_stream_published_total", "Entries added to a strea
 ACKED = Counter("flywheel_stream_acked_total", "Entries acknowledged", ["stream", "group"])
 DEAD = Counter("flywheel_stream_dead_lettered_total", "Entries moved to dead letter", ["stream"])
 RECLAIMED = Counter("flywheel_stream_reclaimed_total", "Pending entries reclaimed", ["stream"])
-GROUP_RECREATED = Counter("flywheel_stream_group_recreated_total",
-                          "Consumer groups found missing on a read and created again (Redis "
-                          "restarted without its data)", ["stream", "group"])
+GROUP_RECREATED = Counter(
+    "flywheel_stream_group_recreated_total",
+    "Consumer groups found missing on a read and created again (Redis restarted without its data)",
+    ["stream", "group"],
+)
 LOST = Counter(
     "flywheel_stream_lost_total", "Pending entries found deleted on reclaim", ["stream", "group"]
 )
@@ -192,9 +194,12 @@ class StreamConsumer:
             if "NOGROUP" not in str(exc):
                 raise
         GROUP_RECREATED.labels(self.stream, self.group).inc()
-        log.error("consumer group %s of stream %s is gone (did Redis restart without its "
-                  "data?); creating it again at the start of the stream", self.group,
-                  self.stream)
+        log.error(
+            "consumer group %s of stream %s is gone (did Redis restart without its "
+            "data?); creating it again at the start of the stream",
+            self.group,
+            self.stream,
+        )
         self.ensure_group()
         return []
 
@@ -272,8 +277,9 @@ class StreamConsumer:
         lost once (Redis < 7 reports them to XAUTOCLAIM as nil without their id, every time)."""
         gone, start = [], "-"
         while True:
-            rows = self.client.xpending_range(self.stream, self.group, min=start, max="+",
-                                              count=page)
+            rows = self.client.xpending_range(
+                self.stream, self.group, min=start, max="+", count=page
+            )
             ids = [_s(r["message_id"]) for r in rows]
             gone += [i for i in ids if not self.client.xrange(self.stream, min=i, max=i)]
             if len(rows) < page:
@@ -309,8 +315,11 @@ class StreamConsumer:
 
     def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
         rows = self.client.xpending_range(
-            self.stream, self.group, min=min(entry_ids, key=_id_key),
-            max=max(entry_ids, key=_id_key), count=len(entry_ids) * 4 + 16,
+            self.stream,
+            self.group,
+            min=min(entry_ids, key=_id_key),
+            max=max(entry_ids, key=_id_key),
+            count=len(entry_ids) * 4 + 16,
         )
         return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
@@ -321,8 +330,9 @@ class StreamConsumer:
             payload = (fields or {}).get(FIELD)
             if payload is None:
                 names = sorted(_s(k) for k in fields or {})
-                self.dead_letter(entry_id, b"", f"entry has no {_s(FIELD)!r} field "
-                                 f"(fields: {names})")
+                self.dead_letter(
+                    entry_id, b"", f"entry has no {_s(FIELD)!r} field (fields: {names})"
+                )
                 continue
             try:
                 sample = decode_sample(payload)

@@ -194,13 +194,18 @@ class TrainerSettings(Section):
     (KL_ESTIMATORS against the rollout policy, TERMS in ...algorithms.regularizers)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: groups without reward spread are left out of the step."""
-    algorithm_params: dict[str, dict[str, float | int | bool | str]] = Field(
-        default_factory=dict)
+    algorithm_params: dict[str, dict[str, float | int | bool | str]] = Field(default_factory=dict)
     """Per-part hyperparameters over the paper defaults, by part name:
     `[trainer.algorithm_params.high_entropy_only]` / `top_frac = 0.2`."""
 
-    @field_validator("advantage", "policy_loss", "loss_aggregation", "token_weights",
-                     "regularizers", "algorithm_params")
+    @field_validator(
+        "advantage",
+        "policy_loss",
+        "loss_aggregation",
+        "token_weights",
+        "regularizers",
+        "algorithm_params",
+    )
     @classmethod
     def _known_parts(cls, value: Any, info: Any) -> Any:
         from flywheel.trainer.algorithms.catalog import names_for  # noqa: PLC0415
@@ -208,8 +213,10 @@ class TrainerSettings(Section):
         known = names_for(info.field_name)
         for name in [value] if isinstance(value, str) else list(value):
             if name not in known:
-                raise ValueError(f"unknown {info.field_name} part {name!r}; choose from "
-                                 f"{sorted(known)} (`flywheel algorithms list`)")
+                raise ValueError(
+                    f"unknown {info.field_name} part {name!r}; choose from "
+                    f"{sorted(known)} (`flywheel algorithms list`)"
+                )
         return value
 
     @field_validator("dual_clip_c")

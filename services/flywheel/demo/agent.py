@@ -8,8 +8,15 @@ from __future__ import annotations
 from openai import OpenAI
 
 
-def answer(base_url: str, question: str, *, model: str, temperature: float, max_tokens: int,
-           api_key: str = "flywheel-local") -> str:
+def answer(
+    base_url: str,
+    question: str,
+    *,
+    model: str,
+    temperature: float,
+    max_tokens: int,
+    api_key: str = "flywheel-local",
+) -> str:
     """Ask the model one question through `base_url`; returns the reply text."""
     client = OpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
     completion = client.chat.completions.create(

@@ -75,8 +75,9 @@ class RunningBatch:
         """
         runner = self.runner
         with torch.inference_mode():
-            ids, mask, positions = left_pad([s.input_ids for s in seqs], runner.pad_id,
-                                            runner.device)
+            ids, mask, positions = left_pad(
+                [s.input_ids for s in seqs], runner.pad_id, runner.device
+            )
             cache = runner.new_cache()
             hidden = runner.hidden(ids, mask, positions, cache)  # (B2, T2, H)
             for i, seq in enumerate(seqs):
@@ -94,7 +95,11 @@ class RunningBatch:
         return done
 
     def _merge(
-        self, seqs: list[Sequence], cache: DynamicCache, mask: Tensor, last_pos: Tensor,
+        self,
+        seqs: list[Sequence],
+        cache: DynamicCache,
+        mask: Tensor,
+        last_pos: Tensor,
         logits: Tensor,
     ) -> None:
         if self.cache is None or not self.seqs:

@@ -45,8 +45,9 @@ def engine_settings(args: argparse.Namespace) -> tuple[EngineSettings, str]:
         }.items()
         if value is not None
     }
-    settings = load_settings_or_exit(args.config, "flywheel-engine",
-                                     **({"engine": overrides} if overrides else {}))
+    settings = load_settings_or_exit(
+        args.config, "flywheel-engine", **({"engine": overrides} if overrides else {})
+    )
     return settings.engine, settings.log_level
 
 
@@ -72,8 +73,14 @@ def main(argv: list[str] | None = None) -> None:
     worker = EngineWorker(settings, model_path).start()
     app = create_app(EngineDeps(engine=worker, settings=settings, model_path=model_path))
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
+        uvicorn.run(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=log_level.lower(),
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
     finally:
         worker.close()
 

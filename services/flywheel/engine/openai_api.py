@@ -145,8 +145,10 @@ class ChatCompletionRequest(_Common):
         return self
 
     def new_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else (
-            self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
         )
 
 
@@ -287,9 +289,9 @@ def chat_response(
             choice["meta_info"] = meta
         choices.append(choice)
     return {
-        "id": results[0]["meta_info"]["id"].rsplit("_", 1)[0] if len(results) > 1 else (
-            results[0]["meta_info"]["id"]
-        ),
+        "id": results[0]["meta_info"]["id"].rsplit("_", 1)[0]
+        if len(results) > 1
+        else (results[0]["meta_info"]["id"]),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model,
@@ -299,9 +301,7 @@ def chat_response(
     }
 
 
-def completion_logprobs(
-    meta: dict[str, Any], *, echo: bool, start: int = 0
-) -> dict[str, Any]:
+def completion_logprobs(meta: dict[str, Any], *, echo: bool, start: int = 0) -> dict[str, Any]:
     """Legacy `choice.logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
     rows = list(meta.get("input_token_logprobs") or []) if echo and start == 0 else []
     tops: list[Any] = list(meta.get("input_top_logprobs") or [None] * len(rows))

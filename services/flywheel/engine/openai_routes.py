@@ -193,8 +193,9 @@ def register_openai_routes(app: FastAPI, wait: Any, stream_rows: Any) -> None:
                 tokens = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
                 count = len(tokens)
             elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-                tokens = [list(tokenizer(p, add_special_tokens=special)["input_ids"])
-                          for p in prompt]
+                tokens = [
+                    list(tokenizer(p, add_special_tokens=special)["input_ids"]) for p in prompt
+                ]
                 count = [len(t) for t in tokens]
             else:
                 raise OpenAIError("prompt must be a string or a list of strings")

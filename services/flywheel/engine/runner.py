@@ -171,7 +171,7 @@ class ModelRunner:
 
 
 def pick_device(device: str = "auto") -> torch.device:
-    """"auto" = CUDA when a GPU is visible, else CPU; "cpu"/"cuda" force one.
+    """ "auto" = CUDA when a GPU is visible, else CPU; "cpu"/"cuda" force one.
 
     Raises:
         ValueError: "cuda" asked for on a machine without a CUDA device.

@@ -55,8 +55,11 @@ class BeginRequest(BaseModel):
 
 
 def _answer(ok: bool, message: str) -> Response:
-    return Response(dumps({"success": ok, "message": message}), status_code=200 if ok else 400,
-                    media_type="application/json")
+    return Response(
+        dumps({"success": ok, "message": message}),
+        status_code=200 if ok else 400,
+        media_type="application/json",
+    )
 
 
 def register_weight_routes(
@@ -72,21 +75,32 @@ def register_weight_routes(
         req: InitGroupRequest = parse(InitGroupRequest, await body(request))
         weights = get_deps(request).engine.weights
         ok, msg = await asyncio.to_thread(
-            weights.init_group, req.master_address, req.master_port, req.rank_offset,
-            req.world_size, req.group_name, req.backend)
+            weights.init_group,
+            req.master_address,
+            req.master_port,
+            req.rank_offset,
+            req.world_size,
+            req.group_name,
+            req.backend,
+        )
         return _answer(ok, msg)
 
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request) -> Response:
-        req: UpdateFromDistributedRequest = parse(UpdateFromDistributedRequest,
-                                                  await body(request))
+        req: UpdateFromDistributedRequest = parse(UpdateFromDistributedRequest, await body(request))
         if req.load_format not in (None, "direct"):
             return _answer(False, f"load_format {req.load_format!r} is not supported")
         weights = get_deps(request).engine.weights
         ok, msg = await asyncio.to_thread(
             lambda: weights.from_distributed(
-                req.names, req.dtypes, req.shapes, req.group_name,
-                weight_version=req.weight_version, abort_all_requests=req.abort_all_requests))
+                req.names,
+                req.dtypes,
+                req.shapes,
+                req.group_name,
+                weight_version=req.weight_version,
+                abort_all_requests=req.abort_all_requests,
+            )
+        )
         return _answer(ok, msg)
 
     @app.post("/destroy_weights_update_group")

@@ -92,8 +92,9 @@ class DistributedWeightSync:
             raise WeightSyncError(f"{url}{path} failed ({r.status_code}): {data.get('message')}")
         return data
 
-    def _on_all(self, path: str, bodies: list[dict[str, Any]]) -> tuple[list[threading.Thread],
-                                                                       list[BaseException]]:
+    def _on_all(
+        self, path: str, bodies: list[dict[str, Any]]
+    ) -> tuple[list[threading.Thread], list[BaseException]]:
         errors: list[BaseException] = []
 
         def call(url: str, body: dict[str, Any]) -> None:
@@ -102,8 +103,10 @@ class DistributedWeightSync:
             except BaseException as e:  # collected and raised by the caller after join
                 errors.append(e)
 
-        threads = [threading.Thread(target=call, args=(u, b), daemon=True)
-                   for u, b in zip(self.engine_urls, bodies, strict=True)]
+        threads = [
+            threading.Thread(target=call, args=(u, b), daemon=True)
+            for u, b in zip(self.engine_urls, bodies, strict=True)
+        ]
         for t in threads:
             t.start()
         return threads, errors
@@ -119,13 +122,26 @@ class DistributedWeightSync:
 
         if not self.master_port:
             self.master_port = free_port(self.master_address)
-        bodies = [{"master_address": self.master_address, "master_port": self.master_port,
-                   "rank_offset": 1 + i, "world_size": self.world_size,
-                   "group_name": self.group_name, "backend": self.backend}
-                  for i in range(len(self.engine_urls))]
+        bodies = [
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": 1 + i,
+                "world_size": self.world_size,
+                "group_name": self.group_name,
+                "backend": self.backend,
+            }
+            for i in range(len(self.engine_urls))
+        ]
         timeout = datetime.timedelta(seconds=self.timeout_s)
-        store = TCPStore(self.master_address, self.master_port, self.world_size, True,
-                         timeout=timeout, wait_for_workers=False)
+        store = TCPStore(
+            self.master_address,
+            self.master_port,
+            self.world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
         threads, errors = self._on_all("/init_weights_update_group", bodies)
         try:
             prefixed = PrefixStore(self.group_name, store)
@@ -181,8 +197,9 @@ class DistributedWeightSync:
         for url in self.engine_urls:
             self._post(url, "/begin_weight_update", {})
         try:
-            threads, errors = self._on_all("/update_weights_from_distributed",
-                                           [body] * len(self.engine_urls))
+            threads, errors = self._on_all(
+                "/update_weights_from_distributed", [body] * len(self.engine_urls)
+            )
             with torch.no_grad():
                 for _, tensor in items:
                     self._group.broadcast(tensor, 0).wait()

@@ -86,8 +86,12 @@ class WeightUpdater:
                 self.worker.metrics.weight_updates.labels("failed").inc()
                 return False, str(e)
             self._swap(state, weight_version, abort_all_requests)
-            log.info("weights from %s loaded in %.2f s, version %s", model_path,
-                     time.perf_counter() - t0, self.worker.weight_version)
+            log.info(
+                "weights from %s loaded in %.2f s, version %s",
+                model_path,
+                time.perf_counter() - t0,
+                self.worker.weight_version,
+            )
         return True, "Succeeded to update model weights."
 
     def _swap(self, state: dict[str, Tensor], version: str | None, abort_all: bool) -> None:
@@ -126,8 +130,13 @@ class WeightUpdater:
     # -- distributed ------------------------------------------------------------------------------
 
     def init_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
     ) -> tuple[bool, str]:
         """Join the trainer's process group as rank `rank_offset` (blocks until all joined).
 
@@ -143,14 +152,20 @@ class WeightUpdater:
         device = runner.device
         use_nccl = backend == "nccl" and device.type == "cuda"
         try:
-            group = _new_group(master_address, master_port, rank_offset, world_size, group_name,
-                               use_nccl, device)
+            group = _new_group(
+                master_address, master_port, rank_offset, world_size, group_name, use_nccl, device
+            )
         except Exception as e:  # rendezvous timeout, refused port, bad backend
             log.warning("joining weight update group %s failed: %s", group_name, e)
             return False, f"Failed to init process group: {type(e).__name__}: {e}"
         self._groups[group_name] = _Group(group, rank_offset, world_size, device)
-        log.info("joined weight update group %s as rank %d of %d (%s)", group_name, rank_offset,
-                 world_size, "nccl" if use_nccl else "gloo")
+        log.info(
+            "joined weight update group %s as rank %d of %d (%s)",
+            group_name,
+            rank_offset,
+            world_size,
+            "nccl" if use_nccl else "gloo",
+        )
         return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
@@ -166,8 +181,13 @@ class WeightUpdater:
         return True, "Succeeded to destroy custom process group."
 
     def from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = "weight_update_group", *, weight_version: str | None = None,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        *,
+        weight_version: str | None = None,
         abort_all_requests: bool = False,
     ) -> tuple[bool, str]:
         """Receive `names` broadcast by rank 0 (in that order) and swap them in.
@@ -176,8 +196,10 @@ class WeightUpdater:
         the group is unknown, or a name/shape does not fit the model.
         """
         if not self._session:
-            return False, ("update_weights_from_distributed must run between "
-                           "begin_weight_update() and end_weight_update()")
+            return False, (
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
         group = self._groups.get(group_name)
         if group is None:
             return False, f"no weight update group named {group_name!r}; call init first"
@@ -202,8 +224,13 @@ class WeightUpdater:
                 self.worker.metrics.weight_updates.labels("failed").inc()
                 return False, str(e)
             self._swap(state, weight_version, abort_all_requests)
-            log.info("%d tensors received over %s in %.2f s, version %s", len(state), group_name,
-                     time.perf_counter() - t0, self.worker.weight_version)
+            log.info(
+                "%d tensors received over %s in %.2f s, version %s",
+                len(state),
+                group_name,
+                time.perf_counter() - t0,
+                self.worker.weight_version,
+            )
         return True, "Succeeded to update parameter online."
 
     # -- reads ------------------------------------------------------------------------------------

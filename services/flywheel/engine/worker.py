@@ -242,9 +242,12 @@ class EngineWorker:
         load_format: str | None = None,
     ) -> tuple[bool, str]:
         """Load a safetensors checkpoint into the live model (see `WeightUpdater.from_disk`)."""
-        return self.weights.from_disk(model_path, weight_version,
-                                      abort_all_requests=abort_all_requests,
-                                      load_format=load_format)
+        return self.weights.from_disk(
+            model_path,
+            weight_version,
+            abort_all_requests=abort_all_requests,
+            load_format=load_format,
+        )
 
     def pause(self, mode: str = "abort") -> None:
         """SGLang /pause_generation: no decode step and no new row until `resume()`.

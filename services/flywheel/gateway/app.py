@@ -42,8 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class Engines(Protocol):
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
-                       affinity: str = "", top_logprobs_num: int = 0) -> Generation: ...
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        affinity: str = "",
+        top_logprobs_num: int = 0,
+    ) -> Generation: ...
 
 
 class Publisher(Protocol):
@@ -51,6 +56,7 @@ class Publisher(Protocol):
     their Samples to `stream` when they save (SessionRecord.queue)."""
 
     async def abacklog(self) -> int: ...
+
     stream: str
     high_water: int
     watch_group: str
@@ -73,10 +79,12 @@ async def get_deps(request: Request) -> GatewayDeps:
 
 
 Deps = Annotated[GatewayDeps, Depends(get_deps)]
-SessionHeader = Annotated[str | None, Header(description="Session id (live mode; created on "
-                                                         "first use)")]
-TurnHeader = Annotated[str | None, Header(description="main (recorded, default) | side "
-                                                      "(served, not recorded)")]
+SessionHeader = Annotated[
+    str | None, Header(description="Session id (live mode; created on first use)")
+]
+TurnHeader = Annotated[
+    str | None, Header(description="main (recorded, default) | side (served, not recorded)")
+]
 
 
 def create_app(deps: GatewayDeps) -> FastAPI:
@@ -119,36 +127,55 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.get("/v1/models")
     @app.get("/s/{session_id}/v1/models")
     async def models(d: Deps) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                            "owned_by": "flywheel"}
-                                           for name in served_models(d.settings)]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "flywheel"}
+                for name in served_models(d.settings)
+            ],
+        }
 
     @app.post("/v1/sessions")
-    async def create_session(request: Request, d: Deps, body: SessionCreate | None = None
-                             ) -> dict[str, Any]:
+    async def create_session(
+        request: Request, d: Deps, body: SessionCreate | None = None
+    ) -> dict[str, Any]:
         body = body or SessionCreate()  # no body: every field has its default
         if not body.eval:
             await chat.check_backlog(d)
-        record = await d.sessions.acreate(owner=owner_of(request),
-                                          **body.model_dump(exclude_none=True))
+        record = await d.sessions.acreate(
+            owner=owner_of(request), **body.model_dump(exclude_none=True)
+        )
         base = str(request.base_url).rstrip("/")
-        return {"session_id": record.session_id, "group_id": record.group_id,
-                "base_url": f"{base}/s/{record.session_id}/v1", "eval": record.eval}
+        return {
+            "session_id": record.session_id,
+            "group_id": record.group_id,
+            "base_url": f"{base}/s/{record.session_id}/v1",
+            "eval": record.eval,
+        }
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, d: Deps) -> dict[str, Any]:
         record = await asyncio.to_thread(d.sessions.get, session_id)
         check_request_owner(record)
         seg = record.segment
-        return {"session_id": record.session_id, "group_id": record.group_id,
-                "status": record.status, "eval": record.eval, "mode": record.mode,
-                "turns": record.turns, "segment_turns": seg.turns,
-                "segment_index": seg.index, "samples_published": record.samples_published,
-                "samples_held": record.held,
-                "forks": record.forks, "fork_reasons": record.fork_reasons,
-                "waiting_turns": int(bool(record.pending)) + len(record.branches),
-                "finished_by": record.finished_by,
-                "token_ids": seg.token_ids, "loss_mask": seg.loss_mask}
+        return {
+            "session_id": record.session_id,
+            "group_id": record.group_id,
+            "status": record.status,
+            "eval": record.eval,
+            "mode": record.mode,
+            "turns": record.turns,
+            "segment_turns": seg.turns,
+            "segment_index": seg.index,
+            "samples_published": record.samples_published,
+            "samples_held": record.held,
+            "forks": record.forks,
+            "fork_reasons": record.fork_reasons,
+            "waiting_turns": int(bool(record.pending)) + len(record.branches),
+            "finished_by": record.finished_by,
+            "token_ids": seg.token_ids,
+            "loss_mask": seg.loss_mask,
+        }
 
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
@@ -160,48 +187,61 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         return await turns.post_reward(d, session_id, body.name, body.reward)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request, d: Deps,
-                               x_session_id: SessionHeader = None, x_turn_type: TurnHeader = None
-                               ) -> JSONResponse | StreamingResponse:
-        return await chat.respond(d, body, None, x_session_id, x_turn_type, owner_of(request),
-                                  request.receive)
+    async def chat_completions(
+        body: ChatCompletionRequest,
+        request: Request,
+        d: Deps,
+        x_session_id: SessionHeader = None,
+        x_turn_type: TurnHeader = None,
+    ) -> JSONResponse | StreamingResponse:
+        return await chat.respond(
+            d, body, None, x_session_id, x_turn_type, owner_of(request), request.receive
+        )
 
     @app.post("/s/{session_id}/v1/chat/completions", response_model=None)
-    async def session_chat(session_id: str, body: ChatCompletionRequest, request: Request,
-                           d: Deps, x_turn_type: TurnHeader = None
-                           ) -> JSONResponse | StreamingResponse:
+    async def session_chat(
+        session_id: str,
+        body: ChatCompletionRequest,
+        request: Request,
+        d: Deps,
+        x_turn_type: TurnHeader = None,
+    ) -> JSONResponse | StreamingResponse:
         return await chat.respond(d, body, session_id, None, x_turn_type, "", request.receive)
 
     @app.post("/v1/completions", response_model=None)
-    async def text_completion(body: CompletionRequest, request: Request, d: Deps,
-                              x_session_id: SessionHeader = None
-                              ) -> JSONResponse | StreamingResponse:
+    async def text_completion(
+        body: CompletionRequest, request: Request, d: Deps, x_session_id: SessionHeader = None
+    ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
         session_id = await chat.header_session(d, x_session_id, owner_of(request))
         return await _complete(d, body, session_id, request)
 
     @app.post("/s/{session_id}/v1/completions", response_model=None)
-    async def session_text_completion(session_id: str, body: CompletionRequest,
-                                      request: Request, d: Deps
-                                      ) -> JSONResponse | StreamingResponse:
+    async def session_text_completion(
+        session_id: str, body: CompletionRequest, request: Request, d: Deps
+    ) -> JSONResponse | StreamingResponse:
         check_model(d.settings, body.model)
         return await _complete(d, body, session_id, request)
 
     return app
 
 
-async def _complete(d: GatewayDeps, body: CompletionRequest, session_id: str | None,
-                    request: Request) -> JSONResponse | StreamingResponse:
+async def _complete(
+    d: GatewayDeps, body: CompletionRequest, session_id: str | None, request: Request
+) -> JSONResponse | StreamingResponse:
     """A text completion, stopped unrecorded if the client disconnects first."""
     completion = await unless_disconnected(
-        completions.complete(d, body, session_id), request.receive, session_id)
+        completions.complete(d, body, session_id), request.receive, session_id
+    )
     return _stream_completion(body, completion)
 
 
-def _stream_completion(body: CompletionRequest, completion: dict[str, Any]
-                       ) -> JSONResponse | StreamingResponse:
+def _stream_completion(
+    body: CompletionRequest, completion: dict[str, Any]
+) -> JSONResponse | StreamingResponse:
     if not body.stream:
         return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(iter(completions.sse_chunks(completion, include_usage)),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        iter(completions.sse_chunks(completion, include_usage)), media_type="text/event-stream"
+    )

@@ -41,7 +41,10 @@ MAX_BRANCHES = 8
 BRANCHES = labeled_counter(
     "flywheel_gateway_live_branches_total",
     "Live requests that did not continue the session's latest turn (parallel requests, "
-    "regenerated or rewritten turns)", "base", ("turn", "fresh"))
+    "regenerated or rewritten turns)",
+    "base",
+    ("turn", "fresh"),
+)
 
 Continues = Callable[[Segment, int], bool]
 """`continues(segment, k)`: whether the request extends `segment` cut right after turn `k`."""
@@ -52,8 +55,10 @@ state the request gives after it when `follows` (else none)."""
 
 def _tips(record: SessionRecord) -> list[tuple[Segment, str]]:
     """(segment, pending) of the current tip and of every branch, newest first."""
-    return [(record.segment, record.pending),
-            *[(b.segment, b.pending) for b in reversed(record.branches)]]
+    return [
+        (record.segment, record.pending),
+        *[(b.segment, b.pending) for b in reversed(record.branches)],
+    ]
 
 
 def _park(record: SessionRecord, emit: Emit) -> list[sample_pb2.Sample]:
@@ -64,8 +69,12 @@ def _park(record: SessionRecord, emit: Emit) -> list[sample_pb2.Sample]:
         record.pending = ""
     while len(record.branches) > MAX_BRANCHES:
         oldest = record.branches.pop(0)
-        log.warning("session %s: more than %d live turns wait for their next state; the "
-                    "oldest is published without one", record.session_id, MAX_BRANCHES)
+        log.warning(
+            "session %s: more than %d live turns wait for their next state; the "
+            "oldest is published without one",
+            record.session_id,
+            MAX_BRANCHES,
+        )
         out += emit(oldest.pending, oldest.segment, False)
     return out
 
@@ -74,8 +83,12 @@ def _next_index(record: SessionRecord) -> int:
     return 1 + max(seg.index for seg, _ in _tips(record))
 
 
-def select(record: SessionRecord, continues: Continues, emit: Emit,
-           rewrite: Callable[[], str | None] = lambda: None) -> list[sample_pb2.Sample]:
+def select(
+    record: SessionRecord,
+    continues: Continues,
+    emit: Emit,
+    rewrite: Callable[[], str | None] = lambda: None,
+) -> list[sample_pb2.Sample]:
     """Make `record.segment` the state a live request continues (module docstring).
 
     Args:
@@ -95,16 +108,23 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
         return emit(pending, seg, True) if pending else []
     tips = _tips(record)
     # The longest recorded history the request extends; the newest tip among equals.
-    ends = [(seg.checkpoints[-1].tokens, -i) for i, (seg, _) in enumerate(tips)
-            if i and seg.checkpoints and continues(seg, len(seg.checkpoints) - 1)]
+    ends = [
+        (seg.checkpoints[-1].tokens, -i)
+        for i, (seg, _) in enumerate(tips)
+        if i and seg.checkpoints and continues(seg, len(seg.checkpoints) - 1)
+    ]
     if ends:
         i = -max(ends)[1]
         branch = record.branches.pop(len(record.branches) - i)
         out = _park(record, emit)
         record.segment, record.pending = branch.segment, ""
         return out + emit(branch.pending, branch.segment, True)
-    earlier = [(seg.checkpoints[k].tokens, -i, k) for i, (seg, _) in enumerate(tips)
-               for k in range(len(seg.checkpoints) - 1) if continues(seg, k)]
+    earlier = [
+        (seg.checkpoints[k].tokens, -i, k)
+        for i, (seg, _) in enumerate(tips)
+        for k in range(len(seg.checkpoints) - 1)
+        if continues(seg, k)
+    ]
     if not earlier and not record.pending and not tips[0][0].checkpoints:
         return []  # nothing on the latest tip: the request simply starts it
     out = _park(record, emit)
@@ -122,6 +142,10 @@ def select(record: SessionRecord, continues: Continues, emit: Emit,
     FORKS.labels(reason).inc()
     record.forks += 1
     record.fork_reasons[reason] = record.fork_reasons.get(reason, 0) + 1
-    log.info("session %s: request rewrites the recorded history (%s); starting segment %d",
-             record.session_id, reason, record.segment.index)
+    log.info(
+        "session %s: request rewrites the recorded history (%s); starting segment %d",
+        record.session_id,
+        reason,
+        record.segment.index,
+    )
     return out

@@ -39,14 +39,14 @@ def check_chat(d: GatewayDeps, body: ChatCompletionRequest) -> None:
     check_contents(body.messages)
 
 
-def answer(body: ChatCompletionRequest, completion: dict[str, Any]
-           ) -> JSONResponse | StreamingResponse:
+def answer(
+    body: ChatCompletionRequest, completion: dict[str, Any]
+) -> JSONResponse | StreamingResponse:
     """The HTTP response: the completion as JSON, or as SSE chunks when `stream` is set."""
     if not body.stream:
         return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(sse_chunks(completion, include_usage),
-                             media_type="text/event-stream")
+    return StreamingResponse(sse_chunks(completion, include_usage), media_type="text/event-stream")
 
 
 async def check_backlog(d: GatewayDeps) -> None:
@@ -64,7 +64,8 @@ def session_header(session_id: str | None) -> str | None:
     if session_id is not None and not SESSION_ID_PATTERN.fullmatch(session_id):
         raise InvalidRequestError(
             "X-Session-Id must be 1-128 characters of letters, digits and _ . : -",
-            param="X-Session-Id")
+            param="X-Session-Id",
+        )
     return session_id
 
 
@@ -81,8 +82,7 @@ async def create_live(d: GatewayDeps, session_id: str, owner: str) -> None:
         await d.sessions.acreate(session_id=session_id, mode="live", owner=owner)
 
 
-async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
-                         ) -> str | None:
+async def header_session(d: GatewayDeps, session_id: str | None, owner: str = "") -> str | None:
     """The session named by `X-Session-Id`, created in live mode on first use (checked with
     one EXISTS; chat requests skip it, see `serve`)."""
     session_id = session_header(session_id)
@@ -91,9 +91,15 @@ async def header_session(d: GatewayDeps, session_id: str | None, owner: str = ""
     return session_id
 
 
-async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
-                  header_id: str | None, turn_type: str | None, owner: str,
-                  receive: Receive | None = None) -> JSONResponse | StreamingResponse:
+async def respond(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    session_id: str | None,
+    header_id: str | None,
+    turn_type: str | None,
+    owner: str,
+    receive: Receive | None = None,
+) -> JSONResponse | StreamingResponse:
     """One chat request end to end, as the routes and the hot path serve it: OpenAI's rules,
     the session (the URL's `session_id`, else the `X-Session-Id` value `header_id`, created in
     live mode for `owner` on first use), the turn and the HTTP answer. With the ASGI `receive`
@@ -110,9 +116,14 @@ async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str |
         create_owner = None if session_id is None else owner
     work = serve(d, body, session_id, turn_type, create_owner=create_owner)
     if incremental.eligible(body, d.settings.tool_parser):
-        streamed = await incremental.respond(body, work, receive, session_id,
-                                             stop_list(body.stop),
-                                             body.model or served_models(d.settings)[0])
+        streamed = await incremental.respond(
+            body,
+            work,
+            receive,
+            session_id,
+            stop_list(body.stop),
+            body.model or served_models(d.settings)[0],
+        )
         if isinstance(streamed, StreamingResponse):
             return streamed
         return answer(body, streamed)  # the turn ended before its first text
@@ -120,9 +131,14 @@ async def respond(d: GatewayDeps, body: ChatCompletionRequest, session_id: str |
     return answer(body, completion)
 
 
-async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | None,
-                turn_type: str | None = None, *, create_owner: str | None = None
-                ) -> dict[str, Any]:
+async def serve(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    session_id: str | None,
+    turn_type: str | None = None,
+    *,
+    create_owner: str | None = None,
+) -> dict[str, Any]:
     """Serve one chat request, recorded when `session_id` names a session; returns the
     `chat.completion` body.
 
@@ -141,33 +157,47 @@ async def serve(d: GatewayDeps, body: ChatCompletionRequest, session_id: str | N
     if turn_type not in turns.TURN_TYPES:
         raise InvalidRequestError(
             f"X-Turn-Type must be one of {list(turns.TURN_TYPES)}, got {turn_type!r}",
-            param="X-Turn-Type")
+            param="X-Turn-Type",
+        )
     if session_id is None:
         UNRECORDED.inc()
-        prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
-                                   messages, body.tools)
-        turns.check_context(d, prompt, sampling,  # the same rule as in sessions
-                            capped_by_default=turns.default_cap(body))
+        prompt = await render_call(
+            text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
+        )
+        turns.check_context(
+            d,
+            prompt,
+            sampling,  # the same rule as in sessions
+            capped_by_default=turns.default_cap(body),
+        )
         gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
-        return _response(d, body, gens, len(prompt),
-                         [turns.parse_choice(d, body, g) for g in gens])
+        return _response(d, body, gens, len(prompt), [turns.parse_choice(d, body, g) for g in gens])
     try:
         gens, prompt_tokens, parsed = await turns.session_turn(
-            d, body, session_id, messages, sampling, turn_type)
+            d, body, session_id, messages, sampling, turn_type
+        )
     except NotFoundError:
         if create_owner is None:
             raise
         await create_live(d, session_id, create_owner)
         gens, prompt_tokens, parsed = await turns.session_turn(
-            d, body, session_id, messages, sampling, turn_type)
+            d, body, session_id, messages, sampling, turn_type
+        )
     return _response(d, body, gens, prompt_tokens, parsed)
 
 
-def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation],
-              prompt_tokens: int, parsed: list[ParsedReply]) -> dict[str, Any]:
+def _response(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    gens: list[Generation],
+    prompt_tokens: int,
+    parsed: list[ParsedReply],
+) -> dict[str, Any]:
     """The `chat.completion` body: one choice per generation, usage summed over choices."""
-    choices = [_choice(d, body, i, gen, reply)
-               for i, (gen, reply) in enumerate(zip(gens, parsed, strict=True))]
+    choices = [
+        _choice(d, body, i, gen, reply)
+        for i, (gen, reply) in enumerate(zip(gens, parsed, strict=True))
+    ]
     completion = sum(len(gen.output_ids) for gen in gens)
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -175,8 +205,11 @@ def _response(d: GatewayDeps, body: ChatCompletionRequest, gens: list[Generation
         "created": int(time.time()),
         "model": body.model or served_models(d.settings)[0],
         "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": prompt_tokens + completion},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        },
         "metadata": {"weight_version": str(max(gen.weight_version for gen in gens))},
     }
 
@@ -189,12 +222,15 @@ def _token_entry(d: GatewayDeps, token_id: int, logprob: float) -> dict[str, Any
 def _logprobs(d: GatewayDeps, gen: Generation) -> list[dict[str, Any]]:
     """OpenAI `logprobs.content`: each sampled token, its logprob and its top alternatives."""
     tops = gen.output_top_logprobs or [[] for _ in gen.output_ids]
-    return [{**_token_entry(d, t, lp), "top_logprobs": [_token_entry(d, i, x) for x, i in top]}
-            for t, lp, top in zip(gen.output_ids, gen.output_logprobs, tops, strict=True)]
+    return [
+        {**_token_entry(d, t, lp), "top_logprobs": [_token_entry(d, i, x) for x, i in top]}
+        for t, lp, top in zip(gen.output_ids, gen.output_logprobs, tops, strict=True)
+    ]
 
 
-def _choice(d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Generation,
-            parsed: ParsedReply) -> dict[str, Any]:
+def _choice(
+    d: GatewayDeps, body: ChatCompletionRequest, index: int, gen: Generation, parsed: ParsedReply
+) -> dict[str, Any]:
     finish = gen.finish_type
     if parsed.tool_calls and finish == "stop":
         finish = "tool_calls"

@@ -36,11 +36,15 @@ from flywheel.gateway.schemas import StreamOptionsNeedStream, sglang_sampling
 if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
 
-UNRECORDED = Counter("flywheel_gateway_unrecorded_completions_total",
-                     "Raw completions served without a session")
+UNRECORDED = Counter(
+    "flywheel_gateway_unrecorded_completions_total", "Raw completions served without a session"
+)
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""), "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
 }
 
 
@@ -83,8 +87,10 @@ class CompletionRequest(StreamOptionsNeedStream):
     @classmethod
     def _prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and (not v or any(isinstance(p, list) and not p for p in v)):
-            raise ValueError("prompt needs at least one token or string (an empty list or an "
-                             "empty id list has nothing to complete)")
+            raise ValueError(
+                "prompt needs at least one token or string (an empty list or an "
+                "empty id list has nothing to complete)"
+            )
         return v
 
     @field_validator("best_of")
@@ -123,29 +129,37 @@ def _ids(d: GatewayDeps, prompt: str | list[int]) -> list[int]:
     return ids
 
 
-async def complete(d: GatewayDeps, body: CompletionRequest, session_id: str | None
-                   ) -> dict[str, Any]:
+async def complete(
+    d: GatewayDeps, body: CompletionRequest, session_id: str | None
+) -> dict[str, Any]:
     """Serve (and in a session, record) a completions request; returns the response body."""
     sampling = body.sampling_params()
     prompts = body.prompts()
     if session_id is not None:
         if len(prompts) != 1 or body.n != 1:
-            raise InvalidRequestError("a session records one prompt and one choice per call",
-                                      param="n" if body.n != 1 else "prompt")
+            raise InvalidRequestError(
+                "a session records one prompt and one choice per call",
+                param="n" if body.n != 1 else "prompt",
+            )
         gen, n_prompt = await _session_completion(d, body, session_id, prompts[0], sampling)
         return _response(d, body, [[gen]], n_prompt)
     UNRECORDED.inc()
     all_ids = [await asyncio.to_thread(_ids, d, p) for p in prompts]
     for ids in all_ids:
         turns.check_context(d, ids, sampling, param="prompt")
-    gens = await asyncio.gather(*[turns.generate_n(d, ids, sampling, body.n, body.logprobs or 0)
-                                  for ids in all_ids])
+    gens = await asyncio.gather(
+        *[turns.generate_n(d, ids, sampling, body.n, body.logprobs or 0) for ids in all_ids]
+    )
     return _response(d, body, list(gens), sum(len(i) for i in all_ids))
 
 
-async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_id: str,
-                              prompt: str | list[int], sampling: dict[str, Any]
-                              ) -> tuple[Generation, int]:
+async def _session_completion(
+    d: GatewayDeps,
+    body: CompletionRequest,
+    session_id: str,
+    prompt: str | list[int],
+    sampling: dict[str, Any],
+) -> tuple[Generation, int]:
     async with turns.locked(d.sessions, session_id) as record:
         if record.status != "open":
             raise turns.finished_error(record)
@@ -158,15 +172,22 @@ async def _session_completion(d: GatewayDeps, body: CompletionRequest, session_i
         seg = record.segment
         turns.check_context(d, seg.token_ids, sampling, param="prompt")
         turns.check_held(d, record, len(out))
-        (gen,) = await turns.generate_n(d, list(seg.token_ids), sampling, 1,
-                                        body.logprobs or 0, affinity=session_id)
+        (gen,) = await turns.generate_n(
+            d, list(seg.token_ids), sampling, 1, body.logprobs or 0, affinity=session_id
+        )
         seg.turn_start = len(seg.token_ids)
-        seg.append(gen.output_ids, sampled=True, logprobs=gen.output_logprobs,
-                   versions=gen.token_versions())
+        seg.append(
+            gen.output_ids,
+            sampled=True,
+            logprobs=gen.output_logprobs,
+            versions=gen.token_versions(),
+        )
         prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
         seg.text = prompt + _context_text(d, gen) if isinstance(prompt, str) else ""
-        seg.messages = [{"role": "user", "content": prompt_text},
-                        {"role": "assistant", "content": gen.text}]
+        seg.messages = [
+            {"role": "user", "content": prompt_text},
+            {"role": "assistant", "content": gen.text},
+        ]
         seg.turns += 1
         seg.finish_reason = gen.finish_type
         seg.ended_with_eos = gen.matched_eos
@@ -188,24 +209,29 @@ def _continues(prompt: str | list[int]) -> Callable[[Segment, int], bool]:
     def check(seg: Segment, k: int) -> bool:
         cp = seg.checkpoints[k]
         if isinstance(prompt, str):
-            return cp.text > 0 and prompt.startswith(seg.text[:cp.text])
-        return len(prompt) >= cp.tokens and prompt[:cp.tokens] == seg.token_ids[:cp.tokens]
+            return cp.text > 0 and prompt.startswith(seg.text[: cp.text])
+        return len(prompt) >= cp.tokens and prompt[: cp.tokens] == seg.token_ids[: cp.tokens]
 
     return check
 
 
-def _select_branch(d: GatewayDeps, record: SessionRecord, prompt: str | list[int]
-                   ) -> list[sample_pb2.Sample]:
+def _select_branch(
+    d: GatewayDeps, record: SessionRecord, prompt: str | list[int]
+) -> list[sample_pb2.Sample]:
     """Live mode: continue the branch the prompt extends; the text after a waiting turn's
     recorded text (or ids) is that turn's next state, as a user message."""
 
     def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
         if not follows:
             return turns.emit_turn(record, stored, seg, [])
-        rest = (prompt[len(seg.text):] if isinstance(prompt, str)
-                else d.renderer.decode(prompt[len(seg.token_ids):]))
-        return turns.emit_turn(record, stored, seg,
-                               [{"role": "user", "content": rest}] if rest else [])
+        rest = (
+            prompt[len(seg.text) :]
+            if isinstance(prompt, str)
+            else d.renderer.decode(prompt[len(seg.token_ids) :])
+        )
+        return turns.emit_turn(
+            record, stored, seg, [{"role": "user", "content": rest}] if rest else []
+        )
 
     return branches.select(record, _continues(prompt), emit)
 
@@ -222,8 +248,9 @@ def _context_text(d: GatewayDeps, gen: Generation) -> str:
     return d.renderer.decode(gen.output_ids) if isinstance(gen.matched, str) else gen.text
 
 
-def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int],
-            sampling: dict[str, Any]) -> Segment | None:
+def _extend(
+    d: GatewayDeps, record: SessionRecord, prompt: str | list[int], sampling: dict[str, Any]
+) -> Segment | None:
     """Append the prompt's new part to the segment, or fork (history edited, or an episode's
     sampling changed); returns the closed segment."""
     seg = record.segment
@@ -231,11 +258,11 @@ def _extend(d: GatewayDeps, record: SessionRecord, prompt: str | list[int],
         count_fork(record, "sampling_changed")
     elif seg.turns:
         if isinstance(prompt, str) and seg.text and prompt.startswith(seg.text):
-            rest = prompt[len(seg.text):]
+            rest = prompt[len(seg.text) :]
             seg.append(d.renderer.encode(rest) if rest else [], sampled=False)
             return None
-        if not isinstance(prompt, str) and prompt[:len(seg.token_ids)] == seg.token_ids:
-            seg.append(_ids(d, prompt)[len(seg.token_ids):], sampled=False)
+        if not isinstance(prompt, str) and prompt[: len(seg.token_ids)] == seg.token_ids:
+            seg.append(_ids(d, prompt)[len(seg.token_ids) :], sampled=False)
             return None
         count_fork(record, "history_edited")
     closed = seg if seg.sampled_tokens else None
@@ -253,35 +280,53 @@ def _logprobs(d: GatewayDeps, gen: Generation, top: int) -> dict[str, Any]:
         offsets.append(pos)
         pos += len(t)
     tops = gen.output_top_logprobs or [[] for _ in tokens]
-    return {"tokens": tokens, "token_logprobs": list(gen.output_logprobs),
-            "top_logprobs": [{d.renderer.tokenizer.decode([i]): lp for lp, i in row[:top]}
-                             for row in tops] if top else None,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(gen.output_logprobs),
+        "top_logprobs": [
+            {d.renderer.tokenizer.decode([i]): lp for lp, i in row[:top]} for row in tops
+        ]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
 
 
-def _response(d: GatewayDeps, body: CompletionRequest, gens: list[list[Generation]],
-              prompt_tokens: int) -> dict[str, Any]:
+def _response(
+    d: GatewayDeps, body: CompletionRequest, gens: list[list[Generation]], prompt_tokens: int
+) -> dict[str, Any]:
     choices = []
     for i, gen in enumerate(g for per_prompt in gens for g in per_prompt):
-        choices.append({"index": i, "text": gen.text, "finish_reason": gen.finish_type,
-                        "logprobs": None if body.logprobs is None
-                        else _logprobs(d, gen, body.logprobs)})
+        choices.append(
+            {
+                "index": i,
+                "text": gen.text,
+                "finish_reason": gen.finish_type,
+                "logprobs": None if body.logprobs is None else _logprobs(d, gen, body.logprobs),
+            }
+        )
     completion = sum(len(g.output_ids) for per_prompt in gens for g in per_prompt)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": body.model or served_models(d.settings)[0],
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": prompt_tokens + completion}}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or served_models(d.settings)[0],
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        },
+    }
 
 
 def sse_chunks(completion: dict[str, Any], include_usage: bool) -> list[str]:
     """SSE events of a finished `text_completion`: one chunk per choice, usage, [DONE]."""
     base = {k: completion[k] for k in ("id", "object", "created", "model")}
-    events = [f"data: {json.dumps({**base, 'choices': [c]})}\n\n"
-              for c in completion["choices"]]
+    events = [f"data: {json.dumps({**base, 'choices': [c]})}\n\n" for c in completion["choices"]]
     if include_usage:
-        events.append(f"data: {json.dumps({**base, 'choices': [], 'usage': completion['usage']})}"
-                      "\n\n")
+        events.append(
+            f"data: {json.dumps({**base, 'choices': [], 'usage': completion['usage']})}\n\n"
+        )
     events.append("data: [DONE]\n\n")
     return events
-

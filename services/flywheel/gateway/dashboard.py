@@ -102,8 +102,14 @@ def read_curves(path: Path | None, since: int = 0, max_lines: int = 5000) -> dic
             continue  # a line being written right now
         if row.get("step", 0) > since and not row.get("skip_reason"):
             rows.append(row)
-    keys = sorted({k for row in rows for k, v in row.items()
-                   if k.startswith(CURVE_PREFIXES) and isinstance(v, int | float)})
+    keys = sorted(
+        {
+            k
+            for row in rows
+            for k, v in row.items()
+            if k.startswith(CURVE_PREFIXES) and isinstance(v, int | float)
+        }
+    )
     series = {k: [_num(row.get(k)) for row in rows] for k in keys}
     return {"steps": [row["step"] for row in rows], "series": series, "source": str(path)}
 
@@ -115,8 +121,13 @@ def _num(value: Any) -> float | None:
 class DashboardData:
     """Reads what the dashboard shows. `decode(ids)` = one text piece per token id."""
 
-    def __init__(self, client: Any, streams: StreamSettings, metrics_path: Path | None,
-                 decode: Callable[[list[int]], list[str]]):
+    def __init__(
+        self,
+        client: Any,
+        streams: StreamSettings,
+        metrics_path: Path | None,
+        decode: Callable[[list[int]], list[str]],
+    ):
         self.client = client
         self.streams = streams
         self.metrics_path = metrics_path
@@ -136,8 +147,9 @@ class DashboardData:
                 log.warning("dashboard: undecodable entry %s in %s: %s", entry_id, source, exc)
         rewards = [s.reward if s.has_reward else None for _, s in samples]
         advantages = group_advantages([s.group_id or s.sample_id for _, s in samples], rewards)
-        shown = [self._sample_json(e, s, a)
-                 for (e, s), a in zip(samples, advantages, strict=True)][:limit]
+        shown = [self._sample_json(e, s, a) for (e, s), a in zip(samples, advantages, strict=True)][
+            :limit
+        ]
         return {"source": source, "samples": shown}
 
     def _sample_json(self, entry_id: Any, s: Any, advantage: float | None) -> dict[str, Any]:
@@ -149,22 +161,43 @@ class DashboardData:
         versions = [v for v in s.weight_versions if v >= 0]
         return {
             "entry_id": entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id),
-            "sample_id": s.sample_id, "session_id": s.session_id, "group_id": s.group_id,
-            "created_at": s.created_at, "finish_reason": s.finish_reason,
-            "reward": s.reward if s.has_reward else None, "rewards": dict(s.rewards),
-            "advantage": advantage, "error": s.error, "hint": s.hint,
+            "sample_id": s.sample_id,
+            "session_id": s.session_id,
+            "group_id": s.group_id,
+            "created_at": s.created_at,
+            "finish_reason": s.finish_reason,
+            "reward": s.reward if s.has_reward else None,
+            "rewards": dict(s.rewards),
+            "advantage": advantage,
+            "error": s.error,
+            "hint": s.hint,
             "teacher_status": s.teacher_status,
-            "votes": [{"judge": v.judge, "value": v.value if v.has_value else None,
-                       "explanation": v.explanation} for v in s.votes],
+            "votes": [
+                {
+                    "judge": v.judge,
+                    "value": v.value if v.has_value else None,
+                    "explanation": v.explanation,
+                }
+                for v in s.votes
+            ],
             "weight_version": max(versions) if versions else None,
             "tokens": [[p, m] for p, m in zip(pieces, mask[start:end], strict=True)],
-            "omitted_before": start, "omitted_after": len(ids) - end,
+            "omitted_before": start,
+            "omitted_after": len(ids) - end,
         }
 
     def stream_table(self) -> dict[str, Any]:
-        return {"streams": [{"name": st.name, "key": st.key, "length": st.length,
-                             "groups": [asdict(g) for g in st.groups]}
-                            for st in stream_stats(self.client, self.streams)]}
+        return {
+            "streams": [
+                {
+                    "name": st.name,
+                    "key": st.key,
+                    "length": st.length,
+                    "groups": [asdict(g) for g in st.groups],
+                }
+                for st in stream_stats(self.client, self.streams)
+            ]
+        }
 
 
 # ---------------------------------------------------------------- login bridge
@@ -210,10 +243,17 @@ class DashboardLogin:
             if message["type"] == "http.response.start" and message["status"] == 401:
                 replaced = True
                 body = LOGIN_PAGE.encode()
-                await send({"type": "http.response.start", "status": 401, "headers": [
-                    (b"content-type", b"text/html; charset=utf-8"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"set-cookie", f"{COOKIE}=; Path=/dashboard; Max-Age=0".encode())]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"text/html; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"set-cookie", f"{COOKIE}=; Path=/dashboard; Max-Age=0".encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
             if not replaced:
@@ -232,9 +272,17 @@ class DashboardLogin:
         cookie = SimpleCookie()
         cookie[COOKIE] = key
         cookie[COOKIE].update({"path": "/dashboard", "httponly": True, "samesite": "Strict"})
-        await send({"type": "http.response.start", "status": 303, "headers": [
-            (b"location", b"/dashboard"), (b"content-length", b"0"),
-            (b"set-cookie", cookie[COOKIE].OutputString().encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 303,
+                "headers": [
+                    (b"location", b"/dashboard"),
+                    (b"content-length", b"0"),
+                    (b"set-cookie", cookie[COOKIE].OutputString().encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": b""})
 
 
@@ -256,8 +304,9 @@ def _static(name: str) -> str:
 
 
 def dashboard_router(data: DashboardData) -> APIRouter:
-    router = APIRouter(prefix="/dashboard", dependencies=[Depends(require_role("admin"))],
-                       include_in_schema=False)
+    router = APIRouter(
+        prefix="/dashboard", dependencies=[Depends(require_role("admin"))], include_in_schema=False
+    )
 
     @router.get("")
     async def page() -> HTMLResponse:

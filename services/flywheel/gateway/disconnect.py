@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
-ABANDONED = Counter("flywheel_gateway_requests_abandoned_total",
-                    "Requests stopped because the client closed the connection before the "
-                    "answer was ready (nothing of them recorded or published)", ["kind"])
+ABANDONED = Counter(
+    "flywheel_gateway_requests_abandoned_total",
+    "Requests stopped because the client closed the connection before the "
+    "answer was ready (nothing of them recorded or published)",
+    ["kind"],
+)
 
 
 async def until_disconnected(receive: Receive) -> None:
@@ -37,8 +40,9 @@ async def until_disconnected(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(work: Coroutine[Any, Any, T], receive: Receive | None,
-                              session_id: str | None) -> T:
+async def unless_disconnected(
+    work: Coroutine[Any, Any, T], receive: Receive | None, session_id: str | None
+) -> T:
     """`await work`, cancelled when the ASGI `receive` (the request body already read) reports
     `http.disconnect` first.
 
@@ -81,5 +85,8 @@ async def stop_abandoned(turn: asyncio.Future[Any], session_id: str | None) -> N
     except Exception as exc:  # noqa: BLE001  (the turn failed while unwinding; logged)
         log.warning("%s: the abandoned request failed while stopping: %r", what, exc)
     ABANDONED.labels("unrecorded" if session_id is None else "session").inc()
-    log.warning("%s: the client closed the connection before the answer was ready; the "
-                "request was stopped before it was recorded", what)
+    log.warning(
+        "%s: the client closed the connection before the answer was ready; the "
+        "request was stopped before it was recorded",
+        what,
+    )

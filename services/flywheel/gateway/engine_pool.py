@@ -33,11 +33,12 @@ ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine c
 ENGINE_ABORTS = Counter(
     "flywheel_gateway_engine_aborts_total",
     "Generations the engine aborted (finish_reason abort: a weight update or pause that aborts "
-    "running requests, an /abort_request): retried once, never recorded", ["engine"])
+    "running requests, an /abort_request): retried once, never recorded",
+    ["engine"],
+)
 ABORT_RETRY_S = 0.5
 """Pause before a generation the engine aborted is asked again (a weight update is under way)."""
-ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out",
-                  ["engine"])
+ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out", ["engine"])
 
 
 _JSON = {"Content-Type": "application/json"}
@@ -102,12 +103,14 @@ def span_versions(spans: Any, n: int) -> list[int]:
             if int(span["start"]) != len(versions) or int(span["end"]) < int(span["start"]):
                 raise ValueError(f"span {span} does not start at token {len(versions)}")
             versions += [parse_weight_version(span["version"])] * (
-                int(span["end"]) - int(span["start"]))
+                int(span["end"]) - int(span["start"])
+            )
     except (KeyError, TypeError, ValueError) as exc:
         raise UpstreamError(f"engine returned malformed weight_versions spans: {exc}") from exc
     if len(versions) != n:
-        raise UpstreamError(f"engine's weight_versions spans cover {len(versions)} tokens of "
-                            f"{n} output tokens")
+        raise UpstreamError(
+            f"engine's weight_versions spans cover {len(versions)} tokens of {n} output tokens"
+        )
     return versions
 
 
@@ -127,11 +130,16 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
     finish = meta.get("finish_reason") or {}
     matched = finish.get("matched")
     matched_eos = (
-        finish.get("type") == "stop" and isinstance(matched, int) and bool(ids)
-        and ids[-1] == matched and matched in stop_token_ids
+        finish.get("type") == "stop"
+        and isinstance(matched, int)
+        and bool(ids)
+        and ids[-1] == matched
+        and matched in stop_token_ids
     )
-    tops = [[(float(r[0]), int(r[1])) for r in row or [] if r[0] is not None]
-            for row in meta.get("output_top_logprobs") or []]
+    tops = [
+        [(float(r[0]), int(r[1])) for r in row or [] if r[0] is not None]
+        for row in meta.get("output_top_logprobs") or []
+    ]
     return Generation(
         matched=matched if isinstance(matched, int | str) else None,
         output_top_logprobs=tops,
@@ -146,12 +154,16 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
     )
 
 
-def _generate_body(input_ids: list[int], sampling_params: dict[str, Any],
-                   top_logprobs_num: int) -> dict[str, Any]:
+def _generate_body(
+    input_ids: list[int], sampling_params: dict[str, Any], top_logprobs_num: int
+) -> dict[str, Any]:
     """A `/generate` body: ids in, logprobs of the sampled tokens (and `top_logprobs_num`
     alternatives per token when > 0) out."""
-    body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
-                            "return_logprob": True}
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": True,
+    }
     if top_logprobs_num:
         body["top_logprobs_num"] = top_logprobs_num
     return body
@@ -169,8 +181,14 @@ class EnginePool:
         stream_interval: sampled tokens per chunk of a streamed call.
     """
 
-    def __init__(self, urls: list[str], timeout_s: float, stop_token_ids: set[int],
-                 health_interval_s: float = 2.0, stream_interval: int = 1):
+    def __init__(
+        self,
+        urls: list[str],
+        timeout_s: float,
+        stop_token_ids: set[int],
+        health_interval_s: float = 2.0,
+        stream_interval: int = 1,
+    ):
         if not urls:
             raise InvalidRequestError("at least one engine URL is required")
         self.urls = [u.rstrip("/") for u in urls]
@@ -194,21 +212,29 @@ class EnginePool:
         if self._client is None or self._client.closed or self._client_loop is not loop:
             self._client_loop = loop
             self._client = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300,
-                                               keepalive_timeout=IDLE_CLOSE_S),
+                connector=aiohttp.TCPConnector(
+                    limit=0, ttl_dns_cache=300, keepalive_timeout=IDLE_CLOSE_S
+                ),
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                json_serialize=json.dumps)
+                json_serialize=json.dumps,
+            )
         return self._client
 
-    async def _call(self, method: str, url: str, body: dict[str, Any] | None = None,
-                    timeout_s: float | None = None) -> tuple[int, bytes]:
+    async def _call(
+        self,
+        method: str,
+        url: str,
+        body: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bytes]:
         """(status, body bytes) of one HTTP call.
 
         Raises:
             aiohttp.ClientError, TimeoutError: the call failed in transport.
         """
-        extra: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} \
-            if timeout_s else {}
+        extra: dict[str, Any] = (
+            {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+        )
         if body is not None:  # orjson: a long prompt's ids encode ~10x faster than json's
             extra.update(data=orjson.dumps(body), headers=_JSON)
         async with self._session().request(method, url, **extra) as resp:
@@ -238,8 +264,9 @@ class EnginePool:
         """One `GET /health` of every engine taken out; a 200 puts it back."""
         for url in list(self.down):
             try:
-                status, _ = await self._call("GET", f"{url}/health",
-                                             timeout_s=max(self.health_interval_s, 1.0))
+                status, _ = await self._call(
+                    "GET", f"{url}/health", timeout_s=max(self.health_interval_s, 1.0)
+                )
             except (aiohttp.ClientError, TimeoutError):
                 continue
             if status == 200:
@@ -251,7 +278,10 @@ class EnginePool:
             await self.probe()
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = "",
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        affinity: str = "",
         top_logprobs_num: int = 0,
     ) -> Generation:
         """`/generate` with input ids and logprobs; retried once on another engine on failure.
@@ -271,16 +301,27 @@ class EnginePool:
             if gen.finish_type != "abort":
                 return gen
             ENGINE_ABORTS.labels(url).inc()
-            log.warning("engine %s aborted a generation after %d tokens%s", url,
-                        len(gen.output_ids), "; asking again" if attempt == 0 else "")
+            log.warning(
+                "engine %s aborted a generation after %d tokens%s",
+                url,
+                len(gen.output_ids),
+                "; asking again" if attempt == 0 else "",
+            )
             if attempt == 0:
                 await asyncio.sleep(ABORT_RETRY_S)
-        raise UpstreamError("the engine aborted the generation twice (a weight update or an "
-                            "abort request); nothing was recorded, send the request again")
+        raise UpstreamError(
+            "the engine aborted the generation twice (a weight update or an "
+            "abort request); nothing was recorded, send the request again"
+        )
 
     async def generate_stream(
-        self, input_ids: list[int], sampling_params: dict[str, Any], affinity: str = "",
-        top_logprobs_num: int = 0, *, on_text: Callable[[str], None],
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        affinity: str = "",
+        top_logprobs_num: int = 0,
+        *,
+        on_text: Callable[[str], None],
     ) -> Generation:
         """`generate`, streamed: `on_text` gets the cumulative text of each chunk as the
         engine samples it (engine_stream.py). Aborted or broken after its first chunk, it is
@@ -308,7 +349,8 @@ class EnginePool:
                 continue
             if 400 <= status < 500:
                 raise InvalidRequestError(
-                    f"engine rejected the request: {raw[:500].decode(errors='replace')}")
+                    f"engine rejected the request: {raw[:500].decode(errors='replace')}"
+                )
             if status != 200:
                 errors.append(f"{url}: HTTP {status} {raw[:200].decode(errors='replace')}")
                 self.mark_down(url, errors[-1])

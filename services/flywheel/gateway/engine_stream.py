@@ -39,8 +39,9 @@ class _Failed(Exception):
     """The call failed before its first chunk (another engine may serve it)."""
 
 
-async def generate_stream(pool: EnginePool, body: dict[str, Any], affinity: str,
-                          on_text: OnText) -> Generation:
+async def generate_stream(
+    pool: EnginePool, body: dict[str, Any], affinity: str, on_text: OnText
+) -> Generation:
     """One streamed `/generate` (`body` without `stream`), on the session's engine or, when it
     fails before its first chunk, the next one.
 
@@ -60,8 +61,10 @@ async def generate_stream(pool: EnginePool, body: dict[str, Any], affinity: str,
         pool.mark_up(url)
         if gen.finish_type == "abort":
             ENGINE_ABORTS.labels(url).inc()
-            raise UpstreamError("the engine aborted the streamed generation (a weight update "
-                                "or an abort request); nothing was recorded, send it again")
+            raise UpstreamError(
+                "the engine aborted the streamed generation (a weight update "
+                "or an abort request); nothing was recorded, send it again"
+            )
         return gen
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
@@ -69,12 +72,14 @@ async def generate_stream(pool: EnginePool, body: dict[str, Any], affinity: str,
 async def _one(pool: EnginePool, url: str, body: dict[str, Any], on_text: OnText) -> Generation:
     last: dict[str, Any] | None = None
     try:
-        async with pool._session().post(f"{url}/generate", data=orjson.dumps(body),
-                                        headers={"Content-Type": "application/json"}) as resp:
+        async with pool._session().post(
+            f"{url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as resp:
             if 400 <= resp.status < 500:
                 raw = await resp.read()
                 raise InvalidRequestError(
-                    f"engine rejected the request: {raw[:500].decode(errors='replace')}")
+                    f"engine rejected the request: {raw[:500].decode(errors='replace')}"
+                )
             if resp.status != 200:
                 raise _Failed(f"HTTP {resp.status}")
             if resp.content_type != "text/event-stream":  # an engine that answers whole
@@ -113,5 +118,7 @@ def _fail(last: dict[str, Any] | None, why: str) -> Exception:
     """Before the first chunk another engine may serve the request; after it, an UpstreamError."""
     if last is None:
         return _Failed(why)
-    return UpstreamError(f"the engine's stream broke after it started: {why}; nothing was "
-                         "recorded, send the request again")
+    return UpstreamError(
+        f"the engine's stream broke after it started: {why}; nothing was "
+        "recorded, send the request again"
+    )

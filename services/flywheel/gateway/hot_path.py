@@ -44,7 +44,7 @@ def route(scope: Scope) -> tuple[bool, str | None]:
     if path == TAIL:
         return True, None
     if path.startswith("/s/") and path.endswith(TAIL):
-        session_id = path[3:-len(TAIL)]
+        session_id = path[3 : -len(TAIL)]
         if session_id and "/" not in session_id:
             return True, session_id
     return False, None
@@ -61,8 +61,7 @@ def _headers(scope: Scope) -> dict[bytes, str]:
 class HotPath:
     """ASGI middleware: serves the hot routes itself, passes everything else to `app`."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
-                 deps: GatewayDeps):
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], deps: GatewayDeps):
         self.app = app
         self.deps = deps
 
@@ -101,12 +100,24 @@ class HotPath:
             response = http_errors.redis_unavailable(exc)
         await response(scope, replay, send)
 
-    async def _serve(self, scope: Scope, body: ChatCompletionRequest, session_id: str | None,
-                     headers: dict[bytes, str], receive: Receive) -> Any:
+    async def _serve(
+        self,
+        scope: Scope,
+        body: ChatCompletionRequest,
+        session_id: str | None,
+        headers: dict[bytes, str],
+        receive: Receive,
+    ) -> Any:
         principal = scope.get("state", {}).get("principal")
-        return await chat.respond(self.deps, body, session_id, headers.get(b"x-session-id"),
-                                  headers.get(b"x-turn-type"),
-                                  principal.key_id if principal else "", receive)
+        return await chat.respond(
+            self.deps,
+            body,
+            session_id,
+            headers.get(b"x-session-id"),
+            headers.get(b"x-turn-type"),
+            principal.key_id if principal else "",
+            receive,
+        )
 
 
 def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:

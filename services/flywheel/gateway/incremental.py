@@ -43,16 +43,22 @@ from flywheel.gateway.streaming import chunk_event
 log = logging.getLogger(__name__)
 TOOL_CALL = "<tool_call>"
 THINK = "<think>"
-MISMATCHES = Counter("flywheel_gateway_stream_mismatches_total",
-                     "Streamed answers whose content sent while sampling is not a prefix of "
-                     "the reply recorded (the rest of the content is then not sent)")
+MISMATCHES = Counter(
+    "flywheel_gateway_stream_mismatches_total",
+    "Streamed answers whose content sent while sampling is not a prefix of "
+    "the reply recorded (the rest of the content is then not sent)",
+)
 
 
 def eligible(body: ChatCompletionRequest, tool_parser: str) -> bool:
     """Whether a request is answered as it is sampled: `stream`, one choice, no logprobs, and
     not a JSON-only tool parser with tools offered (the whole text may become a call)."""
-    return (body.stream and body.n == 1 and not body.logprobs
-            and not (body.tools_offered and tool_parser == "json"))
+    return (
+        body.stream
+        and body.n == 1
+        and not body.logprobs
+        and not (body.tools_offered and tool_parser == "json")
+    )
 
 
 def streamable(text: str, stops: list[str], tools_offered: bool) -> int:
@@ -67,7 +73,7 @@ def streamable(text: str, stops: list[str], tools_offered: bool) -> int:
     Example: stops ["###"], text "Hello ##" -> 6 ("Hello "): "##" could begin "###".
     """
     head = text.lstrip()
-    if not head or THINK.startswith(head[:len(THINK)]) or head.startswith(THINK):
+    if not head or THINK.startswith(head[: len(THINK)]) or head.startswith(THINK):
         return 0
     if tools_offered and len(head) != len(text):  # a parsed call strips leading whitespace
         return 0
@@ -107,13 +113,18 @@ class TextFeed:
         when the text no longer starts with what was sent)."""
         n = streamable(text, self.stops, self.tools_offered)
         if n > len(self.sent) and text.startswith(self.sent):
-            self.queue.put_nowait(text[len(self.sent):n])
+            self.queue.put_nowait(text[len(self.sent) : n])
             self.sent = text[:n]
 
 
-async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[str, Any]],
-                  receive: Receive | None, session_id: str | None, stops: list[str],
-                  model: str) -> StreamingResponse | dict[str, Any]:
+async def respond(
+    body: ChatCompletionRequest,
+    work: Coroutine[Any, Any, dict[str, Any]],
+    receive: Receive | None,
+    session_id: str | None,
+    stops: list[str],
+    model: str,
+) -> StreamingResponse | dict[str, Any]:
     """Run the turn `work` (returning the `chat.completion` body) with its engine call
     streamed: the streamed answer as soon as its first text is sampled, or, when the turn
     ends first, its `chat.completion` body (to be answered whole, `chat.answer`).
@@ -148,13 +159,19 @@ async def respond(body: ChatCompletionRequest, work: Coroutine[Any, Any, dict[st
         raise ClientClosedError("the client closed the connection before the answer")
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(_events(turn, first, feed, base, include_usage, session_id),
-                             media_type="text/event-stream")
+    return StreamingResponse(
+        _events(turn, first, feed, base, include_usage, session_id), media_type="text/event-stream"
+    )
 
 
-async def _events(turn: asyncio.Future[dict[str, Any]], first: asyncio.Future[str],
-                  feed: TextFeed, base: dict[str, Any], include_usage: bool,
-                  session_id: str | None) -> AsyncIterator[str]:
+async def _events(
+    turn: asyncio.Future[dict[str, Any]],
+    first: asyncio.Future[str],
+    feed: TextFeed,
+    base: dict[str, Any],
+    include_usage: bool,
+    session_id: str | None,
+) -> AsyncIterator[str]:
     """The SSE events: role, content deltas while sampling, then the closing events."""
     try:
         yield chunk_event(base, {"role": "assistant", "content": ""})
@@ -191,8 +208,9 @@ def _error_event(exc: Exception) -> str:
         error = error_body(exc.message, exc.error_type, exc.param, exc.code)
     elif isinstance(exc, redis.RedisError):
         log.error("streamed turn failed after its first text: Redis unavailable: %s", exc)
-        error = error_body("the session store (Redis) is unavailable; retry later",
-                           "service_unavailable_error")
+        error = error_body(
+            "the session store (Redis) is unavailable; retry later", "service_unavailable_error"
+        )
     else:
         log.error("streamed turn failed after its first text", exc_info=exc)
         error = error_body(f"internal error: {type(exc).__name__}", "server_error")
@@ -208,8 +226,9 @@ def _drain(queue: asyncio.Queue[str]) -> str:
     return "".join(parts)
 
 
-def closing_events(base: dict[str, Any], completion: dict[str, Any], sent: str,
-                   include_usage: bool) -> list[str]:
+def closing_events(
+    base: dict[str, Any], completion: dict[str, Any], sent: str, include_usage: bool
+) -> list[str]:
     """The events after the streamed content: the rest of the content, reasoning and tool
     calls (each call a delta with its `index`), the finish chunk, usage, `[DONE]`."""
     (choice,) = completion["choices"]
@@ -219,13 +238,12 @@ def closing_events(base: dict[str, Any], completion: dict[str, Any], sent: str,
         events.append(chunk_event(base, {"reasoning_content": message["reasoning_content"]}))
     content = message.get("content") or ""
     if content.startswith(sent):
-        rest = content[len(sent):]
+        rest = content[len(sent) :]
     elif content.startswith(sent.lstrip()):  # a parsed tool call strips leading whitespace
-        rest = content[len(sent.lstrip()):]
+        rest = content[len(sent.lstrip()) :]
     else:
         MISMATCHES.inc()
-        log.warning("streamed content %r is not a prefix of the reply %r", sent[:80],
-                    content[:80])
+        log.warning("streamed content %r is not a prefix of the reply %r", sent[:80], content[:80])
         rest = ""
     if rest:
         events.append(chunk_event(base, {"content": rest}))
@@ -233,8 +251,12 @@ def closing_events(base: dict[str, Any], completion: dict[str, Any], sent: str,
         events.append(chunk_event(base, {"tool_calls": [{"index": n, **call}]}))
     events.append(chunk_event(base, {}, finish=choice["finish_reason"]))
     if include_usage:
-        body = {**base, "object": "chat.completion.chunk", "choices": [],
-                "usage": completion["usage"]}
+        body = {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": completion["usage"],
+        }
         events.append(f"data: {orjson.dumps(body).decode()}\n\n")
     events.append("data: [DONE]\n\n")
     return events

@@ -35,11 +35,19 @@ async def mint_session_key(session_id: str, request: Request) -> dict[str, Any]:
     sessions: SessionStore = request.app.state.deps.sessions
     check_request_owner(await asyncio.to_thread(sessions.get, session_id))  # 404: missing
     secret, record = await asyncio.to_thread(
-        _store(request).create, "session", session_id=session_id,
-        parent=who.limit_id if who.key_id else "", ttl_s=sessions.ttl_s)
+        _store(request).create,
+        "session",
+        session_id=session_id,
+        parent=who.limit_id if who.key_id else "",
+        ttl_s=sessions.ttl_s,
+    )
     base = str(request.base_url).rstrip("/")
-    return {"api_key": secret, "key_id": record.key_id, "session_id": session_id,
-            "base_url": f"{base}/v1"}
+    return {
+        "api_key": secret,
+        "key_id": record.key_id,
+        "session_id": session_id,
+        "base_url": f"{base}/v1",
+    }
 
 
 @router.get("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])

@@ -96,8 +96,13 @@ class RedisLimiter:
             `concurrency_lease_s`).
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, settings: SecuritySettings,
-                 lease_s: float | None = None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str,
+        settings: SecuritySettings,
+        lease_s: float | None = None,
+    ):
         self.client = client
         self.prefix = prefix
         self.rate_per_ms = settings.rate_per_minute / 60_000.0
@@ -121,8 +126,11 @@ class RedisLimiter:
         if lease is not None:
             self._held.add(lease)
             loop = asyncio.get_running_loop()
-            if self._renewer is None or self._renewer.done() or self._renewer.get_loop() \
-                    is not loop:
+            if (
+                self._renewer is None
+                or self._renewer.done()
+                or self._renewer.get_loop() is not loop
+            ):
                 self._renewer = loop.create_task(self._renew_loop())
         return lease
 
@@ -147,11 +155,19 @@ class RedisLimiter:
         return self._admitted(lease, self._admit(**call))
 
     def _admit_call(self, ident: str) -> tuple[Lease, dict[str, list]]:
-        lease = Lease(f"{self.prefix}:limit:inflight:{ident}",
-                      f"{self._replica}:{next(self._serial)}")
-        return lease, {"keys": [f"{self.prefix}:limit:rate:{ident}", lease.key],
-                       "args": [repr(self.rate_per_ms), self.burst, self.max_concurrent,
-                                int(self.lease_s * 1000), lease.member]}
+        lease = Lease(
+            f"{self.prefix}:limit:inflight:{ident}", f"{self._replica}:{next(self._serial)}"
+        )
+        return lease, {
+            "keys": [f"{self.prefix}:limit:rate:{ident}", lease.key],
+            "args": [
+                repr(self.rate_per_ms),
+                self.burst,
+                self.max_concurrent,
+                int(self.lease_s * 1000),
+                lease.member,
+            ],
+        }
 
     def _admitted(self, lease: Lease, result: list) -> Lease | None:
         ok, retry_ms, reason = result
@@ -159,10 +175,16 @@ class RedisLimiter:
             reason = reason.decode() if isinstance(reason, bytes) else reason
             if reason == "rate":
                 wait = max(1, math.ceil(int(retry_ms) / 1000))
-                raise rate_error(f"rate limit of {self.rate_per_ms * 60_000:g} requests per "
-                                 f"minute reached for this key; retry in {wait} s", wait)
-            raise rate_error(f"this key already has {self.max_concurrent} requests in flight; "
-                             "wait for one to finish", 1)
+                raise rate_error(
+                    f"rate limit of {self.rate_per_ms * 60_000:g} requests per "
+                    f"minute reached for this key; retry in {wait} s",
+                    wait,
+                )
+            raise rate_error(
+                f"this key already has {self.max_concurrent} requests in flight; "
+                "wait for one to finish",
+                1,
+            )
         return lease if self.max_concurrent else None
 
     def release(self, lease: Lease | None) -> None:
@@ -173,16 +195,24 @@ class RedisLimiter:
         try:
             self.client.zrem(lease.key, lease.member)
         except redis.RedisError as exc:
-            log.warning("could not release concurrency slot %s (%s); it expires in %g s",
-                        lease.key, exc, self.lease_s)
+            log.warning(
+                "could not release concurrency slot %s (%s); it expires in %g s",
+                lease.key,
+                exc,
+                self.lease_s,
+            )
 
     async def _arelease(self, lease: Lease) -> None:
         """`release` on the event loop."""
         try:
             await self._loop_clients.get().zrem(lease.key, lease.member)
         except redis.RedisError as exc:
-            log.warning("could not release concurrency slot %s (%s); it expires in %g s",
-                        lease.key, exc, self.lease_s)
+            log.warning(
+                "could not release concurrency slot %s (%s); it expires in %g s",
+                lease.key,
+                exc,
+                self.lease_s,
+            )
 
     async def _renew_loop(self) -> None:
         """Extend every held lease each third of `lease_s`; ends when none is held."""
@@ -194,7 +224,8 @@ class RedisLimiter:
             try:
                 await self._loop_clients.script(_RENEW)(
                     keys=[lease.key for lease in held],
-                    args=[int(self.lease_s * 1000), *[lease.member for lease in held]])
+                    args=[int(self.lease_s * 1000), *[lease.member for lease in held]],
+                )
             except redis.RedisError as exc:
                 log.warning("could not renew %d concurrency leases: %s", len(held), exc)
 

@@ -39,23 +39,43 @@ def main(argv: list[str] | None = None) -> None:
 
     gw = settings.gateway
     client = connect(settings.redis_url(), socket_timeout=gw.redis_timeout_s)
-    renderer = ChatRenderer(gw.tokenizer_path or resolve_model_path(settings.engine.model_path),
-                            prefix_cache_bytes=int(gw.prefix_cache_mb * (1 << 20)))
+    renderer = ChatRenderer(
+        gw.tokenizer_path or resolve_model_path(settings.engine.model_path),
+        prefix_cache_bytes=int(gw.prefix_cache_mb * (1 << 20)),
+    )
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
     deps = GatewayDeps(
         settings=gw,
         renderer=renderer,
-        engines=EnginePool(settings.engine_urls(), gw.request_timeout_s, stop_ids,
-                           health_interval_s=gw.engine_health_interval_s,
-                           stream_interval=gw.stream_interval),
-        sessions=SessionStore(client, settings.streams.prefix, gw.session_ttl_s,
-                              cache_bytes=int(gw.record_cache_mb * (1 << 20))),
-        publisher=StreamProducer(client, settings.streams.key("rollouts"),
-                                 high_water=settings.streams.high_water, watch_group="reward"),
+        engines=EnginePool(
+            settings.engine_urls(),
+            gw.request_timeout_s,
+            stop_ids,
+            health_interval_s=gw.engine_health_interval_s,
+            stream_interval=gw.stream_interval,
+        ),
+        sessions=SessionStore(
+            client,
+            settings.streams.prefix,
+            gw.session_ttl_s,
+            cache_bytes=int(gw.record_cache_mb * (1 << 20)),
+        ),
+        publisher=StreamProducer(
+            client,
+            settings.streams.key("rollouts"),
+            high_water=settings.streams.high_water,
+            watch_group="reward",
+        ),
         context_length=settings.engine.context_length,
     )
-    uvicorn.run(create_app(deps), host=gw.host, port=gw.port, log_level="warning",
-                timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
+    uvicorn.run(
+        create_app(deps),
+        host=gw.host,
+        port=gw.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,11 @@ def _tool_call(obj: Any) -> dict[str, Any] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, str):
         args = json.dumps(args)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": args},
+    }
 
 
 def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -94,10 +97,10 @@ def parse_reply(text: str, *, tools_offered: bool, tool_parser: str = "hermes") 
     match = _THINK.match(text)
     if match:
         reasoning = match.group(1).strip()
-        text = text[match.end():]
+        text = text[match.end() :]
     elif text.lstrip().startswith("<think>"):
         # Reasoning cut off by the token limit (BUG-11 a): all of it is reasoning, no content.
-        reasoning, text = text.lstrip()[len("<think>"):].strip(), ""
+        reasoning, text = text.lstrip()[len("<think>") :].strip(), ""
     calls: list[dict[str, Any]] = []
     if tools_offered:
         for name in dict.fromkeys([tool_parser, "json"]):

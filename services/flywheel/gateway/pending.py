@@ -54,8 +54,9 @@ def restore(pending: str, seg: Segment) -> sample_pb2.Sample:
         return _parse(pending)
     k, start = (int(x) for x in head.split(":"))
     if not 0 <= k < len(seg.checkpoints):
-        raise ValueError(f"pending turn at checkpoint {k} of a segment with "
-                         f"{len(seg.checkpoints)} checkpoints")
+        raise ValueError(
+            f"pending turn at checkpoint {k} of a segment with {len(seg.checkpoints)} checkpoints"
+        )
     sample = _parse(b64)
     cp = seg.checkpoints[k]
     add_conversation(sample, seg, start, cp.tokens, cp.messages)

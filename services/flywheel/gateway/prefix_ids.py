@@ -28,7 +28,10 @@ log = logging.getLogger(__name__)
 PROMPT_TOKENS = labeled_counter(
     "flywheel_gateway_prompt_tokens_total",
     "Tokens of fresh prompts (unrecorded requests, new segments), by how their ids were "
-    "obtained: 'reused' from a cached prefix, 'encoded'", "how", ("reused", "encoded"))
+    "obtained: 'reused' from a cached prefix, 'encoded'",
+    "how",
+    ("reused", "encoded"),
+)
 
 ID_BYTES = 36
 """Memory of one cached id: its slot in the tuple (8) and its int object (28)."""
@@ -52,8 +55,7 @@ class PrefixIds:
     def __init__(self, encode_fn: Callable[[str], list[int]], separator: str, max_bytes: int):
         self._encode = encode_fn
         self.separator = separator
-        self.max_bytes = max_bytes if max_bytes > 0 and separator and self._splits_exactly() \
-            else 0
+        self.max_bytes = max_bytes if max_bytes > 0 and separator and self._splits_exactly() else 0
         self.size = 0
         """Bytes of all entries (`entry_bytes`)."""
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -67,8 +69,11 @@ class PrefixIds:
         for text in (f"Hi{sep}\nHello there{sep} world", f"x{sep}word{sep}  two\n{sep}é"):
             cut = text.find(sep) + len(sep)
             if self._encode(text) != self._encode(text[:cut]) + self._encode(text[cut:]):
-                log.warning("prompt prefix cache off: this tokenizer's ids for text split after "
-                            "%r differ from its ids for the whole text", sep)
+                log.warning(
+                    "prompt prefix cache off: this tokenizer's ids for text split after "
+                    "%r differ from its ids for the whole text",
+                    sep,
+                )
                 return False
         return True
 
@@ -103,12 +108,12 @@ class PrefixIds:
         # the entry this prompt grew from, unless it is a shared start (its first separator)
         grown_from = text[:start] if start > cuts[0] else ""
         if cuts[0] > start:  # the shared start (system prompt, tools)
-            ids += self._encode(text[:cuts[0]])
-            self._store(text[:cuts[0]], ids)
+            ids += self._encode(text[: cuts[0]])
+            self._store(text[: cuts[0]], ids)
             start = cuts[0]
         if cuts[-1] > start:  # the conversation up to its last separator
-            ids += self._encode(text[start:cuts[-1]])
-            self._store(text[:cuts[-1]], ids, replaces=grown_from)
+            ids += self._encode(text[start : cuts[-1]])
+            self._store(text[: cuts[-1]], ids, replaces=grown_from)
             start = cuts[-1]
         ids += self._encode(text[start:])
         PROMPT_TOKENS.labels("reused").inc(reused)

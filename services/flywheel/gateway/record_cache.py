@@ -26,7 +26,10 @@ READS = labeled_counter(
     "flywheel_gateway_record_reads_total",
     "Session records a turn took under its lock, by where they came from: 'cached' (this "
     "gateway's own last save, still current), 'stale' (cached but saved elsewhere since: read "
-    "from Redis), 'redis' (not cached)", "source", ("cached", "stale", "redis"))
+    "from Redis), 'redis' (not cached)",
+    "source",
+    ("cached", "stale", "redis"),
+)
 
 
 def rev_prefix(rev: str) -> str:

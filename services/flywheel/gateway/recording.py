@@ -32,12 +32,20 @@ from flywheel.gateway.records import Candidate, Segment, SessionRecord
 from flywheel.gateway.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
-FORKS = Counter("flywheel_gateway_segment_forks_total",
-                "Requests that did not extend the recorded history (a new segment started)",
-                ["reason"])
-FORK_REASONS = ("tool_arguments_reformatted", "assistant_edited", "history_edited",
-                "history_truncated", "regenerated", "template_rewrites_history",
-                "sampling_changed")
+FORKS = Counter(
+    "flywheel_gateway_segment_forks_total",
+    "Requests that did not extend the recorded history (a new segment started)",
+    ["reason"],
+)
+FORK_REASONS = (
+    "tool_arguments_reformatted",
+    "assistant_edited",
+    "history_edited",
+    "history_truncated",
+    "regenerated",
+    "template_rewrites_history",
+    "sampling_changed",
+)
 """Fork reasons, in the order `fork_reason` checks them (`sampling_changed`: an episode turn
 sampled with another temperature, top_p, top_k or min_p than the segment's earlier turns; a
 Sample carries one sampling setting, which the trainer recomputes logprobs with, BUG-07)."""
@@ -58,8 +66,9 @@ def _same_message(a: dict[str, Any], b: dict[str, Any]) -> bool:
     matches is checked separately, on the rendered text)."""
     if a.get("tool_calls") or b.get("tool_calls"):
         keys = tuple(k for k in _KEYS if k != "tool_calls")
-        return (all((a.get(k) or None) == (b.get(k) or None) for k in keys)
-                and _arguments(a.get("tool_calls")) == _arguments(b.get("tool_calls")))
+        return all((a.get(k) or None) == (b.get(k) or None) for k in keys) and _arguments(
+            a.get("tool_calls")
+        ) == _arguments(b.get("tool_calls"))
     return _exact_same(a, b)
 
 
@@ -118,8 +127,12 @@ def count_fork(record: SessionRecord, reason: str) -> None:
     FORKS.labels(reason).inc()
     record.forks += 1
     record.fork_reasons[reason] = record.fork_reasons.get(reason, 0) + 1
-    log.info("session %s: request does not extend segment %d (%s); starting a new segment",
-             record.session_id, record.segment.index, reason)
+    log.info(
+        "session %s: request does not extend segment %d (%s); starting a new segment",
+        record.session_id,
+        record.segment.index,
+        reason,
+    )
 
 
 def prepare_prompt(
@@ -204,17 +217,28 @@ def record_generation(
 
 def candidate(gen: Generation, reply: dict[str, Any]) -> Candidate:
     """One choice of an n > 1 turn, kept until the client picks which one it continues with."""
-    return Candidate(output_ids=gen.output_ids, logprobs=gen.output_logprobs,
-                     weight_version=gen.weight_version, versions=gen.output_versions,
-                     finish_reason=_finish(gen.finish_type, reply),
-                     matched_eos=gen.matched_eos, message=reply)
+    return Candidate(
+        output_ids=gen.output_ids,
+        logprobs=gen.output_logprobs,
+        weight_version=gen.weight_version,
+        versions=gen.output_versions,
+        finish_reason=_finish(gen.finish_type, reply),
+        matched_eos=gen.matched_eos,
+        message=reply,
+    )
 
 
 def as_generation(c: Candidate) -> Generation:
-    return Generation(output_ids=c.output_ids, output_logprobs=c.logprobs, text="",
-                      finish_type=c.finish_reason if c.finish_reason != "tool_calls" else "stop",
-                      matched_eos=c.matched_eos, weight_version=c.weight_version,
-                      prompt_tokens=0, output_versions=c.versions)
+    return Generation(
+        output_ids=c.output_ids,
+        output_logprobs=c.logprobs,
+        text="",
+        finish_type=c.finish_reason if c.finish_reason != "tool_calls" else "stop",
+        matched_eos=c.matched_eos,
+        weight_version=c.weight_version,
+        prompt_tokens=0,
+        output_versions=c.versions,
+    )
 
 
 def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> int | None:
@@ -234,8 +258,12 @@ def candidate_segment(seg: Segment, c: Candidate) -> Segment:
     """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
     out = seg.model_copy(deep=True)
     out.turn_start = len(out.token_ids)
-    out.append(c.output_ids, sampled=True, logprobs=c.logprobs,
-               versions=c.versions or [c.weight_version] * len(c.output_ids))
+    out.append(
+        c.output_ids,
+        sampled=True,
+        logprobs=c.logprobs,
+        versions=c.versions or [c.weight_version] * len(c.output_ids),
+    )
     out.messages = [*out.messages, c.message]
     out.turns += 1
     out.finish_reason = c.finish_reason
@@ -247,13 +275,12 @@ def continues_chat(messages: list[dict[str, Any]]) -> Callable[[Segment, int], b
     after its turn `k` (`branches.Continues`)."""
 
     def check(seg: Segment, k: int) -> bool:
-        return extends(seg.messages[:seg.checkpoints[k].messages], messages)
+        return extends(seg.messages[: seg.checkpoints[k].messages], messages)
 
     return check
 
 
-def rewrite_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]
-                   ) -> str | None:
+def rewrite_reason(recorded: list[dict[str, Any]], messages: list[dict[str, Any]]) -> str | None:
     """Why `messages` rewrite the `recorded` conversation (a `FORK_REASONS` entry), or None
     when they only leave it: after the messages both share, the request adds no assistant
     message (a parallel request on the same history, a regenerated turn, a new conversation)."""
@@ -285,20 +312,27 @@ def next_state_message(following: list[dict[str, Any]]) -> sample_pb2.Message | 
     extra = {k: v for k, v in first.items() if k not in ("role", "content")}
     if len(following) > 1:
         extra["messages"] = following
-    return sample_pb2.Message(role=first["role"], content_json=json.dumps(content),
-                              extra_json=json.dumps(extra) if extra else "")
+    return sample_pb2.Message(
+        role=first["role"],
+        content_json=json.dumps(content),
+        extra_json=json.dumps(extra) if extra else "",
+    )
 
 
 def add_messages(sample: sample_pb2.Sample, messages: list[dict[str, Any]]) -> None:
     """Append `messages` to `sample.messages` (content and the other keys as JSON)."""
     for m in messages:
         extra = {k: v for k, v in m.items() if k not in ("role", "content")}
-        sample.messages.add(role=m["role"], content_json=json.dumps(m.get("content")),
-                            extra_json=json.dumps(extra) if extra else "")
+        sample.messages.add(
+            role=m["role"],
+            content_json=json.dumps(m.get("content")),
+            extra_json=json.dumps(extra) if extra else "",
+        )
 
 
-def add_conversation(sample: sample_pb2.Sample, seg: Segment, start: int, tokens: int,
-                     messages: int) -> None:
+def add_conversation(
+    sample: sample_pb2.Sample, seg: Segment, start: int, tokens: int, messages: int
+) -> None:
     """Append `seg`'s first `tokens` tokens and first `messages` messages to `sample`; mask,
     logprobs and weight versions only from token `start` on (0 / 0.0 / -1 before it)."""
     sample.token_ids.extend(seg.token_ids[:tokens])
@@ -309,8 +343,13 @@ def add_conversation(sample: sample_pb2.Sample, seg: Segment, start: int, tokens
 
 
 def build_sample(
-    record: SessionRecord, seg: Segment, reward: float | None = None, *,
-    turn_only: bool = False, sample_key: str = "", turn_index: int | None = None,
+    record: SessionRecord,
+    seg: Segment,
+    reward: float | None = None,
+    *,
+    turn_only: bool = False,
+    sample_key: str = "",
+    turn_index: int | None = None,
     conversation: bool = True,
 ) -> sample_pb2.Sample:
     """The Sample of one segment (validated later by the codec on publish).
@@ -328,8 +367,9 @@ def build_sample(
     start = seg.turn_start if turn_only else 0
     sample = new_sample(
         # Deterministic, so a re-publish is a duplicate consumers can drop.
-        sample_id=uuid.uuid5(uuid.NAMESPACE_URL,
-                             f"{record.session_id}/{sample_key or seg.index}").hex,
+        sample_id=uuid.uuid5(
+            uuid.NAMESPACE_URL, f"{record.session_id}/{sample_key or seg.index}"
+        ).hex,
         session_id=record.session_id,
         group_id=record.group_id,
         mode=record.mode,

@@ -58,16 +58,23 @@ class Segment(BaseModel):
     checkpoints: list[Checkpoint] = Field(default_factory=list)
     """One per turn, in order: where the segment ended right after that turn."""
 
-    def append(self, ids: list[int], *, sampled: bool, logprobs: list[float] | None = None,
-               versions: list[int] | None = None) -> None:
+    def append(
+        self,
+        ids: list[int],
+        *,
+        sampled: bool,
+        logprobs: list[float] | None = None,
+        versions: list[int] | None = None,
+    ) -> None:
         """Append template ids (`sampled=False`) or engine-sampled ids with logprobs/versions."""
         n = len(ids)
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if sampled else 0] * n)
         self.logprobs.extend(logprobs if sampled and logprobs is not None else [0.0] * n)
         self.versions.extend(versions if sampled and versions is not None else [-1] * n)
-        if not (len(self.token_ids) == len(self.loss_mask) == len(self.logprobs)
-                == len(self.versions)):
+        if not (
+            len(self.token_ids) == len(self.loss_mask) == len(self.logprobs) == len(self.versions)
+        ):
             raise AssertionError("segment per-token lists diverged in length")
 
     @model_validator(mode="after")
@@ -87,10 +94,14 @@ class Segment(BaseModel):
 
     def mark_turn(self) -> None:
         """Record a checkpoint at the current end (call right after a turn is appended)."""
-        self.checkpoints.append(Checkpoint(messages=len(self.messages),
-                                           tokens=len(self.token_ids),
-                                           text=len(self.text) if self.text else -1,
-                                           ended_with_eos=self.ended_with_eos))
+        self.checkpoints.append(
+            Checkpoint(
+                messages=len(self.messages),
+                tokens=len(self.token_ids),
+                text=len(self.text) if self.text else -1,
+                ended_with_eos=self.ended_with_eos,
+            )
+        )
 
     def upto(self, k: int) -> Segment:
         """A copy of this segment cut right after its turn `k` (0-based): the ids, masks,
@@ -98,12 +109,12 @@ class Segment(BaseModel):
         cp = self.checkpoints[k]
         out = self.model_copy(deep=True)
         for name in ("token_ids", "loss_mask", "logprobs", "versions"):
-            setattr(out, name, getattr(out, name)[:cp.tokens])
-        out.messages = out.messages[:cp.messages]
-        out.text = out.text[:cp.text] if cp.text >= 0 else ""
+            setattr(out, name, getattr(out, name)[: cp.tokens])
+        out.messages = out.messages[: cp.messages]
+        out.text = out.text[: cp.text] if cp.text >= 0 else ""
         out.ended_with_eos = cp.ended_with_eos
         out.turns = k + 1
-        out.checkpoints = out.checkpoints[:k + 1]
+        out.checkpoints = out.checkpoints[: k + 1]
         out.turn_start = min(out.turn_start, cp.tokens)
         return out
 

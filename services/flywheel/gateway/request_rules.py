@@ -37,7 +37,10 @@ def check_model(settings: GatewaySettings, model: str) -> None:
     if names and model and model not in names:
         raise ModelNotFoundError(
             f"The model `{model}` does not exist or you do not have access to it; this gateway "
-            f"serves {names}", param="model", code="model_not_found")
+            f"serves {names}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_contents(messages: list[ChatMessage]) -> None:
@@ -52,7 +55,8 @@ def check_contents(messages: list[ChatMessage]) -> None:
         extra = m.model_extra or {}
         if m.role == "assistant" and (m.tool_calls or extra.get("function_call")):
             continue  # OpenAI: content is optional next to tool calls (or a legacy function call)
-        need = ("content or tool_calls" if m.role == "assistant" else "content")
+        need = "content or tool_calls" if m.role == "assistant" else "content"
         raise InvalidRequestError(
             f"messages[{i}]: a {m.role} message needs {need}; got null",
-            param=f"messages[{i}].content")
+            param=f"messages[{i}].content",
+        )

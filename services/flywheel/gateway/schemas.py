@@ -31,8 +31,10 @@ def check_parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = part.get("type")
         key = "refusal" if kind == "refusal" else "text"
         if kind not in (*TEXT_PARTS, "refusal"):
-            raise ValueError(f"content part {i} has type {kind!r}; this model reads text only "
-                             f"(parts of type {', '.join(map(repr, TEXT_PARTS))})")
+            raise ValueError(
+                f"content part {i} has type {kind!r}; this model reads text only "
+                f"(parts of type {', '.join(map(repr, TEXT_PARTS))})"
+            )
         if not isinstance(part.get(key), str):
             raise ValueError(f"content part {i} of type {kind!r} needs {key!r} as a string")
     return parts
@@ -48,12 +50,17 @@ def check_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, call in enumerate(calls):
         fn = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ValueError(f"tool call {i} must be {{'type': 'function', 'function': "
-                             "{'name': ..., 'arguments': ...}}")
+            raise ValueError(
+                f"tool call {i} must be {{'type': 'function', 'function': "
+                "{'name': ..., 'arguments': ...}}"
+            )
         if not isinstance(fn.get("name"), str) or not isinstance(
-                fn.get("arguments", ""), str | dict | None):
-            raise ValueError(f"tool call {i}: function.name must be a string and "
-                             "function.arguments a JSON string")
+            fn.get("arguments", ""), str | dict | None
+        ):
+            raise ValueError(
+                f"tool call {i}: function.name must be a string and "
+                "function.arguments a JSON string"
+            )
     return calls
 
 
@@ -67,8 +74,7 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, v: str | list[dict[str, Any]] | None
-                 ) -> str | list[dict[str, Any]] | None:
+    def _content(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         return check_parts(v) if isinstance(v, list) else v
 
     @field_validator("tool_calls")
@@ -80,8 +86,9 @@ class ChatMessage(BaseModel):
     @classmethod
     def _tool_call_id(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None and info.data.get("role") == "tool":
-            raise ValueError("a message with role 'tool' needs the tool_call_id of the call it "
-                             "answers")
+            raise ValueError(
+                "a message with role 'tool' needs the tool_call_id of the call it answers"
+            )
         return v
 
     def for_template(self) -> dict[str, Any]:
@@ -89,8 +96,8 @@ class ChatMessage(BaseModel):
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(
-                p.get("refusal" if p.get("type") == "refusal" else "text", "")
-                for p in self.content)
+                p.get("refusal" if p.get("type") == "refusal" else "text", "") for p in self.content
+            )
         if data["role"] == "developer":
             data["role"] = "system"
         data.setdefault("content", "")
@@ -128,8 +135,9 @@ class StreamOptionsNeedStream(BaseModel):
 
     @field_validator("stream_options", check_fields=False)
     @classmethod
-    def _stream_options(cls, v: dict[str, Any] | None, info: ValidationInfo
-                        ) -> dict[str, Any] | None:
+    def _stream_options(
+        cls, v: dict[str, Any] | None, info: ValidationInfo
+    ) -> dict[str, Any] | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")
         return v
@@ -217,10 +225,16 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, tool in enumerate(v or []):
             fn = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(
-                    fn.get("name"), str) or not isinstance(fn.get("parameters", {}), dict | None):
-                raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name': "
-                                 "str, 'description'?: str, 'parameters'?: JSON schema}}")
+            if (
+                tool.get("type") != "function"
+                or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("parameters", {}), dict | None)
+            ):
+                raise ValueError(
+                    f"tool {i} must be {{'type': 'function', 'function': {{'name': "
+                    "str, 'description'?: str, 'parameters'?: JSON schema}}"
+                )
         return v
 
     @field_validator("tool_choice")
@@ -229,11 +243,14 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         if v is None or v in ("auto", "none"):
             return v
         if v == "required" or isinstance(v, dict):
-            raise ValueError(f"tool_choice {v!r} is not supported: the engine has no "
-                             "constrained decoding to force a tool call; use 'auto' (the model "
-                             "decides) or 'none'")
-        raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or a named function, "
-                         f"got {v!r}")
+            raise ValueError(
+                f"tool_choice {v!r} is not supported: the engine has no "
+                "constrained decoding to force a tool call; use 'auto' (the model "
+                "decides) or 'none'"
+            )
+        raise ValueError(
+            f"tool_choice must be 'auto', 'none', 'required' or a named function, got {v!r}"
+        )
 
     @field_validator("top_k")
     @classmethod
@@ -249,15 +266,17 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         if kind != "text":
             raise ValueError(
                 f"response_format type {kind!r} is not supported: the engine has no "
-                "constrained decoding; use 'text' and ask for JSON in the prompt")
+                "constrained decoding; use 'text' and ask for JSON in the prompt"
+            )
         return v
 
     @field_validator(*_NEUTRAL, mode="after")
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
         if v not in _NEUTRAL[info.field_name]:
-            raise ValueError(f"{info.field_name}={v!r} is not supported by the engine; "
-                             "leave it unset")
+            raise ValueError(
+                f"{info.field_name}={v!r} is not supported by the engine; leave it unset"
+            )
         return v
 
     @field_validator("max_completion_tokens")
@@ -265,16 +284,20 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     def _one_cap(cls, v: int | None, info: ValidationInfo) -> int | None:
         given = info.data.get("max_tokens")
         if None not in (v, given) and v != given:
-            raise ValueError(f"max_tokens ({given}) and max_completion_tokens ({v}) disagree; "
-                             "send only max_completion_tokens")
+            raise ValueError(
+                f"max_tokens ({given}) and max_completion_tokens ({v}) disagree; "
+                "send only max_completion_tokens"
+            )
         return v
 
     @field_validator("top_logprobs")
     @classmethod
     def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
         if v and not info.data.get("logprobs"):
-            raise ValueError(f"top_logprobs ({v}) needs logprobs: true (as in OpenAI's API); "
-                             "set logprobs or drop top_logprobs")
+            raise ValueError(
+                f"top_logprobs ({v}) needs logprobs: true (as in OpenAI's API); "
+                "set logprobs or drop top_logprobs"
+            )
         return v
 
     @property
@@ -285,7 +308,8 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
         """SGLang `sampling_params` for this request (only keys SGLang accepts)."""
         return sglang_sampling(
-            self, self.max_completion_tokens or self.max_tokens or default_max_tokens)
+            self, self.max_completion_tokens or self.max_tokens or default_max_tokens
+        )
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

@@ -25,7 +25,10 @@ from flywheel.core.metrics import labeled_counter
 LATE = labeled_counter(
     "flywheel_gateway_session_scripts_late_total",
     "Session lock/save scripts that reached Redis after their deadline (Redis stalled past the "
-    "gateway's reply timeout) and were not applied", "script", ("lock", "save"))
+    "gateway's reply timeout) and were not applied",
+    "script",
+    ("lock", "save"),
+)
 
 RELAX_MS_PER_S = 1.0
 """How fast the estimate of Redis's clock may fall back (ms per second)."""
@@ -66,8 +69,11 @@ class ScriptDeadline:
         """Record Redis's time (ms) as returned by a script just now."""
         now = time.monotonic()
         seen = float(redis_ms) - now * 1000
-        relaxed = None if self._offset_ms is None else \
-            self._offset_ms - (now - self._offset_at) * RELAX_MS_PER_S
+        relaxed = (
+            None
+            if self._offset_ms is None
+            else self._offset_ms - (now - self._offset_at) * RELAX_MS_PER_S
+        )
         if relaxed is None or seen >= relaxed:
             self._offset_ms, self._offset_at = seen, now
         else:

@@ -50,8 +50,11 @@ from flywheel.gateway.limits import Lease, RedisLimiter
 from flywheel.gateway.sessions import REQUEST_OWNER, SessionStore
 
 log = logging.getLogger(__name__)
-REJECTED = Counter("flywheel_gateway_rejected_requests_total",
-                   "Requests refused before reaching a route", ["reason"])
+REJECTED = Counter(
+    "flywheel_gateway_rejected_requests_total",
+    "Requests refused before reaching a route",
+    ["reason"],
+)
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
 """Served to anyone, without a key lookup: `/healthz` answers even while Redis is down."""
@@ -60,8 +63,9 @@ SESSION_KEY_DENIED = ("/v1/sessions", "/v1/admin")
 JSON_BODY = "json_body"
 """Request state key: the JSON object body as this middleware parsed it (read by hot_path.py)."""
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]],
-                   Awaitable[None]]
+ASGIApp = Callable[
+    [dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]
+]
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,8 @@ def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
         if who.role not in allowed:
             raise PermissionDeniedError(
                 f"this endpoint needs a key with role {' or '.join(sorted(allowed))}; "
-                f"yours has role {who.role}")
+                f"yours has role {who.role}"
+            )
         return who
 
     return dependency
@@ -138,8 +143,15 @@ class TimeoutError_(PlatformError, TimeoutError):
 class SecurityMiddleware:
     """Pure ASGI middleware (streams pass through untouched); see the module docstring."""
 
-    def __init__(self, app: ASGIApp, *, keys: KeyStore, sessions: SessionStore,
-                 settings: SecuritySettings, bind_host: str):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyStore,
+        sessions: SessionStore,
+        settings: SecuritySettings,
+        bind_host: str,
+    ):
         self.app = app
         self.keys = keys
         self.sessions = sessions
@@ -197,9 +209,14 @@ class SecurityMiddleware:
             if started:
                 raise
             REJECTED.labels("timeout").inc()
-            await _send_error(send, TimeoutError_(
-                f"the request took longer than {limit:g} s and was stopped; retry, or ask for "
-                "fewer tokens", code="timeout"))
+            await _send_error(
+                send,
+                TimeoutError_(
+                    f"the request took longer than {limit:g} s and was stopped; retry, or ask for "
+                    "fewer tokens",
+                    code="timeout",
+                ),
+            )
 
     # -- authentication -------------------------------------------------------------------
 
@@ -223,7 +240,10 @@ class SecurityMiddleware:
                 (log.error if not self.loopback else log.warning)(
                     "AUTHENTICATION IS OFF: every client is served as admin (auth=%s, "
                     "loopback=%s, no API keys). Create one with `flywheel keys create --role "
-                    "admin` or set gateway.security.auth = \"on\".", mode, self.loopback)
+                    'admin` or set gateway.security.auth = "on".',
+                    mode,
+                    self.loopback,
+                )
         return required
 
     async def _lookup(self, secret: str) -> KeyRecord | None:
@@ -256,8 +276,11 @@ class SecurityMiddleware:
         REJECTED.labels("unauthenticated").inc()
         raise AuthenticationError(
             "missing API key: send `Authorization: Bearer <key>` (create keys with `flywheel "
-            "keys create`)" if not secret else "invalid or revoked API key",
-            code="invalid_api_key")
+            "keys create`)"
+            if not secret
+            else "invalid or revoked API key",
+            code="invalid_api_key",
+        )
 
     # -- authorization --------------------------------------------------------------------
 
@@ -265,8 +288,9 @@ class SecurityMiddleware:
         path = scope["path"]
         if path in PUBLIC_PATHS:
             return scope
-        if path.startswith(ADMIN_PREFIXES) or (path == "/metrics"
-                                              and self.settings.metrics_require_admin):
+        if path.startswith(ADMIN_PREFIXES) or (
+            path == "/metrics" and self.settings.metrics_require_admin
+        ):
             if who.role != "admin":
                 REJECTED.labels("forbidden").inc()
                 raise PermissionDeniedError(f"{path} needs an admin key")
@@ -277,8 +301,9 @@ class SecurityMiddleware:
         named = _named_sessions(scope)
         for session_id in named:
             # only a session named by the header alone is created by the route (live chat)
-            await self._check_owner(session_id, who, may_create=session_id == header
-                                    and named.count(session_id) == 1)
+            await self._check_owner(
+                session_id, who, may_create=session_id == header and named.count(session_id) == 1
+            )
         return scope
 
     def _route_session_key(self, scope: dict, who: Principal) -> dict:
@@ -286,8 +311,10 @@ class SecurityMiddleware:
         path = scope["path"]
         if path.startswith(SESSION_KEY_DENIED):
             REJECTED.labels("forbidden").inc()
-            raise PermissionDeniedError("a session key can only chat in its own session; "
-                                        "use an agent key to create, read or finish sessions")
+            raise PermissionDeniedError(
+                "a session key can only chat in its own session; "
+                "use an agent key to create, read or finish sessions"
+            )
         if any(sid != who.session_id for sid in _named_sessions(scope)):
             REJECTED.labels("foreign_session").inc()
             raise NotFoundError("session not found", param="session_id")
@@ -311,8 +338,9 @@ class SecurityMiddleware:
             raise
         if owner != who.key_id:
             REJECTED.labels("foreign_session").inc()
-            log.warning("key %s refused access to session %s of another key", who.key_id,
-                        session_id)
+            log.warning(
+                "key %s refused access to session %s of another key", who.key_id, session_id
+            )
             raise NotFoundError(f"session {session_id} not found", param="session_id")
 
     # -- body limits ----------------------------------------------------------------------
@@ -361,8 +389,9 @@ class SecurityMiddleware:
             text = body.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
             REJECTED.labels("bad_body").inc()
-            raise InvalidRequestError(f"the request body is not valid UTF-8 (byte "
-                                      f"{exc.start})", code="invalid_encoding") from None
+            raise InvalidRequestError(
+                f"the request body is not valid UTF-8 (byte {exc.start})", code="invalid_encoding"
+            ) from None
         try:
             data = json.loads(text)
         except RecursionError:
@@ -374,9 +403,10 @@ class SecurityMiddleware:
             depth = _scan(data, self.settings.max_json_depth)
         if depth > self.settings.max_json_depth:
             REJECTED.labels("bad_body").inc()
-            raise InvalidRequestError(f"the JSON body nests deeper than "
-                                      f"{self.settings.max_json_depth} levels",
-                                      code="json_too_deep")
+            raise InvalidRequestError(
+                f"the JSON body nests deeper than {self.settings.max_json_depth} levels",
+                code="json_too_deep",
+            )
         if path.endswith("/chat/completions") and isinstance(data, dict):
             self._check_chat(data)
         return data
@@ -385,17 +415,25 @@ class SecurityMiddleware:
         s = self.settings
         messages, tools = data.get("messages"), data.get("tools")
         if isinstance(messages, list) and len(messages) > s.max_messages:
-            raise InvalidRequestError(f"{len(messages)} messages; at most {s.max_messages} "
-                                      "per request", param="messages", code="too_many_messages")
+            raise InvalidRequestError(
+                f"{len(messages)} messages; at most {s.max_messages} per request",
+                param="messages",
+                code="too_many_messages",
+            )
         if isinstance(tools, list):
             if len(tools) > s.max_tools:
-                raise InvalidRequestError(f"{len(tools)} tools; at most {s.max_tools} per "
-                                          "request", param="tools", code="too_many_tools")
+                raise InvalidRequestError(
+                    f"{len(tools)} tools; at most {s.max_tools} per request",
+                    param="tools",
+                    code="too_many_tools",
+                )
             size = len(json.dumps(tools, separators=(",", ":")).encode())
             if size > s.max_tools_bytes:
-                raise InvalidRequestError(f"tool definitions take {size} bytes; at most "
-                                          f"{s.max_tools_bytes}", param="tools",
-                                          code="tools_too_large")
+                raise InvalidRequestError(
+                    f"tool definitions take {size} bytes; at most {s.max_tools_bytes}",
+                    param="tools",
+                    code="tools_too_large",
+                )
 
 
 def _scan(data: Any, cap: int) -> int:
@@ -430,20 +468,23 @@ def _scan(data: Any, cap: int) -> int:
                     raise InvalidRequestError(
                         "a string in the body holds an unpaired UTF-16 surrogate escape "
                         "(e.g. \\ud800); send valid Unicode text",
-                        code="invalid_encoding") from None
+                        code="invalid_encoding",
+                    ) from None
             elif isinstance(child, float) and not math.isfinite(child):
                 REJECTED.labels("bad_body").inc()
                 raise InvalidRequestError(
                     "the body holds a number that is not finite (NaN, Infinity or one beyond "
                     "a double's range); JSON numbers must be finite",
-                    code="invalid_number")
+                    code="invalid_number",
+                )
     return deepest
 
 
 def _too_large(size: int, limit: int) -> TooLargeError:
     REJECTED.labels("too_large").inc()
-    return TooLargeError(f"the request body has {size} bytes; at most {limit} are accepted",
-                         code="request_too_large")
+    return TooLargeError(
+        f"the request body has {size} bytes; at most {limit} are accepted", code="request_too_large"
+    )
 
 
 def _header(scope: dict, name: bytes) -> str:
@@ -476,8 +517,7 @@ def _named_sessions(scope: dict) -> list[str]:
 
 async def _send_error(send: Callable, exc: PlatformError) -> None:
     body = json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code)).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(exc, BackpressureError):
         headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
     if isinstance(exc, AuthenticationError):
@@ -494,5 +534,10 @@ def install(app: FastAPI, deps: Any) -> None:
     store = KeyStore(deps.sessions.client, deps.sessions.prefix)
     app.state.key_store = store
     app.include_router(router)
-    app.add_middleware(SecurityMiddleware, keys=store, sessions=deps.sessions,
-                       settings=deps.settings.security, bind_host=deps.settings.host)
+    app.add_middleware(
+        SecurityMiddleware,
+        keys=store,
+        sessions=deps.sessions,
+        settings=deps.settings.security,
+        bind_host=deps.settings.host,
+    )

@@ -100,8 +100,9 @@ def _appends(seg: Segment, log: Logged | None) -> bool:
     if len(seg.token_ids) < log.tokens or len(seg.messages) < len(log.messages):
         return False
     # The same JSON as stored (`==` would take {"a": 1, "b": 2} for {"b": 2.0, "a": 1}).
-    return all(a is b or _json(a) == _json(b)
-               for a, b in zip(seg.messages, log.messages, strict=False))
+    return all(
+        a is b or _json(a) == _json(b) for a, b in zip(seg.messages, log.messages, strict=False)
+    )
 
 
 def _json(message: dict[str, Any]) -> bytes:
@@ -120,13 +121,20 @@ def stored_form(record: SessionRecord) -> StoredForm:
     t0, m0 = (0, 0) if rewrite or log is None else (log.tokens, len(log.messages))
     chunk = ""
     if len(seg.token_ids) > t0 or len(seg.messages) > m0:
-        chunk = LogChunk(**{name: getattr(seg, name)[t0:] for name in TOKEN_FIELDS},
-                         messages=seg.messages[m0:]).model_dump_json()
+        chunk = LogChunk(
+            **{name: getattr(seg, name)[t0:] for name in TOKEN_FIELDS}, messages=seg.messages[m0:]
+        ).model_dump_json()
     record.log_tokens, record.log_messages = len(seg.token_ids), len(seg.messages)
     head = record.model_dump_json(exclude=HEAD_EXCLUDE)
     before = (0, 0) if rewrite or log is None else (log.chunks, log.size)
-    logged = Logged(seg, _lists(seg), len(seg.token_ids), tuple(seg.messages),
-                    before[0] + (1 if chunk else 0), before[1] + len(chunk))
+    logged = Logged(
+        seg,
+        _lists(seg),
+        len(seg.token_ids),
+        tuple(seg.messages),
+        before[0] + (1 if chunk else 0),
+        before[1] + len(chunk),
+    )
     return StoredForm(head, chunk, rewrite, logged, before[0])
 
 
@@ -154,7 +162,8 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
     if (tokens, messages) != (record.log_tokens, record.log_messages):
         raise CorruptRecord(
             f"session {record.session_id}: its log holds {tokens} tokens and {messages} "
-            f"messages, its record says {record.log_tokens} and {record.log_messages}")
+            f"messages, its record says {record.log_tokens} and {record.log_messages}"
+        )
     if parts:
         for name in TOKEN_FIELDS:
             setattr(seg, name, [x for p in parts for x in getattr(p, name)] + getattr(seg, name))
@@ -163,6 +172,12 @@ def parse_stored(head: bytes | str, chunks: list[bytes]) -> SessionRecord:
     if not (len(seg.token_ids) == len(seg.loss_mask) == len(seg.logprobs) == len(seg.versions)):
         raise CorruptRecord(f"session {record.session_id}: per-token lists differ in length")
     if logged:
-        record._log = Logged(seg, _lists(seg), tokens, tuple(seg.messages[:messages]),
-                             len(parts), sum(len(c) for c in chunks))
+        record._log = Logged(
+            seg,
+            _lists(seg),
+            tokens,
+            tuple(seg.messages[:messages]),
+            len(parts),
+            sum(len(c) for c in chunks),
+        )
     return record

@@ -40,9 +40,11 @@ log = logging.getLogger(__name__)
 
 
 PUBLISHED = Counter("flywheel_gateway_samples_published_total", "Samples published", ["mode"])
-BACKPRESSURE = Counter("flywheel_gateway_samples_refused_backpressure_total",
-                       "Samples of turns refused with 429 because the stream was at its "
-                       "high-water mark (the client retries the turn; nothing was recorded)")
+BACKPRESSURE = Counter(
+    "flywheel_gateway_samples_refused_backpressure_total",
+    "Samples of turns refused with 429 because the stream was at its "
+    "high-water mark (the client retries the turn; nothing was recorded)",
+)
 
 
 def _ms(redis_time: tuple[int, int] | list[int]) -> float:
@@ -73,8 +75,11 @@ def check_request_owner(record: SessionRecord) -> None:
     """
     owner = REQUEST_OWNER.get()
     if owner is not None and record.owner != owner:
-        log.warning("key %s refused session %s of another key (created after its access "
-                    "check)", owner, record.session_id)
+        log.warning(
+            "key %s refused session %s of another key (created after its access check)",
+            owner,
+            record.session_id,
+        )
         raise NotFoundError(f"session {record.session_id} not found", param="session_id")
 
 
@@ -103,7 +108,9 @@ return {redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
 """
 """A session's record head and log (segment_log.py), read together."""
 
-_TAKE = NOW_LUA + """
+_TAKE = (
+    NOW_LUA
+    + """
 local now = now_ms()
 if ARGV[4] ~= '0' and now > tonumber(ARGV[4]) then return {4, now} end
 if redis.call('EXISTS', KEYS[1]) == 0 then return {0, now} end
@@ -112,11 +119,15 @@ local head = ARGV[3]
 if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3, now} end
 return {1, now, redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[3], 0, -1)}
 """
+)
 """Lock a session and read its record: {0} no session, {1, head, log} taken, {2} busy, {3} taken
 and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record), {4}
 past the deadline ARGV[4] (nothing done); each with Redis's time (ms) second."""
 
-_PUT = BACKLOG_LUA + NOW_LUA + """
+_PUT = (
+    BACKLOG_LUA
+    + NOW_LUA
+    + """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
 if late(ARGV[11]) then
   redis.call('DEL', KEYS[2])
@@ -147,6 +158,7 @@ end
 redis.call('DEL', KEYS[2])
 return 1
 """
+)
 """Save the record (head ARGV[2]; its log KEYS[5] rewritten when ARGV[12] is 1, chunk ARGV[13]
 appended) and its last-touch time in the idle index and add its queued Samples to
 the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
@@ -163,8 +175,10 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 """
 
-LOST_LEASES = Counter("flywheel_gateway_session_lease_lost_total",
-                      "Turns not saved because their session lock's lease expired meanwhile")
+LOST_LEASES = Counter(
+    "flywheel_gateway_session_lease_lost_total",
+    "Turns not saved because their session lock's lease expired meanwhile",
+)
 
 
 class _Unreadable(Exception):
@@ -206,12 +220,14 @@ class SessionStore:
         cache_bytes: stored JSON bytes of the records kept in memory; 0 = none.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int,
-                 cache_bytes: int = RECORD_CACHE_BYTES):
+    def __init__(
+        self, client: redis.Redis, prefix: str, ttl_s: int, cache_bytes: int = RECORD_CACHE_BYTES
+    ):
         self.client = client
         self.cache = RecordCache(cache_bytes)
         self.deadline = ScriptDeadline(
-            client.connection_pool.connection_kwargs.get("socket_timeout"))
+            client.connection_pool.connection_kwargs.get("socket_timeout")
+        )
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
@@ -240,15 +256,19 @@ class SessionStore:
         """The serialized Samples an episode holds until its finish, oldest first."""
         return list(self.client.lrange(self._held_key(session_id), 0, -1))
 
-    def _new(self, fields: dict[str, Any]
-             ) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
+    def _new(self, fields: dict[str, Any]) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
         fields.setdefault("session_id", uuid.uuid4().hex)
         record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
         form = stored_form(record)
         sid = record.session_id
-        return record, form, {"keys": [self._key(sid), self.touched_key, self._log_key(sid),
-                                       self._held_key(sid)],
-                              "args": [form.head, self.ttl_s, sid, time.time(), form.chunk]}
+        return (
+            record,
+            form,
+            {
+                "keys": [self._key(sid), self.touched_key, self._log_key(sid), self._held_key(sid)],
+                "args": [form.head, self.ttl_s, sid, time.time(), form.chunk],
+            },
+        )
 
     def _created(self, record: SessionRecord, form: StoredForm, ok: int) -> SessionRecord:
         if not ok:
@@ -309,9 +329,12 @@ class SessionStore:
     def idle(self, before: float, limit: int = 100, offset: int = 0) -> list[str]:
         """Ids of open sessions last saved before Unix time `before`, least recent first
         (`limit` of them, after skipping `offset`)."""
-        return [raw.decode() if isinstance(raw, bytes) else raw for raw in
-                self.client.zrangebyscore(self.touched_key, "-inf", before, start=offset,
-                                          num=limit)]
+        return [
+            raw.decode() if isinstance(raw, bytes) else raw
+            for raw in self.client.zrangebyscore(
+                self.touched_key, "-inf", before, start=offset, num=limit
+            )
+        ]
 
     def index_existing(self) -> int:
         """Add sessions missing from the idle index (stored by a gateway version without it) as
@@ -322,7 +345,7 @@ class SessionStore:
             key = raw.decode() if isinstance(raw, bytes) else raw
             if key.endswith(":lock") and self.client.exists(key.removesuffix(":lock")):
                 continue  # a session's lock as an earlier version named it, not a session
-            added += self.client.zadd(self.touched_key, {key[len(head):]: time.time()}, nx=True)
+            added += self.client.zadd(self.touched_key, {key[len(head) :]: time.time()}, nx=True)
         return added
 
     def touched_at(self, session_id: str) -> float | None:
@@ -334,22 +357,29 @@ class SessionStore:
         """Drop the session from the idle index (finished, or its record is gone)."""
         self.client.zrem(self.touched_key, session_id)
 
-    def _take_call(self, session_id: str, lease_s: float, cached: Cached | None = None
-                   ) -> tuple[str, dict[str, list]]:
+    def _take_call(
+        self, session_id: str, lease_s: float, cached: Cached | None = None
+    ) -> tuple[str, dict[str, list]]:
         token = uuid.uuid4().hex
-        return token, {"keys": [self._key(session_id), self._lock_key(session_id),
-                                self._log_key(session_id)],
-                       "args": [token, max(int(lease_s * 1000), 1),
-                                rev_prefix(cached.rev) if cached is not None else "",
-                                self.deadline.deadline_ms()]}
+        return token, {
+            "keys": [self._key(session_id), self._lock_key(session_id), self._log_key(session_id)],
+            "args": [
+                token,
+                max(int(lease_s * 1000), 1),
+                rev_prefix(cached.rev) if cached is not None else "",
+                self.deadline.deadline_ms(),
+            ],
+        }
 
-    def _taken(self, session_id: str, token: str, lease_s: float, got: list
-               ) -> SessionLease | None:
+    def _taken(self, session_id: str, token: str, lease_s: float, got: list) -> SessionLease | None:
         self.deadline.observe(got[1])
         if got[0] == 4:
             LATE.labels("lock").inc()
-            log.warning("session %s: the lock script reached Redis after the gateway stopped "
-                        "waiting for it; not applied", session_id)
+            log.warning(
+                "session %s: the lock script reached Redis after the gateway stopped "
+                "waiting for it; not applied",
+                session_id,
+            )
             raise redis.TimeoutError("Redis answered the session lock after its deadline")
         if got[0] == 0:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
@@ -378,8 +408,9 @@ class SessionStore:
             self._put(**self._unlock_call(session_id, exc.token))
             raise exc.__cause__ from None
 
-    async def atry_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S
-                           ) -> SessionLease | None:
+    async def atry_acquire(
+        self, session_id: str, lease_s: float = LOCK_LEASE_S
+    ) -> SessionLease | None:
         """`try_acquire` on the event loop."""
         if not self.deadline.known and self.deadline.reply_timeout_s is not None:
             self.deadline.observe(_ms(await self._loop_clients.get().time()))
@@ -400,8 +431,9 @@ class SessionStore:
             await self._loop_clients.script(_PUT)(**self._unlock_call(session_id, exc.token))
             raise exc.__cause__ from None
 
-    def acquire(self, session_id: str, timeout_s: float = 600.0,
-                lease_s: float = LOCK_LEASE_S) -> SessionLease:
+    def acquire(
+        self, session_id: str, timeout_s: float = 600.0, lease_s: float = LOCK_LEASE_S
+    ) -> SessionLease:
         """Take the session's lock, waiting up to `timeout_s` (usable from any thread); the
         lease carries the record as read under the lock. Release it with `release`.
 
@@ -421,8 +453,10 @@ class SessionStore:
         return lease
 
     def _renew_call(self, lease: SessionLease) -> dict[str, list]:
-        return {"keys": [self._lock_key(lease.session_id)],
-                "args": [lease.token, max(int(lease.lease_s * 1000), 1)]}
+        return {
+            "keys": [self._lock_key(lease.session_id)],
+            "args": [lease.token, max(int(lease.lease_s * 1000), 1)],
+        }
 
     def renew(self, lease: SessionLease) -> bool:
         """Extend the lease by its length; False when the lock is no longer held by it."""
@@ -432,8 +466,9 @@ class SessionStore:
         """`renew` on the event loop."""
         return bool(await self._loop_clients.script(_RENEW)(**self._renew_call(lease)))
 
-    def _put_call(self, lease: SessionLease, record: SessionRecord | None
-                  ) -> tuple[StoredForm | None, dict[str, list]]:
+    def _put_call(
+        self, lease: SessionLease, record: SessionRecord | None
+    ) -> tuple[StoredForm | None, dict[str, list]]:
         outbox = record._outbox if record is not None else []
         held = [item for item in outbox if item.hold]
         outbox = [item for item in outbox if not item.hold]
@@ -446,74 +481,122 @@ class SessionStore:
             record.rev = uuid.uuid4().hex
             form = stored_form(record)
         sid = lease.session_id
-        return form, {"keys": [self._key(sid), self._lock_key(sid), self.touched_key, stream,
-                               self._log_key(sid), self._held_key(sid)],
-                      "args": [lease.token, form.head if form else "", self.ttl_s,
-                               1 if record is not None else 0, record.status if record else "",
-                               sid, time.time(), FIELD, high_water if watch_group else 0,
-                               watch_group, self.deadline.deadline_ms(),
-                               1 if form and form.rewrite else 0, form.chunk if form else "",
-                               form.chunks_before if form else 0, len(held),
-                               1 if record is not None and record._release_held else 0,
-                               *[item.payload for item in held],
-                               *[item.payload for item in outbox]]}
+        return form, {
+            "keys": [
+                self._key(sid),
+                self._lock_key(sid),
+                self.touched_key,
+                stream,
+                self._log_key(sid),
+                self._held_key(sid),
+            ],
+            "args": [
+                lease.token,
+                form.head if form else "",
+                self.ttl_s,
+                1 if record is not None else 0,
+                record.status if record else "",
+                sid,
+                time.time(),
+                FIELD,
+                high_water if watch_group else 0,
+                watch_group,
+                self.deadline.deadline_ms(),
+                1 if form and form.rewrite else 0,
+                form.chunk if form else "",
+                form.chunks_before if form else 0,
+                len(held),
+                1 if record is not None and record._release_held else 0,
+                *[item.payload for item in held],
+                *[item.payload for item in outbox],
+            ],
+        }
 
     def _unlock_call(self, session_id: str, token: str) -> dict[str, list]:
         """The `_PUT` call that only releases the lock `token` holds."""
         empty = SessionRecord(session_id=session_id)
         return self._put_call(SessionLease(session_id, token, 1.0, empty), None)[1]
 
-    def _rewrite_call(self, lease: SessionLease, record: SessionRecord
-                      ) -> tuple[StoredForm | None, dict[str, list]]:
-        log.warning("session %s: its stored record expired while a turn ran (or its log is not "
-                    "the one read); saving it whole", lease.session_id)
+    def _rewrite_call(
+        self, lease: SessionLease, record: SessionRecord
+    ) -> tuple[StoredForm | None, dict[str, list]]:
+        log.warning(
+            "session %s: its stored record expired while a turn ran (or its log is not "
+            "the one read); saving it whole",
+            lease.session_id,
+        )
         record._log = None
         return self._put_call(lease, record)
 
     @staticmethod
-    def _put_done(lease: SessionLease, record: SessionRecord | None, form: StoredForm | None,
-                  held: int) -> None:
+    def _put_done(
+        lease: SessionLease, record: SessionRecord | None, form: StoredForm | None, held: int
+    ) -> None:
         if held == 3:
             LATE.labels("save").inc()
-            log.error("session %s: the save reached Redis after the gateway stopped waiting for "
-                      "it; the lock is released, the turn is not recorded and its Samples are "
-                      "not published", lease.session_id)
+            log.error(
+                "session %s: the save reached Redis after the gateway stopped waiting for "
+                "it; the lock is released, the turn is not recorded and its Samples are "
+                "not published",
+                lease.session_id,
+            )
         if record is None:
             return
         outbox, record._outbox = record._outbox, []
         if held == 3:
-            raise redis.TimeoutError("Redis answered the session save after its deadline; "
-                                     "the turn was not recorded")
+            raise redis.TimeoutError(
+                "Redis answered the session save after its deadline; the turn was not recorded"
+            )
         if held == 2:
             BACKPRESSURE.inc(len(outbox))
-            log.warning("session %s: the stream %s is at its high-water mark; the turn is "
-                        "refused (429) and neither recorded nor published", lease.session_id,
-                        outbox[0].stream)
+            log.warning(
+                "session %s: the stream %s is at its high-water mark; the turn is "
+                "refused (429) and neither recorded nor published",
+                lease.session_id,
+                outbox[0].stream,
+            )
             raise BackpressureError(
                 f"stream {outbox[0].stream} has {outbox[0].high_water}+ unconsumed entries; "
-                "the trainer is behind. Retry later.", retry_after_s=5.0)
+                "the trainer is behind. Retry later.",
+                retry_after_s=5.0,
+            )
         if not held:
             LOST_LEASES.inc()
-            log.error("session %s: the lock's lease expired before the turn was saved; the "
-                      "turn is not recorded and its %d Samples are not published",
-                      lease.session_id, len(outbox))
-            raise ConflictError(f"session {lease.session_id} was taken over while this request "
-                                "ran (its lock lease expired); retry the request",
-                                param="session_id")
+            log.error(
+                "session %s: the lock's lease expired before the turn was saved; the "
+                "turn is not recorded and its %d Samples are not published",
+                lease.session_id,
+                len(outbox),
+            )
+            raise ConflictError(
+                f"session {lease.session_id} was taken over while this request "
+                "ran (its lock lease expired); retry the request",
+                param="session_id",
+            )
         if form is not None:
             record._log = form.logged
         record._release_held = False
         for item in outbox:
             if item.hold:
-                log.info("holding sample %s of session %s turn %d (%d tokens) until the episode "
-                         "finishes", item.sample_id, lease.session_id, item.turn_index,
-                         item.tokens)
+                log.info(
+                    "holding sample %s of session %s turn %d (%d tokens) until the episode "
+                    "finishes",
+                    item.sample_id,
+                    lease.session_id,
+                    item.turn_index,
+                    item.tokens,
+                )
                 continue
             STREAM_PUBLISHED.labels(item.stream).inc()
             PUBLISHED.labels(record.mode).inc()
-            log.info("published sample %s of session %s turn %d (%d tokens, next_state %s)",
-                     item.sample_id, lease.session_id, item.turn_index, item.tokens,
-                     item.next_state_role or "-")
+            log.info(
+                "published sample %s of session %s turn %d (%d tokens, next_state %s)",
+                item.sample_id,
+                lease.session_id,
+                item.turn_index,
+                item.tokens,
+                item.next_state_role or "-",
+            )
 
     def release(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """Release the lock, first saving `record` when given (the record with a renewed TTL,

@@ -25,14 +25,17 @@ STOP_OVERRUNS = Counter(
     "flywheel_gateway_stop_overruns_total",
     "Generations the engine returned past a stop (cut at the stop: tokens_after_stop) or as "
     "'length' although their last token completed a stop (relabelled: finish_relabelled)",
-    ["kind"])
+    ["kind"],
+)
 
 
-def _first_string_stop(ids: Sequence[int], strings: Collection[str],
-                       decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
+def _first_string_stop(
+    ids: Sequence[int], strings: Collection[str], decode: Callable[[list[int]], str]
+) -> tuple[int, str] | None:
     """(k, s): the shortest prefix `ids[:k]` whose text holds stop string `s`; None if the
     whole text holds none. Two decodes when the last token completes the stop (a correct
     engine's answer), else a binary search over k (a prefix's text grows with k): O(log n)."""
+
     def found(k: int) -> str | None:
         text = decode(list(ids[:k]))
         hits = [(text.find(s), s) for s in strings if s in text]
@@ -52,8 +55,12 @@ def _first_string_stop(ids: Sequence[int], strings: Collection[str],
     return hi, found(hi) or ""
 
 
-def reconcile_stop(gen: Generation, decode: Callable[[list[int]], str],
-                   stops: Collection[str], stop_ids: Collection[int]) -> Generation:
+def reconcile_stop(
+    gen: Generation,
+    decode: Callable[[list[int]], str],
+    stops: Collection[str],
+    stop_ids: Collection[int],
+) -> Generation:
     """`gen` cut after the token that completes its first stop, or `gen` itself.
 
     Args:
@@ -84,21 +91,39 @@ def reconcile_stop(gen: Generation, decode: Callable[[list[int]], str],
         if gen.finish_type == "stop":
             return gen
         STOP_OVERRUNS.labels("finish_relabelled").inc()
-        log.warning("engine finished with %r on the token that completes stop %r; recorded as "
-                    "'stop'", gen.finish_type, matched)
+        log.warning(
+            "engine finished with %r on the token that completes stop %r; recorded as 'stop'",
+            gen.finish_type,
+            matched,
+        )
         text = gen.text
         if isinstance(matched, str) and matched in text:  # the engine did not trim it
-            text = text[:text.find(matched)]
-        return dataclasses.replace(gen, finish_type="stop", matched=matched, text=text,
-                                   matched_eos=isinstance(matched, int))
+            text = text[: text.find(matched)]
+        return dataclasses.replace(
+            gen,
+            finish_type="stop",
+            matched=matched,
+            text=text,
+            matched_eos=isinstance(matched, int),
+        )
     STOP_OVERRUNS.labels("tokens_after_stop").inc()
-    log.warning("engine returned %d tokens after stop %r (finish %r); cut at the stop",
-                len(ids) - cut, matched, gen.finish_type)
+    log.warning(
+        "engine returned %d tokens after stop %r (finish %r); cut at the stop",
+        len(ids) - cut,
+        matched,
+        gen.finish_type,
+    )
     text = decode(list(ids[:cut]))
     if isinstance(matched, str):
-        text = text[:text.find(matched)]
+        text = text[: text.find(matched)]
     return dataclasses.replace(
-        gen, output_ids=ids[:cut], output_logprobs=gen.output_logprobs[:cut], text=text,
-        finish_type="stop", matched=matched, matched_eos=isinstance(matched, int),
+        gen,
+        output_ids=ids[:cut],
+        output_logprobs=gen.output_logprobs[:cut],
+        text=text,
+        finish_type="stop",
+        matched=matched,
+        matched_eos=isinstance(matched, int),
         output_top_logprobs=gen.output_top_logprobs[:cut],
-        output_versions=gen.output_versions[:cut])
+        output_versions=gen.output_versions[:cut],
+    )

@@ -16,11 +16,20 @@ from collections.abc import Iterator
 from typing import Any
 
 
-def chunk_event(base: dict[str, Any], delta: dict[str, Any], finish: str | None = None,
-           index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
-    body = {**base, "object": "chat.completion.chunk",
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                         "logprobs": logprobs}]}
+def chunk_event(
+    base: dict[str, Any],
+    delta: dict[str, Any],
+    finish: str | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> str:
+    body = {
+        **base,
+        "object": "chat.completion.chunk",
+        "choices": [
+            {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        ],
+    }
     return f"data: {json.dumps(body)}\n\n"
 
 
@@ -46,7 +55,11 @@ def sse_chunks(completion: dict[str, Any], include_usage: bool) -> Iterator[str]
             logprobs = None
         yield chunk_event(base, {}, finish=choice["finish_reason"], index=i, logprobs=logprobs)
     if include_usage:
-        body = {**base, "object": "chat.completion.chunk", "choices": [],
-                "usage": completion["usage"]}
+        body = {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [],
+            "usage": completion["usage"],
+        }
         yield f"data: {json.dumps(body)}\n\n"
     yield "data: [DONE]\n\n"

@@ -34,12 +34,16 @@ if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
 
 log = logging.getLogger(__name__)
-EXPIRED = Counter("flywheel_gateway_sessions_expired_total",
-                  "Open sessions whose Redis record expired before a gateway finished them "
-                  "(anything they held was lost)")
-UNREADABLE = Counter("flywheel_gateway_sessions_unreadable_total",
-                     "Open sessions whose stored record could not be read (its log does not add "
-                     "up, or it is not a record's JSON): left out of the idle sweep, not finished")
+EXPIRED = Counter(
+    "flywheel_gateway_sessions_expired_total",
+    "Open sessions whose Redis record expired before a gateway finished them "
+    "(anything they held was lost)",
+)
+UNREADABLE = Counter(
+    "flywheel_gateway_sessions_unreadable_total",
+    "Open sessions whose stored record could not be read (its log does not add "
+    "up, or it is not a record's JSON): left out of the idle sweep, not finished",
+)
 BATCH = 100
 """Sessions examined per Redis round trip of a sweep."""
 
@@ -73,7 +77,7 @@ def sweep_idle(d: GatewayDeps, now: float | None = None) -> int:
 
 
 def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
-    """"finished", "removed" (finished or expired already) or "kept" (busy, or touched)."""
+    """ "finished", "removed" (finished or expired already) or "kept" (busy, or touched)."""
     store = d.sessions
     try:
         lease = store.try_acquire(session_id)  # the record is read under the lock
@@ -82,8 +86,12 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
         return "removed"
     except ValueError as exc:  # one bad record must not stop the sweep of the others
         UNREADABLE.inc()
-        log.error("session %s cannot be read and is left out of the idle sweep (%s); what it "
-                  "holds is not published", session_id, exc)
+        log.error(
+            "session %s cannot be read and is left out of the idle sweep (%s); what it "
+            "holds is not published",
+            session_id,
+            exc,
+        )
         store.forget(session_id)
         return "removed"
     if lease is None:
@@ -100,16 +108,24 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
         finished = True
     finally:
         store.release(lease, record if finished else None)  # saved only when finished here
-    log.warning("session %s (%s mode) idle for %.0f s: finished by the gateway, %d Samples "
-                "published", session_id, record.mode, time.time() - touched, len(samples))
+    log.warning(
+        "session %s (%s mode) idle for %.0f s: finished by the gateway, %d Samples published",
+        session_id,
+        record.mode,
+        time.time() - touched,
+        len(samples),
+    )
     return "finished"
 
 
 def _expired(d: GatewayDeps, session_id: str) -> None:
     EXPIRED.inc()
     d.sessions.forget(session_id)
-    log.error("session %s expired from Redis before it was finished: what it held was lost "
-              "(were all gateways down for longer than gateway.session_ttl_s?)", session_id)
+    log.error(
+        "session %s expired from Redis before it was finished: what it held was lost "
+        "(were all gateways down for longer than gateway.session_ttl_s?)",
+        session_id,
+    )
 
 
 async def run_sweeper(d: GatewayDeps) -> None:
@@ -119,8 +135,9 @@ async def run_sweeper(d: GatewayDeps) -> None:
     try:
         added = await asyncio.to_thread(d.sessions.index_existing)
         if added:
-            log.info("indexed %d sessions stored without a last-touch time for the idle sweep",
-                     added)
+            log.info(
+                "indexed %d sessions stored without a last-touch time for the idle sweep", added
+            )
     except redis.RedisError as exc:  # the sweep still covers every session saved from now on
         log.warning("indexing existing sessions for the idle sweep failed: %s", exc)
     while True:

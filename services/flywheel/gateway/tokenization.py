@@ -74,8 +74,7 @@ class ChatRenderer:
             fresh prompts faster (prefix_ids.py); 0 = none.
     """
 
-    def __init__(self, tokenizer_path: str | Path,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+    def __init__(self, tokenizer_path: str | Path, prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
         from transformers import AutoTokenizer  # noqa: PLC0415  (heavy import after settings)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
@@ -97,14 +96,22 @@ class ChatRenderer:
         self.prefixes = PrefixIds(self.encode, self.eos_token, prefix_cache_bytes)
         """Ids of recent prompt prefixes, cut after the end-of-turn token (`prompt_ids`)."""
 
-    def _apply(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               add_generation_prompt: bool) -> str:
+    def _apply(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
 
-    def _with_tools(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-                    ) -> list[dict[str, Any]]:
+    def _with_tools(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[dict[str, Any]]:
         """Messages with tool signatures and tool calls in text, for templates lacking them."""
         out = []
         for m in messages:
@@ -135,8 +142,9 @@ class ChatRenderer:
         # Templates concatenate content as text: a tool-call-only reply has content None.
         messages = self._with_tools(messages, tools)
         try:
-            return self._apply(messages, tools if self.renders_tools else None,
-                               add_generation_prompt)
+            return self._apply(
+                messages, tools if self.renders_tools else None, add_generation_prompt
+            )
         except Exception as exc:  # jinja2 raises TemplateError and plain exceptions
             raise InvalidRequestError(
                 f"the chat template cannot render these messages: {exc}", param="messages"
@@ -196,12 +204,14 @@ class ChatRenderer:
 def _tools_text(tools: list[dict[str, Any]]) -> str:
     """Tool signatures and the call format, Hermes style (what `parsers.parse_hermes` reads)."""
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query. "
-            "The function signatures are inside <tools></tools>:\n"
-            f"<tools>\n{lines}\n</tools>\n\n"
-            "To call a function, reply with a JSON object of its name and arguments inside "
-            "<tool_call></tool_call> tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query. "
+        "The function signatures are inside <tools></tools>:\n"
+        f"<tools>\n{lines}\n</tools>\n\n"
+        "To call a function, reply with a JSON object of its name and arguments inside "
+        "<tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def _call_text(call: dict[str, Any]) -> str:

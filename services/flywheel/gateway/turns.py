@@ -95,26 +95,37 @@ if TYPE_CHECKING:
     from flywheel.gateway.app import GatewayDeps
 
 log = logging.getLogger(__name__)
-NO_NEXT_STATE = Counter("flywheel_gateway_live_turns_without_next_state_total",
-                        "Live turns published without a next state (finished or regenerated)")
-HELD_REFUSED = Counter("flywheel_gateway_held_refused_total",
-                       "Episode turns refused because the session held gateway.max_held_samples "
-                       "Samples for its finish")
-SIDE_TURNS = Counter("flywheel_gateway_side_turns_total",
-                     "Side turns served in a session without being recorded")
+NO_NEXT_STATE = Counter(
+    "flywheel_gateway_live_turns_without_next_state_total",
+    "Live turns published without a next state (finished or regenerated)",
+)
+HELD_REFUSED = Counter(
+    "flywheel_gateway_held_refused_total",
+    "Episode turns refused because the session held gateway.max_held_samples "
+    "Samples for its finish",
+)
+SIDE_TURNS = Counter(
+    "flywheel_gateway_side_turns_total", "Side turns served in a session without being recorded"
+)
 FORKS.labels("choice_not_sent_back")
 FINISHED = labeled_counter(
     "flywheel_gateway_sessions_finished_total",
     "Sessions finished, by who finished them (client: a finish request; idle: the gateway, "
-    "after gateway.session_idle_finish_s without requests)", "reason", ("client", "idle"))
+    "after gateway.session_idle_finish_s without requests)",
+    "reason",
+    ("client", "idle"),
+)
 TURN_TYPES = ("main", "side")
-HELD_LOST = Counter("flywheel_gateway_held_samples_lost_total",
-                    "Samples an episode held until its finish that were gone at the finish")
+HELD_LOST = Counter(
+    "flywheel_gateway_held_samples_lost_total",
+    "Samples an episode held until its finish that were gone at the finish",
+)
 
 
 def parse_choice(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
-    return parse_reply(gen.text, tools_offered=body.tools_offered,
-                       tool_parser=d.settings.tool_parser)
+    return parse_reply(
+        gen.text, tools_offered=body.tools_offered, tool_parser=d.settings.tool_parser
+    )
 
 
 def _nth(sampling: dict[str, Any], i: int) -> dict[str, Any]:
@@ -128,26 +139,37 @@ def top_logprobs_num(body: ChatCompletionRequest) -> int:
     return (body.top_logprobs or 0) if body.logprobs else 0
 
 
-async def generate_n(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], n: int,
-                     top_logprobs: int = 0, affinity: str = "") -> list[Generation]:
+async def generate_n(
+    d: GatewayDeps,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    n: int,
+    top_logprobs: int = 0,
+    affinity: str = "",
+) -> list[Generation]:
     """n engine calls for one prompt (distinct seeds when a seed is given). A request answered
     as its text is sampled (`engine_stream.TEXT_SINK` set, n = 1) streams its engine call."""
     extra = {"top_logprobs_num": top_logprobs} if top_logprobs else {}
     sink = TEXT_SINK.get()
     if sink is not None and n == 1 and hasattr(d.engines, "generate_stream"):
-        gens = [await d.engines.generate_stream(prompt, sampling, affinity, on_text=sink,
-                                                **extra)]
+        gens = [await d.engines.generate_stream(prompt, sampling, affinity, on_text=sink, **extra)]
     else:
-        gens = await asyncio.gather(*[
-            d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)])
+        gens = await asyncio.gather(
+            *[d.engines.generate(prompt, _nth(sampling, i), affinity, **extra) for i in range(n)]
+        )
     eos = d.renderer.eos_token_id
-    return [reconcile_stop(gen, d.renderer.decode, sampling.get("stop") or [],
-                           () if eos is None else (eos,)) for gen in gens]
+    return [
+        reconcile_stop(
+            gen, d.renderer.decode, sampling.get("stop") or [], () if eos is None else (eos,)
+        )
+        for gen in gens
+    ]
 
 
 @asynccontextmanager
-async def locked(store: SessionStore, session_id: str,
-                 timeout_s: float = 600.0) -> AsyncIterator[SessionRecord]:
+async def locked(
+    store: SessionStore, session_id: str, timeout_s: float = 600.0
+) -> AsyncIterator[SessionRecord]:
     """Async form of `SessionStore.locked`: saved on normal exit, untouched on error.
 
     The lock is taken and the record read in one Redis round trip, and saved and released in
@@ -212,9 +234,19 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
     p = d.publisher
     hold = record.mode == "episode" and record.status == "open"
     for sample in samples:
-        record.queue(Outgoing(p.stream, encode_sample(sample), sample.sample_id,
-                              sample.turn_index, len(sample.token_ids), sample.next_state.role,
-                              high_water=p.high_water, watch_group=p.watch_group, hold=hold))
+        record.queue(
+            Outgoing(
+                p.stream,
+                encode_sample(sample),
+                sample.sample_id,
+                sample.turn_index,
+                len(sample.token_ids),
+                sample.next_state.role,
+                high_water=p.high_water,
+                watch_group=p.watch_group,
+                hold=hold,
+            )
+        )
         if hold:
             record.held += 1
         else:
@@ -233,38 +265,54 @@ def check_held(d: GatewayDeps, record: SessionRecord, adding: int) -> None:
     if record.mode != "episode" or record.eval or record.held + adding <= limit:
         return
     HELD_REFUSED.inc()
-    log.warning("session %s: a turn would set aside %d Samples beside the %d held (limit %d); "
-                "refused", record.session_id, adding, record.held, limit)
+    log.warning(
+        "session %s: a turn would set aside %d Samples beside the %d held (limit %d); refused",
+        record.session_id,
+        adding,
+        record.held,
+        limit,
+    )
     raise ConflictError(
         f"session {record.session_id} holds {record.held} Samples for its finish and this "
         f"request would set aside {adding} more (gateway.max_held_samples = {limit}); finish "
         f"the session (POST /v1/sessions/{record.session_id}/finish) and start a new one",
-        param="session_id", code="too_many_held_samples")
+        param="session_id",
+        code="too_many_held_samples",
+    )
 
 
-def _turn_sample(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None,
-                 conversation: bool = True) -> sample_pb2.Sample:
+def _turn_sample(
+    record: SessionRecord,
+    seg: Segment,
+    turn: int,
+    choice: int | None = None,
+    conversation: bool = True,
+) -> sample_pb2.Sample:
     key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
-    return build_sample(record, seg, turn_only=True, sample_key=key, turn_index=turn,
-                        conversation=conversation)
+    return build_sample(
+        record, seg, turn_only=True, sample_key=key, turn_index=turn, conversation=conversation
+    )
 
 
-def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None
-               ) -> None:
+def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None) -> None:
     """Live mode: the segment's last turn (session turn index `turn`) waits for its next state
     (pending.py)."""
     record.pending = pending.stored(_turn_sample(record, seg, turn, choice, False), seg)
 
 
-def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None
-                        ) -> list[sample_pb2.Sample]:
+def _resolve_candidates(
+    record: SessionRecord, messages: list[dict[str, Any]] | None
+) -> list[sample_pb2.Sample]:
     """Settle an n > 1 turn: the chosen choice joins the segment, the others become Samples."""
     if not record.candidates:
         return []
     seg, turn = record.segment, record.turns - 1
     k = None if messages is None else chosen_candidate(record, messages)
-    out = [_turn_sample(record, candidate_segment(seg, c), turn, i)
-           for i, c in enumerate(record.candidates) if i != k]
+    out = [
+        _turn_sample(record, candidate_segment(seg, c), turn, i)
+        for i, c in enumerate(record.candidates)
+        if i != k
+    ]
     if k is not None:
         chosen = record.candidates[k]
         record_generation(record, as_generation(chosen), seg.sampling, chosen.message)
@@ -274,7 +322,8 @@ def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | 
         FORKS.labels("choice_not_sent_back").inc()
         record.forks += 1
         record.fork_reasons["choice_not_sent_back"] = (
-            record.fork_reasons.get("choice_not_sent_back", 0) + 1)
+            record.fork_reasons.get("choice_not_sent_back", 0) + 1
+        )
         if seg.sampled_tokens and record.mode == "episode":
             out.append(build_sample(record, seg))
         record.segment = Segment(index=seg.index + 1 if seg.sampled_tokens else seg.index)
@@ -282,37 +331,47 @@ def _resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | 
     return out
 
 
-def emit_turn(record: SessionRecord, stored: str, seg: Segment,
-              following: list[dict[str, Any]]) -> list[sample_pb2.Sample]:
+def emit_turn(
+    record: SessionRecord, stored: str, seg: Segment, following: list[dict[str, Any]]
+) -> list[sample_pb2.Sample]:
     """The Sample of a waiting live turn of `seg` with the messages that followed it as
     `next_state` (none: counted in `NO_NEXT_STATE` and logged)."""
     sample = pending.restore(stored, seg)
     message = next_state_message(following)
     if message is None:
         NO_NEXT_STATE.inc()
-        log.info("session %s: live turn %d published without a next state",
-                 record.session_id, sample.turn_index)
+        log.info(
+            "session %s: live turn %d published without a next state",
+            record.session_id,
+            sample.turn_index,
+        )
     else:
         sample.next_state.CopyFrom(message)
     return [sample]
 
 
-def _select_chat_branch(record: SessionRecord, messages: list[dict[str, Any]]
-                        ) -> list[sample_pb2.Sample]:
+def _select_chat_branch(
+    record: SessionRecord, messages: list[dict[str, Any]]
+) -> list[sample_pb2.Sample]:
     """Live mode: continue the branch the request extends (branches.py)."""
     latest = list(record.segment.messages)
 
     def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
-        return emit_turn(record, stored, seg, messages[len(seg.messages):] if follows else [])
+        return emit_turn(record, stored, seg, messages[len(seg.messages) :] if follows else [])
 
-    return branches.select(record, continues_chat(messages), emit,
-                           rewrite=lambda: rewrite_reason(latest, messages))
+    return branches.select(
+        record, continues_chat(messages), emit, rewrite=lambda: rewrite_reason(latest, messages)
+    )
 
 
-async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: str,
-                       messages: list[dict[str, Any]], sampling: dict[str, Any],
-                       turn_type: str = "main"
-                       ) -> tuple[list[Generation], int, list[ParsedReply]]:
+async def session_turn(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    session_id: str,
+    messages: list[dict[str, Any]],
+    sampling: dict[str, Any],
+    turn_type: str = "main",
+) -> tuple[list[Generation], int, list[ParsedReply]]:
     """Serve one request of a session and record it.
 
     Returns:
@@ -328,11 +387,13 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         if record.status != "open":
             raise finished_error(record)
         SIDE_TURNS.inc()
-        prompt = await render_call(text_size(messages, body.tools), d.renderer.prompt_ids,
-                                   messages, body.tools)
+        prompt = await render_call(
+            text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
+        )
         check_context(d, prompt, sampling, capped_by_default=default_cap(body))
-        gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
-                                affinity=session_id)
+        gens = await generate_n(
+            d, prompt, sampling, body.n, top_logprobs_num(body), affinity=session_id
+        )
         return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
@@ -340,14 +401,22 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
         out = _resolve_candidates(record, messages)
         if record.mode == "live":
             out += _select_chat_branch(record, messages)
-        prompt, closed = await render_call(text_size(messages, body.tools), prepare_prompt,
-                                           record, d.renderer, messages, body.tools, sampling)
+        prompt, closed = await render_call(
+            text_size(messages, body.tools),
+            prepare_prompt,
+            record,
+            d.renderer,
+            messages,
+            body.tools,
+            sampling,
+        )
         check_context(d, prompt, sampling, capped_by_default=default_cap(body))
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
         check_held(d, record, len(out))
-        gens = await generate_n(d, prompt, sampling, body.n, top_logprobs_num(body),
-                                affinity=session_id)
+        gens = await generate_n(
+            d, prompt, sampling, body.n, top_logprobs_num(body), affinity=session_id
+        )
         parsed = [parse_choice(d, body, g) for g in gens]
         turn = record.turns
         record.turns += 1
@@ -357,16 +426,23 @@ async def session_turn(d: GatewayDeps, body: ChatCompletionRequest, session_id: 
                 store_turn(record, record.segment, turn)
         else:
             set_sampling(record.segment, sampling)
-            record.candidates = [candidate(g, p.message())
-                                 for g, p in zip(gens, parsed, strict=True)]
+            record.candidates = [
+                candidate(g, p.message()) for g, p in zip(gens, parsed, strict=True)
+            ]
         # Samples are published only once the turn succeeded: a failed request leaves the
         # stored record untouched, and a retry republishes the same sample ids at most.
         publish(d, record, out)
         return gens, len(prompt), parsed
 
 
-def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], *,
-                  capped_by_default: bool = False, param: str = "messages") -> None:
+def check_context(
+    d: GatewayDeps,
+    prompt: list[int],
+    sampling: dict[str, Any],
+    *,
+    capped_by_default: bool = False,
+    param: str = "messages",
+) -> None:
     """Refuse a prompt whose completion cannot fit the context window.
 
     `capped_by_default`: the client set no max_tokens, so `sampling["max_new_tokens"]` is the
@@ -385,9 +461,11 @@ def check_context(d: GatewayDeps, prompt: list[int], sampling: dict[str, Any], *
         asked = "" if capped_by_default else f" + max_tokens ({sampling['max_new_tokens']})"
         raise InvalidRequestError(
             f"prompt ({len(prompt)} tokens){asked} must stay below the context window of "
-            f"{limit} tokens; shorten the conversation" + ("" if capped_by_default else
-                                                  " or lower max_tokens"),
-            param=param, code="context_length_exceeded")
+            f"{limit} tokens; shorten the conversation"
+            + ("" if capped_by_default else " or lower max_tokens"),
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def default_cap(body: ChatCompletionRequest) -> bool:
@@ -401,12 +479,17 @@ def finished_error(record: SessionRecord) -> ConflictError:
         return ConflictError(
             f"session {record.session_id} was finished by the gateway after "
             "gateway.session_idle_finish_s without requests (what it held was published); "
-            "create a new session")
+            "create a new session"
+        )
     return ConflictError(f"session {record.session_id} is finished; create a new session")
 
 
-async def finish(d: GatewayDeps, session_id: str, reward: float | None,
-                 following: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+async def finish(
+    d: GatewayDeps,
+    session_id: str,
+    reward: float | None,
+    following: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Finish a session and publish what it still holds (see the module docstring).
 
     `reward` (as `rewards["outcome"]`) and the rewards posted for the episode go on every
@@ -418,21 +501,29 @@ async def finish(d: GatewayDeps, session_id: str, reward: float | None,
     Raises: NotFoundError; ConflictError (finished by a different finish request, or by the
     gateway's idle sweep, or the session stayed busy for 600 s).
     """
-    digest = hashlib.sha256(json.dumps([reward, following or []], sort_keys=True,
-                                       default=str).encode()).hexdigest()
+    digest = hashlib.sha256(
+        json.dumps([reward, following or []], sort_keys=True, default=str).encode()
+    ).hexdigest()
     async with locked(d.sessions, session_id) as record:
         if record.status == "finished":
             if record.finish_request and record.finish_request == digest:
-                return {"session_id": session_id, "status": "finished",
-                        "samples_published": record.finish_published, "replayed": True}
+                return {
+                    "session_id": session_id,
+                    "status": "finished",
+                    "samples_published": record.finish_published,
+                    "replayed": True,
+                }
             if record.finished_by == "idle":
                 raise finished_error(record)
-            raise ConflictError(f"session {session_id} is already finished (by a finish with a "
-                                "different reward or following messages)")
+            raise ConflictError(
+                f"session {session_id} is already finished (by a finish with a "
+                "different reward or following messages)"
+            )
         record.finish_request = digest
         # building a long episode's Sample takes milliseconds: off the event loop
-        published = len(await asyncio.to_thread(finish_record, d, record, reward, following,
-                                                "client"))
+        published = len(
+            await asyncio.to_thread(finish_record, d, record, reward, following, "client")
+        )
     return {"session_id": session_id, "status": "finished", "samples_published": published}
 
 
@@ -447,19 +538,29 @@ def _held(d: GatewayDeps, record: SessionRecord) -> list[sample_pb2.Sample]:
         try:
             samples.append(decode_sample(payload))
         except ContractError as exc:  # counted below with the missing ones
-            log.error("session %s: a held Sample cannot be read (%s); left out", record.session_id,
-                      exc)
+            log.error(
+                "session %s: a held Sample cannot be read (%s); left out", record.session_id, exc
+            )
     if len(samples) != record.held:
         HELD_LOST.inc(max(record.held - len(samples), 0))
-        log.error("session %s: %d held Samples expected, %d found; publishing those found",
-                  record.session_id, record.held, len(samples))
+        log.error(
+            "session %s: %d held Samples expected, %d found; publishing those found",
+            record.session_id,
+            record.held,
+            len(samples),
+        )
     record.held = 0
     record._release_held = True
     return samples
 
 
-def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
-                  following: list[dict[str, Any]] | None, by: str) -> list[sample_pb2.Sample]:
+def finish_record(
+    d: GatewayDeps,
+    record: SessionRecord,
+    reward: float | None,
+    following: list[dict[str, Any]] | None,
+    by: str,
+) -> list[sample_pb2.Sample]:
     """Finish a locked, open session: publish what it holds (the n > 1 choices, the live
     turns still waiting, with `following` as the latest one's next state, or the episode's
     segment), with `reward` and the posted episode rewards; the caller saves the record.
@@ -487,8 +588,12 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
     rewards = dict(record.rewards)
     if reward is not None:
         if rewards.get("outcome", reward) != reward:
-            log.warning("session %s: the finish's reward %s replaces the outcome %s posted "
-                        "before it", record.session_id, reward, rewards["outcome"])
+            log.warning(
+                "session %s: the finish's reward %s replaces the outcome %s posted before it",
+                record.session_id,
+                reward,
+                rewards["outcome"],
+            )
         rewards["outcome"] = reward
     for sample in out:
         for name, value in rewards.items():
@@ -501,8 +606,7 @@ def finish_record(d: GatewayDeps, record: SessionRecord, reward: float | None,
     return out
 
 
-async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float
-                      ) -> dict[str, Any]:
+async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:
     """Attach an environment reward `rewards[name] = value` to the session's next Sample.
 
     Episode mode: the episode Sample(s) published at finish. Live mode: the turn waiting for
@@ -514,12 +618,20 @@ async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float
             raise ConflictError(f"session {session_id} is finished; post rewards before finish")
         if record.mode == "episode":
             record.rewards[name] = value
-            return {"session_id": session_id, "applies_to": "episode",
-                    "rewards": dict(record.rewards)}
+            return {
+                "session_id": session_id,
+                "applies_to": "episode",
+                "rewards": dict(record.rewards),
+            }
         if not record.pending:
             raise ConflictError(
                 f"session {session_id} has no turn waiting for a reward: post it after the "
-                "assistant turn and before the next request", param="session_id")
+                "assistant turn and before the next request",
+                param="session_id",
+            )
         record.pending, sample = pending.with_reward(record.pending, name, value)
-        return {"session_id": session_id, "applies_to": f"turn {sample.turn_index}",
-                "rewards": dict(sample.rewards)}
+        return {
+            "session_id": session_id,
+            "applies_to": f"turn {sample.turn_index}",
+            "rewards": dict(sample.rewards),
+        }

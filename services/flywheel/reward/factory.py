@@ -11,10 +11,18 @@ from flywheel.reward.scoring import Scorer
 
 def judge_client(js: JudgeSettings, name: str) -> AsyncJudgeClient:
     """The HTTP client of one judge section."""
-    return AsyncJudgeClient(js.base_url, js.model, name=name, api_key=js.api_key,
-                       timeout_s=js.timeout_s, max_concurrency=js.max_concurrency,
-                       max_attempts=js.max_attempts, backoff_s=js.backoff_s,
-                       temperature=js.temperature, max_tokens=js.max_tokens)
+    return AsyncJudgeClient(
+        js.base_url,
+        js.model,
+        name=name,
+        api_key=js.api_key,
+        timeout_s=js.timeout_s,
+        max_concurrency=js.max_concurrency,
+        max_attempts=js.max_attempts,
+        backoff_s=js.backoff_s,
+        temperature=js.temperature,
+        max_tokens=js.max_tokens,
+    )
 
 
 def build_scorer(rs: RewardSettings) -> Scorer:
@@ -25,14 +33,22 @@ def build_scorer(rs: RewardSettings) -> Scorer:
     """
     judge = step = rubric = None
     if rs.judge.enabled:
-        judge = NextStateJudge(judge_client(rs.judge, "judge"), rs.judge.prompt, rs.judge.votes,
-                               rs.judge.context_chars)
+        judge = NextStateJudge(
+            judge_client(rs.judge, "judge"), rs.judge.prompt, rs.judge.votes, rs.judge.context_chars
+        )
     if rs.step_judge.enabled:
         sj = rs.step_judge
         step = NextStateJudge(judge_client(sj, "step"), sj.prompt, sj.votes, sj.context_chars)
     if rs.rubric_judge.enabled:
         rj = rs.rubric_judge
-        rubric = RubricJudge(judge_client(rj, "rubric"), rj.prompt, rj.votes, rj.score_min,
-                             rj.score_max, rj.context_chars)
-    return Scorer(rs.default_verifier, dict(rs.weights), judge, step, rubric,
-                  rs.rubric_judge.default_rubric)
+        rubric = RubricJudge(
+            judge_client(rj, "rubric"),
+            rj.prompt,
+            rj.votes,
+            rj.score_min,
+            rj.score_max,
+            rj.context_chars,
+        )
+    return Scorer(
+        rs.default_verifier, dict(rs.weights), judge, step, rubric, rs.rubric_judge.default_rubric
+    )

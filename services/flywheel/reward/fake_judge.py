@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class _Server(ThreadingHTTPServer):
-    request_queue_size = 256   # many concurrent votes connect at once
+    request_queue_size = 256  # many concurrent votes connect at once
     daemon_threads = True
 
 
@@ -65,9 +65,18 @@ class FakeJudge:
                     text = "Clear and correct.\nFinal score: 7"
                 else:
                     text = "The user moved on happily.\nFinal verdict: +1"
-                self._send(200, {"choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant",
-                                                          "content": text}}]})
+                self._send(
+                    200,
+                    {
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": text},
+                            }
+                        ]
+                    },
+                )
 
             def _send(self, status, payload):
                 data = json.dumps(payload).encode()

@@ -55,7 +55,7 @@ class Judgment:
 
     @property
     def error(self) -> str:
-        """"" or "infra/<kind>" / "parse/<kind>" for the sample's error text."""
+        """ "" or "infra/<kind>" / "parse/<kind>" for the sample's error text."""
         if not self.reason:
             return ""
         return f"{'infra' if self.reason in INFRA_KINDS else 'parse'}/{self.reason}"
@@ -86,9 +86,14 @@ class VotingJudge:
         combine: valid vote values -> aggregated value (None when empty).
     """
 
-    def __init__(self, client: AsyncJudgeClient, prompt: str, votes: int,
-                 parse: Callable[[str], Parsed],
-                 combine: Callable[[list[float]], float | None]):
+    def __init__(
+        self,
+        client: AsyncJudgeClient,
+        prompt: str,
+        votes: int,
+        parse: Callable[[str], Parsed],
+        combine: Callable[[list[float]], float | None],
+    ):
         self.client = client
         self.tag, self.template = load_prompt(prompt)
         self.votes = votes
@@ -107,13 +112,18 @@ class VotingJudge:
         """Render, vote m times concurrently, aggregate; `label` prefixes each Vote's judge."""
         prompt = self.render(**fields)
         results = await asyncio.gather(
-            *(self.client.vote(prompt, self.parse) for _ in range(self.votes)))
+            *(self.client.vote(prompt, self.parse) for _ in range(self.votes))
+        )
         judge = f"{label}:{self.tag}"
-        votes = [sample_pb2.Vote(judge=judge, has_value=r.value is not None,
-                                 value=r.value or 0.0,
-                                 explanation=r.detail if r.value is not None
-                                 else f"{r.kind}: {r.detail}")
-                 for r in results]
+        votes = [
+            sample_pb2.Vote(
+                judge=judge,
+                has_value=r.value is not None,
+                value=r.value or 0.0,
+                explanation=r.detail if r.value is not None else f"{r.kind}: {r.detail}",
+            )
+            for r in results
+        ]
         for r in results:
             metrics.VOTES.labels(self.name, "valid" if r.value is not None else r.kind).inc()
         values = [r.value for r in results if r.value is not None]
@@ -123,8 +133,13 @@ class VotingJudge:
             metrics.AGREEMENT.labels(self.name).observe(agreement(values) or 0.0)
             return Judgment(value, votes, "", self.tag)
         kinds = Counter(r.kind for r in results)
-        reason = min(kinds, key=lambda k: (-kinds[k], _KIND_ORDER.index(k)
-                                           if k in _KIND_ORDER else len(_KIND_ORDER)))
+        reason = min(
+            kinds,
+            key=lambda k: (
+                -kinds[k],
+                _KIND_ORDER.index(k) if k in _KIND_ORDER else len(_KIND_ORDER),
+            ),
+        )
         metrics.UNJUDGED.labels(self.name, reason).inc()
         return Judgment(None, votes, reason, self.tag)
 
@@ -137,21 +152,41 @@ class NextStateJudge(VotingJudge):
         context_chars: the turn's context is trimmed to its last `context_chars` characters.
     """
 
-    def __init__(self, client: AsyncJudgeClient, prompt: str = "prm_v2", votes: int = 3,
-                 context_chars: int = 8000):
+    def __init__(
+        self,
+        client: AsyncJudgeClient,
+        prompt: str = "prm_v2",
+        votes: int = 3,
+        context_chars: int = 8000,
+    ):
         super().__init__(client, prompt, votes, parse_verdict, majority)
         self.context_chars = context_chars
 
-    async def judge(self, context: str, response: str, next_state: str, next_role: str, *,
-                    truncated: bool = False, label: str = "judge") -> Judgment:
+    async def judge(
+        self,
+        context: str,
+        response: str,
+        next_state: str,
+        next_role: str,
+        *,
+        truncated: bool = False,
+        label: str = "judge",
+    ) -> Judgment:
         """Judge one turn. `truncated`: the response hit the token limit (finish_reason
         "length"); the judge is told so, so a cut-off answer is not graded as complete."""
-        status = ("cut off at the token limit (finish_reason=length): it is incomplete"
-                  if truncated else "complete")
+        status = (
+            "cut off at the token limit (finish_reason=length): it is incomplete"
+            if truncated
+            else "complete"
+        )
         return await self.run(
-            label, context=context[-self.context_chars:] if self.context_chars else "",
-            response=response, next_state=next_state, next_role=next_role,
-            response_status=status)
+            label,
+            context=context[-self.context_chars :] if self.context_chars else "",
+            response=response,
+            next_state=next_state,
+            next_role=next_role,
+            response_status=status,
+        )
 
 
 class RubricJudge(VotingJudge):
@@ -163,18 +198,40 @@ class RubricJudge(VotingJudge):
         context_chars: the task text is trimmed to its last `context_chars` characters.
     """
 
-    def __init__(self, client: AsyncJudgeClient, prompt: str = "rubric_v1", votes: int = 3,
-                 low: float = 0.0, high: float = 10.0, context_chars: int = 8000):
+    def __init__(
+        self,
+        client: AsyncJudgeClient,
+        prompt: str = "rubric_v1",
+        votes: int = 3,
+        low: float = 0.0,
+        high: float = 10.0,
+        context_chars: int = 8000,
+    ):
         super().__init__(client, prompt, votes, partial(parse_score, low=low, high=high), mean)
         self.low, self.high = low, high
         self.context_chars = context_chars
 
-    async def judge(self, task: str, response: str, rubric: str, *,
-                    truncated: bool = False, label: str = "rubric") -> Judgment:
+    async def judge(
+        self,
+        task: str,
+        response: str,
+        rubric: str,
+        *,
+        truncated: bool = False,
+        label: str = "rubric",
+    ) -> Judgment:
         """Score one final response against `rubric`."""
-        status = ("cut off at the token limit (finish_reason=length): it is incomplete"
-                  if truncated else "complete")
+        status = (
+            "cut off at the token limit (finish_reason=length): it is incomplete"
+            if truncated
+            else "complete"
+        )
         return await self.run(
-            label, task=task[-self.context_chars:] if self.context_chars else "",
-            response=response, rubric=rubric, low=f"{self.low:g}", high=f"{self.high:g}",
-            response_status=status)
+            label,
+            task=task[-self.context_chars :] if self.context_chars else "",
+            response=response,
+            rubric=rubric,
+            low=f"{self.low:g}",
+            high=f"{self.high:g}",
+            response_status=status,
+        )

@@ -72,10 +72,21 @@ class AsyncJudgeClient:
         transport: httpx async transport override (tests).
     """
 
-    def __init__(self, base_url: str, model: str, *, name: str = "judge",
-                 api_key: str | None = None, timeout_s: float = 30.0, max_concurrency: int = 8,
-                 max_attempts: int = 3, backoff_s: float = 0.5, temperature: float = 0.7,
-                 max_tokens: int = 512, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        name: str = "judge",
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        max_concurrency: int = 8,
+        max_attempts: int = 3,
+        backoff_s: float = 0.5,
+        temperature: float = 0.7,
+        max_tokens: int = 512,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = name
@@ -89,11 +100,15 @@ class AsyncJudgeClient:
         self._http = {}
         self.retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                  + tenacity.wait_random(0, backoff_s)),
+            wait=(
+                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
+                + tenacity.wait_random(0, backoff_s)
+            ),
             retry=tenacity.retry_if_exception(
-                lambda exc: isinstance(exc, JudgeCallError) and exc.retryable),
-            before_sleep=self._before_sleep, reraise=True,
+                lambda exc: isinstance(exc, JudgeCallError) and exc.retryable
+            ),
+            before_sleep=self._before_sleep,
+            reraise=True,
         )
 
     def _session(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
@@ -101,8 +116,13 @@ class AsyncJudgeClient:
         if loop not in self._http:  # clients and semaphores belong to one event loop
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             limits = httpx.Limits(max_connections=self.max_concurrency)
-            http = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                     timeout=self.timeout_s, transport=self.transport)
+            http = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                limits=limits,
+                timeout=self.timeout_s,
+                transport=self.transport,
+            )
             self._http[loop] = (http, asyncio.Semaphore(self.max_concurrency))
         return self._http[loop]
 
@@ -131,8 +151,12 @@ class AsyncJudgeClient:
                 (other 4xx, not retryable), bad_response (not a chat completion).
         """
         http, slots = self._session()
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
         async with slots:
             start = time.perf_counter()
             try:
@@ -152,13 +176,15 @@ class AsyncJudgeClient:
             raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
         metrics.JUDGE_UP.labels(self.name).set(1)
         if resp.status_code != 200:
-            raise JudgeCallError("client_error", f"HTTP {resp.status_code}: {resp.text[:200]}",
-                                 retryable=False)
+            raise JudgeCallError(
+                "client_error", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False
+            )
         try:
             content = resp.json()["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise JudgeCallError("bad_response",
-                                 f"not an OpenAI chat completion: {resp.text[:200]!r}") from exc
+            raise JudgeCallError(
+                "bad_response", f"not an OpenAI chat completion: {resp.text[:200]!r}"
+            ) from exc
         return content if isinstance(content, str) else ""
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
@@ -189,22 +215,36 @@ class JudgeClient:
         ValueError: another 4xx, or a reply that is not a chat completion.
     """
 
-    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
-                 timeout_s: float = 30.0, max_concurrency: int = 8, max_attempts: int = 3,
-                 backoff_s: float = 0.5, temperature: float = 0.7, max_tokens: int = 512,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        max_concurrency: int = 8,
+        max_attempts: int = 3,
+        backoff_s: float = 0.5,
+        temperature: float = 0.7,
+        max_tokens: int = 512,
+        transport: httpx.BaseTransport | None = None,
+    ):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers,
-                                 timeout=timeout_s, transport=transport)
+        self.http = httpx.Client(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+        )
         self.model = model
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.slots = threading.BoundedSemaphore(max_concurrency)
         self.retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                  + tenacity.wait_random(0, backoff_s)),
-            retry=tenacity.retry_if_exception_type(JudgeInfraError), reraise=True,
+            wait=(
+                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
+                + tenacity.wait_random(0, backoff_s)
+            ),
+            retry=tenacity.retry_if_exception_type(JudgeInfraError),
+            reraise=True,
         )
 
     def complete(self, prompt: str) -> str:
@@ -212,8 +252,12 @@ class JudgeClient:
         return self.retrying(self._complete_once, prompt)
 
     def _complete_once(self, prompt: str) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
-                "temperature": self.temperature, "max_tokens": self.max_tokens}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
         with self.slots:
             try:
                 resp = self.http.post("/chat/completions", json=body)

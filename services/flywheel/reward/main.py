@@ -42,20 +42,35 @@ async def serve(settings: FlywheelSettings) -> None:
     rs, streams = settings.reward, settings.streams
     client = connect(settings.redis_url())
     consumer = StreamConsumer(
-        client, streams.key("rollouts"), "reward", rs.consumer_name or default_consumer_name(),
-        dead_stream=streams.key("dead"), max_deliveries=streams.max_deliveries,
+        client,
+        streams.key("rollouts"),
+        "reward",
+        rs.consumer_name or default_consumer_name(),
+        dead_stream=streams.key("dead"),
+        max_deliveries=streams.max_deliveries,
         min_idle_ms=streams.min_idle_ms,
     )
-    producer = StreamProducer(client, settings.next_stream_after_reward(),
-                              high_water=streams.high_water,
-                              watch_group="teacher" if settings.teacher.enabled else "trainer")
+    producer = StreamProducer(
+        client,
+        settings.next_stream_after_reward(),
+        high_water=streams.high_water,
+        watch_group="teacher" if settings.teacher.enabled else "trainer",
+    )
     scorer = build_scorer(rs)
-    worker = RewardWorker(consumer, producer, scorer, block_ms=streams.block_ms,
-                          max_in_flight=rs.max_in_flight, sample_timeout_s=rs.sample_timeout_s,
-                          max_failures=rs.max_failures, breaker_samples=rs.breaker_samples,
-                          breaker_pause_s=rs.breaker_pause_s)
-    server = await start_server(rs.host, rs.port, scorer, max_batch=rs.max_batch,
-                                max_concurrency=rs.max_in_flight)
+    worker = RewardWorker(
+        consumer,
+        producer,
+        scorer,
+        block_ms=streams.block_ms,
+        max_in_flight=rs.max_in_flight,
+        sample_timeout_s=rs.sample_timeout_s,
+        max_failures=rs.max_failures,
+        breaker_samples=rs.breaker_samples,
+        breaker_pause_s=rs.breaker_pause_s,
+    )
+    server = await start_server(
+        rs.host, rs.port, scorer, max_batch=rs.max_batch, max_concurrency=rs.max_in_flight
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -50,8 +50,9 @@ def _final_value(reply: str, label: str) -> tuple[str | None, str]:
     return match.group(1), ""
 
 
-def parse_verdict(reply: str, allowed: tuple[int, ...] = (-1, 0, 1),
-                  label: str = "Final verdict") -> Parsed:
+def parse_verdict(
+    reply: str, allowed: tuple[int, ...] = (-1, 0, 1), label: str = "Final verdict"
+) -> Parsed:
     """A verdict from a declared integer set.
 
     "...\\nFinal verdict: +1" -> 1; "**Final verdict: -1**" -> -1; "Final verdict: 1.0" -> 1;

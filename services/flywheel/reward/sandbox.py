@@ -134,7 +134,7 @@ class TestResult:
 
 @functools.cache
 def isolation_mode() -> str:
-    """"unshare" when the namespaces and the chroot jail work here (root + util-linux + an
+    """ "unshare" when the namespaces and the chroot jail work here (root + util-linux + an
     interpreter inside its prefix), else "audit-hook"."""
     if os.geteuid() != 0 or not all(map(shutil.which, ("unshare", "mount", "chroot"))):
         return "audit-hook"
@@ -155,8 +155,25 @@ def _jail_argv(tmp: str, command: list[str]) -> list[str]:
     jail, work = os.path.join(tmp, "jail"), os.path.join(tmp, "work")
     os.makedirs(jail, exist_ok=True)
     os.makedirs(work, exist_ok=True)
-    return ["unshare", "-n", "-p", "-f", "-m", "-i", "-u", "--kill-child", "--", "sh", "-c",
-            _JAIL, "sh", jail, work, os.path.realpath(sys.base_prefix), *command]
+    return [
+        "unshare",
+        "-n",
+        "-p",
+        "-f",
+        "-m",
+        "-i",
+        "-u",
+        "--kill-child",
+        "--",
+        "sh",
+        "-c",
+        _JAIL,
+        "sh",
+        jail,
+        work,
+        os.path.realpath(sys.base_prefix),
+        *command,
+    ]
 
 
 def extract_code(response: str) -> str:
@@ -170,8 +187,14 @@ def run_test(code: str, test: str, limits: Limits = Limits()) -> TestResult:
     mode = isolation_mode()
     token = secrets.token_hex(16)
     jailed = mode == "unshare"
-    spec = {"code": code, "test": test, "token": token, "cwd": "/work" if jailed else ".",
-            "drop_uid": jailed, "audit_hook": not jailed}
+    spec = {
+        "code": code,
+        "test": test,
+        "token": token,
+        "cwd": "/work" if jailed else ".",
+        "drop_uid": jailed,
+        "audit_hook": not jailed,
+    }
     with tempfile.TemporaryDirectory(prefix="flywheel-sandbox-") as tmp:
         argv = [_interpreter() if jailed else sys.executable, "-I", "-c", _HARNESS]
         if jailed:
@@ -181,10 +204,18 @@ def run_test(code: str, test: str, limits: Limits = Limits()) -> TestResult:
         out_path = os.path.join(tmp, ".out")
         with open(out_path, "w+b") as out:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=tmp,
-                env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/work" if jailed else tmp,
-                     "TMPDIR": "/work" if jailed else tmp},
-                start_new_session=True, preexec_fn=functools.partial(_set_limits, limits),
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=tmp,
+                env={
+                    "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                    "HOME": "/work" if jailed else tmp,
+                    "TMPDIR": "/work" if jailed else tmp,
+                },
+                start_new_session=True,
+                preexec_fn=functools.partial(_set_limits, limits),
             )
             try:
                 proc.communicate(json.dumps(spec).encode(), timeout=limits.timeout_s)
@@ -206,11 +237,15 @@ def code_tests(response: str, task: dict[str, Any]) -> float:
     tests = task["tests"]
     tests = [tests] if isinstance(tests, str) else list(tests)
     if not tests or not all(isinstance(t, str) for t in tests):
-        raise InvalidRequestError("code_tests: 'tests' must be a non-empty list of strings",
-                                  param="task")
-    limits = Limits(timeout_s=float(task.get("timeout_s", 5.0)), cpu_s=int(task.get("cpu_s", 2)),
-                    memory_mb=int(task.get("memory_mb", 512)),
-                    max_output_bytes=int(task.get("max_output_bytes", 65536)))
+        raise InvalidRequestError(
+            "code_tests: 'tests' must be a non-empty list of strings", param="task"
+        )
+    limits = Limits(
+        timeout_s=float(task.get("timeout_s", 5.0)),
+        cpu_s=int(task.get("cpu_s", 2)),
+        memory_mb=int(task.get("memory_mb", 512)),
+        max_output_bytes=int(task.get("max_output_bytes", 65536)),
+    )
     code = extract_code(response)
     return sum(run_test(code, t, limits).passed for t in tests) / len(tests)
 

@@ -48,8 +48,7 @@ def is_unjudged(sample: sample_pb2.Sample) -> bool:
 def message_text(message: sample_pb2.Message) -> str:
     """Content of a message as text, with any tool calls appended as JSON."""
     content = json.loads(message.content_json or "null")
-    text = content if isinstance(content, str) else ("" if content is None
-                                                     else json.dumps(content))
+    text = content if isinstance(content, str) else ("" if content is None else json.dumps(content))
     extra = json.loads(message.extra_json or "{}")
     if isinstance(extra, dict) and extra.get("tool_calls"):
         text += f"\n[tool_calls] {json.dumps(extra['tool_calls'])}"
@@ -66,7 +65,7 @@ def last_reply(sample: sample_pb2.Sample) -> str:
 
 
 def transcript(messages: list[sample_pb2.Message], budget_chars: int = 0) -> str:
-    """"role: text" lines of `messages`, trimmed to `budget_chars` by whole messages.
+    """ "role: text" lines of `messages`, trimmed to `budget_chars` by whole messages.
 
     The newest messages are kept (a judge needs the latest context most); older ones are
     replaced by one "[N earlier messages omitted]" line. If the newest message alone is over the
@@ -134,13 +133,14 @@ class Scorer:
         metrics.SCORE_SECONDS.observe(time.perf_counter() - start)
         return sample
 
-    def _combine(self, sample: sample_pb2.Sample, errors: list[str], unjudged: list[str]
-                 ) -> None:
+    def _combine(self, sample: sample_pb2.Sample, errors: list[str], unjudged: list[str]) -> None:
         bad = {k: v for k, v in sample.rewards.items() if not math.isfinite(v)}
         for name, value in bad.items():  # a NaN or inf would poison a whole training step
             del sample.rewards[name]
-            errors.append(f"reward component {name!r} is {value}, not a finite number: the "
-                          "Sample is left unscored")
+            errors.append(
+                f"reward component {name!r} is {value}, not a finite number: the "
+                "Sample is left unscored"
+            )
         top = {k: v for k, v in sample.rewards.items() if "/" not in k}
         for name, value in top.items():
             metrics.COMPONENT.labels(name).observe(value)
@@ -154,12 +154,12 @@ class Scorer:
             sample.has_reward = True
         else:
             sample.has_reward = False
-            errors.append("no reward component: the task gives no answer and no outcome was "
-                          "posted")
+            errors.append("no reward component: the task gives no answer and no outcome was posted")
         sample.error = "; ".join(errors)
 
-    async def _verify(self, sample: sample_pb2.Sample, task: dict[str, Any],
-                      errors: list[str]) -> None:
+    async def _verify(
+        self, sample: sample_pb2.Sample, task: dict[str, Any], errors: list[str]
+    ) -> None:
         name = task.get("verifier", self.default_verifier)
         if not isinstance(name, str):
             errors.append(f"task 'verifier' must be a string, got {name!r}")
@@ -171,15 +171,15 @@ class Scorer:
             errors.append(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
             return
         try:  # off the event loop: code tests run a sandboxed subprocess for seconds
-            sample.rewards["verifier"] = await asyncio.to_thread(verifier, last_reply(sample),
-                                                                 task)
+            sample.rewards["verifier"] = await asyncio.to_thread(verifier, last_reply(sample), task)
         except InvalidRequestError as exc:
             errors.append(str(exc))
         except Exception as exc:  # a task the verifier cannot read: unscored, never a crash
             errors.append(f"verifier {name!r} failed on this task: {type(exc).__name__}: {exc}")
 
-    async def _judge_live(self, sample: sample_pb2.Sample, truncated: bool,
-                          unjudged: list[str]) -> None:
+    async def _judge_live(
+        self, sample: sample_pb2.Sample, truncated: bool, unjudged: list[str]
+    ) -> None:
         messages = list(sample.messages)
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
         if last is None:
@@ -187,8 +187,12 @@ class Scorer:
             return
         assert self.judge is not None
         result = await self.judge.judge(
-            transcript(messages[:last], self.judge.context_chars), message_text(messages[last]),
-            message_text(sample.next_state), sample.next_state.role, truncated=truncated)
+            transcript(messages[:last], self.judge.context_chars),
+            message_text(messages[last]),
+            message_text(sample.next_state),
+            sample.next_state.role,
+            truncated=truncated,
+        )
         _record(sample, "judge", result, unjudged)
 
     async def _judge_steps(self, sample: sample_pb2.Sample, unjudged: list[str]) -> None:
@@ -198,7 +202,7 @@ class Scorer:
         jobs = {}
         for k, i in enumerate(turns):
             after = []
-            for m in messages[i + 1:]:
+            for m in messages[i + 1 :]:
                 if m.role == "assistant":
                     break
                 after.append(m)
@@ -206,8 +210,10 @@ class Scorer:
                 jobs[k] = self.step_judge.judge(
                     transcript(messages[:i], self.step_judge.context_chars),
                     message_text(messages[i]),
-                    "\n".join(message_text(m) for m in after), after[0].role,
-                    label=f"step/{k}")
+                    "\n".join(message_text(m) for m in after),
+                    after[0].role,
+                    label=f"step/{k}",
+                )
         if not jobs:
             return
         results = dict(zip(jobs, await asyncio.gather(*jobs.values()), strict=True))
@@ -224,8 +230,9 @@ class Scorer:
             values = [r.value for r in results.values() if r.value is not None]
             sample.rewards["step"] = sum(values) / len(values)
 
-    async def _judge_rubric(self, sample: sample_pb2.Sample, rubric: str, truncated: bool,
-                            unjudged: list[str]) -> None:
+    async def _judge_rubric(
+        self, sample: sample_pb2.Sample, rubric: str, truncated: bool, unjudged: list[str]
+    ) -> None:
         assert self.rubric_judge is not None
         messages = list(sample.messages)
         last = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
@@ -234,17 +241,19 @@ class Scorer:
             return
         result = await self.rubric_judge.judge(
             transcript(messages[:last], self.rubric_judge.context_chars),
-            message_text(messages[last]), rubric,
-            truncated=truncated)
+            message_text(messages[last]),
+            rubric,
+            truncated=truncated,
+        )
         _record(sample, "rubric", result, unjudged)
 
 
-def _record(sample: sample_pb2.Sample, name: str, result: Judgment, unjudged: list[str]
-            ) -> None:
+def _record(sample: sample_pb2.Sample, name: str, result: Judgment, unjudged: list[str]) -> None:
     sample.votes.extend(result.votes)
     if result.value is None:
-        unjudged.append(f"{name} {result.error} ({result.prompt}, 0 of {len(result.votes)} "
-                        "votes valid)")
+        unjudged.append(
+            f"{name} {result.error} ({result.prompt}, 0 of {len(result.votes)} votes valid)"
+        )
     else:
         sample.rewards[name] = result.value
 
@@ -261,7 +270,8 @@ def _task(sample: sample_pb2.Sample, errors: list[str]) -> dict[str, Any]:
     return task
 
 
-def score_sample(sample: sample_pb2.Sample, default_verifier: str,
-                 weights: dict[str, float] | None = None) -> sample_pb2.Sample:
+def score_sample(
+    sample: sample_pb2.Sample, default_verifier: str, weights: dict[str, float] | None = None
+) -> sample_pb2.Sample:
     """Synchronous convenience for verifier/outcome-only scoring (no judges)."""
     return asyncio.run(Scorer(default_verifier, dict(weights or {})).score(sample))

@@ -35,7 +35,8 @@ def last_integer(response: str, task: dict[str, Any]) -> float:
         expected = int(answer)
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(
-            f"last_integer needs an integer 'answer', got {answer!r}", param="task") from exc
+            f"last_integer needs an integer 'answer', got {answer!r}", param="task"
+        ) from exc
     found = _INT.findall(response.replace(",", ""))
     return 1.0 if found and int(found[-1]) == expected else 0.0
 
@@ -56,8 +57,9 @@ def math_answer(response: str, task: dict[str, Any]) -> float:
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     answer = str(_answer(task))
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$",
-                 parsing_timeout=timeout)
+    gold = parse(
+        answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=timeout
+    )
     if not gold:
         raise InvalidRequestError(f"math-verify cannot parse the answer {answer!r}", param="task")
     pred = parse(response, parsing_timeout=timeout)
@@ -73,14 +75,22 @@ def numeric(response: str, task: dict[str, Any]) -> float:
     try:
         answer = float(_answer(task))
     except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"numeric verifier: answer is not a number: {exc}",
-                                  param="task") from exc
+        raise InvalidRequestError(
+            f"numeric verifier: answer is not a number: {exc}", param="task"
+        ) from exc
     found = _NUMBER.findall(response.replace(",", ""))
     if not found:
         return 0.0
-    return 1.0 if math.isclose(float(found[-1]), answer,
-                               rel_tol=float(task.get("rel_tol", 1e-6)),
-                               abs_tol=float(task.get("abs_tol", 1e-9))) else 0.0
+    return (
+        1.0
+        if math.isclose(
+            float(found[-1]),
+            answer,
+            rel_tol=float(task.get("rel_tol", 1e-6)),
+            abs_tol=float(task.get("abs_tol", 1e-9)),
+        )
+        else 0.0
+    )
 
 
 def regex(response: str, task: dict[str, Any]) -> float:
@@ -94,8 +104,7 @@ def regex(response: str, task: dict[str, Any]) -> float:
         raise InvalidRequestError(f"regex verifier: bad pattern: {exc}", param="task") from exc
     mode = task.get("match", "fullmatch")
     if mode not in ("fullmatch", "search"):
-        raise InvalidRequestError("regex verifier: match must be fullmatch or search",
-                                  param="task")
+        raise InvalidRequestError("regex verifier: match must be fullmatch or search", param="task")
     return 1.0 if getattr(pattern, mode)(response.strip()) else 0.0
 
 
@@ -111,8 +120,9 @@ def json_schema(response: str, task: dict[str, Any]) -> float:
         validator_cls = jsonschema.validators.validator_for(schema)
         validator_cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise InvalidRequestError(f"json_schema verifier: invalid schema: {exc.message}",
-                                  param="task") from exc
+        raise InvalidRequestError(
+            f"json_schema verifier: invalid schema: {exc.message}", param="task"
+        ) from exc
     fence = _JSON_FENCE.search(response)
     try:
         document = json.loads(fence.group(1) if fence else response.strip())

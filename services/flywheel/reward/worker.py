@@ -50,9 +50,19 @@ class RewardWorker:
         max_failures: failed attempts of one entry before it is dead-lettered.
     """
 
-    def __init__(self, consumer: StreamConsumer, producer: StreamProducer, scorer: Scorer, *,
-                 block_ms: int = 1000, max_in_flight: int = 16, sample_timeout_s: float = 600.0,
-                 max_failures: int = 3, breaker_samples: int = 5, breaker_pause_s: float = 10.0):
+    def __init__(
+        self,
+        consumer: StreamConsumer,
+        producer: StreamProducer,
+        scorer: Scorer,
+        *,
+        block_ms: int = 1000,
+        max_in_flight: int = 16,
+        sample_timeout_s: float = 600.0,
+        max_failures: int = 3,
+        breaker_samples: int = 5,
+        breaker_pause_s: float = 10.0,
+    ):
         self.consumer = consumer
         self.producer = producer
         self.scorer = scorer
@@ -97,8 +107,11 @@ class RewardWorker:
                 return 0
             free = 1  # one probe
         if free <= 0:
-            await asyncio.wait(list(self.tasks.values()), timeout=self.block_ms / 1000,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                list(self.tasks.values()),
+                timeout=self.block_ms / 1000,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             return 0
         block = self.block_ms if not self.tasks else min(self.block_ms, 50)
         try:
@@ -131,9 +144,13 @@ class RewardWorker:
         full = bool(high) and await asyncio.to_thread(self.producer.backlog) >= high
         if full != getattr(self, "_paused", False):
             self._paused = full
-            log.warning("%s %s its high-water mark (%d): %s new rollouts", self.producer.stream,
-                        "is at" if full else "is below", high,
-                        "not reading" if full else "reading")
+            log.warning(
+                "%s %s its high-water mark (%d): %s new rollouts",
+                self.producer.stream,
+                "is at" if full else "is below",
+                high,
+                "not reading" if full else "reading",
+            )
         if full:
             await asyncio.sleep(self.block_ms / 1000)
         return full
@@ -149,16 +166,20 @@ class RewardWorker:
             await asyncio.wait_for(self.scorer.score(sample), self.sample_timeout_s)
         except Exception as exc:  # noqa: BLE001  (deliberate: a poison entry must not stop us)
             kind = "timeout" if isinstance(exc, TimeoutError) else "exception"
-            detail = (f"scoring took over {self.sample_timeout_s:g} s" if kind == "timeout"
-                      else f"{type(exc).__name__}: {exc}")
+            detail = (
+                f"scoring took over {self.sample_timeout_s:g} s"
+                if kind == "timeout"
+                else f"{type(exc).__name__}: {exc}"
+            )
             await self._failed(entry, kind, detail)
             return
         try:
             await asyncio.to_thread(self._forward, sample, entry.entry_id)
         except (BackpressureError, redis.RedisError) as exc:  # left pending: retried later
             metrics.FAILURES.labels("publish").inc()
-            log.warning("sample %s scored but not forwarded (%s); it stays pending",
-                        sample.sample_id, exc)
+            log.warning(
+                "sample %s scored but not forwarded (%s); it stays pending", sample.sample_id, exc
+            )
             return
         self.failures.pop(entry.entry_id, None)
         self._track_judge(sample)
@@ -183,8 +204,12 @@ class RewardWorker:
                 pause = self.breaker_pause_s * 2 ** (self.pauses - 1)
                 self.paused_until = asyncio.get_running_loop().time() + pause
                 metrics.BREAKER_OPEN.set(1)
-                log.error("judge down: %d samples in a row unjudged (%s); pausing new reads "
-                          "for %.0f s", self.infra_streak, sample.error, pause)
+                log.error(
+                    "judge down: %d samples in a row unjudged (%s); pausing new reads for %.0f s",
+                    self.infra_streak,
+                    sample.error,
+                    pause,
+                )
         elif sample.votes:  # a judgment happened and was not an infra failure
             if self.breaker_open:
                 log.warning("judge back: closing the breaker")
@@ -200,13 +225,22 @@ class RewardWorker:
         metrics.FAILURES.labels(kind).inc()
         self.failures[entry.entry_id] += 1
         n = self.failures[entry.entry_id]
-        log.error("scoring sample %s failed (%d of %d): %s", entry.sample.sample_id, n,
-                  self.max_failures, detail)
+        log.error(
+            "scoring sample %s failed (%d of %d): %s",
+            entry.sample.sample_id,
+            n,
+            self.max_failures,
+            detail,
+        )
         if n < self.max_failures:
             return
         try:
-            await asyncio.to_thread(self.consumer.dead_letter, entry.entry_id, entry.payload,
-                                    f"scoring failed {n} times: {detail}")
+            await asyncio.to_thread(
+                self.consumer.dead_letter,
+                entry.entry_id,
+                entry.payload,
+                f"scoring failed {n} times: {detail}",
+            )
         except redis.RedisError as exc:
             log.warning("dead-lettering %s failed: %s", entry.entry_id, exc)
             return
@@ -221,8 +255,14 @@ class RewardWorker:
             if not self.tasks:
                 continue
             try:
-                await asyncio.to_thread(c.client.xclaim, c.stream, c.group, c.consumer,
-                                        min_idle_time=0, message_ids=list(self.tasks),
-                                        justid=True)
+                await asyncio.to_thread(
+                    c.client.xclaim,
+                    c.stream,
+                    c.group,
+                    c.consumer,
+                    min_idle_time=0,
+                    message_ids=list(self.tasks),
+                    justid=True,
+                )
             except redis.RedisError as exc:  # bounded: the next round retries
                 log.warning("could not refresh in-flight entries: %s", exc)

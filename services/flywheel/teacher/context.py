@@ -77,13 +77,15 @@ def text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict)
-                         and p.get("type") == "text")
+        return "\n".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
     return json.dumps(content)
 
 
-def insert_context(messages: list[dict[str, Any]], text: str, placement: Placement,
-                   kind: str = "hint") -> list[dict[str, Any]]:
+def insert_context(
+    messages: list[dict[str, Any]], text: str, placement: Placement, kind: str = "hint"
+) -> list[dict[str, Any]]:
     """A copy of `messages` with `text` inserted by `placement` under the label of `kind`.
 
     Raises:
@@ -146,12 +148,12 @@ class TeacherRenderer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if not self.tokenizer.chat_template:
-            raise InvalidRequestError(f"teacher tokenizer at {tokenizer_path} has no chat "
-                                      "template")
+            raise InvalidRequestError(f"teacher tokenizer at {tokenizer_path} has no chat template")
         self.vocab_size = len(self.tokenizer.get_vocab())
 
-    def prompt_ids(self, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def prompt_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Teacher token ids of `messages` rendered with the generation prompt added.
 
         Raises:
@@ -160,10 +162,12 @@ class TeacherRenderer:
         messages = [{**m, "content": m.get("content") or ""} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            )
         except Exception as exc:  # jinja2 raises TemplateError and plain exceptions
             raise InvalidRequestError(
-                f"the teacher's chat template cannot render these messages: {exc}") from exc
+                f"the teacher's chat template cannot render these messages: {exc}"
+            ) from exc
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise InvalidRequestError("the teacher context renders to no tokens")

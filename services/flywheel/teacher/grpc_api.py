@@ -43,25 +43,37 @@ def _status(exc: Exception) -> grpc.StatusCode:
 class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
     """Args: the pipeline; the student vocabulary fingerprint; the hint judge (None = off)."""
 
-    def __init__(self, teacher: Teacher, student_fingerprint: str, teacher_fingerprint: str,
-                 hints: HintExtractor | None = None):
+    def __init__(
+        self,
+        teacher: Teacher,
+        student_fingerprint: str,
+        teacher_fingerprint: str,
+        hints: HintExtractor | None = None,
+    ):
         self.teacher = teacher
         self.student_fingerprint = student_fingerprint
         self.teacher_fingerprint = teacher_fingerprint
         self.hints = hints
 
-    def ScoreTokens(self, request: teacher_pb2.ScoreTokensRequest,  # noqa: N802
-                    context: grpc.ServicerContext) -> teacher_pb2.ScoreTokensResponse:
+    def ScoreTokens(
+        self,
+        request: teacher_pb2.ScoreTokensRequest,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> teacher_pb2.ScoreTokensResponse:
         try:
             return self._score_tokens(request)
         except PlatformError as exc:
             context.abort(_status(exc), str(exc))
             raise  # unreachable: abort raises
 
-    def _score_tokens(self, request: teacher_pb2.ScoreTokensRequest
-                      ) -> teacher_pb2.ScoreTokensResponse:
-        check_same_vocab(request.vocab_fingerprint or self.student_fingerprint,
-                         self.teacher_fingerprint, where=" (request vocab_fingerprint)")
+    def _score_tokens(
+        self, request: teacher_pb2.ScoreTokensRequest
+    ) -> teacher_pb2.ScoreTokensResponse:
+        check_same_vocab(
+            request.vocab_fingerprint or self.student_fingerprint,
+            self.teacher_fingerprint,
+            where=" (request vocab_fingerprint)",
+        )
         response_ids = list(request.response_ids)
         if not response_ids:
             raise InvalidRequestError("response_ids is empty: nothing to score")
@@ -83,32 +95,50 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
         scored = self.teacher.scorer.score(prompt_ids, response_ids, request.top_k)
         k = request.top_k
         reply = teacher_pb2.ScoreTokensResponse(
-            logprobs=scored.logprobs, top_k=k, teacher_model=self.teacher.config.model_name,
-            teacher_weight_version=scored.weight_version, prompt_tokens=len(prompt_ids),
-            temperature=1.0)
+            logprobs=scored.logprobs,
+            top_k=k,
+            teacher_model=self.teacher.config.model_name,
+            teacher_weight_version=scored.weight_version,
+            prompt_tokens=len(prompt_ids),
+            temperature=1.0,
+        )
         for ids, lps in zip(scored.topk_ids, scored.topk_logprobs, strict=True):
             reply.topk_ids.extend(ids + [0] * (k - len(ids)))
             reply.topk_logprobs.extend(lps + [float("-inf")] * (k - len(lps)))
         return reply
 
-    def ExtractHint(self, request: teacher_pb2.ExtractHintRequest,  # noqa: N802
-                    context: grpc.ServicerContext) -> teacher_pb2.ExtractHintResponse:
+    def ExtractHint(
+        self,
+        request: teacher_pb2.ExtractHintRequest,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> teacher_pb2.ExtractHintResponse:
         if self.hints is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "the hint judge is disabled; set teacher.hint_judge.enabled = true")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the hint judge is disabled; set teacher.hint_judge.enabled = true",
+            )
         try:
             result = self.hints.extract(request.sample)
         except InvalidRequestError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        votes = [sample_pb2.Vote(judge="hint", has_value=v.decision is not None,
-                                 value=float(v.decision or 0),
-                                 explanation=v.hint if v.decision is not None else v.reason)
-                 for v in result.votes]
-        return teacher_pb2.ExtractHintResponse(hint=result.hint, has_hint=bool(result.hint),
-                                               votes=votes, status=result.status)
+        votes = [
+            sample_pb2.Vote(
+                judge="hint",
+                has_value=v.decision is not None,
+                value=float(v.decision or 0),
+                explanation=v.hint if v.decision is not None else v.reason,
+            )
+            for v in result.votes
+        ]
+        return teacher_pb2.ExtractHintResponse(
+            hint=result.hint, has_hint=bool(result.hint), votes=votes, status=result.status
+        )
 
-    def ScoreSample(self, request: teacher_pb2.ScoreSampleRequest,  # noqa: N802
-                    context: grpc.ServicerContext) -> teacher_pb2.ScoreSampleResponse:
+    def ScoreSample(
+        self,
+        request: teacher_pb2.ScoreSampleRequest,  # noqa: N802
+        context: grpc.ServicerContext,
+    ) -> teacher_pb2.ScoreSampleResponse:
         sample = sample_pb2.Sample()
         sample.CopyFrom(request.sample)
         try:
@@ -129,8 +159,13 @@ def serve(servicer: TeacherServicer, host: str, port: int, workers: int = 8) -> 
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
     server.add_insecure_port(f"{host}:{port}")
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -82,9 +82,10 @@ def parse_hint_reply(reply: str, min_chars: int = 10) -> HintVote:
     if starts > 1 or ends > 1:
         return HintVote(None, "", "parse: multiple hint blocks")
     if starts != 1 or ends != 1 or reply.index(START) > reply.index(END):
-        return HintVote(None, "", "parse: missing markers (decision 1 needs one "
-                                  f"{START} ... {END} block)")
-    hint = reply[reply.index(START) + len(START):reply.index(END)].strip()
+        return HintVote(
+            None, "", f"parse: missing markers (decision 1 needs one {START} ... {END} block)"
+        )
+    hint = reply[reply.index(START) + len(START) : reply.index(END)].strip()
     if not hint:
         return HintVote(None, "", "parse: empty hint")
     if len(hint) < min_chars:
@@ -142,9 +143,15 @@ class HintExtractor:
         context_chars: the conversation before the response is trimmed to its last N chars.
     """
 
-    def __init__(self, client: JudgeClient, prompt: str = "hint_v1", votes: int = 3,
-                 selection: Selection = "longest", min_chars: int = 10,
-                 context_chars: int = 8000):
+    def __init__(
+        self,
+        client: JudgeClient,
+        prompt: str = "hint_v1",
+        votes: int = 3,
+        selection: Selection = "longest",
+        min_chars: int = 10,
+        context_chars: int = 8000,
+    ):
         self.client = client
         self.template = load_hint_prompt(prompt)
         self.votes = votes
@@ -168,10 +175,12 @@ class HintExtractor:
         context, response = turn_context(message_dicts(sample.messages))
         rendered = "\n".join(f"{m['role']}: {text_of(m.get('content'))}" for m in context)
         prompt = self.template.substitute(
-            nonce=secrets.token_hex(8), context=rendered[-self.context_chars:],
-            response=response, next_state=text_of(message_dicts([sample.next_state])[0]
-                                                  .get("content")),
-            next_role=sample.next_state.role)
+            nonce=secrets.token_hex(8),
+            context=rendered[-self.context_chars :],
+            response=response,
+            next_state=text_of(message_dicts([sample.next_state])[0].get("content")),
+            next_role=sample.next_state.role,
+        )
         votes = list(self.pool.map(lambda _: self._vote(prompt), range(self.votes)))
         hint = select_hint(votes, self.selection)
         if hint:

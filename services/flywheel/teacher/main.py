@@ -34,8 +34,9 @@ def teacher_engine_urls(settings: FlywheelSettings) -> list[str]:
     return [f"http://{settings.engine.host}:{ts.engine_port}"]
 
 
-def load_tokenizers(settings: FlywheelSettings, teacher_model: Path, engine_model: Path
-                    ) -> tuple[TeacherRenderer, str, str]:
+def load_tokenizers(
+    settings: FlywheelSettings, teacher_model: Path, engine_model: Path
+) -> tuple[TeacherRenderer, str, str]:
     """The teacher's renderer and the (student, teacher) vocabulary fingerprints.
 
     Raises:
@@ -47,12 +48,14 @@ def load_tokenizers(settings: FlywheelSettings, teacher_model: Path, engine_mode
 
     ts = settings.teacher
     teacher_tok = Path(ts.tokenizer_path or teacher_model)
-    student_tok = Path(ts.student_tokenizer_path or settings.gateway.tokenizer_path
-                       or engine_model)
+    student_tok = Path(ts.student_tokenizer_path or settings.gateway.tokenizer_path or engine_model)
     renderer = TeacherRenderer(teacher_tok)
     teacher_fp = vocab_fingerprint(renderer.tokenizer)
-    student_fp = teacher_fp if student_tok.resolve() == teacher_tok.resolve() else \
-        vocab_fingerprint(TeacherRenderer(student_tok).tokenizer)
+    student_fp = (
+        teacher_fp
+        if student_tok.resolve() == teacher_tok.resolve()
+        else vocab_fingerprint(TeacherRenderer(student_tok).tokenizer)
+    )
     check_same_vocab(student_fp, teacher_fp, where=f" ({teacher_tok} vs {student_tok})")
     return renderer, student_fp, teacher_fp
 
@@ -89,36 +92,67 @@ def main(argv: list[str] | None = None) -> None:
     urls = teacher_engine_urls(settings)
     for url in urls:  # the model each engine serves, not only the configured paths (BUG-23)
         check_served_vocab(url, renderer.tokenizer, timeout_s=ts.timeout_s)
-    scorer = TeacherScorer(urls, max_batch=ts.max_batch, batch_wait_ms=ts.batch_wait_ms,
-                           max_concurrency=ts.max_concurrency, timeout_s=ts.timeout_s,
-                           max_attempts=ts.max_attempts)
+    scorer = TeacherScorer(
+        urls,
+        max_batch=ts.max_batch,
+        batch_wait_ms=ts.batch_wait_ms,
+        max_concurrency=ts.max_concurrency,
+        timeout_s=ts.timeout_s,
+        max_attempts=ts.max_attempts,
+    )
     hj = ts.hint_judge
     hints = None
     if hj.enabled:
-        client = JudgeClient(hj.base_url, hj.model, api_key=hj.api_key, timeout_s=hj.timeout_s,
-                             max_concurrency=hj.max_concurrency, max_attempts=hj.max_attempts,
-                             backoff_s=hj.backoff_s, temperature=hj.temperature,
-                             max_tokens=hj.max_tokens)
-        hints = HintExtractor(client, hj.prompt, hj.votes, hj.selection, hj.min_chars,
-                              hj.context_chars)
-    config = TeacherConfig(model_name=ts.model_name or teacher_model.name, top_k=ts.top_k,
-                           placement=ts.hint_placement, require_hint=ts.require_hint)
+        client = JudgeClient(
+            hj.base_url,
+            hj.model,
+            api_key=hj.api_key,
+            timeout_s=hj.timeout_s,
+            max_concurrency=hj.max_concurrency,
+            max_attempts=hj.max_attempts,
+            backoff_s=hj.backoff_s,
+            temperature=hj.temperature,
+            max_tokens=hj.max_tokens,
+        )
+        hints = HintExtractor(
+            client, hj.prompt, hj.votes, hj.selection, hj.min_chars, hj.context_chars
+        )
+    config = TeacherConfig(
+        model_name=ts.model_name or teacher_model.name,
+        top_k=ts.top_k,
+        placement=ts.hint_placement,
+        require_hint=ts.require_hint,
+    )
     teacher = Teacher(scorer, renderer, config, hints)
 
     client = connect(settings.redis_url())
     consumer = StreamConsumer(
-        client, streams.key("scored"), "teacher", ts.consumer_name or default_consumer_name(),
-        dead_stream=streams.key("dead"), max_deliveries=streams.max_deliveries,
-        min_idle_ms=streams.min_idle_ms)
+        client,
+        streams.key("scored"),
+        "teacher",
+        ts.consumer_name or default_consumer_name(),
+        dead_stream=streams.key("dead"),
+        max_deliveries=streams.max_deliveries,
+        min_idle_ms=streams.min_idle_ms,
+    )
     producer = StreamProducer(client, streams.key("train"))
-    worker = TeacherWorker(consumer, producer, teacher, block_ms=streams.block_ms,
-                           concurrency=ts.concurrency)
+    worker = TeacherWorker(
+        consumer, producer, teacher, block_ms=streams.block_ms, concurrency=ts.concurrency
+    )
     if ts.metrics_port:  # before the gRPC server: a busy port fails before health says SERVING
         start_http_server(ts.metrics_port, addr=ts.host)
     server = serve(TeacherServicer(teacher, student_fp, teacher_fp, hints), ts.host, ts.port)
     signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
-    log.info("teacher %s on %s (self_teacher=%s); gRPC %s:%d; %s -> %s", config.model_name,
-             urls, ts.self_teacher, ts.host, ts.port, consumer.stream, producer.stream)
+    log.info(
+        "teacher %s on %s (self_teacher=%s); gRPC %s:%d; %s -> %s",
+        config.model_name,
+        urls,
+        ts.self_teacher,
+        ts.host,
+        ts.port,
+        consumer.stream,
+        producer.stream,
+    )
     try:
         worker.run()
     except KeyboardInterrupt:

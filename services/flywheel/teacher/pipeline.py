@@ -68,8 +68,13 @@ class Teacher:
         hints: the hint judge; None = hints only from the task metadata.
     """
 
-    def __init__(self, scorer: TeacherScorer, renderer: TeacherRenderer, config: TeacherConfig,
-                 hints: HintExtractor | None = None):
+    def __init__(
+        self,
+        scorer: TeacherScorer,
+        renderer: TeacherRenderer,
+        config: TeacherConfig,
+        hints: HintExtractor | None = None,
+    ):
         self.scorer = scorer
         self.renderer = renderer
         self.config = config
@@ -87,9 +92,12 @@ class Teacher:
         _clear(sample, n)
         temperature = sample.sampling.temperature
         if not any(math.isclose(temperature, t, abs_tol=1e-6) for t in TEACHER_TEMPERATURES):
-            return self._skip(sample, f"sampled at temperature {temperature:g}; teacher "
-                                      "logprobs are at temperature 1 (only T = 1 or greedy "
-                                      "samples are comparable)")
+            return self._skip(
+                sample,
+                f"sampled at temperature {temperature:g}; teacher "
+                "logprobs are at temperature 1 (only T = 1 or greedy "
+                "samples are comparable)",
+            )
         span = response_span(list(sample.loss_mask))
         if span is None:
             return self._skip(sample, "no sampled tokens")
@@ -101,21 +109,22 @@ class Teacher:
         if not text and self.config.require_hint:
             sample.teacher_status = "no_hint"
             metrics.SAMPLES.labels("no_hint").inc()
-            log.info("sample %s: no valid hint for the turn; no teacher logprobs",
-                     sample.sample_id)
+            log.info("sample %s: no valid hint for the turn; no teacher logprobs", sample.sample_id)
             return sample
         tools = json.loads(sample.tools_json) if sample.tools_json else None
         hinted = insert_context(context, text, self.config.placement, kind) if text else context
         start, end = span
         response_ids = list(sample.token_ids[start:end])
         check_ids_in_vocab(response_ids, self.renderer.vocab_size)
-        scoring = self.scorer.submit(self.renderer.prompt_ids(hinted, tools), response_ids,
-                                     self.config.top_k)
+        scoring = self.scorer.submit(
+            self.renderer.prompt_ids(hinted, tools), response_ids, self.config.top_k
+        )
         wrong = task_wrong_hint(sample) if text else ""
         if wrong:  # submitted together, so both share a /generate call
             wrong_ctx = insert_context(context, wrong, self.config.placement, kind)
-            contrast = self.scorer.submit(self.renderer.prompt_ids(wrong_ctx, tools),
-                                          response_ids).result()
+            contrast = self.scorer.submit(
+                self.renderer.prompt_ids(wrong_ctx, tools), response_ids
+            ).result()
         self._write(sample, start, scoring.result())
         if wrong:
             self._write_wrong(sample, start, wrong, contrast)
@@ -133,8 +142,12 @@ class Teacher:
         result = self.hints.extract(sample)
         sample.hint = result.hint
         if not result.hint:
-            log.info("sample %s: hint extraction %s (%s)", sample.sample_id, result.status,
-                     "; ".join(v.reason for v in result.votes if v.decision is None) or "-")
+            log.info(
+                "sample %s: hint extraction %s (%s)",
+                sample.sample_id,
+                result.status,
+                "; ".join(v.reason for v in result.votes if v.decision is None) or "-",
+            )
         return "hint", result.hint
 
     def _skip(self, sample: sample_pb2.Sample, reason: str) -> sample_pb2.Sample:
@@ -156,7 +169,8 @@ class Teacher:
             n = len(sample.token_ids)
             ids, lps = [0] * (k * n), [0.0] * (k * n)
             for i, (row_ids, row_lps) in enumerate(
-                    zip(scored.topk_ids, scored.topk_logprobs, strict=True)):
+                zip(scored.topk_ids, scored.topk_logprobs, strict=True)
+            ):
                 base = (start + i) * k
                 for j, (tid, tlp) in enumerate(zip(row_ids, row_lps, strict=True)):
                     ids[base + j], lps[base + j] = tid, tlp if math.isfinite(tlp) else -1e30
@@ -171,9 +185,9 @@ class Teacher:
         if gaps:
             metrics.LOGPROB_GAP.observe(sum(gaps) / len(gaps))
 
-
-    def _write_wrong(self, sample: sample_pb2.Sample, start: int, wrong: str,
-                     scored: ScoredTokens) -> None:
+    def _write_wrong(
+        self, sample: sample_pb2.Sample, start: int, wrong: str, scored: ScoredTokens
+    ) -> None:
         """Logprobs under the wrong hint; `teacher_mask` keeps only tokens that have both."""
         values = [0.0] * len(sample.token_ids)
         for i, lp in enumerate(scored.logprobs):
@@ -187,19 +201,27 @@ class Teacher:
 
 def _clear(sample: sample_pb2.Sample, n: int) -> None:
     """Reset the teacher fields (a redelivered Sample is processed afresh), zero-filled."""
-    for name in ("teacher_logprobs", "teacher_mask", "teacher_topk_ids",
-                 "teacher_topk_logprobs", "wrong_hint_logprobs"):
+    for name in (
+        "teacher_logprobs",
+        "teacher_mask",
+        "teacher_topk_ids",
+        "teacher_topk_logprobs",
+        "wrong_hint_logprobs",
+    ):
         sample.ClearField(name)  # type: ignore[arg-type]  # protobuf field names are dynamic
     sample.teacher_topk = 0
     sample.teacher_logprobs.extend([0.0] * n)
     sample.teacher_mask.extend([0] * n)
-    for name in ("hint", "teacher_model", "teacher_weight_version", "teacher_status",
-                 "wrong_hint"):
+    for name in ("hint", "teacher_model", "teacher_weight_version", "teacher_status", "wrong_hint"):
         setattr(sample, name, "")
 
 
 def summary(sample: sample_pb2.Sample) -> dict[str, Any]:
     """Teacher fields of a Sample for logs and tests."""
-    return {"status": sample.teacher_status, "hint": sample.hint,
-            "scored_tokens": sum(sample.teacher_mask), "model": sample.teacher_model,
-            "weight_version": sample.teacher_weight_version}
+    return {
+        "status": sample.teacher_status,
+        "hint": sample.hint,
+        "scored_tokens": sum(sample.teacher_mask),
+        "model": sample.teacher_model,
+        "weight_version": sample.teacher_weight_version,
+    }

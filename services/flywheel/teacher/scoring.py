@@ -74,8 +74,9 @@ class _Engine:
     in_flight: int = 0
 
 
-def scoring_body(prompts: list[list[int]], responses: list[list[int]], top_ks: list[int]
-                 ) -> dict[str, Any]:
+def scoring_body(
+    prompts: list[list[int]], responses: list[list[int]], top_ks: list[int]
+) -> dict[str, Any]:
     """The /generate body that scores each response after its prompt (lists, one per request).
 
     Raises:
@@ -93,8 +94,9 @@ def scoring_body(prompts: list[list[int]], responses: list[list[int]], top_ks: l
     }
 
 
-def parse_scored(out: dict[str, Any], response_ids: list[int], top_k: int, url: str
-                 ) -> ScoredTokens:
+def parse_scored(
+    out: dict[str, Any], response_ids: list[int], top_k: int, url: str
+) -> ScoredTokens:
     """Response rows of one /generate result, aligned to `response_ids` (row 0 dropped).
 
     Raises:
@@ -103,22 +105,28 @@ def parse_scored(out: dict[str, Any], response_ids: list[int], top_k: int, url: 
     meta = out.get("meta_info") or {}
     rows = meta.get("input_token_logprobs") or []
     if len(rows) != len(response_ids) + 1:
-        raise ContractError(f"teacher engine {url} returned {len(rows)} input logprob rows for "
-                            f"{len(response_ids)} response tokens (expected {len(response_ids)}"
-                            " + 1); it does not implement logprob_start_len like SGLang")
+        raise ContractError(
+            f"teacher engine {url} returned {len(rows)} input logprob rows for "
+            f"{len(response_ids)} response tokens (expected {len(response_ids)}"
+            " + 1); it does not implement logprob_start_len like SGLang"
+        )
     got = [int(row[1]) for row in rows[1:]]
     if got != response_ids:
         first = next(i for i, (a, b) in enumerate(zip(got, response_ids, strict=True)) if a != b)
-        raise ContractError(f"teacher engine {url} rows are misaligned: row {first + 1} scores "
-                            f"id {got[first]}, the response has {response_ids[first]}")
+        raise ContractError(
+            f"teacher engine {url} rows are misaligned: row {first + 1} scores "
+            f"id {got[first]}, the response has {response_ids[first]}"
+        )
     logprobs = [math.nan if row[0] is None else float(row[0]) for row in rows[1:]]
     ids: list[list[int]] = [[] for _ in response_ids]
     lps: list[list[float]] = [[] for _ in response_ids]
     if top_k:
         tops = (meta.get("input_top_logprobs") or [])[1:]
         if len(tops) != len(response_ids):
-            raise ContractError(f"teacher engine {url} returned {len(tops)} top-k rows for "
-                                f"{len(response_ids)} response tokens")
+            raise ContractError(
+                f"teacher engine {url} returned {len(tops)} top-k rows for "
+                f"{len(response_ids)} response tokens"
+            )
         for i, top in enumerate(tops):
             entries = list(top or [])[:top_k]
             ids[i] = [int(e[1]) for e in entries]
@@ -140,10 +148,18 @@ class TeacherScorer:
         transport: httpx transport override (unit tests).
     """
 
-    def __init__(self, engine_urls: list[str], *, max_batch: int = 16,
-                 batch_wait_ms: float = 10.0, max_concurrency: int = 2, timeout_s: float = 120.0,
-                 max_attempts: int = 3, backoff_s: float = 0.5,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        engine_urls: list[str],
+        *,
+        max_batch: int = 16,
+        batch_wait_ms: float = 10.0,
+        max_concurrency: int = 2,
+        timeout_s: float = 120.0,
+        max_attempts: int = 3,
+        backoff_s: float = 0.5,
+        transport: httpx.BaseTransport | None = None,
+    ):
         if not engine_urls:
             raise InvalidRequestError("the teacher needs at least one engine URL")
         self.engines = [_Engine(u.rstrip("/")) for u in engine_urls]
@@ -153,31 +169,36 @@ class TeacherScorer:
         self.http = httpx.Client(timeout=timeout_s, transport=transport)
         self.retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                  + tenacity.wait_random(0, backoff_s)),
-            retry=tenacity.retry_if_exception_type(_Retryable), reraise=True)
+            wait=(
+                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
+                + tenacity.wait_random(0, backoff_s)
+            ),
+            retry=tenacity.retry_if_exception_type(_Retryable),
+            reraise=True,
+        )
         self.queue: queue.Queue[_Job | None] = queue.Queue()
         self.slots = threading.Condition()
-        self.pool = ThreadPoolExecutor(max_workers=max_concurrency * len(self.engines),
-                                       thread_name_prefix="teacher-score")
+        self.pool = ThreadPoolExecutor(
+            max_workers=max_concurrency * len(self.engines), thread_name_prefix="teacher-score"
+        )
         self.calls = itertools.count()
-        self.dispatcher = threading.Thread(target=self._dispatch, name="teacher-batcher",
-                                           daemon=True)
+        self.dispatcher = threading.Thread(
+            target=self._dispatch, name="teacher-batcher", daemon=True
+        )
         self.dispatcher.start()
 
-    def submit(self, prompt_ids: list[int], response_ids: list[int], top_k: int = 0
-               ) -> Future:
+    def submit(self, prompt_ids: list[int], response_ids: list[int], top_k: int = 0) -> Future:
         """Queue one request; the Future resolves to `ScoredTokens` or raises (see `score`)."""
         job = _Job(list(prompt_ids), list(response_ids), top_k)
         if not job.prompt_ids or not job.response_ids:
-            job.future.set_exception(InvalidRequestError(
-                "teacher scoring needs a non-empty prompt and response"))
+            job.future.set_exception(
+                InvalidRequestError("teacher scoring needs a non-empty prompt and response")
+            )
             return job.future
         self.queue.put(job)
         return job.future
 
-    def score(self, prompt_ids: list[int], response_ids: list[int], top_k: int = 0
-              ) -> ScoredTokens:
+    def score(self, prompt_ids: list[int], response_ids: list[int], top_k: int = 0) -> ScoredTokens:
         """Teacher logprobs of `response_ids` after `prompt_ids` (blocking).
 
         Raises:
@@ -258,8 +279,9 @@ class TeacherScorer:
             self._release(engine)
 
     def _call(self, engine: _Engine, batch: list[_Job]) -> list[ScoredTokens | Exception]:
-        body = scoring_body([j.prompt_ids for j in batch], [j.response_ids for j in batch],
-                            [j.top_k for j in batch])
+        body = scoring_body(
+            [j.prompt_ids for j in batch], [j.response_ids for j in batch], [j.top_k for j in batch]
+        )
         metrics.BATCH_SIZE.observe(len(batch))
         start = time.monotonic()
         try:
@@ -270,8 +292,10 @@ class TeacherScorer:
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(batch):
-            raise ContractError(f"teacher engine {engine.url} answered {len(outs)} results for "
-                                f"a batch of {len(batch)}")
+            raise ContractError(
+                f"teacher engine {engine.url} answered {len(outs)} results for "
+                f"a batch of {len(batch)}"
+            )
         results: list[ScoredTokens | Exception] = []
         for job, out in zip(batch, outs, strict=True):
             try:
@@ -288,6 +312,8 @@ class TeacherScorer:
         if resp.status_code == 429 or resp.status_code >= 500:
             raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:200]}")
         if resp.status_code != 200:
-            raise InvalidRequestError(f"teacher engine {url} refused the scoring request "
-                                      f"(HTTP {resp.status_code}): {resp.text[:300]}")
+            raise InvalidRequestError(
+                f"teacher engine {url} refused the scoring request "
+                f"(HTTP {resp.status_code}): {resp.text[:300]}"
+            )
         return resp.json()

@@ -48,7 +48,8 @@ def check_same_vocab(student: str, teacher: str, *, where: str = "") -> None:
             f"teacher vocabulary {teacher} differs from the student's {student}{where}: student "
             "token ids would mean different text to the teacher. Use a teacher of the same "
             "tokenizer family (same vocabulary), or disable the teacher; cross-tokenizer "
-            "distillation is not supported.")
+            "distillation is not supported."
+        )
 
 
 def check_ids_in_vocab(ids: list[int], vocab_size: int) -> None:
@@ -61,7 +62,8 @@ def check_ids_in_vocab(ids: list[int], vocab_size: int) -> None:
     if bad:
         raise VocabularyMismatchError(
             f"token ids {bad[:5]} are outside the teacher's vocabulary of {vocab_size}; the "
-            "student uses a different tokenizer.")
+            "student uses a different tokenizer."
+        )
 
 
 def probe_ids(vocab_size: int, n: int = 32) -> list[int]:
@@ -70,8 +72,9 @@ def probe_ids(vocab_size: int, n: int = 32) -> list[int]:
     return list(range(1, vocab_size, step))[:n]
 
 
-def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
-                       wait_s: float = 300.0) -> None:
+def check_served_vocab(
+    url: str, tokenizer: Any, *, timeout_s: float = 30.0, wait_s: float = 300.0
+) -> None:
     """Ask the engine at `url` which text its tokenizer gives `probe_ids` (a prefill with
     `return_text_in_logprobs`) and refuse an engine whose texts differ from `tokenizer`'s: the
     configured tokenizer paths agreeing says nothing about the model the engine actually serves.
@@ -83,8 +86,13 @@ def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
         httpx.TimeoutException: it accepted one but did not answer within `timeout_s`.
     """
     ids = probe_ids(len(tokenizer))
-    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
-            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 0}}
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 0},
+    }
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -92,24 +100,30 @@ def check_served_vocab(url: str, tokenizer: Any, *, timeout_s: float = 30.0,
             break
         except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # not up yet
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"teacher engine {url} did not answer within {wait_s} s: "
-                                   f"{exc!r}") from exc
+                raise TimeoutError(
+                    f"teacher engine {url} did not answer within {wait_s} s: {exc!r}"
+                ) from exc
             time.sleep(1.0)
     if resp.status_code != 200:
         raise VocabularyMismatchError(
             f"teacher engine {url} refused the vocabulary probe ids {ids[:3]}...{ids[-1]} "
-            f"(HTTP {resp.status_code}: {resp.text[:200]}); it serves another vocabulary")
+            f"(HTTP {resp.status_code}: {resp.text[:200]}); it serves another vocabulary"
+        )
     rows = resp.json()["meta_info"]["input_token_logprobs"]
     served = [row[2] for row in rows]
     expected = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False)
     # compared without surrounding whitespace: decoders differ in space clean-up, vocabularies
     # in the token itself
-    differ = [(i, s, e) for i, s, e in zip(ids, served, expected, strict=True)
-              if (s or "").strip() != e.strip()]
+    differ = [
+        (i, s, e)
+        for i, s, e in zip(ids, served, expected, strict=True)
+        if (s or "").strip() != e.strip()
+    ]
     if differ:
         i, s, e = differ[0]
         raise VocabularyMismatchError(
             f"teacher engine {url} reads token id {i} as {s!r}, the teacher tokenizer as {e!r} "
             f"({len(differ)} of {len(ids)} probe ids differ): it serves a model of another "
             "vocabulary than teacher.tokenizer_path says. Point the teacher engine and "
-            "teacher.tokenizer_path at the same model family.")
+            "teacher.tokenizer_path at the same model family."
+        )

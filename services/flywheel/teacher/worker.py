@@ -36,8 +36,14 @@ class TeacherWorker:
         concurrency: Samples processed at once.
     """
 
-    def __init__(self, consumer: StreamConsumer, producer: StreamProducer, teacher: Teacher,
-                 block_ms: int = 1000, concurrency: int = 8):
+    def __init__(
+        self,
+        consumer: StreamConsumer,
+        producer: StreamProducer,
+        teacher: Teacher,
+        block_ms: int = 1000,
+        concurrency: int = 8,
+    ):
         self.consumer = consumer
         self.producer = producer
         self.teacher = teacher
@@ -49,15 +55,19 @@ class TeacherWorker:
     def run_once(self) -> int:
         """Process one read of entries; returns how many were forwarded (and acked)."""
         entries = self.consumer.read(count=self.concurrency, block_ms=self.block_ms)
-        futures = [(entry, self.pool.submit(self.teacher.process, entry.sample))
-                   for entry in entries]
+        futures = [
+            (entry, self.pool.submit(self.teacher.process, entry.sample)) for entry in entries
+        ]
         done = []
         for entry, future in futures:
             try:
                 sample = future.result()
             except UpstreamError as exc:
-                log.error("sample %s: teacher engine unavailable, left pending for retry: %s",
-                          entry.sample.sample_id, exc)
+                log.error(
+                    "sample %s: teacher engine unavailable, left pending for retry: %s",
+                    entry.sample.sample_id,
+                    exc,
+                )
                 metrics.SAMPLES.labels("retry").inc()
                 continue
             except Exception as exc:  # poison sample: dead-letter it, keep consuming
@@ -69,10 +79,12 @@ class TeacherWorker:
         return len(done)
 
     def _dead_letter(self, entry: StreamEntry, exc: Exception) -> None:
-        log.error("sample %s: teacher failed: %s: %s", entry.sample.sample_id,
-                  type(exc).__name__, exc)
-        self.consumer.dead_letter(entry.entry_id, entry.payload,
-                                  f"teacher failed: {type(exc).__name__}: {exc}")
+        log.error(
+            "sample %s: teacher failed: %s: %s", entry.sample.sample_id, type(exc).__name__, exc
+        )
+        self.consumer.dead_letter(
+            entry.entry_id, entry.payload, f"teacher failed: {type(exc).__name__}: {exc}"
+        )
         metrics.SAMPLES.labels("dead_lettered").inc()
 
     def run(self) -> None:

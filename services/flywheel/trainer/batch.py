@@ -172,15 +172,11 @@ def collate(
         advantages_BT=advantages_BT,
         temperature_B=torch.tensor([sample_temperature(s) for s in samples_B]),
         rewards_B=torch.tensor([s.reward for s in samples_B], dtype=torch.float32),
-        sample_weight_B=(
-            torch.ones(batch) if sample_weight_B is None else sample_weight_B.float()
-        ),
+        sample_weight_B=(torch.ones(batch) if sample_weight_B is None else sample_weight_B.float()),
         is_correct_B=(
             torch.zeros(batch, dtype=torch.bool) if is_correct_B is None else is_correct_B.bool()
         ),
-        group_index_B=(
-            torch.arange(batch) if group_index_B is None else group_index_B.long()
-        ),
+        group_index_B=(torch.arange(batch) if group_index_B is None else group_index_B.long()),
         teacher_logprobs_BT=torch.where(teacher_mask_BT, teacher_BT, 0.0),
         teacher_mask_BT=teacher_mask_BT,
         turn_index_B=torch.tensor([s.turn_index for s in samples_B], dtype=torch.int64),
@@ -194,8 +190,11 @@ def collate(
     )
 
 
-def _teacher_topk(samples_B: Sequence[sample_pb2.Sample], seq: int, teacher_mask_BT: Tensor,
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+def _teacher_topk(
+    samples_B: Sequence[sample_pb2.Sample],
+    seq: int,
+    teacher_mask_BT: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(B, T, K) ids, (B, T, K) logprobs and (B, T) mask of the samples' teacher top-k.
 
     `Sample.teacher_topk_ids` / `teacher_topk_logprobs` hold k entries per token, flattened
@@ -213,12 +212,19 @@ def _teacher_topk(samples_B: Sequence[sample_pb2.Sample], seq: int, teacher_mask
         if k and len(sample.teacher_topk_ids) == len(sample.teacher_topk_logprobs) == k * n:
             ids_BTK[row, :n, :k] = torch.tensor(sample.teacher_topk_ids).view(n, k)
             logprobs_BTK[row, :n, :k] = torch.tensor(
-                sample.teacher_topk_logprobs, dtype=torch.float32).view(n, k)
-    valid_BTK = (teacher_mask_BT[..., None] & torch.isfinite(logprobs_BTK)
-                 & (logprobs_BTK > TOPK_ABSENT / 2) & (ids_BTK >= 0))
-    return (torch.where(valid_BTK, ids_BTK, 0),
-            torch.where(valid_BTK, logprobs_BTK, TOPK_ABSENT),
-            valid_BTK.any(dim=-1))
+                sample.teacher_topk_logprobs, dtype=torch.float32
+            ).view(n, k)
+    valid_BTK = (
+        teacher_mask_BT[..., None]
+        & torch.isfinite(logprobs_BTK)
+        & (logprobs_BTK > TOPK_ABSENT / 2)
+        & (ids_BTK >= 0)
+    )
+    return (
+        torch.where(valid_BTK, ids_BTK, 0),
+        torch.where(valid_BTK, logprobs_BTK, TOPK_ABSENT),
+        valid_BTK.any(dim=-1),
+    )
 
 
 def micro_batches(batch: TrainBatch, size: int, token_budget: int = 0) -> list[TrainBatch]:

@@ -79,8 +79,9 @@ class World:
         keys = sorted({k for rank_keys in gathered for k in rank_keys})
         identity = {"sum": 0.0, "max": -math.inf, "min": math.inf}[op]
         tensor = torch.tensor([values.get(k, identity) for k in keys], dtype=torch.float64)
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                     "min": dist.ReduceOp.MIN}[op]
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[
+            op
+        ]
         dist.all_reduce(tensor, op=reduce_op)
         return dict(zip(keys, tensor.tolist(), strict=True))
 

@@ -67,24 +67,35 @@ class DistributedPusher:
         try:
             if self.sync is None:
                 self.sync = DistributedWeightSync(
-                    list(self.engine_urls), master_address=self.master_address,
-                    backend=self.backend, timeout_s=self.timeout_s,
+                    list(self.engine_urls),
+                    master_address=self.master_address,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s,
                 )
                 self.sync.connect()
             base, state = servable_state(self.model())
             named = state.items() if state is not None else base.state_dict().items()
             sent = self.sync.push(named, str(version))
         except (WeightSyncError, RuntimeError, httpx.HTTPError) as exc:
-            log.error("distributed weight push of version %d failed (%s); falling back to "
-                      "/update_weights_from_disk", version, exc)
+            log.error(
+                "distributed weight push of version %d failed (%s); falling back to "
+                "/update_weights_from_disk",
+                version,
+                exc,
+            )
             self._drop_group()
             report = self.disk.push(model_path, version)
             report.via = "disk"
             return report
-        log.info("broadcast %d tensors of weight version %d to %d engines", sent, version,
-                 len(self.engine_urls))
-        return PushReport(version, list(self.engine_urls), {}, time.perf_counter() - t0,
-                          via="distributed")
+        log.info(
+            "broadcast %d tensors of weight version %d to %d engines",
+            sent,
+            version,
+            len(self.engine_urls),
+        )
+        return PushReport(
+            version, list(self.engine_urls), {}, time.perf_counter() - t0, via="distributed"
+        )
 
     def _drop_group(self) -> None:
         if self.sync is not None:

@@ -24,8 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (source / "model.safetensors").is_file():
         latest = CheckpointStore(source, keep=1_000_000, source_dir=source).latest()
         if latest is None:
-            print(f"error: {source} holds no checkpoint (no step_*/model.safetensors); pass a "
-                  "step folder or the trainer's checkpoint_dir", file=sys.stderr)
+            print(
+                f"error: {source} holds no checkpoint (no step_*/model.safetensors); pass a "
+                "step folder or the trainer's checkpoint_dir",
+                file=sys.stderr,
+            )
             return 2
         source = latest.path
     try:

@@ -57,9 +57,15 @@ class ShardedPolicy(torch.nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """(logprobs_BT, entropy_BT) as `selected_token_logprobs` (a tuple, so FSDP can hook
         the outputs)."""
-        out = selected_token_logprobs(self.policy, input_ids_BT, attention_mask_BT,
-                                      temperature_B, score_mask_BT, chunk_tokens=chunk_tokens,
-                                      packed=packed)
+        out = selected_token_logprobs(
+            self.policy,
+            input_ids_BT,
+            attention_mask_BT,
+            temperature_B,
+            score_mask_BT,
+            chunk_tokens=chunk_tokens,
+            packed=packed,
+        )
         return out.logprobs_BT, out.entropy_BT
 
 
@@ -100,8 +106,9 @@ def null_pass(root: ShardedPolicy) -> None:
     device = next(root.parameters()).device
     ids_BT = torch.zeros(1, 2, dtype=torch.int64, device=device)
     score_BT = torch.tensor([[False, True]], device=device)
-    logprobs_BT, entropy_BT = root(ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device),
-                                   score_BT)
+    logprobs_BT, entropy_BT = root(
+        ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device), score_BT
+    )
     (0.0 * (logprobs_BT.sum() + entropy_BT.sum())).backward()
 
 
@@ -138,15 +145,21 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def gather_checkpoint(
-    model: PreTrainedModel, optimizer: torch.optim.Optimizer, trained: torch.nn.Module,
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    trained: torch.nn.Module,
     with_optimizer: bool,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Under FSDP2: the full model state dict and (when `with_optimizer`) the full AdamW state
     dict. Collective: every rank calls it after each committed step; rank 0 saves them."""
     state = full_state_dict(model)
-    optim = get_optimizer_state_dict(
-        trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    ) if with_optimizer else None
+    optim = (
+        get_optimizer_state_dict(
+            trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if with_optimizer
+        else None
+    )
     return state, optim
 
 
@@ -156,5 +169,9 @@ def load_full_optimizer_state(
     """Shard a full AdamW state dict (as `gather_checkpoint` wrote it) onto this rank's
     optimizer. Collective: every rank calls it; rank 0's `state` is broadcast (the other
     ranks' may be empty)."""
-    set_optimizer_state_dict(trained, optimizer, state, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
+    set_optimizer_state_dict(
+        trained,
+        optimizer,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )

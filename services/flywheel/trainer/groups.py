@@ -200,8 +200,9 @@ class GroupAssembler:
     def _admitted_without_reward(self, sample) -> bool:
         if self.keep_unjudged and keepable_unjudged(sample):
             return True
-        return (self.live_opd and self.live_samples and not sample.group_id
-                and any(sample.teacher_mask))
+        return (
+            self.live_opd and self.live_samples and not sample.group_id and any(sample.teacher_mask)
+        )
 
     def _is_ready(self, group: Group, now: float) -> bool:
         return group.live or len(group.entries) >= self.group_size or self._overdue(group, now)
@@ -248,7 +249,8 @@ class GroupAssembler:
             sample examined in versions).
         """
         policy = (
-            staleness if isinstance(staleness, StalenessPolicy)
+            staleness
+            if isinstance(staleness, StalenessPolicy)
             else StalenessPolicy(max_staleness=staleness)
         )
         taken, samples, tokens = [], 0, 0

@@ -213,8 +213,10 @@ def _packed_hidden(
         raise ValueError("packed logprobs need right-padded rows (real tokens first)")
     source_BT = (real_BT.flatten().long().cumsum(dim=0) - 1).view_as(position_BT)
     hidden_1NH = model.base_model(
-        input_ids=input_ids_BT[real_BT][None], position_ids=position_BT[real_BT][None],
-        attention_mask=None, use_cache=False,
+        input_ids=input_ids_BT[real_BT][None],
+        position_ids=position_BT[real_BT][None],
+        attention_mask=None,
+        use_cache=False,
     ).last_hidden_state
     return hidden_1NH[0], source_BT
 

@@ -27,13 +27,23 @@ def add_lora(model: PreTrainedModel, s: Any) -> Any:
     from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (optional dependency)
 
     config = LoraConfig(
-        r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0,
-        target_modules=list(s.lora_target_modules), bias="none", task_type="CAUSAL_LM",
+        r=s.lora_rank,
+        lora_alpha=s.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=list(s.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     peft_model = get_peft_model(model, config)
     peft_model.train()
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    log.info("LoRA rank %d on %s: %d of %d parameters train (%.2f%%)", s.lora_rank,
-             ",".join(s.lora_target_modules), trainable, total, 100 * trainable / total)
+    log.info(
+        "LoRA rank %d on %s: %d of %d parameters train (%.2f%%)",
+        s.lora_rank,
+        ",".join(s.lora_target_modules),
+        trainable,
+        total,
+        100 * trainable / total,
+    )
     return peft_model

@@ -53,12 +53,13 @@ def prepare_batch(
     dropped_zero_variance = 0
     if cfg.algo.dynamic_sampling:
         groups, treatments, dropped_zero_variance = keep_groups_with_spread(
-            groups, treatments, cfg.std_floor)
+            groups, treatments, cfg.std_floor
+        )
     samples_B = [sample for group in groups for sample in group]
     group_index_B = torch.tensor([g for g, group in enumerate(groups) for _ in group])
     live_B = torch.tensor([not s.group_id for s in samples_B], dtype=torch.bool)
-    treat = list(treatments) if treatments is not None else [(Treatment.FRESH, 1.0)] * len(
-        samples_B
+    treat = (
+        list(treatments) if treatments is not None else [(Treatment.FRESH, 1.0)] * len(samples_B)
     )
     if len(treat) != len(samples_B):
         raise ValueError(f"{len(treat)} treatments for {len(samples_B)} samples")
@@ -109,12 +110,14 @@ def _estimate(
 ) -> tuple[Tensor, dict[str, float]]:
     """(N, T) advantages of rows `rows_N` by estimator `name`, with its metrics."""
     _, groups_N = torch.unique(group_index_B[rows_N], return_inverse=True)
-    inputs = dataclasses.replace(advantage_inputs(batch, rows_N, groups_N),
-                                 rewards_B=rewards_B[rows_N])
+    inputs = dataclasses.replace(
+        advantage_inputs(batch, rows_N, groups_N), rewards_B=rewards_B[rows_N]
+    )
     out = ADVANTAGES[name](
         inputs,
-        AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k,
-                        params=cfg.algo.params.get(name, {})),
+        AdvantageConfig(
+            std_floor=cfg.std_floor, quantile_k=cfg.quantile_k, params=cfg.algo.params.get(name, {})
+        ),
     )
     width = batch.old_logprobs_BT.shape[1]
     if out.advantages_BT is not None:
@@ -130,8 +133,12 @@ def _unaligned_step_rewards(samples_B: Sequence[sample_pb2.Sample]) -> int:
         if step_reward_positions(sample) is None:
             count += 1
             steps = sorted(k for k in sample.rewards if k.startswith("step/"))
-            log.warning("sample %s: step rewards %s cannot be aligned with its %d sampled turns "
-                        "and %d assistant messages; trained without step scores",
-                        sample.sample_id, steps, len(sampled_runs(list(sample.loss_mask))),
-                        sum(m.role == "assistant" for m in sample.messages))
+            log.warning(
+                "sample %s: step rewards %s cannot be aligned with its %d sampled turns "
+                "and %d assistant messages; trained without step scores",
+                sample.sample_id,
+                steps,
+                len(sampled_runs(list(sample.loss_mask))),
+                sum(m.role == "assistant" for m in sample.messages),
+            )
     return count

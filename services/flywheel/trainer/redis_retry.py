@@ -15,8 +15,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REDIS_ERRORS = Counter("flywheel_trainer_redis_errors_total",
-                       "Trainer calls to Redis that failed and were retried (outage)")
+REDIS_ERRORS = Counter(
+    "flywheel_trainer_redis_errors_total",
+    "Trainer calls to Redis that failed and were retried (outage)",
+)
 REDIS_BACKOFF_S = (0.5, 10.0)
 """First and longest pause between retries of a failed Redis call (seconds)."""
 

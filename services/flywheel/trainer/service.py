@@ -149,8 +149,8 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
         model = add_lora(model, s)
     reference = None
     if s.kl_coef > 0:
-        ref_path = resolve_model_path(s.reference_model_path) if s.reference_model_path else (
-            source_dir
+        ref_path = (
+            resolve_model_path(s.reference_model_path) if s.reference_model_path else (source_dir)
         )
         reference = load_model(ref_path, s.device).requires_grad_(False).eval()
         log.info("KL reference policy (frozen) loaded from %s", ref_path)
@@ -176,9 +176,11 @@ def check_teacher_inputs(settings: FlywheelSettings) -> None:
     """
     algo = StepConfig.from_settings(settings.trainer).algo
     if algo.needs_teacher_topk and settings.teacher.top_k == 0:
-        raise ValueError("a selected regularizer (distill_topk) reads the teacher's top-k "
-                         "logprobs, but [teacher] top_k = 0 keeps none: set [teacher] "
-                         "enabled = true and top_k > 0 (e.g. 8), or remove the regularizer")
+        raise ValueError(
+            "a selected regularizer (distill_topk) reads the teacher's top-k "
+            "logprobs, but [teacher] top_k = 0 keeps none: set [teacher] "
+            "enabled = true and top_k > 0 (e.g. 8), or remove the regularizer"
+        )
 
 
 def check_fsdp_settings(settings: FlywheelSettings) -> None:
@@ -192,11 +194,12 @@ def check_fsdp_settings(settings: FlywheelSettings) -> None:
     if s.lora_rank > 0:
         raise ValueError("distributed_strategy = 'fsdp2' with lora_rank > 0 is not supported")
     if s.push_mode == "distributed":
-        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = "
-                         "'disk'")
+        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = 'disk'")
     if algo.needs_topk or algo.needs_entropy_pass:
-        raise ValueError("distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
-                         "own forward (top-k regularizers, entropy-scored token weights)")
+        raise ValueError(
+            "distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
+            "own forward (top-k regularizers, entropy-scored token weights)"
+        )
 
 
 def build_trainer(
@@ -240,9 +243,13 @@ def build_trainer(
         if rng is not None:
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-    log.info("policy loaded from %s at weight version %d on %s; source %s",
-             latest.path if latest else policy.source_dir, parts.version, model.device,
-             source.kind)
+    log.info(
+        "policy loaded from %s at weight version %d on %s; source %s",
+        latest.path if latest else policy.source_dir,
+        parts.version,
+        model.device,
+        source.kind,
+    )
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer
@@ -259,7 +266,9 @@ def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
     from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
 
     return DistributedPusher(
-        disk, model, master_address=s.push_master_address,
+        disk,
+        model,
+        master_address=s.push_master_address,
         backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
         timeout_s=s.push_timeout_s,
     )
@@ -278,13 +287,21 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
         _, payloads, treatments = message
         groups = [[decode_sample(p) for p in group] for group in payloads]
         batch, _ = prepare_batch(groups, cfg, treatments)
-        result = train_step(policy.trained or policy.model, policy.optimizer, batch, cfg,
-                            reference=policy.reference, scheduler=policy.scheduler, world=world)
+        result = train_step(
+            policy.trained or policy.model,
+            policy.optimizer,
+            batch,
+            cfg,
+            reference=policy.reference,
+            scheduler=policy.scheduler,
+            world=world,
+        )
         if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
 
-            gather_checkpoint(policy.model, policy.optimizer, policy.trained,
-                              settings.trainer.save_optimizer)
+            gather_checkpoint(
+                policy.model, policy.optimizer, policy.trained, settings.trainer.save_optimizer
+            )
         steps += not result.skipped
 
 
@@ -322,7 +339,8 @@ class Trainer:
         self._stop = threading.Event()
         """Set by `run`'s caller to stop; also ends the retries of a failed Redis call."""
         self.assembler = GroupAssembler(
-            self.s.group_size, self.s.group_wait_s,
+            self.s.group_size,
+            self.s.group_wait_s,
             allow_truncated_sampling=self.s.allow_truncated_sampling,
             live_samples=self.s.live_advantage != "drop",
             partial_groups=self.s.partial_groups,
@@ -403,18 +421,23 @@ class Trainer:
             entry = drop.entry
             if drop.reason.dead_letter:
                 error = f"{drop.reason}: {drop.detail}"
-                self._redis(lambda e=entry, m=error: consumer.dead_letter(e.entry_id,
-                                                                          e.payload, m),
-                            f"dead-lettering entry {entry.entry_id}")
+                self._redis(
+                    lambda e=entry, m=error: consumer.dead_letter(e.entry_id, e.payload, m),
+                    f"dead-lettering entry {entry.entry_id}",
+                )
             else:
-                self._redis(lambda e=entry: consumer.ack([e.entry_id]),
-                            f"acking entry {entry.entry_id}")
+                self._redis(
+                    lambda e=entry: consumer.ack([e.entry_id]), f"acking entry {entry.entry_id}"
+                )
             self.parts.leases.release([entry.entry_id])
             self.parts.status.record_drop(drop.reason)
             self._drops[drop.reason] += 1
             log.warning(
                 "dropped sample %s (entry %s): %s %s",
-                entry.sample.sample_id, entry.entry_id, drop.reason, drop.detail,
+                entry.sample.sample_id,
+                entry.entry_id,
+                drop.reason,
+                drop.detail,
             )
 
     def train_ready(self) -> None:
@@ -437,13 +460,23 @@ class Trainer:
         t1 = time.perf_counter()
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
         result = train_step(
-            self.parts.trained or self.parts.model, self.parts.optimizer, batch, self.step_cfg,
-            reference=self.parts.reference, scheduler=self.parts.scheduler,
+            self.parts.trained or self.parts.model,
+            self.parts.optimizer,
+            batch,
+            self.step_cfg,
+            reference=self.parts.reference,
+            scheduler=self.parts.scheduler,
             world=self.parts.world,
         )
-        metrics = result.metrics | adv_metrics | _lag_metrics(lags) | {
-            "time/wait_s": wait_s, "time/prepare_s": t1 - t0,
-        }
+        metrics = (
+            result.metrics
+            | adv_metrics
+            | _lag_metrics(lags)
+            | {
+                "time/wait_s": wait_s,
+                "time/prepare_s": t1 - t0,
+            }
+        )
         if result.skipped:
             self._skip(groups, result.skipped, metrics)
         else:
@@ -467,18 +500,27 @@ class Trainer:
         sample_ids = [e.sample.sample_id for e in entries]
         version = self.version + 1
         t0 = time.perf_counter()
-        state = {"entry_ids": entry_ids, "sample_ids": sample_ids,
-                 "source_position": self._redis(self.parts.consumer.position,
-                                                "reading the source position")}
+        state = {
+            "entry_ids": entry_ids,
+            "sample_ids": sample_ids,
+            "source_position": self._redis(
+                self.parts.consumer.position, "reading the source position"
+            ),
+        }
         model_state, optimizer_state = None, None
         if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
 
             model_state, optimizer_state = gather_checkpoint(
-                self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer)
-        path = self.parts.store.save(self.parts.model, version, state,
-                                     self._training_state(optimizer_state),
-                                     state_dict=model_state)
+                self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer
+            )
+        path = self.parts.store.save(
+            self.parts.model,
+            version,
+            state,
+            self._training_state(optimizer_state),
+            state_dict=model_state,
+        )
         t1 = time.perf_counter()
         self.version = version
         if version % self.s.push_every == 0 or self.behind:
@@ -489,8 +531,10 @@ class Trainer:
         self.assembler.mark_trained(sample_ids)
         metrics |= {
             "checkpoint/mib": _folder_mib(path),
-            "time/checkpoint_s": t1 - t0, "time/push_s": t2 - t1,
-            "time/ack_s": time.perf_counter() - t2, "push/engines_behind": len(self.behind),
+            "time/checkpoint_s": t1 - t0,
+            "time/push_s": t2 - t1,
+            "time/ack_s": time.perf_counter() - t2,
+            "push/engines_behind": len(self.behind),
             "push/distributed": float(self.last_push_via == "distributed"),
         }
         # The metrics line is written before /status shows the step, so a reader that saw the
@@ -499,7 +543,10 @@ class Trainer:
         self.parts.status.record_step(version, len(entries), metrics)
         log.info(
             "step %d: %d samples, reward/mean %.4f, loss/pg %.5f, %.1f s",
-            version, len(entries), metrics["reward/mean"], metrics.get("loss/pg", 0.0),
+            version,
+            len(entries),
+            metrics["reward/mean"],
+            metrics.get("loss/pg", 0.0),
             metrics["time/step_s"],
         )
 
@@ -525,7 +572,9 @@ class Trainer:
             self.parts.status.set_engines_behind(failed)
             log.exception(
                 "weight push of version %d failed on every engine; the checkpoint %s is kept and "
-                "is pushed again when the trainer restarts", self.version, path,
+                "is pushed again when the trainer restarts",
+                self.version,
+                path,
             )
             raise
         record_push(self.version, report.ok, report.failed, report.seconds)
@@ -533,8 +582,13 @@ class Trainer:
         self.behind = dict(report.failed)
         self.parts.status.set_engines_behind(self.behind)
         for url, error in report.failed.items():
-            log.error("engine %s is behind: weight version %d failed (%s); it gets the newest "
-                      "checkpoint again at the next step", url, self.version, error)
+            log.error(
+                "engine %s is behind: weight version %d failed (%s); it gets the newest "
+                "checkpoint again at the next step",
+                url,
+                self.version,
+                error,
+            )
 
     def _write_line(
         self, version: int, groups: Sequence[Group], metrics: dict[str, Any], skip_reason: str

@@ -90,8 +90,11 @@ class RedisSource:
             self._recovered = True
             own = self._own_pending(count)
             if own:
-                log.info("took back %d entries pending under consumer %s",
-                         len(own), self.consumer.consumer)
+                log.info(
+                    "took back %d entries pending under consumer %s",
+                    len(own),
+                    self.consumer.consumer,
+                )
                 return own
         return self.consumer.read(count=count, block_ms=block_ms)
 
@@ -118,8 +121,13 @@ class RedisSource:
                     last = raw.decode() if isinstance(raw, bytes) else str(raw)
         except redis.RedisError as exc:  # informational only
             log.warning("could not read the stream position: %s", exc)
-        return {"kind": self.kind, "stream": c.stream, "group": c.group,
-                "consumer": c.consumer, "last_delivered_id": last}
+        return {
+            "kind": self.kind,
+            "stream": c.stream,
+            "group": c.group,
+            "consumer": c.consumer,
+            "last_delivered_id": last,
+        }
 
     @property
     def exhausted(self) -> bool:
@@ -146,9 +154,12 @@ class SampleDump:
                 if self.path.suffix == ".bin":
                     f.write(struct.pack("<I", len(payload)) + payload)
                 else:
-                    record = {"sample_id": sample.sample_id, "group_id": sample.group_id,
-                              "reward": sample.reward,
-                              "payload": base64.b64encode(payload).decode()}
+                    record = {
+                        "sample_id": sample.sample_id,
+                        "group_id": sample.group_id,
+                        "reward": sample.reward,
+                        "payload": base64.b64encode(payload).decode(),
+                    }
                     f.write((json.dumps(record) + "\n").encode())
 
     def __iter__(self) -> Iterator[bytes]:
@@ -227,8 +238,12 @@ class ReplaySource:
         first = 1
         while first in self.acked:
             first += 1
-        return {"kind": self.kind, "path": str(self.path), "position": first,
-                "done": [f"{i}-0" for i in sorted(self.acked) if i > first]}
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "position": first,
+            "done": [f"{i}-0" for i in sorted(self.acked) if i > first],
+        }
 
     @property
     def exhausted(self) -> bool:
@@ -274,8 +289,12 @@ class FakeSource:
             loss_mask=[0] * p + [1] * c,
             rollout_logprobs=[0.0] * p + [-self.rng.uniform(0.05, 3.0) for _ in range(c)],
             weight_versions=[-1] * p + [version] * c,
-            prompt_length=p, group_id=group_id, reward=float(self.rng.random() < 0.5),
-            has_reward=True, mode="episode", finish_reason="stop",
+            prompt_length=p,
+            group_id=group_id,
+            reward=float(self.rng.random() < 0.5),
+            has_reward=True,
+            mode="episode",
+            finish_reason="stop",
         )
         sample.sampling.temperature = 1.0
         return sample
@@ -350,23 +369,30 @@ def build_source(
         client = redis_client or connect(settings.redis_url())
         consumer_name = s.consumer_name or default_consumer_name()
         stream = settings.streams.key("train")
-        source = RedisSource(StreamConsumer(
-            client, stream, CONSUMER_GROUP, consumer_name,
-            dead_stream=settings.streams.key("dead"),
-            max_deliveries=settings.streams.max_deliveries,
-            min_idle_ms=settings.streams.min_idle_ms,
-        ))
+        source = RedisSource(
+            StreamConsumer(
+                client,
+                stream,
+                CONSUMER_GROUP,
+                consumer_name,
+                dead_stream=settings.streams.key("dead"),
+                max_deliveries=settings.streams.max_deliveries,
+                min_idle_ms=settings.streams.min_idle_ms,
+            )
+        )
         interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
         leases = LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s)
     elif s.source == "replay":
         if not s.replay_path:
             raise ValueError("trainer.source = 'replay' needs trainer.replay_path (a dump)")
         position = (latest.state.get("source_position") or {}) if latest else {}
-        source = ReplaySource(s.replay_path, int(position.get("position", 1)),
-                              list(position.get("done", [])))
+        source = ReplaySource(
+            s.replay_path, int(position.get("position", 1)), list(position.get("done", []))
+        )
     else:
-        source = FakeSource(vocab_size, s.group_size, s.fake_prompt_tokens,
-                            s.fake_completion_tokens, seed=s.seed)
+        source = FakeSource(
+            vocab_size, s.group_size, s.fake_prompt_tokens, s.fake_completion_tokens, seed=s.seed
+        )
     if s.record_path:
         source = RecordingSource(source, SampleDump(s.record_path))
     return source, leases

@@ -119,8 +119,12 @@ class StepConfig:
                 cap=s.correction_cap, low=s.icepop_bounds[0], high=s.icepop_bounds[1]
             ),
             aggregation=s.loss_aggregation,
-            clip=PPOClipConfig(s.clip_eps_low, s.clip_eps_high, s.dual_clip_c,
-                               params=s.algorithm_params.get(s.policy_loss, {})),
+            clip=PPOClipConfig(
+                s.clip_eps_low,
+                s.clip_eps_high,
+                s.dual_clip_c,
+                params=s.algorithm_params.get(s.policy_loss, {}),
+            ),
             micro_batch_size=s.micro_batch_size,
             micro_batch_tokens=s.micro_batch_tokens,
             packed=s.batch_layout == "packed",
@@ -159,12 +163,17 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[bool, str]:
         return False, "fp32 (set)"
     if precision == "bf16_autocast":
         return True, "bf16 autocast (set)" + (
-            "" if native else f"; {device.type} has no native bf16: matmuls are emulated, "
-            "several times slower than fp32")
+            ""
+            if native
+            else f"; {device.type} has no native bf16: matmuls are emulated, "
+            "several times slower than fp32"
+        )
     if native:
         return True, f"bf16 autocast (auto: {device.type} has native bf16)"
-    return False, (f"fp32 (auto: {device.type} has no native bf16, e.g. no AVX512-BF16/AMX; "
-                   "emulated bf16 measured 2.7x slower per step)")
+    return False, (
+        f"fp32 (auto: {device.type} has no native bf16, e.g. no AVX512-BF16/AMX; "
+        "emulated bf16 measured 2.7x slower per step)"
+    )
 
 
 @dataclass(frozen=True)
@@ -243,8 +252,10 @@ def accumulate(
     parts = split_micro_batches(batch, cfg)
     if is_sharded(model):
         if cfg.algo.needs_topk or cfg.algo.needs_entropy_pass:
-            raise ValueError("algorithm parts with their own forward (top-k regularizers, "
-                             "entropy scoring) do not run under fsdp2")
+            raise ValueError(
+                "algorithm parts with their own forward (top-k regularizers, "
+                "entropy scoring) do not run under fsdp2"
+            )
         return _accumulate_sharded(model, parts, cfg, norm, reference, world, acc)
     for mb in parts:
         acc.micro_batches += 1
@@ -257,8 +268,13 @@ def accumulate(
 
 
 def _accumulate_sharded(
-    model: ShardedPolicy, parts: list[TrainBatch], cfg: StepConfig, norm: LossNormalizer,
-    reference: PreTrainedModel | None, world: World | None, acc: Accumulated,
+    model: ShardedPolicy,
+    parts: list[TrainBatch],
+    cfg: StepConfig,
+    norm: LossNormalizer,
+    reference: PreTrainedModel | None,
+    world: World | None,
+    acc: Accumulated,
 ) -> Accumulated:
     device = next(model.parameters()).device
     passes = world.max_int(len(parts)) if world is not None else len(parts)
@@ -279,8 +295,12 @@ def _accumulate_sharded(
 
 
 def _backward_micro_batch(
-    model: PreTrainedModel | ShardedPolicy, mb: TrainBatch, cfg: StepConfig,
-    norm: LossNormalizer, reference: PreTrainedModel | None, acc: Accumulated,
+    model: PreTrainedModel | ShardedPolicy,
+    mb: TrainBatch,
+    cfg: StepConfig,
+    norm: LossNormalizer,
+    reference: PreTrainedModel | None,
+    acc: Accumulated,
 ) -> bool:
     """Loss and backward of one micro-batch into `acc`; False (and `acc.nonfinite`) when its
     loss is not finite (then nothing is back-propagated)."""
@@ -333,18 +353,27 @@ def _logprobs(
     device_type = mb.input_ids_BT.device.type
     autocast = (
         torch.autocast(device_type=device_type, dtype=torch.bfloat16)
-        if cfg.bf16_autocast else contextlib.nullcontext()
+        if cfg.bf16_autocast
+        else contextlib.nullcontext()
     )
     with autocast:
         score = sharded_logprobs if is_sharded(model) else selected_token_logprobs
         return score(
-            model, mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT,
-            chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed,
+            model,
+            mb.input_ids_BT,
+            mb.attention_mask_BT,
+            mb.temperature_B,
+            mb.loss_mask_BT,
+            chunk_tokens=cfg.logprob_chunk_tokens,
+            packed=cfg.packed,
         )
 
 
 def token_loss(
-    lp: TokenLogprobs, mb: TrainBatch, cfg: StepConfig, ref_logprobs_BT: Tensor | None = None,
+    lp: TokenLogprobs,
+    mb: TrainBatch,
+    cfg: StepConfig,
+    ref_logprobs_BT: Tensor | None = None,
     student: StudentTopK | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The (B, T) loss terms of one micro-batch and its (B, T) token statistics.
@@ -376,8 +405,10 @@ def token_loss(
         weights_BT = torch.where(rows_BT, weights_BT * corr.weights_BT, weights_BT)
         stats |= corr.token_stats
     out = POLICY_LOSSES[cfg.policy_loss](
-        LossInputs(lp.logprobs_BT, old_BT, mb.advantages_BT, mask_BT,
-                   entropy_BT=lp.entropy_BT.detach()), cfg.clip
+        LossInputs(
+            lp.logprobs_BT, old_BT, mb.advantages_BT, mask_BT, entropy_BT=lp.entropy_BT.detach()
+        ),
+        cfg.clip,
     )
     terms = {"pg": out.token_loss_BT * weights_BT}
     if ref_logprobs_BT is not None:
@@ -409,8 +440,8 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
         "samples/trained": float(batch.size),
         "tokens/trained": float(batch.loss_mask_BT.sum()),
         "tokens/total": float(batch.attention_mask_BT.sum()),
-        "tokens/masked_frac": 1.0 - float(batch.loss_mask_BT.sum())
-        / max(float(batch.attention_mask_BT.sum()), 1.0),
+        "tokens/masked_frac": 1.0
+        - float(batch.loss_mask_BT.sum()) / max(float(batch.attention_mask_BT.sum()), 1.0),
     }
 
 
@@ -450,12 +481,16 @@ def train_step(
             world.all_reduce_grads([p for p in model.parameters() if p.requires_grad])
         _reduce_over_ranks(acc, world)
     t1 = time.perf_counter()
-    metrics |= acc.stats.result() | {f"loss/{k}": v for k, v in acc.terms.items()} | {
-        "loss/total": acc.loss,
-        "batch/micro_batches": float(acc.micro_batches),
-        "batch/empty_micro_batches": float(acc.empty_micro_batches),
-        "time/forward_backward_s": t1 - t0,
-    }
+    metrics |= (
+        acc.stats.result()
+        | {f"loss/{k}": v for k, v in acc.terms.items()}
+        | {
+            "loss/total": acc.loss,
+            "batch/micro_batches": float(acc.micro_batches),
+            "batch/empty_micro_batches": float(acc.empty_micro_batches),
+            "time/forward_backward_s": t1 - t0,
+        }
+    )
     metrics.setdefault("loss/pg", acc.loss)
     if acc.nonfinite:
         return _skip(optimizer, metrics, "nonfinite_loss", t0)
@@ -486,15 +521,21 @@ def _reduce_over_ranks(acc: Accumulated, world: World) -> None:
     rank 0 has 3 loss tokens with entropy sum 6.0 (max 2.5), rank 1 has 1 with 4.0 (max 4.0)
     -> entropy/mean = (6 + 4) / (3 + 1) = 2.5 over 4 tokens, and /max 4.0."""
     stats = acc.stats
-    sums = {f"term/{k}": v for k, v in acc.terms.items()} | {
-        f"stat/{k}": v for k, v in stats.values.items() if not k.endswith(("/max", "/min"))
-    } | {"loss": acc.loss, "tokens": float(stats.tokens), "micro": float(acc.micro_batches),
-         "empty": float(acc.empty_micro_batches)}
+    sums = (
+        {f"term/{k}": v for k, v in acc.terms.items()}
+        | {f"stat/{k}": v for k, v in stats.values.items() if not k.endswith(("/max", "/min"))}
+        | {
+            "loss": acc.loss,
+            "tokens": float(stats.tokens),
+            "micro": float(acc.micro_batches),
+            "empty": float(acc.empty_micro_batches),
+        }
+    )
     summed = world.sum_values(sums)
-    highs = world.reduce_values({k: v for k, v in stats.values.items() if k.endswith("/max")},
-                                "max")
-    lows = world.reduce_values({k: v for k, v in stats.values.items() if k.endswith("/min")},
-                               "min")
+    highs = world.reduce_values(
+        {k: v for k, v in stats.values.items() if k.endswith("/max")}, "max"
+    )
+    lows = world.reduce_values({k: v for k, v in stats.values.items() if k.endswith("/min")}, "min")
     acc.loss, acc.micro_batches = summed.pop("loss"), int(summed.pop("micro"))
     acc.empty_micro_batches, stats.tokens = int(summed.pop("empty")), int(summed.pop("tokens"))
     acc.terms = {k[5:]: v for k, v in summed.items() if k.startswith("term/")}

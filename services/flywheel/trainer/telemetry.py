@@ -35,7 +35,8 @@ SAMPLES_DROPPED = Counter(
 )
 PUSH_FAILURES = Counter(
     "flywheel_trainer_weight_push_failures_total",
-    "Weight pushes to one engine that failed after every retry", ["engine"],
+    "Weight pushes to one engine that failed after every retry",
+    ["engine"],
 )
 PUSH_SECONDS = Histogram(
     "flywheel_trainer_weight_push_seconds",
@@ -44,11 +45,10 @@ PUSH_SECONDS = Histogram(
 )
 ENGINE_VERSION = Gauge(
     "flywheel_trainer_engine_weight_version",
-    "Weight version the trainer last pushed successfully to each engine", ["engine"],
+    "Weight version the trainer last pushed successfully to each engine",
+    ["engine"],
 )
-ENGINES_BEHIND = Gauge(
-    "flywheel_trainer_engines_behind", "Engines whose last weight push failed"
-)
+ENGINES_BEHIND = Gauge("flywheel_trainer_engines_behind", "Engines whose last weight push failed")
 TOKENS_PER_SECOND = Gauge(
     "flywheel_trainer_tokens_per_second", "Tokens (incl. prompt) per second of the last step"
 )
@@ -152,8 +152,10 @@ def build_sink(s: Any) -> MultiSink:
     sinks: list[Any] = [JsonlSink(Path(s.metrics_path))]
     if s.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
-            log.warning("trainer.tensorboard is on but the tensorboard package is missing; "
-                        "install the trainer extra (pip install 'flywheel[trainer]')")
+            log.warning(
+                "trainer.tensorboard is on but the tensorboard package is missing; "
+                "install the trainer extra (pip install 'flywheel[trainer]')"
+            )
         else:
             sinks.append(TensorBoardSink(Path(s.metrics_path).parent / "tensorboard"))
     if s.wandb_project:

@@ -339,7 +339,10 @@ class WeightPusher:
         if response.status_code != 200 or not reply.get("success"):
             log.warning(
                 "weight push of version %s to %s failed: HTTP %s %s",
-                version, url, response.status_code, reply.get("message"),
+                version,
+                url,
+                response.status_code,
+                reply.get("message"),
             )
             raise UpstreamError(
                 f"engine {url} refused weights {model_path} (version {version}): HTTP "

@@ -20,8 +20,13 @@ def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another stack is starting from it
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-        run = subprocess.run([sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
-                             capture_output=True, text=True, env=env, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     finally:
         os.close(fd)
     assert run.returncode == 1

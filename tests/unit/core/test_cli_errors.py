@@ -47,10 +47,13 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
     assert f"{path}: not UTF-8 text" in message and "save it as UTF-8" in message
 
 
-@pytest.mark.parametrize(("name", "value", "expected"), [
-    ("FLYWHEEL_GATEWAY__ENGINE_URLS", "http://x", "a list setting takes a JSON value"),
-    ("FLYWHEEL_TRAINER__REGULARIZERS", "k3", "a dict setting takes a JSON value"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("FLYWHEEL_GATEWAY__ENGINE_URLS", "http://x", "a list setting takes a JSON value"),
+        ("FLYWHEEL_TRAINER__REGULARIZERS", "k3", "a dict setting takes a JSON value"),
+    ],
+)
 def test_an_env_value_that_is_not_json_names_the_variable(monkeypatch, name, value, expected):
     monkeypatch.setenv(name, value)
     message = _exit_message(["config", "show"])
@@ -67,9 +70,15 @@ def test_list_and_dict_settings_in_json_still_parse(monkeypatch, capsys):
     assert shown["trainer"]["regularizers"] == {"k3": 0.1}
 
 
-@pytest.mark.parametrize(("flag", "value"), [
-    ("--group-size", "0"), ("--problems-per-step", "-1"), ("--steps", "0"), ("--steps", "-3"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--group-size", "0"),
+        ("--problems-per-step", "-1"),
+        ("--steps", "0"),
+        ("--steps", "-3"),
+    ],
+)
 def test_demo_rejects_sizes_below_one_before_anything_starts(tmp_path, capsys, flag, value):
     out = tmp_path / "demo"
     with pytest.raises(SystemExit) as exc:
@@ -80,17 +89,27 @@ def test_demo_rejects_sizes_below_one_before_anything_starts(tmp_path, capsys, f
 
 
 def _sample(session: str):
-    return new_sample(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -1, -2],
-                      weight_versions=[-1, 0, 0], prompt_length=1, session_id=session)
+    return new_sample(
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        rollout_logprobs=[0.0, -1, -2],
+        weight_versions=[-1, 0, 0],
+        prompt_length=1,
+        session_id=session,
+    )
 
 
-def test_check_fidelity_skips_undecodable_entries(tmp_path, redis_server, redis_client, prefix,
-                                                  monkeypatch, capsys):
+def test_check_fidelity_skips_undecodable_entries(
+    tmp_path, redis_server, redis_client, prefix, monkeypatch, capsys
+):
     gateway = HTTPServer(("127.0.0.1", 0), _Ok)  # the running stack's gateway answers
     threading.Thread(target=gateway.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{gateway.server_port}"
-    (tmp_path / STATE_FILE).write_text(json.dumps(
-        {"pid": os.getpid(), "gateway": url, "engine": url, "redis_url": redis_server.url}))
+    (tmp_path / STATE_FILE).write_text(
+        json.dumps(
+            {"pid": os.getpid(), "gateway": url, "engine": url, "redis_url": redis_server.url}
+        )
+    )
     config = tmp_path / "flywheel.toml"
     config.write_text(f'state_dir = "{tmp_path}"\n[streams]\nprefix = "{prefix}"\n')
     stream = f"{prefix}:rollouts"
@@ -103,8 +122,9 @@ def test_check_fidelity_skips_undecodable_entries(tmp_path, redis_server, redis_
 
     def check(sample, engine_url):
         checked.append((sample.sample_id, engine_url))
-        return fidelity.FidelityReport(ids_match=True, logprobs_compared=True,
-                                       max_abs_logprob_diff=0.0, sampled_tokens=2)
+        return fidelity.FidelityReport(
+            ids_match=True, logprobs_compared=True, max_abs_logprob_diff=0.0, sampled_tokens=2
+        )
 
     monkeypatch.setattr(fidelity, "check_fidelity", check)
     try:

@@ -65,8 +65,14 @@ DRIVER = textwrap.dedent("""
 
 def _run(argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run `argv` in its own session; on timeout kill the session (the stack's children too)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -85,8 +91,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _config(tmp_path, body: str = "") -> str:
     state = tmp_path / "state"
     path = tmp_path / "flywheel.toml"
-    path.write_text(f'state_dir = "{state}"\n[engine]\nmodel_path = "/nonexistent/model"\n'
-                    f"{body}")
+    path.write_text(f'state_dir = "{state}"\n[engine]\nmodel_path = "/nonexistent/model"\n{body}')
     return str(path)
 
 
@@ -96,8 +101,11 @@ def _up_with_fake_engine(tmp_path, mode: str, timeout: float = 90):
     logs.mkdir(parents=True)
     (logs / "engine.log").write_text("previous run: engine exited with 3\n")
     started = time.monotonic()
-    run = _run([sys.executable, "-c", DRIVER, str(tmp_path), "up", "--config", _config(tmp_path)],
-               _env(FAKE_ENGINE_MODE=mode), timeout)
+    run = _run(
+        [sys.executable, "-c", DRIVER, str(tmp_path), "up", "--config", _config(tmp_path)],
+        _env(FAKE_ENGINE_MODE=mode),
+        timeout,
+    )
     return run, time.monotonic() - started
 
 
@@ -118,7 +126,8 @@ def test_an_engine_whose_model_failed_to_load_fails_the_start_up_at_once(tmp_pat
     assert run.stderr.strip() == (
         "flywheel: engine cannot start: loading the model /nonexistent/model failed (OSError: "
         "no model at /nonexistent/model); check [engine] model_path "
-        f"(FLYWHEEL_ENGINE__MODEL_PATH); the traceback is in {tmp_path}/state/logs/engine.log")
+        f"(FLYWHEEL_ENGINE__MODEL_PATH); the traceback is in {tmp_path}/state/logs/engine.log"
+    )
     assert "previous run" not in run.stderr
     assert took < 60
 
@@ -127,8 +136,9 @@ def test_an_engine_whose_model_failed_to_load_fails_the_start_up_at_once(tmp_pat
 def test_an_unreachable_external_redis_fails_before_any_service_starts(tmp_path, command):
     config = _config(tmp_path, '[redis]\nurl = "redis://:pw@127.0.0.1:1/0"\n')
     out = ["--out", str(tmp_path / "demo")] if command[0] == "demo" else []
-    run = _run([sys.executable, "-m", "flywheel.cli", *command, "--config", config, *out],
-               _env(), 60)
+    run = _run(
+        [sys.executable, "-m", "flywheel.cli", *command, "--config", config, *out], _env(), 60
+    )
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr
     message = run.stderr.strip().splitlines()[-1]

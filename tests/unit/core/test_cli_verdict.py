@@ -5,8 +5,9 @@ from flywheel.cli import learning_verdict
 
 
 def test_short_run_reports_held_out_and_asks_for_more_steps():
-    line = learning_verdict({"first5": 0.219, "last5": 0.219, "eval_before": 0.667,
-                             "eval_after": 0.8, "steps": 4})
+    line = learning_verdict(
+        {"first5": 0.219, "last5": 0.219, "eval_before": 0.667, "eval_after": 0.8, "steps": 4}
+    )
     assert line.startswith("held-out accuracy 0.667 -> 0.800")
     assert "too few steps (4)" in line and "no measurable" not in line
 
@@ -14,7 +15,9 @@ def test_short_run_reports_held_out_and_asks_for_more_steps():
 def test_ten_steps_compare_both_windows():
     base = {"first5": 0.2, "eval_before": 0.667, "steps": 30}
     assert learning_verdict({**base, "last5": 0.8, "eval_after": 0.9}).startswith(
-        "the policy learned")
+        "the policy learned"
+    )
     # reward up but held-out accuracy down: not called learning
     assert learning_verdict({**base, "last5": 0.8, "eval_after": 0.6}).startswith(
-        "no measurable learning")
+        "no measurable learning"
+    )

@@ -6,9 +6,14 @@ from flywheel.core.errors import ContractError
 
 
 def _sample(**overrides):
-    fields = {"token_ids": [1, 2, 3, 4], "loss_mask": [0, 0, 1, 1],
-              "rollout_logprobs": [0.0, 0.0, -0.25, -1.5], "weight_versions": [-1, -1, 3, 3],
-              "prompt_length": 2, "group_id": "g1"}
+    fields = {
+        "token_ids": [1, 2, 3, 4],
+        "loss_mask": [0, 0, 1, 1],
+        "rollout_logprobs": [0.0, 0.0, -0.25, -1.5],
+        "weight_versions": [-1, -1, 3, 3],
+        "prompt_length": 2,
+        "group_id": "g1",
+    }
     fields.update(overrides)
     return new_sample(**fields)
 
@@ -33,8 +38,13 @@ def test_length_mismatch_is_rejected_on_encode(field):
 
 
 def test_length_mismatch_is_rejected_on_decode():
-    bad = sample_pb2.Sample(schema_version=SCHEMA_MAJOR, token_ids=[1, 2], loss_mask=[1],
-                            rollout_logprobs=[0.0, 0.0], weight_versions=[0, 0])
+    bad = sample_pb2.Sample(
+        schema_version=SCHEMA_MAJOR,
+        token_ids=[1, 2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0, 0.0],
+        weight_versions=[0, 0],
+    )
     with pytest.raises(ContractError, match="loss_mask"):
         decode_sample(bad.SerializeToString())
 
@@ -63,7 +73,12 @@ def test_garbage_bytes_are_a_contract_error():
 @pytest.mark.parametrize("mask", [[0, 2], [-1, 1], [1, 1, 3]])
 def test_a_loss_mask_value_other_than_0_or_1_is_rejected(mask):
     n = len(mask)
-    bad = sample_pb2.Sample(schema_version=SCHEMA_MAJOR, token_ids=[1] * n, loss_mask=mask,
-                            rollout_logprobs=[0.0] * n, weight_versions=[0] * n)
+    bad = sample_pb2.Sample(
+        schema_version=SCHEMA_MAJOR,
+        token_ids=[1] * n,
+        loss_mask=mask,
+        rollout_logprobs=[0.0] * n,
+        weight_versions=[0] * n,
+    )
     with pytest.raises(ContractError, match="loss_mask values must be 0 or 1"):
         encode_sample(bad)

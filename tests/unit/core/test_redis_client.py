@@ -42,9 +42,21 @@ def test_twin_uses_the_password_and_database(tmp_path):
 
 def test_twin_of_a_unix_socket_client(tmp_path):
     sock = tmp_path / "redis.sock"
-    proc = subprocess.Popen([find_redis_server(), "--port", "0", "--unixsocket", str(sock),
-                             "--dir", str(tmp_path), "--save", ""],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            find_redis_server(),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--dir",
+            str(tmp_path),
+            "--save",
+            "",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         sync = redis.Redis(unix_socket_path=str(sock))
         for _ in range(100):

@@ -7,7 +7,11 @@ from flywheel.core.settings import load_settings
 def test_defaults_follow_the_port_conventions():
     s = load_settings()
     assert (s.gateway.port, s.engine.port, s.reward.port, s.teacher.port) == (
-        8000, 30000, 50051, 50052)
+        8000,
+        30000,
+        50051,
+        50052,
+    )
     assert s.redis.port == 6379
     assert s.streams.key("rollouts") == "flywheel:rollouts"
     assert s.next_stream_after_reward() == "flywheel:train"  # teacher disabled by default
@@ -75,8 +79,11 @@ def test_non_finite_numbers_are_refused(tmp_path, value):
 def test_a_redis_url_must_be_a_redis_url():
     with pytest.raises(ValidationError, match="'notaurl' is not a Redis URL"):
         load_settings(redis={"url": "notaurl"})
-    for ok in ("redis://127.0.0.1:6379/0", "rediss://:pw@example.com:6380/0",
-               "unix:///tmp/redis.sock"):
+    for ok in (
+        "redis://127.0.0.1:6379/0",
+        "rediss://:pw@example.com:6380/0",
+        "unix:///tmp/redis.sock",
+    ):
         assert load_settings(redis={"url": ok}).redis.url == ok
 
 
@@ -95,9 +102,11 @@ def test_service_entry_points_report_bad_settings_in_one_message(tmp_path, servi
     assert message.startswith(f"flywheel-{service}: invalid settings") and "lr" in message
     with pytest.raises(SystemExit) as exited:
         main(["--config", str(tmp_path / "absent.toml")])
-    assert str(exited.value.code) == (f"flywheel-{service}: config file not found: "
-                                      f"{tmp_path / 'absent.toml'}. Pass an existing TOML, "
-                                      "YAML or JSON file.")
+    assert str(exited.value.code) == (
+        f"flywheel-{service}: config file not found: "
+        f"{tmp_path / 'absent.toml'}. Pass an existing TOML, "
+        "YAML or JSON file."
+    )
 
 
 def test_a_model_path_that_does_not_exist_is_named_before_loading(tmp_path):
@@ -109,12 +118,14 @@ def test_a_model_path_that_does_not_exist_is_named_before_loading(tmp_path):
         with pytest.raises(ConfigurationError, match=f"model path {missing} does not exist"):
             resolve_model_path(missing)
     assert resolve_model_path(str(tmp_path)) == tmp_path
-    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct").name == \
-        "SmolLM2-135M-Instruct"  # a Hub id is left to the loader
+    assert (
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct").name == "SmolLM2-135M-Instruct"
+    )  # a Hub id is left to the loader
     assert resolve_model_path("") == default_model_dir()
     cfg = tmp_path / "engine.toml"
     cfg.write_text('[engine]\nmodel_path = "/nonexistent/model"\n')
     with pytest.raises(SystemExit) as exited:  # the engine process: one line, exit status 1
         main(["--config", str(cfg)])
     assert str(exited.value.code).startswith(
-        "flywheel-engine: model path /nonexistent/model does not exist")
+        "flywheel-engine: model path /nonexistent/model does not exist"
+    )

@@ -33,9 +33,16 @@ RACER = textwrap.dedent("""
 
 def _racers(tmp_path, script, *args, n=2):
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(go), *map(str, args)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(go), *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(n)
+    ]
     for p in procs:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     go.touch()  # both start picking at the same instant
@@ -93,8 +100,12 @@ def test_a_second_stack_on_the_same_state_dir_fails_at_once(tmp_path):
     first._lock_state_dir()  # a stack running (or still starting) from this state dir
     (tmp_path / STATE_FILE).write_text(json.dumps({"pid": 1}))
     try:
-        second = subprocess.run([sys.executable, "-c", SECOND_STACK, str(tmp_path)],
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-c", SECOND_STACK, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 3, second.stderr
         assert "already running or starting" in second.stdout
         assert (tmp_path / STATE_FILE).exists()  # the second one's stop left it alone
@@ -131,12 +142,19 @@ LISTENER = textwrap.dedent("""
 def test_a_port_answered_by_another_process_is_not_the_service(tmp_path):
     other = HTTPServer(("127.0.0.1", 0), _Ok)  # e.g. another stack's service on that port
     threading.Thread(target=other.serve_forever, daemon=True).start()
-    own = subprocess.Popen([sys.executable, "-c", LISTENER], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    wrapper = subprocess.Popen([sys.executable, "-c",  # a service whose child listens
-                                "import subprocess, sys; subprocess.run([sys.executable, '-c', "
-                                f"{LISTENER!r}])"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    own = subprocess.Popen(
+        [sys.executable, "-c", LISTENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    wrapper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",  # a service whose child listens
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {LISTENER!r}])",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(own.stdout.readline())
         nested = int(wrapper.stdout.readline())

@@ -37,18 +37,20 @@ def test_state_of_a_dead_up_is_ignored_even_when_its_gateway_port_answers(tmp_pa
     try:
         (tmp_path / STATE_FILE).write_text(json.dumps({"pid": dead.pid, "gateway": gateway}))
         assert running_stack(str(tmp_path)) is None
-        (tmp_path / STATE_FILE).write_text(json.dumps({"pid": os.getpid(),
-                                                       "gateway": gateway}))
+        (tmp_path / STATE_FILE).write_text(json.dumps({"pid": os.getpid(), "gateway": gateway}))
         assert running_stack(str(tmp_path)) == {"pid": os.getpid(), "gateway": gateway}
     finally:
         server.shutdown()
 
 
-@pytest.mark.parametrize(("content", "reason"), [
-    ('{"pid": 1, "gate', "Unterminated string"),  # cut off mid-write
-    ("[]", "a JSON list, not an object"),
-    (b"\xff\xfe", "codec can't decode"),
-])
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        ('{"pid": 1, "gate', "Unterminated string"),  # cut off mid-write
+        ("[]", "a JSON list, not an object"),
+        (b"\xff\xfe", "codec can't decode"),
+    ],
+)
 def test_an_unreadable_state_file_is_no_running_stack_with_a_warning(tmp_path, content, reason):
     path = tmp_path / STATE_FILE
     path.write_bytes(content.encode() if isinstance(content, str) else content)
@@ -60,22 +62,31 @@ def test_an_unreadable_state_file_is_no_running_stack_with_a_warning(tmp_path, c
 
 def _cli(tmp_path, *argv):
     config = tmp_path / "flywheel.toml"
-    config.write_text(f'state_dir = "{tmp_path}"\n[redis]\nurl = "redis://127.0.0.1:1/0"\n'
-                      '[gateway]\nport = 1\n[engine]\nport = 1\n[trainer]\nport = 1\n'
-                      '[reward]\nport = 1\nmetrics_port = 1\n')
+    config.write_text(
+        f'state_dir = "{tmp_path}"\n[redis]\nurl = "redis://127.0.0.1:1/0"\n'
+        "[gateway]\nport = 1\n[engine]\nport = 1\n[trainer]\nport = 1\n"
+        "[reward]\nport = 1\nmetrics_port = 1\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return subprocess.run([sys.executable, "-m", "flywheel.cli", *argv, "--config", str(config)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flywheel.cli", *argv, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("argv", [["status"], ["keys", "list"],
-                                  ["check-fidelity", "--session", "s1"]])
+@pytest.mark.parametrize(
+    "argv", [["status"], ["keys", "list"], ["check-fidelity", "--session", "s1"]]
+)
 def test_commands_survive_a_corrupt_state_file(tmp_path, argv):
     (tmp_path / STATE_FILE).write_text('{"pid": 1, "gate')
     run = _cli(tmp_path, *argv)
     assert "Traceback" not in run.stderr, run.stderr
-    assert f"flywheel: ignoring the unreadable stack state file {tmp_path / STATE_FILE}" \
-        in run.stderr
+    assert (
+        f"flywheel: ignoring the unreadable stack state file {tmp_path / STATE_FILE}" in run.stderr
+    )
     assert run.returncode != 0  # nothing answers at the configured addresses
 
 

@@ -9,8 +9,13 @@ from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
 
 
 def _sample(i: int):
-    return new_sample(token_ids=[i, i + 1], loss_mask=[0, 1], rollout_logprobs=[0.0, -0.1],
-                      weight_versions=[-1, 0], group_id=f"g{i}")
+    return new_sample(
+        token_ids=[i, i + 1],
+        loss_mask=[0, 1],
+        rollout_logprobs=[0.0, -0.1],
+        weight_versions=[-1, 0],
+        group_id=f"g{i}",
+    )
 
 
 def _consumer(client, prefix, name, **kw):

@@ -23,11 +23,17 @@ def spec(rid: str, ids: list[int], *, logprob_start_len: int = -1, **params) -> 
     return RowSpec(rid, None, ids, SamplingParams(**params), True, logprob_start_len, 0, False)
 
 
-def make_seq(runner, ids: list[int], *, seed: int = 0, logprob_start_len: int = -1,
-             **params) -> Sequence:
+def make_seq(
+    runner, ids: list[int], *, seed: int = 0, logprob_start_len: int = -1, **params
+) -> Sequence:
     job = Job(spec("r", ids, logprob_start_len=logprob_start_len, **params))
-    seq = Sequence(job, ids, max_new_tokens=job.spec.params.max_new_tokens or 0,
-                   eos_ids=runner.eos_ids, generator=torch.Generator().manual_seed(seed))
+    seq = Sequence(
+        job,
+        ids,
+        max_new_tokens=job.spec.params.max_new_tokens or 0,
+        eos_ids=runner.eos_ids,
+        generator=torch.Generator().manual_seed(seed),
+    )
     seq.start()
     return seq
 
@@ -55,8 +61,9 @@ def test_rows_joining_at_different_steps_match_each_row_alone(runner):
         widths.append(batch.mask.shape[1])
     for seq, ref in zip(seqs, refs, strict=True):
         assert seq.output_ids == ref.output_ids
-        assert_close(torch.tensor(seq.output_logprobs), torch.tensor(ref.output_logprobs),
-                     atol=1e-4, rtol=0)
+        assert_close(
+            torch.tensor(seq.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4, rtol=0
+        )
     # rows that left shrink the cache: the last row alone ends narrower than the widest point
     assert min(widths) < max(widths)
 
@@ -74,8 +81,9 @@ def test_sampled_rows_with_seeds_match_alone_when_joining_late(runner):
     while len(batch):
         batch.step()
     assert late.output_ids == ref.output_ids
-    assert_close(torch.tensor(late.output_logprobs), torch.tensor(ref.output_logprobs),
-                 atol=1e-4, rtol=0)
+    assert_close(
+        torch.tensor(late.output_logprobs), torch.tensor(ref.output_logprobs), atol=1e-4, rtol=0
+    )
 
 
 def test_prefill_only_rows_never_join_and_aborts_leave_between_steps(runner):
@@ -112,8 +120,9 @@ def test_a_late_request_joins_the_running_batch_in_the_worker(tiny_engine):
         [spec("cb-short", PROMPTS[1], temperature=0, max_new_tokens=3, ignore_eos=True)]
     )
     for name, job in (("long", long_job), ("short", short_job)):
-        job.future.add_done_callback(lambda _f, n=name: (lock.acquire(), order.append(n),
-                                                          lock.release()))
+        job.future.add_done_callback(
+            lambda _f, n=name: (lock.acquire(), order.append(n), lock.release())
+        )
     short = short_job.future.result(timeout=60)
     long = long_job.future.result(timeout=60)
     assert order == ["short", "long"]

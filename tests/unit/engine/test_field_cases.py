@@ -23,8 +23,7 @@ PROMPT = [1, 504, 3458, 314, 260, 1789]
 
 @pytest.fixture
 def worker(tiny_model_dir):
-    settings = EngineSettings(model_path=str(tiny_model_dir), batch_wait_ms=1,
-                              context_length=256)
+    settings = EngineSettings(model_path=str(tiny_model_dir), batch_wait_ms=1, context_length=256)
     w = EngineWorker(settings, tiny_model_dir).start()
     assert w.wait_ready(60), w.error
     yield w
@@ -49,8 +48,9 @@ def test_bug11_stop_on_the_last_allowed_token_is_stop_not_length(tiny_engine):
     out = run(tiny_engine, "b11", temperature=0, max_new_tokens=5, ignore_eos=True, stop=stop)
     assert out["output_ids"] == ids
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    capped = run(tiny_engine, "b11-cap", temperature=0, max_new_tokens=4, ignore_eos=True,
-                 stop=stop)
+    capped = run(
+        tiny_engine, "b11-cap", temperature=0, max_new_tokens=4, ignore_eos=True, stop=stop
+    )
     assert capped["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
 
 
@@ -64,10 +64,12 @@ def test_bug10_no_token_after_the_one_completing_a_stop_string(tiny_engine):
     assert len(out["meta_info"]["output_token_logprobs"]) == len(ids)
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.6}, {"temperature": 1.0},
-                                    {"temperature": 0.6, "top_p": 0.75}])
+@pytest.mark.parametrize(
+    "params", [{"temperature": 0.6}, {"temperature": 1.0}, {"temperature": 0.6, "top_p": 0.75}]
+)
 def test_bug07_bug08_engine_logprobs_are_the_trainers_at_the_sampling_temperature(
-        tiny_engine, tiny_model_dir, params):
+    tiny_engine, tiny_model_dir, params
+):
     """The engine's logprob of each sampled token equals what the trainer recomputes with the
     same weights at the sampling temperature (importance ratio 1 at step 0), and differs from
     the trainer's at another temperature; with top_p the engine reports the tempered full-vocab
@@ -76,33 +78,38 @@ def test_bug07_bug08_engine_logprobs_are_the_trainers_at_the_sampling_temperatur
 
     from flywheel.trainer.logprobs import selected_token_logprobs
 
-    out = run(tiny_engine, f"b07-{params}", max_new_tokens=12, ignore_eos=True, sampling_seed=3,
-              **params)
+    out = run(
+        tiny_engine, f"b07-{params}", max_new_tokens=12, ignore_eos=True, sampling_seed=3, **params
+    )
     engine_lp = torch.tensor([r[0] for r in out["meta_info"]["output_token_logprobs"]])
     ids_BT = torch.tensor([PROMPT + out["output_ids"]])
     score_BT = torch.zeros_like(ids_BT, dtype=torch.bool)
-    score_BT[0, len(PROMPT):] = True
+    score_BT[0, len(PROMPT) :] = True
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
 
     def trainer_lp(t: float) -> torch.Tensor:
         with torch.no_grad():
-            return selected_token_logprobs(model.eval(), ids_BT, torch.ones_like(ids_BT),
-                                           torch.tensor([t]), score_BT).logprobs_BT[0, len(PROMPT):]
+            return selected_token_logprobs(
+                model.eval(), ids_BT, torch.ones_like(ids_BT), torch.tensor([t]), score_BT
+            ).logprobs_BT[0, len(PROMPT) :]
 
     t = params["temperature"]
     assert (trainer_lp(t) - engine_lp).abs().max() < 1e-4  # measured: 4e-6 to 7e-6
     assert (trainer_lp(1.6 - t) - engine_lp).abs().max() > 0.5  # measured: 1.8 to 2.7
 
 
-def test_bug19_swap_while_paused_in_place_records_weight_version_spans(worker, tiny_model_dir,
-                                                                        tmp_path):
+def test_bug19_swap_while_paused_in_place_records_weight_version_spans(
+    worker, tiny_model_dir, tmp_path
+):
     state = load_file(tiny_model_dir / "model.safetensors")
     state["model.norm.weight"] = state["model.norm.weight"] * 1.5
     (tmp_path / "v2").mkdir()
     save_file(state, tmp_path / "v2" / "model.safetensors")
     seen = threading.Event()
-    (job,) = worker.submit([spec("b19", temperature=0, max_new_tokens=60, ignore_eos=True)],
-                           listeners=[lambda r: seen.set() if len(r["output_ids"]) >= 3 else None])
+    (job,) = worker.submit(
+        [spec("b19", temperature=0, max_new_tokens=60, ignore_eos=True)],
+        listeners=[lambda r: seen.set() if len(r["output_ids"]) >= 3 else None],
+    )
     assert seen.wait(30)
     worker.pause("in_place")
     assert worker.update_weights_from_disk(str(tmp_path / "v2"), "7")[0]  # runs while paused
@@ -149,12 +156,21 @@ def test_bug16_bug18_push_body_is_explicit_and_tied_weights_go_once():
     sync._group = fake
     embed = torch.randn(4, 3)
     norm = torch.ones(3)
-    sent = sync.push([("model.embed_tokens.weight", embed), ("lm_head.weight", embed),
-                      ("model.norm.weight", norm)], weight_version="7")
+    sent = sync.push(
+        [
+            ("model.embed_tokens.weight", embed),
+            ("lm_head.weight", embed),
+            ("model.norm.weight", norm),
+        ],
+        weight_version="7",
+    )
     assert sent == 2 and len(fake.sent) == 2  # the tied head is not sent twice
     paths = [p for p, _ in calls]
-    assert paths == ["/begin_weight_update", "/update_weights_from_distributed",
-                     "/end_weight_update"]
+    assert paths == [
+        "/begin_weight_update",
+        "/update_weights_from_distributed",
+        "/end_weight_update",
+    ]
     assert calls[1][1] == {
         "names": ["model.embed_tokens.weight", "model.norm.weight"],
         "dtypes": ["float32", "float32"],

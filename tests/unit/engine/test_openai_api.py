@@ -41,12 +41,15 @@ def test_completions_defaults_and_prompt_forms():
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": MSG, "tools": [{"type": "function"}], "tool_choice": "required"},
-    {"messages": MSG, "response_format": {"type": "json_object"}},
-    {"messages": MSG, "stream": True, "return_token_ids": True},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": MSG, "tools": [{"type": "function"}], "tool_choice": "required"},
+        {"messages": MSG, "response_format": {"type": "json_object"}},
+        {"messages": MSG, "stream": True, "return_token_ids": True},
+    ],
+)
 def test_requests_the_engine_cannot_honour_are_refused(body):
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(body)
@@ -71,9 +74,15 @@ META = {
 
 def test_chat_logprobs_shape_and_null_becomes_a_number():
     content = chat_logprobs(META)["content"]
-    assert content[0] == {"token": "Hi", "bytes": [72, 105], "logprob": -0.25, "top_logprobs": [
-        {"token": "Hi", "bytes": [72, 105], "logprob": -0.25},
-        {"token": "Hey", "bytes": [72, 101, 121], "logprob": -1.5}]}
+    assert content[0] == {
+        "token": "Hi",
+        "bytes": [72, 105],
+        "logprob": -0.25,
+        "top_logprobs": [
+            {"token": "Hi", "bytes": [72, 105], "logprob": -0.25},
+            {"token": "Hey", "bytes": [72, 101, 121], "logprob": -1.5},
+        ],
+    }
     assert content[1]["logprob"] == -9999.0  # OpenAI's logprob is a number, never null
     assert chat_logprobs(META, start=1)["content"] == content[1:]
 

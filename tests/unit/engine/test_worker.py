@@ -136,13 +136,16 @@ def _missing_shard(state, folder):
 
 
 def _unknown_tensor(state, folder):
-    save_file({**state, "model.layers.99.mlp.up_proj.weight": torch.ones(2, 2)},
-              folder / "model.safetensors")
+    save_file(
+        {**state, "model.layers.99.mlp.up_proj.weight": torch.ones(2, 2)},
+        folder / "model.safetensors",
+    )
 
 
 @pytest.mark.parametrize("write", [_truncated, _missing_shard, _unknown_tensor])
-def test_bug17_partial_or_foreign_checkpoints_are_refused_whole(worker, tiny_model_dir, tmp_path,
-                                                                write):
+def test_bug17_partial_or_foreign_checkpoints_are_refused_whole(
+    worker, tiny_model_dir, tmp_path, write
+):
     prompt = [7, 8, 9]
     before = generate(worker, "p0", prompt, temperature=0, max_new_tokens=3)
     state = {k: v * 2 for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
@@ -153,8 +156,9 @@ def test_bug17_partial_or_foreign_checkpoints_are_refused_whole(worker, tiny_mod
     assert after["meta_info"]["weight_version"] == "default"
     # Not one tensor of the refused checkpoint was applied: the same greedy ids and logprobs.
     assert after["output_ids"] == before["output_ids"]
-    assert (after["meta_info"]["output_token_logprobs"]
-            == before["meta_info"]["output_token_logprobs"])
+    assert (
+        after["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    )
 
 
 def test_duplicate_rid_context_limit_and_vocab_checks(worker):

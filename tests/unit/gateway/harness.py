@@ -18,12 +18,17 @@ from flywheel.gateway.sessions import SessionStore
 from flywheel.gateway.tokenization import ChatRenderer
 
 
-def gateway_app(redis_client: redis.Redis, prefix: str, renderer: ChatRenderer, engine: Any
-                ) -> tuple[TestClient, GatewayDeps, Callable[[], list[sample_pb2.Sample]]]:
+def gateway_app(
+    redis_client: redis.Redis, prefix: str, renderer: ChatRenderer, engine: Any
+) -> tuple[TestClient, GatewayDeps, Callable[[], list[sample_pb2.Sample]]]:
     """(test client, the app's deps, a function returning the published Samples in order)."""
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
+    deps = GatewayDeps(
+        settings=GatewaySettings(),
+        renderer=renderer,
+        engines=engine,
+        sessions=SessionStore(redis_client, prefix, 3600),
+        publisher=StreamProducer(redis_client, f"{prefix}:rollouts"),
+    )
 
     def samples() -> list[sample_pb2.Sample]:
         return [decode_sample(f[FIELD]) for _, f in redis_client.xrange(f"{prefix}:rollouts")]

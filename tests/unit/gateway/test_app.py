@@ -21,9 +21,15 @@ class FakeEngine:
 
     async def generate(self, input_ids, sampling_params, affinity=""):
         self.prompts.append((list(input_ids), dict(sampling_params)))
-        return Generation(output_ids=self.ids, output_logprobs=[-0.25, -0.5], text="8",
-                          finish_type="stop", matched_eos=True, weight_version=4,
-                          prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.25, -0.5],
+            text="8",
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=4,
+            prompt_tokens=len(input_ids),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +40,16 @@ def renderer(smollm2_dir):
 @pytest.fixture
 def env(redis_client, prefix, renderer):
     engine = FakeEngine(renderer)
-    producer = StreamProducer(redis_client, f"{prefix}:rollouts", high_water=2,
-                              watch_group="reward")
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer, engines=engine,
-                       sessions=SessionStore(redis_client, prefix, 3600), publisher=producer)
+    producer = StreamProducer(
+        redis_client, f"{prefix}:rollouts", high_water=2, watch_group="reward"
+    )
+    deps = GatewayDeps(
+        settings=GatewaySettings(),
+        renderer=renderer,
+        engines=engine,
+        sessions=SessionStore(redis_client, prefix, 3600),
+        publisher=producer,
+    )
     return TestClient(create_app(deps)), engine, redis_client, prefix
 
 
@@ -60,12 +72,12 @@ def test_session_episode_publishes_one_faithful_sample(env):
     assert done.json()["samples_published"] == 1
     retry = client.post(f"/v1/sessions/{created['session_id']}/finish", json={"reward": 1.0})
     assert retry.json() == {**done.json(), "replayed": True}  # answered again, published once
-    (_, fields), = redis_client.xrange(f"{prefix}:rollouts")
+    ((_, fields),) = redis_client.xrange(f"{prefix}:rollouts")
     sample = decode_sample(fields[FIELD])
     assert list(sample.token_ids) == prompt + engine.ids
     assert list(sample.loss_mask) == [0] * len(prompt) + [1, 1]
-    assert list(sample.rollout_logprobs[len(prompt):]) == [-0.25, -0.5]
-    assert list(sample.weight_versions[len(prompt):]) == [4, 4]
+    assert list(sample.rollout_logprobs[len(prompt) :]) == [-0.25, -0.5]
+    assert list(sample.weight_versions[len(prompt) :]) == [4, 4]
     assert sample.group_id == "g" and sample.rewards["outcome"] == 1.0
 
 
@@ -133,15 +145,30 @@ class ToolEngine(FakeEngine):
 
     async def generate(self, input_ids, sampling_params, affinity=""):
         self.prompts.append((list(input_ids), dict(sampling_params)))
-        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
-                          text=self.text, finish_type="stop", matched_eos=True,
-                          weight_version=0, prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.1] * len(self.ids),
+            text=self.text,
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=0,
+            prompt_tokens=len(input_ids),
+        )
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                    "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "add two integers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
 
 
 def test_openai_sdk_streaming_and_tool_calls_through_a_session(env, renderer):
@@ -150,26 +177,36 @@ def test_openai_sdk_streaming_and_tool_calls_through_a_session(env, renderer):
     client, _, redis_client, prefix = env
     client.app.state.deps.engines = engine = ToolEngine(renderer)
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    sdk = openai.OpenAI(base_url=f"http://testserver/s/{sid}/v1", api_key="k",
-                        http_client=client)
+    sdk = openai.OpenAI(base_url=f"http://testserver/s/{sid}/v1", api_key="k", http_client=client)
     messages = [{"role": "user", "content": "What is 7 + 1?"}]
-    stream = sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS,
-                                         stream=True, stream_options={"include_usage": True})
+    stream = sdk.chat.completions.create(
+        model="m",
+        messages=messages,
+        tools=TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "add" and calls[0].index == 0
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens == len(engine.ids)
     # The agent sends the tool call back with the tool's result: history is extended, not forked.
-    messages += [{"role": "assistant", "content": None, "tool_calls": [calls[0].model_dump(
-        exclude={"index"})]}, {"role": "tool", "tool_call_id": calls[0].id, "content": "8"}]
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [calls[0].model_dump(exclude={"index"})],
+        },
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "8"},
+    ]
     second = sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS)
     assert second.choices[0].message.tool_calls[0].function.arguments == '{"a": 7, "b": 1}'
     client.post(f"/v1/sessions/{sid}/finish", json={})
-    (_, fields), = redis_client.xrange(f"{prefix}:rollouts")
+    ((_, fields),) = redis_client.xrange(f"{prefix}:rollouts")
     sample = decode_sample(fields[FIELD])
     first_prompt, second_prompt = engine.prompts[0][0], engine.prompts[1][0]
-    assert second_prompt[:len(first_prompt) + len(engine.ids)] == first_prompt + engine.ids
+    assert second_prompt[: len(first_prompt) + len(engine.ids)] == first_prompt + engine.ids
     assert sum(sample.loss_mask) == 2 * len(engine.ids)  # both turns in one Sample, no fork
     assert sample.segment_index == 0
 
@@ -202,8 +239,11 @@ def test_malformed_json_and_redis_outage_are_openai_errors(env):
     from flywheel.core.redis_client import LoopClients, connect
 
     client, _, _, _ = env
-    bad = client.post("/v1/chat/completions", content=b'{"messages": [',
-                      headers={"content-type": "application/json"})
+    bad = client.post(
+        "/v1/chat/completions",
+        content=b'{"messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
     assert bad.json()["error"]["param"] is None
     deps = client.app.state.deps
@@ -222,15 +262,19 @@ def test_n_choices_without_a_session(env):
     assert sorted(seeds) == [7, 8, 9]  # distinct seeds, so the choices can differ
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_k", 0), ("top_k", -5),
-                                              ("stop", ["x"] * 33), ("temperature", "Infinity")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 0), ("top_k", -5), ("stop", ["x"] * 33), ("temperature", "Infinity")],
+)
 def test_invalid_sampling_values_are_400_before_the_engine(env, field, value):
     client, engine, _, _ = env
     before = len(engine.prompts)
     if value == "Infinity":
-        bad = client.post("/v1/chat/completions", headers={"content-type": "application/json"},
-                          content=b'{"messages": [{"role": "user", "content": "hi"}], '
-                                  b'"temperature": Infinity}')
+        bad = client.post(
+            "/v1/chat/completions",
+            headers={"content-type": "application/json"},
+            content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+        )
     else:
         bad = _chat(client, "/v1", **{field: value})
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -21,9 +21,16 @@ class Engine:
     async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
         self.calls.append((list(input_ids), dict(sampling_params), top_logprobs_num))
         tops = [[(-0.1, t), (-3.0, 42)] for t in self.ids] if top_logprobs_num else []
-        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
-                          text=" 8", finish_type="length", matched_eos=False, weight_version=1,
-                          prompt_tokens=len(input_ids), output_top_logprobs=tops)
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.1] * len(self.ids),
+            text=" 8",
+            finish_type="length",
+            matched_eos=False,
+            weight_version=1,
+            prompt_tokens=len(input_ids),
+            output_top_logprobs=tops,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +47,20 @@ def env(redis_client, prefix, renderer):
 
 def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
     client, engine, _ = env
-    body = client.post("/v1/completions", json={"prompt": "7 + 1 =", "max_tokens": 3,
-                                                 "logprobs": 1}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": "7 + 1 =", "max_tokens": 3, "logprobs": 1}
+    ).json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == " 8"
     assert engine.calls[0][0] == renderer.encode("7 + 1 =")  # no template, no special tokens
     assert engine.calls[0][1]["max_new_tokens"] == 3 and engine.calls[0][2] == 1
     lp = body["choices"][0]["logprobs"]
     assert "".join(lp["tokens"]) == " 8" and lp["token_logprobs"] == [-0.1] * len(engine.ids)
     assert lp["top_logprobs"][0] == {renderer.tokenizer.decode([engine.ids[0]]): -0.1}
-    assert body["usage"] == {"prompt_tokens": len(engine.calls[0][0]),
-                             "completion_tokens": len(engine.ids),
-                             "total_tokens": len(engine.calls[0][0]) + len(engine.ids)}
+    assert body["usage"] == {
+        "prompt_tokens": len(engine.calls[0][0]),
+        "completion_tokens": len(engine.ids),
+        "total_tokens": len(engine.calls[0][0]) + len(engine.ids),
+    }
     ids = [1, 2, 3]
     batch = client.post("/v1/completions", json={"prompt": [ids, [4, 5]], "n": 2}).json()
     assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
@@ -58,11 +68,19 @@ def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
     assert engine.calls[1][1]["max_new_tokens"] == 16  # OpenAI's default for completions
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"prompt": [1, 10**9]}, "prompt"), ({"prompt": ""}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "foo": 1}, "foo"), ({"prompt": []}, "prompt"), ({"prompt": [[]]}, "prompt"),
-    ({"prompt": [5] * 2100}, "prompt")])  # the last: longer than the 2048-token window
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": [1, 10**9]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "foo": 1}, "foo"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [5] * 2100}, "prompt"),
+    ],
+)  # the last: longer than the 2048-token window
 def test_invalid_completion_requests_are_400_naming_the_field(env, body, param):
     client, engine, _ = env
     resp = client.post("/v1/completions", json=body)
@@ -72,8 +90,10 @@ def test_invalid_completion_requests_are_400_naming_the_field(env, body, param):
 
 def test_streamed_completion_ends_with_done(env):
     client, _, _ = env
-    resp = client.post("/v1/completions", json={"prompt": "7 + 1 =", "stream": True,
-                                                "stream_options": {"include_usage": True}})
+    resp = client.post(
+        "/v1/completions",
+        json={"prompt": "7 + 1 =", "stream": True, "stream_options": {"include_usage": True}},
+    )
     events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     first, usage = json.loads(events[0]), json.loads(events[-2])
@@ -87,8 +107,8 @@ def test_session_completions_extend_the_recorded_ids(env, renderer):
     text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
     client.post(f"/s/{sid}/v1/completions", json={"prompt": text})
     p1 = engine.calls[0][0]
-    assert engine.calls[1][0][:len(p1) + len(engine.ids)] == p1 + engine.ids
-    assert engine.calls[1][0][len(p1) + len(engine.ids):] == renderer.encode("\n2 + 2 =")
+    assert engine.calls[1][0][: len(p1) + len(engine.ids)] == p1 + engine.ids
+    assert engine.calls[1][0][len(p1) + len(engine.ids) :] == renderer.encode("\n2 + 2 =")
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     (sample,) = samples()
     n = len(engine.ids)
@@ -101,8 +121,9 @@ def test_session_completions_extend_the_recorded_ids(env, renderer):
 def test_session_completion_at_another_temperature_starts_a_new_sample(env, renderer):
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    first = client.post(f"/s/{sid}/v1/completions",
-                        json={"prompt": "7 + 1 =", "temperature": 0.5}).json()
+    first = client.post(
+        f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 =", "temperature": 0.5}
+    ).json()
     text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
     client.post(f"/s/{sid}/v1/completions", json={"prompt": text, "temperature": 1.0})
     info = client.get(f"/v1/sessions/{sid}").json()
@@ -113,7 +134,7 @@ def test_session_completion_at_another_temperature_starts_a_new_sample(env, rend
     # starts from a fresh tokenization of its whole prompt.
     assert [round(s.sampling.temperature, 6) for s in (one, two)] == [0.5, 1.0]
     assert sum(one.loss_mask) == sum(two.loss_mask) == len(engine.ids)
-    assert list(two.token_ids[:two.prompt_length]) == renderer.encode(text)
+    assert list(two.token_ids[: two.prompt_length]) == renderer.encode(text)
 
 
 def test_live_session_completions_are_one_sample_per_turn(env, renderer):
@@ -130,7 +151,7 @@ def test_live_session_completions_are_one_sample_per_turn(env, renderer):
     p1, n = engine.calls[0][0], len(engine.ids)
     assert list(turn0.token_ids) == p1 + engine.ids
     assert list(turn0.loss_mask) == [0] * len(p1) + [1] * n
-    assert list(turn0.rollout_logprobs[len(p1):]) == pytest.approx([-0.1] * n)
+    assert list(turn0.rollout_logprobs[len(p1) :]) == pytest.approx([-0.1] * n)
     assert turn0.mode == "live" and turn0.turn_index == 0
     assert turn0.next_state.role == "user"
     assert json.loads(turn0.next_state.content_json) == "\n2 + 2 ="
@@ -161,12 +182,20 @@ class Scripted:
     async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
         self.calls.append(list(input_ids))
         ids, lps = self.outputs.pop(0)
-        return Generation(output_ids=ids, output_logprobs=lps, text="", finish_type="length",
-                          matched_eos=False, weight_version=1, prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=ids,
+            output_logprobs=lps,
+            text="",
+            finish_type="length",
+            matched_eos=False,
+            weight_version=1,
+            prompt_tokens=len(input_ids),
+        )
 
 
 def test_bug02_art883_a_sampled_token_under_a_changed_prefix_is_never_trained_again(
-        redis_client, prefix, renderer):
+    redis_client, prefix, renderer
+):
     # The case's exchanges, ids shifted by 100 (SmolLM2's id 2 is its EOS):
     # exchange 1: prompt [101] -> [102, 103]; exchange 2: prompt [101, 103, 104] -> [105]
     engine = Scripted([([102, 103], [-0.1, -0.3]), ([105], [-0.2])])
@@ -181,16 +210,17 @@ def test_bug02_art883_a_sampled_token_under_a_changed_prefix_is_never_trained_ag
     assert (list(first.token_ids), list(first.loss_mask)) == ([101, 102, 103], [0, 1, 1])
     assert list(first.rollout_logprobs[1:]) == pytest.approx([-0.1, -0.3])
     # Token 103 is context of exchange 2 (mask 0): its old logprob came under another prefix.
-    assert (list(second.token_ids), list(second.loss_mask)) == ([101, 103, 104, 105],
-                                                                [0, 0, 0, 1])
+    assert (list(second.token_ids), list(second.loss_mask)) == ([101, 103, 104, 105], [0, 0, 0, 1])
     assert list(second.rollout_logprobs) == pytest.approx([0.0, 0.0, 0.0, -0.2])
 
 
 def test_session_sample_records_the_stop_strings_and_seed_the_engine_got(env):
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    client.post(f"/s/{sid}/v1/completions", json={
-        "prompt": "7 + 1 =", "temperature": 0.5, "stop": ["\n\n", "###"], "seed": -1})
+    client.post(
+        f"/s/{sid}/v1/completions",
+        json={"prompt": "7 + 1 =", "temperature": 0.5, "stop": ["\n\n", "###"], "seed": -1},
+    )
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     (sample,) = samples()
     # OpenAI's seed is a signed int64; SGLang's sampling_seed is non-negative:
@@ -219,17 +249,28 @@ class StopInsideToken(Engine):
 
     async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
         self.calls.append((list(input_ids), dict(sampling_params), top_logprobs_num))
-        return Generation(output_ids=self.ids, output_logprobs=[-0.1] * len(self.ids),
-                          text=" t", finish_type="stop", matched="he", matched_eos=False,
-                          weight_version=1, prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.1] * len(self.ids),
+            text=" t",
+            finish_type="stop",
+            matched="he",
+            matched_eos=False,
+            weight_version=1,
+            prompt_tokens=len(input_ids),
+        )
 
 
-@pytest.mark.parametrize(("follow_up", "stitched"), [
-    (" t Then", False),    # the text the client got: the context holds " there", not " t"
-    (" there Then", True),  # the text the ids hold: extends the recorded ids
-])
+@pytest.mark.parametrize(
+    ("follow_up", "stitched"),
+    [
+        (" t Then", False),  # the text the client got: the context holds " there", not " t"
+        (" there Then", True),  # the text the ids hold: extends the recorded ids
+    ],
+)
 def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
-        redis_client, prefix, renderer, follow_up, stitched):
+    redis_client, prefix, renderer, follow_up, stitched
+):
     engine = StopInsideToken(renderer)
     client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
@@ -253,7 +294,8 @@ def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
 
 def test_stream_options_without_stream_is_refused_as_in_chat(env):
     client, engine, _ = env
-    reply = client.post("/v1/completions", json={
-        "prompt": "7 + 1 =", "stream_options": {"include_usage": True}})
+    reply = client.post(
+        "/v1/completions", json={"prompt": "7 + 1 =", "stream_options": {"include_usage": True}}
+    )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
     assert engine.calls == []

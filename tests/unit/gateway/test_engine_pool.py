@@ -11,12 +11,24 @@ from flywheel.core.errors import UpstreamError
 from flywheel.gateway import engine_pool
 from flywheel.gateway.engine_pool import ENGINE_ABORTS, ENGINE_UP, EnginePool
 
-GENERATE = {"text": "8", "output_ids": [28, 2], "meta_info": {
-    "output_token_logprobs": [[-0.25, 28, None], [-0.5, 2, None]],
-    "finish_reason": {"type": "stop", "matched": 2}, "weight_version": "3"}}
-ABORTED = {"text": "", "output_ids": [28], "meta_info": {
-    "output_token_logprobs": [[-0.25, 28, None]], "weight_version": "3",
-    "finish_reason": {"type": "abort", "message": "Abort all requests", "status_code": None}}}
+GENERATE = {
+    "text": "8",
+    "output_ids": [28, 2],
+    "meta_info": {
+        "output_token_logprobs": [[-0.25, 28, None], [-0.5, 2, None]],
+        "finish_reason": {"type": "stop", "matched": 2},
+        "weight_version": "3",
+    },
+}
+ABORTED = {
+    "text": "",
+    "output_ids": [28],
+    "meta_info": {
+        "output_token_logprobs": [[-0.25, 28, None]],
+        "weight_version": "3",
+        "finish_reason": {"type": "abort", "message": "Abort all requests", "status_code": None},
+    },
+}
 
 
 class Engines:
@@ -58,6 +70,7 @@ class Engines:
                 self.aborts -= 1
                 return web.json_response(ABORTED)
             return web.json_response(GENERATE)
+
         return handle
 
     async def stop(self) -> None:
@@ -150,8 +163,9 @@ def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_an
         texts: list[str] = []
         try:
             engines.broken.add(a)  # fails before any chunk: the other engine serves it
-            gen = await pool.generate_stream([1, 2], {"max_new_tokens": 2},
-                                             _session_for(pool, a), on_text=texts.append)
+            gen = await pool.generate_stream(
+                [1, 2], {"max_new_tokens": 2}, _session_for(pool, a), on_text=texts.append
+            )
             assert [url for url, path in engines.calls if path == "/generate"] == [a, b]
             # the engines here answer whole JSON, read as one chunk
             assert gen.output_ids == [28, 2] and texts == ["8"]
@@ -161,10 +175,12 @@ def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_an
             engines.aborts = 1  # an aborted stream is not asked again: its text was shown
             before = ENGINE_ABORTS.labels(b)._value.get()
             with pytest.raises(UpstreamError, match="aborted"):
-                await pool.generate_stream([1, 2], {"max_new_tokens": 2},
-                                           _session_for(pool, b), on_text=texts.append)
+                await pool.generate_stream(
+                    [1, 2], {"max_new_tokens": 2}, _session_for(pool, b), on_text=texts.append
+                )
             assert ENGINE_ABORTS.labels(b)._value.get() == before + 1
         finally:
             await pool.aclose()
             await engines.stop()
+
     asyncio.run(run())

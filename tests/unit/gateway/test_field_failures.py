@@ -38,7 +38,7 @@ QWEN_LIKE = (
     "{{ '<think>\\n' + reasoning + '\\n</think>\\n\\n' }}{%- endif -%}"
     "{{ content }}"
     "{%- for call in m.tool_calls or [] -%}"
-    "{{ '<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    '{{ \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' '
     "+ call.function.arguments + '}\\n</tool_call>' }}"
     "{%- endfor -%}{{ '<|im_end|>\\n' }}"
     "{%- elif m.role == 'tool' -%}"
@@ -67,9 +67,16 @@ def qwen_like(smollm2_dir, tmp_path_factory):
 
 
 def _gen(ids, text, finish="stop", matched=EOS, version=1):
-    return Generation(output_ids=ids, output_logprobs=[-0.5] * len(ids), text=text,
-                      finish_type=finish, matched_eos=finish == "stop" and ids[-1:] == [EOS],
-                      weight_version=version, prompt_tokens=0, matched=matched)
+    return Generation(
+        output_ids=ids,
+        output_logprobs=[-0.5] * len(ids),
+        text=text,
+        finish_type=finish,
+        matched_eos=finish == "stop" and ids[-1:] == [EOS],
+        weight_version=version,
+        prompt_tokens=0,
+        matched=matched,
+    )
 
 
 def _turn(record, renderer, messages, ids, text, tools=None):
@@ -91,8 +98,8 @@ def test_bug01_non_canonical_split_is_kept_exactly(renderer):
     m2 = [*m1, reply, {"role": "user", "content": "again"}]
     prompt2, closed = prepare_prompt(record, renderer, m2, None)
     assert closed is None and record.forks == 0
-    assert prompt2[:len(prompt1) + len(sampled) + 1] == prompt1 + sampled + [EOS]
-    assert record.segment.loss_mask[len(prompt1):len(prompt1) + len(sampled) + 1] == [1] * 3
+    assert prompt2[: len(prompt1) + len(sampled) + 1] == prompt1 + sampled + [EOS]
+    assert record.segment.loss_mask[len(prompt1) : len(prompt1) + len(sampled) + 1] == [1] * 3
 
 
 def test_bug01_special_token_sampled_mid_reply_stays_in_the_ids(renderer):
@@ -102,9 +109,10 @@ def test_bug01_special_token_sampled_mid_reply_stays_in_the_ids(renderer):
     record = SessionRecord(session_id="b01s")
     m1 = [{"role": "user", "content": "letters"}]
     prompt1, _, reply = _turn(record, renderer, m1, sampled, "AB")
-    prompt2, _ = prepare_prompt(record, renderer, [*m1, reply, {"role": "user", "content": "x"}],
-                                None)
-    assert prompt2[len(prompt1):len(prompt1) + len(sampled)] == sampled
+    prompt2, _ = prepare_prompt(
+        record, renderer, [*m1, reply, {"role": "user", "content": "x"}], None
+    )
+    assert prompt2[len(prompt1) : len(prompt1) + len(sampled)] == sampled
 
 
 def test_bug01_edited_echo_is_never_trained_with_old_logprobs(renderer):
@@ -122,25 +130,30 @@ def test_bug01_edited_echo_is_never_trained_with_old_logprobs(renderer):
 
 
 # BUG-02: a template that strips <think> from history: turns are not token prefixes.
-@pytest.mark.parametrize("content", ["<think>\nuser greets me\n</think>\n\nI am good!",
-                                     "I am good!"])
+@pytest.mark.parametrize(
+    "content", ["<think>\nuser greets me\n</think>\n\nI am good!", "I am good!"]
+)
 def test_bug02_template_dropping_reasoning_forks_instead_of_splicing(qwen_like, content):
-    msgs = [{"role": "user", "content": "How are you?"},
-            {"role": "assistant", "content": content},
-            {"role": "user", "content": "What is your name?"}]
+    msgs = [
+        {"role": "user", "content": "How are you?"},
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": "What is your name?"},
+    ]
     two = qwen_like.render(msgs[:2], add_generation_prompt=False)
     three = qwen_like.render(msgs, add_generation_prompt=False)
     reasoning = "user greets me" if "<think>" in content else ""
-    assert two.endswith(f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n"
-                        "I am good!<|im_end|>\n")
+    assert two.endswith(
+        f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\nI am good!<|im_end|>\n"
+    )
     assert "<|im_start|>assistant\nI am good!<|im_end|>" in three
     record = SessionRecord(session_id="b02")
     # The engine sampled the reasoning block and the answer after the generation prompt.
     sampled_text = f"<think>\n{reasoning}\n</think>\n\nI am good!"
     sampled = qwen_like.encode(sampled_text) + [EOS]
     prompt1, _ = prepare_prompt(record, qwen_like, msgs[:1], None)
-    record_generation(record, _gen(sampled, sampled_text), SAMPLING,
-                      {"role": "assistant", "content": content})
+    record_generation(
+        record, _gen(sampled, sampled_text), SAMPLING, {"role": "assistant", "content": content}
+    )
     prompt2, closed = prepare_prompt(record, qwen_like, msgs, None)
     assert record.fork_reasons == {"template_rewrites_history": 1}
     assert closed is not None and closed.token_ids == prompt1 + sampled
@@ -153,28 +166,36 @@ def test_bug02_template_dropping_reasoning_forks_instead_of_splicing(qwen_like, 
 
 # BUG-04: consecutive tool results render as ONE user turn, exactly as the template does.
 def test_bug04_parallel_tool_results_are_one_observation(qwen_like):
-    calls = [{"id": f"c{i}", "type": "function",
-              "function": {"name": "read", "arguments": json.dumps({"path": p})}}
-             for i, p in ((1, "a.py"), (2, "b.py"))]
+    calls = [
+        {
+            "id": f"c{i}",
+            "type": "function",
+            "function": {"name": "read", "arguments": json.dumps({"path": p})},
+        }
+        for i, p in ((1, "a.py"), (2, "b.py"))
+    ]
     user = {"role": "user", "content": "show a.py and b.py"}
     reply = {"role": "assistant", "content": "", "tool_calls": calls}
-    tools = [{"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
-             {"role": "tool", "tool_call_id": "c2", "content": "print(2)"}]
+    tools = [
+        {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+        {"role": "tool", "tool_call_id": "c2", "content": "print(2)"},
+    ]
     record = SessionRecord(session_id="b04")
     prompt1, _ = prepare_prompt(record, qwen_like, [user], None)
-    said = qwen_like.render([user, reply], add_generation_prompt=False)[len(
-        qwen_like.render([user])):]
+    said = qwen_like.render([user, reply], add_generation_prompt=False)[
+        len(qwen_like.render([user])) :
+    ]
     sampled = qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS]
     record_generation(record, _gen(sampled, said), SAMPLING, reply)
     prompt2, closed = prepare_prompt(record, qwen_like, [user, reply, *tools], None)
     assert closed is None
-    observation = prompt2[len(prompt1) + len(sampled):]
+    observation = prompt2[len(prompt1) + len(sampled) :]
     text = qwen_like.tokenizer.decode(observation)
     full = qwen_like.render([user, reply, *tools])
     assert full.endswith(text) and text.count("<|im_start|>user") == 1
     assert "print(1)\n</tool_response><|im_end|>" not in text
     assert "print(1)\n</tool_response>\n<tool_response>\nprint(2)" in text
-    assert record.segment.loss_mask[-len(observation):] == [0] * len(observation)
+    assert record.segment.loss_mask[-len(observation) :] == [0] * len(observation)
     assert qwen_like.tokenizer.decode(prompt2) == full
 
 
@@ -200,10 +221,14 @@ def app(redis_client, prefix, renderer):
     return client, use, samples
 
 
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
-         for n in ("get_weather", "get_time")]
-TWO_CALLS = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+    for n in ("get_weather", "get_time")
+]
+TWO_CALLS = (
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+)
 
 
 def _episode(client, body, samples):
@@ -218,8 +243,12 @@ def test_bug06_streamed_tool_call_records_the_same_ids_as_non_streamed(app, rend
     client, use, samples = app
     ids = renderer.encode(TWO_CALLS) + [EOS]
     use(_gen(ids, TWO_CALLS))
-    body = {"messages": [{"role": "user", "content": "weather and time?"}], "tools": TOOLS,
-            "logprobs": True, "top_logprobs": 0}
+    body = {
+        "messages": [{"role": "user", "content": "weather and time?"}],
+        "tools": TOOLS,
+        "logprobs": True,
+        "top_logprobs": 0,
+    }
     plain, s_plain = _episode(client, body, samples)
     streamed, s_stream = _episode(client, {**body, "stream": True}, samples)
     assert "data: [DONE]" in streamed.text
@@ -233,10 +262,16 @@ def test_bug06_streamed_tool_call_records_the_same_ids_as_non_streamed(app, rend
     # engine's logprob (-0.5 from `_gen`), the same rows in both forms.
     whole = plain.json()["choices"][0]["logprobs"]["content"]
     assert [row["logprob"] for row in whole] == [-0.5] * n
-    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: {")]
-    rows = [row for e in events for c in e["choices"] if c.get("logprobs")
-            for row in c["logprobs"]["content"]]
+    events = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    rows = [
+        row
+        for e in events
+        for c in e["choices"]
+        if c.get("logprobs")
+        for row in c["logprobs"]["content"]
+    ]
     assert rows == whole
 
 
@@ -249,14 +284,17 @@ def test_bug27_sdk_stream_helper_accumulates_both_parallel_calls(app, renderer):
     with sdk.chat.completions.stream(model="m", messages=messages, tools=TOOLS) as stream:
         deltas = [e for e in stream if e.type == "chunk"]
         final = stream.get_final_completion()
-    indexes = [tc.index for e in deltas for c in e.chunk.choices
-               for tc in (c.delta.tool_calls or [])]
+    indexes = [
+        tc.index for e in deltas for c in e.chunk.choices for tc in (c.delta.tool_calls or [])
+    ]
     assert indexes == [0, 1]
-    streamed = [(c.function.name, c.function.arguments)
-                for c in final.choices[0].message.tool_calls]
+    streamed = [
+        (c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls
+    ]
     whole = sdk.chat.completions.create(model="m", messages=messages, tools=TOOLS)
-    assert streamed == [(c.function.name, c.function.arguments)
-                        for c in whole.choices[0].message.tool_calls]
+    assert streamed == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
+    ]
     assert streamed == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
     assert final.choices[0].finish_reason == "tool_calls"
 
@@ -265,8 +303,13 @@ def test_bug27_sdk_stream_helper_accumulates_both_parallel_calls(app, renderer):
 def test_bug07_08_sampling_params_are_stored_with_the_sample(app, renderer):
     client, use, samples = app
     engine = use(_gen(renderer.encode("8") + [EOS], "8"))
-    body = {"messages": [{"role": "user", "content": "7+1?"}], "temperature": 0.6,
-            "top_p": 0.75, "top_k": 20, "max_completion_tokens": 9}
+    body = {
+        "messages": [{"role": "user", "content": "7+1?"}],
+        "temperature": 0.6,
+        "top_p": 0.75,
+        "top_k": 20,
+        "max_completion_tokens": 9,
+    }
     _, sample = _episode(client, body, samples)
     sent = engine.calls[0][1]
     assert (sent["temperature"], sent["top_p"], sent["top_k"]) == (0.6, 0.75, 20)
@@ -291,9 +334,14 @@ def test_bug10_tokens_after_a_stop_string_are_cut_off(app, renderer):
     before = _overruns("tokens_after_stop")
     use(_gen(kept + renderer.encode(" more"), "1, 2", matched=" ha ha ha"))
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
-    resp = client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "count"}],
-                             "stop": [" ha ha ha"], "logprobs": True})
+    resp = client.post(
+        f"/s/{sid}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "count"}],
+            "stop": [" ha ha ha"],
+            "logprobs": True,
+        },
+    )
     choice = resp.json()["choices"][0]
     assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "1, 2")
     assert len(choice["logprobs"]["content"]) == len(kept)
@@ -305,8 +353,9 @@ def test_bug10_stop_token_inside_a_length_finish_is_cut_there(app, renderer):
     client, use, samples = app
     # The case's example: one accepted block [10, 11, STOP, 20, 21] crossed the 5-token cap.
     use(_gen([10, 11, EOS, 20, 21], "x", finish="length", matched=None))
-    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "go"}],
-                                     "max_tokens": 5}, samples)
+    resp, sample = _episode(
+        client, {"messages": [{"role": "user", "content": "go"}], "max_tokens": 5}, samples
+    )
     assert resp.json()["choices"][0]["finish_reason"] == "stop"
     n = sample.prompt_length
     assert list(sample.token_ids[n:]) == [10, 11, EOS]
@@ -320,34 +369,50 @@ def test_bug10_length_on_the_token_that_completes_a_stop_is_stop(app, renderer):
     ids = renderer.encode("1, 2 ha ha ha")
     before = _overruns("finish_relabelled")
     use(_gen(ids, "1, 2 ha ha ha", finish="length", matched=None))  # text not trimmed either
-    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "count"}],
-                                     "stop": " ha ha ha", "max_tokens": len(ids)}, samples)
+    resp, sample = _episode(
+        client,
+        {
+            "messages": [{"role": "user", "content": "count"}],
+            "stop": " ha ha ha",
+            "max_tokens": len(ids),
+        },
+        samples,
+    )
     choice = resp.json()["choices"][0]
     assert (choice["finish_reason"], choice["message"]["content"]) == ("stop", "1, 2")
-    assert list(sample.token_ids[sample.prompt_length:]) == ids  # nothing cut
+    assert list(sample.token_ids[sample.prompt_length :]) == ids  # nothing cut
     assert _overruns("finish_relabelled") == before + 1
 
 
 def test_bug10_logprob_rows_must_match_output_ids():
-    body = {"output_ids": [5, 6, 7], "text": "x", "meta_info": {
-        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
-        "finish_reason": {"type": "length"}}}
+    body = {
+        "output_ids": [5, 6, 7],
+        "text": "x",
+        "meta_info": {
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+            "finish_reason": {"type": "length"},
+        },
+    }
     with pytest.raises(UpstreamError):
         parse_generation(body, {EOS})
 
 
 # BUG-11: truncation by the token cap is "length", never "stop".
-@pytest.mark.parametrize(("text", "finish", "content", "reasoning"), [
-    ("1, 2, 3", "length", "1, 2, 3", None),
-    ("<think>\nlet me think about all of", "length", "", "let me think about all of"),
-    ("1, 2", "stop", "1, 2", None),  # (b) a stop completed on the last allowed token
-])
+@pytest.mark.parametrize(
+    ("text", "finish", "content", "reasoning"),
+    [
+        ("1, 2, 3", "length", "1, 2, 3", None),
+        ("<think>\nlet me think about all of", "length", "", "let me think about all of"),
+        ("1, 2", "stop", "1, 2", None),  # (b) a stop completed on the last allowed token
+    ],
+)
 def test_bug11_finish_reason_length_vs_stop(app, renderer, text, finish, content, reasoning):
     client, use, samples = app
     ids = renderer.encode(text)[:5]
     use(_gen(ids, text, finish=finish, matched=None))
-    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "Count"}],
-                                     "max_tokens": 5}, samples)
+    resp, sample = _episode(
+        client, {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 5}, samples
+    )
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == finish and sample.finish_reason == finish
     assert choice["message"]["content"] == content
@@ -362,8 +427,7 @@ def test_bug30_request_field_policy(app, renderer):
     msgs = [{"role": "user", "content": "Write a long story."}]
 
     def post(**body):
-        return client.post("/v1/chat/completions", json={"model": "m", "messages": msgs,
-                                                         **body})
+        return client.post("/v1/chat/completions", json={"model": "m", "messages": msgs, **body})
 
     assert post(max_completion_tokens=5).status_code == 200
     assert engine.calls[-1][1]["max_new_tokens"] == 5
@@ -397,8 +461,10 @@ def test_top_logprobs_are_asked_of_the_engine_and_returned(app, renderer):
     gen = _gen(ids, "ok")
     tops = [[(-0.1, t), (-2.5, 42)] for t in ids]
     engine = use(Generation(**{**gen.__dict__, "output_top_logprobs": tops}))
-    resp = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2})
+    resp = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+    )
     assert engine.calls[-1][2] == 2
     content = resp.json()["choices"][0]["logprobs"]["content"]
     assert [[e["logprob"] for e in c["top_logprobs"]] for c in content] == [[-0.1, -2.5]] * len(ids)
@@ -407,18 +473,28 @@ def test_top_logprobs_are_asked_of_the_engine_and_returned(app, renderer):
 
 def test_reformatted_arguments_fork_when_the_template_renders_them_raw(qwen_like):
     tools = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
-    call = {"id": "c1", "type": "function",
-            "function": {"name": "read", "arguments": '{"path": "a.py"}'}}
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "read", "arguments": '{"path": "a.py"}'},
+    }
     user = {"role": "user", "content": "show a.py"}
     reply = {"role": "assistant", "content": "", "tool_calls": [call]}
     record = SessionRecord(session_id="args")
     prepare_prompt(record, qwen_like, [user], tools)
-    said = qwen_like.render([user, reply], add_generation_prompt=False)[len(
-        qwen_like.render([user])):]
-    record_generation(record, _gen(qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS],
-                                   said), SAMPLING, reply)
-    compact = {**reply, "tool_calls": [{**call, "function": {"name": "read",
-                                                             "arguments": '{"path":"a.py"}'}}]}
+    said = qwen_like.render([user, reply], add_generation_prompt=False)[
+        len(qwen_like.render([user])) :
+    ]
+    record_generation(
+        record,
+        _gen(qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS], said),
+        SAMPLING,
+        reply,
+    )
+    compact = {
+        **reply,
+        "tool_calls": [{**call, "function": {"name": "read", "arguments": '{"path":"a.py"}'}}],
+    }
     tool = {"role": "tool", "tool_call_id": "c1", "content": "print(1)"}
     _, closed = prepare_prompt(record, qwen_like, [user, compact, tool], tools)
     assert closed is not None
@@ -434,22 +510,30 @@ def test_bug10_eos_as_the_last_allowed_token_is_a_stop_and_stitches_once(app, re
     use(_gen(ids, "8", finish="length", matched=None))
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     first = [{"role": "user", "content": "7 + 1?"}]
-    resp = client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": first, "max_tokens": len(ids)})
+    resp = client.post(
+        f"/s/{sid}/v1/chat/completions", json={"messages": first, "max_tokens": len(ids)}
+    )
     assert resp.json()["choices"][0]["finish_reason"] == "stop"
     then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
     client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then})
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["forks"] == 0
-    assert info["token_ids"][:-len(ids)] == renderer.prompt_ids(then)
+    assert info["token_ids"][: -len(ids)] == renderer.prompt_ids(then)
 
 
 # BUG-19: a request that straddles a weight update records each token's own version, from the
 # engine's `meta_info.weight_versions` spans, not the version at completion.
 def _straddling_body(ids, spans):
-    return {"output_ids": ids, "text": "x", "meta_info": {
-        "output_token_logprobs": [[-0.5, t, None] for t in ids], "weight_version": "4",
-        "weight_versions": spans, "finish_reason": {"type": "stop", "matched": EOS}}}
+    return {
+        "output_ids": ids,
+        "text": "x",
+        "meta_info": {
+            "output_token_logprobs": [[-0.5, t, None] for t in ids],
+            "weight_version": "4",
+            "weight_versions": spans,
+            "finish_reason": {"type": "stop", "matched": EOS},
+        },
+    }
 
 
 def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, renderer):
@@ -481,11 +565,14 @@ def test_bug19_n_choices_keep_their_per_token_versions():
     assert seg.versions[-3:] == [3, 4, 4]
 
 
-@pytest.mark.parametrize("spans", [
-    [{"version": "3", "start": 0, "end": 2}],  # covers 2 of 5 tokens
-    [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
-    [{"version": "3", "begin": 0, "end": 5}],  # no start
-])
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [{"version": "3", "start": 0, "end": 2}],  # covers 2 of 5 tokens
+        [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
+        [{"version": "3", "begin": 0, "end": 5}],  # no start
+    ],
+)
 def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
     with pytest.raises(UpstreamError, match="weight_versions"):
         parse_generation(_straddling_body([10, 11, 12, 13, EOS], spans), {EOS})
@@ -493,25 +580,35 @@ def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
 
 # BUG-07: a Sample carries one sampling setting, the one the trainer recomputes logprobs with; an
 # episode turn drawn at another temperature (or top_p/top_k/min_p) starts a new segment.
-@pytest.mark.parametrize(("first_t", "second", "forked"), [
-    (0.5, {"temperature": 1.0}, True),
-    (0.5, {"temperature": 0.5, "top_p": 0.9}, True),
-    (0.5, {"temperature": 0.5, "max_tokens": 3}, False),  # the cap leaves the distribution
-    (0.0, {"temperature": 0.0, "top_p": 0.5}, False),  # greedy takes the argmax either way
-    (0.0, {"temperature": 0.5}, True),
-])
-def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(app, renderer, first_t, second,
-                                                                  forked):
+@pytest.mark.parametrize(
+    ("first_t", "second", "forked"),
+    [
+        (0.5, {"temperature": 1.0}, True),
+        (0.5, {"temperature": 0.5, "top_p": 0.9}, True),
+        (0.5, {"temperature": 0.5, "max_tokens": 3}, False),  # the cap leaves the distribution
+        (0.0, {"temperature": 0.0, "top_p": 0.5}, False),  # greedy takes the argmax either way
+        (0.0, {"temperature": 0.5}, True),
+    ],
+)
+def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(
+    app, renderer, first_t, second, forked
+):
     client, use, samples = app
     reply = renderer.encode("8") + [EOS]
     use(_gen(reply, "8"))
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     first = [{"role": "user", "content": "7 + 1?"}]
-    assert client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": first, "temperature": first_t}).status_code == 200
+    assert (
+        client.post(
+            f"/s/{sid}/v1/chat/completions", json={"messages": first, "temperature": first_t}
+        ).status_code
+        == 200
+    )
     then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
-    assert client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": then, **second}).status_code == 200
+    assert (
+        client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then, **second}).status_code
+        == 200
+    )
     info = client.get(f"/v1/sessions/{sid}").json()
     client.post(f"/v1/sessions/{sid}/finish", json={})
     published = [s for s in samples() if s.session_id == sid]

@@ -38,16 +38,22 @@ def _forked_episode(client):
     """An episode whose second request edits history: segment 0 is closed by a fork."""
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     for messages in (ASK, EDITED):
-        assert client.post(f"/s/{sid}/v1/chat/completions",
-                           json={"messages": messages}).status_code == 200
+        assert (
+            client.post(f"/s/{sid}/v1/chat/completions", json={"messages": messages}).status_code
+            == 200
+        )
     return sid
 
 
 def test_a_forked_segment_is_held_and_published_with_the_outcome(app):
     client, samples, redis_client, prefix = app
     sid = _forked_episode(client)
-    assert client.post(f"/v1/sessions/{sid}/reward",
-                       json={"name": "style", "reward": 0.25}).status_code == 200
+    assert (
+        client.post(
+            f"/v1/sessions/{sid}/reward", json={"name": "style", "reward": 0.25}
+        ).status_code
+        == 200
+    )
     info = client.get(f"/v1/sessions/{sid}").json()
     assert (info["forks"], info["samples_held"], info["samples_published"]) == (1, 1, 0)
     assert samples() == []  # nothing reaches the trainer's stream before the outcome

@@ -19,8 +19,7 @@ from flywheel.gateway.tokenization import ChatRenderer
 from .test_app import FakeEngine
 
 SLOW = {"content-type": "application/x-chat+json"}  # FastAPI parses it; the hot path passes
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}],
-        "max_tokens": 8}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +37,20 @@ def env(redis_client, prefix, renderer, monkeypatch):
         return await original(self, *args, **kwargs)
 
     monkeypatch.setattr(hot_path.HotPath, "_serve", counting)
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=renderer,
-                       engines=FakeEngine(renderer),
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
+    deps = GatewayDeps(
+        settings=GatewaySettings(),
+        renderer=renderer,
+        engines=FakeEngine(renderer),
+        sessions=SessionStore(redis_client, prefix, 3600),
+        publisher=StreamProducer(redis_client, f"{prefix}:rollouts"),
+    )
     return TestClient(create_app(deps)), served, redis_client, prefix
 
 
 def _post(client, path, body, headers=None):
-    return client.post(path, content=json.dumps(body),
-                       headers=headers or {"content-type": "application/json"})
+    return client.post(
+        path, content=json.dumps(body), headers=headers or {"content-type": "application/json"}
+    )
 
 
 def _comparable(reply: dict) -> dict:
@@ -57,8 +60,9 @@ def _comparable(reply: dict) -> dict:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/s/{sid}/v1/chat/completions"])
 def test_hot_and_fastapi_paths_answer_alike(env, path):
     client, served, redis_client, prefix = env
-    sids = [client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-            for _ in range(2)]
+    sids = [
+        client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"] for _ in range(2)
+    ]
     hot = _post(client, path.format(sid=sids[0]), CHAT)
     slow = _post(client, path.format(sid=sids[1]), CHAT, SLOW)
     assert hot.status_code == slow.status_code == 200
@@ -77,8 +81,10 @@ def test_hot_and_fastapi_paths_answer_alike(env, path):
 def test_streams_alike(env):
     client, served, _, _ = env
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
-    hot, slow = _post(client, "/v1/chat/completions", body), \
-        _post(client, "/v1/chat/completions", body, SLOW)
+    hot, slow = (
+        _post(client, "/v1/chat/completions", body),
+        _post(client, "/v1/chat/completions", body, SLOW),
+    )
     assert len(served) == 1 and hot.status_code == slow.status_code == 200
 
     def events(text):  # chunk bodies without their per-request id and time
@@ -109,30 +115,36 @@ def test_what_the_hot_path_cannot_take_gets_fastapis_answer(env):
     invalid = {**CHAT, "temperature": "hot"}
     reply = _post(client, "/v1/chat/completions", invalid)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "temperature"
-    broken = client.post("/v1/chat/completions", content=b'{"model": ',
-                         headers={"content-type": "application/json"})
+    broken = client.post(
+        "/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"}
+    )
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
     listed = _post(client, "/v1/chat/completions", [CHAT])
     assert listed.status_code == 400
-    text = client.post("/v1/chat/completions", content=json.dumps(CHAT),
-                       headers={"content-type": "text/plain"})
+    text = client.post(
+        "/v1/chat/completions", content=json.dumps(CHAT), headers={"content-type": "text/plain"}
+    )
     assert text.status_code == 400
     for ctype in (None, "", "; charset=utf-8"):  # no media type: FastAPI refuses the body
         headers = {} if ctype is None else {"content-type": ctype}
-        untyped = client.post("/v1/chat/completions", content=json.dumps(CHAT).encode(),
-                              headers=headers)
+        untyped = client.post(
+            "/v1/chat/completions", content=json.dumps(CHAT).encode(), headers=headers
+        )
         assert untyped.status_code == 400, ctype
     assert served == []  # none of them was served by the hot path
 
 
-@pytest.mark.parametrize("path,expected", [
-    ("/v1/chat/completions", (True, None)),
-    ("/s/abc/v1/chat/completions", (True, "abc")),
-    ("/s//v1/chat/completions", (False, None)),
-    ("/s/a/b/v1/chat/completions", (False, None)),
-    ("/v1/completions", (False, None)),
-    ("/v1/chat/completions/", (False, None)),
-])
+@pytest.mark.parametrize(
+    "path,expected",
+    [
+        ("/v1/chat/completions", (True, None)),
+        ("/s/abc/v1/chat/completions", (True, "abc")),
+        ("/s//v1/chat/completions", (False, None)),
+        ("/s/a/b/v1/chat/completions", (False, None)),
+        ("/v1/completions", (False, None)),
+        ("/v1/chat/completions/", (False, None)),
+    ],
+)
 def test_route_matching(path, expected):
     assert hot_path.route({"type": "http", "method": "POST", "path": path}) == expected
     assert hot_path.route({"type": "http", "method": "GET", "path": path}) == (False, None)

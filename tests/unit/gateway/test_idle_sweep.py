@@ -33,10 +33,13 @@ def renderer(smollm2_dir):
 
 def _deps(redis_client, prefix, renderer, **settings):
     settings = {"session_idle_finish_s": IDLE_S, **settings}
-    return GatewayDeps(settings=GatewaySettings(**settings), renderer=renderer,
-                       engines=ScriptEngine(renderer, ["Paris.", "Lyon.", "Nice."]),
-                       sessions=SessionStore(redis_client, prefix, 3600),
-                       publisher=StreamProducer(redis_client, f"{prefix}:rollouts"))
+    return GatewayDeps(
+        settings=GatewaySettings(**settings),
+        renderer=renderer,
+        engines=ScriptEngine(renderer, ["Paris.", "Lyon.", "Nice."]),
+        sessions=SessionStore(redis_client, prefix, 3600),
+        publisher=StreamProducer(redis_client, f"{prefix}:rollouts"),
+    )
 
 
 def _samples(redis_client, prefix):
@@ -48,8 +51,11 @@ def _metric(name, **labels):
 
 
 def _post(client, sid, messages):
-    resp = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
-                       json={"model": "m", "messages": messages})
+    resp = client.post(
+        "/v1/chat/completions",
+        headers={"X-Session-Id": sid},
+        json={"model": "m", "messages": messages},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["message"]
 
@@ -64,8 +70,8 @@ def test_idle_finish_must_come_before_the_ttl():
 def test_sweep_publishes_what_idle_sessions_hold_once(redis_client, prefix, renderer, caplog):
     deps = _deps(redis_client, prefix, renderer)
     client = TestClient(create_app(deps))
-    r0 = _post(client, "live-idle", [U1])                     # turn 0: waits
-    _post(client, "live-idle", [U1, r0, U2])                  # turn 0 published; turn 1 waits
+    r0 = _post(client, "live-idle", [U1])  # turn 0: waits
+    _post(client, "live-idle", [U1, r0, U2])  # turn 0 published; turn 1 waits
     _post(client, "live-idle", [U1, r0, {"role": "user", "content": "Other branch"}])
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     client.post(f"/s/{sid}/v1/chat/completions", json={"messages": [U1]})
@@ -92,8 +98,9 @@ def test_sweep_publishes_what_idle_sessions_hold_once(redis_client, prefix, rend
     # Swept again: nothing twice; a later request or finish is refused and says why.
     assert sweep_idle(deps, now=time.time() + 2 * IDLE_S) == 0
     assert len(_samples(redis_client, prefix)) == len(published)
-    late = client.post("/v1/chat/completions", headers={"X-Session-Id": "live-idle"},
-                       json={"messages": [U1]})
+    late = client.post(
+        "/v1/chat/completions", headers={"X-Session-Id": "live-idle"}, json={"messages": [U1]}
+    )
     assert late.status_code == 409 and "idle" in late.json()["error"]["message"]
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1}).status_code == 409
 
@@ -121,8 +128,10 @@ def test_replicas_sweeping_together_publish_each_session_once(redis_client, pref
         _post(client, f"s{k}", [U1])
     later = time.time() + IDLE_S + 1
     counts = []
-    threads = [threading.Thread(target=lambda d=d: counts.append(sweep_idle(d, now=later)))
-               for d in replicas]
+    threads = [
+        threading.Thread(target=lambda d=d: counts.append(sweep_idle(d, now=later)))
+        for d in replicas
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -145,8 +154,9 @@ def test_an_expired_record_is_counted_and_logged(redis_client, prefix, renderer,
     assert deps.sessions.idle(time.time() + 2 * IDLE_S) == []
 
 
-def test_an_unreadable_record_is_counted_and_the_others_still_swept(redis_client, prefix,
-                                                                     renderer, caplog):
+def test_an_unreadable_record_is_counted_and_the_others_still_swept(
+    redis_client, prefix, renderer, caplog
+):
     deps = _deps(redis_client, prefix, renderer)
     client = TestClient(create_app(deps))
     _post(client, "bad", [U1])
@@ -156,8 +166,9 @@ def test_an_unreadable_record_is_counted_and_the_others_still_swept(redis_client
     with caplog.at_level(logging.ERROR, logger="flywheel.gateway.sweep"):
         assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 1  # "good"
     assert _metric("flywheel_gateway_sessions_unreadable_total") == before + 1
-    assert any("bad" in r.getMessage() and "cannot be read" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "bad" in r.getMessage() and "cannot be read" in r.getMessage() for r in caplog.records
+    )
     assert [s.session_id for s in _samples(redis_client, prefix)] == ["good"]
     assert deps.sessions.idle(time.time() + 2 * IDLE_S) == []
 

@@ -16,27 +16,40 @@ from flywheel.gateway.tokenization import ChatRenderer
 from .harness import gateway_app
 
 ASK = [{"role": "user", "content": "What is 7 + 1?"}]
-TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
 CALL = 'Let me add. <tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 1}}\n</tool_call>'
 
 
-@pytest.mark.parametrize(("text", "stops", "tools", "sendable"), [
-    ("Hi", [], False, 2),
-    ("Hello ##", ["###"], False, 6),        # "##" may begin "###": "Hello " goes out
-    ("Hello ### more", ["###"], False, 6),  # never from a stop string on
-    ("  ", [], False, 0),                   # blank so far
-    ("<thi", [], False, 0),                 # may open a reasoning block
-    ("<think>abc", [], False, 0),
-    ('{"name"', [], True, 0),               # may be a JSON tool call
-    ("{x", [], False, 2),                   # no tools: just text
-    ("Sure. <tool_", [], True, 5),          # "Sure." (a parsed call strips the space)
-    ("Sure. <tool_call>{", [], True, 5),
-    ("<tool_", [], False, 6),               # no tools offered: not a marker
-    (" \n Let me check.", [], True, 0),     # a parsed call would strip the leading space
-    (" \n Let me check.", [], False, 16),
-    ("caf\ufffd", [], False, 3),            # the last character's bytes are not all there
-])
+@pytest.mark.parametrize(
+    ("text", "stops", "tools", "sendable"),
+    [
+        ("Hi", [], False, 2),
+        ("Hello ##", ["###"], False, 6),  # "##" may begin "###": "Hello " goes out
+        ("Hello ### more", ["###"], False, 6),  # never from a stop string on
+        ("  ", [], False, 0),  # blank so far
+        ("<thi", [], False, 0),  # may open a reasoning block
+        ("<think>abc", [], False, 0),
+        ('{"name"', [], True, 0),  # may be a JSON tool call
+        ("{x", [], False, 2),  # no tools: just text
+        ("Sure. <tool_", [], True, 5),  # "Sure." (a parsed call strips the space)
+        ("Sure. <tool_call>{", [], True, 5),
+        ("<tool_", [], False, 6),  # no tools offered: not a marker
+        (" \n Let me check.", [], True, 0),  # a parsed call would strip the leading space
+        (" \n Let me check.", [], False, 16),
+        ("caf\ufffd", [], False, 3),  # the last character's bytes are not all there
+    ],
+)
 def test_what_can_be_sent_while_sampling(text, stops, tools, sendable):
     assert streamable(text, stops, tools) == sendable
 
@@ -45,8 +58,15 @@ class StreamingEngine:
     """Samples `text` token by token, passing each cumulative text to `on_text`; `fail_after`
     tokens then an UpstreamError (a stream that broke) when set."""
 
-    def __init__(self, renderer, text, *, stop=None, fail_after=None,
-                 failure=UpstreamError("the engine's stream broke after it started")):
+    def __init__(
+        self,
+        renderer,
+        text,
+        *,
+        stop=None,
+        fail_after=None,
+        failure=UpstreamError("the engine's stream broke after it started"),
+    ):
         self.renderer, self.fail_after, self.stop = renderer, fail_after, stop
         self.failure = failure
         self.ids = renderer.encode(text) + ([] if stop else [2])
@@ -55,16 +75,23 @@ class StreamingEngine:
 
     def _gen(self, n_prompt):
         text = self.text.split(self.stop)[0] if self.stop else self.text
-        return Generation(output_ids=self.ids, output_logprobs=[-0.5] * len(self.ids), text=text,
-                          finish_type="stop", matched=self.stop or 2,
-                          matched_eos=self.stop is None, weight_version=3,
-                          prompt_tokens=n_prompt)
+        return Generation(
+            output_ids=self.ids,
+            output_logprobs=[-0.5] * len(self.ids),
+            text=text,
+            finish_type="stop",
+            matched=self.stop or 2,
+            matched_eos=self.stop is None,
+            weight_version=3,
+            prompt_tokens=n_prompt,
+        )
 
     async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
         return self._gen(len(input_ids))
 
-    async def generate_stream(self, input_ids, sampling_params, affinity="",
-                              top_logprobs_num=0, *, on_text):
+    async def generate_stream(
+        self, input_ids, sampling_params, affinity="", top_logprobs_num=0, *, on_text
+    ):
         self.streamed += 1
         for k in range(1, len(self.ids) + 1):
             if self.fail_after is not None and k > self.fail_after:
@@ -86,19 +113,20 @@ def _app(redis_client, prefix, renderer, engine):
 
 
 def _events(client, sid, **body):
-    with client.stream("POST", f"/s/{sid}/v1/chat/completions",
-                       json={"messages": ASK, "stream": True, **body}) as reply:
+    with client.stream(
+        "POST", f"/s/{sid}/v1/chat/completions", json={"messages": ASK, "stream": True, **body}
+    ) as reply:
         assert reply.status_code == 200
         return [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
 
 
 def _deltas(events):
-    return [json.loads(e)["choices"][0]["delta"] for e in events[:-1]
-            if json.loads(e)["choices"]]
+    return [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
 
 
 def test_content_goes_out_token_by_token_and_equals_the_recorded_reply(
-        redis_client, prefix, renderer):
+    redis_client, prefix, renderer
+):
     text = "Seven plus one is eight, as counting on from seven shows."
     engine = StreamingEngine(renderer, text)
     client, samples, sid = _app(redis_client, prefix, renderer, engine)
@@ -111,7 +139,7 @@ def test_content_goes_out_token_by_token_and_equals_the_recorded_reply(
     assert events[-1] == "[DONE]"
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     (sample,) = samples()
-    assert list(sample.token_ids[sample.prompt_length:]) == engine.ids
+    assert list(sample.token_ids[sample.prompt_length :]) == engine.ids
     assert json.loads(sample.messages[-1].content_json) == text
 
 
@@ -137,22 +165,24 @@ def test_a_tool_call_is_held_back_and_sent_parsed(redis_client, prefix, renderer
 def test_the_openai_sdk_reads_the_stream(redis_client, prefix, renderer):
     engine = StreamingEngine(renderer, "Eight.")
     client, _, sid = _app(redis_client, prefix, renderer, engine)
-    sdk = openai.OpenAI(base_url=f"http://testserver/s/{sid}/v1", api_key="k",
-                        http_client=client)
+    sdk = openai.OpenAI(base_url=f"http://testserver/s/{sid}/v1", api_key="k", http_client=client)
     chunks = list(sdk.chat.completions.create(model="m", messages=ASK, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Eight."
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize(("failure", "error_type"), [
-    (UpstreamError("the engine's stream broke after it started"), "upstream_error"),
-    (redis.ConnectionError("Connection refused"), "service_unavailable_error"),
-    (RuntimeError("a bug"), "server_error"),
-])
+@pytest.mark.parametrize(
+    ("failure", "error_type"),
+    [
+        (UpstreamError("the engine's stream broke after it started"), "upstream_error"),
+        (redis.ConnectionError("Connection refused"), "service_unavailable_error"),
+        (RuntimeError("a bug"), "server_error"),
+    ],
+)
 def test_a_stream_that_breaks_after_its_first_text_ends_well_formed_and_records_nothing(
-        redis_client, prefix, renderer, failure, error_type):
-    engine = StreamingEngine(renderer, "Seven plus one is eight.", fail_after=3,
-                             failure=failure)
+    redis_client, prefix, renderer, failure, error_type
+):
+    engine = StreamingEngine(renderer, "Seven plus one is eight.", fail_after=3, failure=failure)
     client, samples, sid = _app(redis_client, prefix, renderer, engine)
     events = _events(client, sid)
     assert events[-1] == "[DONE]"
@@ -168,8 +198,7 @@ def test_a_refused_stream_keeps_its_http_status(redis_client, prefix, renderer):
     engine = StreamingEngine(renderer, "Eight.")
     client, _, sid = _app(redis_client, prefix, renderer, engine)
     client.post(f"/v1/sessions/{sid}/finish", json={})
-    reply = client.post(f"/s/{sid}/v1/chat/completions",
-                        json={"messages": ASK, "stream": True})
+    reply = client.post(f"/s/{sid}/v1/chat/completions", json={"messages": ASK, "stream": True})
     assert reply.status_code == 409 and reply.json()["error"]["type"] == "conflict_error"
     assert engine.streamed == 0
 

@@ -22,9 +22,15 @@ class ScriptEngine:
         self.calls.append((list(input_ids), dict(sampling_params), affinity))
         ids = self.renderer.encode(text) + [2]
         lp = -0.1 * len(self.calls)
-        return Generation(output_ids=ids, output_logprobs=[lp] * len(ids), text=text,
-                          finish_type="stop", matched_eos=True, weight_version=len(self.calls),
-                          prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=ids,
+            output_logprobs=[lp] * len(ids),
+            text=text,
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=len(self.calls),
+            prompt_tokens=len(input_ids),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +51,9 @@ def _post(client, messages, sid=None, turn_type=None, **body):
         headers["X-Session-Id"] = sid
     if turn_type:
         headers["X-Turn-Type"] = turn_type
-    resp = client.post("/v1/chat/completions", headers=headers,
-                       json={"model": "m", "messages": messages, **body})
+    resp = client.post(
+        "/v1/chat/completions", headers=headers, json={"model": "m", "messages": messages, **body}
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()
 
@@ -74,19 +81,20 @@ def test_live_session_by_header_emits_one_sample_per_turn_when_its_next_state_ar
     assert [m.role for m in turn0.messages] == ["user", "assistant"]
     assert json.loads(turn0.messages[-1].content_json) == "Paris."
     # Turn 1's prompt holds turn 0's sampled ids exactly; only turn 1 is trainable.
-    assert prompt1[:len(prompt0) + len(out0)] == prompt0 + out0
+    assert prompt1[: len(prompt0) + len(out0)] == prompt0 + out0
     assert engine.calls[1][2] == "chat-1"  # session affinity
-    done = client.post("/v1/sessions/chat-1/finish",
-                       json={"next_state": {"role": "user", "content": "Thanks!"}})
+    done = client.post(
+        "/v1/sessions/chat-1/finish", json={"next_state": {"role": "user", "content": "Thanks!"}}
+    )
     assert done.json()["samples_published"] == 1
     turn1 = samples()[1]
     out1 = engine.renderer.encode("Lyon.") + [2]
     assert list(turn1.token_ids) == prompt1 + out1
     assert list(turn1.loss_mask) == [0] * len(prompt1) + [1] * len(out1)
-    assert list(turn1.rollout_logprobs[-len(out1):]) == pytest.approx([-0.2] * len(out1))
-    assert set(turn1.rollout_logprobs[:len(prompt1)]) == {0.0}
-    assert set(turn1.weight_versions[:len(prompt1)]) == {-1}
-    assert list(turn1.weight_versions[-len(out1):]) == [2] * len(out1)
+    assert list(turn1.rollout_logprobs[-len(out1) :]) == pytest.approx([-0.2] * len(out1))
+    assert set(turn1.rollout_logprobs[: len(prompt1)]) == {0.0}
+    assert set(turn1.weight_versions[: len(prompt1)]) == {-1}
+    assert list(turn1.weight_versions[-len(out1) :]) == [2] * len(out1)
     assert turn1.turn_index == 1 and json.loads(turn1.next_state.content_json) == "Thanks!"
     assert turn0.sample_id != turn1.sample_id
 
@@ -95,14 +103,18 @@ def test_live_tool_results_become_one_next_state_and_finish_without_one(env):
     client, _, samples = env
     sid = client.post("/v1/sessions", json={"mode": "live"}).json()["session_id"]
     reply = _post(client, [U1], sid=sid)["choices"][0]["message"]
-    tools = [{"role": "tool", "tool_call_id": "a", "content": "r1"},
-             {"role": "tool", "tool_call_id": "b", "content": "r2"}]
+    tools = [
+        {"role": "tool", "tool_call_id": "a", "content": "r1"},
+        {"role": "tool", "tool_call_id": "b", "content": "r2"},
+    ]
     _post(client, [U1, reply, *tools], sid=sid)
     state = samples()[0].next_state
     assert state.role == "tool" and json.loads(state.content_json) == "r1\n\nr2"
     extra = json.loads(state.extra_json)
     assert extra["tool_call_id"] == "a" and [m["content"] for m in extra["messages"]] == [
-        "r1", "r2"]
+        "r1",
+        "r2",
+    ]
     client.post(f"/v1/sessions/{sid}/finish", json={})
     last = samples()[1]
     assert not last.HasField("next_state")
@@ -111,8 +123,9 @@ def test_live_tool_results_become_one_next_state_and_finish_without_one(env):
 def test_side_turns_are_served_but_not_recorded(env):
     client, engine, samples = env
     reply = _post(client, [U1], sid="s-side")["choices"][0]["message"]
-    side = _post(client, [{"role": "user", "content": "Summarize the chat"}], sid="s-side",
-                 turn_type="side")
+    side = _post(
+        client, [{"role": "user", "content": "Summarize the chat"}], sid="s-side", turn_type="side"
+    )
     assert side["choices"][0]["message"]["content"] == "Lyon."
     assert engine.calls[1][2] == "s-side"
     assert samples() == []  # a side turn is not the next state of turn 0
@@ -121,11 +134,13 @@ def test_side_turns_are_served_but_not_recorded(env):
     assert json.loads(turn0.next_state.content_json) == U2["content"]
     info = client.get("/v1/sessions/s-side").json()
     assert info["turns"] == 2 and info["forks"] == 0
-    bad = client.post("/v1/chat/completions", headers={"X-Turn-Type": "bogus"},
-                      json={"messages": [U1]})
+    bad = client.post(
+        "/v1/chat/completions", headers={"X-Turn-Type": "bogus"}, json={"messages": [U1]}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Turn-Type"
-    bad_id = client.post("/v1/chat/completions", headers={"X-Session-Id": "no spaces"},
-                         json={"messages": [U1]})
+    bad_id = client.post(
+        "/v1/chat/completions", headers={"X-Session-Id": "no spaces"}, json={"messages": [U1]}
+    )
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Session-Id"
 
 
@@ -144,8 +159,11 @@ def test_posted_rewards_reach_the_sample_rewards_map(env):
     assert dict(samples()[1].rewards) == {"outcome": -1.0}
     late = client.post("/v1/sessions/nope/reward", json={"reward": 1})
     assert late.status_code == 404
-    bad = client.post(f"/v1/sessions/{sid}/reward", content=b'{"reward": NaN}',
-                      headers={"content-type": "application/json"})
+    bad = client.post(
+        f"/v1/sessions/{sid}/reward",
+        content=b'{"reward": NaN}',
+        headers={"content-type": "application/json"},
+    )
     assert bad.status_code == 400
     finished = client.post(f"/v1/sessions/{sid}/reward", json={"reward": 1})
     assert finished.status_code == 409
@@ -154,10 +172,10 @@ def test_posted_rewards_reach_the_sample_rewards_map(env):
 @pytest.mark.parametrize("mode", ["episode", "live"])
 def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
     client, engine, samples = env
-    sid = client.post("/v1/sessions", json={"group_id": "g7", "mode": mode}).json()[
-        "session_id"]
-    body = client.post(f"/s/{sid}/v1/chat/completions",
-                       json={"messages": [U1], "n": 3, "seed": 5}).json()
+    sid = client.post("/v1/sessions", json={"group_id": "g7", "mode": mode}).json()["session_id"]
+    body = client.post(
+        f"/s/{sid}/v1/chat/completions", json={"messages": [U1], "n": 3, "seed": 5}
+    ).json()
     contents = [c["message"]["content"] for c in body["choices"]]
     assert contents == ["Paris.", "Lyon.", "Nice."] and samples() == []
     prompt = engine.calls[0][0]
@@ -179,7 +197,7 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
         assert s.group_id == "g7" and s.turn_index == 0 and not s.HasField("next_state")
     # The chosen choice's ids are in the next prompt, exactly as sampled.
     lyon = engine.renderer.encode("Lyon.") + [2]
-    assert engine.calls[3][0][:len(prompt) + len(lyon)] == prompt + lyon
+    assert engine.calls[3][0][: len(prompt) + len(lyon)] == prompt + lyon
     if mode == "live":  # the chosen turn got its next state from that request
         chosen_turn = published[2]
         assert json.loads(chosen_turn.messages[-1].content_json) == "Lyon."
@@ -187,7 +205,7 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
         assert list(chosen_turn.token_ids) == prompt + lyon
     if mode == "live":
         client.post(f"/v1/sessions/{sid}/finish", json={})
-    final = samples()[len(published):]
+    final = samples()[len(published) :]
     assert client.get(f"/v1/sessions/{sid}").json()["forks"] == 0
     paris = engine.renderer.encode("Paris.") + [2]
     if mode == "episode":  # the episode holds the chosen choice and the next turn

@@ -32,8 +32,11 @@ def env(redis_client, prefix, renderer):
 
 
 def _post(client, sid, messages):
-    resp = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
-                       json={"model": "m", "messages": messages})
+    resp = client.post(
+        "/v1/chat/completions",
+        headers={"X-Session-Id": sid},
+        json={"model": "m", "messages": messages},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["message"]
 
@@ -57,30 +60,31 @@ def _check_own_turn(engine, sample, call, text):
 def test_sibling_requests_are_branches_with_their_own_next_states(env):
     client, engine, samples = env
     sid = "fan-out"
-    r0 = _post(client, sid, [U1])                            # call 0: "Paris."
-    ra = _post(client, sid, [U1, r0, UA])                    # call 1: "Lyon."
+    r0 = _post(client, sid, [U1])  # call 0: "Paris."
+    ra = _post(client, sid, [U1, r0, UA])  # call 1: "Lyon."
     (turn0,) = samples()
     assert json.loads(turn0.next_state.content_json) == UA["content"]
-    rb = _post(client, sid, [U1, r0, UB])                    # call 2: "May." (a sibling of A)
+    rb = _post(client, sid, [U1, r0, UB])  # call 2: "May." (a sibling of A)
     assert len(samples()) == 1  # A's turn still waits: B's request does not follow it
     prompt0, out0 = engine.calls[0][0], _out(engine, "Paris.")
     # B continues turn 0 exactly as sampled (no re-tokenized history).
-    assert engine.calls[2][0][:len(prompt0) + len(out0)] == prompt0 + out0
+    assert engine.calls[2][0][: len(prompt0) + len(out0)] == prompt0 + out0
     a2 = {"role": "user", "content": "Why Lyon?"}
-    _post(client, sid, [U1, r0, UA, ra, a2])                 # call 3: "Nice." follows A
+    _post(client, sid, [U1, r0, UA, ra, a2])  # call 3: "Nice." follows A
     turn_a = samples()[1]
     _check_own_turn(engine, turn_a, 1, "Lyon.")
     assert json.loads(turn_a.next_state.content_json) == a2["content"]
-    assert engine.calls[3][0][:len(engine.calls[1][0])] == engine.calls[1][0]
+    assert engine.calls[3][0][: len(engine.calls[1][0])] == engine.calls[1][0]
     b2 = {"role": "user", "content": "Why May?"}
-    _post(client, sid, [U1, r0, UB, rb, b2])                 # call 4: "June." follows B
+    _post(client, sid, [U1, r0, UB, rb, b2])  # call 4: "June." follows B
     turn_b = samples()[2]
     _check_own_turn(engine, turn_b, 2, "May.")
     assert json.loads(turn_b.next_state.content_json) == b2["content"]
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["forks"] == 0 and info["fork_reasons"] == {}
-    done = client.post(f"/v1/sessions/{sid}/finish",
-                       json={"next_state": {"role": "user", "content": "Thanks!"}})
+    done = client.post(
+        f"/v1/sessions/{sid}/finish", json={"next_state": {"role": "user", "content": "Thanks!"}}
+    )
     assert done.json()["samples_published"] == 2  # the latest turn and the other branch's
     last, other = samples()[3:]
     _check_own_turn(engine, last, 4, "June.")
@@ -94,8 +98,8 @@ def test_sibling_requests_are_branches_with_their_own_next_states(env):
 def test_parallel_first_turns_are_two_samples_without_forks(env):
     client, engine, samples = env
     sid = "two-at-once"
-    ra = _post(client, sid, [UA])    # "Paris."
-    _post(client, sid, [UB])         # "Lyon."
+    ra = _post(client, sid, [UA])  # "Paris."
+    _post(client, sid, [UB])  # "Lyon."
     assert samples() == []
     _post(client, sid, [UA, ra, U1])
     (turn_a,) = samples()
@@ -124,15 +128,15 @@ def test_concurrent_sub_calls_never_take_each_others_next_state(env):
         recorded = [json.loads(m.content_json) for m in sample.messages]
         if sample.HasField("next_state"):  # only turn 0: every sub-call followed it
             assert recorded == [U1["content"], r0["content"]]
-            assert json.loads(sample.next_state.content_json) in [
-                s[-1]["content"] for s in subs]
+            assert json.loads(sample.next_state.content_json) in [s[-1]["content"] for s in subs]
         else:  # each sub-call's own turn, its reply as the client got it
             assert recorded[:-1] in [[m["content"] for m in r] for r in requests]
             assert {"role": "assistant", "content": recorded[-1]} in replies
 
 
-def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(env, redis_client,
-                                                                           prefix):
+def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(
+    env, redis_client, prefix
+):
     client, engine, samples = env
     r0 = _post(client, "legacy", [U1])
     key = f"{prefix}:session:legacy"
@@ -157,8 +161,9 @@ def test_branches_beyond_the_cap_are_published_without_a_next_state(env, caplog)
 
     client, engine, samples = env
     r0 = _post(client, "many", [U1])
-    before = REGISTRY.get_sample_value(
-        "flywheel_gateway_live_turns_without_next_state_total") or 0.0
+    before = (
+        REGISTRY.get_sample_value("flywheel_gateway_live_turns_without_next_state_total") or 0.0
+    )
     # Turn 0 is followed by sub-call 0; sub-calls 1.. each park the previous latest turn, so
     # after MAX_BRANCHES + 2 sub-calls MAX_BRANCHES + 1 turns wait besides the latest: one
     # too many, and the oldest waiting one (sub-call 0's) is published without a next state.

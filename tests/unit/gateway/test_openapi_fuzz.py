@@ -22,9 +22,15 @@ class InstantEngine:
     """Replies "8" + EOS to anything."""
 
     async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
-        return Generation(output_ids=[28, 2], output_logprobs=[-0.5, -0.1], text="8",
-                          finish_type="stop", matched_eos=True, weight_version=0,
-                          prompt_tokens=len(input_ids))
+        return Generation(
+            output_ids=[28, 2],
+            output_logprobs=[-0.5, -0.1],
+            text="8",
+            finish_type="stop",
+            matched_eos=True,
+            weight_version=0,
+            prompt_tokens=len(input_ids),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +38,13 @@ def fuzz_app(smollm2_dir, redis_server):
     from flywheel.core.redis_client import connect
 
     client = connect(redis_server.url)
-    deps = GatewayDeps(settings=GatewaySettings(), renderer=ChatRenderer(smollm2_dir),
-                       engines=InstantEngine(), sessions=SessionStore(client, "fuzz", 3600),
-                       publisher=StreamProducer(client, "fuzz:rollouts"))
+    deps = GatewayDeps(
+        settings=GatewaySettings(),
+        renderer=ChatRenderer(smollm2_dir),
+        engines=InstantEngine(),
+        sessions=SessionStore(client, "fuzz", 3600),
+        publisher=StreamProducer(client, "fuzz:rollouts"),
+    )
     return create_app(deps)
 
 
@@ -42,8 +52,10 @@ def test_no_generated_request_gets_a_server_error(fuzz_app):
     # The app serves a valid request (checked directly, before any generated request can create
     # an API key: whether one of the few generated examples happens to be valid depends on the
     # string constants Hypothesis harvests from the modules the test session imported).
-    valid = TestClient(fuzz_app).post("/v1/chat/completions", json={
-        "model": "m", "messages": [{"role": "user", "content": "7 + 1?"}], "max_tokens": 4})
+    valid = TestClient(fuzz_app).post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "7 + 1?"}], "max_tokens": 4},
+    )
     assert valid.status_code == 200, valid.text
     assert valid.json()["choices"][0]["message"]["content"] == "8"
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
@@ -61,22 +73,30 @@ def test_no_generated_request_gets_a_server_error(fuzz_app):
             except Unsatisfiable:  # nothing in this operation's schema to break (no body)
                 assert mode is GenerationMode.NEGATIVE, operation.path
             except Exception as exc:  # collect every failing operation, then report them all
-                failures.append(f"{operation.method.upper()} {operation.path} ({mode.value}): "
-                                f"{exc}"[:500])
+                failures.append(
+                    f"{operation.method.upper()} {operation.path} ({mode.value}): {exc}"[:500]
+                )
     assert not failures, "\n".join(failures)
     assert 400 in statuses["/v1/chat/completions"]  # invalid requests were refused, not served
 
 
 def _fuzz(operation, mode, failures, statuses):
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=12, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=12,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def check(case):
         response = case.call()
         statuses.add(response.status_code)
         if response.status_code >= 500:
-            failures.append(f"{operation.method.upper()} {operation.path} -> "
-                            f"{response.status_code}: {response.text[:200]}")
+            failures.append(
+                f"{operation.method.upper()} {operation.path} -> "
+                f"{response.status_code}: {response.text[:200]}"
+            )
         case.validate_response(response, checks=[not_a_server_error])
 
     return check

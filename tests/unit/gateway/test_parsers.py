@@ -5,8 +5,9 @@ from flywheel.gateway.streaming import sse_chunks
 
 
 def test_hermes_tool_call_parsed_and_text_kept_outside():
-    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 1}}\n'
-            "</tool_call>")
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 1}}\n</tool_call>'
+    )
     parsed = parse_reply(text, tools_offered=True)
     assert parsed.content == "Let me check."
     (call,) = parsed.tool_calls
@@ -35,11 +36,26 @@ def test_reasoning_split_from_content():
 
 def test_sse_chunks_carry_tool_call_index_usage_and_done():
     completion = {
-        "id": "c1", "created": 1, "model": "m",
-        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-            "role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "f", "arguments": "{}"}}]}}],
+        "id": "c1",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+            }
+        ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
     }
     events = list(sse_chunks(completion, include_usage=True))

@@ -19,14 +19,18 @@ from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixtu
 
 
 def _chat(client, sid, messages):
-    resp = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
-                       json={"model": "m", "messages": messages, "max_tokens": 16})
+    resp = client.post(
+        "/v1/chat/completions",
+        headers={"X-Session-Id": sid},
+        json={"model": "m", "messages": messages, "max_tokens": 16},
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]["message"]
 
 
 def test_a_long_live_session_keeps_a_small_pending_turn_and_publishes_whole_samples(
-        redis_client, prefix, renderer):  # noqa: F811
+    redis_client, prefix, renderer
+):  # noqa: F811
     engine = ScriptEngine(renderer, [f"Reply {i}." for i in range(10)])
     client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
     messages, sizes = [], []
@@ -46,12 +50,14 @@ def test_a_long_live_session_keeps_a_small_pending_turn_and_publishes_whole_samp
         assert list(sample.weight_versions) == [-1] * len(prompt) + [i + 1] * len(reply)
         assert sample.prompt_length == len(prompt)
         assert [json.loads(m.content_json) for m in sample.messages] == [
-            m["content"] for m in messages[:2 * i + 2]]
+            m["content"] for m in messages[: 2 * i + 2]
+        ]
         assert json.loads(sample.next_state.content_json) == messages[2 * i + 2]["content"]
 
 
 def test_a_pending_turn_stored_whole_by_an_earlier_version_still_publishes(
-        redis_client, prefix, renderer):  # noqa: F811
+    redis_client, prefix, renderer
+):  # noqa: F811
     engine = ScriptEngine(renderer, ["Paris.", "Lyon."])
     client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
     u1 = {"role": "user", "content": "Capital of France?"}

@@ -36,19 +36,19 @@ def test_a_prompt_reuses_its_longest_cached_prefix_and_encodes_only_the_rest():
     enc = CharTokenizer()
     ids = PrefixIds(enc, "|", max_bytes=10_000)
     enc.calls.clear()  # the start-up check of the split rule
-    first = "sys|u1|a"                 # separators end at offsets 4 ("sys|") and 7 ("sys|u1|")
+    first = "sys|u1|a"  # separators end at offsets 4 ("sys|") and 7 ("sys|u1|")
     assert ids.encode(first) == [ord(c) for c in first]
     assert enc.calls == ["sys|", "u1|", "a"]  # cut at the first and the last separator
     assert len(ids) == 2 and ids.size == _cost("sys|") + _cost("sys|u1|")
     enc.calls.clear()
-    second = "sys|u1|a1|u2|a"          # the same conversation, a reply and a message later
+    second = "sys|u1|a1|u2|a"  # the same conversation, a reply and a message later
     assert ids.encode(second) == [ord(c) for c in second]
     assert enc.calls == ["a1|u2|", "a"]  # "sys|u1|" came from the cache (7 ids)
     # "sys|u1|a1|u2|" replaced "sys|u1|", which it grew from; "sys|" stays shared
     assert set(ids._entries) == {"sys|", "sys|u1|a1|u2|"}
     assert ids.size == _cost("sys|") + _cost("sys|u1|a1|u2|")
     enc.calls.clear()
-    other = "sys|v1|a"                 # another conversation with the same system prompt
+    other = "sys|v1|a"  # another conversation with the same system prompt
     assert ids.encode(other) == [ord(c) for c in other]
     assert enc.calls == ["v1|", "a"]
     assert ids.size == _cost("sys|") + _cost("sys|u1|a1|u2|") + _cost("sys|v1|")
@@ -63,8 +63,11 @@ def test_an_entry_costs_its_ids_and_its_text_as_python_stores_it():
 
 def test_text_without_a_separator_or_without_a_budget_is_encoded_whole():
     enc = CharTokenizer()
-    for cache, text in ((PrefixIds(enc, "|", 10_000), "no separator"),
-                        (PrefixIds(enc, "|", 0), "a|b"), (PrefixIds(enc, "", 10_000), "a|b")):
+    for cache, text in (
+        (PrefixIds(enc, "|", 10_000), "no separator"),
+        (PrefixIds(enc, "|", 0), "a|b"),
+        (PrefixIds(enc, "", 10_000), "a|b"),
+    ):
         enc.calls.clear()
         assert cache.encode(text) == [ord(c) for c in text]
         assert enc.calls == [text]
@@ -73,6 +76,7 @@ def test_text_without_a_separator_or_without_a_budget_is_encoded_whole():
 def test_a_tokenizer_that_marks_the_start_of_its_text_gets_no_cache(caplog):
     """A SentencePiece-style tokenizer puts a word-start marker before the first word only: ids
     of a text split after the separator would differ from the whole text's, so no cache."""
+
     def first_word_marked(text: str) -> list[int]:
         return [0x2581, *[ord(c) for c in text]]  # "▁" + the characters
 
@@ -84,10 +88,10 @@ def test_a_tokenizer_that_marks_the_start_of_its_text_gets_no_cache(caplog):
 def test_the_cache_keeps_the_most_recently_used_prefixes_within_its_budget():
     budget = 2 * _cost("aaaa|")
     ids = PrefixIds(CharTokenizer(), "|", max_bytes=budget)
-    ids.encode("aaaa|x")   # stores "aaaa|"
-    ids.encode("bbbb|x")   # stores "bbbb|": the budget is full
-    ids.encode("aaaa|y")   # a hit: "aaaa|" is now the most recent
-    ids.encode("cccc|x")   # over budget: "bbbb|", the least recently used, goes
+    ids.encode("aaaa|x")  # stores "aaaa|"
+    ids.encode("bbbb|x")  # stores "bbbb|": the budget is full
+    ids.encode("aaaa|y")  # a hit: "aaaa|" is now the most recent
+    ids.encode("cccc|x")  # over budget: "bbbb|", the least recently used, goes
     assert set(ids._entries) == {"aaaa|", "cccc|"} and ids.size == budget
     ids.encode("d" * 20 + "|x")  # a prefix over the whole budget is not kept
     assert set(ids._entries) == {"aaaa|", "cccc|"}
@@ -99,9 +103,24 @@ def renderer(smollm2_dir):
 
 
 def _content(rng: random.Random) -> str:
-    pieces = ["Hello", " world", "\n\n", "  leading spaces", "tabs\tand\ttabs", "émigré café",
-              "数学 题", "🙂 emoji", "<|im_start|>", "<|im_end|>", "x" * 50, "12345", "\n",
-              " trailing ", "def f(x):\n    return x", "{\"json\": [1, 2]}"]
+    pieces = [
+        "Hello",
+        " world",
+        "\n\n",
+        "  leading spaces",
+        "tabs\tand\ttabs",
+        "émigré café",
+        "数学 题",
+        "🙂 emoji",
+        "<|im_start|>",
+        "<|im_end|>",
+        "x" * 50,
+        "12345",
+        "\n",
+        " trailing ",
+        "def f(x):\n    return x",
+        '{"json": [1, 2]}',
+    ]
     return "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
 
 
@@ -117,15 +136,18 @@ def test_prompt_ids_are_exactly_the_tokenizers_for_growing_and_shared_conversati
         for _ in range(20):
             text = renderer.render(messages)
             assert renderer.prompt_ids(messages) == renderer.encode(text), text
-            messages += [{"role": "assistant", "content": _content(rng)},
-                         {"role": "user", "content": _content(rng)}]
+            messages += [
+                {"role": "assistant", "content": _content(rng)},
+                {"role": "user", "content": _content(rng)},
+            ]
     after = _tokens()
     reused, encoded = (after[h] - before[h] for h in ("reused", "encoded"))
     assert reused > 3 * encoded  # most prompt tokens came from the cache
 
 
 def test_unrecorded_requests_of_a_growing_conversation_send_the_tokenizers_ids(
-        redis_client, prefix, renderer, smollm2_dir):
+    redis_client, prefix, renderer, smollm2_dir
+):
     """Through the gateway without a session (the openai SDK's usual traffic): the engine gets
     the ids a cache-less renderer computes for each whole prompt, most of them reused."""
     from .harness import gateway_app
@@ -134,15 +156,19 @@ def test_unrecorded_requests_of_a_growing_conversation_send_the_tokenizers_ids(
     engine = ScriptEngine(renderer, ["Paris.", "Lyon.", "Nice."])
     client, _, _ = gateway_app(redis_client, prefix, renderer, engine)
     plain = ChatRenderer(smollm2_dir, prefix_cache_bytes=0)
-    messages = [{"role": "system", "content": "You plan trips. " * 40},
-                {"role": "user", "content": "Where to?"}]
+    messages = [
+        {"role": "system", "content": "You plan trips. " * 40},
+        {"role": "user", "content": "Where to?"},
+    ]
     before = _tokens()
     for turn in range(5):
         resp = client.post("/v1/chat/completions", json={"model": "m", "messages": messages})
         assert resp.status_code == 200, resp.text
         assert engine.calls[-1][0] == plain.encode(plain.render(messages))
-        messages += [resp.json()["choices"][0]["message"],
-                     {"role": "user", "content": f"And then {turn}?"}]
+        messages += [
+            resp.json()["choices"][0]["message"],
+            {"role": "user", "content": f"And then {turn}?"},
+        ]
     reused = _tokens()["reused"] - before["reused"]
     # turns 2-5 reuse at least the system prompt (over 160 tokens each)
     assert reused > 4 * 160, reused

@@ -125,28 +125,41 @@ U1 = {"role": "user", "content": "Plan a trip to France."}
 
 def _traffic(client) -> None:
     """Live branches, an episode with a rewritten history, n > 1 and finishes."""
+
     def post(sid, messages, **body):
-        resp = client.post("/v1/chat/completions", headers={"X-Session-Id": sid},
-                           json={"model": "m", "messages": messages, **body})
+        resp = client.post(
+            "/v1/chat/completions",
+            headers={"X-Session-Id": sid},
+            json={"model": "m", "messages": messages, **body},
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()["choices"][0]["message"]
 
     r0 = post("live", [U1])
     ra = post("live", [U1, r0, {"role": "user", "content": "A?"}])
     post("live", [U1, r0, {"role": "user", "content": "B?"}])  # a sibling branch
-    post("live", [U1, r0, {"role": "user", "content": "A?"}, ra,
-                  {"role": "user", "content": "Why?"}])
+    post(
+        "live", [U1, r0, {"role": "user", "content": "A?"}, ra, {"role": "user", "content": "Why?"}]
+    )
     client.post("/v1/sessions/live/finish", json={})
     sid = client.post("/v1/sessions", json={"session_id": "ep", "group_id": "g"}).json()[
-        "session_id"]
+        "session_id"
+    ]
     base = f"/s/{sid}/v1/chat/completions"
     first = client.post(base, json={"model": "m", "messages": [U1]}).json()
     reply = first["choices"][0]["message"]
-    client.post(base, json={"model": "m", "messages": [U1, reply,
-                                                       {"role": "user", "content": "More?"}]})
+    client.post(
+        base, json={"model": "m", "messages": [U1, reply, {"role": "user", "content": "More?"}]}
+    )
     edited = {"role": "assistant", "content": reply["content"] + " (edited)"}
-    client.post(base, json={"model": "m", "n": 2, "messages": [
-        U1, edited, {"role": "user", "content": "Again?"}]})
+    client.post(
+        base,
+        json={
+            "model": "m",
+            "n": 2,
+            "messages": [U1, edited, {"role": "user", "content": "Again?"}],
+        },
+    )
     client.post(f"/v1/sessions/{sid}/rewards", json={"name": "env", "value": 0.5})
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
 
@@ -157,7 +170,8 @@ def renderer(smollm2_dir):
 
 
 def test_the_same_traffic_publishes_the_same_samples_with_and_without_the_cache(
-        redis_client, renderer):
+    redis_client, renderer
+):
     published = {}
     for budget in (0, 16 << 20):
         prefix = f"cache{budget}"
@@ -175,16 +189,22 @@ def test_the_same_traffic_publishes_the_same_samples_with_and_without_the_cache(
     assert len(off) == len(on) >= 6
 
     def content(sample):
-        return (list(sample.token_ids), list(sample.loss_mask), list(sample.rollout_logprobs),
-                list(sample.weight_versions), sample.turn_index, sample.segment_index,
-                [m.content_json for m in sample.messages], sample.next_state.content_json,
-                dict(sample.rewards))
+        return (
+            list(sample.token_ids),
+            list(sample.loss_mask),
+            list(sample.rollout_logprobs),
+            list(sample.weight_versions),
+            sample.turn_index,
+            sample.segment_index,
+            [m.content_json for m in sample.messages],
+            sample.next_state.content_json,
+            dict(sample.rewards),
+        )
 
     assert [content(s) for s in off] == [content(s) for s in on]
 
 
-def test_owner_checks_use_the_held_record_only_while_it_is_the_stored_one(redis_client,
-                                                                         prefix):
+def test_owner_checks_use_the_held_record_only_while_it_is_the_stored_one(redis_client, prefix):
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id="s", owner="key-a")
 
@@ -209,7 +229,8 @@ def test_owner_checks_use_the_held_record_only_while_it_is_the_stored_one(redis_
 
 
 def test_a_turn_with_an_infinite_logprob_reads_back_the_same_from_redis_and_the_cache(
-        redis_client, prefix):
+    redis_client, prefix
+):
     """An engine that reports no logprob for a token gives -inf (engine_pool.py): the stored
     record keeps it (as "-Infinity"), so a replica reading it from Redis sees what the one
     holding it sees (it used to be stored as null, which did not read back at all)."""
@@ -218,8 +239,9 @@ def test_a_turn_with_an_infinite_logprob_reads_back_the_same_from_redis_and_the_
 
     async def turn() -> None:
         async with turns.locked(store, "s") as record:
-            record.segment.append([5, 6], sampled=True, logprobs=[float("-inf"), -0.5],
-                                  versions=[1, 1])
+            record.segment.append(
+                [5, 6], sampled=True, logprobs=[float("-inf"), -0.5], versions=[1, 1]
+            )
 
     asyncio.run(turn())
     assert store.get("s").segment.logprobs == [float("-inf"), -0.5]

@@ -20,17 +20,24 @@ def renderer(smollm2_dir):
 
 def _gen(renderer, text, ids=None, eos=True, version=3):
     ids = ids if ids is not None else renderer.encode(text) + ([2] if eos else [])
-    return Generation(output_ids=ids, output_logprobs=[-0.5] * len(ids), text=text,
-                      finish_type="stop" if eos else "length", matched_eos=eos,
-                      weight_version=version, prompt_tokens=0)
+    return Generation(
+        output_ids=ids,
+        output_logprobs=[-0.5] * len(ids),
+        text=text,
+        finish_type="stop" if eos else "length",
+        matched_eos=eos,
+        weight_version=version,
+        prompt_tokens=0,
+    )
 
 
 def test_first_turn_prompt_is_the_template_rendering(renderer):
     record = SessionRecord(session_id="s")
     messages = [{"role": "user", "content": "What is 7 + 1?"}]
     prompt, closed = prepare_prompt(record, renderer, messages, None)
-    expected = renderer.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=True)
+    expected = renderer.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert prompt == renderer.encode(expected)
     assert closed is None
     assert record.segment.loss_mask == [0] * len(prompt)
@@ -49,12 +56,12 @@ def test_second_turn_keeps_sampled_ids_exactly(renderer):
     assert closed is None
     n1 = len(prompt1)
     assert prompt2[:n1] == prompt1
-    assert prompt2[n1:n1 + len(odd_ids)] == odd_ids  # the sampled ids, untouched
+    assert prompt2[n1 : n1 + len(odd_ids)] == odd_ids  # the sampled ids, untouched
     seg = record.segment
     assert seg.loss_mask == [0] * n1 + [1] * len(odd_ids) + [0] * (len(prompt2) - n1 - len(odd_ids))
-    assert seg.versions[n1:n1 + len(odd_ids)] == [3] * len(odd_ids)
+    assert seg.versions[n1 : n1 + len(odd_ids)] == [3] * len(odd_ids)
     # The suffix is the template's text after the sampled <|im_end|>: "\n<|im_start|>user..."
-    suffix_text = renderer.tokenizer.decode(prompt2[n1 + len(odd_ids):])
+    suffix_text = renderer.tokenizer.decode(prompt2[n1 + len(odd_ids) :])
     assert suffix_text.startswith("\n<|im_start|>user\nAnd 2+2?<|im_end|>")
     assert suffix_text.endswith("<|im_start|>assistant\n")
 
@@ -63,8 +70,9 @@ def test_edited_history_forks_a_new_segment(renderer):
     record = SessionRecord(session_id="s")
     m1 = [{"role": "user", "content": "Hi"}]
     prepare_prompt(record, renderer, m1, None)
-    record_generation(record, _gen(renderer, "Hello"), SAMPLING,
-                      {"role": "assistant", "content": "Hello"})
+    record_generation(
+        record, _gen(renderer, "Hello"), SAMPLING, {"role": "assistant", "content": "Hello"}
+    )
     edited = [*m1, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "x"}]
     prompt, closed = prepare_prompt(record, renderer, edited, None)
     assert closed is not None and closed.index == 0 and closed.sampled_tokens > 0
@@ -87,8 +95,15 @@ def test_sample_from_segment_satisfies_invariants(renderer):
     assert [m.role for m in sample.messages] == ["user", "assistant"]
 
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def test_tools_reach_a_template_that_ignores_them(renderer):
@@ -109,15 +124,22 @@ def test_reserialized_tool_arguments_still_extend_the_segment(renderer):
     prompt1, _ = prepare_prompt(record, renderer, m1, TOOLS)
     said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     gen = _gen(renderer, said)
-    call = {"id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    record_generation(record, gen, SAMPLING, {"role": "assistant", "content": None,
-                                              "tool_calls": [call]})
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    record_generation(
+        record, gen, SAMPLING, {"role": "assistant", "content": None, "tool_calls": [call]}
+    )
     compact = {**call, "function": {**call["function"], "arguments": '{"city":"Paris"}'}}
-    m2 = [*m1, {"role": "assistant", "content": "", "tool_calls": [compact]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    m2 = [
+        *m1,
+        {"role": "assistant", "content": "", "tool_calls": [compact]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     prompt2, closed = prepare_prompt(record, renderer, m2, TOOLS)
     assert closed is None and record.forks == 0
-    assert prompt2[:len(prompt1) + len(gen.output_ids)] == prompt1 + gen.output_ids
+    assert prompt2[: len(prompt1) + len(gen.output_ids)] == prompt1 + gen.output_ids
     # The history renders the call as the text the model produced.
     assert said in renderer.render(m2, tools=TOOLS)

@@ -27,10 +27,12 @@ async def _turn(store: SessionStore, sid: str, k: int) -> None:
     async with turns.locked(store, sid) as record:
         seg = record.segment
         seg.append([10 * k + 1], sampled=False)
-        seg.append([10 * k + 2, 10 * k + 3], sampled=True, logprobs=[-0.5, -0.25],
-                   versions=[k, k])
-        seg.messages = [*seg.messages, {"role": "user", "content": f"q{k}"},
-                        {"role": "assistant", "content": f"a{k}"}]
+        seg.append([10 * k + 2, 10 * k + 3], sampled=True, logprobs=[-0.5, -0.25], versions=[k, k])
+        seg.messages = [
+            *seg.messages,
+            {"role": "user", "content": f"q{k}"},
+            {"role": "assistant", "content": f"a{k}"},
+        ]
         seg.turns += 1
         seg.mark_turn()
 
@@ -43,10 +45,16 @@ def test_each_save_appends_only_what_its_turn_added(redis_client, prefix, cache_
         asyncio.run(_turn(store, "s", k))
     # one chunk per turn, each with that turn's 3 tokens and 2 messages only
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
-        [11, 12, 13], [21, 22, 23], [31, 32, 33]]
+        [11, 12, 13],
+        [21, 22, 23],
+        [31, 32, 33],
+    ]
     assert [c["loss_mask"] for c in _chunks(redis_client, prefix, "s")] == [[0, 1, 1]] * 3
-    assert [[m["content"] for m in c["messages"]] for c in _chunks(redis_client, prefix, "s")] \
-        == [["q1", "a1"], ["q2", "a2"], ["q3", "a3"]]
+    assert [[m["content"] for m in c["messages"]] for c in _chunks(redis_client, prefix, "s")] == [
+        ["q1", "a1"],
+        ["q2", "a2"],
+        ["q3", "a3"],
+    ]
     head = json.loads(redis_client.get(f"{prefix}:session:s"))
     assert "token_ids" not in head["segment"] and "messages" not in head["segment"]
     assert (head["log_tokens"], head["log_messages"]) == (9, 6)  # 3 turns x 3 tokens, x 2
@@ -83,8 +91,7 @@ def test_a_new_segment_or_a_changed_history_rewrites_the_log(redis_client, prefi
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [[7, 8]]
     asyncio.run(_turn(store, "s", 3))
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [[7, 8], [31, 32, 33]]
-    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [
-        7, 8, 31, 32, 33]
+    assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [7, 8, 31, 32, 33]
 
 
 def test_a_long_log_is_rewritten_as_one_chunk(redis_client, prefix, monkeypatch):
@@ -106,13 +113,13 @@ def test_a_log_that_does_not_add_up_is_refused(redis_client, prefix):
     asyncio.run(_turn(store, "s", 1))
     asyncio.run(_turn(store, "s", 2))
     redis_client.lpop(f"{prefix}:session-log:s")  # a chunk lost
-    with pytest.raises(CorruptRecord, match="holds 3 tokens and 2 messages, its record says 6 "
-                                            "and 4"):
+    with pytest.raises(
+        CorruptRecord, match="holds 3 tokens and 2 messages, its record says 6 and 4"
+    ):
         store.get("s")
 
 
-def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redis_client,
-                                                                            prefix):
+def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redis_client, prefix):
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id="s")
     asyncio.run(_turn(store, "s", 1))
@@ -123,7 +130,8 @@ def test_a_record_stored_whole_by_an_earlier_version_reads_and_then_appends(redi
     assert store.get("s").segment.token_ids == [11, 12, 13]
     asyncio.run(_turn(store, "s", 2))  # the first save moves what it read into the log
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
-        [11, 12, 13, 21, 22, 23]]
+        [11, 12, 13, 21, 22, 23]
+    ]
     assert "token_ids" not in json.loads(redis_client.get(f"{prefix}:session:s"))["segment"]
     assert store.get("s").segment.token_ids == [11, 12, 13, 21, 22, 23]
 
@@ -142,7 +150,8 @@ def test_a_record_stored_whole_beside_a_log_of_this_version_reads_whole(redis_cl
     assert store.get("s").segment.token_ids == [5, 6, 7, 8, 9, 10]
     asyncio.run(_turn(store, "s", 3))
     assert [c["token_ids"] for c in _chunks(redis_client, prefix, "s")] == [
-        [5, 6, 7, 8, 9, 10, 31, 32, 33]]
+        [5, 6, 7, 8, 9, 10, 31, 32, 33]
+    ]
 
 
 def test_an_unreadable_record_is_refused_and_its_lock_released(redis_client, prefix):
@@ -188,8 +197,14 @@ def test_history_resent_in_another_json_form_rewrites_the_log(redis_client, pref
             return record.segment.model_dump_json()
 
     asyncio.run(turn([first]))
-    held = asyncio.run(turn([{"role": "user", "content": "q", "meta": {"b": 2.0, "a": 1}},
-                             {"role": "assistant", "content": "a"}]))
+    held = asyncio.run(
+        turn(
+            [
+                {"role": "user", "content": "q", "meta": {"b": 2.0, "a": 1}},
+                {"role": "assistant", "content": "a"},
+            ]
+        )
+    )
     assert len(_chunks(redis_client, prefix, "s")) == 1  # rewritten
     stored = SessionStore(redis_client, prefix, 60, cache_bytes=0).get("s")
     assert stored.segment.model_dump_json() == held
@@ -197,8 +212,9 @@ def test_history_resent_in_another_json_form_rewrites_the_log(redis_client, pref
 
 
 @pytest.mark.parametrize("suffix", [":log", ":lock"])
-def test_session_ids_naming_another_sessions_log_or_lock_are_their_own(redis_client, prefix,
-                                                                       suffix):
+def test_session_ids_naming_another_sessions_log_or_lock_are_their_own(
+    redis_client, prefix, suffix
+):
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id=f"a{suffix}")
     asyncio.run(_turn(store, f"a{suffix}", 1))
@@ -219,8 +235,7 @@ def test_creating_a_session_drops_a_log_left_under_its_id(redis_client, prefix):
     assert SessionStore(redis_client, prefix, 60).get("s").segment.token_ids == [11, 12, 13]
 
 
-def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client, prefix,
-                                                                    renderer):  # noqa: F811
+def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client, prefix, renderer):  # noqa: F811
     """Through the gateway (real tokenizer): 12 turns each adding a ~600-character tool
     result. The record grows with the conversation; what each save writes does not."""
     engine = ScriptEngine(renderer, [f"Reply {i}." for i in range(12)])
@@ -229,8 +244,10 @@ def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client
     messages, written = [], []
     for i in range(12):
         messages.append({"role": "user", "content": f"result {i}: " + "data line " * 60})
-        resp = client.post(f"/s/{sid}/v1/chat/completions",
-                           json={"model": "m", "messages": messages, "max_tokens": 16})
+        resp = client.post(
+            f"/s/{sid}/v1/chat/completions",
+            json={"model": "m", "messages": messages, "max_tokens": 16},
+        )
         assert resp.status_code == 200, resp.text
         messages.append(resp.json()["choices"][0]["message"])
         last = redis_client.lindex(f"{prefix}:session-log:{sid}", -1)
@@ -243,5 +260,7 @@ def test_a_growing_conversation_writes_per_turn_what_the_turn_added(redis_client
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
     (sample,) = samples()
     assert list(sample.token_ids) == deps.sessions.get(sid).segment.token_ids
-    assert sum(sample.loss_mask) == sum(len(renderer.encode(f"Reply {i}.")) + 1  # + EOS
-                                        for i in range(12))
+    assert sum(sample.loss_mask) == sum(
+        len(renderer.encode(f"Reply {i}.")) + 1  # + EOS
+        for i in range(12)
+    )

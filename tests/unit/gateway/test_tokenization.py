@@ -53,8 +53,10 @@ def test_short_conversations_render_inline_and_long_ones_in_a_thread():
     assert text_size(short, [{"a": 1}]) == 12
 
     async def run() -> tuple[str, str]:
-        return (await render_call(text_size(short), where),
-                await render_call(text_size(long), where))
+        return (
+            await render_call(text_size(short), where),
+            await render_call(text_size(long), where),
+        )
 
     inline, threaded = asyncio.run(run())
     assert inline == "MainThread" and threaded != "MainThread"

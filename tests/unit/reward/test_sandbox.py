@@ -44,19 +44,21 @@ def test_huge_output_is_cut_and_fails():
 
 
 def test_network_connection_is_refused():
-    code = ("import socket\n"
-            "socket.create_connection(('1.1.1.1', 80), timeout=2).close()\n")
+    code = "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2).close()\n"
     result = run_test(code, "pass", FAST)
     assert not result.passed
     expected = "unreachable" if isolation_mode() == "unshare" else "not allowed"
     assert expected in result.output
 
 
-@pytest.mark.parametrize("code", [
-    "import sys\nsys.exit(0)\n",
-    "import os\nos._exit(0)\n",
-    "print('PASS')\nimport os\nos._exit(0)\n",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys\nsys.exit(0)\n",
+        "import os\nos._exit(0)\n",
+        "print('PASS')\nimport os\nos._exit(0)\n",
+    ],
+)
 def test_early_exit_cannot_fake_a_pass(code):
     assert not run_test(code, "assert False", FAST).passed
 

@@ -7,14 +7,17 @@ from flywheel.reward.scoring import score_sample
 from flywheel.reward.verifiers import exact, last_integer
 
 
-@pytest.mark.parametrize(("reply", "expected"), [
-    ("8", 1.0),
-    ("7 + 1 = 8", 1.0),            # the last integer is 8
-    ("The answer is 8.", 1.0),
-    ("8, or maybe 9", 0.0),        # the last integer is 9
-    ("eight", 0.0),                # no integer at all
-    ("1,008", 0.0),                # thousands separator removed: 1008 != 8
-])
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("8", 1.0),
+        ("7 + 1 = 8", 1.0),  # the last integer is 8
+        ("The answer is 8.", 1.0),
+        ("8, or maybe 9", 0.0),  # the last integer is 9
+        ("eight", 0.0),  # no integer at all
+        ("1,008", 0.0),  # thousands separator removed: 1008 != 8
+    ],
+)
 def test_last_integer(reply, expected):
     assert last_integer(reply, {"answer": 8}) == expected
 
@@ -51,8 +54,10 @@ def test_unknown_verifier_is_an_error_not_a_zero():
     assert not s.has_reward and "unknown verifier" in s.error
 
 
-@pytest.mark.parametrize("task", [{"answer": "eight"}, {"answer": None}, {"verifier": [1]},
-                                  {"answer": 8, "verifier": {"x": 1}}])
+@pytest.mark.parametrize(
+    "task",
+    [{"answer": "eight"}, {"answer": None}, {"verifier": [1]}, {"answer": 8, "verifier": {"x": 1}}],
+)
 def test_unreadable_task_is_unscored_not_a_crash(task):
     s = score_sample(_sample("8", task), "last_integer")
     assert not s.has_reward and s.error
@@ -71,8 +76,8 @@ def test_transcript_trims_whole_messages_newest_first():
     msgs = _msgs(("user", "aaaa"), ("assistant", "bb"), ("user", "c"))
     # lines of 10, 13 and 7 characters: 13 + 1 + 7 = 21 fits a budget of 21, 10 + 1 more not
     assert transcript(msgs, 21) == "[1 earlier messages omitted]\nassistant: bb\nuser: c"
-    assert transcript(msgs, 32) == "user: aaaa\nassistant: bb\nuser: c"   # 10+1+13+1+7 = 32
-    assert transcript(msgs, 0) == transcript(msgs, 32)                    # 0 = no limit
+    assert transcript(msgs, 32) == "user: aaaa\nassistant: bb\nuser: c"  # 10+1+13+1+7 = 32
+    assert transcript(msgs, 0) == transcript(msgs, 32)  # 0 = no limit
     # the newest message alone is over the budget: its tail is kept
     assert transcript(msgs, 5) == "[2 earlier messages omitted]\n...er: c"
 

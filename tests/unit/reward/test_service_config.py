@@ -11,18 +11,36 @@ from flywheel.reward.main import _redacted
 
 
 def test_each_enabled_judge_has_its_own_client_and_limits():
-    settings = load_settings(reward={
-        "judge": {"enabled": True, "base_url": "http://a:1/v1", "model": "big", "votes": 5,
-                  "timeout_s": 7, "max_concurrency": 3, "api_key": "sk-a"},
-        "rubric_judge": {"enabled": True, "base_url": "http://b:2/v1/", "score_min": 1,
-                         "score_max": 5},
-    })
+    settings = load_settings(
+        reward={
+            "judge": {
+                "enabled": True,
+                "base_url": "http://a:1/v1",
+                "model": "big",
+                "votes": 5,
+                "timeout_s": 7,
+                "max_concurrency": 3,
+                "api_key": "sk-a",
+            },
+            "rubric_judge": {
+                "enabled": True,
+                "base_url": "http://b:2/v1/",
+                "score_min": 1,
+                "score_max": 5,
+            },
+        }
+    )
     scorer = build_scorer(settings.reward)
     assert scorer.step_judge is None
     j, r = scorer.judge, scorer.rubric_judge
-    assert (j.client.base_url, j.client.model, j.votes, j.client.timeout_s,
-            j.client.max_concurrency, j.client.api_key) == ("http://a:1/v1", "big", 5, 7.0, 3,
-                                                            "sk-a")
+    assert (
+        j.client.base_url,
+        j.client.model,
+        j.votes,
+        j.client.timeout_s,
+        j.client.max_concurrency,
+        j.client.api_key,
+    ) == ("http://a:1/v1", "big", 5, 7.0, 3, "sk-a")
     assert j.tag == "prm@v2" and r.tag == "rubric@v1"
     assert r.client.base_url == "http://b:2/v1" and (r.low, r.high) == (1.0, 5.0)
     assert r.client is not j.client

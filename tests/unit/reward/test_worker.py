@@ -23,8 +23,14 @@ def _turn(reply, sample_id):
 
 
 def _stage(redis_client, prefix, scorer, consumer_name="c1", min_idle_ms=60_000, **kw):
-    consumer = StreamConsumer(redis_client, f"{prefix}:rollouts", "reward", consumer_name,
-                              dead_stream=f"{prefix}:dead", min_idle_ms=min_idle_ms)
+    consumer = StreamConsumer(
+        redis_client,
+        f"{prefix}:rollouts",
+        "reward",
+        consumer_name,
+        dead_stream=f"{prefix}:dead",
+        min_idle_ms=min_idle_ms,
+    )
     out = StreamProducer(redis_client, f"{prefix}:train")
     return RewardWorker(consumer, out, scorer, block_ms=20, **kw)
 
@@ -80,13 +86,13 @@ def test_500_and_garbage_are_forwarded_unjudged_with_reasons(redis_client, prefi
 
     asyncio.run(scenario())
     out = {s.sample_id: s for s in _out(redis_client, prefix)}
-    assert out["good"].has_reward and out["good"].reward == 2.0    # verifier 1 + judge 1
+    assert out["good"].has_reward and out["good"].reward == 2.0  # verifier 1 + judge 1
     assert is_unjudged(out["FAIL500"])
     assert out["FAIL500"].error.startswith("unjudged: judge infra/server_error")
     assert is_unjudged(out["GARBAGE"])
     assert out["GARBAGE"].error.startswith("unjudged: judge parse/no_verdict")
     assert out["GARBAGE"].rewards["verifier"] == 1.0 and "judge" not in out["GARBAGE"].rewards
-    assert fake_judge.count("FAIL500") == 6                        # 3 votes x 2 tries
+    assert fake_judge.count("FAIL500") == 6  # 3 votes x 2 tries
     assert redis_client.xpending(f"{prefix}:rollouts", "reward")["pending"] == 0
 
 
@@ -105,16 +111,24 @@ def test_poison_entry_is_retried_then_dead_lettered_after_n_failures(redis_clien
     src.publish(_turn("8", "stuck"))
     src.publish(_turn("8", "good"))
     # a failed entry is reclaimed (retried) once idle for min_idle_ms = 150 ms
-    worker = _stage(redis_client, prefix, Exploding("last_integer"), min_idle_ms=150,
-                    max_failures=2, sample_timeout_s=0.3)
+    worker = _stage(
+        redis_client,
+        prefix,
+        Exploding("last_integer"),
+        min_idle_ms=150,
+        max_failures=2,
+        sample_timeout_s=0.3,
+    )
 
     async def scenario():
         await _until(lambda: redis_client.xlen(f"{prefix}:dead") == 2, worker)
         await worker.drain()
 
     asyncio.run(scenario())
-    dead = {decode_sample(f[FIELD]).sample_id: f[b"error"].decode()
-            for _, f in redis_client.xrange(f"{prefix}:dead")}
+    dead = {
+        decode_sample(f[FIELD]).sample_id: f[b"error"].decode()
+        for _, f in redis_client.xrange(f"{prefix}:dead")
+    }
     assert dead["boom"].startswith("scoring failed 2 times: RuntimeError: scorer bug")
     assert dead["stuck"].startswith("scoring failed 2 times: scoring took over 0.3 s")
     assert [s.sample_id for s in _out(redis_client, prefix)] == ["good"]
@@ -125,11 +139,13 @@ def test_entries_of_a_dead_consumer_are_reclaimed(redis_client, prefix):
     src = StreamProducer(redis_client, f"{prefix}:rollouts")
     for i in range(3):
         src.publish(_turn("8", f"s{i}"))
-    dead = StreamConsumer(redis_client, f"{prefix}:rollouts", "reward", "crashed",
-                          dead_stream=f"{prefix}:dead")
-    assert len(dead.read(count=3, block_ms=10)) == 3          # read, then "crashes" (no ack)
-    worker = _stage(redis_client, prefix, Scorer("last_integer"), consumer_name="c2",
-                    min_idle_ms=50)
+    dead = StreamConsumer(
+        redis_client, f"{prefix}:rollouts", "reward", "crashed", dead_stream=f"{prefix}:dead"
+    )
+    assert len(dead.read(count=3, block_ms=10)) == 3  # read, then "crashes" (no ack)
+    worker = _stage(
+        redis_client, prefix, Scorer("last_integer"), consumer_name="c2", min_idle_ms=50
+    )
 
     async def scenario():
         await asyncio.sleep(0.1)
@@ -141,8 +157,7 @@ def test_entries_of_a_dead_consumer_are_reclaimed(redis_client, prefix):
     assert redis_client.xpending(f"{prefix}:rollouts", "reward")["pending"] == 0
 
 
-def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, prefix,
-                                                                    fake_judge):
+def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, prefix, fake_judge):
     fake_judge.hang_s = 2.0
     client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=30, max_attempts=1)
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
@@ -153,18 +168,20 @@ def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, p
     async def scenario():
         await _until(lambda: first.tasks, first)
         deliveries = []
-        end = asyncio.get_running_loop().time() + 1.6   # both replicas poll past the
+        end = asyncio.get_running_loop().time() + 1.6  # both replicas poll past the
         while asyncio.get_running_loop().time() < end:  # 600 ms idle limit
             await first.step()
             await second.step()
-            deliveries += [r["times_delivered"] for r in redis_client.xpending_range(
-                f"{prefix}:rollouts", "reward", "-", "+", 10)]
+            deliveries += [
+                r["times_delivered"]
+                for r in redis_client.xpending_range(f"{prefix}:rollouts", "reward", "-", "+", 10)
+            ]
         await first.drain()
         await second.drain()
         return deliveries
 
     deliveries = asyncio.run(scenario())
-    assert fake_judge.count("HANG") == 1        # the lease kept r2 from re-scoring it
+    assert fake_judge.count("HANG") == 1  # the lease kept r2 from re-scoring it
     assert deliveries and max(deliveries) == 1  # and r1's own reads from re-delivering it
     assert [s.sample_id for s in _out(redis_client, prefix)] == ["slow"]
 
@@ -179,27 +196,28 @@ def test_judge_down_opens_the_breaker_and_the_backlog_waits_in_the_stream(redis_
     def handler(request):
         if state["down"]:
             return httpx.Response(503)
-        return httpx.Response(200, json={"choices": [{"message": {
-            "content": "Final verdict: 1"}}]})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "Final verdict: 1"}}]})
 
-    client = AsyncJudgeClient("http://judge/v1", "m", max_attempts=1,
-                              transport=httpx.MockTransport(handler))
+    client = AsyncJudgeClient(
+        "http://judge/v1", "m", max_attempts=1, transport=httpx.MockTransport(handler)
+    )
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
     src = StreamProducer(redis_client, f"{prefix}:rollouts")
     for i in range(6):
         src.publish(_turn("8", f"s{i}"))
-    worker = _stage(redis_client, prefix, scorer, max_in_flight=1, breaker_samples=2,
-                    breaker_pause_s=2.0)
+    worker = _stage(
+        redis_client, prefix, scorer, max_in_flight=1, breaker_samples=2, breaker_pause_s=2.0
+    )
 
     async def scenario():
         loop = asyncio.get_running_loop()
         await _until(lambda: worker.breaker_open, worker)
-        end = loop.time() + 0.5                 # within the 2 s pause nothing more is read
+        end = loop.time() + 0.5  # within the 2 s pause nothing more is read
         while loop.time() < end:
             await worker.step()
         forwarded_while_down = len(_out(redis_client, prefix))
         open_gauge = metrics.BREAKER_OPEN._value.get()
-        state["down"] = False                   # the judge comes back
+        state["down"] = False  # the judge comes back
         await _until(lambda: len(_out(redis_client, prefix)) == 6, worker)
         return forwarded_while_down, open_gauge
 
@@ -207,5 +225,5 @@ def test_judge_down_opens_the_breaker_and_the_backlog_waits_in_the_stream(redis_
     out = _out(redis_client, prefix)
     assert forwarded_while_down == 2 and open_gauge == 1
     assert all(is_unjudged(s) for s in out[:2])
-    assert all(s.has_reward and s.rewards["judge"] == 1.0 for s in out[2:])   # waited, judged
+    assert all(s.has_reward and s.rewards["judge"] == 1.0 for s in out[2:])  # waited, judged
     assert not worker.breaker_open and metrics.BREAKER_OPEN._value.get() == 0

@@ -34,9 +34,13 @@ class FakeScorer:
         if self.fail:
             raise self.fail
         n = len(response_ids)
-        return ScoredTokens([-0.1 * (i + 1) + self.offset(prompt_ids) for i in range(n)],
-                            [[10 + j for j in range(top_k)] for _ in range(n)],
-                            [[-float(j) for j in range(top_k)] for _ in range(n)], "5", "u")
+        return ScoredTokens(
+            [-0.1 * (i + 1) + self.offset(prompt_ids) for i in range(n)],
+            [[10 + j for j in range(top_k)] for _ in range(n)],
+            [[-float(j) for j in range(top_k)] for _ in range(n)],
+            "5",
+            "u",
+        )
 
 
 def live_sample(renderer, temperature=1.0, task=None, segments=1):
@@ -51,15 +55,22 @@ def live_sample(renderer, temperature=1.0, task=None, segments=1):
         mask += [1] * len(reply)
         msgs.append({"role": "assistant", "content": f"It is {9 + k}."})
         if k < segments - 1:
-            follow = tok.encode("\n<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n",
-                                add_special_tokens=False)
+            follow = tok.encode(
+                "\n<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n",
+                add_special_tokens=False,
+            )
             ids += follow
             mask += [0] * len(follow)
             msgs.append({"role": "user", "content": "Again?"})
-    sample = new_sample(session_id="s", mode="live", token_ids=ids, loss_mask=mask,
-                        rollout_logprobs=[-0.5 * m for m in mask],
-                        weight_versions=[0 if m else -1 for m in mask],
-                        task_json=json.dumps(task or {}))
+    sample = new_sample(
+        session_id="s",
+        mode="live",
+        token_ids=ids,
+        loss_mask=mask,
+        rollout_logprobs=[-0.5 * m for m in mask],
+        weight_versions=[0 if m else -1 for m in mask],
+        task_json=json.dumps(task or {}),
+    )
     sample.sampling.temperature = temperature
     for m in msgs:
         sample.messages.add(role=m["role"], content_json=json.dumps(m["content"]))

@@ -22,16 +22,21 @@ def test_a_hinted_turn_gets_teacher_logprobs_exactly_on_its_sampled_tokens(rende
     out = teacher(renderer, scorer).process(sample)
     mask = list(out.loss_mask)
     start = mask.index(1)
-    (prompt_ids, response_ids, _), = scorer.calls
-    assert response_ids == list(out.token_ids[start:])             # the exact sampled ids
+    ((prompt_ids, response_ids, _),) = scorer.calls
+    assert response_ids == list(out.token_ids[start:])  # the exact sampled ids
     assert "[Hindsight hint]\nThe answer is 8." in renderer.tokenizer.decode(prompt_ids)
     assert list(out.teacher_mask) == mask
     n_resp = len(mask) - start
     assert list(out.teacher_logprobs) == pytest.approx(
-        [0.0] * start + [-0.1 * (i + 1) for i in range(n_resp)])
+        [0.0] * start + [-0.1 * (i + 1) for i in range(n_resp)]
+    )
     assert (out.hint, out.teacher_model, out.teacher_weight_version, out.teacher_status) == (
-        "The answer is 8.", "teach", "5", "scored")
-    assert decode_sample(encode_sample(out)).teacher_status == "scored"   # codec invariants
+        "The answer is 8.",
+        "teach",
+        "5",
+        "scored",
+    )
+    assert decode_sample(encode_sample(out)).teacher_status == "scored"  # codec invariants
 
 
 def test_only_the_last_segment_is_scored(renderer):
@@ -48,9 +53,9 @@ def test_top_k_is_stored_k_per_token_at_the_response_positions(renderer):
     out = teacher(renderer, FakeScorer(), top_k=2).process(sample)
     n, start = len(out.token_ids), list(out.loss_mask).index(1)
     assert out.teacher_topk == 2 and len(out.teacher_topk_ids) == 2 * n
-    assert list(out.teacher_topk_ids[:2 * start]) == [0] * 2 * start
-    assert list(out.teacher_topk_ids[2 * start:2 * start + 2]) == [10, 11]
-    assert list(out.teacher_topk_logprobs[2 * start:2 * start + 2]) == [0.0, -1.0]
+    assert list(out.teacher_topk_ids[: 2 * start]) == [0] * 2 * start
+    assert list(out.teacher_topk_ids[2 * start : 2 * start + 2]) == [10, 11]
+    assert list(out.teacher_topk_logprobs[2 * start : 2 * start + 2]) == [0.0, -1.0]
     encode_sample(out)
 
 
@@ -112,8 +117,9 @@ def test_a_wrong_hint_is_scored_too_for_contrastive_self_distillation(renderer):
     # Fake teacher logprob of response token i = -0.1 (i + 1) - 0.001 len(prompt ids), so the
     # two contexts (hints of different lengths) give different, predictable values.
     scorer = FakeScorer(offset=lambda prompt_ids: -0.001 * len(prompt_ids))
-    sample = live_sample(renderer, task={"hint": "The answer is 8.",
-                                         "wrong_hint": "The answer is 9, so say 9."})
+    sample = live_sample(
+        renderer, task={"hint": "The answer is 8.", "wrong_hint": "The answer is 9, so say 9."}
+    )
     out = teacher(renderer, scorer).process(sample)
     (right_p, resp, _), (wrong_p, resp2, _) = scorer.calls
     assert resp == resp2
@@ -122,9 +128,11 @@ def test_a_wrong_hint_is_scored_too_for_contrastive_self_distillation(renderer):
     n_resp = len(out.token_ids) - start
     assert out.wrong_hint == "The answer is 9, so say 9."
     assert list(out.wrong_hint_logprobs) == pytest.approx(
-        [0.0] * start + [-0.1 * (i + 1) - 0.001 * len(wrong_p) for i in range(n_resp)])
+        [0.0] * start + [-0.1 * (i + 1) - 0.001 * len(wrong_p) for i in range(n_resp)]
+    )
     assert list(out.teacher_logprobs[start:]) == pytest.approx(
-        [-0.1 * (i + 1) - 0.001 * len(right_p) for i in range(n_resp)])
+        [-0.1 * (i + 1) - 0.001 * len(right_p) for i in range(n_resp)]
+    )
     assert decode_sample(encode_sample(out)).wrong_hint == out.wrong_hint
     # Without a correct hint there is nothing to contrast: no second pass.
     plain = live_sample(renderer, task={"wrong_hint": "The answer is 9."})

@@ -21,8 +21,13 @@ def lp(token: int, pos: int) -> float:
 
 
 class FakeEngine:
-    def __init__(self, delay_s: float = 0.0, status: list[int] | None = None,
-                 refuse_token: int | None = None, shift: bool = False):
+    def __init__(
+        self,
+        delay_s: float = 0.0,
+        status: list[int] | None = None,
+        refuse_token: int | None = None,
+        shift: bool = False,
+    ):
         self.bodies: list[dict] = []
         self.delay_s = delay_s
         self.status = list(status or [])
@@ -37,8 +42,9 @@ class FakeEngine:
         rows += [[lp(ids[p], p), ids[p], None] for p in range(start + 1, len(ids))]
         if self.shift:  # an engine that drops the first response row (the off-by-one bug)
             rows = rows[1:] + [[-1.0, 0, None]]
-        tops = [None] + [[[-0.1 * (j + 1), 100 + j, None] for j in range(k)]
-                         for _ in range(start + 1, len(ids))]
+        tops = [None] + [
+            [[-0.1 * (j + 1), 100 + j, None] for j in range(k)] for _ in range(start + 1, len(ids))
+        ]
         meta = {"input_token_logprobs": rows, "weight_version": "3"}
         if k:
             meta["input_top_logprobs"] = tops
@@ -57,8 +63,12 @@ class FakeEngine:
             ids_B = body["input_ids"]
             if self.refuse_token is not None and any(self.refuse_token in ids for ids in ids_B):
                 return httpx.Response(400, json={"error": {"message": "bad row"}})
-            outs = [self.result(ids, s, k) for ids, s, k in zip(
-                ids_B, body["logprob_start_len"], body["top_logprobs_num"], strict=True)]
+            outs = [
+                self.result(ids, s, k)
+                for ids, s, k in zip(
+                    ids_B, body["logprob_start_len"], body["top_logprobs_num"], strict=True
+                )
+            ]
             return httpx.Response(200, json=outs)
         finally:
             with self.lock:
@@ -73,7 +83,7 @@ def scorer(engine: FakeEngine, **kw) -> TeacherScorer:
 def test_body_is_prefill_only_with_start_at_the_last_prompt_token():
     body = scoring_body([[5, 6, 7]], [[8, 9]], [0])
     assert body["input_ids"] == [[5, 6, 7, 8, 9]]
-    assert body["logprob_start_len"] == [2]          # len(prompt) - 1
+    assert body["logprob_start_len"] == [2]  # len(prompt) - 1
     assert body["sampling_params"]["max_new_tokens"] == 0
     assert body["return_logprob"] is True
 

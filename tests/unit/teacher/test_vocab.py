@@ -28,7 +28,7 @@ def test_same_vocabulary_same_fingerprint_regardless_of_dict_order():
 
 def test_same_size_different_mapping_is_refused():
     student = Tok({"a": 0, "b": 1})
-    teacher = Tok({"a": 1, "b": 0})      # id 0 means "b" to the teacher
+    teacher = Tok({"a": 1, "b": 0})  # id 0 means "b" to the teacher
     with pytest.raises(VocabularyMismatchError, match="differs from the student"):
         check_same_vocab(vocab_fingerprint(student), vocab_fingerprint(teacher))
 
@@ -42,8 +42,9 @@ def test_real_tokenizers_of_different_families_differ(smollm2_dir, tmp_path):
     other = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]")
     smol = AutoTokenizer.from_pretrained(str(smollm2_dir))
     assert vocab_fingerprint(smol) != vocab_fingerprint(other)
-    assert vocab_fingerprint(smol) == vocab_fingerprint(AutoTokenizer.from_pretrained(
-        str(smollm2_dir)))
+    assert vocab_fingerprint(smol) == vocab_fingerprint(
+        AutoTokenizer.from_pretrained(str(smollm2_dir))
+    )
 
 
 def test_ids_outside_the_teacher_vocabulary_are_refused():
@@ -52,8 +53,9 @@ def test_ids_outside_the_teacher_vocabulary_are_refused():
         check_ids_in_vocab([3, 10], 10)
 
 
-def test_the_service_refuses_to_start_with_a_teacher_of_another_vocabulary(tiny_model_dir,
-                                                                           tmp_path):
+def test_the_service_refuses_to_start_with_a_teacher_of_another_vocabulary(
+    tiny_model_dir, tmp_path
+):
     """BUG-23 at start-up: student SmolLM2 ids, teacher tokenizer of another family."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -69,6 +71,5 @@ def test_the_service_refuses_to_start_with_a_teacher_of_another_vocabulary(tiny_
     s = load_settings(teacher={"tokenizer_path": str(tmp_path / "other")})
     with pytest.raises(VocabularyMismatchError, match="differs from the student"):
         load_tokenizers(s, tiny_model_dir, tiny_model_dir)
-    renderer, student, teacher = load_tokenizers(load_settings(), tiny_model_dir,
-                                                 tiny_model_dir)
+    renderer, student, teacher = load_tokenizers(load_settings(), tiny_model_dir, tiny_model_dir)
     assert student == teacher == vocab_fingerprint(renderer.tokenizer)

@@ -24,11 +24,23 @@ HINT = {"hint": "The answer is 8."}
 def _stage(redis_client, prefix, scorer, renderer):
     from flywheel.teacher.worker import TeacherWorker
 
-    consumer = StreamConsumer(redis_client, f"{prefix}:scored", "teacher", "c1",
-                              dead_stream=f"{prefix}:dead", min_idle_ms=0, max_deliveries=2)
+    consumer = StreamConsumer(
+        redis_client,
+        f"{prefix}:scored",
+        "teacher",
+        "c1",
+        dead_stream=f"{prefix}:dead",
+        min_idle_ms=0,
+        max_deliveries=2,
+    )
     teacher = Teacher(scorer, renderer, TeacherConfig(model_name="teach"))
-    return TeacherWorker(consumer, StreamProducer(redis_client, f"{prefix}:train"), teacher,
-                         block_ms=10, concurrency=4)
+    return TeacherWorker(
+        consumer,
+        StreamProducer(redis_client, f"{prefix}:train"),
+        teacher,
+        block_ms=10,
+        concurrency=4,
+    )
 
 
 def test_samples_flow_from_scored_to_train_and_are_acked(redis_client, prefix, renderer):
@@ -47,8 +59,8 @@ def test_outage_leaves_the_entry_pending_then_dead_letters_it(redis_client, pref
     worker = _stage(redis_client, prefix, FakeScorer(fail=UpstreamError("down")), renderer)
     assert worker.run_once() == 0
     assert redis_client.xpending(f"{prefix}:scored", "teacher")["pending"] == 1
-    assert worker.run_once() == 0                      # delivery 2: still pending
-    assert worker.run_once() == 0                      # delivery 3 > max 2: dead-lettered
+    assert worker.run_once() == 0  # delivery 2: still pending
+    assert worker.run_once() == 0  # delivery 3 > max 2: dead-lettered
     dead = redis_client.xrange(f"{prefix}:dead")
     assert len(dead) == 1 and b"delivered 3 times" in dead[0][1][b"error"]
     assert redis_client.xlen(f"{prefix}:train") == 0
@@ -56,8 +68,7 @@ def test_outage_leaves_the_entry_pending_then_dead_letters_it(redis_client, pref
 
 def test_poison_sample_is_dead_lettered_at_once(redis_client, prefix, renderer):
     StreamProducer(redis_client, f"{prefix}:scored").publish(live_sample(renderer, task=HINT))
-    worker = _stage(redis_client, prefix, FakeScorer(fail=ContractError("misaligned")),
-                    renderer)
+    worker = _stage(redis_client, prefix, FakeScorer(fail=ContractError("misaligned")), renderer)
     assert worker.run_once() == 0
     dead = redis_client.xrange(f"{prefix}:dead")
     assert len(dead) == 1 and b"ContractError: misaligned" in dead[0][1][b"error"]
@@ -82,8 +93,7 @@ def test_grpc_score_tokens_status_codes_health_and_reflection(grpc_target, rende
     with grpc.insecure_channel(target) as channel:
         stub = teacher_pb2_grpc.TeacherServiceStub(channel)
         msgs = [{"role": "user", "content_json": '"What is 7 + 1?"'}]
-        reply = stub.ScoreTokens(_req(messages=msgs, response_ids=[28, 2], hint="Say 8.",
-                                      top_k=2))
+        reply = stub.ScoreTokens(_req(messages=msgs, response_ids=[28, 2], hint="Say 8.", top_k=2))
         assert list(reply.logprobs) == pytest.approx([-0.1, -0.2])
         assert list(reply.topk_ids) == [10, 11, 10, 11] and reply.temperature == 1.0
         prompt_ids, response_ids, _ = teacher.scorer.calls[-1]
@@ -94,8 +104,10 @@ def test_grpc_score_tokens_status_codes_health_and_reflection(grpc_target, rende
         for bad, code in [
             (_req(messages=msgs, response_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
             (_req(response_ids=[4]), grpc.StatusCode.INVALID_ARGUMENT),
-            (_req(messages=msgs, response_ids=[4], vocab_fingerprint="fp-other"),
-             grpc.StatusCode.FAILED_PRECONDITION),
+            (
+                _req(messages=msgs, response_ids=[4], vocab_fingerprint="fp-other"),
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ),
             (_req(messages=msgs, response_ids=[10**7]), grpc.StatusCode.FAILED_PRECONDITION),
         ]:
             with pytest.raises(grpc.RpcError) as err:
@@ -103,15 +115,20 @@ def test_grpc_score_tokens_status_codes_health_and_reflection(grpc_target, rende
             assert err.value.code() == code
         with pytest.raises(grpc.RpcError) as err:
             stub.ExtractHint(teacher_pb2.ExtractHintRequest())
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION   # judge disabled
-        scored = stub.ScoreSample(teacher_pb2.ScoreSampleRequest(
-            sample=live_sample(renderer, task=HINT))).sample
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # judge disabled
+        scored = stub.ScoreSample(
+            teacher_pb2.ScoreSampleRequest(sample=live_sample(renderer, task=HINT))
+        ).sample
         assert scored.teacher_status == "scored" and sum(scored.teacher_mask) > 0
         health = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service="flywheel.v1.TeacherService"))
+            health_pb2.HealthCheckRequest(service="flywheel.v1.TeacherService")
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-        listing = next(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        listing = next(
+            reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+        )
         names = {s.name for s in listing.list_services_response.service}
         assert "flywheel.v1.TeacherService" in names
 
@@ -123,8 +140,14 @@ def test_grpc_extract_hint_with_a_judge(renderer):
     from flywheel.teacher.hints import HintExtractor
 
     reply = "[HINT_START]Give only the number 8.[HINT_END]\nDecision: \\boxed{1}"
-    client = JudgeClient("http://judge/v1", "m", max_attempts=1, transport=httpx.MockTransport(
-        lambda r: httpx.Response(200, json={"choices": [{"message": {"content": reply}}]})))
+    client = JudgeClient(
+        "http://judge/v1",
+        "m",
+        max_attempts=1,
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(200, json={"choices": [{"message": {"content": reply}}]})
+        ),
+    )
     hints = HintExtractor(client, votes=2)
     teacher = Teacher(FakeScorer(), renderer, TeacherConfig(model_name="teach"), hints)
     port = free_port(56100)
@@ -132,7 +155,8 @@ def test_grpc_extract_hint_with_a_judge(renderer):
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             out = teacher_pb2_grpc.TeacherServiceStub(channel).ExtractHint(
-                teacher_pb2.ExtractHintRequest(sample=live_sample(renderer)))
+                teacher_pb2.ExtractHintRequest(sample=live_sample(renderer))
+            )
     finally:
         server.stop(grace=0)
     assert (out.status, out.hint, out.has_hint) == ("hint", "Give only the number 8.", True)

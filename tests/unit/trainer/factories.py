@@ -58,5 +58,3 @@ def make_sample(
     )
     sample.sampling.temperature = temperature
     return sample
-
-

@@ -161,8 +161,12 @@ def test_quantile_half_is_median_centering_on_symmetric_rewards(seed):
     out = quantile(AdvantageInputs(rewards, torch.zeros(7, dtype=torch.int64)), CFG)
     expected = ((rewards - rewards.median()) / rewards.std()).float()
     assert_close(out.advantages_B, expected, atol=1e-6, rtol=0)
-    assert_close(out.advantages_B, grpo(inputs(rewards.tolist(), dtype=torch.float64), CFG)
-                 .advantages_B, atol=1e-6, rtol=0)
+    assert_close(
+        out.advantages_B,
+        grpo(inputs(rewards.tolist(), dtype=torch.float64), CFG).advantages_B,
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("name", GROUP_ESTIMATORS)

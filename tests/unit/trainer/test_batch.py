@@ -19,8 +19,10 @@ def test_collate_right_pads_and_aligns_per_token_arrays():
     assert batch.input_ids_BT[0].tolist() == list(a.token_ids)
     assert batch.input_ids_BT[1].tolist() == list(b.token_ids) + [PAD_ID] * 3
     assert batch.attention_mask_BT.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert batch.loss_mask_BT.tolist() == [[False, False, True, True, True],
-                                           [False, True, False, False, False]]
+    assert batch.loss_mask_BT.tolist() == [
+        [False, False, True, True, True],
+        [False, True, False, False, False],
+    ]
     assert batch.old_logprobs_BT.tolist() == [[0, 0, -0.5, -0.5, -0.5], [0, -2.0, 0, 0, 0]]
     assert batch.advantages_BT.tolist() == [[0, 0, 0.5, 0.5, 0.5], [0, -0.5, 0, 0, 0]]
     assert batch.temperature_B.tolist() == pytest.approx([0.7, 1.0])  # greedy/unset -> 1.0

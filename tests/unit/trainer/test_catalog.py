@@ -31,10 +31,13 @@ def test_every_settings_choice_is_registered():
     fields = TrainerSettings.model_fields
     choices = typing.get_args(fields["rollout_correction"].annotation)
     assert set(choices) <= set(registries()["CORRECTIONS"])
-    for field, registry in [("advantage", ["ADVANTAGES"]), ("policy_loss", ["POLICY_LOSSES"]),
-                            ("loss_aggregation", ["AGGREGATIONS"]),
-                            ("token_weights", ["WEIGHTS"]),
-                            ("regularizers", ["KL_ESTIMATORS", "TERMS"])]:
+    for field, registry in [
+        ("advantage", ["ADVANTAGES"]),
+        ("policy_loss", ["POLICY_LOSSES"]),
+        ("loss_aggregation", ["AGGREGATIONS"]),
+        ("token_weights", ["WEIGHTS"]),
+        ("regularizers", ["KL_ESTIMATORS", "TERMS"]),
+    ]:
         registered = set().union(*(registries()[r] for r in registry))
         assert names_for(field) == registered, field
         for name in registered:
@@ -42,18 +45,25 @@ def test_every_settings_choice_is_registered():
             TrainerSettings(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [
-    ("advantage", "grpo_typo"), ("policy_loss", "ppo"), ("token_weights", ["entropy"]),
-    ("regularizers", {"k4": 0.1}), ("algorithm_params", {"nope": {"x": 1}}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("advantage", "grpo_typo"),
+        ("policy_loss", "ppo"),
+        ("token_weights", ["entropy"]),
+        ("regularizers", {"k4": 0.1}),
+        ("algorithm_params", {"nope": {"x": 1}}),
+    ],
+)
 def test_settings_refuse_unknown_parts_naming_the_choices(field, value):
     with pytest.raises(pydantic.ValidationError, match="flywheel algorithms list"):
         TrainerSettings(**{field: value})
 
 
 def test_catalog_imports_without_torch():
-    code = ("import sys; import flywheel.trainer.algorithms.catalog; "
-            "assert 'torch' not in sys.modules")
+    code = (
+        "import sys; import flywheel.trainer.algorithms.catalog; assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -74,8 +74,15 @@ def test_icepop_rejects_inverted_bounds():
 def groups_of_samples():
     lengths = [(3, 5), (6, 2), (4, 3), (2, 4)]
     samples = [
-        make_sample(prompt_len=p, completion_len=c, reward=float(i % 2), logprob=-5.0 + 0.3 * i,
-                    temperature=1.0, seed=i, group_id="g0")
+        make_sample(
+            prompt_len=p,
+            completion_len=c,
+            reward=float(i % 2),
+            logprob=-5.0 + 0.3 * i,
+            temperature=1.0,
+            seed=i,
+            group_id="g0",
+        )
         for i, (p, c) in enumerate(lengths)
     ]
     return [samples]
@@ -90,8 +97,11 @@ def grads(cfg: StepConfig) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("name", "cfg"),
-    [("tis", CorrectionConfig(cap=1e9)), ("mis", CorrectionConfig(cap=1e9)),
-     ("icepop", CorrectionConfig(low=0.0, high=1e9))],
+    [
+        ("tis", CorrectionConfig(cap=1e9)),
+        ("mis", CorrectionConfig(cap=1e9)),
+        ("icepop", CorrectionConfig(low=0.0, high=1e9)),
+    ],
 )
 def test_untruncated_correction_gives_the_plain_importance_sampled_gradient(name, cfg):
     # without clipping, ppo's gradient against the rollout is -A k grad logp; a correction with
@@ -99,8 +109,9 @@ def test_untruncated_correction_gives_the_plain_importance_sampled_gradient(name
     # trainer's own logprobs: the same gradient
     no_clip = PPOClipConfig(eps_low=1e6, eps_high=1e6)
     plain = grads(StepConfig(clip=no_clip, logprob_chunk_tokens=4))
-    corrected = grads(StepConfig(clip=no_clip, logprob_chunk_tokens=4, correction=name,
-                                 correction_cfg=cfg))
+    corrected = grads(
+        StepConfig(clip=no_clip, logprob_chunk_tokens=4, correction=name, correction_cfg=cfg)
+    )
     for key, grad in plain.items():
         assert_close(corrected[key], grad, atol=1e-6, rtol=1e-4, msg=key)
 
@@ -119,9 +130,16 @@ def test_step_config_reads_the_correction_settings():
 def test_gspo_with_a_correction_accumulates_like_one_big_batch(correction):
     # BUG-14 for the new parts: the same grads with 1 micro-batch of 4 or 4 micro-batches of 1
     def run(micro_batch_size):
-        return grads(StepConfig(policy_loss="gspo", aggregation="seq_mean_token_mean",
-                                correction=correction, correction_cfg=CorrectionConfig(cap=1.5),
-                                micro_batch_size=micro_batch_size, logprob_chunk_tokens=4))
+        return grads(
+            StepConfig(
+                policy_loss="gspo",
+                aggregation="seq_mean_token_mean",
+                correction=correction,
+                correction_cfg=CorrectionConfig(cap=1.5),
+                micro_batch_size=micro_batch_size,
+                logprob_chunk_tokens=4,
+            )
+        )
 
     whole, split = run(4), run(1)
     for key, grad in whole.items():

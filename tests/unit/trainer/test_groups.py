@@ -208,8 +208,9 @@ def test_unjudged_samples_with_other_components_are_kept_only_when_configured():
     # The judge failed (has_reward false, error "unjudged: ...") but an environment reward exists:
     # `keep` admits it (its reward is the weighted sum of the other components); `drop` does not.
     def unjudged(**kw):
-        e = entry(has_reward=False, error="unjudged: judge infra/timeout (prm@v2, 0 of 3 votes)",
-                  **kw)
+        e = entry(
+            has_reward=False, error="unjudged: judge infra/timeout (prm@v2, 0 of 3 votes)", **kw
+        )
         e.sample.rewards["env"] = 1.0
         return e
 

@@ -169,8 +169,7 @@ def test_bf16_autocast_keeps_the_head_and_logprobs_in_float32():
     assert out.logprobs_BT.dtype == torch.float32
     assert_close(out.logprobs_BT.detach(), fp32, atol=5e-2, rtol=0)
     (out.logprobs_BT.sum() + out.entropy_BT.sum()).backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32
-               for p in model.parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_fused_head_entropy_backward_passes_gradcheck():

@@ -39,10 +39,23 @@ def five_tokens():
 
 
 def test_registries():
-    assert set(POLICY_LOSSES) == {"ppo_clip", "gspo", "cispo", "dhpo", "aspo", "cppo",
-                                  "prefix_ratio", "wapo", "seq_elbo_ratio"}
-    assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                 "constant_normalizer"}
+    assert set(POLICY_LOSSES) == {
+        "ppo_clip",
+        "gspo",
+        "cispo",
+        "dhpo",
+        "aspo",
+        "cppo",
+        "prefix_ratio",
+        "wapo",
+        "seq_elbo_ratio",
+    }
+    assert set(AGGREGATIONS) == {
+        "token_mean",
+        "seq_mean_token_mean",
+        "seq_mean_token_sum",
+        "constant_normalizer",
+    }
 
 
 def test_ppo_clip_worked_example_both_sides():

@@ -23,8 +23,15 @@ hold 5 x 100 = 500 positions for 164 real tokens (67% padding)."""
 
 def groups():
     samples = [
-        make_sample(prompt_len=p, completion_len=c, reward=float(i % 2), seed=i,
-                    temperature=0.7 + 0.1 * i, logprob=-0.5 - 0.1 * i, group_id="g")
+        make_sample(
+            prompt_len=p,
+            completion_len=c,
+            reward=float(i % 2),
+            seed=i,
+            temperature=0.7 + 0.1 * i,
+            logprob=-0.5 - 0.1 * i,
+            group_id="g",
+        )
         for i, (p, c) in enumerate(LENGTHS)
     ]
     return [samples]
@@ -41,8 +48,13 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 def test_packed_logprobs_equal_padded_ones(tiny):
     batch, _ = prepare_batch(groups(), StepConfig())
-    args = (tiny, batch.input_ids_BT, batch.attention_mask_BT, batch.temperature_B,
-            batch.loss_mask_BT)
+    args = (
+        tiny,
+        batch.input_ids_BT,
+        batch.attention_mask_BT,
+        batch.temperature_B,
+        batch.loss_mask_BT,
+    )
     with torch.no_grad():
         padded = selected_token_logprobs(*args)
         packed = selected_token_logprobs(*args, packed=True)
@@ -57,8 +69,14 @@ def test_packing_without_the_block_mask_would_differ(tiny):
     batch, _ = prepare_batch(groups(), StepConfig())
     real_BT = batch.attention_mask_BT.bool()
     with torch.no_grad():
-        packed = selected_token_logprobs(tiny, batch.input_ids_BT, batch.attention_mask_BT,
-                                         batch.temperature_B, batch.loss_mask_BT, packed=True)
+        packed = selected_token_logprobs(
+            tiny,
+            batch.input_ids_BT,
+            batch.attention_mask_BT,
+            batch.temperature_B,
+            batch.loss_mask_BT,
+            packed=True,
+        )
         flat = tiny.base_model(input_ids=batch.input_ids_BT[real_BT][None]).last_hidden_state
         packed_hidden = tiny.base_model(
             input_ids=batch.input_ids_BT[real_BT][None],
@@ -95,8 +113,9 @@ def test_packed_micro_batches_count_real_tokens():
     cfg = StepConfig(micro_batch_size=8, micro_batch_tokens=64, packed=True)
     parts = split_micro_batches(batch, cfg)
     assert [mb.lengths_B.tolist() for mb in parts] == [[5], [100], [14, 3, 42]]
-    two_rows = split_micro_batches(batch, dataclasses.replace(cfg, micro_batch_tokens=0,
-                                                              micro_batch_size=2))
+    two_rows = split_micro_batches(
+        batch, dataclasses.replace(cfg, micro_batch_tokens=0, micro_batch_size=2)
+    )
     assert [mb.size for mb in two_rows] == [2, 2, 1]
 
 

@@ -12,13 +12,16 @@ from flywheel.trainer.step import StepConfig, native_bf16, resolve_precision
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize(("precision", "native", "bf16", "says"), [
-    ("auto", False, False, "no native bf16"),
-    ("auto", True, True, "native bf16"),
-    ("fp32", True, False, "fp32 (set)"),
-    ("bf16_autocast", False, True, "emulated"),
-    ("bf16_autocast", True, True, "bf16 autocast (set)"),
-])
+@pytest.mark.parametrize(
+    ("precision", "native", "bf16", "says"),
+    [
+        ("auto", False, False, "no native bf16"),
+        ("auto", True, True, "native bf16"),
+        ("fp32", True, False, "fp32 (set)"),
+        ("bf16_autocast", False, True, "emulated"),
+        ("bf16_autocast", True, True, "bf16 autocast (set)"),
+    ],
+)
 def test_precision_resolution(monkeypatch, precision, native, bf16, says):
     monkeypatch.setattr(step, "native_bf16", lambda device: native)
     on, why = resolve_precision(precision, CPU)

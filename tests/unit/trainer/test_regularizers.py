@@ -22,8 +22,14 @@ from flywheel.trainer.algorithms.regularizers import (
 def test_registries():
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(REGULARIZERS) == {"entropy_bonus"}
-    assert {"entropy_bonus_sampled", "entropy_min", "distill_rkl", "distill_fkl",
-            "distill_mixed", "grsp"} <= set(TERMS)
+    assert {
+        "entropy_bonus_sampled",
+        "entropy_min",
+        "distill_rkl",
+        "distill_fkl",
+        "distill_mixed",
+        "grsp",
+    } <= set(TERMS)
 
 
 def test_kl_worked_example():

@@ -51,8 +51,13 @@ def test_replay_position_skips_what_was_done(tmp_path):
 
 def test_fake_source_makes_trainable_groups_at_the_trainer_version():
     version = {"v": 3}
-    source = FakeSource(vocab_size=50, group_size=4, prompt_tokens=5, completion_tokens=7,
-                        version=lambda: version["v"])
+    source = FakeSource(
+        vocab_size=50,
+        group_size=4,
+        prompt_tokens=5,
+        completion_tokens=7,
+        version=lambda: version["v"],
+    )
     entries = source.read(8, block_ms=0)
     assert [e.sample.group_id for e in entries] == ["fake-0"] * 4 + ["fake-1"] * 4
     for entry in entries:

@@ -23,8 +23,15 @@ of 2 the second micro-batch is all-masked."""
 
 def groups_of_samples():
     samples = [
-        make_sample(prompt_len=p, completion_len=c, reward=float(i % 3), logprob=-5.5 + 0.2 * i,
-                    temperature=[1.0, 0.7][i % 2], seed=i, group_id=f"g{i // 4}")
+        make_sample(
+            prompt_len=p,
+            completion_len=c,
+            reward=float(i % 3),
+            logprob=-5.5 + 0.2 * i,
+            temperature=[1.0, 0.7][i % 2],
+            seed=i,
+            group_id=f"g{i // 4}",
+        )
         for i, (p, c) in enumerate(LENGTHS)
     ]
     return [samples[:4], samples[4:]]
@@ -32,8 +39,11 @@ def groups_of_samples():
 
 def config(aggregation="token_mean", micro_batch_size=8, **kw) -> StepConfig:
     return StepConfig(
-        aggregation=aggregation, micro_batch_size=micro_batch_size, logprob_chunk_tokens=4,
-        clip=PPOClipConfig(0.2, 0.28, 3.0), **kw,
+        aggregation=aggregation,
+        micro_batch_size=micro_batch_size,
+        logprob_chunk_tokens=4,
+        clip=PPOClipConfig(0.2, 0.28, 3.0),
+        **kw,
     )
 
 
@@ -95,9 +105,22 @@ def test_step_updates_weights_and_reports_metrics():
     assert result.skipped == ""
     changed = [n for n, t in model.state_dict().items() if not torch.equal(t, before[n])]
     assert "model.embed_tokens.weight" in changed and len(changed) > 10
-    for key in ["loss/pg", "reward/mean", "clip/frac", "ratio/mean", "ratio/max", "kl/k3_rollout",
-                "entropy/mean", "logprob/abs_diff_mean", "grad/norm", "time/step_s",
-                "tokens/trained", "samples/trained", "batch/empty_micro_batches", "step/skipped"]:
+    for key in [
+        "loss/pg",
+        "reward/mean",
+        "clip/frac",
+        "ratio/mean",
+        "ratio/max",
+        "kl/k3_rollout",
+        "entropy/mean",
+        "logprob/abs_diff_mean",
+        "grad/norm",
+        "time/step_s",
+        "tokens/trained",
+        "samples/trained",
+        "batch/empty_micro_batches",
+        "step/skipped",
+    ]:
         assert key in result.metrics, key
     assert result.metrics["tokens/trained"] == sum(c for _, c in LENGTHS)
     assert result.metrics["reward/mean"] == pytest.approx(sum(i % 3 for i in range(8)) / 8)
@@ -163,9 +186,12 @@ def test_token_budget_micro_batches_give_the_same_gradient():
 
 def one_token_batch(rollout_logprob, advantage, *, is_correct=False, weight=1.0):
     sample = make_sample(prompt_len=1, completion_len=1, logprob=rollout_logprob)
-    batch = collate([sample], torch.tensor([advantage]),
-                    sample_weight_B=torch.tensor([weight]),
-                    is_correct_B=torch.tensor([is_correct]))
+    batch = collate(
+        [sample],
+        torch.tensor([advantage]),
+        sample_weight_B=torch.tensor([weight]),
+        is_correct_B=torch.tensor([is_correct]),
+    )
     return batch
 
 
@@ -188,9 +214,7 @@ def test_stale_is_corrected_sample_uses_the_trainer_ratio_and_a_tis_weight():
     assert float(corrected["pg"][0, 1]) == pytest.approx(-1.648721, abs=1e-6)
     assert float(stats["correction/weight_mean"][0, 1]) == pytest.approx(1.648721, abs=1e-6)
     # past the cap: rollout -4.0 -> k = e^3 = 20.09 -> w = 2 -> loss = -2
-    capped, _ = token_loss(
-        fixed_logprobs(-1.0), one_token_batch(-4.0, 1.0, is_correct=True), cfg
-    )
+    capped, _ = token_loss(fixed_logprobs(-1.0), one_token_batch(-4.0, 1.0, is_correct=True), cfg)
     assert float(capped["pg"][0, 1]) == pytest.approx(-2.0, abs=1e-6)
 
 
@@ -205,10 +229,10 @@ def test_kl_and_entropy_terms_worked_example():
     # k1 = 0.5; k2 = 0.125; k3 = e^-0.5 - 1 + 0.5 = 0.106531; kl term = 0.1 * k
     # entropy H = 2.0 (given), coef 0.01 -> entropy term = -0.02
     for estimator, value in [("k1", 0.5), ("k2", 0.125), ("k3", 0.106531)]:
-        cfg = dataclasses.replace(config(), kl_coef=0.1, kl_estimator=estimator,
-                                  entropy_coef=0.01)
-        terms, stats = token_loss(fixed_logprobs(-1.0), one_token_batch(-1.0, 0.0), cfg,
-                                  torch.tensor([[0.0, -1.5]]))
+        cfg = dataclasses.replace(config(), kl_coef=0.1, kl_estimator=estimator, entropy_coef=0.01)
+        terms, stats = token_loss(
+            fixed_logprobs(-1.0), one_token_batch(-1.0, 0.0), cfg, torch.tensor([[0.0, -1.5]])
+        )
         assert float(terms["kl"][0, 1]) == pytest.approx(0.1 * value, abs=1e-6), estimator
         assert float(stats[f"kl/ref_{estimator}"][0, 1]) == pytest.approx(value, abs=1e-6)
         assert float(terms["entropy"][0, 1]) == pytest.approx(-0.02, abs=1e-7)
@@ -251,8 +275,10 @@ def test_live_samples_get_their_reward_as_advantage_next_to_a_group():
     # group g0 rewards [1, 0] -> grpo [+0.7071, -0.7071]; live samples (no group_id) with judge
     # rewards +1 and -1 -> advantages +1 and -1 on their sampled tokens
     group = [make_sample(reward=1.0, seed=1), make_sample(reward=0.0, seed=2)]
-    live = [make_sample(reward=1.0, group_id="", seed=3),
-            make_sample(reward=-1.0, group_id="", seed=4)]
+    live = [
+        make_sample(reward=1.0, group_id="", seed=3),
+        make_sample(reward=-1.0, group_id="", seed=4),
+    ]
     batch, metrics = prepare_batch([group, live[:1], live[1:]], config())
     sampled = batch.loss_mask_BT
     assert batch.advantages_BT[0][sampled[0]].tolist() == pytest.approx([0.707107] * 4, abs=1e-5)
@@ -305,6 +331,7 @@ def test_bf16_autocast_step_keeps_fp32_master_weights_and_optimizer_state():
     # the ratio's logprobs are fp32 from the fp32 head: same weights -> ratio close to the
     # fp32 step's (only the bf16 decoder differs)
     plain = tiny_model(seed=5)
-    fp32 = train_step(plain, torch.optim.AdamW(plain.parameters()), batch,
-                      config(micro_batch_size=4))
+    fp32 = train_step(
+        plain, torch.optim.AdamW(plain.parameters()), batch, config(micro_batch_size=4)
+    )
     assert result.metrics["ratio/mean"] == pytest.approx(fp32.metrics["ratio/mean"], abs=2e-2)

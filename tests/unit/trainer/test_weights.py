@@ -40,8 +40,14 @@ def test_save_is_self_contained_with_tied_head_stored_once(tmp_path, source_dir)
     path = store.save(model, 1, {"entry_ids": ["1-0"], "sample_ids": ["s1"]})
     assert path.name == "step_00000001"
     names = {p.name for p in path.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", STATE_FILE} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        STATE_FILE,
+    } <= names
     assert not list((tmp_path / "ckpt").glob(".*"))  # no temporary folder left behind
     state = json.loads((path / STATE_FILE).read_text())
     assert state["step"] == 1 and state["weight_version"] == "1" and state["entry_ids"] == ["1-0"]
@@ -62,7 +68,9 @@ def test_keeps_the_newest_k_and_resumes_from_the_newest_complete(tmp_path, sourc
     for step in (1, 2, 3):
         store.save(model, step, {})
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "step_00000002", "step_00000003"]
+        "step_00000002",
+        "step_00000003",
+    ]
     (tmp_path / "ckpt" / "step_00000009").mkdir()  # incomplete (no weights, no state): ignored
     (tmp_path / "ckpt" / ".step_00000010.tmp-1").mkdir()  # a crashed write
     latest = store.latest()
@@ -100,7 +108,9 @@ def test_push_reaches_every_engine_with_the_step_as_version(tmp_path):
     engine = FakeEngine()
     pusher(engine).push(tmp_path / "step_00000007", 7)
     assert [c["url"] for c in engine.calls] == [
-        "http://e1/update_weights_from_disk", "http://e2/update_weights_from_disk"]
+        "http://e1/update_weights_from_disk",
+        "http://e2/update_weights_from_disk",
+    ]
     assert engine.calls[0] | {"url": None} == {
         "url": None,
         "model_path": str((tmp_path / "step_00000007").resolve()),
@@ -181,8 +191,9 @@ def test_lora_checkpoint_holds_the_merged_weights(tmp_path, source_dir):
 
     from flywheel.trainer.lora import add_lora
 
-    settings = SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj",
-                                                                                "v_proj"])
+    settings = SimpleNamespace(
+        lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "v_proj"]
+    )
     model = add_lora(load_model(source_dir), settings)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

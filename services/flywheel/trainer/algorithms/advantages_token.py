@@ -48,17 +48,23 @@ def _group_std_B(inputs: adv.AdvantageInputs) -> Tensor:
     return std_B
 
 
-def _out(base: adv.AdvantageOutputs, adv_BT: Tensor, mask_BT: Tensor, **extra: float
-         ) -> adv.AdvantageOutputs:
+def _out(
+    base: adv.AdvantageOutputs, adv_BT: Tensor, mask_BT: Tensor, **extra: float
+) -> adv.AdvantageOutputs:
     adv_BT = torch.where(mask_BT, adv_BT.float(), torch.zeros_like(adv_BT, dtype=torch.float32))
     n_B = mask_BT.sum(dim=1).clamp_min(1)
     selected = adv_BT[mask_BT]
-    metrics = base.metrics | {
-        "adv/token_mean": float(selected.mean()) if selected.numel() else 0.0,
-        "adv/max_abs": float(selected.abs().max()) if selected.numel() else 0.0,
-    } | extra
-    return adv.AdvantageOutputs(advantages_B=adv_BT.sum(dim=1) / n_B, metrics=metrics,
-                                advantages_BT=adv_BT)
+    metrics = (
+        base.metrics
+        | {
+            "adv/token_mean": float(selected.mean()) if selected.numel() else 0.0,
+            "adv/max_abs": float(selected.abs().max()) if selected.numel() else 0.0,
+        }
+        | extra
+    )
+    return adv.AdvantageOutputs(
+        advantages_B=adv_BT.sum(dim=1) / n_B, metrics=metrics, advantages_BT=adv_BT
+    )
 
 
 def _spread(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
@@ -169,8 +175,11 @@ def ktae(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
         good = [i for i in idx if float(rewards_B[i]) > mean]
         bad = [i for i in idx if float(rewards_B[i]) <= mean]
         vocab = set().union(*sets.values())
-        imp = {v: sum(v in sets[i] for i in good) / len(good)
-               - sum(v in sets[i] for i in bad) / len(bad) for v in vocab}
+        imp = {
+            v: sum(v in sets[i] for i in good) / len(good)
+            - sum(v in sets[i] for i in bad) / len(bad)
+            for v in vocab
+        }
         for i in idx:
             for t in mask_BT[i].nonzero(as_tuple=True)[0].tolist():
                 adv_BT[i, t] += p.weight * imp[int(ids_BT[i, t])]
@@ -302,8 +311,11 @@ def a3po(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advantage
     prob_BT = _need(inputs, "rollout_logprobs_BT", "a3po").double().exp()
     base = _grpo_B(inputs, cfg)
     adv_BT = _spread(base.advantages_B, mask_BT)
-    w_BT = torch.where(adv_BT > 0, 1 + p.pos_boost * (prob_BT < p.low_prob),
-                       1 + p.neg_boost * (prob_BT > p.high_prob))
+    w_BT = torch.where(
+        adv_BT > 0,
+        1 + p.pos_boost * (prob_BT < p.low_prob),
+        1 + p.neg_boost * (prob_BT > p.high_prob),
+    )
     return _out(base, adv_BT * w_BT, mask_BT)
 
 
@@ -326,8 +338,10 @@ def turn_level(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Adv
     cell_B = inputs.group_index_B.long() * (int(turn_B.max()) + 1 if turn_B.numel() else 1) + turn_B
     _, cell_B = torch.unique(cell_B, return_inverse=True)
     out = adv.grpo(adv.AdvantageInputs(inputs.rewards_B, cell_B), cfg)
-    return adv.AdvantageOutputs(out.advantages_B, out.metrics | {"adv/turn_cells": float(
-        cell_B.max() + 1) if cell_B.numel() else 0.0})
+    return adv.AdvantageOutputs(
+        out.advantages_B,
+        out.metrics | {"adv/turn_cells": float(cell_B.max() + 1) if cell_B.numel() else 0.0},
+    )
 
 
 # --- segment (PRM step scores) -----------------------------------------------------------
@@ -367,8 +381,10 @@ def segment(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Advant
         norm_BT[sel_BT] = (vals - mean) / std
     # reverse cumulative sum: tokens get the steps ending at or after them
     adv_BT = torch.flip(torch.cumsum(torch.flip(norm_BT, [1]), 1), [1])
-    base = adv.AdvantageOutputs(torch.zeros(mask_BT.shape[0]), {
-        "adv/frac_reward_zero_std": zero / max(len(groups), 1), "adv/groups": float(len(groups))})
+    base = adv.AdvantageOutputs(
+        torch.zeros(mask_BT.shape[0]),
+        {"adv/frac_reward_zero_std": zero / max(len(groups), 1), "adv/groups": float(len(groups))},
+    )
     return _out(base, adv_BT, mask_BT)
 
 
@@ -446,8 +462,12 @@ def sdar_gate(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.Adva
     base = _grpo_B(inputs, cfg)
     gate_BT = torch.sigmoid(gap_BT / p.temperature)
     adv_BT = _spread(base.advantages_B, mask_BT) + p.weight * gate_BT * gap_BT
-    return _out(base, adv_BT, mask_BT, **{
-        "adv/sdar_gate_mean": float(gate_BT[mask_BT].mean()) if mask_BT.any() else 0.0})
+    return _out(
+        base,
+        adv_BT,
+        mask_BT,
+        **{"adv/sdar_gate_mean": float(gate_BT[mask_BT].mean()) if mask_BT.any() else 0.0},
+    )
 
 
 @dataclass(frozen=True)
@@ -456,8 +476,7 @@ class ContrastiveParams:
     """lambda: weight of the contrastive gap."""
 
 
-def contrastive_sd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig
-                   ) -> adv.AdvantageOutputs:
+def contrastive_sd(inputs: adv.AdvantageInputs, cfg: adv.AdvantageConfig) -> adv.AdvantageOutputs:
     """RLCSD: the teacher-student gap under a correct hint minus the gap under a wrong hint.
 
         c_t     = (log q(y_t | correct hint) - log p(y_t)) - (log q(y_t | wrong hint) - log p(y_t))

@@ -183,8 +183,12 @@ def _token_log_ratio(inputs: LossInputs) -> Tensor:
 
 def _ratio_stats(ratio_BT: Tensor, log_ratio_BT: Tensor) -> dict[str, Tensor]:
     ratio = ratio_BT.detach()
-    return {"ratio/mean": ratio, "ratio/max": ratio, "ratio/min": ratio,
-            "kl/k3_rollout": (ratio - 1.0) - log_ratio_BT.detach()}
+    return {
+        "ratio/mean": ratio,
+        "ratio/max": ratio,
+        "ratio/min": ratio,
+        "kl/k3_rollout": (ratio - 1.0) - log_ratio_BT.detach(),
+    }
 
 
 def cispo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
@@ -206,8 +210,9 @@ def cispo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
     ratio_BT = torch.exp(log_ratio_BT).detach()
     weight_BT = ratio_BT.clamp(max(1.0 - cfg.eps_low, 0.0), 1.0 + cfg.eps_high)
     logp_BT = torch.where(mask_BT, inputs.logprobs_BT, torch.zeros_like(inputs.logprobs_BT))
-    loss_BT = torch.where(mask_BT, -weight_BT * inputs.advantages_BT * logp_BT,
-                          torch.zeros_like(logp_BT))
+    loss_BT = torch.where(
+        mask_BT, -weight_BT * inputs.advantages_BT * logp_BT, torch.zeros_like(logp_BT)
+    )
     clipped = (ratio_BT != weight_BT).float()
     return LossOutputs(loss_BT, {"clip/frac": clipped} | _ratio_stats(ratio_BT, log_ratio_BT))
 
@@ -248,8 +253,10 @@ def dhpo(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
     else:
         raise ValueError(f"dhpo.mixing must be 'mean' or 'entropy', got {p.mixing!r}")
     loss_BT = w_BT * tok.token_loss_BT + (1 - w_BT) * seq.token_loss_BT
-    stats = tok.token_stats | {"dhpo/token_weight": w_BT.detach(),
-                               "clip/frac_seq": seq.token_stats["clip/frac"]}
+    stats = tok.token_stats | {
+        "dhpo/token_weight": w_BT.detach(),
+        "clip/frac_seq": seq.token_stats["clip/frac"],
+    }
     return LossOutputs(loss_BT, stats)
 
 
@@ -392,14 +399,17 @@ def seq_elbo_ratio(inputs: LossInputs, cfg: PPOClipConfig) -> LossOutputs:
     log_s_B = (log_ratio_BT.sum(dim=1) / n_B).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     s_B = torch.exp(log_s_B)
     adv_B = torch.where(mask_BT, inputs.advantages_BT, 0.0).sum(dim=1) / n_B
-    seq_loss_B = torch.maximum(-adv_B * s_B,
-                               -adv_B * s_B.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
-    loss_BT = torch.where(mask_BT, seq_loss_B[:, None].expand_as(log_ratio_BT),
-                          torch.zeros_like(log_ratio_BT))
+    seq_loss_B = torch.maximum(-adv_B * s_B, -adv_B * s_B.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
+    loss_BT = torch.where(
+        mask_BT, seq_loss_B[:, None].expand_as(log_ratio_BT), torch.zeros_like(log_ratio_BT)
+    )
     s_BT = s_B.detach()[:, None].expand_as(log_ratio_BT)
     clip_BT = ((s_BT < 1 - cfg.eps_low) | (s_BT > 1 + cfg.eps_high)).float()
-    return LossOutputs(loss_BT, {"clip/frac": clip_BT} | _ratio_stats(s_BT, log_s_B.detach()[
-        :, None].expand_as(log_ratio_BT)))
+    return LossOutputs(
+        loss_BT,
+        {"clip/frac": clip_BT}
+        | _ratio_stats(s_BT, log_s_B.detach()[:, None].expand_as(log_ratio_BT)),
+    )
 
 
 def _masked(token_loss_BT: Tensor, loss_mask_BT: Tensor) -> Tensor:
@@ -439,9 +449,7 @@ def constant_normalizer(
     return _masked(token_loss_BT, loss_mask_BT).sum() / (norm.sequences * norm.constant_k)
 
 
-def seq_mean_token_sum(
-    token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer
-) -> Tensor:
+def seq_mean_token_sum(token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNormalizer) -> Tensor:
     """sum_{b,t} m_bt l_bt / N_sequences: token sums averaged over sequences, no length division.
 
     Dr. GRPO ("Understanding R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783,

@@ -30,9 +30,11 @@ def resolve(cls: type[P], overrides: Mapping[str, Any] | None, part: str) -> P:
                 f"unknown parameter {name!r} of algorithm part {part!r}; known: {sorted(known)}"
             )
         default = getattr(cls(), name)
-        if isinstance(default, bool) != isinstance(value, bool) or (
-            isinstance(default, (int, float)) and not isinstance(value, (int, float))
-        ) or (isinstance(default, str) and not isinstance(value, str)):
+        if (
+            isinstance(default, bool) != isinstance(value, bool)
+            or (isinstance(default, (int, float)) and not isinstance(value, (int, float)))
+            or (isinstance(default, str) and not isinstance(value, str))
+        ):
             raise ValueError(
                 f"parameter {name!r} of {part!r} must be like {default!r}, got {value!r}"
             )

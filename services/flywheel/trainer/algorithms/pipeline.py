@@ -37,13 +37,31 @@ from flywheel.trainer.algorithms.weights import apply_weight
 
 log = logging.getLogger(__name__)
 
-STEP_INPUTS = frozenset({
-    "rewards_B", "group_index_B", "token_ids_BT", "loss_mask_BT", "rollout_logprobs_BT",
-    "old_logprobs_BT", "train_logprobs_BT", "logprobs_BT", "advantages_BT", "token_loss_BT",
-    "ref_logprobs_BT", "teacher_logprobs_BT", "teacher_mask_BT", "entropy_BT", "turn_index_B",
-    "step", "student_topk_logprobs_BTK", "wrong_hint_logprobs_BT", "step_rewards_BT",
-    "teacher_topk_logprobs_BTK", "student_logprobs_at_teacher_topk_BTK",
-})
+STEP_INPUTS = frozenset(
+    {
+        "rewards_B",
+        "group_index_B",
+        "token_ids_BT",
+        "loss_mask_BT",
+        "rollout_logprobs_BT",
+        "old_logprobs_BT",
+        "train_logprobs_BT",
+        "logprobs_BT",
+        "advantages_BT",
+        "token_loss_BT",
+        "ref_logprobs_BT",
+        "teacher_logprobs_BT",
+        "teacher_mask_BT",
+        "entropy_BT",
+        "turn_index_B",
+        "step",
+        "student_topk_logprobs_BTK",
+        "wrong_hint_logprobs_BT",
+        "step_rewards_BT",
+        "teacher_topk_logprobs_BTK",
+        "student_logprobs_at_teacher_topk_BTK",
+    }
+)
 """Inputs the step provides; every input a catalog row declares is one of them.
 
 From the Samples (batch.py `collate`, no model cost; each masked where the Sample lacks it):
@@ -102,8 +120,12 @@ class AlgoConfig:
         return cfg
 
     def selected(self) -> list[str]:
-        return [self.advantage, self.policy_loss, *self.token_weights,
-                *(n for n, _ in self.regularizers)]
+        return [
+            self.advantage,
+            self.policy_loss,
+            *self.token_weights,
+            *(n for n, _ in self.regularizers),
+        ]
 
     def check(self) -> None:
         """Raise ValueError for a part whose inputs the step cannot provide or bad params."""
@@ -118,18 +140,24 @@ class AlgoConfig:
         for name in self.selected():
             missing = needs([name]) - STEP_INPUTS
             if missing:
-                raise ValueError(f"algorithm part {name!r} needs {sorted(missing)}, which the "
-                                 "trainer step does not compute yet; choose another part")
+                raise ValueError(
+                    f"algorithm part {name!r} needs {sorted(missing)}, which the "
+                    "trainer step does not compute yet; choose another part"
+                )
         for name in self.token_weights:
             resolve(WEIGHT_PARAMS[name], self.params.get(name), name)
         for name, _ in self.regularizers:
             resolve(TERM_PARAMS[name], self.params.get(name), name)
         if self.advantage in TOKEN_ADVANTAGE_PARAMS:
-            resolve(TOKEN_ADVANTAGE_PARAMS[self.advantage], self.params.get(self.advantage),
-                    self.advantage)
+            resolve(
+                TOKEN_ADVANTAGE_PARAMS[self.advantage],
+                self.params.get(self.advantage),
+                self.advantage,
+            )
         if self.policy_loss in LOSS_PARAMS:
-            resolve(LOSS_PARAMS[self.policy_loss], self.params.get(self.policy_loss),
-                    self.policy_loss)
+            resolve(
+                LOSS_PARAMS[self.policy_loss], self.params.get(self.policy_loss), self.policy_loss
+            )
 
     @property
     def late_advantage(self) -> bool:
@@ -162,8 +190,9 @@ class AlgoConfig:
         return "entropy_BT" in needs([self.advantage, *self.token_weights])
 
 
-def advantage_inputs(batch: Any, rows_N: Tensor | None = None,
-                     group_index_N: Tensor | None = None) -> AdvantageInputs:
+def advantage_inputs(
+    batch: Any, rows_N: Tensor | None = None, group_index_N: Tensor | None = None
+) -> AdvantageInputs:
     """AdvantageInputs of rows `rows_N` (None = all) of a `TrainBatch`, every field filled.
 
     `group_index_N` renumbers the rows' groups (None = the batch's). Inputs a Sample may lack
@@ -182,8 +211,9 @@ def advantage_inputs(batch: Any, rows_N: Tensor | None = None,
         loss_mask_BT=batch.loss_mask_BT[rows],
         turn_index_B=batch.turn_index_B[rows],
         step_rewards_BT=torch.where(batch.step_mask_BT[rows], batch.step_rewards_BT[rows], nan),
-        wrong_hint_logprobs_BT=torch.where(batch.wrong_hint_mask_BT[rows],
-                                           batch.wrong_hint_logprobs_BT[rows], nan),
+        wrong_hint_logprobs_BT=torch.where(
+            batch.wrong_hint_mask_BT[rows], batch.wrong_hint_logprobs_BT[rows], nan
+        ),
     )
 
 
@@ -211,26 +241,37 @@ def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, 
     if not algo.token_weights and not algo.late_advantage:
         return batch, {}
     metrics: dict[str, float] = {}
-    entropy_BT = scoring_pass(model, batch, cfg.logprob_chunk_tokens, cfg.micro_batch_size) \
-        if algo.needs_entropy_pass else None
+    entropy_BT = (
+        scoring_pass(model, batch, cfg.logprob_chunk_tokens, cfg.micro_batch_size)
+        if algo.needs_entropy_pass
+        else None
+    )
     advantages_BT = batch.advantages_BT
     if algo.late_advantage:
         inputs = dataclasses.replace(advantage_inputs(batch), entropy_BT=entropy_BT)
-        adv_cfg = AdvantageConfig(std_floor=cfg.std_floor, quantile_k=cfg.quantile_k,
-                                  params=algo.params.get(algo.advantage, {}))
+        adv_cfg = AdvantageConfig(
+            std_floor=cfg.std_floor,
+            quantile_k=cfg.quantile_k,
+            params=algo.params.get(algo.advantage, {}),
+        )
         out = ADVANTAGES[algo.advantage](inputs, adv_cfg)
         late_BT = token_advantages(batch.loss_mask_BT, out)
         if late_BT is None:
-            late_BT = masked(out.advantages_B.float()[:, None].expand_as(advantages_BT),
-                             batch.loss_mask_BT)
+            late_BT = masked(
+                out.advantages_B.float()[:, None].expand_as(advantages_BT), batch.loss_mask_BT
+            )
         grouped_B = torch.bincount(batch.group_index_B)[batch.group_index_B] > 1
         advantages_BT = torch.where(grouped_B[:, None], late_BT, advantages_BT)
         metrics |= out.metrics
     ctx = TokenContext(
-        advantages_BT=advantages_BT, loss_mask_BT=batch.loss_mask_BT,
-        old_logprobs_BT=batch.old_logprobs_BT, rewards_B=batch.rewards_B,
-        group_index_B=batch.group_index_B, entropy_BT=entropy_BT,
-        token_ids_BT=batch.input_ids_BT, step=optimizer_steps(optimizer),
+        advantages_BT=advantages_BT,
+        loss_mask_BT=batch.loss_mask_BT,
+        old_logprobs_BT=batch.old_logprobs_BT,
+        rewards_B=batch.rewards_B,
+        group_index_B=batch.group_index_B,
+        entropy_BT=entropy_BT,
+        token_ids_BT=batch.input_ids_BT,
+        step=optimizer_steps(optimizer),
     )
     for name in algo.token_weights:
         res = apply_weight(name, ctx, algo.params.get(name))
@@ -252,11 +293,16 @@ def scoring_pass(model: Any, batch: Any, chunk_tokens: int, micro_batch_size: in
         rows = mb.size
         if bool(mb.loss_mask_BT.any()):
             mbd = mb.to(device)
-            lp = selected_token_logprobs(model, mbd.input_ids_BT, mbd.attention_mask_BT,
-                                         mbd.temperature_B, mbd.loss_mask_BT,
-                                         chunk_tokens=chunk_tokens)
+            lp = selected_token_logprobs(
+                model,
+                mbd.input_ids_BT,
+                mbd.attention_mask_BT,
+                mbd.temperature_B,
+                mbd.loss_mask_BT,
+                chunk_tokens=chunk_tokens,
+            )
             width = lp.entropy_BT.shape[1]
-            entropy_BT[start:start + rows, :width] = lp.entropy_BT.detach().float().cpu()
+            entropy_BT[start : start + rows, :width] = lp.entropy_BT.detach().float().cpu()
         start += rows
     return masked(entropy_BT, batch.loss_mask_BT)
 
@@ -317,22 +363,34 @@ def student_topk(model: Any, mb: Any, cfg: Any) -> StudentTopK | None:
     out = StudentTopK()
     if algo.needs_own_topk:
         top_BTK = torch.nn.functional.pad(logp_BTV.topk(TOPK, dim=-1).values, (0, 0, 1, 0))
-        out = dataclasses.replace(out, topk_BTK=torch.where(mask_BT1, top_BTK,
-                                                            torch.zeros_like(top_BTK)))
+        out = dataclasses.replace(
+            out, topk_BTK=torch.where(mask_BT1, top_BTK, torch.zeros_like(top_BTK))
+        )
     if algo.needs_teacher_topk:
         ids_BTK, teacher_BTK = mb.teacher_topk_ids_BTK, mb.teacher_topk_logprobs_BTK
-        valid_BTK = ((teacher_BTK > TOPK_ABSENT / 2) & (ids_BTK < logp_BTV.shape[-1])
-                     & mask_BT1 & mb.teacher_topk_mask_BT.bool()[..., None])
+        valid_BTK = (
+            (teacher_BTK > TOPK_ABSENT / 2)
+            & (ids_BTK < logp_BTV.shape[-1])
+            & mask_BT1
+            & mb.teacher_topk_mask_BT.bool()[..., None]
+        )
         safe_BTK = torch.where(valid_BTK, ids_BTK, torch.zeros_like(ids_BTK))
         at_BTK = torch.nn.functional.pad(logp_BTV.gather(2, safe_BTK[:, 1:]), (0, 0, 1, 0))
         absent = torch.full_like(at_BTK, TOPK_ABSENT)
-        out = dataclasses.replace(out, at_teacher_BTK=torch.where(valid_BTK, at_BTK, absent),
-                                  teacher_BTK=torch.where(valid_BTK, teacher_BTK.float(), absent))
+        out = dataclasses.replace(
+            out,
+            at_teacher_BTK=torch.where(valid_BTK, at_BTK, absent),
+            teacher_BTK=torch.where(valid_BTK, teacher_BTK.float(), absent),
+        )
     return out
 
 
-def token_terms(algo: AlgoConfig, lp: Any, mb: Any, student: StudentTopK | None = None,
-                ) -> tuple[Tensor | None, dict[str, Tensor]]:
+def token_terms(
+    algo: AlgoConfig,
+    lp: Any,
+    mb: Any,
+    student: StudentTopK | None = None,
+) -> tuple[Tensor | None, dict[str, Tensor]]:
     """sum_k coef_k term_k (B, T) of the selected regularizers for one micro-batch, and the
     detached terms as token statistics (`reg/<name>`). None when none is selected.
 
@@ -348,11 +406,16 @@ def token_terms(algo: AlgoConfig, lp: Any, mb: Any, student: StudentTopK | None 
 
     student = student or StudentTopK()
     ctx = TokenContext(
-        advantages_BT=mb.advantages_BT, loss_mask_BT=mb.loss_mask_BT,
-        old_logprobs_BT=mb.old_logprobs_BT, rewards_B=mb.rewards_B,
-        group_index_B=mb.group_index_B, logprobs_BT=lp.logprobs_BT,
-        entropy_BT=lp.entropy_BT.detach(), token_ids_BT=mb.input_ids_BT,
-        teacher_logprobs_BT=mb.teacher_logprobs_BT, topk_logprobs_BTK=student.topk_BTK,
+        advantages_BT=mb.advantages_BT,
+        loss_mask_BT=mb.loss_mask_BT,
+        old_logprobs_BT=mb.old_logprobs_BT,
+        rewards_B=mb.rewards_B,
+        group_index_B=mb.group_index_B,
+        logprobs_BT=lp.logprobs_BT,
+        entropy_BT=lp.entropy_BT.detach(),
+        token_ids_BT=mb.input_ids_BT,
+        teacher_logprobs_BT=mb.teacher_logprobs_BT,
+        topk_logprobs_BTK=student.topk_BTK,
         teacher_topk_logprobs_BTK=student.teacher_BTK,
         student_at_teacher_topk_BTK=student.at_teacher_BTK,
     )
@@ -370,7 +433,9 @@ def token_terms(algo: AlgoConfig, lp: Any, mb: Any, student: StudentTopK | None 
 
 
 def keep_groups_with_spread(
-    groups: Sequence[Sequence[Any]], treatments: Sequence[Any] | None, std_floor: float,
+    groups: Sequence[Sequence[Any]],
+    treatments: Sequence[Any] | None,
+    std_floor: float,
 ) -> tuple[list[Sequence[Any]], list[Any] | None, int]:
     """DAPO dynamic sampling: drop groups whose rewards have no spread (std < floor).
 
@@ -394,7 +459,7 @@ def keep_groups_with_spread(
         if live or spread:
             keep.append(group)
             if treatments is not None:
-                kept_treat.extend(treatments[offset:offset + n])
+                kept_treat.extend(treatments[offset : offset + n])
         else:
             dropped += n
         offset += n

@@ -150,8 +150,9 @@ def distill_mixed(ctx: TokenContext, p: MixedKLParams) -> Tensor:
     finds long sequences need substantial forward-KL weight); lambda = 0.5 is this library's
     default. lambda = 0 is `distill_rkl`, lambda = 1 is `distill_fkl`.
     """
-    return (p.forward_weight * distill_fkl(ctx, NoParams())
-            + (1 - p.forward_weight) * distill_rkl(ctx, NoParams()))
+    return p.forward_weight * distill_fkl(ctx, NoParams()) + (1 - p.forward_weight) * distill_rkl(
+        ctx, NoParams()
+    )
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,9 @@ def distill_topk(ctx: TokenContext, p: TopKDistillParams) -> Tensor:
         return forward_BT
     if p.direction == "mixed":
         return p.forward_weight * forward_BT + (1 - p.forward_weight) * reverse_BT
-    raise ValueError(f"distill_topk.direction must be reverse, forward or mixed, got "
-                     f"{p.direction!r}")
+    raise ValueError(
+        f"distill_topk.direction must be reverse, forward or mixed, got {p.direction!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -306,8 +308,12 @@ def lp_reg(ctx: TokenContext, p: LpRegParams) -> Tensor:
     log_proxy_BTK = torch.where(keep_BTK, proxy_BTK.clamp_min(1e-30).log(), 0.0)
     kl_BT = (proxy_BTK * (log_proxy_BTK - torch.where(keep_BTK, topk_BTK, 0.0))).sum(dim=-1)
     p_t = logp_BT.detach().exp()
-    spark_BT = ctx.loss_mask_BT.bool() & (ctx.advantages_BT < 0) & (p_t < p.low_prob) & (
-        p_t >= p.noise_ratio * probs_BTK[..., 0])
+    spark_BT = (
+        ctx.loss_mask_BT.bool()
+        & (ctx.advantages_BT < 0)
+        & (p_t < p.low_prob)
+        & (p_t >= p.noise_ratio * probs_BTK[..., 0])
+    )
     return torch.where(spark_BT, kl_BT, torch.zeros_like(kl_BT))
 
 
@@ -337,15 +343,22 @@ TERMS: dict[str, TermFn] = {
 `(TokenContext, params) -> (B, T)`, added to the token loss times their coefficient."""
 
 TERM_PARAMS: dict[str, type] = {
-    "k1": NoParams, "k2": NoParams, "k3": NoParams,
-    "entropy_bonus_sampled": NoParams, "entropy_min": NoParams, "distill_rkl": NoParams,
-    "distill_fkl": NoParams, "distill_mixed": MixedKLParams, "grsp": GRSPParams,
-    "simko": SimKOParams, "lp_reg": LpRegParams, "distill_topk": TopKDistillParams,
+    "k1": NoParams,
+    "k2": NoParams,
+    "k3": NoParams,
+    "entropy_bonus_sampled": NoParams,
+    "entropy_min": NoParams,
+    "distill_rkl": NoParams,
+    "distill_fkl": NoParams,
+    "distill_mixed": MixedKLParams,
+    "grsp": GRSPParams,
+    "simko": SimKOParams,
+    "lp_reg": LpRegParams,
+    "distill_topk": TopKDistillParams,
 }
 
 
-def apply_term(name: str, ctx: TokenContext, overrides: Mapping[str, Any] | None = None
-               ) -> Tensor:
+def apply_term(name: str, ctx: TokenContext, overrides: Mapping[str, Any] | None = None) -> Tensor:
     """The (B, T) term of regularizer `name` (KL estimators against the rollout logprobs)."""
     params = resolve(TERM_PARAMS[name], overrides, name)
     if name in KL_ESTIMATORS:

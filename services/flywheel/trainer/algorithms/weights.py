@@ -136,7 +136,8 @@ def entropy_weighted(ctx: TokenContext, p: EntropyWeightedParams) -> WeightOutpu
     h_pos = h_BT[pos_BT].mean() if pos_BT.any() else torch.tensor(1.0, dtype=torch.float64)
     inv_neg = (1 / h_BT[neg_BT]).mean() if neg_BT.any() else torch.tensor(1.0, dtype=torch.float64)
     w_BT = torch.where(
-        pos_BT, p.alpha1 + p.alpha2 * h_BT / h_pos,
+        pos_BT,
+        p.alpha1 + p.alpha2 * h_BT / h_pos,
         torch.where(neg_BT, p.alpha1 + p.alpha2 / h_BT / inv_neg, torch.ones_like(h_BT)),
     )
     return _apply(ctx, w_BT, "entropy_weighted")
@@ -182,8 +183,9 @@ def surprisal_reweight(ctx: TokenContext, p: SurprisalParams) -> WeightOutputs:
     sel = entropy_BT[mask_BT]
     mean_h = float(sel.mean()) if sel.numel() else 0.0
     g = 1.0 if mean_h < p.target_entropy else -1.0
-    w_BT = torch.where(up_BT & ~down_BT, 1 + p.strength * g,
-                       torch.where(down_BT & ~up_BT, 1 - p.strength * g, 1.0))
+    w_BT = torch.where(
+        up_BT & ~down_BT, 1 + p.strength * g, torch.where(down_BT & ~up_BT, 1 - p.strength * g, 1.0)
+    )
     return _apply(ctx, w_BT, "surprisal_reweight", gate=g, entropy=mean_h)
 
 
@@ -251,8 +253,9 @@ def uncertainty_shaping(ctx: TokenContext, p: UncertaintyParams) -> WeightOutput
     n_B = mask_BT.sum(dim=1).clamp_min(1)
     conf_B = torch.exp(masked(ctx.old_logprobs_BT.double(), mask_BT).sum(dim=1) / n_B)
     adv_BT = ctx.advantages_BT.double()
-    scale_BT = torch.where(adv_BT > 0, 1 + p.alpha * (1 - conf_B[:, None]),
-                           1 + p.alpha * conf_B[:, None])
+    scale_BT = torch.where(
+        adv_BT > 0, 1 + p.alpha * (1 - conf_B[:, None]), 1 + p.alpha * conf_B[:, None]
+    )
     penalty_BT = p.beta * ctx.old_logprobs_BT.double().exp() * (adv_BT != 0)
     shaped_BT = masked(adv_BT * scale_BT - penalty_BT, mask_BT).float()
     metrics = {"weight/uncertainty_shaping/confidence": float(conf_B.mean())}
@@ -277,7 +280,7 @@ def _max_var_subset(values_n: Tensor, k: int) -> Tensor:
     order = torch.argsort(values_n)
     n, best, best_var = values_n.numel(), order[:k], -1.0
     for j in range(k + 1):
-        idx = torch.cat([order[: k - j], order[n - j:]]) if j else order[:k]
+        idx = torch.cat([order[: k - j], order[n - j :]]) if j else order[:k]
         var = float(values_n[idx].double().var(unbiased=False)) if k > 1 else 0.0
         if var > best_var + 1e-12:
             best, best_var = idx, var
@@ -489,7 +492,8 @@ WEIGHTS: dict[str, WeightFn] = {
 """Token weight parts by name (`TrainerSettings.token_weights`, applied in order)."""
 
 
-def apply_weight(name: str, ctx: TokenContext, overrides: Mapping[str, Any] | None = None
-                 ) -> WeightOutputs:
+def apply_weight(
+    name: str, ctx: TokenContext, overrides: Mapping[str, Any] | None = None
+) -> WeightOutputs:
     """Run the weight part `name` with its paper defaults overridden by `overrides`."""
     return WEIGHTS[name](ctx, resolve(WEIGHT_PARAMS[name], overrides, name))

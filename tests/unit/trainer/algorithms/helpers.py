@@ -7,11 +7,25 @@ import torch
 from flywheel.trainer.algorithms.context import TokenContext
 
 
-def ctx(adv, mask=None, *, entropy=None, old=None, rewards=None, groups=None, logp=None,
-        step=0, teacher=None, topk=None) -> TokenContext:
+def ctx(
+    adv,
+    mask=None,
+    *,
+    entropy=None,
+    old=None,
+    rewards=None,
+    groups=None,
+    logp=None,
+    step=0,
+    teacher=None,
+    topk=None,
+) -> TokenContext:
     adv_BT = torch.tensor(adv, dtype=torch.float32)
-    mask_BT = torch.ones_like(adv_BT, dtype=torch.bool) if mask is None else torch.tensor(
-        mask, dtype=torch.bool)
+    mask_BT = (
+        torch.ones_like(adv_BT, dtype=torch.bool)
+        if mask is None
+        else torch.tensor(mask, dtype=torch.bool)
+    )
     b = adv_BT.shape[0]
 
     def t(x):

@@ -17,11 +17,11 @@ ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})")
 @pytest.mark.parametrize("row", CATALOG, ids=lambda r: r.name)
 def test_catalog_row_names_an_arxiv_id_or_why_not(row):
     assert ARXIV.search(row.paper) or "no arXiv id" in row.paper or "no paper" in row.paper, (
-        row.paper)
+        row.paper
+    )
 
 
-@pytest.mark.parametrize("row", [r for r in CATALOG if ARXIV.search(r.paper)],
-                         ids=lambda r: r.name)
+@pytest.mark.parametrize("row", [r for r in CATALOG if ARXIV.search(r.paper)], ids=lambda r: r.name)
 def test_part_docstring_cites_the_catalog_ids(row):
     part = getattr(algorithms, row.registry)[row.name]
     text = (inspect.getdoc(part) or "") + (inspect.getmodule(part).__doc__ or "")

@@ -26,16 +26,25 @@ def groups(rewards_per_group=((1.0, 0.0, 1.0, 0.0), (1.0, 1.0, 1.0, 1.0))):
     for g, rewards in enumerate(rewards_per_group):
         group = []
         for r in rewards:
-            group.append(make_sample(prompt_len=3, completion_len=3 + i % 3, reward=r,
-                                     logprob=-4.0 - 0.1 * i, seed=i, group_id=f"g{g}"))
+            group.append(
+                make_sample(
+                    prompt_len=3,
+                    completion_len=3 + i % 3,
+                    reward=r,
+                    logprob=-4.0 - 0.1 * i,
+                    seed=i,
+                    group_id=f"g{g}",
+                )
+            )
             i += 1
         out.append(group)
     return out
 
 
 def step_config(**algo) -> StepConfig:
-    return StepConfig(clip=PPOClipConfig(0.2, 0.28), logprob_chunk_tokens=4,
-                      algo=AlgoConfig(**algo))
+    return StepConfig(
+        clip=PPOClipConfig(0.2, 0.28), logprob_chunk_tokens=4, algo=AlgoConfig(**algo)
+    )
 
 
 def test_needs_unions_the_declared_inputs():
@@ -49,8 +58,11 @@ def test_needs_unions_the_declared_inputs():
 def test_every_catalog_part_has_its_inputs_provided_by_the_step():
     from flywheel.trainer.algorithms.catalog import CATALOG
 
-    assert {row.name: needs([row.name]) - pipeline.STEP_INPUTS for row in CATALOG
-            if needs([row.name]) - pipeline.STEP_INPUTS} == {}
+    assert {
+        row.name: needs([row.name]) - pipeline.STEP_INPUTS
+        for row in CATALOG
+        if needs([row.name]) - pipeline.STEP_INPUTS
+    } == {}
 
 
 def test_a_part_whose_input_the_step_lacks_is_refused_at_start_up(monkeypatch):
@@ -60,13 +72,21 @@ def test_a_part_whose_input_the_step_lacks_is_refused_at_start_up(monkeypatch):
     AlgoConfig(advantage="grpo").check()
 
 
-@pytest.mark.parametrize("settings,known", [
-    ({"token_weights": ["high_entropy_only"],
-      "algorithm_params": {"high_entropy_only": {"top_frac_typo": 0.1}}}, "top_frac"),
-    ({"advantage": "rlsd", "algorithm_params": {"rlsd": {"betta": 1.0}}}, "beta"),
-    ({"policy_loss": "cppo", "algorithm_params": {"cppo": {"budget": 1.0}}}, "prefix_budget"),
-    ({"regularizers": {"grsp": 0.1}, "algorithm_params": {"grsp": {"scale": "big"}}}, "scale"),
-])
+@pytest.mark.parametrize(
+    "settings,known",
+    [
+        (
+            {
+                "token_weights": ["high_entropy_only"],
+                "algorithm_params": {"high_entropy_only": {"top_frac_typo": 0.1}},
+            },
+            "top_frac",
+        ),
+        ({"advantage": "rlsd", "algorithm_params": {"rlsd": {"betta": 1.0}}}, "beta"),
+        ({"policy_loss": "cppo", "algorithm_params": {"cppo": {"budget": 1.0}}}, "prefix_budget"),
+        ({"regularizers": {"grsp": 0.1}, "algorithm_params": {"grsp": {"scale": "big"}}}, "scale"),
+    ],
+)
 def test_bad_part_parameter_is_refused_at_start_up(settings, known):
     with pytest.raises(ValueError, match=known):
         StepConfig.from_settings(TrainerSettings(**settings))
@@ -74,8 +94,9 @@ def test_bad_part_parameter_is_refused_at_start_up(settings, known):
 
 def test_dynamic_sampling_drops_groups_without_reward_spread():
     gs = groups(((1.0, 0.0), (1.0, 1.0), (0.0, 0.0), (0.5, 1.0)))
-    kept, treat, dropped = keep_groups_with_spread(gs, ["a", "b", "c", "d", "e", "f", "g", "h"],
-                                                   1e-3)
+    kept, treat, dropped = keep_groups_with_spread(
+        gs, ["a", "b", "c", "d", "e", "f", "g", "h"], 1e-3
+    )
     assert [g[0].group_id for g in kept] == ["g0", "g3"]
     assert treat == ["a", "b", "g", "h"] and dropped == 4
 
@@ -97,8 +118,11 @@ def test_entropy_pass_runs_only_when_a_selected_part_needs_it(monkeypatch):
     monkeypatch.setattr(pipeline, "scoring_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model(seed=1)
     opt = build_optimizer(model, TrainerSettings(lr=1e-3))
-    for algo, expected in [({}, 0), ({"token_weights": ("nat",)}, 0),
-                           ({"token_weights": ("high_entropy_only",)}, 1)]:
+    for algo, expected in [
+        ({}, 0),
+        ({"token_weights": ("nat",)}, 0),
+        ({"token_weights": ("high_entropy_only",)}, 1),
+    ]:
         cfg = step_config(**algo)
         batch, _ = prepare_batch(groups(), cfg)
         calls.clear()
@@ -120,12 +144,15 @@ def test_high_entropy_weights_use_the_policy_entropy_and_drop_80_percent():
     assert 0 < kept <= 0.2 * int(batch.loss_mask_BT.sum()) + 1
 
 
-@pytest.mark.parametrize("algo", [
-    {"token_weights": ("high_entropy_only", "balanced")},
-    {"advantage": "zero_variance"},
-    {"regularizers": (("k3", 0.1), ("entropy_bonus_sampled", 0.01))},
-    {"regularizers": (("simko", 0.5), ("lp_reg", 0.5))},
-])
+@pytest.mark.parametrize(
+    "algo",
+    [
+        {"token_weights": ("high_entropy_only", "balanced")},
+        {"advantage": "zero_variance"},
+        {"regularizers": (("k3", 0.1), ("entropy_bonus_sampled", 0.01))},
+        {"regularizers": (("simko", 0.5), ("lp_reg", 0.5))},
+    ],
+)
 def test_gradient_accumulation_equals_one_big_batch_with_algorithm_parts(algo):
     grads = []
     for micro in (8, 3):
@@ -135,8 +162,9 @@ def test_gradient_accumulation_equals_one_big_batch_with_algorithm_parts(algo):
         batch, _ = prepare_batch(groups(), cfg)
         batch, _ = pipeline.batch_stage(model, opt, batch, cfg)
         accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
-                                if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
     assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
@@ -145,8 +173,9 @@ def test_zero_variance_gives_the_all_correct_group_a_signal():
     cfg = step_config(advantage="zero_variance")
     batch, _ = prepare_batch(groups(), cfg)
     assert float(batch.advantages_BT[4:].abs().sum()) == 0.0  # GRPO stand-in: no signal yet
-    new, metrics = pipeline.batch_stage(model, build_optimizer(model, TrainerSettings()),
-                                        batch, cfg)
+    new, metrics = pipeline.batch_stage(
+        model, build_optimizer(model, TrainerSettings()), batch, cfg
+    )
     assert float(new.advantages_BT[4:].min()) >= 0.0 and float(new.advantages_BT[4:].max()) > 0
     assert metrics["adv/zvp_frac"] == pytest.approx(0.5)
 
@@ -156,8 +185,9 @@ def test_regularizer_terms_enter_the_loss():
     batch, _ = prepare_batch(groups(), step_config())
     plain = accumulate(model, batch, step_config(), normalizer_for(batch.loss_mask_BT))
     model.zero_grad()
-    reg = accumulate(model, batch, step_config(regularizers=(("k1", 1.0),)),
-                     normalizer_for(batch.loss_mask_BT))
+    reg = accumulate(
+        model, batch, step_config(regularizers=(("k1", 1.0),)), normalizer_for(batch.loss_mask_BT)
+    )
     # k1 = logp - logp_rollout per token, token-mean aggregated
     assert reg.terms["reg"] != 0.0 and plain.terms.get("reg") is None
     assert reg.loss == pytest.approx(plain.loss + reg.terms["reg"], rel=1e-5)
@@ -180,8 +210,16 @@ def test_student_topk_matches_the_full_distribution_and_only_runs_when_needed():
 
 def test_recipes_exist():
     names = {p.stem for p in RECIPES}
-    assert {"grpo", "dapo", "grpo_high_entropy", "gspo", "opd_rl", "rlsd", "rlcsd",
-            "opd_topk"} <= names
+    assert {
+        "grpo",
+        "dapo",
+        "grpo_high_entropy",
+        "gspo",
+        "opd_rl",
+        "rlsd",
+        "rlcsd",
+        "opd_topk",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

@@ -22,11 +22,15 @@ from flywheel.trainer.algorithms.losses import (
 def loss_inputs(logp, old, adv, mask=None, entropy=None):
     logp_BT = torch.tensor(logp, dtype=torch.float64, requires_grad=True)
     old_BT = torch.tensor(old, dtype=torch.float64)
-    mask_BT = torch.ones_like(old_BT, dtype=torch.bool) if mask is None else torch.tensor(
-        mask, dtype=torch.bool)
+    mask_BT = (
+        torch.ones_like(old_BT, dtype=torch.bool)
+        if mask is None
+        else torch.tensor(mask, dtype=torch.bool)
+    )
     ent = None if entropy is None else torch.tensor(entropy, dtype=torch.float64)
-    return LossInputs(logp_BT, old_BT, torch.tensor(adv, dtype=torch.float64), mask_BT,
-                      entropy_BT=ent)
+    return LossInputs(
+        logp_BT, old_BT, torch.tensor(adv, dtype=torch.float64), mask_BT, entropy_BT=ent
+    )
 
 
 def grad_of(out, inp):
@@ -69,8 +73,9 @@ def test_aspo_flips_the_ratio_of_positive_tokens():
     # token 0: A +1, r = 0.5 -> flipped weight 1 / 0.5 = 2: d l / d logp = -2 (PPO: -0.5)
     # token 1: A -1, r = 0.5 (inside 1 - 0.2? no: 0.5 < 0.8 and A < 0 -> PPO clip: grad 0)
     # token 2: A +1, r = 0.2 -> 1 / 0.2 = 5 capped at 3: grad -3
-    inp = loss_inputs([[math.log(0.5), math.log(0.5), math.log(0.2)]], [[0.0, 0.0, 0.0]],
-                      [[1.0, -1.0, 1.0]])
+    inp = loss_inputs(
+        [[math.log(0.5), math.log(0.5), math.log(0.2)]], [[0.0, 0.0, 0.0]], [[1.0, -1.0, 1.0]]
+    )
     out = POLICY_LOSSES["aspo"](inp, PPOClipConfig(0.2, 0.28))
     assert_close(grad_of(out, inp), torch.tensor([[-2.0, 0.0, -3.0]], dtype=torch.float64))
 
@@ -82,8 +87,7 @@ def test_cppo_position_thresholds_and_prefix_budget():
     r = math.exp(0.15)
     inp = loss_inputs([[0.15, 0.15, 0.15]], [[0.0, 0.0, 0.0]], [[1.0, 1.0, 1.0]])
     out = POLICY_LOSSES["cppo"](inp, PPOClipConfig(params={"prefix_budget": 0.2}))
-    assert_close(out.token_loss_BT.detach(),
-                 torch.tensor([[-1.1, -r, 0.0]], dtype=torch.float64))
+    assert_close(out.token_loss_BT.detach(), torch.tensor([[-1.1, -r, 0.0]], dtype=torch.float64))
     assert_close(grad_of(out, inp), torch.tensor([[0.0, -r, 0.0]], dtype=torch.float64))
 
 
@@ -99,9 +103,12 @@ def test_prefix_ratio_worked_example():
     # rho = [1.105171, 1.349859, 1.221403]; A = +1, eps_high 0.28: loss = -min(rho, 1.28)
     inp = loss_inputs([[0.1, 0.2, -0.1]], [[0.0, 0.0, 0.0]], [[1.0, 1.0, 1.0]])
     out = POLICY_LOSSES["prefix_ratio"](inp, PPOClipConfig(0.2, 0.28))
-    assert_close(out.token_loss_BT.detach(),
-                 torch.tensor([[-1.105171, -1.28, -1.221403]], dtype=torch.float64),
-                 atol=1e-6, rtol=0)
+    assert_close(
+        out.token_loss_BT.detach(),
+        torch.tensor([[-1.105171, -1.28, -1.221403]], dtype=torch.float64),
+        atol=1e-6,
+        rtol=0,
+    )
 
 
 def test_wapo_updates_only_on_positive_advantages():
@@ -132,8 +139,9 @@ def test_constant_normalizer_aggregation():
 @pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
 def test_every_loss_is_zero_and_finite_on_padding_even_with_nan(name):
     nan = float("nan")
-    inp = loss_inputs([[-1.0, nan]], [[-1.2, nan]], [[1.0, nan]], mask=[[1, 0]],
-                      entropy=[[0.5, nan]])
+    inp = loss_inputs(
+        [[-1.0, nan]], [[-1.2, nan]], [[1.0, nan]], mask=[[1, 0]], entropy=[[0.5, nan]]
+    )
     out = POLICY_LOSSES[name](inp, PPOClipConfig(0.2, 0.28))
     assert float(out.token_loss_BT.detach()[0, 1]) == 0.0
     assert bool(torch.isfinite(out.token_loss_BT).all())
@@ -141,8 +149,10 @@ def test_every_loss_is_zero_and_finite_on_padding_even_with_nan(name):
     assert bool(torch.isfinite(inp.logprobs_BT.grad).all())
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo", "cispo", "aspo", "cppo", "prefix_ratio",
-                                  "wapo", "seq_elbo_ratio", "dhpo"])
+@pytest.mark.parametrize(
+    "name",
+    ["ppo_clip", "gspo", "cispo", "aspo", "cppo", "prefix_ratio", "wapo", "seq_elbo_ratio", "dhpo"],
+)
 def test_on_policy_gradient_is_minus_advantage_for_positive_tokens(name):
     # at r = 1 (on-policy) every form's gradient on a positive-advantage token is -A grad logp
     # (sequence forms: the sequence's tokens share it; here one token per sequence)

@@ -28,8 +28,12 @@ S = 1 / math.sqrt(2)
 
 
 def step_config(advantage: str = "grpo", **algo) -> StepConfig:
-    return StepConfig(advantage=advantage, clip=PPOClipConfig(0.2, 0.28), logprob_chunk_tokens=4,
-                      algo=AlgoConfig(advantage=advantage, **algo))
+    return StepConfig(
+        advantage=advantage,
+        clip=PPOClipConfig(0.2, 0.28),
+        logprob_chunk_tokens=4,
+        algo=AlgoConfig(advantage=advantage, **algo),
+    )
 
 
 def test_contrastive_sd_through_prepare_batch():
@@ -37,8 +41,15 @@ def test_contrastive_sd_through_prepare_batch():
     # a: wrong hint -3, -2.5 -> c = (-1 + 2) - (-3 + 2) = 2 and (-1 + 2) - (-2.5 + 2) = 1.5
     # b: no wrong hint -> c = 0, the GRPO advantage alone
     teacher = {"teacher_logprobs": [0.0, 0.0, -1.0, -1.0], "teacher_mask": [0, 0, 1, 1]}
-    a = make_sample(prompt_len=2, completion_len=2, reward=1.0, logprob=-2.0, wrong_hint="w",
-                    wrong_hint_logprobs=[0.0, 0.0, -3.0, -2.5], **teacher)
+    a = make_sample(
+        prompt_len=2,
+        completion_len=2,
+        reward=1.0,
+        logprob=-2.0,
+        wrong_hint="w",
+        wrong_hint_logprobs=[0.0, 0.0, -3.0, -2.5],
+        **teacher,
+    )
     b = make_sample(prompt_len=2, completion_len=2, reward=0.0, logprob=-2.0, **teacher)
     batch, _ = prepare_batch([[a, b]], step_config("contrastive_sd"))
     assert_close(batch.advantages_BT, torch.tensor([[0, 0, S + 2, S + 1.5], [0, 0, -S, -S]]))
@@ -54,9 +65,10 @@ def test_segment_through_prepare_batch_counts_unaligned_samples():
     b = two_turn_sample({"step/0": 0.0}, reward=0.0)
     c = two_turn_sample({"step/0": 1.0}, assistants=1)
     batch, metrics = prepare_batch([[a, b, c]], step_config("segment"))
-    assert_close(batch.advantages_BT, torch.tensor([[0, 0, S, S, 0, 0, 0],
-                                                    [0, 0, -S, -S, 0, 0, 0],
-                                                    [0.0] * 7]))
+    assert_close(
+        batch.advantages_BT,
+        torch.tensor([[0, 0, S, S, 0, 0, 0], [0, 0, -S, -S, 0, 0, 0], [0.0] * 7]),
+    )
     assert metrics["samples/step_rewards_unaligned"] == 1.0
 
 
@@ -64,8 +76,10 @@ def test_turn_level_through_prepare_batch_uses_the_samples_turn_index():
     # one group, turns [0, 0, 1, 1], rewards [1, 0, 0.5, 0]: each turn is its own GRPO cell.
     # turn 0: [1, 0] -> +-S; turn 1: [0.5, 0], mean 0.25, std 0.3536 -> +-S. (One group of four
     # would give mean 0.375, std 0.4787 -> [1.306, -0.783, 0.261, -0.783].)
-    samples = [make_sample(turn_index=t, reward=r, seed=i) for i, (t, r) in
-               enumerate([(0, 1.0), (0, 0.0), (1, 0.5), (1, 0.0)])]
+    samples = [
+        make_sample(turn_index=t, reward=r, seed=i)
+        for i, (t, r) in enumerate([(0, 1.0), (0, 0.0), (1, 0.5), (1, 0.0)])
+    ]
     batch, _ = prepare_batch([samples], step_config("turn_level"))
     assert_close(batch.advantages_BT[:, -1], torch.tensor([S, -S, S, -S]))
 
@@ -111,10 +125,17 @@ def test_distill_topk_term_through_the_step_matches_the_binned_kl():
     model = tiny_model(seed=3)
     cfg = step_config(regularizers=(("distill_topk", 1.0),))
     batch, _ = prepare_batch(topk_samples(), cfg)
-    lp = selected_token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT,
-                                 batch.temperature_B, batch.loss_mask_BT, chunk_tokens=4)
-    term_BT, stats = pipeline.token_terms(cfg.algo, lp, batch,
-                                          pipeline.student_topk(model, batch, cfg))
+    lp = selected_token_logprobs(
+        model,
+        batch.input_ids_BT,
+        batch.attention_mask_BT,
+        batch.temperature_B,
+        batch.loss_mask_BT,
+        chunk_tokens=4,
+    )
+    term_BT, stats = pipeline.token_terms(
+        cfg.algo, lp, batch, pipeline.student_topk(model, batch, cfg)
+    )
     logits = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT).logits
     p = torch.softmax(logits[1, 4].detach().double(), dim=-1)[5:8]
     pi = torch.cat([p, 1 - p.sum(dim=0, keepdim=True)])
@@ -135,10 +156,16 @@ def test_distill_topk_train_step_moves_the_student_toward_the_teacher():
 
     def kl() -> float:
         with torch.no_grad():
-            lp = selected_token_logprobs(model, batch.input_ids_BT, batch.attention_mask_BT,
-                                         batch.temperature_B, batch.loss_mask_BT)
-            term_BT, _ = pipeline.token_terms(cfg.algo, lp, batch,
-                                              pipeline.student_topk(model, batch, cfg))
+            lp = selected_token_logprobs(
+                model,
+                batch.input_ids_BT,
+                batch.attention_mask_BT,
+                batch.temperature_B,
+                batch.loss_mask_BT,
+            )
+            term_BT, _ = pipeline.token_terms(
+                cfg.algo, lp, batch, pipeline.student_topk(model, batch, cfg)
+            )
         return float(term_BT.sum())
 
     before = kl()
@@ -152,12 +179,14 @@ def test_distill_topk_gradient_accumulation_equals_one_big_batch():
     grads = []
     for micro in (8, 1):
         model = tiny_model(seed=2)
-        cfg = dataclasses.replace(step_config(regularizers=(("distill_topk", 1.0),)),
-                                  micro_batch_size=micro)
+        cfg = dataclasses.replace(
+            step_config(regularizers=(("distill_topk", 1.0),)), micro_batch_size=micro
+        )
         batch, _ = prepare_batch(topk_samples(), cfg)
         accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
-                                if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
     assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
@@ -176,8 +205,9 @@ def test_distill_topk_without_any_teacher_top_k_adds_exactly_zero():
     # (q_tail = pi_tail = 1), so KL = 1 * (log 1 - log 1) = 0 and the step still commits
     cfg = step_config(regularizers=(("distill_topk", 1.0),))
     model = tiny_model(seed=3)
-    batch, _ = prepare_batch([[make_sample(reward=r, seed=i) for i, r in enumerate([1.0, 0.0])]],
-                             cfg)
+    batch, _ = prepare_batch(
+        [[make_sample(reward=r, seed=i) for i, r in enumerate([1.0, 0.0])]], cfg
+    )
     assert batch.teacher_topk_logprobs_BTK.shape[-1] == 0
     result = train_step(model, build_optimizer(model, TrainerSettings()), batch, cfg)
     assert result.skipped == "" and result.metrics["loss/reg"] == 0.0

@@ -51,11 +51,14 @@ def test_step_score_of_an_unsampled_assistant_message_is_left_out():
     assert step_reward_positions(sample) == {3: 0.5, 6: 0.25}
 
 
-@pytest.mark.parametrize("assistants,rewards", [
-    (1, {"step/0": 1.0}),                  # 2 runs but 1 assistant message
-    (2, {"step/2": 1.0}),                  # no assistant message 2
-    (2, {"step/0": float("nan")}),         # a non-finite score
-])
+@pytest.mark.parametrize(
+    "assistants,rewards",
+    [
+        (1, {"step/0": 1.0}),  # 2 runs but 1 assistant message
+        (2, {"step/2": 1.0}),  # no assistant message 2
+        (2, {"step/0": float("nan")}),  # a non-finite score
+    ],
+)
 def test_step_scores_that_cannot_be_aligned_give_none(assistants, rewards):
     assert step_reward_positions(two_turn_sample(rewards, assistants=assistants)) is None
 
@@ -81,16 +84,28 @@ def test_collate_wrong_hint_logprobs_masked_by_teacher_mask():
     # sample b: same teacher, no wrong hint -> mask all False
     # sample c: wrong hint but the teacher masked token 3 (no teacher logprob there)
     teacher = {"teacher_logprobs": [0.0, 0.0, -1.0, -1.0], "teacher_mask": [0, 0, 1, 1]}
-    a = make_sample(prompt_len=2, completion_len=2, wrong_hint="w",
-                    wrong_hint_logprobs=[0.0, 0.0, -3.0, -2.5], **teacher)
+    a = make_sample(
+        prompt_len=2,
+        completion_len=2,
+        wrong_hint="w",
+        wrong_hint_logprobs=[0.0, 0.0, -3.0, -2.5],
+        **teacher,
+    )
     b = make_sample(prompt_len=2, completion_len=2, **teacher)
-    c = make_sample(prompt_len=2, completion_len=2, wrong_hint="w",
-                    wrong_hint_logprobs=[0.0, 0.0, -3.0, 0.0],
-                    teacher_logprobs=[0.0, 0.0, -1.0, 0.0], teacher_mask=[0, 0, 1, 0])
+    c = make_sample(
+        prompt_len=2,
+        completion_len=2,
+        wrong_hint="w",
+        wrong_hint_logprobs=[0.0, 0.0, -3.0, 0.0],
+        teacher_logprobs=[0.0, 0.0, -1.0, 0.0],
+        teacher_mask=[0, 0, 1, 0],
+    )
     batch = collate([a, b, c], torch.zeros(3))
-    assert batch.wrong_hint_mask_BT.tolist() == [[False, False, True, True],
-                                                 [False] * 4,
-                                                 [False, False, True, False]]
+    assert batch.wrong_hint_mask_BT.tolist() == [
+        [False, False, True, True],
+        [False] * 4,
+        [False, False, True, False],
+    ]
     assert batch.wrong_hint_logprobs_BT.tolist() == [[0, 0, -3.0, -2.5], [0] * 4, [0, 0, -3.0, 0]]
 
 
@@ -98,14 +113,24 @@ def test_collate_teacher_topk_aligned_per_position_with_absent_slots():
     # sample a (k = 2, 4 tokens): flattened entry t * 2 + j = slot j of position t. The teacher
     # writes zeros outside its scored turn (positions 0, 1: logprob 0 would read as p = 1, so
     # the teacher mask drops them) and -1e30 for a non-finite value (position 3, slot 1).
-    a = make_sample(prompt_len=2, completion_len=2, teacher_logprobs=[0, 0, -0.5, -0.1],
-                    teacher_mask=[0, 0, 1, 1], teacher_topk=2,
-                    teacher_topk_ids=[0, 0, 0, 0, 5, 6, 7, 9],
-                    teacher_topk_logprobs=[0, 0, 0, 0, -0.5, -1.5, -0.1, -1e30])
+    a = make_sample(
+        prompt_len=2,
+        completion_len=2,
+        teacher_logprobs=[0, 0, -0.5, -0.1],
+        teacher_mask=[0, 0, 1, 1],
+        teacher_topk=2,
+        teacher_topk_ids=[0, 0, 0, 0, 5, 6, 7, 9],
+        teacher_topk_logprobs=[0, 0, 0, 0, -0.5, -1.5, -0.1, -1e30],
+    )
     # sample b (k = 1, 3 tokens): slot 1 is beyond its k -> absent
-    b = make_sample(prompt_len=1, completion_len=2, teacher_logprobs=[0, -0.2, -0.3],
-                    teacher_topk=1, teacher_topk_ids=[0, 11, 12],
-                    teacher_topk_logprobs=[0, -0.2, -0.3])
+    b = make_sample(
+        prompt_len=1,
+        completion_len=2,
+        teacher_logprobs=[0, -0.2, -0.3],
+        teacher_topk=1,
+        teacher_topk_ids=[0, 11, 12],
+        teacher_topk_logprobs=[0, -0.2, -0.3],
+    )
     # sample c: no top-k at all
     c = make_sample(prompt_len=1, completion_len=1)
     batch = collate([a, b, c], torch.zeros(3))
@@ -115,14 +140,21 @@ def test_collate_teacher_topk_aligned_per_position_with_absent_slots():
         [[0, 0], [11, 0], [12, 0], [0, 0]],
         [[0, 0]] * 4,
     ]
-    assert_close(batch.teacher_topk_logprobs_BTK, torch.tensor([
-        [[A, A], [A, A], [-0.5, -1.5], [-0.1, A]],
-        [[A, A], [-0.2, A], [-0.3, A], [A, A]],
-        [[A, A]] * 4,
-    ]))
-    assert batch.teacher_topk_mask_BT.tolist() == [[False, False, True, True],
-                                                   [False, True, True, False],
-                                                   [False] * 4]
+    assert_close(
+        batch.teacher_topk_logprobs_BTK,
+        torch.tensor(
+            [
+                [[A, A], [A, A], [-0.5, -1.5], [-0.1, A]],
+                [[A, A], [-0.2, A], [-0.3, A], [A, A]],
+                [[A, A]] * 4,
+            ]
+        ),
+    )
+    assert batch.teacher_topk_mask_BT.tolist() == [
+        [False, False, True, True],
+        [False, True, True, False],
+        [False] * 4,
+    ]
 
 
 def test_collate_without_teacher_topk_has_an_empty_k_dimension():
@@ -137,9 +169,14 @@ def test_collate_carries_turn_index():
 
 
 def test_micro_batches_trim_the_top_k_tensors_with_their_rows():
-    long = make_sample(prompt_len=2, completion_len=4, teacher_logprobs=[0.0] * 6,
-                       teacher_topk=1, teacher_topk_ids=list(range(6)),
-                       teacher_topk_logprobs=[-1.0] * 6)
+    long = make_sample(
+        prompt_len=2,
+        completion_len=4,
+        teacher_logprobs=[0.0] * 6,
+        teacher_topk=1,
+        teacher_topk_ids=list(range(6)),
+        teacher_topk_logprobs=[-1.0] * 6,
+    )
     short = make_sample(prompt_len=1, completion_len=1)
     first, second = micro_batches(collate([long, short], torch.zeros(2)), 1)
     assert first.teacher_topk_logprobs_BTK.shape == (1, 6, 1)
@@ -149,15 +186,25 @@ def test_micro_batches_trim_the_top_k_tensors_with_their_rows():
 
 def test_advantage_inputs_mark_absent_values_nan():
     # row 0 has a wrong hint on token 2 and a step score on token 3; row 1 has neither
-    a = two_turn_sample({"step/0": 0.5}, teacher_logprobs=[0.0, 0.0, -1.0] + [0.0] * 4,
-                        teacher_mask=[0, 0, 1, 0, 0, 0, 0], wrong_hint="w",
-                        wrong_hint_logprobs=[0.0, 0.0, -2.0] + [0.0] * 4)
+    a = two_turn_sample(
+        {"step/0": 0.5},
+        teacher_logprobs=[0.0, 0.0, -1.0] + [0.0] * 4,
+        teacher_mask=[0, 0, 1, 0, 0, 0, 0],
+        wrong_hint="w",
+        wrong_hint_logprobs=[0.0, 0.0, -2.0] + [0.0] * 4,
+    )
     b = two_turn_sample({})
     inputs = advantage_inputs(collate([a, b], torch.zeros(2)))
     nan = math.nan
-    assert_close(inputs.wrong_hint_logprobs_BT,
-                 torch.tensor([[nan, nan, -2.0, nan, nan, nan, nan], [nan] * 7]), equal_nan=True)
-    assert_close(inputs.step_rewards_BT,
-                 torch.tensor([[nan, nan, nan, 0.5, nan, nan, nan], [nan] * 7]), equal_nan=True)
+    assert_close(
+        inputs.wrong_hint_logprobs_BT,
+        torch.tensor([[nan, nan, -2.0, nan, nan, nan, nan], [nan] * 7]),
+        equal_nan=True,
+    )
+    assert_close(
+        inputs.step_rewards_BT,
+        torch.tensor([[nan, nan, nan, 0.5, nan, nan, nan], [nan] * 7]),
+        equal_nan=True,
+    )
     rows = advantage_inputs(collate([a, b], torch.zeros(2)), torch.tensor([1]), torch.tensor([0]))
     assert rows.turn_index_B.tolist() == [0] and rows.group_index_B.tolist() == [0]

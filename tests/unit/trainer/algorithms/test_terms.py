@@ -50,18 +50,22 @@ def test_entropy_min_is_an_unbiased_gradient_of_entropy():
 
 
 def test_distill_rkl_is_an_unbiased_gradient_of_reverse_kl():
-    assert_close(expected_grad("distill_rkl"),
-                 exact_grad(lambda lp: (lp.exp() * (lp - TEACHER)).sum()))
+    assert_close(
+        expected_grad("distill_rkl"), exact_grad(lambda lp: (lp.exp() * (lp - TEACHER)).sum())
+    )
 
 
 def test_distill_fkl_is_an_unbiased_gradient_of_forward_kl():
-    assert_close(expected_grad("distill_fkl"),
-                 exact_grad(lambda lp: (TEACHER.exp() * (TEACHER - lp)).sum()))
+    assert_close(
+        expected_grad("distill_fkl"), exact_grad(lambda lp: (TEACHER.exp() * (TEACHER - lp)).sum())
+    )
 
 
 def test_distill_mixed_is_the_weighted_sum():
-    assert_close(expected_grad("distill_mixed"),
-                 0.5 * expected_grad("distill_fkl") + 0.5 * expected_grad("distill_rkl"))
+    assert_close(
+        expected_grad("distill_mixed"),
+        0.5 * expected_grad("distill_fkl") + 0.5 * expected_grad("distill_rkl"),
+    )
 
 
 def test_distill_values_worked_example():
@@ -107,8 +111,9 @@ def test_simko_penalizes_a_wrong_top1_token_harder():
     # A = -1, sampled = top-1 (logp -0.5): l = -(-1) (1.1 - 1) logp = 0.1 * -0.5 = -0.05
     topk = torch.tensor([[[-0.5, -1.5, -2.5]]])
     logp = torch.tensor([[-0.5]], requires_grad=True)
-    term = apply_term("simko", ctx([[-1.0]], entropy=[[1.0]], logp=logp, topk=topk),
-                      {"min_entropy": 0.0})
+    term = apply_term(
+        "simko", ctx([[-1.0]], entropy=[[1.0]], logp=logp, topk=topk), {"min_entropy": 0.0}
+    )
     assert float(term.detach()) == pytest.approx(-0.05)
 
 
@@ -122,32 +127,48 @@ def test_lp_reg_worked_example():
     expected = 0.631579 * math.log(0.631579 / 0.6) + 0.368421 * math.log(0.368421 / 0.35)
     assert float(apply_term("lp_reg", c)) == pytest.approx(expected, abs=1e-5)
     # positive advantage, or a likely token: no regularization
-    assert float(apply_term("lp_reg", ctx([[1.0]], logp=torch.tensor([[math.log(0.05)]]),
-                                          topk=probs.log()))) == 0.0
+    assert (
+        float(
+            apply_term(
+                "lp_reg", ctx([[1.0]], logp=torch.tensor([[math.log(0.05)]]), topk=probs.log())
+            )
+        )
+        == 0.0
+    )
 
 
-@pytest.mark.parametrize("direction,expected", [
-    # K = 1: q = [0.5] (tail 0.5), pi = [0.25] (tail 0.75)
-    # reverse: 0.25 ln(0.25 / 0.5) + 0.75 ln(0.75 / 0.5) = -0.173287 + 0.304099 = 0.130812
-    # forward: 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.346574 - 0.202733 = 0.143841
-    ("reverse", 0.130812), ("forward", 0.143841), ("mixed", 0.5 * (0.130812 + 0.143841)),
-])
+@pytest.mark.parametrize(
+    "direction,expected",
+    [
+        # K = 1: q = [0.5] (tail 0.5), pi = [0.25] (tail 0.75)
+        # reverse: 0.25 ln(0.25 / 0.5) + 0.75 ln(0.75 / 0.5) = -0.173287 + 0.304099 = 0.130812
+        # forward: 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75) = 0.346574 - 0.202733 = 0.143841
+        ("reverse", 0.130812),
+        ("forward", 0.143841),
+        ("mixed", 0.5 * (0.130812 + 0.143841)),
+    ],
+)
 def test_distill_topk_with_tail_bin_worked_example(direction, expected):
     c = dataclasses.replace(
-        ctx([[0.0]]), teacher_topk_logprobs_BTK=torch.tensor([[[math.log(0.5)]]]),
-        student_at_teacher_topk_BTK=torch.tensor([[[math.log(0.25)]]]))
+        ctx([[0.0]]),
+        teacher_topk_logprobs_BTK=torch.tensor([[[math.log(0.5)]]]),
+        student_at_teacher_topk_BTK=torch.tensor([[[math.log(0.25)]]]),
+    )
     assert float(apply_term("distill_topk", c, {"direction": direction})) == pytest.approx(
-        expected, abs=1e-5)
+        expected, abs=1e-5
+    )
 
 
 def test_distill_topk_is_zero_when_student_equals_teacher_and_exact_at_full_vocab():
     q = torch.log_softmax(torch.tensor([[[2.0, 0.5, -1.0]]]), dim=-1)
-    same = dataclasses.replace(ctx([[0.0]]), teacher_topk_logprobs_BTK=q,
-                               student_at_teacher_topk_BTK=q.clone())
+    same = dataclasses.replace(
+        ctx([[0.0]]), teacher_topk_logprobs_BTK=q, student_at_teacher_topk_BTK=q.clone()
+    )
     assert float(apply_term("distill_topk", same)) == pytest.approx(0.0, abs=1e-5)
     pi = torch.log_softmax(torch.tensor([[[0.0, 1.0, 0.0]]]), dim=-1)
-    full = dataclasses.replace(ctx([[0.0]]), teacher_topk_logprobs_BTK=q,
-                               student_at_teacher_topk_BTK=pi)
+    full = dataclasses.replace(
+        ctx([[0.0]]), teacher_topk_logprobs_BTK=q, student_at_teacher_topk_BTK=pi
+    )
     exact = float((pi.exp() * (pi - q)).sum())  # K = V: the tail bin is empty
     assert float(apply_term("distill_topk", full)) == pytest.approx(exact, abs=1e-4)
 
@@ -155,8 +176,14 @@ def test_distill_topk_is_zero_when_student_equals_teacher_and_exact_at_full_voca
 @pytest.mark.parametrize("name", ["k1", "k2", "k3", *sorted(set(TERMS) - {"distill_topk"})])
 def test_every_term_is_finite_on_all_equal_inputs(name):
     logp = torch.full((2, 2), -1.0, requires_grad=True)
-    c = ctx([[0.0, 0.0]] * 2, logp=logp, entropy=[[0.5, 0.5]] * 2,
-            teacher=[[-1.0, -1.0]] * 2, topk=torch.full((2, 2, 3), -1.0), groups=[0, 0])
+    c = ctx(
+        [[0.0, 0.0]] * 2,
+        logp=logp,
+        entropy=[[0.5, 0.5]] * 2,
+        teacher=[[-1.0, -1.0]] * 2,
+        topk=torch.full((2, 2, 3), -1.0),
+        groups=[0, 0],
+    )
     term = apply_term(name, c)
     assert term.shape == (2, 2)
     assert bool(torch.isfinite(term).all())

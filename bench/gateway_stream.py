@@ -25,7 +25,7 @@ import psutil
 from flywheel.core.redis_server import LocalRedis
 from flywheel.core.settings import load_settings
 from flywheel.engine.convert import ensure_default_model
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 

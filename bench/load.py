@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.settings import load_settings  # noqa: PLC0415
     from flywheel.engine.convert import build_tiny_model, ensure_default_model  # noqa: PLC0415
-    from flywheel.stack import Stack  # noqa: PLC0415
+    from flywheel.ops.stack import Stack  # noqa: PLC0415
 
     work = Path(tempfile.mkdtemp(prefix="flywheel-load-"))
     model = build_tiny_model(work / "tiny") if args.model == "tiny" else ensure_default_model()

@@ -28,9 +28,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from flywheel.core.settings import load_settings
-from flywheel.demo.runner import DemoConfig, DemoRunner
-from flywheel.demo.tasks import split
-from flywheel.stack import Stack
+from flywheel.ops.demo.runner import DemoConfig, DemoRunner
+from flywheel.ops.demo.tasks import split
+from flywheel.ops.stack import Stack
 
 
 class _Runner(DemoRunner):

@@ -34,11 +34,11 @@ from pathlib import Path
 import httpx
 
 from flywheel.core.codec import new_sample
+from flywheel.core.judge_client import AsyncJudgeClient, judge_metrics
 from flywheel.core.redis_client import connect
 from flywheel.core.redis_server import LocalRedis, free_port
 from flywheel.core.streams import StreamConsumer, StreamProducer
 from flywheel.reward.judge import NextStateJudge
-from flywheel.reward.judge_client import AsyncJudgeClient
 from flywheel.reward.parsing import parse_verdict
 from flywheel.reward.scoring import Scorer
 from flywheel.reward.worker import RewardWorker
@@ -65,6 +65,7 @@ def scorer_for(
         max_attempts=1,
         timeout_s=timeout_s,
         max_tokens=max_tokens,
+        metrics=judge_metrics("reward"),
     )
     return Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=votes))
 
@@ -84,7 +85,13 @@ async def bounded(n: int, in_flight: int, job) -> tuple[float, float]:
 
 
 async def raw_rate(url: str, votes: int, n: int, in_flight: int) -> tuple[float, float]:
-    client = AsyncJudgeClient(url, "fake", max_concurrency=in_flight * votes, max_attempts=1)
+    client = AsyncJudgeClient(
+        url,
+        "fake",
+        max_concurrency=in_flight * votes,
+        max_attempts=1,
+        metrics=judge_metrics("reward"),
+    )
     prompt = NextStateJudge(client, "prm_v2", votes).render(
         context="user: What is 2 + 3?",
         response="2 + 3 = 5.",

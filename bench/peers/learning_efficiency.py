@@ -36,7 +36,7 @@ def main() -> int:
         [
             sys.executable,
             "-m",
-            "flywheel.cli",
+            "flywheel.ops.cli",
             "demo",
             "--new-stack",
             "--steps",

@@ -4,7 +4,7 @@
     ~/.cache/flywheel/peers/trl/bin/python bench/peers/trl_grpo.py --steps 30 --out runs/trl
 
 Same model (the converted SmolLM2-135M-Instruct folder in ~/.cache/flywheel/models), same
-problems and held-out split (flywheel.demo.tasks, imported from the source tree), same reward
+problems and held-out split (flywheel.ops.demo.tasks, imported from the source tree), same reward
 (1 when the last integer of the reply is the sum), group size 8 x 4 problems per step, one
 optimizer step per batch of 32 rollouts (num_iterations=1), AdamW at the same lr, PPO clip 0.2,
 no KL (beta=0), token-mean loss (TRL's "dapo" normalization), temperature 1.0, 32 new tokens,
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "services"))
 
-from flywheel.demo.tasks import split, training_batches  # noqa: E402
+from flywheel.ops.demo.tasks import split, training_batches  # noqa: E402
 
 
 def last_integer_reward(completions, answer, **_):

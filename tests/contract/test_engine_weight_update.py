@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from flywheel.engine.weight_sync import DistributedWeightSync, WeightSyncError, unique_tensors
+from flywheel.trainer.weight_sync import DistributedWeightSync, WeightSyncError, unique_tensors
 
 pytestmark = pytest.mark.integration
 

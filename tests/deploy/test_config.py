@@ -130,7 +130,7 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
     )
     env = {**_env(), "FLYWHEEL_TRAINER__GROUP_SIZE": "16"}
     run = subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", "config", "show", "--config", str(cfg)],
+        [sys.executable, "-m", "flywheel.ops.cli", "config", "show", "--config", str(cfg)],
         capture_output=True,
         text=True,
         env=env,
@@ -146,7 +146,7 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
         [
             sys.executable,
             "-m",
-            "flywheel.cli",
+            "flywheel.ops.cli",
             "config",
             "show",
             "--config",
@@ -166,7 +166,7 @@ def test_cli_names_the_invalid_field_without_a_traceback(tmp_path):
     cfg = tmp_path / "flywheel.yaml"
     cfg.write_text("trainer:\n  group_size: 0\n")
     run = subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", "config", "show", "--config", str(cfg)],
+        [sys.executable, "-m", "flywheel.ops.cli", "config", "show", "--config", str(cfg)],
         capture_output=True,
         text=True,
         env=_env(),

@@ -49,8 +49,8 @@ def families() -> dict[str, tuple[str, frozenset[str]]]:
     """Family name -> (type, label names) of every Flywheel metric the code defines."""
     for module in _metric_modules():
         importlib.import_module(module)
+    from flywheel.core.stream_stats import StreamStatsCollector  # noqa: PLC0415
     from flywheel.engine.metrics import EngineMetrics  # noqa: PLC0415
-    from flywheel.status import StreamStatsCollector  # noqa: PLC0415
 
     wrappers = [c for c in REGISTRY._collector_to_names if isinstance(c, MetricWrapperBase)]
     engine = EngineMetrics()

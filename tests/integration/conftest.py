@@ -13,7 +13,7 @@ import pytest
 
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import FlywheelSettings, load_settings
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 
 
 @dataclass

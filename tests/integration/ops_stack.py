@@ -1,7 +1,7 @@
 """A whole local stack on the tiny model that has trained one step, for the operator's views
 (`flywheel status`, the gateway's /dashboard).
 
-Real Redis, engine, gateway, reward and trainer processes (flywheel.stack.Stack). Three groups
+Real Redis, engine, gateway, reward and trainer processes (flywheel.ops.stack.Stack). Three groups
 of two episodes go through the gateway with outcome rewards 0 and 1 (so the group has a reward
 spread); the reward service scores them, the trainer takes one GRPO step per group, checkpoints
 each and pushes it to the engine (weight version 3 at the end). Use it from a test module with
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from flywheel.core.settings import FlywheelSettings, load_settings
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 
 GROUP_SIZE = 2
 STEPS = 3

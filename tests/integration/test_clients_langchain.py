@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from flywheel.fidelity import check_fidelity
+from flywheel.ops.fidelity import check_fidelity
 
 lc_openai = pytest.importorskip("langchain_openai")
 messages_mod = pytest.importorskip("langchain_core.messages")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from flywheel.fidelity import check_fidelity
+from flywheel.ops.fidelity import check_fidelity
 
 agents = pytest.importorskip("agents")
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

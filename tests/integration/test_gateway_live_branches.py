@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from flywheel.fidelity import check_fidelity
+from flywheel.ops.fidelity import check_fidelity
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "SmolLM2-135M-Instruct"

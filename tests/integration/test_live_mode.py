@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from flywheel.fidelity import check_fidelity
+from flywheel.ops.fidelity import check_fidelity
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

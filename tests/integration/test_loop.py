@@ -21,7 +21,7 @@ from flywheel.core.codec import decode_sample
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import load_settings
 from flywheel.core.streams import FIELD
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 QUESTION = "What is 3 + 4? Answer with just the number."
@@ -199,7 +199,7 @@ def test_streaming_and_async_clients_get_well_formed_results(stack):
 
 
 def test_streamed_turn_in_a_session_carries_the_recorded_logprobs(stack):
-    from flywheel.fidelity import check_fidelity
+    from flywheel.ops.fidelity import check_fidelity
 
     urls, settings = _urls(stack)
     chunks, sample = _streamed_episode(
@@ -262,7 +262,7 @@ def _streamed_episode(gateway: str, settings, group_id: str, **request):
 
 
 def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack):
-    from flywheel.fidelity import check_fidelity
+    from flywheel.ops.fidelity import check_fidelity
 
     urls, settings = _urls(stack)
     chunks, sample = _streamed_episode(
@@ -279,8 +279,8 @@ def test_streamed_session_turn_arrives_as_sampled_and_is_recorded_as_sent(stack)
 
 
 def test_fidelity_check_rescoring_a_recorded_sample(stack):
-    from flywheel.fidelity import check_fidelity
-    from flywheel.gateway.engine_pool import parse_weight_version
+    from flywheel.core.versions import parse_weight_version
+    from flywheel.ops.fidelity import check_fidelity
 
     urls, settings = _urls(stack)
     engine = urls["engine"]

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 UP = textwrap.dedent("""
     import json, pathlib, sys, time
     from flywheel.core.settings import load_settings
-    from flywheel.stack import Stack
+    from flywheel.ops.stack import Stack
     state, go, model, redis_port, gateway_port = sys.argv[1:6]
     settings = load_settings(state_dir=state, redis={"port": int(redis_port)},
                              engine={"model_path": model}, gateway={"port": int(gateway_port)})

@@ -16,7 +16,8 @@ import sys
 import pytest
 
 from flywheel.core.redis_client import connect
-from flywheel.status import StreamStatsCollector, collect_status, stream_stats
+from flywheel.core.stream_stats import StreamStatsCollector, stream_stats
+from flywheel.ops.status import collect_status
 
 from .ops_stack import GROUP_SIZE, STEPS, ops_stack  # noqa: F401  (session fixture)
 
@@ -28,7 +29,7 @@ def _cli_status(stack, *args: str) -> subprocess.CompletedProcess:
     config.write_text(json.dumps({"state_dir": str(stack.state_dir), "streams": {"prefix": "ops"}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     return subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", "status", "--config", str(config), *args],
+        [sys.executable, "-m", "flywheel.ops.cli", "status", "--config", str(config), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -119,7 +120,7 @@ def test_a_service_that_stops_answering_shows_as_down(ops_stack):  # noqa: F811
 
 def test_the_teacher_and_its_engine_are_probed_when_enabled():
     from flywheel.core.settings import load_settings  # noqa: PLC0415
-    from flywheel.status import service_targets  # noqa: PLC0415
+    from flywheel.ops.status import service_targets  # noqa: PLC0415
 
     names = [n for n, _, _ in service_targets(load_settings())]
     assert names == ["engine", "gateway", "reward", "trainer"]
@@ -137,7 +138,7 @@ def test_the_teacher_and_its_engine_are_probed_when_enabled():
 def test_services_bound_to_every_interface_are_reached_by_service_name(monkeypatch):
     """In compose and Kubernetes every service binds 0.0.0.0 and is reached by its name."""
     from flywheel.core.settings import load_settings  # noqa: PLC0415
-    from flywheel.status import service_targets  # noqa: PLC0415
+    from flywheel.ops.status import service_targets  # noqa: PLC0415
 
     s = load_settings(
         engine={"host": "0.0.0.0"},

@@ -36,7 +36,7 @@ from flywheel.core.codec import decode_sample
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import load_settings
 from flywheel.core.streams import FIELD
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

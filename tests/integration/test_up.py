@@ -31,7 +31,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
@@ -57,7 +57,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         _redis_killed_is_started_again(proc, stack["gateway"], sid)
         second = subprocess.run(
-            [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+            [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
             capture_output=True,
             text=True,
             env=env,
@@ -115,7 +115,7 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
             ).json()
             messages += [reply["choices"][0]["message"], {"role": "user", "content": "again"}]
         assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
-    cli = [sys.executable, "-m", "flywheel.cli", "check-fidelity", "--config", str(cfg)]
+    cli = [sys.executable, "-m", "flywheel.ops.cli", "check-fidelity", "--config", str(cfg)]
     done = subprocess.run(
         [*cli, "--session", sid], capture_output=True, text=True, env=env, timeout=120
     )

@@ -1,7 +1,7 @@
 """`flywheel keys create|list|revoke` against a real Redis."""
 
-from flywheel.cli import main
 from flywheel.core.auth import KeyStore
+from flywheel.ops.cli import main
 
 
 def test_create_list_revoke(redis_server, redis_client, prefix, monkeypatch, capsys, tmp_path):

@@ -208,7 +208,7 @@ class TrainerSettings(Section):
     )
     @classmethod
     def _known_parts(cls, value: Any, info: Any) -> Any:
-        from flywheel.trainer.algorithms.catalog import names_for  # noqa: PLC0415
+        from flywheel.core.algorithm_catalog import names_for  # noqa: PLC0415
 
         known = names_for(info.field_name)
         for name in [value] if isinstance(value, str) else list(value):

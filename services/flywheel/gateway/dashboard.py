@@ -14,8 +14,8 @@ bearer header on navigation, so an outer middleware (`DashboardLogin`) answers a
 with a small key form, stores the key from `POST /dashboard/login` in an HttpOnly, SameSite=Strict
 cookie scoped to /dashboard, and turns that cookie back into `Authorization: Bearer` for
 /dashboard requests. With authentication off (a loopback gateway with no keys) the page opens
-directly. `install()` also registers the stream gauges (flywheel.status.StreamStatsCollector) on
-the gateway's /metrics.
+directly. `install()` also registers the stream gauges
+(flywheel.core.stream_stats.StreamStatsCollector) on the gateway's /metrics.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from prometheus_client import REGISTRY
 from flywheel.core.codec import decode_sample
 from flywheel.core.errors import ContractError
 from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
+from flywheel.core.stream_stats import StreamStatsCollector, stream_stats
 from flywheel.core.streams import FIELD
 from flywheel.gateway.security import require_role
-from flywheel.status import StreamStatsCollector, stream_stats
 
 log = logging.getLogger(__name__)
 

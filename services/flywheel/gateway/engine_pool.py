@@ -27,6 +27,7 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
+from flywheel.core.versions import parse_weight_version
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
@@ -73,17 +74,6 @@ class Generation:
     def token_versions(self) -> list[int]:
         """The weight version of each output token, shape [len(output_ids)]."""
         return self.output_versions or [self.weight_version] * len(self.output_ids)
-
-
-def parse_weight_version(value: Any) -> int:
-    """SGLang's version label as an int: "default" (initial weights) -> 0, "12" -> 12."""
-    if value in (None, "", "default"):
-        return 0
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        log.warning("non-integer weight_version %r recorded as 0", value)
-        return 0
 
 
 def span_versions(spans: Any, n: int) -> list[int]:

@@ -3,9 +3,10 @@ endpoint, key, concurrency limit and timeout)."""
 
 from __future__ import annotations
 
+from flywheel.core.judge_client import AsyncJudgeClient
 from flywheel.core.settings import JudgeSettings, RewardSettings
+from flywheel.reward import metrics
 from flywheel.reward.judge import NextStateJudge, RubricJudge
-from flywheel.reward.judge_client import AsyncJudgeClient
 from flywheel.reward.scoring import Scorer
 
 
@@ -14,6 +15,7 @@ def judge_client(js: JudgeSettings, name: str) -> AsyncJudgeClient:
     return AsyncJudgeClient(
         js.base_url,
         js.model,
+        metrics=metrics.JUDGE_CALLS,
         name=name,
         api_key=js.api_key,
         timeout_s=js.timeout_s,

@@ -1,7 +1,7 @@
 """LLM judges over any OpenAI-compatible endpoint: the next-state PRM (OpenClaw-RL style, also
 used per turn for episode step scores) and the rubric outcome judge.
 
-A judgment is m concurrent votes on one rendered prompt (flywheel.reward.judge_client retries
+A judgment is m concurrent votes on one rendered prompt (flywheel.core.judge_client retries
 each vote), parsed strictly (flywheel.reward.parsing) and aggregated:
 - verdict judges (declared set {-1, 0, +1}): majority of the valid votes; a tie gives the mean of
   the tied values, so no side wins a tie;
@@ -30,14 +30,9 @@ from string import Template
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ConfigurationError
+from flywheel.core.judge_client import INFRA_KINDS, AsyncJudgeClient, Parsed
 from flywheel.reward import metrics
-from flywheel.reward.judge_client import (  # noqa: F401  (JudgeClient, JudgeInfraError: teacher)
-    INFRA_KINDS,
-    AsyncJudgeClient,
-    JudgeClient,
-    JudgeInfraError,
-)
-from flywheel.reward.parsing import Parsed, agreement, majority, mean, parse_score, parse_verdict
+from flywheel.reward.parsing import agreement, majority, mean, parse_score, parse_verdict
 
 PROMPTS = Path(__file__).parent / "prompts"
 _KIND_ORDER = (*INFRA_KINDS, "no_verdict", "invalid_value")

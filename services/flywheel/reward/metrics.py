@@ -1,7 +1,7 @@
 """Prometheus metrics of the reward service (served on `reward.metrics_port` at /metrics).
 
 Label `judge` is the judge's name in the settings ("judge", "step", "rubric"); `reason` is a
-failure kind of flywheel.reward.judge_client / parsing (timeout, connection, server_error,
+failure kind of flywheel.core.judge_client / parsing (timeout, connection, server_error,
 client_error, bad_response, no_verdict, invalid_value). Rates ("judged per second") are
 `rate(flywheel_reward_judged_total[1m])` in Prometheus.
 """
@@ -9,6 +9,11 @@ client_error, bad_response, no_verdict, invalid_value). Rates ("judged per secon
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from flywheel.core.judge_client import judge_metrics
+
+JUDGE_CALLS = judge_metrics("reward")
+"""flywheel_reward_judge_{up,call_seconds,retries_total} (flywheel.core.judge_client)."""
 
 JUDGED = Counter(
     "flywheel_reward_judged_total", "Judgments with at least one valid vote", ["judge"]
@@ -23,22 +28,11 @@ VOTES = Counter(
     "Judge votes by outcome (valid or the failure kind)",
     ["judge", "outcome"],
 )
-RETRIES = Counter(
-    "flywheel_reward_judge_retries_total",
-    "Judge calls retried after a failure",
-    ["judge", "reason"],
-)
 AGREEMENT = Histogram(
     "flywheel_reward_vote_agreement_ratio",
     "Share of a judgment's valid votes equal to its most common vote",
     ["judge"],
     buckets=(0.34, 0.5, 0.67, 0.75, 0.99, 1.0),
-)
-CALL_SECONDS = Histogram(
-    "flywheel_reward_judge_call_seconds",
-    "Latency of one judge HTTP call (each try), seconds",
-    ["judge"],
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 COMPONENT = Histogram(
     "flywheel_reward_component_value",
@@ -61,12 +55,6 @@ FAILURES = Counter(
     "flywheel_reward_scoring_failures_total",
     "Scoring attempts that failed (exception or deadline), by kind",
     ["kind"],
-)
-JUDGE_UP = Gauge(
-    "flywheel_reward_judge_up",
-    "1 when the judge's last call got a reply (any parse), 0 when it failed on "
-    "infrastructure (timeout, connection, 429/5xx): alert on 0",
-    ["judge"],
 )
 BREAKER_OPEN = Gauge(
     "flywheel_reward_breaker_open",

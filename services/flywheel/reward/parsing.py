@@ -19,23 +19,12 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+
+from flywheel.core.judge_client import Parsed
 
 NO_VERDICT = "no_verdict"
 INVALID_VALUE = "invalid_value"
 _NUMBER = r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
-
-
-@dataclass(frozen=True)
-class Parsed:
-    """One parsed judge reply."""
-
-    value: float | None
-    """The vote; None = invalid."""
-    kind: str
-    """"ok", NO_VERDICT or INVALID_VALUE."""
-    detail: str = ""
-    """Human-readable reason when invalid."""
 
 
 def _final_value(reply: str, label: str) -> tuple[str | None, str]:

@@ -14,36 +14,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from flywheel.core.answers import last_integer, task_answer
 from flywheel.core.errors import InvalidRequestError
 from flywheel.reward.sandbox import code_tests
 
-_INT = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _JSON_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL)
 
 
-def last_integer(response: str, task: dict[str, Any]) -> float:
-    """1.0 when the last integer in `response` equals `task["answer"]`, else 0.0.
-
-    "7 + 1 = 8" -> 8; "The answer is 8." -> 8; "no digits" -> 0.0.
-
-    Raises:
-        InvalidRequestError: the task has no integer `answer`.
-    """
-    answer = _answer(task)
-    try:
-        expected = int(answer)
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(
-            f"last_integer needs an integer 'answer', got {answer!r}", param="task"
-        ) from exc
-    found = _INT.findall(response.replace(",", ""))
-    return 1.0 if found and int(found[-1]) == expected else 0.0
-
-
 def exact(response: str, task: dict[str, Any]) -> float:
     """1.0 when the stripped response equals the stripped `task["answer"]` exactly."""
-    return 1.0 if response.strip() == str(_answer(task)).strip() else 0.0
+    return 1.0 if response.strip() == str(task_answer(task)).strip() else 0.0
 
 
 def math_answer(response: str, task: dict[str, Any]) -> float:
@@ -56,7 +37,7 @@ def math_answer(response: str, task: dict[str, Any]) -> float:
     from math_verify import parse, verify  # noqa: PLC0415  (sympy import is slow)
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    answer = str(_answer(task))
+    answer = str(task_answer(task))
     gold = parse(
         answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=timeout
     )
@@ -73,7 +54,7 @@ def numeric(response: str, task: dict[str, Any]) -> float:
     (default 1e-9). Thousands separators are removed: "1,234.5" -> 1234.5; "no number" -> 0.0.
     """
     try:
-        answer = float(_answer(task))
+        answer = float(task_answer(task))
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(
             f"numeric verifier: answer is not a number: {exc}", param="task"
@@ -129,12 +110,6 @@ def json_schema(response: str, task: dict[str, Any]) -> float:
     except json.JSONDecodeError:
         return 0.0
     return 1.0 if validator_cls(schema).is_valid(document) else 0.0
-
-
-def _answer(task: dict[str, Any]) -> Any:
-    if "answer" not in task:
-        raise InvalidRequestError("task metadata has no 'answer' for the verifier", param="task")
-    return task["answer"]
 
 
 VERIFIERS: dict[str, Callable[[str, dict[str, Any]], float]] = {

@@ -18,8 +18,9 @@ Selection rules (`HintSettings.selection`):
 - `none`: never a hint (the judge is not called).
 
 A turn without a valid hint is not dropped: the pipeline records it (`teacher_status` "no_hint",
-metric `flywheel_teacher_hints_total`). Judge transport is `flywheel.reward.judge.JudgeClient`
-(retries, backoff, concurrency limit), shared with the reward service's next-state judge.
+metric `flywheel_teacher_hints_total`). Judge transport is `flywheel.core.judge_client.JudgeClient`
+(retries, backoff, concurrency limit; metrics `flywheel_teacher_judge_*{judge="hint"}`), the
+client the reward service's judges also use.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Literal
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ConfigurationError
-from flywheel.reward.judge import JudgeClient, JudgeInfraError
+from flywheel.core.judge_client import JudgeClient, JudgeInfraError
 from flywheel.teacher import metrics
 from flywheel.teacher.context import message_dicts, text_of, turn_context
 

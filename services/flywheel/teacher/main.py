@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from flywheel.core.judge_client import judge_metrics
 from flywheel.core.logs import setup_logging
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from prometheus_client import start_http_server  # noqa: PLC0415
 
+    from flywheel.core.judge_client import JudgeClient  # noqa: PLC0415
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.streams import (  # noqa: PLC0415
@@ -77,7 +79,6 @@ def main(argv: list[str] | None = None) -> None:
         StreamProducer,
         default_consumer_name,
     )
-    from flywheel.reward.judge import JudgeClient  # noqa: PLC0415
     from flywheel.teacher.grpc_api import TeacherServicer, serve  # noqa: PLC0415
     from flywheel.teacher.hints import HintExtractor  # noqa: PLC0415
     from flywheel.teacher.pipeline import Teacher, TeacherConfig  # noqa: PLC0415
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             backoff_s=hj.backoff_s,
             temperature=hj.temperature,
             max_tokens=hj.max_tokens,
+            metrics=judge_metrics("teacher"),
+            name="hint",
         )
         hints = HintExtractor(
             client, hj.prompt, hj.votes, hj.selection, hj.min_chars, hj.context_chars

@@ -4,7 +4,7 @@
 weight-update group once (`/init_weights_update_group`; gloo on CPU, NCCL on GPU) and each push
 broadcasts the servable tensors (LoRA merged, tied embeddings once) inside a
 `/begin_weight_update` ... `/end_weight_update` session, labelled with the new
-`weight_version`, without aborting in-flight requests (flywheel.engine.weight_sync). The
+`weight_version`, without aborting in-flight requests (flywheel.trainer.weight_sync). The
 checkpoint is still written to disk first (crash safety, resume). If the group cannot be formed
 or a broadcast fails, the group is dropped (formed again at the next push) and this push falls
 back to `/update_weights_from_disk` on every engine, so no engine is left behind silently.
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from flywheel.engine.weight_sync import DistributedWeightSync, WeightSyncError
+from flywheel.trainer.weight_sync import DistributedWeightSync, WeightSyncError
 from flywheel.trainer.weights import PushReport, WeightPusher, servable_state
 
 log = logging.getLogger(__name__)

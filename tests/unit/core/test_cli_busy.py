@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from flywheel.stack import LOCK_FILE
+from flywheel.ops.stack import LOCK_FILE
 
 
 def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
@@ -21,7 +21,7 @@ def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
         run = subprocess.run(
-            [sys.executable, "-m", "flywheel.cli", "up", "--config", str(cfg)],
+            [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
             capture_output=True,
             text=True,
             env=env,

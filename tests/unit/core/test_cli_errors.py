@@ -11,10 +11,10 @@ from http.server import HTTPServer
 
 import pytest
 
-from flywheel import cli, fidelity
+from flywheel.ops import cli, fidelity
 from flywheel.core.codec import encode_sample, new_sample
 from flywheel.core.streams import FIELD
-from flywheel.stack import STATE_FILE
+from flywheel.ops.stack import STATE_FILE
 
 from .test_stack_race import _Ok  # a /healthz that answers 200
 

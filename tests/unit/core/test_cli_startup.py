@@ -47,7 +47,7 @@ FAKE_ENGINE = textwrap.dedent('''
 
 DRIVER = textwrap.dedent("""
     import os, sys
-    from flywheel import cli, stack
+    from flywheel.ops import cli, stack
 
     launch = stack.Stack._launch
 
@@ -137,7 +137,7 @@ def test_an_unreachable_external_redis_fails_before_any_service_starts(tmp_path,
     config = _config(tmp_path, '[redis]\nurl = "redis://:pw@127.0.0.1:1/0"\n')
     out = ["--out", str(tmp_path / "demo")] if command[0] == "demo" else []
     run = _run(
-        [sys.executable, "-m", "flywheel.cli", *command, "--config", config, *out], _env(), 60
+        [sys.executable, "-m", "flywheel.ops.cli", *command, "--config", config, *out], _env(), 60
     )
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr

@@ -1,7 +1,7 @@
 """The demo's closing line: a short run says it cannot compare reward windows instead of
 reporting no learning; 10+ steps compare last5 with first5 and held-out accuracy."""
 
-from flywheel.cli import learning_verdict
+from flywheel.ops.cli import learning_verdict
 
 
 def test_short_run_reports_held_out_and_asks_for_more_steps():

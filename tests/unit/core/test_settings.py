@@ -60,7 +60,7 @@ def test_enabling_the_teacher_puts_it_between_reward_and_trainer():
 
 
 def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
-    from flywheel.cli import main
+    from flywheel.ops.cli import main
 
     monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "abc")
     with pytest.raises(SystemExit) as exit_info:

@@ -16,7 +16,7 @@ import pytest
 
 from flywheel.core.redis_server import reserve_port
 from flywheel.core.settings import load_settings
-from flywheel.stack import STATE_FILE, Stack, StackBusyError, listens
+from flywheel.ops.stack import STATE_FILE, Stack, StackBusyError, listens
 
 RACER = textwrap.dedent("""
     import pathlib, sys, time
@@ -83,7 +83,7 @@ def test_a_reservation_is_exclusive_in_one_process_until_released():
 SECOND_STACK = textwrap.dedent("""
     import sys
     from flywheel.core.settings import load_settings
-    from flywheel.stack import Stack, StackBusyError
+    from flywheel.ops.stack import Stack, StackBusyError
     stack = Stack(load_settings(state_dir=sys.argv[1]), echo=lambda _: None)
     try:
         stack.start()

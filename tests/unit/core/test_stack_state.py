@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.core.settings import load_settings
-from flywheel.stack import STATE_FILE, Stack, running_stack
+from flywheel.ops.stack import STATE_FILE, Stack, running_stack
 
 
 class _Ok(BaseHTTPRequestHandler):
@@ -69,7 +69,7 @@ def _cli(tmp_path, *argv):
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     return subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", *argv, "--config", str(config)],
+        [sys.executable, "-m", "flywheel.ops.cli", *argv, "--config", str(config)],
         capture_output=True,
         text=True,
         env=env,

@@ -9,8 +9,8 @@ import pytest
 
 from flywheel.core.codec import new_sample
 from flywheel.core.errors import ConfigurationError
+from flywheel.core.judge_client import AsyncJudgeClient, judge_metrics
 from flywheel.reward.judge import NextStateJudge, RubricJudge, load_prompt
-from flywheel.reward.judge_client import AsyncJudgeClient
 from flywheel.reward.scoring import Scorer, is_unjudged
 
 
@@ -54,6 +54,7 @@ def _client(script, attempts=3, **kw):
         backoff_s=0.001,
         transport=httpx.MockTransport(script),
         **kw,
+        metrics=judge_metrics("reward"),
     )
 
 
@@ -195,7 +196,11 @@ def test_truncated_response_is_flagged_to_the_judge():
 def test_votes_run_concurrently_within_the_concurrency_limit(fake_judge):
     fake_judge.hang_s = 1.0  # every call is still open when the others arrive
     judge = NextStateJudge(
-        AsyncJudgeClient(fake_judge.url, "m", timeout_s=30, max_concurrency=5), "prm_v2", votes=5
+        AsyncJudgeClient(
+            fake_judge.url, "m", timeout_s=30, max_concurrency=5, metrics=judge_metrics("reward")
+        ),
+        "prm_v2",
+        votes=5,
     )
     result = asyncio.run(judge.judge("ctx", "HANG", "ok", "user"))
     assert result.value == 1.0 and len(result.votes) == 5
@@ -203,14 +208,25 @@ def test_votes_run_concurrently_within_the_concurrency_limit(fake_judge):
 
     fake_judge.peak = 0
     limited = NextStateJudge(
-        AsyncJudgeClient(fake_judge.url, "m", timeout_s=30, max_concurrency=2), "prm_v2", votes=4
+        AsyncJudgeClient(
+            fake_judge.url, "m", timeout_s=30, max_concurrency=2, metrics=judge_metrics("reward")
+        ),
+        "prm_v2",
+        votes=4,
     )
     result = asyncio.run(limited.judge("ctx", "HANG", "ok", "user"))
     assert result.value == 1.0 and fake_judge.peak == 2  # never more than the judge's limit
 
 
 def test_a_hanging_judge_times_out_per_call_and_is_unjudged(fake_judge):
-    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=0.2, max_attempts=2, backoff_s=0.01)
+    client = AsyncJudgeClient(
+        fake_judge.url,
+        "m",
+        timeout_s=0.2,
+        max_attempts=2,
+        backoff_s=0.01,
+        metrics=judge_metrics("reward"),
+    )
     result = asyncio.run(
         NextStateJudge(client, "prm_v2", votes=2).judge("ctx", "HANG", "ok", "user")
     )
@@ -255,8 +271,8 @@ def test_judge_up_gauge_follows_the_last_call():
     from flywheel.reward import metrics  # noqa: PLC0415
 
     _score(_turn(), _judge(Script(503), attempts=1))
-    assert metrics.JUDGE_UP.labels("judge")._value.get() == 0
+    assert metrics.JUDGE_CALLS.up.labels("judge")._value.get() == 0
     _score(_turn(), _judge(Script("Final verdict: 1")))
-    assert metrics.JUDGE_UP.labels("judge")._value.get() == 1
+    assert metrics.JUDGE_CALLS.up.labels("judge")._value.get() == 1
     _score(_turn(), _judge(Script("no verdict here"), attempts=1))  # a reply: the judge is up
-    assert metrics.JUDGE_UP.labels("judge")._value.get() == 1
+    assert metrics.JUDGE_CALLS.up.labels("judge")._value.get() == 1

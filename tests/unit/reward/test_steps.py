@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from flywheel.core.codec import new_sample
+from flywheel.core.judge_client import AsyncJudgeClient, judge_metrics
 from flywheel.reward.judge import NextStateJudge, RubricJudge
-from flywheel.reward.judge_client import AsyncJudgeClient
 from flywheel.reward.scoring import Scorer, is_unjudged
 
 
@@ -41,6 +41,7 @@ def _client(handler, attempts=1):
         max_attempts=attempts,
         backoff_s=0.001,
         transport=httpx.MockTransport(handler),
+        metrics=judge_metrics("reward"),
     )
 
 
@@ -112,7 +113,11 @@ def test_every_component_kept_by_name_and_combined_by_weight():
 
     rubric = RubricJudge(
         AsyncJudgeClient(
-            "http://r/v1", "m", name="rubric", transport=httpx.MockTransport(rubric_handler)
+            "http://r/v1",
+            "m",
+            name="rubric",
+            transport=httpx.MockTransport(rubric_handler),
+            metrics=judge_metrics("reward"),
         ),
         "rubric_v1",
         votes=2,
@@ -158,7 +163,11 @@ def test_rubric_needs_a_rubric_and_default_rubric_applies():
     def rubric():
         return RubricJudge(
             AsyncJudgeClient(
-                "http://r/v1", "m", name="rubric", transport=httpx.MockTransport(handler)
+                "http://r/v1",
+                "m",
+                name="rubric",
+                transport=httpx.MockTransport(handler),
+                metrics=judge_metrics("reward"),
             ),
             "rubric_v1",
             votes=1,

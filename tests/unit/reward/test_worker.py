@@ -6,9 +6,9 @@ import asyncio
 import json
 
 from flywheel.core.codec import decode_sample, new_sample
+from flywheel.core.judge_client import AsyncJudgeClient, judge_metrics
 from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
 from flywheel.reward.judge import NextStateJudge
-from flywheel.reward.judge_client import AsyncJudgeClient
 from flywheel.reward.scoring import Scorer, is_unjudged
 from flywheel.reward.worker import RewardWorker
 
@@ -49,7 +49,9 @@ async def _until(predicate, worker, timeout_s=60.0):
 
 def test_slow_judge_does_not_block_the_stream(redis_client, prefix, fake_judge):
     fake_judge.hang_s = 3.0
-    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=10, max_attempts=1)
+    client = AsyncJudgeClient(
+        fake_judge.url, "m", timeout_s=10, max_attempts=1, metrics=judge_metrics("reward")
+    )
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
     src = StreamProducer(redis_client, f"{prefix}:rollouts")
     src.publish(_turn("8 HANG", "slow"))
@@ -74,7 +76,14 @@ def test_slow_judge_does_not_block_the_stream(redis_client, prefix, fake_judge):
 
 
 def test_500_and_garbage_are_forwarded_unjudged_with_reasons(redis_client, prefix, fake_judge):
-    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=2, max_attempts=2, backoff_s=0.01)
+    client = AsyncJudgeClient(
+        fake_judge.url,
+        "m",
+        timeout_s=2,
+        max_attempts=2,
+        backoff_s=0.01,
+        metrics=judge_metrics("reward"),
+    )
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=3))
     src = StreamProducer(redis_client, f"{prefix}:rollouts")
     for sid in ("FAIL500", "GARBAGE", "good"):
@@ -159,7 +168,9 @@ def test_entries_of_a_dead_consumer_are_reclaimed(redis_client, prefix):
 
 def test_in_flight_entries_are_not_reclaimed_by_a_second_replica(redis_client, prefix, fake_judge):
     fake_judge.hang_s = 2.0
-    client = AsyncJudgeClient(fake_judge.url, "m", timeout_s=30, max_attempts=1)
+    client = AsyncJudgeClient(
+        fake_judge.url, "m", timeout_s=30, max_attempts=1, metrics=judge_metrics("reward")
+    )
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
     StreamProducer(redis_client, f"{prefix}:rollouts").publish(_turn("8 HANG", "slow"))
     first = _stage(redis_client, prefix, scorer, consumer_name="r1", min_idle_ms=600)
@@ -199,7 +210,11 @@ def test_judge_down_opens_the_breaker_and_the_backlog_waits_in_the_stream(redis_
         return httpx.Response(200, json={"choices": [{"message": {"content": "Final verdict: 1"}}]})
 
     client = AsyncJudgeClient(
-        "http://judge/v1", "m", max_attempts=1, transport=httpx.MockTransport(handler)
+        "http://judge/v1",
+        "m",
+        max_attempts=1,
+        transport=httpx.MockTransport(handler),
+        metrics=judge_metrics("reward"),
     )
     scorer = Scorer("last_integer", judge=NextStateJudge(client, "prm_v2", votes=1))
     src = StreamProducer(redis_client, f"{prefix}:rollouts")

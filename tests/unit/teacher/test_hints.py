@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from flywheel.core.codec import new_sample
-from flywheel.reward.judge import JudgeClient
+from flywheel.core.judge_client import JudgeClient, judge_metrics
 from flywheel.teacher.hints import HintExtractor, HintVote, parse_hint_reply, select_hint
 
 HINT = "Answer with only the number 8."
@@ -96,7 +96,12 @@ class Judge:
 
 def _extractor(judge: Judge, votes: int, rule: str = "longest") -> HintExtractor:
     client = JudgeClient(
-        "http://judge/v1", "m", max_attempts=1, backoff_s=0, transport=httpx.MockTransport(judge)
+        "http://judge/v1",
+        "m",
+        max_attempts=1,
+        backoff_s=0,
+        transport=httpx.MockTransport(judge),
+        metrics=judge_metrics("teacher"),
     )
     return HintExtractor(client, votes=votes, selection=rule)
 

@@ -1,7 +1,7 @@
 """The local stack gives the teacher ports no other service of the stack was given."""
 
 from flywheel.core.settings import load_settings
-from flywheel.stack import Stack
+from flywheel.ops.stack import Stack
 
 
 def test_teacher_ports_avoid_ports_already_given_to_other_services(tmp_path):

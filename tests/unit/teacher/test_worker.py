@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from flywheel._proto import teacher_pb2, teacher_pb2_grpc
 from flywheel.core.codec import decode_sample
 from flywheel.core.errors import ContractError, UpstreamError
+from flywheel.core.judge_client import judge_metrics
 from flywheel.core.redis_server import free_port
 from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
 from flywheel.teacher.grpc_api import TeacherServicer, serve
@@ -136,7 +137,7 @@ def test_grpc_score_tokens_status_codes_health_and_reflection(grpc_target, rende
 def test_grpc_extract_hint_with_a_judge(renderer):
     import httpx
 
-    from flywheel.reward.judge import JudgeClient
+    from flywheel.core.judge_client import JudgeClient
     from flywheel.teacher.hints import HintExtractor
 
     reply = "[HINT_START]Give only the number 8.[HINT_END]\nDecision: \\boxed{1}"
@@ -147,6 +148,7 @@ def test_grpc_extract_hint_with_a_judge(renderer):
         transport=httpx.MockTransport(
             lambda r: httpx.Response(200, json={"choices": [{"message": {"content": reply}}]})
         ),
+        metrics=judge_metrics("teacher"),
     )
     hints = HintExtractor(client, votes=2)
     teacher = Teacher(FakeScorer(), renderer, TeacherConfig(model_name="teach"), hints)

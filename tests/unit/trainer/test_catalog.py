@@ -9,10 +9,10 @@ import typing
 import pydantic
 import pytest
 
-from flywheel import cli
+from flywheel.ops import cli
+from flywheel.core.algorithm_catalog import CATALOG, KINDS, format_table, names_for
 from flywheel.core.settings import TrainerSettings
 from flywheel.trainer import algorithms
-from flywheel.trainer.algorithms.catalog import CATALOG, KINDS, format_table, names_for
 
 
 def registries() -> dict[str, dict]:
@@ -61,9 +61,7 @@ def test_settings_refuse_unknown_parts_naming_the_choices(field, value):
 
 
 def test_catalog_imports_without_torch():
-    code = (
-        "import sys; import flywheel.trainer.algorithms.catalog; assert 'torch' not in sys.modules"
-    )
+    code = "import sys; import flywheel.core.algorithm_catalog; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -4,12 +4,11 @@ train-inference corrections and regularizers.
 Each part is chosen by name from a registry keyed by the matching `TrainerSettings` field:
 `ADVANTAGES` (advantages.py), `POLICY_LOSSES` and `AGGREGATIONS` (losses.py), `CORRECTIONS`
 (corrections.py), `KL_ESTIMATORS` and `REGULARIZERS` (regularizers.py). To add a method: add its
-function (docstring with the formula, shapes, paper defaults and citation), one registry line, one
-row in `catalog.py` (what `flywheel algorithms list` prints, including the inputs it needs), and a
-worked-example test in `tests/unit/trainer/`. The design notes' algorithm catalog lists what this
-grows towards.
+function (docstring with the formula, shapes, paper defaults and citation), one registry line,
+one row in `flywheel/core/algorithm_catalog.py` (what `flywheel algorithms list` prints,
+including the inputs it needs), and a worked-example test in `tests/unit/trainer/`.
 
-Importing this package (or `catalog`) does not import torch; the registries load on first access.
+Importing this package does not import torch; the registries load on first access.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flywheel.trainer.algorithms import catalog
+from flywheel.core import algorithm_catalog as catalog
 from flywheel.trainer.algorithms.advantages import (
     ADVANTAGES,
     AdvantageConfig,

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
+from flywheel.core.algorithm_catalog import CATALOG
 from flywheel.trainer import algorithms
-from flywheel.trainer.algorithms.catalog import CATALOG
 
 ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})")
 

@@ -56,7 +56,7 @@ def test_needs_unions_the_declared_inputs():
 
 
 def test_every_catalog_part_has_its_inputs_provided_by_the_step():
-    from flywheel.trainer.algorithms.catalog import CATALOG
+    from flywheel.core.algorithm_catalog import CATALOG
 
     assert {
         row.name: needs([row.name]) - pipeline.STEP_INPUTS

@@ -58,7 +58,7 @@ REDIS_CHECK_S = 2.0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from flywheel.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
+    from flywheel.ops.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
 
     settings = _settings(args)
     if running_stack(settings.state_dir):
@@ -124,8 +124,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flywheel.demo.runner import DemoConfig, DemoRunner  # noqa: PLC0415
-    from flywheel.stack import Stack, running_stack  # noqa: PLC0415
+    from flywheel.ops.demo.runner import DemoConfig, DemoRunner  # noqa: PLC0415
+    from flywheel.ops.stack import Stack, running_stack  # noqa: PLC0415
 
     started = time.monotonic()
     out = Path(args.out)
@@ -190,8 +190,8 @@ def learning_verdict(summary: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from flywheel.stack import running_stack  # noqa: PLC0415
-    from flywheel.status import collect_status, render  # noqa: PLC0415
+    from flywheel.ops.stack import running_stack  # noqa: PLC0415
+    from flywheel.ops.status import collect_status, render  # noqa: PLC0415
 
     settings = _settings(args)
     # The local stack's actual addresses when `flywheel up` runs from this state dir; else the
@@ -219,8 +219,8 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     from flywheel.core.errors import ContractError  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.streams import FIELD  # noqa: PLC0415
-    from flywheel.fidelity import check_fidelity  # noqa: PLC0415
-    from flywheel.stack import running_stack  # noqa: PLC0415
+    from flywheel.ops.fidelity import check_fidelity  # noqa: PLC0415
+    from flywheel.ops.stack import running_stack  # noqa: PLC0415
 
     settings = _settings(args)
     state = running_stack(settings.state_dir)
@@ -277,7 +277,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     """`flywheel keys create|list|revoke`: API keys in the deployment's Redis (stored hashed)."""
     from flywheel.core.auth import KeyStore  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
-    from flywheel.stack import running_stack  # noqa: PLC0415
+    from flywheel.ops.stack import running_stack  # noqa: PLC0415
 
     settings = _settings(args)
     state = running_stack(settings.state_dir)
@@ -314,7 +314,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_algorithms_list(args: argparse.Namespace) -> int:
-    from flywheel.trainer.algorithms.catalog import format_table  # noqa: PLC0415
+    from flywheel.core.algorithm_catalog import format_table  # noqa: PLC0415
 
     print(format_table())
     return 0

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from flywheel.demo.agent import answer
-from flywheel.demo.plot import plot_rewards
-from flywheel.demo.tasks import Problem, split, training_batches
-from flywheel.gateway.engine_pool import parse_weight_version
-from flywheel.reward.verifiers import last_integer
+from flywheel.core.answers import last_integer
+from flywheel.core.versions import parse_weight_version
+from flywheel.ops.demo.agent import answer
+from flywheel.ops.demo.plot import plot_rewards
+from flywheel.ops.demo.tasks import Problem, split, training_batches
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""Async client of one OpenAI-compatible judge endpoint (SGLang, the embedded engine, a hosted
-API): POST {base_url}/chat/completions with a model name and an optional bearer key.
+"""Clients of one OpenAI-compatible judge endpoint (SGLang, the embedded engine, a hosted API):
+POST {base_url}/chat/completions with a model name and an optional bearer key. Shared by the
+reward service (its judges, `AsyncJudgeClient`) and the teacher (its hint judge, `JudgeClient`);
+each caller passes its own `JudgeMetrics`, so the metrics carry the caller's name
+(`flywheel_reward_judge_*`, `flywheel_teacher_judge_*`).
 
 One `vote` = one chat completion parsed by the caller's parser, retried with bounded exponential
 backoff and jitter (tenacity) on timeouts, connection errors, 429/5xx, replies that are not chat
@@ -22,14 +25,73 @@ from dataclasses import dataclass
 
 import httpx
 import tenacity
-
-from flywheel.reward import metrics
-from flywheel.reward.parsing import Parsed
+from prometheus_client import Counter, Gauge, Histogram
 
 log = logging.getLogger(__name__)
 
 INFRA_KINDS = ("timeout", "connection", "server_error", "client_error", "bad_response")
 """Failure kinds of the call itself; the others (no_verdict, invalid_value) are the reply's."""
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One parsed judge reply."""
+
+    value: float | None
+    """The vote; None = invalid."""
+    kind: str
+    """"ok" or the parser's failure kind (e.g. "no_verdict", "invalid_value")."""
+    detail: str = ""
+    """Human-readable reason when invalid."""
+
+
+@dataclass(frozen=True)
+class JudgeMetrics:
+    """The judge-call metrics of one service, named `flywheel_<service>_judge_*`.
+
+    Label `judge` is the judge's name ("judge", "step", "rubric", "hint"); `reason` is a
+    failure kind (INFRA_KINDS or a parsing kind).
+    """
+
+    up: Gauge
+    call_seconds: Histogram
+    retries: Counter
+
+
+_METRICS: dict[str, JudgeMetrics] = {}
+_METRICS_LOCK = threading.Lock()
+
+
+def judge_metrics(service: str) -> JudgeMetrics:
+    """The judge-call metrics of `service` ("reward", "teacher"), registered once per process.
+
+    flywheel_<service>_judge_up{judge}: 1 after a reply, 0 after an infrastructure failure.
+    flywheel_<service>_judge_call_seconds{judge}: seconds per HTTP call (each try).
+    flywheel_<service>_judge_retries_total{judge,reason}: tries retried after a failure.
+    """
+    with _METRICS_LOCK:
+        if service not in _METRICS:
+            prefix = f"flywheel_{service}_judge"
+            _METRICS[service] = JudgeMetrics(
+                up=Gauge(
+                    f"{prefix}_up",
+                    "1 when the judge's last call got a reply (any parse), 0 when it failed on "
+                    "infrastructure (timeout, connection, 429/5xx): alert on 0",
+                    ["judge"],
+                ),
+                call_seconds=Histogram(
+                    f"{prefix}_call_seconds",
+                    "Latency of one judge HTTP call (each try), seconds",
+                    ["judge"],
+                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+                ),
+                retries=Counter(
+                    f"{prefix}_retries_total",
+                    "Judge calls retried after a failure",
+                    ["judge", "reason"],
+                ),
+            )
+        return _METRICS[service]
 
 
 class JudgeCallError(Exception):
@@ -62,6 +124,7 @@ class AsyncJudgeClient:
         base_url: endpoint root including /v1 (e.g. "http://127.0.0.1:30000/v1").
         model: model name sent in each request.
         name: judge name for metrics and logs ("judge", "step", "rubric").
+        metrics: the caller's judge metrics (`judge_metrics("reward")`).
         api_key: bearer token; None = no Authorization header.
         timeout_s: seconds per HTTP call (connect + send + whole reply).
         max_concurrency: calls in flight at once on this client.
@@ -77,6 +140,7 @@ class AsyncJudgeClient:
         base_url: str,
         model: str,
         *,
+        metrics: JudgeMetrics,
         name: str = "judge",
         api_key: str | None = None,
         timeout_s: float = 30.0,
@@ -87,6 +151,7 @@ class AsyncJudgeClient:
         max_tokens: int = 512,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
+        self.metrics = metrics
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.name = name
@@ -167,14 +232,14 @@ class AsyncJudgeClient:
             except httpx.TransportError as exc:
                 raise JudgeCallError("connection", f"{type(exc).__name__}: {exc}") from exc
             except BaseException:
-                metrics.JUDGE_UP.labels(self.name).set(0)
+                self.metrics.up.labels(self.name).set(0)
                 raise
             finally:
-                metrics.CALL_SECONDS.labels(self.name).observe(time.perf_counter() - start)
+                self.metrics.call_seconds.labels(self.name).observe(time.perf_counter() - start)
         if resp.status_code == 429 or resp.status_code >= 500:
-            metrics.JUDGE_UP.labels(self.name).set(0)
+            self.metrics.up.labels(self.name).set(0)
             raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
-        metrics.JUDGE_UP.labels(self.name).set(1)
+        self.metrics.up.labels(self.name).set(1)
         if resp.status_code != 200:
             raise JudgeCallError(
                 "client_error", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False
@@ -190,7 +255,7 @@ class AsyncJudgeClient:
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         kind = getattr(exc, "kind", "unknown")
-        metrics.RETRIES.labels(self.name, kind).inc()
+        self.metrics.retries.labels(self.name, kind).inc()
         log.info("judge %s try %d failed (%s); retrying", self.name, state.attempt_number, exc)
 
     async def aclose(self) -> None:
@@ -208,7 +273,8 @@ class JudgeInfraError(Exception):
 class JudgeClient:
     """Blocking client of one endpoint for thread-based callers (the teacher's hint judge).
 
-    `complete(prompt)` returns the reply text, retrying infra failures like AsyncJudgeClient.
+    `complete(prompt)` returns the reply text, retrying infra failures like AsyncJudgeClient,
+    with the same metrics under the caller's `metrics` and judge `name`.
 
     Raises (from complete):
         JudgeInfraError: timeout, connection error, 429 or 5xx on every try.
@@ -220,6 +286,8 @@ class JudgeClient:
         base_url: str,
         model: str,
         *,
+        metrics: JudgeMetrics,
+        name: str = "hint",
         api_key: str | None = None,
         timeout_s: float = 30.0,
         max_concurrency: int = 8,
@@ -229,6 +297,8 @@ class JudgeClient:
         max_tokens: int = 512,
         transport: httpx.BaseTransport | None = None,
     ):
+        self.metrics = metrics
+        self.name = name
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
@@ -244,6 +314,7 @@ class JudgeClient:
                 + tenacity.wait_random(0, backoff_s)
             ),
             retry=tenacity.retry_if_exception_type(JudgeInfraError),
+            before_sleep=self._before_sleep,
             reraise=True,
         )
 
@@ -259,12 +330,21 @@ class JudgeClient:
             "max_tokens": self.max_tokens,
         }
         with self.slots:
+            start = time.perf_counter()
             try:
                 resp = self.http.post("/chat/completions", json=body)
+            except httpx.TimeoutException as exc:
+                self.metrics.up.labels(self.name).set(0)
+                raise JudgeInfraError(f"timeout: {exc}") from exc
             except httpx.TransportError as exc:
+                self.metrics.up.labels(self.name).set(0)
                 raise JudgeInfraError(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                self.metrics.call_seconds.labels(self.name).observe(time.perf_counter() - start)
         if resp.status_code == 429 or resp.status_code >= 500:
+            self.metrics.up.labels(self.name).set(0)
             raise JudgeInfraError(f"HTTP {resp.status_code}")
+        self.metrics.up.labels(self.name).set(1)
         if resp.status_code != 200:
             raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
         try:
@@ -272,5 +352,14 @@ class JudgeClient:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"not an OpenAI chat completion: {resp.text[:200]}") from exc
 
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        reason = "timeout" if str(exc).startswith("timeout") else "server_error"
+        if not str(exc).startswith(("timeout", "HTTP")):
+            reason = "connection"
+        self.metrics.retries.labels(self.name, reason).inc()
+        log.info("judge %s try %d failed (%s); retrying", self.name, state.attempt_number, exc)
+
     def close(self) -> None:
+        """Close the HTTP client."""
         self.http.close()

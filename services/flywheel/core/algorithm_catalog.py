@@ -1,4 +1,7 @@
-"""What `flywheel algorithms list` prints: every registered part, its kind, paper and inputs.
+"""The trainer's algorithm parts as data: what `flywheel algorithms list` prints (every registered
+part, its kind, paper and inputs) and the part names settings validation accepts. Lives in core
+because the settings (core) and the operator's CLI read it; the parts themselves are the
+trainer's (flywheel.trainer.algorithms).
 
 Torch-free on purpose (the CLI imports it without loading torch). One row per registry entry;
 `tests/unit/trainer/test_catalog.py` checks that rows and registries match both ways. `inputs`

@@ -1,4 +1,4 @@
-"""Conformance of /generate with SGLang 0.5.23 (docs/sglang-http-api.md sections 2-3).
+"""Conformance of /generate with SGLang 0.5.23 (docs/engine-protocol.md).
 
 Each test names the SGLang fact it pins. The gateway, teacher and trainer clients rely on the
 same facts, so an engine that passes here can be swapped for a real SGLang server.

@@ -1,6 +1,6 @@
 """SGLang's OpenAI-compatible routes on the engine, through a real process and the openai SDK.
 
-Shapes follow docs/sglang-http-api.md section 4: chat.completion with `matched_stop` and
+Shapes follow docs/engine-protocol.md: chat.completion with `matched_stop` and
 `metadata.weight_version`, chat chunks (role chunk, content deltas, finish chunk, usage chunk,
 [DONE]), legacy completions logprobs, /v1/models cards, and the OpenAI error envelope
 `{"object":"error","message","type","param","code"}`.

@@ -1,4 +1,4 @@
-"""The engine's HTTP surface has SGLang's shapes (docs/sglang-http-api.md), in process and live."""
+"""The engine's HTTP surface has SGLang's shapes (docs/engine-protocol.md), in process and live."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """/generate streaming, /abort_request, /pause_generation and /continue_generation on a live
-engine process (docs/sglang-http-api.md sections 2.5, 2.6, 5.7, 5.10)."""
+engine process (docs/engine-protocol.md)."""
 
 from __future__ import annotations
 

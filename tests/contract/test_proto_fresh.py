@@ -12,7 +12,9 @@ def test_generated_stubs_are_fresh(tmp_path):
     spec.loader.exec_module(gen)
     fresh = {p.name: p.read_text() for p in gen.generate(tmp_path / "_proto")}
     committed_dir = ROOT / "services" / "flywheel" / "_proto"
-    committed = {p.name: p.read_text() for p in committed_dir.glob("*.py")}
+    committed = {
+        p.name: p.read_text() for pattern in ("*.py", "*.pyi") for p in committed_dir.glob(pattern)
+    }
     assert set(fresh) == set(committed), "run: python tools/gen_proto.py"
     stale = [name for name in fresh if fresh[name] != committed[name]]
     assert not stale, f"stale generated stubs {stale}; run: python tools/gen_proto.py"

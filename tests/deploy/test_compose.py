@@ -236,11 +236,10 @@ def test_gpu_profile_runs_sglang_with_the_flags_flywheel_needs(compose, monkeypa
 
     assert flag("--host") == "0.0.0.0" and flag("--port") == "30000"
     assert "--enable-metrics" in cmd
-    doc = ROOT.parent / "shared/docs/sglang-http-api.md"
-    if doc.exists():  # the parsers are names SGLang knows (section 4.4 / 4.5 lists)
-        text = doc.read_text()
-        assert re.search(rf"[ ,]{re.escape(flag('--tool-call-parser'))}[,.]", text)
-        assert re.search(rf"[ ,]{re.escape(flag('--reasoning-parser'))}[,.]", text)
+    # the parsers are names SGLang knows (docs/engine-protocol.md#parser-names)
+    text = (ROOT / "docs/engine-protocol.md").read_text()
+    assert re.search(rf"[ ,`]{re.escape(flag('--tool-call-parser'))}[`,.]", text)
+    assert re.search(rf"[ ,`]{re.escape(flag('--reasoning-parser'))}[`,.]", text)
     model = flag("--model-path")
     # The gateway tokenizes with the served model and the trainer starts from it; the trainer's
     # checkpoints are visible to SGLang at the same path (/update_weights_from_disk takes it).

@@ -438,11 +438,11 @@ def test_gpu_overlay_runs_sglang_and_the_trainer_on_gpus(rendered, tmp_path, mon
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert "--enable-metrics" in cmd
-    doc = ROOT.parent / "shared/docs/sglang-http-api.md"
+    doc = (ROOT / "docs/engine-protocol.md").read_text()
     for flag in ("--tool-call-parser", "--reasoning-parser"):
         value = cmd[cmd.index(flag) + 1]
-        if doc.exists():  # a parser name SGLang knows (its lists in sections 4.4 and 4.5)
-            assert re.search(rf"[ ,]{re.escape(value)}[,.]", doc.read_text()), (flag, value)
+        # a parser name SGLang knows (docs/engine-protocol.md#parser-names)
+        assert re.search(rf"[ ,`]{re.escape(value)}[`,.]", doc), (flag, value)
     engine_port = int(cmd[cmd.index("--port") + 1])
     assert engine_port == 30000 and engine_port in _service_ports(docs)["engine"]
     model_path = cmd[cmd.index("--model-path") + 1]

@@ -7,7 +7,7 @@ prompt position: the off-by-one that `logprob_start_len = len(prompt) - 1` exist
 
 Tolerance: 2e-4 nats absolute. Both sides are fp32 on the same CPU; the engine batches requests
 with left padding, which changes the reduction order of the attention (measured max differences
-are about 1e-5, machine-notes.md).
+are about 1e-5, docs/conventions.md#machine-notes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""API keys: generation, hashing, roles and the key store in Redis (DESIGN.md section 10).
+"""API keys: generation, hashing, roles and the key store in Redis (docs/security.md).
 
 A key is a random secret shown once at creation. Redis holds only its SHA-256 digest: the
 secrets carry 256 bits of entropy, so a fast unsalted hash cannot be reversed by guessing, and

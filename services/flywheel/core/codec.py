@@ -1,7 +1,7 @@
 """The Sample codec: protobuf bytes <-> `flywheel.v1.Sample`, with the length invariants checked.
 
 Every Sample that enters or leaves a stream goes through `encode_sample` / `decode_sample`, so a
-Sample whose per-token arrays disagree in length never travels (DESIGN.md section 3).
+Sample whose per-token arrays disagree in length never travels (docs/sample.md).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def is_loopback(host: str) -> bool:
 
 
 class StreamSettings(Section):
-    """Redis stream names and delivery policy (DESIGN.md section 4)."""
+    """Redis stream names and delivery policy (docs/streams.md)."""
 
     prefix: str = "flywheel"
     """Prefix of every stream key; one prefix per deployment."""
@@ -128,7 +128,7 @@ class EngineSettings(Section):
 
 
 class SecuritySettings(Section):
-    """Gateway API keys, roles and request limits (flywheel.gateway.security, DESIGN.md 10).
+    """Gateway API keys, roles and request limits (flywheel.gateway.security, docs/security.md).
 
     Default (`auth = "auto"`): keys are required when the gateway binds a non-loopback host, or
     as soon as any agent/admin key exists in the key store (`flywheel keys create`); a gateway on

@@ -1,4 +1,4 @@
-"""Redis stream producer and consumer with at-least-once delivery (DESIGN.md section 4).
+"""Redis stream producer and consumer with at-least-once delivery (docs/streams.md).
 
 Contract:
 - Each entry holds one serialized `flywheel.v1.Sample` under the field `sample`.

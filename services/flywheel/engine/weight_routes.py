@@ -1,4 +1,4 @@
-"""SGLang's distributed weight-update routes (docs/sglang-http-api.md section 5.2 and 5.4).
+"""SGLang's distributed weight-update routes (docs/engine-protocol.md).
 
 `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`, `/begin_weight_update`, `/end_weight_update`. Bodies are

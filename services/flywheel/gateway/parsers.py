@@ -1,4 +1,4 @@
-"""Parse tool calls and reasoning out of sampled text for the client (DESIGN.md section 5).
+"""Parse tool calls and reasoning out of sampled text for the client (docs/token-path.md).
 
 The recorded tokens stay the raw sampled ones; only the OpenAI message the client sees is
 structured. Parsers are chosen per model family by name (`TOOL_PARSERS`).

@@ -1,6 +1,6 @@
 """Token-faithful recording of turns into a session's segment, and Samples from segments.
 
-Rule (DESIGN.md section 5): a request extends the recorded segment when its messages start with
+Rule (docs/token-path.md): a request extends the recorded segment when its messages start with
 the recorded conversation (the assistant replies as produced here). Then the prompt is the
 recorded ids followed by the template's rendering of only the new messages. Otherwise the
 segment is closed and a new one starts from a fresh rendering; the fork is counted per reason

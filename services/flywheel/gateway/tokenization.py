@@ -1,4 +1,4 @@
-"""The only place in Flywheel that turns text into token ids (DESIGN.md section 5, house style C4).
+"""The only place in Flywheel that turns text into token ids (docs/token-path.md, house style C4).
 
 `ChatRenderer` renders OpenAI messages with the served model's chat template and tokenizes the
 result; `extend` renders only the new suffix of a conversation and tokenizes it on its own, so

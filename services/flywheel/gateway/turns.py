@@ -1,11 +1,11 @@
 """Session turns: what a request in a session records and publishes, in both session modes.
 
 Episode mode: each segment is one Sample, published when the session finishes. A segment that
-a fork closed (DESIGN.md section 5) and the n > 1 choices the client did not continue with are
+a fork closed (docs/sessions.md) and the n > 1 choices the client did not continue with are
 held until then (`<prefix>:session-held:<id>`, written by the same atomic save as the record),
 so the finish publishes them all with the episode's outcome and posted rewards.
 
-Live mode (DESIGN.md section 7): every assistant turn is one Sample, published when its next
+Live mode (docs/sessions.md): every assistant turn is one Sample, published when its next
 state arrives: a later main request of the session whose history extends the turn's recorded
 history (its messages after the turn: the user's reply, tool output), or the session's finish
 (with the optional `next_state` of the finish body, for the latest turn). Parallel requests on

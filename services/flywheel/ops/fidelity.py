@@ -1,4 +1,4 @@
-"""Fidelity check: re-score a recorded Sample through an engine and compare (DESIGN.md section 5).
+"""Fidelity check: re-score a recorded Sample through an engine and compare (docs/token-path.md).
 
 One prefill-only `/generate` call (`max_new_tokens: 0`, `return_logprob`,
 `logprob_start_len = 0`) scores every recorded token under the serving weights. Row k + 1 of

@@ -7,7 +7,7 @@ each vote), parsed strictly (flywheel.reward.parsing) and aggregated:
   the tied values, so no side wins a tie;
 - score judges (declared range [low, high]): mean of the valid votes.
 No valid vote = the judgment is *unjudged* (value None) with the most common failure kind as its
-reason, never 0.0 (field-failures BUG-20, BUG-22).
+reason, never 0.0 (BUG-20, BUG-22).
 
 The judged text goes inside blocks delimited by a random per-call nonce, so a response cannot
 close its block, and a verdict line planted in the response is never the judge's last line.

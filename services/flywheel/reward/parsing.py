@@ -1,4 +1,4 @@
-"""Strict parsing of judge replies and aggregation of votes (field-failures BUG-20, BUG-22).
+"""Strict parsing of judge replies and aggregation of votes (BUG-20, BUG-22).
 
 A judge reply counts only through its last non-empty line, which must read
 `<label>: <value>` (label "Final verdict" for a verdict set, "Final score" for a range); Markdown

@@ -14,7 +14,7 @@ re-delivers the entry and the next stage sees it twice; consumers are idempotent
   more than `max_deliveries` deliveries across processes, it goes to the dead-letter stream with
   its error: never silently dropped. An unjudged Sample is not a failure: it is forwarded with
   `has_reward = false` and its reason.
-- Judge down (field-failures BUG-22): after `breaker_samples` consecutive Samples unjudged for
+- Judge down (BUG-22): after `breaker_samples` consecutive Samples unjudged for
   infrastructure reasons (timeouts, refused connections, 5xx), the worker takes no new entries
   for `breaker_pause_s` (doubling per failed probe, up to 8x), so the backlog waits in the stream
   rather than flowing on unjudged; then it scores one entry as a probe, and a judged probe closes

@@ -1,4 +1,4 @@
-"""Teacher service: on-policy distillation with hindsight hints (DESIGN.md sections 1-2, 7).
+"""Teacher service: on-policy distillation with hindsight hints (docs/architecture.md, docs/sessions.md).
 
 Reads the `scored` stream (group `teacher`), writes the `train` stream. For each Sample it finds
 a hint (from the environment's task, or a judge LLM over the turn's next state), builds the

@@ -41,7 +41,7 @@ def load_tokenizers(
     """The teacher's renderer and the (student, teacher) vocabulary fingerprints.
 
     Raises:
-        VocabularyMismatchError: the vocabularies differ (field-failures BUG-23): the service
+        VocabularyMismatchError: the vocabularies differ (BUG-23): the service
             refuses to start rather than score student ids the teacher reads as other text.
     """
     from flywheel.teacher.context import TeacherRenderer  # noqa: PLC0415

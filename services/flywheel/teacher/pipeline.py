@@ -1,6 +1,6 @@
 """One Sample through the teacher: hint -> teacher context -> prefill scoring -> Sample fields.
 
-Output on the Sample (DESIGN.md section 3): `teacher_logprobs` and `teacher_mask` with
+Output on the Sample (docs/sample.md): `teacher_logprobs` and `teacher_mask` with
 len(token_ids) entries (logprob 0.0 and mask 0 wherever there is no teacher logprob), optional
 `teacher_topk` / `teacher_topk_ids` / `teacher_topk_logprobs` (k per token, flattened, zeros where
 absent), `hint`, `teacher_model`, `teacher_weight_version`, `wrong_hint` and

@@ -1,5 +1,5 @@
 """Vocabulary fingerprints: the teacher scores the student's token ids only if ids mean the same
-strings on both sides (field-failures BUG-23).
+strings on both sides (BUG-23).
 
 Student token ids are sent to the teacher as they are, never re-tokenized. That is only sound
 when both tokenizers map every id to the same token string; otherwise id 123 means different

@@ -1,4 +1,4 @@
-"""The trainer loop (DESIGN.md section 8):
+"""The trainer loop (docs/architecture.md):
 
     read source -> admit into groups -> (enough ready) -> stale: drop / down-weight / IS-correct
     -> advantages -> optimizer step -> checkpoint -> push weights to every engine -> ack -> metrics

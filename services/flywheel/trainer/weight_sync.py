@@ -1,7 +1,7 @@
 """Trainer-side client: push weights into engines over torch.distributed (SGLang's NCCL path).
 
 Works against the embedded engine (gloo on CPU) and against real SGLang servers (NCCL on GPU)
-with the same HTTP calls (docs/sglang-http-api.md section 5.4):
+with the same HTTP calls (docs/engine-protocol.md):
 
     sync = DistributedWeightSync(["http://127.0.0.1:30000"], backend="gloo")
     sync.connect()                                   # rendezvous: trainer = rank 0
@@ -13,7 +13,7 @@ with the same HTTP calls (docs/sglang-http-api.md section 5.4):
 every tensor from rank 0 in the same order while those calls are outstanding, then closes the
 session with `/end_weight_update`. Tied weights (one storage under two names, e.g.
 `lm_head.weight` and `model.embed_tokens.weight`) are sent once, under the first name
-(field case BUG-18). `abort_all_requests` is always sent explicitly (BUG-16).
+(BUG-18). `abort_all_requests` is always sent explicitly (BUG-16).
 """
 
 from __future__ import annotations

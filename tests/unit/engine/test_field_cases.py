@@ -1,4 +1,4 @@
-"""Field-failure cases (shared/cases/field-failures.md) about weight sync, stops and logprobs,
+"""Field-failure cases (docs/failure-cases.md) about weight sync, stops and logprobs,
 each with the correct behaviour as its expectation."""
 
 from __future__ import annotations

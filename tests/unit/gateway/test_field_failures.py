@@ -1,4 +1,4 @@
-"""Field failures in the gateway's area (/work/shared/cases/field-failures.md, CPU tier), each with
+"""Field failures in the gateway's area (docs/failure-cases.md, CPU tier), each with
 the correct behaviour as its expectation. Token ids come from the tokenizer under test."""
 
 import json

@@ -1,5 +1,5 @@
 """Judge votes through a scripted OpenAI-compatible endpoint: retries, unjudged reasons, prompt
-versions, concurrency limits, planted verdicts (field-failures BUG-20, BUG-22)."""
+versions, concurrency limits, planted verdicts (BUG-20, BUG-22)."""
 
 import asyncio
 import json

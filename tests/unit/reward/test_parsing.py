@@ -1,4 +1,4 @@
-"""Judge replies -> votes (field-failures BUG-20) and vote aggregation, as tables."""
+"""Judge replies -> votes (BUG-20) and vote aggregation, as tables."""
 
 import pytest
 

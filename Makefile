@@ -48,6 +48,7 @@ test: setup lint
 lint: setup
 	$(BIN)/ruff check services tests tools bench
 	$(BIN)/ruff format --check services tests tools bench
+	$(BIN)/mypy
 
 proto: setup
 	$(BIN)/python tools/gen_proto.py

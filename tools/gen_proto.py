@@ -1,4 +1,5 @@
-"""Generate the Python protobuf and gRPC modules from proto/flywheel/v1 into an output folder.
+"""Generate the Python protobuf and gRPC modules (and .pyi type stubs for the messages) from
+proto/flywheel/v1 into an output folder.
 
 Usage: python tools/gen_proto.py [OUT_DIR]   (default: services/flywheel/_proto)
 
@@ -29,13 +30,14 @@ def generate(out_dir: Path) -> list[Path]:
         f"-I{PROTO_DIR}",
         f"-I{include}",
         f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         *[str(p) for p in protos],
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {PROTO_DIR}")
     written = []
-    for path in sorted(out_dir.glob("*_pb2*.py")):
+    for path in sorted([*out_dir.glob("*_pb2*.py"), *out_dir.glob("*_pb2*.pyi")]):
         text = _IMPORT.sub(r"from flywheel._proto import \1 as \2", path.read_text())
         path.write_text(text)
         written.append(path)

@@ -2,8 +2,9 @@
 `algorithms list`.
 
 `flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
-`flywheel demo --steps N --out DIR` runs the training demo on a running stack (started by
-`flywheel up` in the same state dir), or on a new one that it starts and stops itself.
+`flywheel demo --steps N --out DIR [--mode async|sync] [--max-staleness N]` runs the training
+demo on a running stack (started by `flywheel up` in the same state dir), or on a new one that it
+starts and stops itself.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ def _positive_int(value: str) -> int:
         raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {number}")
     return number
 
 
@@ -134,12 +146,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
         problems_per_step=args.problems_per_step,
         group_size=args.group_size,
         seed=args.seed,
+        mode=args.mode,
+        max_staleness=args.max_staleness,
     )
     settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:
         print(f"using the running stack at {state['gateway']}")
-        return _run_demo(DemoRunner(state["gateway"], state["engine"], cfg, out), started)
+        lead = 0 if cfg.mode == "sync" else cfg.max_staleness
+        if settings.trainer.max_staleness < lead:
+            print(
+                f"flywheel: the rollouts may lag {lead} weight versions (--max-staleness) but "
+                f"trainer.max_staleness is {settings.trainer.max_staleness} in these settings: "
+                f"the running trainer applies its stale_policy ({settings.trainer.stale_policy})"
+                " to the older samples",
+                file=sys.stderr,
+            )
+        timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
+        return _run_demo(
+            DemoRunner(state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline),
+            started,
+        )
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
@@ -147,6 +174,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
     settings.trainer.groups_per_step = cfg.problems_per_step
     settings.trainer.group_size = cfg.group_size
+    settings.trainer.max_staleness = cfg.max_staleness
+    timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
     try:  # stopped however the demo ends, also on Ctrl-C during start-up
         try:
@@ -155,14 +184,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _start_failed(stack, exc)
             return 1
         urls = {s.name: s.url for s in stack.services}
-        return _run_demo(DemoRunner(urls["gateway"], urls["engine"], cfg, out), started)
+        return _run_demo(
+            DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline),
+            started,
+        )
     finally:
         stack.stop()
 
 
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
     summary = runner.run(started_at=started)
-    print(f"wrote {runner.out / 'metrics.jsonl'} and {runner.out / 'reward_curve.png'}")
+    print(
+        f"wrote {runner.out / 'metrics.jsonl'}, {runner.out / 'reward_curve.png'} and "
+        f"{runner.out / 'timeline.png'}"
+    )
     print(learning_verdict(summary))
     return 0
 
@@ -344,6 +379,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollouts per problem, at least 1 (default 8)",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--mode",
+        choices=["async", "sync"],
+        default="async",
+        help="async (default): rollouts run up to --max-staleness steps ahead of the served "
+        "weights; sync: each step waits for the previous step's weights",
+    )
+    demo.add_argument(
+        "--max-staleness",
+        type=_non_negative_int,
+        default=1,
+        help="steps the rollouts may run ahead of the served weights in async mode, and the "
+        "trainer's max_staleness on a stack the demo starts (default 1; 0 = sync)",
+    )
     demo.add_argument(
         "--new-stack", action="store_true", help="start a fresh stack even if one is running"
     )

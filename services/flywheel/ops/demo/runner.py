@@ -4,8 +4,19 @@ Each step: P training problems x G samples. For every sample the environment cre
 (`group_id` = the problem's group, task = its answer), the agent answers through the session's
 base_url with the OpenAI SDK, and the environment finishes the session; the gateway publishes
 the Sample, the reward service scores it, the trainer steps once per P groups and pushes the new
-weights. The runner waits for the engine to serve that weight version, then starts the next step
-(synchronous, on-policy). Evaluation sessions are marked `eval` and never become training data.
+weights (version k = trained on steps 1..k).
+
+Pacing (`may_start`): rollouts of step s begin once the engine serves weight version
+s - 1 - max_staleness (counted from the version it served when the run began). In "async" mode
+(the default) rollouts never wait for training beyond that: with max_staleness 1, step 2's
+rollouts begin right after step 1's, on the initial weights, while the trainer trains on step 1.
+"sync" mode is max_staleness 0: step s waits for version s - 1 (on-policy). After the last step
+the runner waits for the final version before the held-out evaluation. Evaluation sessions are
+marked `eval` and never become training data.
+
+Writes `metrics.jsonl` (a row per step), `demo_timeline.jsonl` (its rollout and eval spans),
+`reward_curve.png`, `timeline.png` (with the trainer's `timeline.jsonl` spans) and
+`summary.json`.
 """
 
 from __future__ import annotations
@@ -17,13 +28,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 
 from flywheel.core.answers import last_integer
 from flywheel.core.versions import parse_weight_version
 from flywheel.ops.demo.agent import answer
-from flywheel.ops.demo.plot import plot_rewards
+from flywheel.ops.demo.plot import (
+    TimelineEvent,
+    plot_rewards,
+    plot_timeline,
+    read_timeline_lines,
+)
 from flywheel.ops.demo.tasks import Problem, split, training_batches
 
 
@@ -37,6 +54,29 @@ class DemoConfig:
     seed: int = 0
     step_timeout_s: float = 600.0
     model: str = "SmolLM2-135M-Instruct"
+    mode: Literal["async", "sync"] = "async"
+    """async: rollouts run up to `max_staleness` steps ahead of the served weights; sync: each
+    step waits for the previous step's weights (max_staleness 0)."""
+    max_staleness: int = 1
+    """Steps the rollouts may run ahead of the engine's weight version (async mode)."""
+    poll_s: float = 0.2
+    """Seconds between the runner's checks of the engine's weight version."""
+
+
+def min_version_to_start(step: int, max_staleness: int) -> int:
+    """The weight version (counted from the run's first, 0) the engine must serve before
+    rollouts of `step` (1-based) begin: step - 1 - max_staleness."""
+    return step - 1 - max_staleness
+
+
+def may_start(step: int, version: int, max_staleness: int) -> bool:
+    """Whether rollouts of `step` may begin while the engine serves `version` (counted from the
+    run's first, 0).
+
+    Examples, max_staleness 1: step 1 and step 2 start at version 0, step 3 needs version 1,
+    step 4 version 2. max_staleness 0 (sync): step s needs version s - 1.
+    """
+    return version >= min_version_to_start(step, max_staleness)
 
 
 class DemoRunner:
@@ -49,12 +89,18 @@ class DemoRunner:
         cfg: DemoConfig,
         out: Path,
         echo: Callable[[str], None] = print,
+        trainer_timeline: Path | None = None,
     ):
+        """`trainer_timeline`: the trainer's `timeline.jsonl` (in its metrics file's folder);
+        None = `out/timeline.jsonl`. Drawn into timeline.png when present."""
         self.gateway = gateway_url.rstrip("/")
         self.engine = engine_url.rstrip("/")
         self.cfg = cfg
         self.out = out
         self.echo = echo
+        self.trainer_timeline = trainer_timeline or out / "timeline.jsonl"
+        self.timeline: list[TimelineEvent] = []
+        """The demo's own spans of this run (also in `out/demo_timeline.jsonl`)."""
         self.http = httpx.Client(timeout=600)
         self.pool = ThreadPoolExecutor(max_workers=cfg.problems_per_step * cfg.group_size)
 
@@ -107,20 +153,45 @@ class DemoRunner:
             self.http.get(f"{self.engine}/model_info").json().get("weight_version")
         )
 
-    def wait_for_version(self, version: int) -> None:
-        deadline = time.monotonic() + self.cfg.step_timeout_s
-        while self.engine_version() < version:
+    @property
+    def staleness(self) -> int:
+        """Steps the rollouts may run ahead of the served weights: 0 in sync mode."""
+        return 0 if self.cfg.mode == "sync" else self.cfg.max_staleness
+
+    def wait_for_version(self, version: int, timeout_s: float | None = None) -> int:
+        """Poll the engine until it serves `version` or newer; returns the version it serves."""
+        timeout_s = self.cfg.step_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while (served := self.engine_version()) < version:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the engine did not reach weight version {version} within "
-                    f"{self.cfg.step_timeout_s}s: is the trainer running with groups_per_step="
+                    f"{timeout_s}s: is the trainer running with groups_per_step="
                     f"{self.cfg.problems_per_step} and group_size={self.cfg.group_size}? "
                     "See its log."
                 )
-            time.sleep(0.2)
+            time.sleep(self.cfg.poll_s)
+        return served
+
+    def wait_to_start(self, step: int, version0: int) -> int:
+        """Block until rollouts of `step` may begin (`may_start`); returns the served version."""
+        return self.wait_for_version(version0 + min_version_to_start(step, self.staleness))
+
+    def _record(self, stage: str, step: int, start: float, end: float) -> None:
+        event = TimelineEvent("demo", stage, step, start, end)
+        self.timeline.append(event)
+        with (self.out / "demo_timeline.jsonl").open("a") as f:
+            f.write(event.to_json() + "\n")
+
+    def _timed_evaluate(self, step: int) -> float:
+        start = time.time()
+        accuracy = self.evaluate()
+        self._record("eval", step, start, time.time())
+        return accuracy
 
     def run(self, started_at: float | None = None) -> dict[str, float]:
-        """Run the whole demo; writes metrics.jsonl and reward_curve.png into `out`.
+        """Run the whole demo; writes metrics.jsonl, demo_timeline.jsonl, reward_curve.png,
+        timeline.png and summary.json into `out`.
 
         Args:
             started_at: `time.monotonic()` when the demo command began (stack start-up
@@ -128,42 +199,68 @@ class DemoRunner:
         """
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic() if started_at is None else started_at
-        eval_before = self.evaluate()
+        origin = time.time() - (time.monotonic() - t0)  # the demo's start in unix seconds
+        self.timeline = []
+        (self.out / "demo_timeline.jsonl").write_text("")
+        eval_before = self._timed_evaluate(0)
         version0 = self.engine_version()
         self.echo(
             f"eval before training: held-out greedy accuracy {eval_before:.3f} "
             f"(weight version {version0})"
+        )
+        self.echo(
+            f"mode {self.cfg.mode}: rollouts of step s begin once the engine serves weight "
+            f"version {version0} + s - 1 - {self.staleness}"
         )
         batches = training_batches(self.cfg.seed, self.cfg.problems_per_step)
         steps, rewards = [], []
         metrics_path = self.out / "metrics.jsonl"
         with metrics_path.open("w") as f:
             for step in range(1, self.cfg.steps + 1):
-                start = time.monotonic()
+                began = time.monotonic()
+                served = self.wait_to_start(step, version0)
+                waited = time.monotonic() - began
+                start = time.time()
                 step_rewards = self.rollouts(next(batches))
-                self.wait_for_version(version0 + step)
+                self._record("rollout", step, start, time.time())
                 mean = sum(step_rewards) / len(step_rewards)
                 steps.append(step)
                 rewards.append(mean)
-                seconds = time.monotonic() - start
+                seconds = time.monotonic() - began
                 row = {
                     "step": step,
                     "reward_mean": mean,
                     "weight_version": version0 + step,
+                    "engine_version": served,
                     "seconds": round(seconds, 2),
+                    "wait_seconds": round(waited, 2),
                     "samples": len(step_rewards),
                 }
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 self.echo(
-                    f"step {step:3d}  reward {mean:.3f}  weight_version "
-                    f"{version0 + step}  {seconds:.1f}s"
+                    f"step {step:3d}  reward {mean:.3f}  weight_version {version0 + step}  "
+                    f"rollouts on version {served}  {seconds:.1f}s"
                 )
-        eval_after = self.evaluate()
+        # The trainer may still have up to staleness + 1 steps to train and push.
+        self.wait_for_version(
+            version0 + self.cfg.steps, self.cfg.step_timeout_s * (1 + self.staleness)
+        )
+        eval_after = self._timed_evaluate(len(steps))
         minutes = (time.monotonic() - t0) / 60
         plot_rewards(
             steps, rewards, {0: eval_before, len(steps): eval_after}, self.out / "reward_curve.png"
         )
+        malformed = plot_timeline(
+            [*self.timeline, *read_timeline_lines(self.trainer_timeline)],
+            self.out / "timeline.png",
+            origin=origin,
+            title=f"Flywheel demo timeline ({self.cfg.mode}, max_staleness {self.staleness})",
+        )
+        if malformed:
+            self.echo(
+                f"timeline.png: skipped {malformed} malformed line(s) of {self.trainer_timeline}"
+            )
         first5 = sum(rewards[:5]) / max(len(rewards[:5]), 1)
         last5 = sum(rewards[-5:]) / max(len(rewards[-5:]), 1)
         summary = {

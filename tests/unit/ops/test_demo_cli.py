@@ -1,0 +1,77 @@
+"""`flywheel demo --mode/--max-staleness`: the runner's config and the trainer settings of the
+stack the demo starts (the stack and the run are fakes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import flywheel.ops.stack as stack_module
+from flywheel.ops import cli
+from flywheel.ops.demo import runner as runner_module
+
+SUMMARY = {"first5": 0.2, "last5": 0.8, "eval_before": 0.5, "eval_after": 0.9, "steps": 2}
+
+
+class FakeService:
+    def __init__(self, name: str):
+        self.name, self.url = name, f"http://{name}.invalid"
+
+
+def _demo(monkeypatch, tmp_path, *flags: str):  # noqa: ANN202
+    seen = {}
+
+    class FakeStack:
+        def __init__(self, settings, config_file=None):  # noqa: ANN001
+            seen["settings"] = settings
+            self.services = [FakeService("gateway"), FakeService("engine")]
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    def fake_run(self, started_at=None):  # noqa: ANN001, ANN202
+        seen["runner"] = self
+        return SUMMARY
+
+    monkeypatch.setattr(stack_module, "Stack", FakeStack)
+    monkeypatch.setattr(runner_module.DemoRunner, "run", fake_run)
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--new-stack", "--out", str(out), "--steps", "2", *flags]) == 0
+    return seen["settings"], seen["runner"], out
+
+
+def test_demo_defaults_to_async_with_max_staleness_one(monkeypatch, tmp_path):
+    settings, runner, out = _demo(monkeypatch, tmp_path)
+    assert runner.cfg.mode == "async" and runner.cfg.max_staleness == 1
+    assert runner.staleness == 1
+    assert settings.trainer.max_staleness == 1
+    assert runner.trainer_timeline == Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
+    assert runner.trainer_timeline == out / "timeline.jsonl"
+
+
+def test_demo_mode_and_max_staleness_flags(monkeypatch, tmp_path):
+    settings, runner, _ = _demo(monkeypatch, tmp_path, "--mode", "sync", "--max-staleness", "3")
+    assert runner.cfg.mode == "sync" and runner.staleness == 0  # sync paces as staleness 0
+    assert settings.trainer.max_staleness == 3
+    settings, runner, _ = _demo(monkeypatch, tmp_path, "--max-staleness", "0")
+    assert runner.cfg.mode == "async" and runner.staleness == 0
+    assert settings.trainer.max_staleness == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-staleness", "-1"], "argument --max-staleness: must be at least 0, got -1"),
+        (["--max-staleness", "x"], "argument --max-staleness: 'x' is not an integer"),
+        (["--mode", "fast"], "argument --mode: invalid choice: 'fast'"),
+    ],
+)
+def test_demo_rejects_bad_pacing_flags_before_anything_starts(tmp_path, capsys, flags, message):
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--new-stack", "--out", str(out), *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -8,6 +8,7 @@ sets, so evaluation never sees a training problem.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 PROMPT = "What is {a} + {b}? Answer with just the number."
@@ -41,13 +42,13 @@ def split() -> tuple[list[Problem], list[Problem]]:
     return problems[EVAL_SIZE:], problems[:EVAL_SIZE]
 
 
-def training_batches(seed: int, per_step: int):
+def training_batches(seed: int, per_step: int) -> Iterator[list[Problem]]:
     """Endless stream of `per_step` training problems per step (reshuffled each epoch)."""
     train, _ = split()
     rng = random.Random(seed)
     pool: list[Problem] = []
     while True:
-        batch = []
+        batch: list[Problem] = []
         while len(batch) < per_step:
             if not pool:
                 pool = train[:]

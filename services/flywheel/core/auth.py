@@ -29,6 +29,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from flywheel.core.errors import InvalidRequestError, NotFoundError
+from flywheel.core.redis_client import as_str
 
 Role = Literal["agent", "admin", "session"]
 ROLE_PREFIX = {"agent": "fwk-", "admin": "fwk-", "session": "fws-"}
@@ -134,7 +135,7 @@ class KeyStore:
         """Agent and admin keys (session keys are not listed)."""
         records = []
         for digest in self.client.hvals(self._index):
-            raw = self.client.get(self._key(digest.decode()))
+            raw = self.client.get(self._key(as_str(digest)))
             if raw is not None:
                 records.append(KeyRecord.model_validate_json(raw))
         return sorted(records, key=lambda r: r.created_at)
@@ -146,11 +147,11 @@ class KeyStore:
             NotFoundError: no such key.
         """
         digest = self.client.hget(self._index, key_id)
-        raw = self.client.get(self._key(digest.decode())) if digest else None
+        raw = self.client.get(self._key(as_str(digest))) if digest else None
         if digest is None or raw is None:
             raise NotFoundError(f"API key {key_id} not found", param="key_id")
         pipe = self.client.pipeline()
-        pipe.delete(self._key(digest.decode()))
+        pipe.delete(self._key(as_str(digest)))
         pipe.hdel(self._index, key_id)
         pipe.execute()
         return KeyRecord.model_validate_json(raw)

@@ -4,6 +4,7 @@ client, and its asyncio twin for hot paths that must not hop to a thread per com
 from __future__ import annotations
 
 import asyncio
+from typing import Any, TypedDict
 
 import redis
 import redis.asyncio as aioredis
@@ -13,7 +14,19 @@ from redis.commands.core import AsyncScript
 from redis.retry import Retry
 
 
-def _retried(socket_timeout: float | None) -> tuple[type[Exception], ...]:
+class ScriptCall(TypedDict):
+    """The `keys` and `args` of one Lua script call (`script(**call)`)."""
+
+    keys: list[str]
+    args: list[Any]
+
+
+def as_str(value: bytes | str) -> str:
+    """A key, id or field as read from Redis (bytes from these clients), as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _retried(socket_timeout: float | None) -> tuple[type[redis.RedisError], ...]:
     """Errors a client retries: connection errors, and timeouts only while replies have no
     time limit (then a timeout can only be the connect's; a reply's may follow a command that
     ran)."""

@@ -50,7 +50,7 @@ class StreamStat:
 def _lag_by_scan(client: redis.Redis, key: str, last_id: str) -> tuple[int, bool]:
     """Entries after `last_id` (exclusive), counted up to LAG_SCAN_LIMIT."""
     start = f"({last_id}" if last_id not in ("", "0-0") else "-"
-    n = len(client.xrange(key, min=start, max="+", count=LAG_SCAN_LIMIT))
+    n = len(client.xrange(key, min=start, max="+", count=LAG_SCAN_LIMIT) or [])
     return n, n >= LAG_SCAN_LIMIT
 
 

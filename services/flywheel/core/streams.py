@@ -17,7 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 from prometheus_client import Counter
@@ -28,6 +30,10 @@ from flywheel.core.errors import BackpressureError, ContractError
 from flywheel.core.redis_client import LoopClients
 
 log = logging.getLogger(__name__)
+
+ReadReply = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]]
+"""XREAD/XREADGROUP reply of a RESP2 client with bytes responses: [(stream, [(id, fields)])];
+fields is None for an entry deleted while pending."""
 
 FIELD = b"sample"
 """Field of a stream entry that holds the serialized Sample."""
@@ -213,7 +219,7 @@ class StreamConsumer:
                 count=count - len(entries),
                 block=block_ms if not entries else None,
             )
-            for _stream, items in reply or []:
+            for _stream, items in cast(ReadReply, reply or []):
                 entries.extend(self._to_entries(items))
         return entries
 
@@ -248,11 +254,11 @@ class StreamConsumer:
                 )
             if cursor == "0-0":
                 break
-        claimed = [(eid, fields) for eid, fields in claimed if fields is not None]
-        if not claimed:
+        live = [(eid, fields) for eid, fields in claimed if fields is not None]
+        if not live:
             return []
-        RECLAIMED.labels(self.stream).inc(len(claimed))
-        return self.redelivered(claimed)
+        RECLAIMED.labels(self.stream).inc(len(live))
+        return self.redelivered(live)
 
     def redelivered(self, items: list[tuple[bytes, dict]]) -> list[StreamEntry]:
         """Entries delivered again (reclaimed, or re-read from this consumer's own pending
@@ -323,7 +329,7 @@ class StreamConsumer:
         )
         return {_s(r["message_id"]): int(r["times_delivered"]) for r in rows}
 
-    def _to_entries(self, items: list[tuple[bytes, dict]]) -> list[StreamEntry]:
+    def _to_entries(self, items: Sequence[tuple[bytes, dict | None]]) -> list[StreamEntry]:
         out = []
         for raw_id, fields in items:
             entry_id = _s(raw_id)
@@ -343,8 +349,8 @@ class StreamConsumer:
         return out
 
 
-def _s(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _s(value: bytes | str | int) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar
@@ -294,14 +295,21 @@ def open_stream(
     updates: asyncio.Queue[tuple[int, Any, bool]] = asyncio.Queue()
 
     def listener(i: int) -> Callable[[dict[str, Any]], None]:
-        return lambda result: loop.call_soon_threadsafe(updates.put_nowait, (i, result, False))
+        def update(result: dict[str, Any]) -> None:
+            loop.call_soon_threadsafe(updates.put_nowait, (i, result, False))
+
+        return update
+
+    def finished(i: int) -> Callable[[Future[dict[str, Any]]], None]:
+        def done(future: Future[dict[str, Any]]) -> None:
+            loop.call_soon_threadsafe(updates.put_nowait, (i, future, True))
+
+        return done
 
     t0 = time.perf_counter()
     jobs = engine.submit(specs, listeners=[listener(i) for i in range(len(specs))])
     for i, job in enumerate(jobs):
-        job.future.add_done_callback(
-            lambda f, i=i: loop.call_soon_threadsafe(updates.put_nowait, (i, f, True))
-        )
+        job.future.add_done_callback(finished(i))
     return _stream_items(request, jobs, updates, t0)
 
 

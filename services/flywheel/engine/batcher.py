@@ -16,6 +16,7 @@ are padding in every row are trimmed after rows leave, so the width tracks the l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -27,6 +28,19 @@ from flywheel.engine.sequence import Sequence
 
 _LOGIT_CHUNK = 512
 """Prompt positions projected to vocabulary logits at a time (bounds memory for long prompts)."""
+
+
+class _KVLayer(Protocol):
+    """A cache layer as the served models fill it: attention keys and values, both set."""
+
+    keys: Tensor
+    values: Tensor
+
+
+def _kv_layers(cache: DynamicCache) -> list[_KVLayer]:
+    """The layers of a prefilled cache: attention layers whose keys and values are tensors
+    (transformers types them as any layer kind, not yet filled)."""
+    return cast("list[_KVLayer]", cache.layers)
 
 
 def left_pad(
@@ -107,7 +121,7 @@ class RunningBatch:
             self.positions, self.next_logits = last_pos, logits
             return
         width = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+        for old, new in zip(_kv_layers(self.cache), _kv_layers(cache), strict=True):
             old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)])
             old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)])
         self.mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
@@ -185,7 +199,7 @@ class RunningBatch:
         if first == 0 or self.cache is None:
             return
         self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:
+        for layer in _kv_layers(self.cache):
             layer.keys = layer.keys[:, :, first:]
             layer.values = layer.values[:, :, first:]
 

@@ -88,7 +88,7 @@ def _convert_gguf(src: Path, dst: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
     # The GGUF loader dequantizes to dense fp32 but marks the model as quantized, which blocks
     # save_pretrained; the weights themselves are ordinary tensors.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # typed via Module.__setattr__
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

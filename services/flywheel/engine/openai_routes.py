@@ -185,7 +185,7 @@ def register_openai_routes(app: FastAPI, wait: Any, stream_rows: Any) -> None:
         if "messages" in data:
             chat = _validate(ChatCompletionRequest, {**data, "stream": False})
             tokens: Any = await asyncio.to_thread(render_chat, tokenizer, chat)
-            count = len(tokens)
+            count: int | list[int] = len(tokens)
         else:
             prompt = data.get("prompt")
             special = bool(data.get("add_special_tokens", True))

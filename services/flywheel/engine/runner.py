@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -38,7 +39,7 @@ class ModelRunner:
         self.device = pick_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[dtype])
-        self.model.to(self.device)
+        self.model.to(self.device)  # type: ignore[arg-type]  # typed as Module.to via @wraps
         self.model.eval()
         self.config = self.model.config
         self.decoder = getattr(self.model, self.model.base_model_prefix)
@@ -59,7 +60,7 @@ class ModelRunner:
             gen = GenerationConfig.from_pretrained(self.model_path)
         except OSError:
             gen = None
-        self.generation_defaults = {
+        self.generation_defaults: dict[str, Any] = {
             key: getattr(gen, key)
             for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
             if gen is not None and key in gen.to_diff_dict()

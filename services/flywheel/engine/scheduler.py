@@ -90,11 +90,11 @@ class WorkQueue:
 
     def admit(self, room: int, running: int) -> tuple[list[Control], list[Job]]:
         """Controls to run now (before the jobs), then up to `room` jobs to prefill."""
+        controls: list[Control] = []
         if self.paused.is_set():
             controls = [c for c in self.waiting if isinstance(c, Control)]
             self.waiting = deque(j for j in self.waiting if isinstance(j, Job))
             return controls, []
-        controls: list[Control] = []
         jobs: list[Job] = []
         while self.waiting:
             item = self.waiting[0]

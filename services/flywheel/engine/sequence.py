@@ -9,10 +9,10 @@ generator, and the finish reason in SGLang's shape. `result()` renders the finis
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -21,7 +21,13 @@ from flywheel.engine.sampling import SamplingConfig
 
 
 class TokenizerLike(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    # As transformers types it: a batch of id lists decodes to a list of strings.
+    def decode(self, ids: list[int], /, skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: TokenizerLike, ids: list[int], skip_special_tokens: bool) -> str:
+    """`tokenizer.decode` of one list of ids, which is one string."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 @dataclass
@@ -115,7 +121,7 @@ class Sequence:
         if self.stop_strings:
             # a new match ends in the last token; it spans at most 4 bytes (= tokens) per char
             tail = self.output_ids[-self._stop_window :]
-            text = tokenizer.decode(tail, skip_special_tokens=self.skip_special)
+            text = decode_text(tokenizer, tail, self.skip_special)
             for stop in self.stop_strings:
                 if stop in text:
                     self.finish_reason = {"type": "stop", "matched": stop}
@@ -136,7 +142,7 @@ class Sequence:
         ids = self.output_ids
         if trim and isinstance(matched, int) and ids and ids[-1] == matched:
             ids = ids[:-1]
-        text = tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        text = decode_text(tokenizer, ids, self.skip_special)
         if trim and isinstance(matched, str):
             pos = text.find(matched)
             text = text[:pos] if pos >= 0 else text
@@ -191,11 +197,11 @@ class Sequence:
 def _token_texts(ids: list[int], tokenizer: TokenizerLike, with_text: bool) -> list[str | None]:
     if not with_text:
         return [None] * len(ids)
-    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    return [decode_text(tokenizer, [i], False) for i in ids]
 
 
 def _rows(
-    logprobs: list[float | None], ids: list[int], tokenizer: TokenizerLike, with_text: bool
+    logprobs: Iterable[float | None], ids: list[int], tokenizer: TokenizerLike, with_text: bool
 ) -> list[list[Any]]:
     texts = _token_texts(ids, tokenizer, with_text)
     return [[lp, i, t] for lp, i, t in zip(logprobs, ids, texts, strict=True)]

@@ -267,7 +267,8 @@ def _new_group(
         from torch.distributed import ProcessGroupNCCL
 
         torch.cuda.set_device(device)
-        return ProcessGroupNCCL(store, rank, world_size)
+        # the stub lists only the (store, rank, size, options) overload; (..., timeout=default)
+        return ProcessGroupNCCL(store, rank, world_size)  # type: ignore[call-arg]
     from torch.distributed import ProcessGroupGloo
 
     return ProcessGroupGloo(store, rank, world_size, timeout)

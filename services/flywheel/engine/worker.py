@@ -155,7 +155,8 @@ class EngineWorker:
                 f"the engine is {self.status}" + (f": {self.error}" if self.error else "")
             )
         jobs = [Job(spec, probe=probe) for spec in specs]
-        for job, listener in zip(jobs, listeners or [None] * len(jobs), strict=True):
+        unheard: list[Callable[[dict[str, Any]], None] | None] = [None] * len(jobs)
+        for job, listener in zip(jobs, listeners or unheard, strict=True):
             job.listener = listener
         with self._lock:
             rids = [j.spec.rid for j in jobs]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import redis
 
 from flywheel.core.errors import BackpressureError
-from flywheel.core.redis_client import LoopClients
+from flywheel.core.redis_client import LoopClients, ScriptCall
 from flywheel.core.settings import SecuritySettings
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ class RedisLimiter:
     async def acquire(self, ident: str) -> Lease | None:
         """`admit` on the event loop (asyncio Redis client); the lease is renewed until
         `give_back`."""
-        lease, call = self._admit_call(ident)
-        lease = self._admitted(lease, await self._loop_clients.script(_ADMIT)(**call))
+        pending, call = self._admit_call(ident)
+        lease = self._admitted(pending, await self._loop_clients.script(_ADMIT)(**call))
         if lease is not None:
             self._held.add(lease)
             loop = asyncio.get_running_loop()
@@ -154,7 +154,7 @@ class RedisLimiter:
         lease, call = self._admit_call(ident)
         return self._admitted(lease, self._admit(**call))
 
-    def _admit_call(self, ident: str) -> tuple[Lease, dict[str, list]]:
+    def _admit_call(self, ident: str) -> tuple[Lease, ScriptCall]:
         lease = Lease(
             f"{self.prefix}:limit:inflight:{ident}", f"{self._replica}:{next(self._serial)}"
         )

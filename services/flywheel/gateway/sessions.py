@@ -14,14 +14,14 @@ import time
 import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from prometheus_client import Counter
 from pydantic import BaseModel
 
 from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
-from flywheel.core.redis_client import LoopClients
+from flywheel.core.redis_client import LoopClients, ScriptCall, as_str
 from flywheel.core.streams import BACKLOG_LUA, FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
 from flywheel.gateway.record_cache import READS, Cached, RecordCache, rev_prefix
@@ -182,11 +182,13 @@ LOST_LEASES = Counter(
 
 
 class _Unreadable(Exception):
-    """A record taken under the lock `token` that does not parse (the lock is to be released)."""
+    """A record taken under the lock `token` that does not parse (the lock is to be released);
+    `cause` is the parse error."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, cause: ValueError):
         super().__init__(token)
         self.token = token
+        self.cause = cause
 
 
 @dataclass
@@ -254,9 +256,9 @@ class SessionStore:
 
     def held_samples(self, session_id: str) -> list[bytes]:
         """The serialized Samples an episode holds until its finish, oldest first."""
-        return list(self.client.lrange(self._held_key(session_id), 0, -1))
+        return cast("list[bytes]", self.client.lrange(self._held_key(session_id), 0, -1))
 
-    def _new(self, fields: dict[str, Any]) -> tuple[SessionRecord, StoredForm, dict[str, list]]:
+    def _new(self, fields: dict[str, Any]) -> tuple[SessionRecord, StoredForm, ScriptCall]:
         fields.setdefault("session_id", uuid.uuid4().hex)
         record = SessionRecord(**{**fields, "rev": uuid.uuid4().hex})
         form = stored_form(record)
@@ -308,7 +310,7 @@ class SessionStore:
         cached = self.cache.peek(session_id)
         if cached is not None:  # the stored record's first bytes say whether it is this one
             head = rev_prefix(cached.rev)
-            if (await client.getrange(key, 0, len(head) - 1)).decode() == head:
+            if as_str(await client.getrange(key, 0, len(head) - 1)) == head:
                 return cached.record.owner
         raw = await client.get(key)
         if raw is None:
@@ -329,12 +331,8 @@ class SessionStore:
     def idle(self, before: float, limit: int = 100, offset: int = 0) -> list[str]:
         """Ids of open sessions last saved before Unix time `before`, least recent first
         (`limit` of them, after skipping `offset`)."""
-        return [
-            raw.decode() if isinstance(raw, bytes) else raw
-            for raw in self.client.zrangebyscore(
-                self.touched_key, "-inf", before, start=offset, num=limit
-            )
-        ]
+        ids = self.client.zrangebyscore(self.touched_key, "-inf", before, start=offset, num=limit)
+        return [as_str(raw) for raw in cast("list[bytes | str]", ids)]  # no WITHSCORES
 
     def index_existing(self) -> int:
         """Add sessions missing from the idle index (stored by a gateway version without it) as
@@ -345,7 +343,9 @@ class SessionStore:
             key = raw.decode() if isinstance(raw, bytes) else raw
             if key.endswith(":lock") and self.client.exists(key.removesuffix(":lock")):
                 continue  # a session's lock as an earlier version named it, not a session
-            added += self.client.zadd(self.touched_key, {key[len(head) :]: time.time()}, nx=True)
+            added += int(
+                self.client.zadd(self.touched_key, {key[len(head) :]: time.time()}, nx=True) or 0
+            )
         return added
 
     def touched_at(self, session_id: str) -> float | None:
@@ -359,7 +359,7 @@ class SessionStore:
 
     def _take_call(
         self, session_id: str, lease_s: float, cached: Cached | None = None
-    ) -> tuple[str, dict[str, list]]:
+    ) -> tuple[str, ScriptCall]:
         token = uuid.uuid4().hex
         return token, {
             "keys": [self._key(session_id), self._lock_key(session_id), self._log_key(session_id)],
@@ -389,7 +389,7 @@ class SessionStore:
             record = parse_stored(got[2], got[3])
         except ValueError as exc:  # CorruptRecord, or not a record's JSON: unlocked, refused
             log.error("session %s: its stored record cannot be read: %s", session_id, exc)
-            raise _Unreadable(token) from exc
+            raise _Unreadable(token, exc) from exc
         return SessionLease(session_id, token, lease_s, record)
 
     def try_acquire(self, session_id: str, lease_s: float = LOCK_LEASE_S) -> SessionLease | None:
@@ -406,7 +406,7 @@ class SessionStore:
             return self._taken(session_id, token, lease_s, self._take(**call))
         except _Unreadable as exc:
             self._put(**self._unlock_call(session_id, exc.token))
-            raise exc.__cause__ from None
+            raise exc.cause from None
 
     async def atry_acquire(
         self, session_id: str, lease_s: float = LOCK_LEASE_S
@@ -429,7 +429,7 @@ class SessionStore:
             return self._taken(session_id, token, lease_s, got)
         except _Unreadable as exc:
             await self._loop_clients.script(_PUT)(**self._unlock_call(session_id, exc.token))
-            raise exc.__cause__ from None
+            raise exc.cause from None
 
     def acquire(
         self, session_id: str, timeout_s: float = 600.0, lease_s: float = LOCK_LEASE_S
@@ -452,7 +452,7 @@ class SessionStore:
             pause = min(pause * 2, 0.1)
         return lease
 
-    def _renew_call(self, lease: SessionLease) -> dict[str, list]:
+    def _renew_call(self, lease: SessionLease) -> ScriptCall:
         return {
             "keys": [self._lock_key(lease.session_id)],
             "args": [lease.token, max(int(lease.lease_s * 1000), 1)],
@@ -468,7 +468,7 @@ class SessionStore:
 
     def _put_call(
         self, lease: SessionLease, record: SessionRecord | None
-    ) -> tuple[StoredForm | None, dict[str, list]]:
+    ) -> tuple[StoredForm | None, ScriptCall]:
         outbox = record._outbox if record is not None else []
         held = [item for item in outbox if item.hold]
         outbox = [item for item in outbox if not item.hold]
@@ -512,14 +512,14 @@ class SessionStore:
             ],
         }
 
-    def _unlock_call(self, session_id: str, token: str) -> dict[str, list]:
+    def _unlock_call(self, session_id: str, token: str) -> ScriptCall:
         """The `_PUT` call that only releases the lock `token` holds."""
         empty = SessionRecord(session_id=session_id)
         return self._put_call(SessionLease(session_id, token, 1.0, empty), None)[1]
 
     def _rewrite_call(
         self, lease: SessionLease, record: SessionRecord
-    ) -> tuple[StoredForm | None, dict[str, list]]:
+    ) -> tuple[StoredForm | None, ScriptCall]:
         log.warning(
             "session %s: its stored record expired while a turn ran (or its log is not "
             "the one read); saving it whole",
@@ -609,6 +609,7 @@ class SessionStore:
         form, call = self._put_call(lease, record)
         held = self._put(**call)
         if held == 4:  # the record expired while the turn ran: store it whole again
+            assert record is not None  # the script answers 4 only to a save
             form, call = self._rewrite_call(lease, record)
             held = self._put(**call)
         self._put_done(lease, record, form, held)
@@ -618,6 +619,7 @@ class SessionStore:
         form, call = self._put_call(lease, record)
         held = await self._loop_clients.script(_PUT)(**call)
         if held == 4:  # the record expired while the turn ran: store it whole again
+            assert record is not None  # the script answers 4 only to a save
             form, call = self._rewrite_call(lease, record)
             held = await self._loop_clients.script(_PUT)(**call)
         self._put_done(lease, record, form, held)

@@ -33,7 +33,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import redis
 
@@ -41,7 +41,7 @@ from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample, encode_sample, new_sample
 from flywheel.core.errors import ContractError
 from flywheel.core.redis_client import connect
-from flywheel.core.streams import StreamConsumer, StreamEntry, default_consumer_name
+from flywheel.core.streams import ReadReply, StreamConsumer, StreamEntry, default_consumer_name
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ class RedisSource:
     def _own_pending(self, count: int) -> list[StreamEntry]:
         c = self.consumer
         reply = c.client.xreadgroup(c.group, c.consumer, {c.stream: "0"}, count=count * 64)
-        items = [(eid, fields) for _s, rows in reply or [] for eid, fields in rows if fields]
+        rows_by_stream = cast(ReadReply, reply or [])
+        items = [(eid, fields) for _s, rows in rows_by_stream for eid, fields in rows if fields]
         return c.redelivered(items)  # an entry that crashed the trainer each time goes dead
 
     def ack(self, entry_ids: list[str]) -> int:
@@ -300,7 +301,7 @@ class FakeSource:
         return sample
 
     def read(self, count: int, block_ms: int) -> list[StreamEntry]:
-        out = []
+        out: list[StreamEntry] = []
         while len(out) < count:
             group_id = f"fake-{self.count // self.group_size}"
             self.count += 1

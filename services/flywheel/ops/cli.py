@@ -153,16 +153,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:
         print(f"using the running stack at {state['gateway']}")
+        trainer = _running_trainer_settings(settings)
         lead = 0 if cfg.mode == "sync" else cfg.max_staleness
-        if settings.trainer.max_staleness < lead:
+        if trainer.get("max_staleness", lead) < lead:
             print(
                 f"flywheel: the rollouts may lag {lead} weight versions (--max-staleness) but "
-                f"trainer.max_staleness is {settings.trainer.max_staleness} in these settings: "
-                f"the running trainer applies its stale_policy ({settings.trainer.stale_policy})"
-                " to the older samples",
+                f"the running trainer's max_staleness is {trainer['max_staleness']}: it applies "
+                f"its stale_policy ({trainer.get('stale_policy')}) to the older samples",
                 file=sys.stderr,
             )
-        timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
+        timeline = Path(trainer["metrics_path"]).parent / "timeline.jsonl"
         return _run_demo(
             DemoRunner(state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline),
             started,
@@ -190,6 +190,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
     finally:
         stack.stop()
+
+
+def _running_trainer_settings(settings: FlywheelSettings) -> dict:
+    """The trainer settings a running local stack resolved (`<state_dir>/settings.json`, where
+    its metrics file may have moved into the state dir); the configured ones when absent."""
+    trainer = settings.trainer.model_dump(mode="json")
+    try:
+        resolved = json.loads((Path(settings.state_dir) / "settings.json").read_text())
+        trainer |= resolved["trainer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return trainer
 
 
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001

@@ -3,6 +3,7 @@ stack the demo starts (the stack and the run are fakes)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,31 @@ def test_demo_rejects_bad_pacing_flags_before_anything_starts(tmp_path, capsys, 
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_on_a_running_stack_the_resolved_trainer_settings_name_the_timeline(
+    monkeypatch, tmp_path, capsys
+):
+    state = tmp_path / "state"
+    state.mkdir()
+    metrics = tmp_path / "elsewhere" / "trainer_metrics.jsonl"
+    (state / "settings.json").write_text(
+        json.dumps({"trainer": {"metrics_path": str(metrics), "max_staleness": 0}})
+    )
+    monkeypatch.setenv("FLYWHEEL_STATE_DIR", str(state))
+    monkeypatch.setattr(
+        stack_module,
+        "running_stack",
+        lambda _: {"gateway": "http://gateway.invalid", "engine": "http://engine.invalid"},
+    )
+    seen = {}
+
+    def fake_run(self, started_at=None):  # noqa: ANN001, ANN202
+        seen["runner"] = self
+        return SUMMARY
+
+    monkeypatch.setattr(runner_module.DemoRunner, "run", fake_run)
+    assert cli.main(["demo", "--out", str(tmp_path / "demo"), "--steps", "2"]) == 0
+    assert seen["runner"].trainer_timeline == metrics.parent / "timeline.jsonl"
+    err = capsys.readouterr().err
+    assert "may lag 1 weight versions" in err and "max_staleness is 0" in err

@@ -184,6 +184,7 @@ def plot_timeline(
         valid = [e for e in valid if e.end >= origin]
     t0 = origin if origin is not None else min((e.start for e in valid), default=0.0)
     rows = timeline_rows(valid)
+    span = max((e.end - t0 for e in valid), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * max(len(rows), 1)))
     handles = []
     for index, row in enumerate(rows):
@@ -195,11 +196,16 @@ def plot_timeline(
             if (e.process, e.stage) == row
         ]
         ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=color, edgecolor="black", linewidth=0.4)
+        for e in valid:  # the step number inside bars wide enough to hold it
+            left = max(e.start, t0) - t0
+            if (e.process, e.stage) == row and e.end - t0 - left >= 0.025 * span:
+                mid = (left + e.end - t0) / 2
+                ax.text(mid, y, str(e.step), ha="center", va="center", fontsize=7, color="white")
         handles.append(Patch(facecolor=color, edgecolor="black", label=f"{row[0]}: {row[1]}"))
     ax.set_yticks(range(len(rows)), [f"{p}: {s}" for p, s in reversed(rows)])
     ax.set_ylim(-0.6, max(len(rows), 1) - 0.4)
     ax.set_xlim(left=0)
-    ax.set_xlabel("seconds since the demo started")
+    ax.set_xlabel("seconds since the demo started (numbers in the bars: step)")
     ax.set_title(title or "Flywheel demo timeline: rollouts, training, checkpoints, weight pushes")
     ax.grid(axis="x", alpha=0.3)
     if handles:

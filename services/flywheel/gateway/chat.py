@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import Counter
@@ -215,7 +215,7 @@ def _response(
 
 
 def _token_entry(d: GatewayDeps, token_id: int, logprob: float) -> dict[str, Any]:
-    text = d.renderer.tokenizer.decode([token_id])
+    text = cast(str, d.renderer.tokenizer.decode([token_id]))  # one sequence: one string
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 

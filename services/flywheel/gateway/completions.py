@@ -79,6 +79,7 @@ class CompletionRequest(StreamOptionsNeedStream):
     @field_validator(*_NEUTRAL, mode="after")
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None  # set for a field validator
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
         return v

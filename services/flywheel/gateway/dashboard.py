@@ -271,7 +271,12 @@ class DashboardLogin:
         key = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0].strip()
         cookie = SimpleCookie()
         cookie[COOKIE] = key
-        cookie[COOKIE].update({"path": "/dashboard", "httponly": True, "samesite": "Strict"})
+        morsel = cookie[
+            COOKIE
+        ]  # typeshed's Morsel.update takes str values only; httponly is a flag
+        morsel["path"] = "/dashboard"
+        morsel["httponly"] = True
+        morsel["samesite"] = "Strict"
         await send(
             {
                 "type": "http.response.start",

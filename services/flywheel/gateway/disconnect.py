@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from prometheus_client import Counter
+from starlette.types import Receive
 
 from flywheel.core.errors import ClientClosedError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 ABANDONED = Counter(
     "flywheel_gateway_requests_abandoned_total",

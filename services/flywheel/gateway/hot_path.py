@@ -70,7 +70,7 @@ class HotPath:
         if not hot:
             await self.app(scope, receive, send)
             return
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             message = await receive()
             if message["type"] != "http.request":

@@ -177,7 +177,8 @@ async def _events(
         yield chunk_event(base, {"role": "assistant", "content": ""})
         pending = first
         while True:
-            await asyncio.wait({pending, turn}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {pending, turn}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if not pending.done():
                 pending.cancel()
                 break

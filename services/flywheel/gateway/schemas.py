@@ -217,6 +217,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     def _null_is_default(cls, v: Any, info: ValidationInfo) -> Any:
         """`"n": null` and `"stream": null` mean the default, as in OpenAI's API."""
         if v is None:
+            assert info.field_name is not None  # set for a field validator
             return cls.model_fields[info.field_name].default
         return v
 
@@ -273,6 +274,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     @field_validator(*_NEUTRAL, mode="after")
     @classmethod
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None  # set for a field validator
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError(
                 f"{info.field_name}={v!r} is not supported by the engine; leave it unset"

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway.prefix_ids import PrefixIds
@@ -85,7 +85,7 @@ class ChatRenderer:
         self.eos_token: str = self.tokenizer.eos_token or ""
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
         probe_tool = [{"type": "function", "function": {"name": "probe", "parameters": {}}}]
-        user = [{"role": "user", "content": "x"}]
+        user: list[dict[str, Any]] = [{"role": "user", "content": "x"}]
         self.renders_tools = self._apply(user, probe_tool, True) != self._apply(user, None, True)
         """The template renders `tools` itself (else the gateway adds them to the system turn)."""
         call = {"id": "c", "type": "function", "function": {"name": "probe", "arguments": "{}"}}
@@ -102,12 +102,13 @@ class ChatRenderer:
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
     ) -> str:
-        return self.tokenizer.apply_chat_template(
+        text = self.tokenizer.apply_chat_template(
             messages,
-            tools=tools or None,
+            tools=list(tools) if tools else None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        return cast(str, text)  # tokenize=False: the rendered text
 
     def _with_tools(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
@@ -198,7 +199,7 @@ class ChatRenderer:
         return Extension(suffix_ids=self.encode(full[cut:]))
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence
 
 
 def _tools_text(tools: list[dict[str, Any]]) -> str:

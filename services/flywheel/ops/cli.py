@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 
@@ -81,6 +82,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         return 1
     stack = Stack(settings, config_file=args.config)
+    stop_at_end = True
+    """False once a failed start has stopped (or never started) the stack."""
     # Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM stop everything,
     # also while the services are still starting.
     signal.signal(signal.SIGINT, _interrupt)
@@ -90,11 +93,11 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack.start()
         except StackBusyError as exc:
             print(f"flywheel: {exc}.", file=sys.stderr)
-            stack = None
+            stop_at_end = False
             return 1
         except START_FAILURES as exc:
             _start_failed(stack, exc)
-            stack = None
+            stop_at_end = False
             return 1
         gateway = next(s.url for s in stack.services if s.name == "gateway")
         print(
@@ -113,6 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 )
                 return 1
             if code is not None:
+                assert stack.redis is not None  # a code: the stack's own Redis, started again
                 print(
                     f"flywheel: redis exited with {code}; started it again on "
                     f"{stack.redis.url} with its data (AOF). The services wait out the gap.",
@@ -130,7 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\nstopping...")
         return 0
     finally:
-        if stack is not None:
+        if stop_at_end:
             stack.stop()
             print("stopped.", flush=True)
 
@@ -277,7 +281,7 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     client = connect(state["redis_url"])
     stream = settings.streams.key("rollouts")
     try:
-        entries = client.xrange(stream)
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
     except redis.RedisError as exc:
         print(
             f"flywheel: cannot read {stream} from Redis at "

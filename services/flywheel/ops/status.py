@@ -243,14 +243,14 @@ def render(report: StatusReport) -> Any:
     streams = Table(title="streams", title_justify="left")
     for col in ("stream", "length", "group", "consumers", "lag", "pending"):
         streams.add_column(col, justify="right" if col not in ("stream", "group") else "left")
-    for s in report.streams:
-        if not s.groups:
-            streams.add_row(s.key, str(s.length), "-", "-", "-", "-")
-        for i, g in enumerate(s.groups):
+    for stat in report.streams:
+        if not stat.groups:
+            streams.add_row(stat.key, str(stat.length), "-", "-", "-", "-")
+        for i, g in enumerate(stat.groups):
             lag = "?" if g.lag is None else f"{g.lag}{'+' if g.lag_capped else ''}"
             streams.add_row(
-                s.key if i == 0 else "",
-                str(s.length) if i == 0 else "",
+                stat.key if i == 0 else "",
+                str(stat.length) if i == 0 else "",
                 g.group,
                 str(g.consumers),
                 Text(lag, style="yellow" if g.lag else ""),

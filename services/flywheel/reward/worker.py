@@ -128,7 +128,11 @@ class RewardWorker:
                 continue
             task = asyncio.create_task(self._process(entry))
             self.tasks[entry.entry_id] = task
-            task.add_done_callback(lambda _t, eid=entry.entry_id: self.tasks.pop(eid, None))
+
+            def forget(_task: asyncio.Task[None], eid: str = entry.entry_id) -> None:
+                self.tasks.pop(eid, None)
+
+            task.add_done_callback(forget)
             scheduled += 1
         if not entries and self.tasks:
             await asyncio.wait(list(self.tasks.values()), timeout=0.01)

@@ -162,7 +162,10 @@ class TeacherRenderer:
         messages = [{**m, "content": m.get("content") or ""} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=list(tools) if tools else None,
+                tokenize=False,
+                add_generation_prompt=True,
             )
         except Exception as exc:  # jinja2 raises TemplateError and plain exceptions
             raise InvalidRequestError(

@@ -117,6 +117,7 @@ class TeacherServicer(teacher_pb2_grpc.TeacherServiceServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the hint judge is disabled; set teacher.hint_judge.enabled = true",
             )
+        assert self.hints is not None  # else context.abort raised
         try:
             result = self.hints.extract(request.sample)
         except InvalidRequestError as exc:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     hj = ts.hint_judge
     hints = None
     if hj.enabled:
-        client = JudgeClient(
+        judge = JudgeClient(
             hj.base_url,
             hj.model,
             api_key=hj.api_key,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             name="hint",
         )
         hints = HintExtractor(
-            client, hj.prompt, hj.votes, hj.selection, hj.min_chars, hj.context_chars
+            judge, hj.prompt, hj.votes, hj.selection, hj.min_chars, hj.context_chars
         )
     config = TeacherConfig(
         model_name=ts.model_name or teacher_model.name,

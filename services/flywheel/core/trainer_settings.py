@@ -16,7 +16,24 @@ class TrainerSettings(Section):
     model_path: str = ""
     """Initial policy folder; empty = the engine's model."""
     checkpoint_dir: str = ".flywheel/checkpoints"
-    """Where each step's safetensors checkpoint is written (shared with the engines)."""
+    """Where checkpoints, the commit log and the pushed weights are written (shared with the
+    engines: they load `weights/v_<version>/` from it)."""
+    checkpoint_every: int = Field(10, ge=1)
+    """Full checkpoints (model, AdamW, scheduler, RNG) every k committed steps and at a clean
+    stop. Every step still makes a small durable commit record (`commits.jsonl`: its groups'
+    stream entries, sample ids, RNG state); stream entries are acked only once a checkpoint
+    covers them, so after a crash the trainer restores the newest checkpoint and trains the
+    steps after it again from their records, in the same order and groups."""
+    checkpoint_idle_s: float = Field(10.0, gt=0)
+    """Also checkpoint the committed steps not yet covered when no step was committed for this
+    many seconds, so their stream entries are acked while traffic pauses."""
+    background_io: bool = True
+    """Checkpoint writes and weight pushes run in background threads from CPU snapshots while
+    the next step trains (a push never overlaps the previous one: newer weights wait, and a
+    version not yet started when a newer one arrives is skipped). False = both run on the
+    step's critical path, as a synchronous loop does (for comparison; `bench/async_loop.py`)."""
+    push_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the weights written for `/update_weights_from_disk`; auto = `engine.dtype`."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept on disk; older ones are deleted."""
     metrics_path: str = ".flywheel/trainer_metrics.jsonl"
@@ -169,7 +186,7 @@ class TrainerSettings(Section):
     and a resume restarts AdamW from zero moments (logged). Either way a resume neither loses
     nor retrains a sample: that guarantee rests on trainer_state.json, not on AdamW state."""
     push_every: int = Field(1, ge=1)
-    """Push weights to the engines every k committed steps (checkpoints every step)."""
+    """Push weights to the engines every k committed steps."""
     push_mode: Literal["disk", "distributed"] = "disk"
     """disk = /update_weights_from_disk of the checkpoint; distributed = broadcast over a
     weight-update group with the engines (gloo on CPU, NCCL on GPU), disk as fallback."""

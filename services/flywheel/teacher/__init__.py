@@ -1,4 +1,5 @@
-"""Teacher service: on-policy distillation with hindsight hints (docs/architecture.md, docs/sessions.md).
+"""Teacher service: on-policy distillation with hindsight hints (docs/architecture.md,
+docs/sessions.md).
 
 Reads the `scored` stream (group `teacher`), writes the `train` stream. For each Sample it finds
 a hint (from the environment's task, or a judge LLM over the turn's next state), builds the

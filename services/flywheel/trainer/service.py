@@ -1,21 +1,31 @@
 """The trainer loop (docs/architecture.md):
 
     read source -> admit into groups -> (enough ready) -> stale: drop / down-weight / IS-correct
-    -> advantages -> optimizer step -> checkpoint -> push weights to every engine -> ack -> metrics
+    -> advantages -> optimizer step -> commit record -> (background) push weights to every
+    engine -> (every checkpoint_every steps, background) full checkpoint -> ack -> metrics
 
-Delivery (exactly once with respect to the source): an entry is acked only after the step that
-used it is committed to a checkpoint. The checkpoint records the entry ids and sample_ids it
-trained on, the source position, and the AdamW, scheduler and RNG state, so a trainer that
-crashes between checkpoint and ack acks them when it resumes (and pushes that checkpoint again)
-instead of training them twice, and one that crashes mid-step leaves its entries pending, to be
-read again (by itself under a stable consumer name, or by XAUTOCLAIM after `min_idle_ms`).
-Sample ids already trained are dropped as duplicates (idempotency by `sample_id`). Dropped
-samples are acked or dead-lettered at once (see `groups.DropReason`), each counted and logged.
+Delivery (exactly once with respect to the source): a step is committed by a small durable
+record (commits.py: its groups' entry ids, sample ids and RNG state), not by a checkpoint.
+Full checkpoints (model, AdamW, scheduler, RNG) are written every `checkpoint_every` steps from
+a CPU snapshot, in a background thread while the next steps train; an entry is acked only once
+the checkpoint covering its step is durable, so the pending entries are the replay log. After a
+crash the trainer restores the newest checkpoint, acks what it covers (a crash between the
+checkpoint and its acks), and trains the recorded steps after it again, in order, with the same
+groups, staleness treatments and RNG states (`replay`); then it reads the stream as usual.
+Entries trained but not yet covered by a checkpoint are never admitted twice, and sample ids
+already trained are dropped as duplicates (idempotency by `sample_id`). Dropped samples are
+acked or dead-lettered at once (see `groups.DropReason`), each counted and logged.
 
-Weight push: every `push_every` committed steps, to every engine. An engine that fails all its
-attempts is counted (`flywheel_trainer_weight_push_failures_total{engine}`), logged, shown in
-`/status` as behind, and given the newest checkpoint again at the next step; if every engine
-fails, the trainer stops with the error (a restart pushes the newest checkpoint again).
+Weight push: every `push_every` committed steps the weights are copied to the CPU (in the
+engine's dtype) and a background thread writes them to `weights/v_<version>/` and loads them
+into every engine at once, while the next step trains; a push never overlaps the previous one,
+and a version still waiting when a newer one arrives is skipped. Versions never go backwards on
+an engine: an engine that already serves the version (or a newer one) is left as it is, which
+is what happens while a resumed trainer trains its recorded steps again. An engine that fails
+all its attempts is counted (`flywheel_trainer_weight_push_failures_total{engine}`), logged,
+shown in `/status` as behind, and given the newest weights again at the next step; if every
+engine fails, the trainer stops with the error (a restart pushes its weights again).
+`background_io = false` runs checkpoints and pushes on the step's critical path instead.
 
 Redis outages: a read that fails is retried with backoff (0.5 s doubling to 10 s) until Redis
 answers again, each failure counted (`flywheel_trainer_redis_errors_total`) and logged; acks and
@@ -40,16 +50,22 @@ import torch
 from transformers import PreTrainedModel
 
 from flywheel.core.codec import decode_sample
-from flywheel.core.errors import UpstreamError
 from flywheel.core.paths import resolve_model_path
 from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamEntry
+from flywheel.trainer.background import (
+    BackgroundPusher,
+    CheckpointJob,
+    CheckpointWriter,
+    PushOutcome,
+)
+from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
 from flywheel.trainer.distributed import World
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 from flywheel.trainer.redis_retry import retry_redis
 from flywheel.trainer.sources import FakeSource, SampleSource, build_source
-from flywheel.trainer.staleness import StalenessPolicy
+from flywheel.trainer.staleness import StalenessPolicy, Treatment
 from flywheel.trainer.step import (
     StepConfig,
     build_optimizer,
@@ -60,8 +76,13 @@ from flywheel.trainer.step import (
     train_step,
 )
 from flywheel.trainer.telemetry import (
+    CHECKPOINT_SECONDS,
+    PUSHES_COALESCED,
+    REPLAY_MISSING,
+    REPLAYED_STEPS,
     SAMPLE_LAG,
     MetricsSink,
+    Timeline,
     TrainerStatus,
     build_sink,
     record_push,
@@ -70,9 +91,12 @@ from flywheel.trainer.weights import (
     Checkpoint,
     CheckpointStore,
     WeightPusher,
+    WeightsStore,
+    cpu_snapshot,
     load_model,
     load_training_state,
     resolve_device,
+    servable_state,
 )
 
 log = logging.getLogger(__name__)
@@ -358,35 +382,146 @@ class Trainer:
         """`disk` or `distributed`: how the last successful push went."""
         self._drops: Tally[str] = Tally()
         self._last_step_end = time.monotonic()
+        root = Path(self.s.checkpoint_dir)
+        self.commits = CommitLog(root)
+        self.checkpointed = parts.version
+        """Step of the newest durable checkpoint (0 = none: the initial model)."""
+        self.uncovered: list[tuple[str, str]] = []
+        """(entry id, sample id) of steps committed since the newest checkpoint job."""
+        self.unacked: set[str] = set()
+        """Entries trained and not yet acked (their checkpoint is not durable yet)."""
+        self._io_metrics: dict[str, float] = {}
+        """Background checkpoint/push results, reported with the next step's metrics."""
+        self._gathered: tuple[Any, Any] = (None, None)
+        """FSDP2: the full model and AdamW state gathered at the last step."""
+        background = self.s.background_io
+        self.writer = CheckpointWriter(self._save_checkpoint, enabled=background)
+        self.weights = WeightsStore(root, parts.store.source_dir)
+        self.pusher = BackgroundPusher(
+            self.weights.write,
+            parts.pusher.push,
+            enabled=background and self.s.push_mode == "disk",  # a broadcast reads live tensors
+        )
+        self.timeline = Timeline(Path(self.s.metrics_path).parent / "timeline.jsonl")
+        dtype = self.s.push_dtype if self.s.push_dtype != "auto" else settings.engine.dtype
+        self.push_dtype = getattr(torch, dtype)
+
+    # ---------------------------------------------------------------- resume
 
     def resume(self, latest: Checkpoint | None) -> None:
-        """Ack what the latest checkpoint trained on, push it to the engines, become ready."""
+        """Ack what the newest checkpoint covers, train the recorded steps after it again,
+        push the current weights to engines that serve an older version, become ready."""
         if latest is not None:
             entry_ids = list(latest.state.get("entry_ids", []))
-            acked = self.parts.consumer.ack(entry_ids)
+            acked = self._redis(
+                lambda: self.parts.consumer.ack(entry_ids), "acking the checkpoint's entries"
+            )
             self.assembler.mark_trained(latest.state.get("sample_ids", []))
             log.info("resumed at step %d; acked %d entries it had trained on", latest.step, acked)
-            self._push(latest.path)
+        records = self.commits.after(self.version)
+        if records:
+            self.replay(records)
+        if latest is not None or records:
+            self._offer_push()
+            self.pusher.wait()
+            self._settle()
         self.parts.status.set_ready(self.version)
+
+    def replay(self, records: Sequence[CommitRecord]) -> None:
+        """Train recorded steps again, in order, with their recorded groups, treatments and
+        RNG states (the steps after the newest checkpoint of a trainer that crashed)."""
+        first = records[0].step
+        if first != self.version + 1:
+            log.error(
+                "commit log starts at step %d after checkpoint %d: steps in between are lost",
+                first,
+                self.version,
+            )
+        for record in records:
+            entries = self._redis(
+                lambda r=record: self.parts.consumer.claim(r.entry_ids),
+                f"claiming the entries of step {record.step}",
+            )
+            if entries is None:
+                log.warning(
+                    "source %s cannot give entries back; recorded steps %d-%d are not trained "
+                    "again",
+                    self.parts.consumer.kind,
+                    record.step,
+                    records[-1].step,
+                )
+                return
+            by_id = {e.entry_id: e for e in entries}
+            missing = [e for e in record.entry_ids if e not in by_id]
+            if missing:
+                REPLAY_MISSING.inc(len(missing))
+                log.error(
+                    "step %d: %d recorded entries are no longer pending (acked or deleted) and "
+                    "are left out: %s",
+                    record.step,
+                    len(missing),
+                    missing[:5],
+                )
+            groups = []
+            for g in record.groups:
+                kept = [
+                    (by_id[e], (Treatment(t), w))
+                    for e, (t, w) in zip(
+                        g.entry_ids,
+                        g.treatments or [("fresh", 1.0)] * len(g.entry_ids),
+                        strict=True,
+                    )
+                    if e in by_id
+                ]
+                if kept:
+                    group = Group(g.group_id, 0.0, [e for e, _ in kept])
+                    group.treatments = [t for _, t in kept]
+                    groups.append(group)
+            for e in entries:
+                self.parts.leases.hold([e.entry_id])
+            log.info("training recorded step %d again (%d groups)", record.step, len(groups))
+            REPLAYED_STEPS.inc()
+            restore_rng(record.rng)
+            if groups:
+                self._train(groups, [], time.perf_counter())
+
+    # ---------------------------------------------------------------- loop
 
     def run(self, stop: threading.Event | None = None, max_steps: int | None = None) -> int:
         """Loop until `stop` is set, `max_steps` optimizer steps (None = settings; 0 = no
-        limit) are committed, or a finite source is used up; returns the steps committed."""
+        limit) are committed, or a finite source is used up; returns the steps committed.
+        On the way out the steps not yet covered by a checkpoint get one, and the last push
+        is finished."""
         limit = self.s.max_steps if max_steps is None else max_steps
         stop = self._stop = stop or threading.Event()
         start_version = self.version
         self.parts.leases.start()
+        clean = False
         try:
             while not stop.is_set() and not (limit and self.version - start_version >= limit):
                 if self.parts.consumer.exhausted and not self.assembler.pending:
                     log.info("source %s is used up", self.parts.consumer.kind)
                     break
+                self._settle()
                 self._redis(self.poll, "reading the stream")
+            clean = True
         finally:
-            self.parts.leases.stop()
-            if self.parts.world is not None:
-                self.parts.world.broadcast(("stop",))
+            try:
+                self.finish(checkpoint=clean)
+            finally:
+                self.parts.leases.stop()
+                if self.parts.world is not None:
+                    self.parts.world.broadcast(("stop",))
         return self.version - start_version
+
+    def finish(self, checkpoint: bool = True) -> None:
+        """Checkpoint the steps not yet covered (when `checkpoint`), wait for the checkpoint
+        and push in progress, and ack what they cover."""
+        if checkpoint and self.uncovered:
+            self._checkpoint()
+        self.writer.wait()
+        self.pusher.wait()
+        self._settle(raise_errors=checkpoint)
 
     def _redis(self, call: Any, what: str) -> Any:
         """`call()`, retried while Redis is out (redis_retry.py) until the loop stops."""
@@ -405,9 +540,15 @@ class Trainer:
             block_ms=self.settings.streams.block_ms,
         )
         self.admit(entries)
+        idle_s = time.monotonic() - self._last_step_end
+        if self.uncovered and idle_s > self.s.checkpoint_idle_s and not self.writer.busy:
+            log.info("no step for %.0f s: checkpointing step %d", idle_s, self.version)
+            self._checkpoint()
 
     def admit(self, entries: Sequence[StreamEntry]) -> None:
         for entry in entries:
+            if entry.entry_id in self.unacked:
+                continue  # trained, waiting for its checkpoint (read back from our own PEL)
             drop = self.assembler.add(entry)
             if drop is None:
                 self.parts.leases.hold([entry.entry_id])
@@ -449,8 +590,12 @@ class Trainer:
         self.handle_drops(drops)
         for lag in lags:
             SAMPLE_LAG.observe(lag)
-        if not groups:
-            return
+        if groups:
+            self._train(groups, lags, t0)
+
+    def _train(self, groups: list[Group], lags: Sequence[int], t0: float) -> None:
+        """One optimizer step on `groups`, then commit or skip it."""
+        rng = capture_rng()
         wait_s = time.monotonic() - self._last_step_end
         treatments = [t for g in groups for t in g.treatments]
         if self.parts.world is not None:  # the other ranks train the same batch with us
@@ -459,6 +604,7 @@ class Trainer:
         batch, adv_metrics = prepare_batch([g.samples for g in groups], self.step_cfg, treatments)
         t1 = time.perf_counter()
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
+        train_start = time.time()
         result = train_step(
             self.parts.trained or self.parts.model,
             self.parts.optimizer,
@@ -480,63 +626,63 @@ class Trainer:
         if result.skipped:
             self._skip(groups, result.skipped, metrics)
         else:
-            self._commit(groups, metrics)
+            self.timeline.event("train", self.version + 1, train_start, time.time())
+            self._commit(groups, metrics, rng)
         self._last_step_end = time.monotonic()
 
-    def _training_state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        if not self.s.save_optimizer:
-            return {}
-        state: dict[str, Any] = {
-            "optimizer": optimizer_state or self.parts.optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        if self.parts.scheduler is not None:
-            state["scheduler"] = self.parts.scheduler.state_dict()
-        return state
+    # ---------------------------------------------------------------- commit
 
-    def _commit(self, groups: Sequence[Group], metrics: dict[str, Any]) -> None:
+    def _commit(self, groups: Sequence[Group], metrics: dict[str, Any], rng: Any) -> None:
         entries = [e for g in groups for e in g.entries]
         entry_ids = [e.entry_id for e in entries]
         sample_ids = [e.sample.sample_id for e in entries]
         version = self.version + 1
         t0 = time.perf_counter()
-        state = {
-            "entry_ids": entry_ids,
-            "sample_ids": sample_ids,
-            "source_position": self._redis(
-                self.parts.consumer.position, "reading the source position"
-            ),
-        }
-        model_state, optimizer_state = None, None
         if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
 
-            model_state, optimizer_state = gather_checkpoint(
+            self._gathered = gather_checkpoint(
                 self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer
             )
-        path = self.parts.store.save(
-            self.parts.model,
+        record = CommitRecord(
             version,
-            state,
-            self._training_state(optimizer_state),
-            state_dict=model_state,
+            [
+                GroupRecord(
+                    g.group_id,
+                    [e.entry_id for e in g.entries],
+                    [(str(t), float(w)) for t, w in g.treatments],
+                )
+                for g in groups
+            ],
+            sample_ids,
+            rng,
         )
+        self.commits.append(record)  # the step is committed
         t1 = time.perf_counter()
         self.version = version
-        if version % self.s.push_every == 0 or self.behind:
-            self._push(path)
-        t2 = time.perf_counter()
-        self._redis(lambda: self.parts.consumer.ack(entry_ids), f"acking step {version}")
-        self.parts.leases.release(entry_ids)
+        self.uncovered += list(zip(entry_ids, sample_ids, strict=True))
+        self.unacked.update(entry_ids)
         self.assembler.mark_trained(sample_ids)
+        if version % self.s.push_every == 0 or self.behind:
+            self._offer_push()
+        t2 = time.perf_counter()
+        checkpoint_wait = 0.0
+        if version % self.s.checkpoint_every == 0:
+            checkpoint_wait = self._checkpoint()
+        t3 = time.perf_counter()
+        self._settle()
         metrics |= {
-            "checkpoint/mib": _folder_mib(path),
-            "time/checkpoint_s": t1 - t0,
+            "time/commit_s": t1 - t0,
             "time/push_s": t2 - t1,
-            "time/ack_s": time.perf_counter() - t2,
+            "time/checkpoint_s": t3 - t2,
+            "time/checkpoint_wait_s": checkpoint_wait,
+            "time/ack_s": time.perf_counter() - t3,
             "push/engines_behind": len(self.behind),
             "push/distributed": float(self.last_push_via == "distributed"),
-        }
+            "checkpoint/step": float(self.checkpointed),
+            "checkpoint/unacked_entries": float(len(self.unacked)),
+        } | self._io_metrics
+        self._io_metrics = {}
         # The metrics line is written before /status shows the step, so a reader that saw the
         # step there finds its line in the file.
         self._write_line(version, groups, metrics, skip_reason="")
@@ -550,6 +696,129 @@ class Trainer:
             metrics["time/step_s"],
         )
 
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The servable weights: the FSDP2 gather, a LoRA merge, or the model's own."""
+        if self._gathered[0] is not None:
+            return self._gathered[0]
+        base, merged = servable_state(self.parts.model)
+        return merged if merged is not None else base.state_dict()
+
+    def _offer_push(self) -> None:
+        """Hand a CPU copy of the current weights (engine dtype) to the background pusher."""
+        snapshot = cpu_snapshot(self._model_state(), self.push_dtype)
+        self.pusher.offer(self.version, snapshot)
+
+    def _checkpoint(self) -> float:
+        """Snapshot the model, AdamW, scheduler and RNG at this version and write them as a
+        checkpoint (background); returns the seconds spent waiting for the previous one."""
+        base, _ = servable_state(self.parts.model)
+        covered, self.uncovered = self.uncovered, []
+        state = {
+            "entry_ids": [e for e, _ in covered],
+            "sample_ids": [s for _, s in covered],
+            "source_position": self._redis(
+                self.parts.consumer.position, "reading the source position"
+            ),
+        }
+        job = CheckpointJob(
+            step=self.version,
+            model=base,
+            state_dict=cpu_snapshot(self._model_state()),
+            training=_cpu_tree(self._training_state(self._gathered[1])),
+            state=state,
+            entry_ids=state["entry_ids"],
+        )
+        return self.writer.submit(job)
+
+    def _save_checkpoint(self, job: CheckpointJob) -> Path:
+        return self.parts.store.save(
+            job.model, job.step, job.state, job.training, state_dict=job.state_dict
+        )
+
+    def _settle(self, raise_errors: bool = True) -> None:
+        """Handle finished background work: ack the entries of durable checkpoints, record
+        pushes. A failed checkpoint, or a push that failed on every engine, is raised."""
+        for job in self.writer.finished():
+            if job.error is not None:
+                log.error("checkpoint of step %d failed: %s", job.step, job.error)
+                if raise_errors:
+                    raise job.error
+                continue
+            assert job.path is not None
+            self._redis(
+                lambda ids=job.entry_ids: self.parts.consumer.ack(ids),
+                f"acking the entries of checkpoint {job.step}",
+            )
+            self.parts.leases.release(job.entry_ids)
+            self.unacked.difference_update(job.entry_ids)
+            self.checkpointed = max(self.checkpointed, job.step)
+            self.commits.truncate(job.step)
+            CHECKPOINT_SECONDS.observe(job.end - job.start)
+            self.timeline.event("checkpoint", job.step, job.start, job.end)
+            self._io_metrics |= {
+                "checkpoint/write_s": job.end - job.start,
+                "checkpoint/mib": _folder_mib(job.path),
+            }
+            log.info(
+                "checkpoint of step %d durable in %.1f s; acked %d entries",
+                job.step,
+                job.end - job.start,
+                len(job.entry_ids),
+            )
+        for outcome in self.pusher.results():
+            self._record_push(outcome, raise_errors)
+
+    def _record_push(self, outcome: PushOutcome, raise_errors: bool) -> None:
+        if outcome.coalesced:
+            PUSHES_COALESCED.inc()
+            log.info("weight version %d not pushed: newer weights came first", outcome.version)
+            return
+        self.timeline.event("push", outcome.version, outcome.start, outcome.end)
+        if outcome.error is not None:
+            failed = dict.fromkeys(self.parts.pusher.engine_urls, str(outcome.error))
+            record_push(outcome.version, [], failed, 0.0)
+            self.behind = failed
+            self.parts.status.set_engines_behind(failed)
+            log.error(
+                "weight push of version %d failed on every engine (%s); a restart pushes the "
+                "weights again",
+                outcome.version,
+                outcome.error,
+            )
+            if raise_errors:
+                raise outcome.error
+            return
+        report = outcome.report
+        assert report is not None
+        record_push(outcome.version, report.ok, report.failed, report.seconds)
+        self.last_push_via = report.via
+        self.behind = dict(report.failed)
+        self.parts.status.set_engines_behind(self.behind)
+        self._io_metrics |= {
+            "push/write_s": outcome.write_s,
+            "push/load_s": report.seconds,
+            "push/version": float(outcome.version),
+        }
+        for url, error in report.failed.items():
+            log.error(
+                "engine %s is behind: weight version %d failed (%s); it gets the newest "
+                "weights again at the next step",
+                url,
+                outcome.version,
+                error,
+            )
+
+    def _training_state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+        if not self.s.save_optimizer:
+            return {}
+        state: dict[str, Any] = {
+            "optimizer": optimizer_state or self.parts.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        if self.parts.scheduler is not None:
+            state["scheduler"] = self.parts.scheduler.state_dict()
+        return state
+
     def _skip(self, groups: Sequence[Group], reason: str, metrics: dict[str, Any]) -> None:
         """A skipped step trains nothing. Its samples are dropped: dead-lettered when they made
         the loss or gradient non-finite (kept for inspection), acked when they had no loss
@@ -561,34 +830,6 @@ class Trainer:
         self.handle_drops([Drop(e, drop_reason, detail) for g in groups for e in g.entries])
         self._write_line(self.version, groups, metrics, skip_reason=reason)
         self.parts.status.record_skip(reason, metrics)
-
-    def _push(self, path: Path) -> None:
-        """Push `path` to every engine; engines that fail are reported and kept as behind."""
-        try:
-            report = self.parts.pusher.push(path, self.version)
-        except UpstreamError:
-            failed = dict.fromkeys(self.parts.pusher.engine_urls, "failed")
-            record_push(self.version, [], failed, 0.0)
-            self.parts.status.set_engines_behind(failed)
-            log.exception(
-                "weight push of version %d failed on every engine; the checkpoint %s is kept and "
-                "is pushed again when the trainer restarts",
-                self.version,
-                path,
-            )
-            raise
-        record_push(self.version, report.ok, report.failed, report.seconds)
-        self.last_push_via = report.via
-        self.behind = dict(report.failed)
-        self.parts.status.set_engines_behind(self.behind)
-        for url, error in report.failed.items():
-            log.error(
-                "engine %s is behind: weight version %d failed (%s); it gets the newest "
-                "checkpoint again at the next step",
-                url,
-                self.version,
-                error,
-            )
 
     def _write_line(
         self, version: int, groups: Sequence[Group], metrics: dict[str, Any], skip_reason: str
@@ -607,8 +848,21 @@ class Trainer:
 
     def close(self) -> None:
         self.parts.leases.stop()
+        self.pusher.close()
         self.parts.pusher.close()
         self.parts.sink.close()
+
+
+def _cpu_tree(value: Any) -> Any:
+    """`value` with every tensor inside dicts, lists and tuples copied to the CPU (so the
+    optimizer's live state can change while the copy is written)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_cpu_tree(v) for v in value)
+    return value
 
 
 def _folder_mib(path: Path) -> float:

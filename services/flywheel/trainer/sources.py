@@ -65,6 +65,12 @@ class SampleSource(Protocol):
     def ack(self, entry_ids: list[str]) -> int:
         """Mark entries done (trained or dropped); returns how many were outstanding."""
 
+    def claim(self, entry_ids: list[str]) -> list[StreamEntry] | None:
+        """The named entries, still pending, taken over by this reader (for training recorded
+        steps again after a crash); entries acked or deleted meanwhile are left out. None =
+        this source cannot give entries back by id (its recorded steps are not trained
+        again)."""
+
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
         """Set an entry aside with its error (and ack it)."""
 
@@ -107,6 +113,15 @@ class RedisSource:
 
     def ack(self, entry_ids: list[str]) -> int:
         return self.consumer.ack(entry_ids)
+
+    def claim(self, entry_ids: list[str]) -> list[StreamEntry] | None:
+        if not entry_ids:
+            return []
+        c = self.consumer
+        rows = c.client.xclaim(
+            c.stream, c.group, c.consumer, min_idle_time=0, message_ids=entry_ids
+        )
+        return c._to_entries([(eid, fields) for eid, fields in rows or [] if fields])
 
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
         self.consumer.dead_letter(entry_id, payload, error)
@@ -230,6 +245,16 @@ class ReplaySource:
         self.acked |= new
         return len(new)
 
+    def claim(self, entry_ids: list[str]) -> list[StreamEntry] | None:
+        out = []
+        for entry_id in entry_ids:
+            index = _index(entry_id)
+            if index in self.acked or not 1 <= index <= len(self.payloads):
+                continue
+            payload = self.payloads[index - 1]
+            out.append(StreamEntry(entry_id, payload, decode_sample(payload)))
+        return out
+
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
         self.dead.append((entry_id, error))
         self.ack([entry_id])
@@ -312,6 +337,9 @@ class FakeSource:
     def ack(self, entry_ids: list[str]) -> int:
         self.acked += len(entry_ids)
         return len(entry_ids)
+
+    def claim(self, entry_ids: list[str]) -> list[StreamEntry] | None:
+        return None  # random Samples are not kept
 
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
         log.error("fake entry %s set aside: %s", entry_id, error)

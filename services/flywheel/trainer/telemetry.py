@@ -62,6 +62,23 @@ LOGPROB_GAP = Gauge(
     "flywheel_trainer_logprob_abs_diff_nats",
     "Mean |trainer - rollout| logprob of the last step's loss tokens",
 )
+PUSHES_COALESCED = Counter(
+    "flywheel_trainer_pushes_coalesced_total",
+    "Weight versions not pushed because newer weights arrived before their push started",
+)
+CHECKPOINT_SECONDS = Histogram(
+    "flywheel_trainer_checkpoint_write_seconds",
+    "Seconds to write one full checkpoint (in the background unless background_io is off)",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+REPLAYED_STEPS = Counter(
+    "flywheel_trainer_replayed_steps_total",
+    "Recorded steps trained again after a restart (from the commit log)",
+)
+REPLAY_MISSING = Counter(
+    "flywheel_trainer_replay_missing_entries_total",
+    "Entries of recorded steps that were no longer pending when the step was trained again",
+)
 WEIGHT_VERSION = Gauge("flywheel_trainer_weight_version", "Committed weight version (steps)")
 REWARD_MEAN = Gauge("flywheel_trainer_reward_mean", "Mean reward of the last step's samples")
 STEP_SECONDS = Histogram(
@@ -81,6 +98,25 @@ class MetricsSink(Protocol):
         """One step's record: `step` plus slash-namespaced metrics."""
 
     def close(self) -> None: ...
+
+
+class Timeline:
+    """Stage events for the timeline picture: `timeline.jsonl` beside the metrics file, one
+    line per event `{"process", "stage", "step", "start", "end"}` (wall-clock seconds).
+    Stages: train (the step's forward/backward/update), checkpoint (writing a full
+    checkpoint), push (writing the pushed weights and loading them into the engines)."""
+
+    def __init__(self, path: Path, process: str = "trainer"):
+        self.path = Path(path)
+        self.process = process
+        self._lock = threading.Lock()
+
+    def event(self, stage: str, step: int, start: float, end: float) -> None:
+        line = {"process": self.process, "stage": stage, "step": step, "start": start, "end": end}
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 class JsonlSink:

@@ -1,4 +1,5 @@
-"""Policy weights: load or resume, atomic checkpoints, and the push to every engine.
+"""Policy weights: load or resume, atomic checkpoints, pushed weights, and the push to every
+engine.
 
 Checkpoints are self-contained Hugging Face folders `checkpoint_dir/step_00000012/`: config,
 `model.safetensors` (fp32; a tied lm_head is stored once, as the embedding; LoRA adapters merged
@@ -11,8 +12,16 @@ hidden temporary sibling, verified (every parameter present with its shape and d
 then renamed into place, so an engine or a resuming trainer never sees a partial folder. The
 newest `keep` folders are kept.
 
+Pushed weights are separate from checkpoints (`WeightsStore`): `checkpoint_dir/weights/
+v_00000012/` holds `model.safetensors` in the engine's dtype (no AdamW state), `config.json` and
+the tokenizer files, written from a CPU snapshot of step 12's weights, atomically (temporary
+sibling, then rename).
+
 Weight version = the number of committed optimizer steps: the initial model is version 0, the
-checkpoint of step k is pushed as weight_version "k".
+weights of step k are pushed as weight_version "k". Versions never go backwards on an engine:
+an engine that already serves version >= k (asked with `/model_info`) is not given k, which is
+what a trainer resumed from an older checkpoint meets while it trains the recorded steps after
+that checkpoint again (commits.py).
 """
 
 from __future__ import annotations
@@ -23,13 +32,15 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tenacity import (
     Retrying,
     retry_if_exception_type,
@@ -40,6 +51,7 @@ from tenacity import (
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from flywheel.core.errors import ContractError, UpstreamError
+from flywheel.core.versions import parse_weight_version
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +180,82 @@ class CheckpointStore:
                 shutil.copy2(src, target)
 
 
+def cpu_snapshot(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Copies of `state`'s tensors on the CPU (optionally cast to `dtype`) that later updates
+    of the live tensors do not change. Tensors sharing storage (tied weights) stay shared.
+
+    Args:
+        state: name -> tensor (any device), e.g. `model.state_dict()`.
+        dtype: cast floating-point tensors to this dtype; None keeps each tensor's dtype.
+    """
+    copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key not in copies:
+            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            copies[key] = tensor.detach().to("cpu", dtype=cast, copy=True)
+        out[name] = copies[key]
+    return out
+
+
+def unique_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without the later names of tensors that share storage with an earlier one (a
+    tied `lm_head.weight` after `model.embed_tokens.weight`): safetensors stores each once."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out[name] = tensor
+    return out
+
+
+class WeightsStore:
+    """The weights engines load, one folder per pushed version (see module docstring).
+
+    Args:
+        root: the checkpoint folder (shared with the engines); folders go under `root/weights`.
+        source_dir: the initial model folder (config and tokenizer files are copied from it).
+        keep: newest folders kept.
+    """
+
+    def __init__(self, root: Path, source_dir: Path, keep: int = 2):
+        self.root = Path(root) / "weights"
+        self.source_dir = Path(source_dir)
+        self.keep = keep
+
+    def write(self, version: int, state: dict[str, torch.Tensor]) -> Path:
+        """Write `state` (a CPU snapshot) as the weights of `version`; returns the folder.
+
+        Raises:
+            OSError: the disk refused the write (nothing is published).
+        """
+        final = self.root / f"v_{version:08d}"
+        tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(unique_storage(state), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if self.source_dir.is_dir():
+            for src in self.source_dir.iterdir():
+                if src.is_file() and not _NOT_COPIED.search(src.name):
+                    shutil.copy2(src, tmp / src.name)
+        if final.exists():  # a version trained again after a crash
+            shutil.rmtree(final)
+        tmp.rename(final)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        """Delete all but the newest `keep` folders."""
+        folders = sorted(p for p in self.root.glob("v_*") if p.is_dir())
+        for old in folders[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def load_training_state(path: Path, name: str) -> Any | None:
     """`training/<name>.pt` of checkpoint `path`, or None when it was not saved."""
     file = Path(path) / TRAINING_DIR / f"{name}.pt"
@@ -255,6 +343,11 @@ class PushReport:
     seconds: float
     via: str = "disk"
     """How the weights went: `disk` or `distributed`."""
+    skipped: list[str] = field(default_factory=list)
+    """Engines in `ok` that already served `version` or a newer one (not pushed)."""
+
+
+SKIPPED = "skipped"
 
 
 class WeightPusher:
@@ -290,29 +383,32 @@ class WeightPusher:
         self.backoff_s = backoff_s
 
     def push(self, model_path: Path, version: int) -> PushReport:
-        """Push to every engine in turn.
+        """Push to every engine at once (one thread per engine). An engine that already
+        serves `version` or a newer one is left as it is and counted as ok (`skipped`).
 
         Raises:
             UpstreamError: every engine failed `attempts` times (the message has the last).
         """
         t0 = time.perf_counter()
-        backoff = wait_exponential(multiplier=self.backoff_s, max=30.0)
-        jitter = wait_random(0, self.backoff_s)
         report = PushReport(version, [], {}, 0.0)
-        for url in self.engine_urls:
-            retrying = Retrying(
-                stop=stop_after_attempt(self.attempts),
-                wait=backoff + jitter,
-                retry=retry_if_exception_type((httpx.HTTPError, UpstreamError)),
-                reraise=True,
-            )
-            try:
-                for attempt in retrying:
-                    with attempt:
-                        self._push_one(url, model_path, version)
+        if len(self.engine_urls) == 1:
+            results = [self._push_with_retries(self.engine_urls[0], model_path, version)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(self.engine_urls)) as pool:
+                results = list(
+                    pool.map(
+                        lambda url: self._push_with_retries(url, model_path, version),
+                        self.engine_urls,
+                    )
+                )
+        for url, error in zip(self.engine_urls, results, strict=True):
+            if error is None:
                 report.ok.append(url)
-            except (httpx.HTTPError, UpstreamError) as exc:
-                report.failed[url] = str(exc) or type(exc).__name__
+            elif error == SKIPPED:
+                report.ok.append(url)
+                report.skipped.append(url)
+            else:
+                report.failed[url] = error
         report.seconds = time.perf_counter() - t0
         if self.engine_urls and not report.ok:
             last = next(reversed(report.failed.values()))
@@ -321,6 +417,39 @@ class WeightPusher:
                 f"each: {last}"
             )
         return report
+
+    def _push_with_retries(self, url: str, model_path: Path, version: int) -> str | None:
+        """None when `url` took `version`, SKIPPED when it already serves it or a newer one,
+        else the last error."""
+        served = self.served_version(url)
+        if served is not None and served >= version:
+            log.info("engine %s serves version %d; version %d not pushed", url, served, version)
+            return SKIPPED
+        retrying = Retrying(
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential(multiplier=self.backoff_s, max=30.0)
+            + wait_random(0, self.backoff_s),
+            retry=retry_if_exception_type((httpx.HTTPError, UpstreamError)),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    self._push_one(url, model_path, version)
+        except (httpx.HTTPError, UpstreamError) as exc:
+            return str(exc) or type(exc).__name__
+        return None
+
+    def served_version(self, url: str) -> int | None:
+        """The weight version `url` serves (`/model_info`), or None when it cannot say."""
+        try:
+            reply = self.client.get(f"{url.rstrip('/')}/model_info", timeout=10.0)
+            if reply.status_code != 200:
+                return None
+            return parse_weight_version(reply.json().get("weight_version"))
+        except Exception as exc:  # noqa: BLE001 (best effort: the push itself reports errors)
+            log.debug("engine %s did not report its weight version: %s", url, exc)
+            return None
 
     def _push_one(self, url: str, model_path: Path, version: int) -> None:
         body = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
@@ -85,13 +86,23 @@ def test_verify_rejects_a_checkpoint_of_another_shape(tmp_path):
 
 
 class FakeEngine:
-    """httpx transport answering /update_weights_from_disk; fails the first `failures` calls."""
+    """httpx transport answering /update_weights_from_disk (fails the first `failures` calls)
+    and /model_info (the version each engine serves: `served`, default "default" = 0)."""
 
-    def __init__(self, failures: int = 0):
+    def __init__(self, failures: int = 0, served: dict[str, str] | None = None):
         self.failures = failures
+        self.served = served or {}
         self.calls: list[dict] = []
+        self.lock = threading.Lock()
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/model_info":
+            version = self.served.get(request.url.host, "default")
+            return httpx.Response(200, json={"weight_version": version})
+        with self.lock:
+            return self._update(request)
+
+    def _update(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.calls.append({"url": str(request.url), **body})
         if len(self.calls) <= self.failures:
@@ -107,11 +118,12 @@ def pusher(engine: FakeEngine, urls=("http://e1", "http://e2"), attempts=3) -> W
 def test_push_reaches_every_engine_with_the_step_as_version(tmp_path):
     engine = FakeEngine()
     pusher(engine).push(tmp_path / "step_00000007", 7)
-    assert [c["url"] for c in engine.calls] == [
+    assert sorted(c["url"] for c in engine.calls) == [
         "http://e1/update_weights_from_disk",
         "http://e2/update_weights_from_disk",
     ]
-    assert engine.calls[0] | {"url": None} == {
+    (first,) = [c for c in engine.calls if "e1" in c["url"]]
+    assert first | {"url": None} == {
         "url": None,
         "model_path": str((tmp_path / "step_00000007").resolve()),
         "weight_version": "7",
@@ -135,17 +147,42 @@ def test_push_raises_after_bounded_retries(tmp_path):
 
 def test_push_reports_an_engine_that_fails_and_still_serves_the_others(tmp_path):
     class HalfBroken(FakeEngine):
-        def __call__(self, request):
+        def _update(self, request):
             if "e2" in str(request.url):
                 self.calls.append({"url": str(request.url)})
                 return httpx.Response(503, json={"success": False, "message": "loading"})
-            return super().__call__(request)
+            return super()._update(request)
 
     engine = HalfBroken()
     report = pusher(engine, attempts=2).push(tmp_path, 4)
     assert report.ok == ["http://e1"] and list(report.failed) == ["http://e2"]
     assert "loading" in report.failed["http://e2"]
     assert sum("e2" in c["url"] for c in engine.calls) == 2  # retried, then reported
+
+
+def test_push_never_gives_an_engine_an_older_version(tmp_path):
+    # e1 serves 9 (a resumed trainer training steps 7-9 again), e2 serves 6: only e2 is pushed
+    engine = FakeEngine(served={"e1": "9", "e2": "6"})
+    report = pusher(engine).push(tmp_path, 7)
+    assert [c["url"] for c in engine.calls] == ["http://e2/update_weights_from_disk"]
+    assert sorted(report.ok) == ["http://e1", "http://e2"] and report.skipped == ["http://e1"]
+    engine.served["e1"] = "7"  # equal: already there, not pushed again
+    assert pusher(engine).push(tmp_path, 7).skipped == ["http://e1"]
+
+
+def test_push_goes_to_every_engine_at_once(tmp_path):
+    # each engine answers only after both calls arrived: a push one engine after the other
+    # would time out on the first
+    both = threading.Barrier(2, timeout=5)
+
+    class Slow(FakeEngine):
+        def __call__(self, request):
+            if request.url.path == "/update_weights_from_disk":
+                both.wait()
+            return super().__call__(request)
+
+    report = pusher(Slow(), attempts=1).push(tmp_path, 3)
+    assert sorted(report.ok) == ["http://e1", "http://e2"] and not report.failed
 
 
 def test_checkpoint_keeps_training_state_and_only_the_newest_optimizer(tmp_path, source_dir):

@@ -345,6 +345,8 @@ class PushReport:
     """How the weights went: `disk` or `distributed`."""
     skipped: list[str] = field(default_factory=list)
     """Engines in `ok` that already served `version` or a newer one (not pushed)."""
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Engine URL -> wall-clock (start, end) of its push, in time.time() seconds."""
 
 
 SKIPPED = "skipped"
@@ -381,6 +383,7 @@ class WeightPusher:
         self.attempts = attempts
         self.client = client or httpx.Client()
         self.backoff_s = backoff_s
+        self._spans: dict[str, tuple[float, float]] = {}
 
     def push(self, model_path: Path, version: int) -> PushReport:
         """Push to every engine at once (one thread per engine). An engine that already
@@ -391,6 +394,7 @@ class WeightPusher:
         """
         t0 = time.perf_counter()
         report = PushReport(version, [], {}, 0.0)
+        self._spans = {}
         if len(self.engine_urls) == 1:
             results = [self._push_with_retries(self.engine_urls[0], model_path, version)]
         else:
@@ -409,6 +413,7 @@ class WeightPusher:
                 report.skipped.append(url)
             else:
                 report.failed[url] = error
+        report.spans = dict(self._spans)
         report.seconds = time.perf_counter() - t0
         if self.engine_urls and not report.ok:
             last = next(reversed(report.failed.values()))
@@ -420,7 +425,14 @@ class WeightPusher:
 
     def _push_with_retries(self, url: str, model_path: Path, version: int) -> str | None:
         """None when `url` took `version`, SKIPPED when it already serves it or a newer one,
-        else the last error."""
+        else the last error; the call's wall-clock span goes to `self._spans`."""
+        start = time.time()
+        try:
+            return self._push_tries(url, model_path, version)
+        finally:
+            self._spans[url] = (start, time.time())
+
+    def _push_tries(self, url: str, model_path: Path, version: int) -> str | None:
         served = self.served_version(url)
         if served is not None and served >= version:
             log.info("engine %s serves version %d; version %d not pushed", url, served, version)

@@ -1,0 +1,152 @@
+"""Checkpoints and weight pushes off the step's critical path, shown by timestamps: with
+`background_io` the push and the checkpoint of step 1 are still running while step 2 trains;
+without it they end before step 2 starts. And one push reaches two real engines at once, never
+giving either an older version."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from flywheel.trainer.service import build_trainer
+from flywheel.trainer.weights import WeightPusher, WeightsStore, load_model
+
+from ..engine_process import engine_process
+from .test_trainer_service import (  # noqa: F401  (module fixture)
+    make_group,
+    model_dir,
+    publish,
+    run_steps,
+    trainer_settings,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+class GatedEngine:
+    """Answers a push of version 1 only once `ready()` is true (or after `limit_s`)."""
+
+    def __init__(self, ready, limit_s: float):
+        engine = self
+        self.served = "default"
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server API)
+                self._reply({"weight_version": engine.served})
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server API)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if body["weight_version"] == "1":
+                    deadline = time.monotonic() + limit_s
+                    while not ready() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                engine.served = body["weight_version"]
+                self._reply({"success": True, "message": "ok"})
+
+            def _reply(self, data: dict) -> None:
+                raw = json.dumps(data).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "critical_path"])
+def test_push_and_checkpoint_of_a_step_overlap_the_next_step(
+    tmp_path,
+    redis_server,
+    prefix,
+    model_dir,  # noqa: F811
+    background,
+):
+    metrics = tmp_path / "metrics.jsonl"
+    # step 1's push and checkpoint finish only once step 2 is trained (its metrics line exists);
+    # on the critical path they cannot, so they give up waiting after 3 s
+    engine = GatedEngine(lambda: _lines(metrics) >= 2, limit_s=3.0)
+    try:
+        settings = trainer_settings(
+            tmp_path,
+            redis_server,
+            prefix,
+            engine.url,
+            model_dir=model_dir,
+            checkpoint_every=1,
+            background_io=background,
+        )
+        trainer = build_trainer(settings)
+        save = trainer.parts.store.save
+
+        def gated_save(model, step, *args, **kwargs):
+            deadline = time.monotonic() + 3.0
+            while step == 1 and _lines(metrics) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return save(model, step, *args, **kwargs)
+
+        trainer.parts.store.save = gated_save
+        publish(settings, make_group(model_dir, "g1") + make_group(model_dir, "g2"))
+        assert run_steps(trainer, steps=2) == 2
+        trainer.close()
+    finally:
+        engine.close()
+
+    events = [json.loads(x) for x in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    span = {(e["stage"], e["step"]): (e["start"], e["end"]) for e in events}
+    train2 = span[("train", 2)]
+    for stage in ("push", "checkpoint"):
+        start, end = span[(stage, 1)]
+        assert start < train2[0], (stage, "begins after step 1")
+        if background:
+            assert end > train2[1], f"{stage} of step 1 ran while step 2 trained"
+        else:
+            assert end <= train2[0], f"{stage} of step 1 ended before step 2 began"
+    assert engine.served == "2"
+
+
+def test_one_push_reaches_two_real_engines_at_once(tmp_path, tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.add_(0.5)  # any visible change
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    folder = WeightsStore(tmp_path, tiny_model_dir).write(3, state)
+    with engine_process(tiny_model_dir) as a, engine_process(tiny_model_dir) as b:
+        pusher = WeightPusher([a, b], timeout_s=60, attempts=1)
+        report = pusher.push(folder, 3)
+        assert sorted(report.ok) == sorted([a, b]) and not report.failed and not report.skipped
+        (s1, e1), (s2, e2) = report.spans[a], report.spans[b]
+        assert max(s1, s2) < min(e1, e2), "the two engines' pushes overlap in time"
+        for url in (a, b):
+            info = httpx.get(f"{url}/model_info", timeout=10).json()
+            assert info["weight_version"] == "3"
+            served = httpx.post(
+                f"{url}/get_weights_by_name",
+                json={"name": "model.norm.weight", "truncate_size": 4},
+                timeout=10,
+            ).json()
+            assert served == pytest.approx(state["model.norm.weight"][:4].tolist())
+        # an older version is never pushed over a newer one
+        older = pusher.push(folder, 2)
+        assert sorted(older.skipped) == sorted([a, b])
+        assert httpx.get(f"{a}/model_info", timeout=10).json()["weight_version"] == "3"

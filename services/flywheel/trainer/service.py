@@ -43,7 +43,7 @@ from collections import Counter as Tally
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 import torch
@@ -183,6 +183,7 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
         from flywheel.trainer.fsdp import shard_policy  # noqa: PLC0415
 
         trained = shard_policy(model)
+        assert world is not None  # fsdp is only chosen with a world
         log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
     optimizer = build_optimizer(model, s)
     scheduler = build_scheduler(optimizer, s)
@@ -312,7 +313,7 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
         groups = [[decode_sample(p) for p in group] for group in payloads]
         batch, _ = prepare_batch(groups, cfg, treatments)
         result = train_step(
-            policy.trained or policy.model,
+            cast(PreTrainedModel, policy.trained or policy.model),
             policy.optimizer,
             batch,
             cfg,
@@ -371,7 +372,7 @@ class Trainer:
             min_group_size=self.s.min_group_size,
             keep_unjudged=self.s.unjudged == "keep",
             live_opd=self.s.live_advantage == "opd",
-            vocab_size=parts.model.get_input_embeddings().num_embeddings,
+            vocab_size=cast(int, parts.model.get_input_embeddings().num_embeddings),
         )
         self.staleness = StalenessPolicy(
             self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit
@@ -606,7 +607,7 @@ class Trainer:
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
         train_start = time.time()
         result = train_step(
-            self.parts.trained or self.parts.model,
+            cast(PreTrainedModel, self.parts.trained or self.parts.model),
             self.parts.optimizer,
             batch,
             self.step_cfg,

@@ -118,9 +118,8 @@ class RedisSource:
         if not entry_ids:
             return []
         c = self.consumer
-        rows = c.client.xclaim(
-            c.stream, c.group, c.consumer, min_idle_time=0, message_ids=entry_ids
-        )
+        ids: list[Any] = list(entry_ids)
+        rows: Any = c.client.xclaim(c.stream, c.group, c.consumer, min_idle_time=0, message_ids=ids)
         return c._to_entries([(eid, fields) for eid, fields in rows or [] if fields])
 
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
@@ -368,6 +367,9 @@ class RecordingSource:
 
     def ack(self, entry_ids: list[str]) -> int:
         return self.inner.ack(entry_ids)
+
+    def claim(self, entry_ids: list[str]) -> list[StreamEntry] | None:
+        return self.inner.claim(entry_ids)  # already recorded when first read
 
     def dead_letter(self, entry_id: str, payload: bytes, error: str) -> None:
         self.inner.dead_letter(entry_id, payload, error)

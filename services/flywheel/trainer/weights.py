@@ -83,7 +83,8 @@ def load_model(path: Path, device: str = "cpu") -> PreTrainedModel:
     """A causal LM in float32 on `device`, in train mode (Llama-family models have no active
     dropout)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.to(resolve_device(device))
+    # transformers annotates `to` through a decorator that mypy reads as taking a model
+    model.to(resolve_device(device))  # type: ignore[arg-type]
     model.train()
     return model
 

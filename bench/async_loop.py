@@ -8,9 +8,13 @@ and rollouts per step:
 - sync: `--mode sync` (the demo waits for each weight version), `trainer.background_io =
   false` and `trainer.checkpoint_every = 1` (a full checkpoint, then the push, on every step's
   critical path: the loop as it was);
-- async: the defaults (rollouts up to `--max-staleness` versions ahead, a small commit record
-  per step, full checkpoints every `checkpoint_every` steps and weight pushes in background
-  threads).
+- sync_bgio: `--mode sync` with the trainer's defaults (a small commit record per step, full
+  checkpoints every `checkpoint_every` steps and weight pushes in background threads);
+- async: rollouts up to `--max-staleness` versions ahead of the served weights, trainer
+  defaults;
+- async_split: async with the cores split between engine and trainer (one torch thread each).
+
+`--modes` picks a subset (default: all, in this order).
 
 From each run's `timeline.jsonl` (trainer stages) and `demo_timeline.jsonl` (rollouts) it prints
 the training span (first rollout start to the last step's end), steps per hour, each stage's
@@ -34,7 +38,12 @@ MODES = {
         ["--mode", "sync"],
         {"FLYWHEEL_TRAINER__BACKGROUND_IO": "false", "FLYWHEEL_TRAINER__CHECKPOINT_EVERY": "1"},
     ),
-    "async": ([], {}),
+    "sync_bgio": (["--mode", "sync"], {}),
+    "async": (["--mode", "async"], {}),
+    "async_split": (
+        ["--mode", "async"],
+        {"FLYWHEEL_ENGINE__THREADS": "1", "FLYWHEEL_TRAINER__THREADS": "1"},
+    ),
 }
 STAGES = (("demo", "rollout"), ("trainer", "train"), ("trainer", "checkpoint"), ("trainer", "push"))
 
@@ -80,21 +89,29 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="runs/async_loop")
     parser.add_argument("--skip-runs", action="store_true", help="only read existing folders")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     args = parser.parse_args()
     rows = {}
-    for mode, (flags, env) in MODES.items():
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    for mode in modes:
+        flags, env = MODES[mode]
         out = ROOT / args.out / mode
         if not args.skip_runs:
             cmd = [sys.executable, "-m", "flywheel.ops.cli", "demo", "--new-stack"]
             cmd += ["--steps", str(args.steps), "--out", str(out), *flags]
             subprocess.run(cmd, check=True, cwd=ROOT, env=os.environ | env)
         rows[mode] = summarize(out)
-    keys = list(rows["sync"])
-    print(f"{'':18} {'sync':>10} {'async':>10} {'async/sync':>11}")
-    for key in keys:
-        a, s = rows["async"][key], rows["sync"][key]
-        ratio = f"x{a / s:.2f}" if s else "-"
-        print(f"{key:18} {s:>10.3f} {a:>10.3f} {ratio:>11}")
+    base = modes[0]
+    print(f"{'':18}" + "".join(f"{m:>12}" for m in modes) + f"   (ratios: x / {base})")
+    for key in rows[base]:
+        cells = "".join(f"{rows[m][key]:>12.3f}" for m in modes)
+        ratios = " ".join(
+            f"x{rows[m][key] / rows[base][key]:.2f}" if rows[base][key] else "-" for m in modes[1:]
+        )
+        print(f"{key:18}{cells}   {ratios}")
     return 0
 
 

@@ -32,6 +32,10 @@ class TrainerSettings(Section):
     the next step trains (a push never overlaps the previous one: newer weights wait, and a
     version not yet started when a newer one arrives is skipped). False = both run on the
     step's critical path, as a synchronous loop does (for comparison; `bench/async_loop.py`)."""
+    threads: int = Field(0, ge=0)
+    """torch CPU threads of the trainer; 0 = torch's default (every core). On a CPU machine that
+    also runs the engine, giving each its share of the cores (`engine.threads`) keeps them from
+    slowing each other down when rollouts and training overlap."""
     push_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """dtype of the weights written for `/update_weights_from_disk`; auto = `engine.dtype`."""
     keep_checkpoints: int = Field(2, ge=1)

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     from flywheel.trainer.telemetry import TrainerStatus  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()
+    if settings.trainer.threads:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(settings.trainer.threads)
     from flywheel.trainer.distributed import (  # noqa: PLC0415
         close_world,
         exit_distributed,

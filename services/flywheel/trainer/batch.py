@@ -239,7 +239,9 @@ def micro_batches(batch: TrainBatch, size: int, token_budget: int = 0) -> list[T
         return [batch.rows(start, min(start + size, batch.size)) for start in starts]
     lengths_B = batch.lengths_B
     order = sorted(range(batch.size), key=lambda i: (-int(lengths_B[i]), i))
-    out, current, longest = [], [], 0
+    out: list[TrainBatch] = []
+    current: list[int] = []
+    longest = 0
     for row in order:
         n = max(int(lengths_B[row]), 1)
         full = len(current) >= size or (len(current) + 1) * max(longest, n) > token_budget

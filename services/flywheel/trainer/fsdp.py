@@ -23,7 +23,7 @@ refuse those combinations.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -140,7 +140,7 @@ def full_state_dict(model: PreTrainedModel) -> dict[str, Tensor]:
     return out
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
+def is_sharded(model: torch.nn.Module) -> TypeGuard[ShardedPolicy]:
     return isinstance(model, ShardedPolicy)
 
 

@@ -253,7 +253,8 @@ class GroupAssembler:
             if isinstance(staleness, StalenessPolicy)
             else StalenessPolicy(max_staleness=staleness)
         )
-        taken, samples, tokens = [], 0, 0
+        taken: list[Group] = []
+        samples, tokens = 0, 0
         for group in self._ready(self.clock()):
             if taken and (
                 samples + len(group.entries) > max_groups * self.group_size
@@ -263,7 +264,9 @@ class GroupAssembler:
             taken.append(group)
             samples += len(group.entries)
             tokens += group.tokens
-        groups, drops, lags = [], [], []
+        groups: list[Group] = []
+        drops: list[Drop] = []
+        lags: list[int] = []
         for group in taken:
             del self.pending[group.group_id]
             self._release(group.entries)

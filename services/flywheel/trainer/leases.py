@@ -58,7 +58,7 @@ class LeaseKeeper:
         if not ids:
             return 0
         claimed = self.client.xclaim(
-            self.stream, self.group, self.consumer, min_idle_time=0, message_ids=ids, justid=True
+            self.stream, self.group, self.consumer, min_idle_time=0, message_ids=[*ids], justid=True
         )
         return len(claimed)
 

@@ -29,6 +29,7 @@ model with logit soft-capping or scaling would need its own head function here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +89,10 @@ class TemperedHeadLogprob(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: FunctionCtx, grad_C: Tensor | None, grad_entropy_C: Tensor | None
+        # a BackwardCFunction, whose stub types saved_tensors as a 1-tuple
+        ctx: Any,
+        grad_C: Tensor | None,
+        grad_entropy_C: Tensor | None,
     ) -> tuple[Tensor | None, Tensor | None, None, None]:
         hidden_CH, weight_VH, targets_C, temperature_C, lse_C, entropy_C = ctx.saved_tensors
         if grad_C is None and grad_entropy_C is None:

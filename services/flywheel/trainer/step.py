@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -308,11 +309,12 @@ def _backward_micro_batch(
     ref_logprobs_BT = None
     if cfg.kl_coef > 0:
         with torch.no_grad():
+            assert reference is not None  # accumulate checks: kl_coef > 0 needs one
             ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
     student = None if is_sharded(model) else student_topk(model, mb, cfg)
     terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, student=student)
     aggregate = AGGREGATIONS[cfg.aggregation]
-    loss = aggregate(sum(terms_BT.values()), mb.loss_mask_BT, norm)
+    loss = aggregate(cast(Tensor, sum(terms_BT.values())), mb.loss_mask_BT, norm)  # pg at least
     if not bool(torch.isfinite(loss)):
         acc.nonfinite = True
         return False
@@ -334,7 +336,9 @@ def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
     """
     if not cfg.packed:
         return micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens)
-    out, current, tokens = [], [], 0
+    out: list[TrainBatch] = []
+    current: list[int] = []
+    tokens = 0
     for row, length in enumerate(batch.lengths_B.tolist()):
         over = cfg.micro_batch_tokens > 0 and tokens + length > cfg.micro_batch_tokens
         if current and (len(current) >= cfg.micro_batch_size or over):
@@ -356,16 +360,14 @@ def _logprobs(
         if cfg.bf16_autocast
         else contextlib.nullcontext()
     )
+    args = (mb.input_ids_BT, mb.attention_mask_BT, mb.temperature_B, mb.loss_mask_BT)
     with autocast:
-        score = sharded_logprobs if is_sharded(model) else selected_token_logprobs
-        return score(
-            model,
-            mb.input_ids_BT,
-            mb.attention_mask_BT,
-            mb.temperature_B,
-            mb.loss_mask_BT,
-            chunk_tokens=cfg.logprob_chunk_tokens,
-            packed=cfg.packed,
+        if isinstance(model, ShardedPolicy):
+            return sharded_logprobs(
+                model, *args, chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed
+            )
+        return selected_token_logprobs(
+            model, *args, chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed
         )
 
 
@@ -392,7 +394,8 @@ def token_loss(
     them (`student_topk`), else None.
     """
     mask_BT = mb.loss_mask_BT
-    old_BT, stats = mb.old_logprobs_BT, {}
+    old_BT = mb.old_logprobs_BT
+    stats: dict[str, Tensor] = {}
     weights_BT = mb.sample_weight_B[:, None].expand_as(mask_BT).to(lp.logprobs_BT.dtype)
     correct_B = torch.ones_like(mb.is_correct_B) if cfg.correction != "none" else mb.is_correct_B
     if bool(correct_B.any()):

@@ -148,7 +148,9 @@ class DistributedWeightSync:
             if self.backend == "nccl":
                 from torch.distributed import ProcessGroupNCCL
 
-                self._group = ProcessGroupNCCL(prefixed, 0, self.world_size)
+                # the stub lists only the (store, rank, size, options) overload, not
+                # (store, rank, size, timeout=default)
+                self._group = ProcessGroupNCCL(prefixed, 0, self.world_size)  # type: ignore[call-arg]
             else:
                 from torch.distributed import ProcessGroupGloo
 

@@ -450,7 +450,9 @@ def keep_groups_with_spread(
     Returns:
         (kept groups, their treatments or None, number of dropped samples).
     """
-    keep, kept_treat, dropped, offset = [], [], 0, 0
+    keep: list[Sequence[Any]] = []
+    kept_treat: list[Any] = []
+    dropped, offset = 0, 0
     for group in groups:
         n = len(group)
         rewards = torch.tensor([s.reward for s in group], dtype=torch.float64)

@@ -342,7 +342,7 @@ TERMS: dict[str, TermFn] = {
 """Regularizer terms selected by `TrainerSettings.regularizers` (with the KL estimators):
 `(TokenContext, params) -> (B, T)`, added to the token loss times their coefficient."""
 
-TERM_PARAMS: dict[str, type] = {
+TERM_PARAMS: dict[str, type[Any]] = {
     "k1": NoParams,
     "k2": NoParams,
     "k3": NoParams,

@@ -11,9 +11,9 @@ from http.server import HTTPServer
 
 import pytest
 
-from flywheel.ops import cli, fidelity
 from flywheel.core.codec import encode_sample, new_sample
 from flywheel.core.streams import FIELD
+from flywheel.ops import cli, fidelity
 from flywheel.ops.stack import STATE_FILE
 
 from .test_stack_race import _Ok  # a /healthz that answers 200

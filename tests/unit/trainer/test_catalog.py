@@ -9,9 +9,9 @@ import typing
 import pydantic
 import pytest
 
-from flywheel.ops import cli
 from flywheel.core.algorithm_catalog import CATALOG, KINDS, format_table, names_for
 from flywheel.core.settings import TrainerSettings
+from flywheel.ops import cli
 from flywheel.trainer import algorithms
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from flywheel.core.section import Section
 
@@ -67,9 +67,8 @@ class TrainerSettings(Section):
     """Engines to push weights to; empty = the local engine."""
     seed: int = 0
     advantage: str = "grpo"
-    """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES)."""
-    quantile_k: float = Field(0.5, ge=0, le=1)
-    """K of the `quantile` advantage baseline (group K-quantile; 0.5 = lower median)."""
+    """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES); its parameters
+    are `[trainer.algorithm_params.<name>]` (e.g. `quantile`'s `k`)."""
     policy_loss: str = "ppo_clip"
     """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES). gspo wants tiny
     clip_eps_low / clip_eps_high (paper: 3e-4 / 4e-4)."""
@@ -239,6 +238,16 @@ class TrainerSettings(Section):
                     f"{sorted(known)} (`flywheel algorithms list`)"
                 )
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "quantile_k" in data:
+            raise ValueError(
+                "trainer.quantile_k moved: set [trainer.algorithm_params.quantile] k = "
+                f"{data['quantile_k']!r} instead"
+            )
+        return data
 
     @field_validator("dual_clip_c")
     @classmethod

@@ -57,6 +57,8 @@ class TrainBatch:
     tokens by the truncated IS weight pi_train / pi_rollout (a stale sample, IS-corrected)."""
     group_index_B: Tensor
     """(B,) int64 group of each sample (0..G-1), for token-level algorithm parts."""
+    live_B: Tensor
+    """(B,) bool: a live sample (no group_id; the live estimator gives its advantage)."""
     teacher_logprobs_BT: Tensor
     """(B, T) float32 Sample.teacher_logprobs (0 where absent)."""
     teacher_mask_BT: Tensor
@@ -177,6 +179,7 @@ def collate(
             torch.zeros(batch, dtype=torch.bool) if is_correct_B is None else is_correct_B.bool()
         ),
         group_index_B=(torch.arange(batch) if group_index_B is None else group_index_B.long()),
+        live_B=torch.tensor([not s.group_id for s in samples_B], dtype=torch.bool),
         teacher_logprobs_BT=torch.where(teacher_mask_BT, teacher_BT, 0.0),
         teacher_mask_BT=teacher_mask_BT,
         turn_index_B=torch.tensor([s.turn_index for s in samples_B], dtype=torch.int64),
@@ -227,29 +230,52 @@ def _teacher_topk(
     )
 
 
-def micro_batches(batch: TrainBatch, size: int, token_budget: int = 0) -> list[TrainBatch]:
-    """Split `batch` into micro-batches of at most `size` rows and, when `token_budget` > 0, at
-    most `token_budget` padded tokens (rows x longest row; a longer row goes alone).
+def micro_batch_rows(
+    batch: TrainBatch, size: int, token_budget: int = 0, packed: bool = False
+) -> list[Tensor]:
+    """Row indices of each micro-batch of `batch`: at most `size` rows and, when `token_budget`
+    > 0, at most `token_budget` tokens (a longer row goes alone). Every pass over the step batch
+    (the training pass and the entropy scoring pass) cuts its micro-batches here.
 
-    Without a token budget the rows stay in order (consecutive slices). With one, rows are taken
-    longest first, so each micro-batch holds rows of similar length.
+    Padded (`packed` False): the budget counts padded tokens (rows x longest row). Without a
+    budget the rows stay in order (consecutive slices); with one, rows are taken longest first,
+    so each micro-batch holds rows of similar length. Packed: consecutive rows, the budget counts
+    real tokens, since a packed pass costs the sum of the lengths, whatever their order.
+    Example (packed): lengths (5, 30, 4, 3), size 8, budget 32 -> rows (0), (1), (2, 3):
+    5 + 30 > 32, 30 + 4 > 32, 4 + 3 <= 32.
     """
-    if token_budget <= 0:
-        starts = range(0, batch.size, size)
-        return [batch.rows(start, min(start + size, batch.size)) for start in starts]
-    lengths_B = batch.lengths_B
-    order = sorted(range(batch.size), key=lambda i: (-int(lengths_B[i]), i))
-    out: list[TrainBatch] = []
+    lengths = [int(n) for n in batch.lengths_B.tolist()]
+    if packed:
+        order = list(range(batch.size))
+    elif token_budget <= 0:
+        return [
+            torch.arange(start, min(start + size, batch.size))
+            for start in range(0, batch.size, size)
+        ]
+    else:
+        order = sorted(range(batch.size), key=lambda i: (-lengths[i], i))
+    out: list[Tensor] = []
     current: list[int] = []
-    longest = 0
+    tokens = longest = 0
     for row in order:
-        n = max(int(lengths_B[row]), 1)
-        full = len(current) >= size or (len(current) + 1) * max(longest, n) > token_budget
-        if current and full:
-            out.append(batch.select(torch.tensor(current)))
-            current, longest = [], 0
+        n = lengths[row] if packed else max(lengths[row], 1)
+        if packed:
+            over = token_budget > 0 and tokens + n > token_budget
+        else:
+            over = (len(current) + 1) * max(longest, n) > token_budget
+        if current and (len(current) >= size or over):
+            out.append(torch.tensor(current))
+            current, tokens, longest = [], 0, 0
         current.append(row)
+        tokens += n
         longest = max(longest, n)
     if current:
-        out.append(batch.select(torch.tensor(current)))
+        out.append(torch.tensor(current))
     return out
+
+
+def micro_batches(
+    batch: TrainBatch, size: int, token_budget: int = 0, packed: bool = False
+) -> list[TrainBatch]:
+    """The micro-batches of `micro_batch_rows` (same arguments), each trimmed on the right."""
+    return [batch.select(rows) for rows in micro_batch_rows(batch, size, token_budget, packed)]

@@ -1,7 +1,9 @@
 """Groups of Samples -> one `TrainBatch` with advantages and per-sample staleness treatment.
 
-Group samples (a `group_id`) get the configured group estimator (`StepConfig.advantage`, e.g.
-GRPO) over their group; live samples (no `group_id`, each its own group) get the live estimator
+Group samples (a `group_id`) get the configured estimator (`StepConfig.algo.advantage`, e.g.
+GRPO) over their group, computed here once; an estimator that reads entropy is computed instead
+in `pipeline.batch_stage`, where the entropy is scored (their advantages stay 0 until then).
+Live samples (no `group_id`, each its own group) get the live estimator
 (`StepConfig.live_advantage`): `reward` = the sample's reward on every sampled token (a judge's
 +1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap. Both kinds may
 share one step. Token-level estimators read the batch's per-token inputs (teacher and wrong-hint
@@ -20,11 +22,13 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
 
 from flywheel._proto import sample_pb2
-from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig
-from flywheel.trainer.algorithms.pipeline import advantage_inputs, keep_groups_with_spread
+from flywheel.trainer.algorithms.pipeline import (
+    advantage_token_stats,
+    estimate,
+    keep_groups_with_spread,
+)
 from flywheel.trainer.batch import TrainBatch, collate
 from flywheel.trainer.samples import sampled_runs, step_reward_positions
 from flywheel.trainer.staleness import Treatment
@@ -41,14 +45,14 @@ def prepare_batch(
 
     Args:
         groups: the step's groups; a sample without `group_id` is treated as live.
-        cfg: the `StepConfig` (advantage, live_advantage, std_floor, quantile_k).
+        cfg: the `StepConfig` (algo, live_advantage, std_floor).
         treatments: staleness treatment and loss weight of each sample, in flattened order;
             None = all fresh.
 
     Returns:
         (batch, advantage metrics: `adv/...` of the group estimator, `adv_live/...` of the live
-        one, `adv/token_mean`, `adv/token_std`, `samples/live`, `samples/is_corrected`,
-        `samples/downweighted`).
+        one, `adv/token_mean`, `adv/token_std` (from `batch_stage` for a late estimator),
+        `samples/live`, `samples/is_corrected`, `samples/downweighted`).
     """
     dropped_zero_variance = 0
     if cfg.algo.dynamic_sampling:
@@ -80,49 +84,21 @@ def prepare_batch(
         "samples/step_rewards_unaligned": float(_unaligned_step_rewards(samples_B)),
     }
     grouped_N = (~live_B).nonzero(as_tuple=True)[0]
-    if grouped_N.numel():
-        adv_BT[grouped_N], out = _estimate(
-            cfg.algo.prepare_advantage, batch, rewards_B, group_index_B, grouped_N, cfg
-        )
+    if grouped_N.numel() and not cfg.algo.late_advantage:  # a late one runs in batch_stage
+        adv_BT[grouped_N], out = estimate(cfg.algo.advantage, batch, grouped_N, cfg, rewards_B)
         metrics |= out
     live_N = live_B.nonzero(as_tuple=True)[0]
     if live_N.numel():
         if cfg.live_advantage == "opd":
-            adv_BT[live_N], out = _estimate("opd", batch, rewards_B, group_index_B, live_N, cfg)
+            adv_BT[live_N], out = estimate("opd", batch, live_N, cfg, rewards_B)
         else:  # reward: A = r on every sampled token
             adv_BT[live_N] = rewards_B[live_N].float()[:, None].expand(-1, adv_BT.shape[1])
             out = {"adv/mean": float(rewards_B[live_N].mean())}
         metrics |= {k.replace("adv/", "adv_live/", 1): v for k, v in out.items()}
     adv_BT = torch.where(batch.loss_mask_BT, adv_BT, 0.0)
-    selected = adv_BT[batch.loss_mask_BT].double()
-    metrics["adv/token_mean"] = float(selected.mean()) if selected.numel() else 0.0
-    metrics["adv/token_std"] = float(selected.std()) if selected.numel() > 1 else 0.0
+    if not cfg.algo.late_advantage:
+        metrics |= advantage_token_stats(adv_BT, batch.loss_mask_BT)
     return dataclasses.replace(batch, advantages_BT=adv_BT), metrics
-
-
-def _estimate(
-    name: str,
-    batch: TrainBatch,
-    rewards_B: Tensor,
-    group_index_B: Tensor,
-    rows_N: Tensor,
-    cfg,
-) -> tuple[Tensor, dict[str, float]]:
-    """(N, T) advantages of rows `rows_N` by estimator `name`, with its metrics."""
-    _, groups_N = torch.unique(group_index_B[rows_N], return_inverse=True)
-    inputs = dataclasses.replace(
-        advantage_inputs(batch, rows_N, groups_N), rewards_B=rewards_B[rows_N]
-    )
-    out = ADVANTAGES[name](
-        inputs,
-        AdvantageConfig(
-            std_floor=cfg.std_floor, quantile_k=cfg.quantile_k, params=cfg.algo.params.get(name, {})
-        ),
-    )
-    width = batch.old_logprobs_BT.shape[1]
-    if out.advantages_BT is not None:
-        return out.advantages_BT.float(), out.metrics
-    return out.advantages_B.float()[:, None].expand(-1, width), out.metrics
 
 
 def _unaligned_step_rewards(samples_B: Sequence[sample_pb2.Sample]) -> int:

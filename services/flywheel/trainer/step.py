@@ -73,9 +73,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepConfig:
-    advantage: str = "grpo"
     std_floor: float = 1e-3
-    quantile_k: float = 0.5
+    """Group reward std below this is 0 (every group estimator; dynamic sampling)."""
     policy_loss: str = "ppo_clip"
     correction: str = "none"
     """Key of CORRECTIONS. Not "none": the policy ratio is taken against the trainer's own
@@ -105,15 +104,13 @@ class StepConfig:
     bf16_autocast: bool = False
     """Run the decoder forward under bf16 autocast (the head stays fp32)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
-    """Token weights, regularizer terms, dynamic sampling and per-part parameters
-    (flywheel.trainer.algorithms.pipeline)."""
+    """The selected advantage estimator, token weights, regularizer terms, dynamic sampling and
+    per-part parameters (flywheel.trainer.algorithms.pipeline)."""
 
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> StepConfig:
         return cls(
-            advantage=s.advantage,
             std_floor=s.std_floor,
-            quantile_k=s.quantile_k,
             policy_loss=s.policy_loss,
             correction=s.rollout_correction,
             correction_cfg=CorrectionConfig(
@@ -328,27 +325,9 @@ def _backward_micro_batch(
 
 
 def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
-    """The step's micro-batches. Padded: `batch.micro_batches` (a token budget counts rows x
-    longest row). Packed: consecutive rows, at most `micro_batch_size` of them and at most
-    `micro_batch_tokens` real tokens (0 = no budget; a longer row goes alone), since a packed
-    pass costs the sum of the lengths, whatever their order. Example: lengths (5, 30, 4, 3),
-    size 8, budget 32 -> rows (0), (1), (2, 3): 5 + 30 > 32, 30 + 4 > 32, 4 + 3 <= 32.
-    """
-    if not cfg.packed:
-        return micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens)
-    out: list[TrainBatch] = []
-    current: list[int] = []
-    tokens = 0
-    for row, length in enumerate(batch.lengths_B.tolist()):
-        over = cfg.micro_batch_tokens > 0 and tokens + length > cfg.micro_batch_tokens
-        if current and (len(current) >= cfg.micro_batch_size or over):
-            out.append(batch.select(torch.tensor(current)))
-            current, tokens = [], 0
-        current.append(row)
-        tokens += length
-    if current:
-        out.append(batch.select(torch.tensor(current)))
-    return out
+    """The step's micro-batches (`batch.micro_batch_rows` with `micro_batch_size`,
+    `micro_batch_tokens` and the layout); the entropy scoring pass cuts the same ones."""
+    return micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packed)
 
 
 def _logprobs(
@@ -476,7 +455,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if metrics["tokens/trained"] == 0:
         return _skip(optimizer, metrics, "no_loss_tokens", t0)
-    norm = normalizer_for(batch.loss_mask_BT)  # the whole batch's counts, on every rank
+    norm = normalizer_for(  # the whole batch's counts, on every rank
+        batch.loss_mask_BT, constant_k=cfg.algo.part_params("constant_normalizer").k
+    )
     acc = accumulate(model, world.shard(batch) if world else batch, cfg, norm, reference, world)
     if world is not None:
         acc.nonfinite = world.any(acc.nonfinite)

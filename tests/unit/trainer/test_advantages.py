@@ -141,13 +141,13 @@ def test_quantile_two_regime_gate_worked_example():
 def test_quantile_k_moves_the_gate():
     # [0, 0, 1, 1], K = 0.75: ceil(0.75 * 4) = 3rd sorted value = 1 (p = 0.5 > 1 - K = 0.25)
     # std: mean 0.5, sum sq = 1, var = 1/3, std = 0.57735; A = (r - 1) / 0.57735 = -1.732051, 0
-    out = quantile(inputs([0, 0, 1, 1]), dataclasses.replace(CFG, quantile_k=0.75))
+    out = quantile(inputs([0, 0, 1, 1]), dataclasses.replace(CFG, params={"k": 0.75}))
     assert_close(out.advantages_B, torch.tensor([-1.732051, -1.732051, 0, 0]), atol=1e-5, rtol=0)
     # K = 0.25: ceil(1) = 1st sorted value = 0 -> A = r / 0.57735 = 0, 0, 1.732051, 1.732051
-    out = quantile(inputs([0, 0, 1, 1]), dataclasses.replace(CFG, quantile_k=0.25))
+    out = quantile(inputs([0, 0, 1, 1]), dataclasses.replace(CFG, params={"k": 0.25}))
     assert_close(out.advantages_B, torch.tensor([0, 0, 1.732051, 1.732051]), atol=1e-5, rtol=0)
     with pytest.raises(ValueError):
-        quantile(inputs([0, 1]), dataclasses.replace(CFG, quantile_k=1.5))
+        quantile(inputs([0, 1]), dataclasses.replace(CFG, params={"k": 1.5}))
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -214,20 +214,20 @@ def test_opd_plus_rl_worked_example():
     # w_opd = 1, w_rl = 0.5: A_t = gap_t + 0.5 * A_i, the RL part on every token
     #   row 0: 0.5 + 0.353553 = 0.853553, -0.5 + 0.353553 = -0.146447, 0 + 0.353553
     #   row 1: -0.5 - 0.353553 = -0.853553, -0.353553, -0.353553
-    cfg = dataclasses.replace(CFG, opd_weight=1.0, rl_weight=0.5)
+    cfg = dataclasses.replace(CFG, params={"opd_weight": 1.0, "rl_weight": 0.5})
     out = opd_plus_rl(teacher_inputs(), cfg)
     expected = torch.tensor([[0.853553, -0.146447, 0.353553], [-0.853553, -0.353553, -0.353553]])
     assert_close(out.advantages_BT, expected, atol=1e-5, rtol=0)
 
 
 def test_opd_plus_rl_reduces_to_its_parts():
-    rl_only = opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, opd_weight=0.0))
+    rl_only = opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, params={"opd_weight": 0.0}))
     grpo_B = grpo(teacher_inputs(), CFG).advantages_B
     assert_close(rl_only.advantages_BT, grpo_B[:, None].expand(2, 3))
-    opd_only = opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, rl_weight=0.0))
+    opd_only = opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, params={"rl_weight": 0.0}))
     assert_close(opd_only.advantages_BT, opd(teacher_inputs(), CFG).advantages_BT)
     # all-equal rewards: the RL part is exactly 0, no NaN
     same = opd_plus_rl(teacher_inputs(rewards=(1.0, 1.0)), CFG)
     assert_close(same.advantages_BT, opd(teacher_inputs(), CFG).advantages_BT)
     with pytest.raises(ValueError):
-        opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, rl_advantage="opd"))
+        opd_plus_rl(teacher_inputs(), dataclasses.replace(CFG, params={"rl_advantage": "opd"}))

@@ -24,6 +24,7 @@ advantages are exactly 0 and it is counted in `adv/frac_reward_zero_std`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from flywheel.trainer.algorithms.params import NoParams, resolve
 
 
 @dataclass(frozen=True)
@@ -67,17 +70,44 @@ class AdvantageInputs:
 class AdvantageConfig:
     std_floor: float = 1e-3
     """Group reward std (unbiased) below this is treated as 0: advantages 0 for that group."""
-    quantile_k: float = 0.5
-    """K of the `quantile` baseline, in [0, 1]; 0.5 = the (lower) group median."""
-    opd_weight: float = 1.0
-    """w_opd of `opd_plus_rl` (weight of the teacher - student token gap)."""
-    rl_weight: float = 1.0
-    """w_rl of `opd_plus_rl` (weight of the group reward advantage)."""
-    rl_advantage: str = "grpo"
-    """Group estimator (a key of ADVANTAGES) for the reward part of `opd_plus_rl`."""
     params: Mapping[str, Any] = field(default_factory=dict)
-    """Overrides of the selected estimator's own parameter dataclass (token-level estimators in
-    `advantages_token.py`), from `[trainer.algorithm_params.<name>]`."""
+    """Overrides of the estimator's own parameter dataclass (`ADVANTAGE_PARAMS`), from
+    `[trainer.algorithm_params.<name>]`."""
+    part_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Every part's overrides (`algorithm_params`), for an estimator that runs another one
+    (`opd_plus_rl`: its `rl_advantage`)."""
+
+
+@dataclass(frozen=True)
+class QuantileParams:
+    k: float = 0.5
+    """K of the `quantile` baseline, in [0, 1]; 0.5 = the (lower) group median."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.k <= 1.0:
+            raise ValueError(f"k of 'quantile' must be in [0, 1], got {self.k}")
+
+
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "quantile")
+"""Sequence-level group estimators (the `rl_advantage` choices of `opd_plus_rl`)."""
+
+
+@dataclass(frozen=True)
+class OPDPlusRLParams:
+    opd_weight: float = 1.0
+    """w_opd (weight of the teacher - student token gap)."""
+    rl_weight: float = 1.0
+    """w_rl (weight of the group reward advantage)."""
+    rl_advantage: str = "grpo"
+    """Group estimator for the reward part: one of GROUP_ESTIMATORS (its own parameters, e.g.
+    `[trainer.algorithm_params.quantile]`, apply)."""
+
+    def __post_init__(self) -> None:
+        if self.rl_advantage not in GROUP_ESTIMATORS:
+            raise ValueError(
+                f"rl_advantage of 'opd_plus_rl' must be one of {list(GROUP_ESTIMATORS)}, "
+                f"got {self.rl_advantage!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -180,13 +210,13 @@ def quantile(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     for binary rewards with success rate p the baseline is 0 when p <= 1 - K (only the rare
     successes get signal) and 1 when p > 1 - K (only the remaining failures do): the paper's
     two-regime gate. K = 0.5 is the lower median (as `torch.median`); the paper tunes K per
-    model (`cfg.quantile_k`). Groups without reward spread get exactly 0 (BUG-12).
+    model (`[trainer.algorithm_params.quantile] k`). Groups without reward spread get exactly 0
+    (BUG-12).
     """
-    if not 0.0 <= cfg.quantile_k <= 1.0:
-        raise ValueError(f"quantile_k must be in [0, 1], got {cfg.quantile_k}")
+    k = resolve(QuantileParams, cfg.params, "quantile").k
 
     def centred(r: Tensor, mean: float, std: float) -> Tensor:
-        baseline = _lower_quantile(torch.sort(r).values, cfg.quantile_k)
+        baseline = _lower_quantile(torch.sort(r).values, k)
         return (r - baseline) / std
 
     return _per_group(inputs, cfg, centred)
@@ -248,23 +278,23 @@ def opd_plus_rl(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutpu
 
     OpenClaw-RL's combined objective ("OpenClaw-RL: Train Any Agent Simply by Talking",
     arXiv:2603.10165): the distillation gap where a teacher token exists, plus
-    the sequence's group reward advantage (`cfg.rl_advantage`, default grpo) on every token.
+    the sequence's group reward advantage (`rl_advantage`, default grpo) on every token.
     With w_opd = 0 it reduces to the group estimator spread over tokens; with w_rl = 0 to `opd`.
     Shapes: (B,) rewards and (B, T) teacher/rollout logprobs in, `advantages_BT` (B, T) out.
     """
+    p = resolve(OPDPlusRLParams, cfg.params, "opd_plus_rl")
     gap_BT, mask_BT = _teacher_gap(inputs)
-    rl = ADVANTAGES[cfg.rl_advantage](inputs, cfg)
-    if rl.advantages_BT is not None:
-        raise ValueError(f"rl_advantage must be a group estimator, got {cfg.rl_advantage!r}")
-    adv_BT = cfg.opd_weight * gap_BT + cfg.rl_weight * rl.advantages_B[:, None]  # (B, T)
+    rl_cfg = dataclasses.replace(cfg, params=cfg.part_params.get(p.rl_advantage, {}))
+    rl = ADVANTAGES[p.rl_advantage](inputs, rl_cfg)
+    adv_BT = p.opd_weight * gap_BT + p.rl_weight * rl.advantages_B[:, None]  # (B, T)
     metrics = rl.metrics | {
         "adv/opd_mean": _token_metrics(gap_BT, mask_BT, 0)["adv/mean"],
         "adv/teacher_token_frac": float(mask_BT.float().mean()) if mask_BT.numel() else 0.0,
         "adv/max_abs": float(adv_BT.abs().max()) if adv_BT.numel() else 0.0,
     }
     return AdvantageOutputs(
-        advantages_B=cfg.opd_weight * _per_sample_mean(gap_BT, mask_BT)
-        + cfg.rl_weight * rl.advantages_B,
+        advantages_B=p.opd_weight * _per_sample_mean(gap_BT, mask_BT)
+        + p.rl_weight * rl.advantages_B,
         metrics=metrics,
         advantages_BT=adv_BT.to(torch.float32),
     )
@@ -282,6 +312,21 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 }
 """Advantage estimators by `TrainerSettings.advantage`."""
 
-from flywheel.trainer.algorithms.advantages_token import TOKEN_ADVANTAGES  # noqa: E402
+from flywheel.trainer.algorithms.advantages_token import (  # noqa: E402
+    TOKEN_ADVANTAGE_PARAMS,
+    TOKEN_ADVANTAGES,
+)
 
 ADVANTAGES.update(TOKEN_ADVANTAGES)
+
+ADVANTAGE_PARAMS: dict[str, type] = {
+    "grpo": NoParams,
+    "dr_grpo": NoParams,
+    "rloo": NoParams,
+    "quantile": QuantileParams,
+    "opd": NoParams,
+    "opd_plus_rl": OPDPlusRLParams,
+    **TOKEN_ADVANTAGE_PARAMS,
+}
+"""Parameter dataclass of every estimator (`NoParams`: takes none; the group std floor of
+every group estimator is `trainer.std_floor`)."""

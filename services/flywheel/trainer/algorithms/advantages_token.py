@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from flywheel.trainer.algorithms import advantages as adv
-from flywheel.trainer.algorithms.params import resolve
+from flywheel.trainer.algorithms.params import NoParams, resolve
 
 
 def _need(inputs: adv.AdvantageInputs, name: str, part: str) -> Tensor:
@@ -523,5 +523,7 @@ TOKEN_ADVANTAGE_PARAMS: dict[str, type] = {
     "rlsd": RLSDParams,
     "sdar_gate": SDARParams,
     "contrastive_sd": ContrastiveParams,
+    "turn_level": NoParams,
+    "segment": NoParams,
 }
-"""Parameter dataclass of each token-level estimator that has parameters."""
+"""Parameter dataclass of each token-level estimator (`NoParams`: takes none)."""

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flywheel.trainer.algorithms.params import resolve
+from flywheel.trainer.algorithms.params import NoParams, resolve
 
 LOG_RATIO_LIMIT = 20.0
 """|log ratio| is clamped to this before exp, so a far off-policy token cannot overflow."""
@@ -77,12 +77,14 @@ class LossNormalizer:
     """k of `constant_normalizer` (a fixed per-trajectory denominator)."""
 
 
-def normalizer_for(loss_mask_BT: Tensor) -> LossNormalizer:
-    """Denominators from the loss mask of the whole step batch (all micro-batches together)."""
+def normalizer_for(loss_mask_BT: Tensor, constant_k: float = 1024.0) -> LossNormalizer:
+    """Denominators from the loss mask of the whole step batch (all micro-batches together);
+    `constant_k` is `constant_normalizer`'s k (`[trainer.algorithm_params.constant_normalizer]`)."""
     tokens_B = loss_mask_BT.sum(dim=1)
     return LossNormalizer(
         tokens=max(float(tokens_B.sum()), 1.0),
         sequences=max(float((tokens_B > 0).sum()), 1.0),
+        constant_k=constant_k,
     )
 
 
@@ -443,8 +445,9 @@ def constant_normalizer(
 
     "AsyncWebRL: Efficient Multi-Step RL for Visual Web Agents", Bai et al. 2026, arXiv:2606.05597:
     the per-trajectory 1/|tau_i| of multi-step GRPO down-weights the negative gradient of (longer)
-    failed trajectories; a constant 1/k removes that coupling. k = `norm.constant_k` (default 1024,
-    a generation budget); k only rescales the gradient relative to `seq_mean_token_sum`.
+    failed trajectories; a constant 1/k removes that coupling. k = `norm.constant_k`
+    (`[trainer.algorithm_params.constant_normalizer] k`, default 1024, a generation budget); k
+    only rescales the gradient relative to `seq_mean_token_sum`.
     """
     return _masked(token_loss_BT, loss_mask_BT).sum() / (norm.sequences * norm.constant_k)
 
@@ -460,8 +463,39 @@ def seq_mean_token_sum(token_loss_BT: Tensor, loss_mask_BT: Tensor, norm: LossNo
     return _masked(token_loss_BT, loss_mask_BT).sum() / norm.sequences
 
 
-LOSS_PARAMS: dict[str, type] = {"dhpo": DHPOParams, "aspo": ASPOParams, "cppo": CPPOParams}
-"""Parameter dataclass of each policy loss with its own parameters (besides the clip range)."""
+LOSS_PARAMS: dict[str, type] = {
+    "ppo_clip": NoParams,
+    "gspo": NoParams,
+    "cispo": NoParams,
+    "dhpo": DHPOParams,
+    "aspo": ASPOParams,
+    "cppo": CPPOParams,
+    "prefix_ratio": NoParams,
+    "wapo": NoParams,
+    "seq_elbo_ratio": NoParams,
+}
+"""Parameter dataclass of every policy loss (`NoParams`: takes none; the clip range and dual
+clip are the `trainer.clip_eps_low` / `clip_eps_high` / `dual_clip_c` settings)."""
+
+
+@dataclass(frozen=True)
+class ConstantNormalizerParams:
+    k: float = 1024.0
+    """The constant per-trajectory denominator (a generation budget in tokens)."""
+
+    def __post_init__(self) -> None:
+        if not self.k > 0:
+            raise ValueError(f"k of 'constant_normalizer' must be > 0, got {self.k}")
+
+
+AGGREGATION_PARAMS: dict[str, type] = {
+    "token_mean": NoParams,
+    "seq_mean_token_mean": NoParams,
+    "seq_mean_token_sum": NoParams,
+    "constant_normalizer": ConstantNormalizerParams,
+}
+"""Parameter dataclass of every aggregation; `constant_normalizer`'s k reaches it through the
+step's `LossNormalizer.constant_k` (`normalizer_for`)."""
 
 PolicyLossFn = Callable[[LossInputs, PPOClipConfig], LossOutputs]
 AggregationFn = Callable[[Tensor, Tensor, LossNormalizer], Tensor]

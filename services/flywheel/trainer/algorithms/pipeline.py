@@ -1,10 +1,12 @@
 """Composition of the selected parts around the trainer step, and the input contract.
 
-    prepare      samples -> advantage estimator (token fields it declares) -> [dynamic
+    prepare      samples -> advantage estimator (unless it reads entropy) -> [dynamic
                  sampling: zero-variance groups dropped] -> padded batch
     batch_stage  once per step, whole batch: [no-grad scoring pass, only when a selected part
-                 declares `entropy_BT`] -> late advantage estimators (those reading entropy)
-                 -> token weights in configured order (folded into advantages_BT)
+                 declares `entropy_BT`, cut into the training pass's micro-batches] -> late
+                 advantage estimators (those reading entropy: the step's only advantage
+                 computation for grouped rows) -> token weights in configured order (folded
+                 into advantages_BT)
     token_terms  per micro-batch, with grad: regularizer terms (coef * term_BT) added to the
                  token policy loss before aggregation
 
@@ -30,7 +32,6 @@ from flywheel.trainer.algorithms.advantages import (
     ADVANTAGES,
     AdvantageConfig,
     AdvantageInputs,
-    AdvantageOutputs,
 )
 from flywheel.trainer.algorithms.context import TokenContext, masked
 from flywheel.trainer.algorithms.weights import apply_weight
@@ -92,6 +93,29 @@ def needs(names: Sequence[str]) -> set[str]:
     return out
 
 
+def param_classes() -> dict[str, type]:
+    """The parameter dataclass of every registered part, by name (`NoParams`: takes none)."""
+    from flywheel.trainer.algorithms.advantages import ADVANTAGE_PARAMS  # noqa: PLC0415
+    from flywheel.trainer.algorithms.corrections import CORRECTIONS  # noqa: PLC0415
+    from flywheel.trainer.algorithms.losses import (  # noqa: PLC0415
+        AGGREGATION_PARAMS,
+        LOSS_PARAMS,
+    )
+    from flywheel.trainer.algorithms.params import NoParams  # noqa: PLC0415
+    from flywheel.trainer.algorithms.regularizers import REGULARIZERS, TERM_PARAMS  # noqa: PLC0415
+    from flywheel.trainer.algorithms.weights import WEIGHT_PARAMS  # noqa: PLC0415
+
+    return {
+        **ADVANTAGE_PARAMS,
+        **LOSS_PARAMS,
+        **AGGREGATION_PARAMS,
+        **dict.fromkeys(CORRECTIONS, NoParams),
+        **WEIGHT_PARAMS,
+        **TERM_PARAMS,
+        **dict.fromkeys(REGULARIZERS, NoParams),
+    }
+
+
 @dataclass(frozen=True)
 class AlgoConfig:
     """The selected parts beyond advantage / policy loss / aggregation / correction."""
@@ -105,9 +129,20 @@ class AlgoConfig:
     """DAPO dynamic sampling: groups without reward spread are dropped from the step."""
     params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per-part hyperparameter overrides (`[trainer.algorithm_params.<part>]`)."""
+    other_parts: tuple[str, ...] = ()
+    """Parts selected by other `[trainer]` settings (`loss_aggregation`, `rollout_correction`,
+    the KL estimator with kl_coef > 0, `entropy_bonus` with entropy_coef > 0, `opd` as the live
+    estimator): their parameters are checked like the others'."""
 
     @classmethod
     def from_settings(cls, s: Any) -> AlgoConfig:
+        others = [s.loss_aggregation, s.rollout_correction]
+        if s.kl_coef > 0:
+            others.append(s.kl_estimator)
+        if s.entropy_coef > 0:
+            others.append("entropy_bonus")
+        if s.live_advantage == "opd":
+            others.append("opd")
         cfg = cls(
             advantage=s.advantage,
             policy_loss=s.policy_loss,
@@ -115,53 +150,57 @@ class AlgoConfig:
             regularizers=tuple(sorted(s.regularizers.items())),
             dynamic_sampling=s.dynamic_sampling,
             params={k: dict(v) for k, v in s.algorithm_params.items()},
+            other_parts=tuple(others),
         )
         cfg.check()
         return cfg
 
     def selected(self) -> list[str]:
-        return [
+        """Every selected part, once, in order (with `opd_plus_rl`, its `rl_advantage`)."""
+        names = [
             self.advantage,
             self.policy_loss,
             *self.token_weights,
             *(n for n, _ in self.regularizers),
+            *self.other_parts,
         ]
+        if self.advantage == "opd_plus_rl":
+            names.append(str(self.params.get("opd_plus_rl", {}).get("rl_advantage", "grpo")))
+        return list(dict.fromkeys(names))
 
     def check(self) -> None:
-        """Raise ValueError for a part whose inputs the step cannot provide or bad params."""
-        from flywheel.trainer.algorithms.advantages_token import (  # noqa: PLC0415
-            TOKEN_ADVANTAGE_PARAMS,
-        )
-        from flywheel.trainer.algorithms.losses import LOSS_PARAMS  # noqa: PLC0415
+        """Raise ValueError for a part whose inputs the step cannot provide, parameters for a
+        part that is not selected, or parameters a selected part does not take."""
         from flywheel.trainer.algorithms.params import resolve  # noqa: PLC0415
-        from flywheel.trainer.algorithms.regularizers import TERM_PARAMS  # noqa: PLC0415
-        from flywheel.trainer.algorithms.weights import WEIGHT_PARAMS  # noqa: PLC0415
 
-        for name in self.selected():
+        selected = self.selected()
+        for name in selected:
             missing = needs([name]) - STEP_INPUTS
             if missing:
                 raise ValueError(
                     f"algorithm part {name!r} needs {sorted(missing)}, which the "
                     "trainer step does not compute yet; choose another part"
                 )
-        for name in self.token_weights:
-            resolve(WEIGHT_PARAMS[name], self.params.get(name), name)
-        for name, _ in self.regularizers:
-            resolve(TERM_PARAMS[name], self.params.get(name), name)
-        if self.advantage in TOKEN_ADVANTAGE_PARAMS:
-            resolve(
-                TOKEN_ADVANTAGE_PARAMS[self.advantage],
-                self.params.get(self.advantage),
-                self.advantage,
+        unselected = sorted(set(self.params) - set(selected))
+        if unselected:
+            raise ValueError(
+                f"[trainer.algorithm_params] names {unselected}, which are not selected; "
+                f"the selected parts are {selected}"
             )
-        if self.policy_loss in LOSS_PARAMS:
-            resolve(
-                LOSS_PARAMS[self.policy_loss], self.params.get(self.policy_loss), self.policy_loss
-            )
+        classes = param_classes()
+        for name in selected:
+            resolve(classes[name], self.params.get(name), name)
+
+    def part_params(self, name: str) -> Any:
+        """The parameter dataclass of part `name` with its overrides."""
+        from flywheel.trainer.algorithms.params import resolve  # noqa: PLC0415
+
+        return resolve(param_classes()[name], self.params.get(name), name)
 
     @property
     def late_advantage(self) -> bool:
-        """The advantage estimator reads entropy: it runs in `batch_stage`, not `prepare`."""
+        """The advantage estimator reads entropy: it runs in `batch_stage` (where the entropy
+        is scored), and `prepare` leaves the grouped rows' advantages to it."""
         return "entropy_BT" in needs([self.advantage])
 
     @property
@@ -179,11 +218,6 @@ class AlgoConfig:
     def needs_teacher_topk(self) -> bool:
         """A selected regularizer reads the student at the teacher's top-k ids (distill_topk)."""
         return "student_logprobs_at_teacher_topk_BTK" in needs([n for n, _ in self.regularizers])
-
-    @property
-    def prepare_advantage(self) -> str:
-        """Estimator run in `prepare` (GRPO stands in for a late one until `batch_stage`)."""
-        return "grpo" if self.late_advantage else self.advantage
 
     @property
     def needs_entropy_pass(self) -> bool:
@@ -217,22 +251,59 @@ def advantage_inputs(
     )
 
 
-def token_advantages(batch_mask_BT: Tensor, out: AdvantageOutputs) -> Tensor | None:
-    """The estimator's (B, T) token advantages cut to the batch's width, 0 off the mask."""
-    if out.advantages_BT is None:
-        return None
-    adv_BT = out.advantages_BT[:, : batch_mask_BT.shape[1]].float()
-    return masked(adv_BT, batch_mask_BT)
+def estimate(
+    name: str,
+    batch: Any,
+    rows_N: Tensor,
+    cfg: Any,
+    rewards_B: Tensor | None = None,
+    entropy_BT: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """(N, T) advantages of rows `rows_N` of `batch` by estimator `name` (its groups renumbered
+    within the rows), 0 off the loss mask, with the estimator's metrics.
+
+    `cfg` is the `StepConfig` (`std_floor`, `algo.params`); `rewards_B` (B,) replaces the
+    batch's float32 rewards (prepare passes the Samples' float64 ones); `entropy_BT` (B, T) is
+    given to estimators that read it.
+    """
+    _, groups_N = torch.unique(batch.group_index_B[rows_N], return_inverse=True)
+    inputs = advantage_inputs(batch, rows_N, groups_N)
+    if rewards_B is not None:
+        inputs = dataclasses.replace(inputs, rewards_B=rewards_B[rows_N])
+    if entropy_BT is not None:
+        inputs = dataclasses.replace(inputs, entropy_BT=entropy_BT[rows_N])
+    adv_cfg = AdvantageConfig(
+        std_floor=cfg.std_floor, params=cfg.algo.params.get(name, {}), part_params=cfg.algo.params
+    )
+    out = ADVANTAGES[name](inputs, adv_cfg)
+    mask_NT = batch.loss_mask_BT[rows_N]
+    if out.advantages_BT is not None:
+        adv_NT = out.advantages_BT[:, : mask_NT.shape[1]].float()
+    else:
+        adv_NT = out.advantages_B.float()[:, None].expand(mask_NT.shape)
+    return masked(adv_NT, mask_NT), out.metrics
+
+
+def advantage_token_stats(advantages_BT: Tensor, loss_mask_BT: Tensor) -> dict[str, float]:
+    """`adv/token_mean` and `adv/token_std` over the loss tokens."""
+    selected = advantages_BT[loss_mask_BT].double()
+    return {
+        "adv/token_mean": float(selected.mean()) if selected.numel() else 0.0,
+        "adv/token_std": float(selected.std()) if selected.numel() > 1 else 0.0,
+    }
 
 
 def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, dict[str, float]]:
     """Late advantages and token weights on the whole step batch (before any micro-batch).
 
+    A late estimator (one that reads `entropy_BT`) computes the grouped rows' advantages here,
+    once, from the scoring pass; `prepare` left them to it. Live rows keep the live estimator's.
+
     Args:
         model: the policy (scored without grad for `entropy_BT`, only when a part needs it).
         optimizer: its AdamW step count is the schedule step of the parts.
-        batch: the step's `TrainBatch` (needs `group_index_B`).
-        cfg: the `StepConfig` (`algo`, `advantage`, `std_floor`, `quantile_k`, micro-batching).
+        batch: the step's `TrainBatch` (needs `group_index_B`, `live_B`).
+        cfg: the `StepConfig` (`algo`, `std_floor`, micro-batching and layout).
 
     Returns:
         (`batch` with new `advantages_BT`, or unchanged when no part is selected; metrics).
@@ -241,28 +312,16 @@ def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, 
     if not algo.token_weights and not algo.late_advantage:
         return batch, {}
     metrics: dict[str, float] = {}
-    entropy_BT = (
-        scoring_pass(model, batch, cfg.logprob_chunk_tokens, cfg.micro_batch_size)
-        if algo.needs_entropy_pass
-        else None
-    )
+    entropy_BT = scoring_pass(model, batch, cfg) if algo.needs_entropy_pass else None
     advantages_BT = batch.advantages_BT
     if algo.late_advantage:
-        inputs = dataclasses.replace(advantage_inputs(batch), entropy_BT=entropy_BT)
-        adv_cfg = AdvantageConfig(
-            std_floor=cfg.std_floor,
-            quantile_k=cfg.quantile_k,
-            params=algo.params.get(algo.advantage, {}),
-        )
-        out = ADVANTAGES[algo.advantage](inputs, adv_cfg)
-        late_BT = token_advantages(batch.loss_mask_BT, out)
-        if late_BT is None:
-            late_BT = masked(
-                out.advantages_B.float()[:, None].expand_as(advantages_BT), batch.loss_mask_BT
-            )
-        grouped_B = torch.bincount(batch.group_index_B)[batch.group_index_B] > 1
-        advantages_BT = torch.where(grouped_B[:, None], late_BT, advantages_BT)
-        metrics |= out.metrics
+        grouped_N = (~batch.live_B).nonzero(as_tuple=True)[0]
+        if grouped_N.numel():
+            adv_NT, out = estimate(algo.advantage, batch, grouped_N, cfg, entropy_BT=entropy_BT)
+            advantages_BT = advantages_BT.clone()
+            advantages_BT[grouped_N] = adv_NT
+            metrics |= out
+        metrics |= advantage_token_stats(advantages_BT, batch.loss_mask_BT)
     ctx = TokenContext(
         advantages_BT=advantages_BT,
         loss_mask_BT=batch.loss_mask_BT,
@@ -281,16 +340,20 @@ def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, 
 
 
 @torch.no_grad()
-def scoring_pass(model: Any, batch: Any, chunk_tokens: int, micro_batch_size: int) -> Tensor:
-    """(B, T) detached entropy of every loss position under the current weights."""
-    from flywheel.trainer.batch import micro_batches  # noqa: PLC0415
+def scoring_pass(model: Any, batch: Any, cfg: Any) -> Tensor:
+    """(B, T) detached entropy of every loss position under the current weights.
+
+    Cut into the training pass's micro-batches (`batch.micro_batch_rows` with the `StepConfig`'s
+    `micro_batch_size`, `micro_batch_tokens` and layout), so it stays within the same memory
+    budget; each micro-batch's rows are written back to their places in the batch.
+    """
+    from flywheel.trainer.batch import micro_batch_rows  # noqa: PLC0415
     from flywheel.trainer.logprobs import selected_token_logprobs  # noqa: PLC0415
 
     device = next(model.parameters()).device
     entropy_BT = torch.zeros(batch.loss_mask_BT.shape, dtype=torch.float32)
-    start = 0
-    for mb in micro_batches(batch, micro_batch_size):
-        rows = mb.size
+    for rows_N in micro_batch_rows(batch, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packed):
+        mb = batch.select(rows_N)
         if bool(mb.loss_mask_BT.any()):
             mbd = mb.to(device)
             lp = selected_token_logprobs(
@@ -299,11 +362,11 @@ def scoring_pass(model: Any, batch: Any, chunk_tokens: int, micro_batch_size: in
                 mbd.attention_mask_BT,
                 mbd.temperature_B,
                 mbd.loss_mask_BT,
-                chunk_tokens=chunk_tokens,
+                chunk_tokens=cfg.logprob_chunk_tokens,
+                packed=cfg.packed,
             )
             width = lp.entropy_BT.shape[1]
-            entropy_BT[start : start + rows, :width] = lp.entropy_BT.detach().float().cpu()
-        start += rows
+            entropy_BT[rows_N, :width] = lp.entropy_BT.detach().float().cpu()
     return masked(entropy_BT, batch.loss_mask_BT)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from flywheel.trainer.algorithms.context import TokenContext, require
 from flywheel.trainer.algorithms.losses import LOG_RATIO_LIMIT
-from flywheel.trainer.algorithms.params import resolve
+from flywheel.trainer.algorithms.params import NoParams, resolve
 
 
 def _log_r(logprobs_BT: Tensor, ref_logprobs_BT: Tensor) -> Tensor:
@@ -54,11 +54,6 @@ def _surrogate(value_BT: Tensor, score_BT: Tensor, logprobs_BT: Tensor) -> Tenso
     """A (B, T) term whose value is sg(value) and whose gradient is sg(score) grad logp: the
     score-function (REINFORCE) form of a sampled-token estimator."""
     return value_BT.detach() + score_BT.detach() * (logprobs_BT - logprobs_BT.detach())
-
-
-@dataclass(frozen=True)
-class NoParams:
-    """A part without hyperparameters (its coefficient is set in `trainer.regularizers`)."""
 
 
 def entropy_bonus(entropy_BT: Tensor, coef: float) -> Tensor:

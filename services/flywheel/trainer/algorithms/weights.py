@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from flywheel.trainer.algorithms.context import TokenContext, masked, masked_quantile, require
-from flywheel.trainer.algorithms.params import resolve
+from flywheel.trainer.algorithms.params import NoParams, resolve
 
 
 @dataclass(frozen=True)
@@ -451,11 +451,6 @@ def balanced(ctx: TokenContext, p: NoParams) -> WeightOutputs:
     if n_neg:
         w_BT = torch.where(neg_BT, n / (2 * n_neg), w_BT)
     return _apply(ctx, w_BT, "balanced", pos_tokens=n_pos, neg_tokens=n_neg)
-
-
-@dataclass(frozen=True)
-class NoParams:
-    """A part without hyperparameters."""
 
 
 # --- registry ----------------------------------------------------------------------------

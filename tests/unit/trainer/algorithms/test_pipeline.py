@@ -136,7 +136,7 @@ def test_high_entropy_weights_use_the_policy_entropy_and_drop_80_percent():
     batch, _ = prepare_batch(groups(), cfg)
     opt = build_optimizer(model, TrainerSettings(lr=1e-3))
     new, metrics = pipeline.batch_stage(model, opt, batch, cfg)
-    entropy_BT = pipeline.scoring_pass(model, batch, 4, 8)
+    entropy_BT = pipeline.scoring_pass(model, batch, cfg)
     tau = metrics["weight/high_entropy_only/threshold"]
     keep_BT = batch.loss_mask_BT & (entropy_BT >= tau)
     assert_close(new.advantages_BT, torch.where(keep_BT, batch.advantages_BT, 0.0))
@@ -172,7 +172,7 @@ def test_zero_variance_gives_the_all_correct_group_a_signal():
     model = tiny_model(seed=1)
     cfg = step_config(advantage="zero_variance")
     batch, _ = prepare_batch(groups(), cfg)
-    assert float(batch.advantages_BT[4:].abs().sum()) == 0.0  # GRPO stand-in: no signal yet
+    assert float(batch.advantages_BT[4:].abs().sum()) == 0.0  # left to batch_stage: 0 until then
     new, metrics = pipeline.batch_stage(
         model, build_optimizer(model, TrainerSettings()), batch, cfg
     )
@@ -255,3 +255,78 @@ def test_recipe_parses_builds_its_parts_and_takes_a_step(recipe):
     result = train_step(model, opt, batch, cfg)
     assert result.skipped == ""
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def spy_estimators(monkeypatch, names):
+    """Record every call of the registry's estimators `names`."""
+    from flywheel.trainer.algorithms.advantages import ADVANTAGES
+
+    calls: list[str] = []
+    for name in names:
+        real = ADVANTAGES[name]
+
+        def spy(inputs, cfg, real=real, name=name):
+            calls.append(name)
+            return real(inputs, cfg)
+
+        monkeypatch.setitem(ADVANTAGES, name, spy)
+    return calls
+
+
+def test_a_late_estimator_is_computed_once_where_entropy_exists(monkeypatch):
+    from flywheel.trainer.algorithms.advantages import AdvantageConfig
+    from flywheel.trainer.algorithms.advantages_token import zero_variance
+
+    calls = spy_estimators(monkeypatch, ["grpo", "zero_variance"])
+    model = tiny_model(seed=1)
+    cfg = step_config(advantage="zero_variance")
+    batch, metrics = prepare_batch(groups(), cfg)
+    assert calls == [] and "adv/token_mean" not in metrics  # no GRPO stand-in
+    assert float(batch.advantages_BT.abs().sum()) == 0.0
+    new, metrics = pipeline.batch_stage(
+        model, build_optimizer(model, TrainerSettings()), batch, cfg
+    )
+    assert calls == ["zero_variance"]
+    # the direct estimator on the whole batch (one group per group_id) with the scored entropy
+    entropy_BT = pipeline.scoring_pass(model, batch, cfg)
+    inputs = dataclasses.replace(pipeline.advantage_inputs(batch), entropy_BT=entropy_BT)
+    direct = zero_variance(inputs, AdvantageConfig(std_floor=cfg.std_floor))
+    assert_close(new.advantages_BT, torch.where(batch.loss_mask_BT, direct.advantages_BT, 0.0))
+    assert "adv/token_mean" in metrics and metrics["adv/zvp_frac"] == pytest.approx(0.5)
+
+
+def test_grpo_is_computed_once_per_step(monkeypatch):
+    calls = spy_estimators(monkeypatch, ["grpo"])
+    model = tiny_model(seed=1)
+    cfg = step_config(token_weights=("high_entropy_only",))  # batch_stage runs its pass
+    batch, _ = prepare_batch(groups(), cfg)
+    result = train_step(model, build_optimizer(model, TrainerSettings()), batch, cfg)
+    assert result.skipped == "" and calls == ["grpo"]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_entropy_pass_cuts_the_training_passs_micro_batches(monkeypatch, packed):
+    import flywheel.trainer.logprobs as logprobs
+    from flywheel.trainer.step import split_micro_batches
+
+    seen: list[tuple[int, int, int]] = []  # rows, width, real tokens of each scored micro-batch
+    real = logprobs.selected_token_logprobs
+
+    def spy(model, input_ids_BT, attention_mask_BT, *args, **kwargs):
+        rows, width = input_ids_BT.shape
+        seen.append((rows, width, int(attention_mask_BT.sum())))
+        assert kwargs["packed"] is packed
+        return real(model, input_ids_BT, attention_mask_BT, *args, **kwargs)
+
+    model = tiny_model(seed=1)
+    cfg = step_config(token_weights=("high_entropy_only",))
+    batch, _ = prepare_batch(groups(), cfg)  # 8 rows of 6..8 tokens (3 prompt + 3..5)
+    whole = pipeline.scoring_pass(model, batch, cfg)
+    budget = dataclasses.replace(cfg, micro_batch_tokens=16, packed=packed)
+    monkeypatch.setattr(logprobs, "selected_token_logprobs", spy)
+    entropy_BT = pipeline.scoring_pass(model, batch, budget)
+    # padded: rows x longest <= 16 (at most 2 rows of 8); packed: real tokens <= 16
+    assert all((tokens if packed else rows * width) <= 16 for rows, width, tokens in seen)
+    assert [rows for rows, _, _ in seen] == [mb.size for mb in split_micro_batches(batch, budget)]
+    assert len(seen) > 1
+    assert_close(entropy_BT, whole, atol=1e-5, rtol=1e-4)  # every row back in its place

@@ -29,7 +29,6 @@ S = 1 / math.sqrt(2)
 
 def step_config(advantage: str = "grpo", **algo) -> StepConfig:
     return StepConfig(
-        advantage=advantage,
         clip=PPOClipConfig(0.2, 0.28),
         logprob_chunk_tokens=4,
         algo=AlgoConfig(advantage=advantage, **algo),

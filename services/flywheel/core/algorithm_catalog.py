@@ -39,6 +39,10 @@ class Algorithm:
     why there is none (a blog post); the part's docstring has the full title."""
     inputs: str
     """Comma-separated inputs it reads."""
+    group_relative: bool = False
+    """An advantage estimator whose advantage of a sample depends on the other members of its
+    group (a group baseline or normalization): with one sample per group it has no reward
+    signal, so `group_size = 1` is refused with it."""
 
 
 CATALOG: tuple[Algorithm, ...] = (
@@ -48,6 +52,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'GRPO, "DeepSeekMath", arXiv:2402.03300',
         "rewards_B, group_index_B",
+        group_relative=True,
     ),
     Algorithm(
         "dr_grpo",
@@ -55,6 +60,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'Dr. GRPO, "Understanding R1-Zero-Like Training", arXiv:2503.20783',
         "rewards_B, group_index_B",
+        group_relative=True,
     ),
     Algorithm(
         "rloo",
@@ -62,6 +68,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'RLOO, "Back to Basics: Revisiting REINFORCE Style Optimization", arXiv:2402.14740',
         "rewards_B, group_index_B",
+        group_relative=True,
     ),
     Algorithm(
         "quantile",
@@ -69,6 +76,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'QAE, "Quantile Advantage Estimation for Entropy-Safe Reasoning", arXiv:2509.22611',
         "rewards_B, group_index_B",
+        group_relative=True,
     ),
     Algorithm(
         "opd",
@@ -83,6 +91,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'OpenClaw-RL, "Train Any Agent Simply by Talking", arXiv:2603.10165',
         "rewards_B, group_index_B, teacher_logprobs_BT, rollout_logprobs_BT, teacher_mask_BT",
+        group_relative=True,
     ),
     Algorithm(
         "tempo",
@@ -91,6 +100,7 @@ CATALOG: tuple[Algorithm, ...] = (
         'TEMPO, "Exploiting Tree Structure for Credit Assignment in RL Training '
         'of LLMs", arXiv:2509.18314',
         "rewards_B, group_index_B, token_ids_BT, loss_mask_BT",
+        group_relative=True,
     ),
     Algorithm(
         "ktae",
@@ -98,6 +108,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'KTAE, "A Model-Free Algorithm to Key-Tokens Advantage Estimation", arXiv:2505.16826',
         "rewards_B, group_index_B, token_ids_BT, loss_mask_BT",
+        group_relative=True,
     ),
     Algorithm(
         "zero_variance",
@@ -105,6 +116,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'RL-ZVP, "No Prompt Left Behind", arXiv:2509.21880',
         "rewards_B, group_index_B, loss_mask_BT, entropy_BT",
+        group_relative=True,
     ),
     Algorithm(
         "miner",
@@ -112,6 +124,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'Miner, "Mining Intrinsic Mastery for Data-Efficient RL", arXiv:2601.04731',
         "rewards_B, group_index_B, loss_mask_BT, rollout_logprobs_BT",
+        group_relative=True,
     ),
     Algorithm(
         "a3po",
@@ -119,6 +132,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'A3PO, "Rethinking Sample Polarity in RLVR", arXiv:2512.21625',
         "rewards_B, group_index_B, loss_mask_BT, rollout_logprobs_BT",
+        group_relative=True,
     ),
     Algorithm(
         "turn_level",
@@ -126,6 +140,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'Turn-PPO arXiv:2512.17008; StepPO, "Step-Aligned Policy Optimization", arXiv:2604.18401',
         "rewards_B, group_index_B, turn_index_B",
+        group_relative=True,
     ),
     Algorithm(
         "segment",
@@ -134,6 +149,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "DeepSeekMath process supervision arXiv:2402.03300; CAPO "
         "arXiv:2508.02298; SPAE arXiv:2601.03823; MA-RLHF arXiv:2410.02743",
         "rewards_B, group_index_B, loss_mask_BT, step_rewards_BT",
+        group_relative=True,
     ),
     Algorithm(
         "rlsd",
@@ -141,6 +157,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'RLSD, "Self-Distilled RLVR", arXiv:2604.03128',
         "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT",
+        group_relative=True,
     ),
     Algorithm(
         "sdar_gate",
@@ -148,6 +165,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "ADVANTAGES",
         'SDAR, "Self-Distilled Agentic Reinforcement Learning", arXiv:2605.15155',
         "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, rollout_logprobs_BT",
+        group_relative=True,
     ),
     Algorithm(
         "contrastive_sd",
@@ -156,6 +174,7 @@ CATALOG: tuple[Algorithm, ...] = (
         'RLCSD, "Contrastive On-Policy Self-Distillation", arXiv:2606.11709',
         "rewards_B, group_index_B, loss_mask_BT, teacher_logprobs_BT, "
         "rollout_logprobs_BT, wrong_hint_logprobs_BT",
+        group_relative=True,
     ),
     Algorithm(
         "high_entropy_only",
@@ -465,6 +484,11 @@ _FIELD_REGISTRIES = {
     "token_weights": ("WEIGHTS",),
     "regularizers": ("KL_ESTIMATORS", "TERMS"),
 }
+
+
+def group_relative_advantages() -> set[str]:
+    """Advantage estimators that need groups of at least two samples (`group_relative`)."""
+    return {row.name for row in CATALOG if row.group_relative}
 
 
 def names_for(settings_field: str) -> set[str]:

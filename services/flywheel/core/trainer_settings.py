@@ -68,7 +68,8 @@ class TrainerSettings(Section):
     seed: int = 0
     advantage: str = "grpo"
     """Advantage estimator (flywheel.trainer.algorithms.advantages.ADVANTAGES); its parameters
-    are `[trainer.algorithm_params.<name>]` (e.g. `quantile`'s `k`)."""
+    are `[trainer.algorithm_params.<name>]` (e.g. `quantile`'s `k`). A group-relative one
+    (`algorithm_catalog.group_relative_advantages`) needs `group_size` >= 2."""
     policy_loss: str = "ppo_clip"
     """Token policy loss (flywheel.trainer.algorithms.losses.POLICY_LOSSES). gspo wants tiny
     clip_eps_low / clip_eps_high (paper: 3e-4 / 4e-4)."""
@@ -248,6 +249,23 @@ class TrainerSettings(Section):
                 f"{data['quantile_k']!r} instead"
             )
         return data
+
+    @model_validator(mode="after")
+    def _possible_groups(self) -> TrainerSettings:
+        from flywheel.core.algorithm_catalog import group_relative_advantages  # noqa: PLC0415
+
+        if self.group_size == 1 and self.advantage in group_relative_advantages():
+            raise ValueError(
+                f"group_size = 1 with the group-relative advantage {self.advantage!r}: every "
+                "group has one sample, so every advantage is 0; set group_size >= 2, or an "
+                'advantage that needs no group (advantage = "opd")'
+            )
+        if self.min_group_size > self.group_size:
+            raise ValueError(
+                f"min_group_size = {self.min_group_size} > group_size = {self.group_size}: no "
+                f"partial group could ever be trained; set min_group_size <= {self.group_size}"
+            )
+        return self
 
     @field_validator("dual_clip_c")
     @classmethod

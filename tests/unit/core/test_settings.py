@@ -129,3 +129,44 @@ def test_a_model_path_that_does_not_exist_is_named_before_loading(tmp_path):
     assert str(exited.value.code).startswith(
         "flywheel-engine: model path /nonexistent/model does not exist"
     )
+
+
+@pytest.mark.parametrize(
+    "advantage", ["grpo", "dr_grpo", "rloo", "quantile", "opd_plus_rl", "zero_variance", "segment"]
+)
+def test_group_size_one_with_a_group_relative_advantage_is_refused(advantage):
+    from flywheel.core.trainer_settings import TrainerSettings
+
+    with pytest.raises(
+        ValidationError, match=f"group-relative advantage '{advantage}'.*group_size >= 2"
+    ):
+        TrainerSettings(advantage=advantage, group_size=1, min_group_size=1)
+
+
+def test_group_size_one_is_fine_without_groups():
+    from flywheel.core.trainer_settings import TrainerSettings
+
+    s = TrainerSettings(advantage="opd", group_size=1, min_group_size=1)
+    assert s.group_size == 1
+
+
+def test_min_group_size_above_group_size_is_refused_saying_what_to_set(tmp_path):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text("[trainer]\ngroup_size = 4\nmin_group_size = 5\n")
+    with pytest.raises(
+        ValidationError, match="min_group_size = 5 > group_size = 4.*min_group_size <= 4"
+    ):
+        load_settings(cfg)
+    cfg.write_text("[trainer]\ngroup_size = 4\nmin_group_size = 4\n")
+    assert load_settings(cfg).trainer.min_group_size == 4
+
+
+def test_quantile_k_moved_to_the_part_parameters(tmp_path):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text('[trainer]\nadvantage = "quantile"\nquantile_k = 0.3\n')
+    with pytest.raises(ValidationError, match=r"algorithm_params.quantile\] k = 0.3"):
+        load_settings(cfg)
+    cfg.write_text(
+        '[trainer]\nadvantage = "quantile"\n[trainer.algorithm_params.quantile]\nk = 0.3\n'
+    )
+    assert load_settings(cfg).trainer.algorithm_params == {"quantile": {"k": 0.3}}

@@ -90,10 +90,16 @@ def test_two_ranks_take_the_same_step_as_one_process(
     one = load_file(tmp_path / "single" / "ckpt" / "step_00000001" / "model.safetensors")
     two = load_file(tmp_path / "ddp" / "step_00000001" / "model.safetensors")
     initial = load_file(model_dir / "model.safetensors")
-    # the summed gradients differ from one process's only in summation order; AdamW's first
-    # step is about lr * g / (|g| + eps), so elements with |g| near eps move by up to a few
-    # 1e-6 differently: a tolerance of 2e-5 is 0.2% of the lr-sized (1e-2) update
+    # the summed gradients differ from one process's only in summation order. AdamW's first
+    # step is lr * g / (|g| + eps): a full lr-sized (1e-2) move wherever |g| >> eps, and there
+    # the two runs agree to fp32 noise (about 1e-7 seen). Where |g| is near eps the move is a
+    # fraction of lr that a change in the last bits of g shifts (2.2e-5 seen on a CPU with
+    # AVX512/AMX kernels); those elements are few, and every element stays within lr.
     for name, tensor in one.items():
-        torch.testing.assert_close(two[name], tensor, atol=2e-5, rtol=0, msg=name)
+        full = (tensor - initial[name]).abs() > 0.99e-2
+        diff = (two[name] - tensor).abs()
+        assert float(torch.where(full, diff, 0.0).max()) < 1e-6, name
+        assert float(diff.max()) < 1e-2, name
+        assert float((~full).float().mean()) < 0.05, name
     moved = (one["model.embed_tokens.weight"] - initial["model.embed_tokens.weight"]).abs().max()
     assert float(moved) > 1e-4

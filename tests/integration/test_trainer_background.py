@@ -150,3 +150,48 @@ def test_one_push_reaches_two_real_engines_at_once(tmp_path, tiny_model_dir):
         older = pusher.push(folder, 2)
         assert sorted(older.skipped) == sorted([a, b])
         assert httpx.get(f"{a}/model_info", timeout=10).json()["weight_version"] == "3"
+
+
+def _long_rows(url: str, n: int, out: list[dict]) -> list[threading.Thread]:
+    def row(seed: int) -> None:
+        body = {
+            "text": "Once upon a time",
+            "sampling_params": {
+                "max_new_tokens": 400,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "sampling_seed": seed,
+            },
+        }
+        out.append(httpx.post(f"{url}/generate", json=body, timeout=300).json())
+
+    threads = [threading.Thread(target=row, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+@pytest.mark.parametrize("pause", ["none", "in_place"])
+def test_rows_in_flight_continue_under_an_in_place_push(tmp_path, tiny_model_dir, pause):
+    # none: the rows in flight finish on the old weights before the swap (one version each);
+    # in_place: they continue under the new weights, and their later tokens carry version 1
+    folder = WeightsStore(tmp_path, tiny_model_dir).write(
+        1, {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+    )
+    with engine_process(tiny_model_dir, threads="1") as url:
+        replies: list[dict] = []
+        rows = _long_rows(url, 3, replies)
+        time.sleep(0.3)  # the rows are decoding
+        report = WeightPusher([url], timeout_s=120, attempts=1, pause=pause).push(folder, 1)
+        for t in rows:
+            t.join()
+    assert report.ok == [url]
+    spans = [r["meta_info"].get("weight_versions") or [] for r in replies]
+    if pause == "in_place":
+        mixed = [s for s in spans if {str(x["version"]) for x in s} == {"default", "1"}]
+        assert mixed, spans  # at least one row changed weights mid-generation
+        for s in mixed:  # old tokens first, then the new version to the end
+            assert [str(x["version"]) for x in s] == ["default", "1"] and s[-1]["end"] == 400
+    else:
+        assert all(len({str(x["version"]) for x in s}) <= 1 for s in spans), spans
+        assert {r["meta_info"]["weight_version"] for r in replies} == {"default"}

@@ -99,6 +99,14 @@ class TrainerSettings(Section):
     push_timeout_s: float = Field(600.0, gt=0)
     """Seconds to wait for one engine's /update_weights_from_disk answer."""
     push_attempts: int = Field(5, ge=1)
+    push_pause: Literal["none", "in_place"] = "none"
+    """How a busy engine takes a disk push. none = a plain `/update_weights_from_disk`, which
+    lets the rows in flight finish on the old weights first (SGLang's behaviour): requests that
+    arrive meanwhile wait for them. in_place = `/pause_generation` in place, the update,
+    `/continue_generation`: the rows in flight continue under the new weights from the swap on
+    (their later tokens carry the new version, reported as `weight_versions` spans), and new
+    requests wait only for the load (`bench/push_stall.py`). An engine without in-place pause
+    (SGLang < 0.5.12) is updated the plain way (logged)."""
     """Attempts per engine (exponential backoff) before the weight push fails the trainer."""
     consumer_name: str = ""
     """Consumer name in the `trainer` group; empty = host-pid."""

@@ -179,6 +179,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings.trainer.groups_per_step = cfg.problems_per_step
     settings.trainer.group_size = cfg.group_size
     settings.trainer.max_staleness = cfg.max_staleness
+    if cfg.mode == "async" and "push_pause" not in settings.trainer.model_fields_set:
+        # rollouts run while weights change: rows in flight continue under the new weights
+        settings.trainer.push_pause = "in_place"
     timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
     try:  # stopped however the demo ends, also on Ctrl-C during start-up

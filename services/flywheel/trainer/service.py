@@ -284,7 +284,10 @@ def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
     """The disk pusher, wrapped by the distributed one when `push_mode = "distributed"`."""
     s = settings.trainer
     disk = WeightPusher(
-        settings.trainer_engine_urls(), timeout_s=s.push_timeout_s, attempts=s.push_attempts
+        settings.trainer_engine_urls(),
+        timeout_s=s.push_timeout_s,
+        attempts=s.push_attempts,
+        pause=s.push_pause,
     )
     if s.push_mode == "disk":
         return disk

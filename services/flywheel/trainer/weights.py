@@ -368,6 +368,8 @@ class WeightPusher:
         attempts: tries per engine.
         client: an httpx client (tests inject a mock transport).
         backoff_s: first retry delay in seconds (doubles, capped at 30 s).
+        pause: "in_place" = pause each engine in place around its update (rows in flight
+            continue under the new weights; `trainer.push_pause`), "none" = plain update.
     """
 
     def __init__(
@@ -378,7 +380,9 @@ class WeightPusher:
         attempts: int,
         client: httpx.Client | None = None,
         backoff_s: float = 1.0,
+        pause: str = "none",
     ):
+        self.pause = pause
         self.engine_urls = engine_urls
         self.timeout_s = timeout_s
         self.attempts = attempts
@@ -465,6 +469,32 @@ class WeightPusher:
             return None
 
     def _push_one(self, url: str, model_path: Path, version: int) -> None:
+        paused = self.pause == "in_place" and self._pause(url)
+        try:
+            self._update(url, model_path, version)
+        finally:
+            if paused:
+                self.client.post(f"{url.rstrip('/')}/continue_generation", json={}, timeout=60)
+
+    def _pause(self, url: str) -> bool:
+        """Pause `url` in place; False (logged) when the engine cannot."""
+        try:
+            reply = self.client.post(
+                f"{url.rstrip('/')}/pause_generation", json={"mode": "in_place"}, timeout=60
+            )
+        except httpx.HTTPError as exc:
+            log.warning("engine %s could not pause in place (%s); plain update", url, exc)
+            return False
+        if reply.status_code != 200:
+            log.warning(
+                "engine %s refused to pause in place (HTTP %s); plain update",
+                url,
+                reply.status_code,
+            )
+            return False
+        return True
+
+    def _update(self, url: str, model_path: Path, version: int) -> None:
         body = {
             "model_path": str(Path(model_path).resolve()),
             "weight_version": str(version),

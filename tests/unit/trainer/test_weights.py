@@ -110,9 +110,13 @@ class FakeEngine:
         return httpx.Response(200, json={"success": True, "message": "ok"})
 
 
-def pusher(engine: FakeEngine, urls=("http://e1", "http://e2"), attempts=3) -> WeightPusher:
+def pusher(
+    engine: FakeEngine, urls=("http://e1", "http://e2"), attempts=3, pause="none"
+) -> WeightPusher:
     client = httpx.Client(transport=httpx.MockTransport(engine))
-    return WeightPusher(list(urls), timeout_s=5, attempts=attempts, client=client, backoff_s=0)
+    return WeightPusher(
+        list(urls), timeout_s=5, attempts=attempts, client=client, backoff_s=0, pause=pause
+    )
 
 
 def test_push_reaches_every_engine_with_the_step_as_version(tmp_path):
@@ -168,6 +172,58 @@ def test_push_never_gives_an_engine_an_older_version(tmp_path):
     assert sorted(report.ok) == ["http://e1", "http://e2"] and report.skipped == ["http://e1"]
     engine.served["e1"] = "7"  # equal: already there, not pushed again
     assert pusher(engine).push(tmp_path, 7).skipped == ["http://e1"]
+
+
+class PausingEngine(FakeEngine):
+    """Also answers /pause_generation and /continue_generation (404 when `can_pause` is
+    false); every path is recorded in order."""
+
+    def __init__(self, can_pause=True, failures=0):
+        super().__init__(failures=failures)
+        self.can_pause = can_pause
+        self.paths: list[str] = []
+
+    def __call__(self, request):
+        if request.url.path != "/model_info":
+            self.paths.append(request.url.path)
+        if request.url.path in ("/pause_generation", "/continue_generation"):
+            if not self.can_pause:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, json={"status": "ok"})
+        return super().__call__(request)
+
+
+def test_an_in_place_push_pauses_updates_and_continues(tmp_path):
+    engine = PausingEngine()
+    pusher(engine, urls=["http://e1"], pause="in_place").push(tmp_path, 2)
+    assert engine.paths == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/continue_generation",
+    ]
+
+
+def test_a_paused_engine_is_continued_even_when_the_update_fails(tmp_path):
+    engine = PausingEngine(failures=100)
+    with pytest.raises(UpstreamError):
+        pusher(engine, urls=["http://e1"], attempts=2, pause="in_place").push(tmp_path, 2)
+    # every try pauses, fails, and continues: the engine is never left paused
+    assert (
+        engine.paths
+        == [
+            "/pause_generation",
+            "/update_weights_from_disk",
+            "/continue_generation",
+        ]
+        * 2
+    )
+
+
+def test_an_engine_that_cannot_pause_gets_a_plain_update(tmp_path):
+    engine = PausingEngine(can_pause=False)
+    report = pusher(engine, urls=["http://e1"], pause="in_place").push(tmp_path, 2)
+    assert report.ok == ["http://e1"]
+    assert engine.paths == ["/pause_generation", "/update_weights_from_disk"]
 
 
 def test_push_goes_to_every_engine_at_once(tmp_path):

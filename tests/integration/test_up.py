@@ -56,6 +56,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
         sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         _redis_killed_is_started_again(proc, stack["gateway"], sid)
+        _trainer_killed_is_started_again(proc, stack["trainer"])
         second = subprocess.run(
             [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
             capture_output=True,
@@ -72,6 +73,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, rest
     assert "stopped." in rest
     assert "flywheel: redis exited with -9; started it again" in rest
+    assert "flywheel: trainer exited with -9; started it again (1 of 3)" in rest
     time.sleep(0.5)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still running after Ctrl-C: {alive}"
@@ -101,6 +103,39 @@ def _redis_killed_is_started_again(up: subprocess.Popen, gateway: str, sid: str)
     assert up.poll() is None, "flywheel up stopped when its redis died"
     assert httpx.get(f"{gateway}/readyz", timeout=5).status_code == 200
     assert httpx.get(f"{gateway}/v1/sessions/{sid}", timeout=5).json()["status"] == "finished"
+
+
+def _trainer_killed_is_started_again(up: subprocess.Popen, trainer: str) -> None:
+    """SIGKILL the trainer: `flywheel up` starts it again (it resumes from its checkpoint and
+    commit log) and every other service keeps its process."""
+    children = psutil.Process(up.pid).children(recursive=True)
+
+    def is_trainer(p: psutil.Process) -> bool:
+        try:
+            return "flywheel.trainer" in " ".join(p.cmdline())
+        except psutil.Error:  # a process that is gone (or a zombie)
+            return False
+
+    (old,) = [c for c in children if is_trainer(c)]
+    others = {c.pid for c in children if not is_trainer(c)}
+    old.kill()
+    deadline = time.monotonic() + 120
+    new: list[psutil.Process] = []
+    while time.monotonic() < deadline:
+        new = [
+            c
+            for c in psutil.Process(up.pid).children(recursive=True)
+            if is_trainer(c) and c.pid != old.pid
+        ]
+        with contextlib.suppress(httpx.HTTPError):
+            if new and httpx.get(f"{trainer}/readyz", timeout=5).status_code == 200:
+                break
+        time.sleep(0.5)
+    assert up.poll() is None, "flywheel up stopped when its trainer died"
+    assert new, "the trainer was not started again"
+    assert httpx.get(f"{trainer}/readyz", timeout=5).status_code == 200
+    alive = {c.pid for c in psutil.Process(up.pid).children(recursive=True)}
+    assert others <= alive, "another service was restarted"
 
 
 def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]) -> str:

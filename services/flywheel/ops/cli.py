@@ -67,6 +67,8 @@ never gets healthy, an unreachable Redis, a bad setting, a failed model conversi
 
 
 REDIS_CHECK_S = 2.0
+TRAINER_RESTARTS = 3
+"""Times `flywheel up` starts an exited trainer again before it stops the stack instead."""
 """Seconds between `flywheel up`'s checks that every service (and its Redis) still runs."""
 
 
@@ -105,6 +107,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             "base_url). Ctrl-C stops everything.",
             flush=True,
         )
+        trainer_restarts = 0
         while True:
             time.sleep(REDIS_CHECK_S)
             try:
@@ -123,6 +126,17 @@ def cmd_up(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+            if trainer_restarts < TRAINER_RESTARTS:
+                code = stack.revive("trainer")
+                if code is not None:
+                    trainer_restarts += 1
+                    print(
+                        f"flywheel: trainer exited with {code}; started it again "
+                        f"({trainer_restarts} of {TRAINER_RESTARTS}): it resumes from its newest "
+                        f"checkpoint and commit log. Log: {stack.state_dir}/logs/trainer.log",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
             if dead:
                 print(

@@ -438,6 +438,19 @@ class Stack:
         self.redis.start()
         return code
 
+    def revive(self, name: str) -> int | None:
+        """Start service `name` again if its process exited, with the same command, settings
+        and log (the trainer resumes from its newest checkpoint and commit log, so a crashed
+        trainer loses nothing and trains nothing twice; the other services keep running).
+        Returns the exit code it had, or None when it runs (or is not in the stack)."""
+        service = next((s for s in self.services if s.name == name), None)
+        if service is None or service.proc is None or service.proc.poll() is None:
+            return None
+        code = service.proc.returncode
+        self.services.remove(service)
+        self._launch(service)
+        return code
+
     def stop(self, grace_s: float = 15.0) -> None:
         """Stop every child in reverse start order, then Redis."""
         for service in reversed(self.services):

@@ -221,6 +221,7 @@ def test_kill_between_checkpoints_then_resume_trains_each_sample_once(
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     step4 = [m for m in metrics if m["step"] == 4]
     assert len(step4) == 2 and step4[0]["n_samples"] == step4[1]["n_samples"] == 4
+    assert [m["replayed"] for m in step4] == [False, True]  # the second line says so
     assert step4[0]["reward/mean"] == step4[1]["reward/mean"]  # the same group again
     # versions never went backwards on the engine: step 4 was not pushed again when it was
     # already served, and every push was newer than the one before

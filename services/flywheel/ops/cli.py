@@ -409,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-size",
         type=_positive_int,
         default=8,
-        help="rollouts per problem, at least 1 (default 8)",
+        help="rollouts per problem (default 8); the trainer's group-relative advantage needs 2 "
+        "or more",
     )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(

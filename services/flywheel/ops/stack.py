@@ -215,6 +215,8 @@ class Stack:
         resolved = self.state_dir / "settings.json"
         resolved.write_text(json.dumps(s.model_dump(mode="json"), indent=2))
         self.env["FLYWHEEL_CONFIG"] = str(resolved.resolve())
+        if not self.only or "trainer" in self.only:
+            self._check_trainer_settings()
         engine_url = f"http://{s.engine.host}:{s.engine.port}"
         gateway_url = f"http://{s.gateway.host}:{s.gateway.port}"
         trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
@@ -437,6 +439,24 @@ class Stack:
         code = self.redis.proc.returncode
         self.redis.start()
         return code
+
+    def _check_trainer_settings(self) -> None:
+        """Refuse algorithm settings the trainer would refuse (unknown or dropped
+        `algorithm_params`, parts whose inputs are missing) before any service starts.
+
+        Raises:
+            ConfigurationError: the trainer's check failed (its message).
+        """
+        done = subprocess.run(
+            [sys.executable, "-m", "flywheel.trainer", "--check-settings"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            message = lines[-1] if lines else f"exit code {done.returncode}"
+            raise ConfigurationError(message.removeprefix("flywheel-trainer: "))
 
     def revive(self, name: str) -> int | None:
         """Start service `name` again if its process exited, with the same command, settings

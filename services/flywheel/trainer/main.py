@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
+from typing import Any
 
 from flywheel.core.settings import load_settings_or_exit
 
@@ -26,7 +28,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--config", default=None, help="TOML settings file (default: $FLYWHEEL_CONFIG, if set)"
     )
+    parser.add_argument(
+        "--check-settings",
+        action="store_true",
+        help="check the algorithm settings (parts, their parameters, inputs) and exit: 0 = valid",
+    )
     return parser.parse_args(argv)
+
+
+def settings_problem(settings: Any) -> str | None:
+    """Why the trainer cannot run with `settings` (the selected algorithm parts, their
+    `algorithm_params`, the inputs they need), or None. Needs torch, not the model."""
+    from flywheel.trainer.service import check_teacher_inputs  # noqa: PLC0415
+    from flywheel.trainer.step import StepConfig  # noqa: PLC0415
+
+    try:
+        StepConfig.from_settings(settings.trainer)
+        check_teacher_inputs(settings)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("resolved settings: %s", settings.dump())
+    problem = settings_problem(settings)
+    if problem is not None:
+        print(f"flywheel-trainer: invalid [trainer] settings: {problem}", file=sys.stderr)
+        return 2
+    if args.check_settings:
+        return 0
 
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 (after settings)
 

@@ -394,6 +394,8 @@ class Trainer:
         """(entry id, sample id) of steps committed since the newest checkpoint job."""
         self.unacked: set[str] = set()
         """Entries trained and not yet acked (their checkpoint is not durable yet)."""
+        self._replaying = False
+        """True while a recorded step is trained again (its metrics line says `replayed`)."""
         self._io_metrics: dict[str, float] = {}
         """Background checkpoint/push results, reported with the next step's metrics."""
         self._gathered: tuple[Any, Any] = (None, None)
@@ -487,7 +489,11 @@ class Trainer:
             REPLAYED_STEPS.inc()
             restore_rng(record.rng)
             if groups:
-                self._train(groups, [], time.perf_counter())
+                self._replaying = True
+                try:
+                    self._train(groups, [], time.perf_counter())
+                finally:
+                    self._replaying = False
 
     # ---------------------------------------------------------------- loop
 
@@ -845,6 +851,7 @@ class Trainer:
             "n_samples": sum(len(g.entries) for g in groups),
             "n_groups": len(groups),
             "skip_reason": skip_reason,
+            "replayed": self._replaying,
         }
         record |= {f"dropped/{reason}": n for reason, n in self._drops.items()}
         self._drops.clear()

@@ -146,3 +146,29 @@ def test_an_unreachable_external_redis_fails_before_any_service_starts(tmp_path,
     assert "FLYWHEEL_REDIS__URL" in message and "pw@" not in run.stderr
     state = tmp_path / "demo" / "stack" if command[0] == "demo" else tmp_path / "state"
     assert not (state / "logs").exists() or not any((state / "logs").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (
+            "[trainer.algorithm_params.ppo_clip]\nfoo = 1\n",
+            "algorithm part 'ppo_clip' takes no parameters",
+        ),
+        ("[trainer.algorithm_params.quantile]\nk = 0.5\n", "names ['quantile'], which are not"),
+    ],
+)
+def test_algorithm_settings_the_trainer_refuses_stop_up_before_any_service(
+    tmp_path, body, expected
+):
+    run = _run(
+        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", _config(tmp_path, body)],
+        _env(),
+        120,
+    )
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    message = run.stderr.strip().splitlines()[-1]
+    assert message.startswith("flywheel: invalid [trainer] settings: ") and expected in message
+    logs = tmp_path / "state" / "logs"
+    assert not logs.exists() or not any(logs.iterdir())  # no service was started

@@ -104,3 +104,22 @@ def test_on_a_running_stack_the_resolved_trainer_settings_name_the_timeline(
     assert seen["runner"].trainer_timeline == metrics.parent / "timeline.jsonl"
     err = capsys.readouterr().err
     assert "may lag 1 weight versions" in err and "max_staleness is 0" in err
+
+
+def test_async_demo_splits_a_shared_cpu_and_pauses_engines_in_place(monkeypatch):
+    import torch
+
+    from flywheel.core.settings import load_settings
+    from flywheel.ops import cli as cli_module
+
+    monkeypatch.setattr(cli_module.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    settings = load_settings()
+    cli_module._share_the_machine(settings)
+    assert (settings.engine.threads, settings.trainer.threads) == (2, 2)  # 4 cores, half each
+    assert settings.trainer.push_pause == "in_place"
+    # what the user set stays as set
+    chosen = load_settings(engine={"threads": 3}, trainer={"push_pause": "none"})
+    cli_module._share_the_machine(chosen)
+    assert (chosen.engine.threads, chosen.trainer.threads) == (3, 0)
+    assert chosen.trainer.push_pause == "none"

@@ -198,6 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _share_the_machine(settings)
     timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
+    runner = None
     try:  # stopped however the demo ends, also on Ctrl-C during start-up
         try:
             stack.start()
@@ -205,12 +206,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _start_failed(stack, exc)
             return 1
         urls = {s.name: s.url for s in stack.services}
-        return _run_demo(
-            DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline),
-            started,
-        )
+        runner = DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline)
+        return _run_demo(runner, started)
     finally:
         stack.stop()
+        if runner is not None:  # the trainer's stop checkpoint and last push are drawn too
+            try:
+                runner.draw_timeline()
+            except Exception as exc:  # noqa: BLE001 (the demo's own outcome comes first)
+                print(f"flywheel: timeline.png not redrawn: {exc}", file=sys.stderr)
 
 
 def _running_trainer_settings(settings: FlywheelSettings) -> dict:

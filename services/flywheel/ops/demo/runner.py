@@ -99,6 +99,8 @@ class DemoRunner:
         self.out = out
         self.echo = echo
         self.trainer_timeline = trainer_timeline or out / "timeline.jsonl"
+        self.timeline_origin: float | None = None
+        """The demo's start in unix seconds, once `run` began."""
         self.timeline: list[TimelineEvent] = []
         """The demo's own spans of this run (also in `out/demo_timeline.jsonl`)."""
         self.http = httpx.Client(timeout=600)
@@ -189,6 +191,19 @@ class DemoRunner:
         self._record("eval", step, start, time.time())
         return accuracy
 
+    def draw_timeline(self) -> int:
+        """Draw `timeline.png` from the demo's spans and the trainer's `timeline.jsonl` as they
+        are now (again after the stack stopped, so the trainer's stop checkpoint is in it);
+        returns the malformed lines skipped. Nothing before `run` set the origin."""
+        if self.timeline_origin is None:
+            return 0
+        return plot_timeline(
+            [*self.timeline, *read_timeline_lines(self.trainer_timeline)],
+            self.out / "timeline.png",
+            origin=self.timeline_origin,
+            title=f"Flywheel demo timeline ({self.cfg.mode}, max_staleness {self.staleness})",
+        )
+
     def run(self, started_at: float | None = None) -> dict[str, float]:
         """Run the whole demo; writes metrics.jsonl, demo_timeline.jsonl, reward_curve.png,
         timeline.png and summary.json into `out`.
@@ -251,12 +266,8 @@ class DemoRunner:
         plot_rewards(
             steps, rewards, {0: eval_before, len(steps): eval_after}, self.out / "reward_curve.png"
         )
-        malformed = plot_timeline(
-            [*self.timeline, *read_timeline_lines(self.trainer_timeline)],
-            self.out / "timeline.png",
-            origin=origin,
-            title=f"Flywheel demo timeline ({self.cfg.mode}, max_staleness {self.staleness})",
-        )
+        self.timeline_origin = origin
+        malformed = self.draw_timeline()
         if malformed:
             self.echo(
                 f"timeline.png: skipped {malformed} malformed line(s) of {self.trainer_timeline}"

@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 
 CONSUMER_GROUP = "trainer"
 """The trainer's consumer group on the train stream."""
+GONE_CONSUMER_IDLE_MS = 600_000
+"""A consumer of the trainer's group idle this long with nothing pending is removed."""
 
 
 class SampleSource(Protocol):
@@ -94,6 +96,7 @@ class RedisSource:
     def read(self, count: int, block_ms: int) -> list[StreamEntry]:
         if not self._recovered:
             self._recovered = True
+            self.forget_gone_consumers()
             own = self._own_pending(count)
             if own:
                 log.info(
@@ -103,6 +106,24 @@ class RedisSource:
                 )
                 return own
         return self.consumer.read(count=count, block_ms=block_ms)
+
+    def forget_gone_consumers(self, idle_ms: int = GONE_CONSUMER_IDLE_MS) -> list[str]:
+        """Delete the group's other consumers that hold no pending entry and were idle for
+        `idle_ms` (earlier trainer processes, e.g. before a restart under a new name): they
+        have nothing to lose, and a live one is created again by its next read. Returns the
+        names deleted (logged)."""
+        c = self.consumer
+        gone = []
+        consumers: Any = c.client.xinfo_consumers(c.stream, c.group)
+        for info in consumers:
+            raw = info["name"]
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if name != c.consumer and int(info["pending"]) == 0 and int(info["idle"]) >= idle_ms:
+                c.client.xgroup_delconsumer(c.stream, c.group, name)
+                gone.append(name)
+        if gone:
+            log.info("removed %d gone consumers without pending entries: %s", len(gone), gone)
+        return gone
 
     def _own_pending(self, count: int) -> list[StreamEntry]:
         c = self.consumer

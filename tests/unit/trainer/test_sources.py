@@ -106,3 +106,23 @@ def test_check_trainable_refuses_ids_outside_the_vocabulary_and_non_finite_rewar
             bad.rewards[name] = value
         with pytest.raises(ContractError, match=f"{name}.* is {value}"):
             check_trainable(bad)
+
+
+def test_gone_consumers_without_pending_entries_are_forgotten(redis_client, prefix):
+    from flywheel.core.streams import StreamConsumer
+    from flywheel.trainer.sources import CONSUMER_GROUP, RedisSource
+
+    stream = f"{prefix}:train"
+    redis_client.xadd(stream, {"x": "1"})
+    redis_client.xgroup_create(stream, CONSUMER_GROUP, id="0")
+    # an earlier trainer that holds nothing any more, and one that still holds an entry
+    redis_client.xgroup_createconsumer(stream, CONSUMER_GROUP, "old-empty")
+    redis_client.xreadgroup(CONSUMER_GROUP, "old-holding", {stream: ">"}, count=1)
+    consumer = StreamConsumer(
+        redis_client, stream, CONSUMER_GROUP, "new", dead_stream=f"{prefix}:dead"
+    )
+    source = RedisSource(consumer)
+    assert source.forget_gone_consumers(idle_ms=10**9) == []  # not idle long enough
+    assert source.forget_gone_consumers(idle_ms=0) == ["old-empty"]
+    names = {c["name"] for c in redis_client.xinfo_consumers(stream, CONSUMER_GROUP)}
+    assert {n.decode() if isinstance(n, bytes) else n for n in names} == {"old-holding"}

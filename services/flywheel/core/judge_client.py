@@ -253,10 +253,7 @@ class AsyncJudgeClient:
         return content if isinstance(content, str) else ""
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        kind = getattr(exc, "kind", "unknown")
-        self.metrics.retries.labels(self.name, kind).inc()
-        log.info("judge %s try %d failed (%s); retrying", self.name, state.attempt_number, exc)
+        _count_retry(self.metrics, self.name, state)
 
     async def aclose(self) -> None:
         """Close this loop's HTTP client."""
@@ -266,8 +263,20 @@ class AsyncJudgeClient:
             await pair[0].aclose()
 
 
+def _count_retry(metrics: JudgeMetrics, name: str, state: tenacity.RetryCallState) -> None:
+    """Count and log one failed try that is retried (reason: the error's `kind`)."""
+    exc = state.outcome.exception() if state.outcome else None
+    metrics.retries.labels(name, getattr(exc, "kind", "unknown")).inc()
+    log.info("judge %s try %d failed (%s); retrying", name, state.attempt_number, exc)
+
+
 class JudgeInfraError(Exception):
-    """Sync client: timeout, connection error, 429 or 5xx after every try."""
+    """Sync client: timeout, connection error, 429 or 5xx after every try. `kind` is
+    "timeout", "connection" or "server_error" (the retry metric's reason)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
 
 
 class JudgeClient:
@@ -335,15 +344,15 @@ class JudgeClient:
                 resp = self.http.post("/chat/completions", json=body)
             except httpx.TimeoutException as exc:
                 self.metrics.up.labels(self.name).set(0)
-                raise JudgeInfraError(f"timeout: {exc}") from exc
+                raise JudgeInfraError("timeout", str(exc)) from exc
             except httpx.TransportError as exc:
                 self.metrics.up.labels(self.name).set(0)
-                raise JudgeInfraError(f"{type(exc).__name__}: {exc}") from exc
+                raise JudgeInfraError("connection", f"{type(exc).__name__}: {exc}") from exc
             finally:
                 self.metrics.call_seconds.labels(self.name).observe(time.perf_counter() - start)
         if resp.status_code == 429 or resp.status_code >= 500:
             self.metrics.up.labels(self.name).set(0)
-            raise JudgeInfraError(f"HTTP {resp.status_code}")
+            raise JudgeInfraError("server_error", f"HTTP {resp.status_code}")
         self.metrics.up.labels(self.name).set(1)
         if resp.status_code != 200:
             raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -353,12 +362,7 @@ class JudgeClient:
             raise ValueError(f"not an OpenAI chat completion: {resp.text[:200]}") from exc
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
-        reason = "timeout" if str(exc).startswith("timeout") else "server_error"
-        if not str(exc).startswith(("timeout", "HTTP")):
-            reason = "connection"
-        self.metrics.retries.labels(self.name, reason).inc()
-        log.info("judge %s try %d failed (%s); retrying", self.name, state.attempt_number, exc)
+        _count_retry(self.metrics, self.name, state)
 
     def close(self) -> None:
         """Close the HTTP client."""

@@ -22,11 +22,16 @@ import json
 import logging
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from flywheel.core.streams import StreamEntry
+from flywheel.trainer.groups import Group
+from flywheel.trainer.staleness import Treatment
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,25 @@ class CommitRecord:
     @property
     def entry_ids(self) -> list[str]:
         return [e for g in self.groups for e in g.entry_ids]
+
+    def groups_of(self, entries: Sequence[StreamEntry]) -> tuple[list[Group], list[str]]:
+        """The step's groups rebuilt from its claimed `entries`, in the recorded order and with
+        the recorded treatments; also the recorded entry ids that are missing (left out; a
+        group left with no member is dropped)."""
+        by_id = {e.entry_id: e for e in entries}
+        groups = []
+        for g in self.groups:
+            treatments = g.treatments or [("fresh", 1.0)] * len(g.entry_ids)
+            kept = [
+                (by_id[e], (Treatment(t), w))
+                for e, (t, w) in zip(g.entry_ids, treatments, strict=True)
+                if e in by_id
+            ]
+            if kept:
+                groups.append(
+                    Group(g.group_id, 0.0, [e for e, _ in kept], treatments=[t for _, t in kept])
+                )
+        return groups, [e for e in self.entry_ids if e not in by_id]
 
     def to_json(self) -> str:
         return json.dumps(

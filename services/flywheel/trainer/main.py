@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings_problem(settings: Any) -> str | None:
     """Why the trainer cannot run with `settings` (the selected algorithm parts, their
     `algorithm_params`, the inputs they need), or None. Needs torch, not the model."""
-    from flywheel.trainer.service import check_teacher_inputs  # noqa: PLC0415
+    from flywheel.trainer.policy import check_teacher_inputs  # noqa: PLC0415
     from flywheel.trainer.step import StepConfig  # noqa: PLC0415
 
     try:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     world = init_world()
     if world is not None and not world.main:
-        from flywheel.trainer.service import run_follower  # noqa: PLC0415
+        from flywheel.trainer.policy import run_follower  # noqa: PLC0415
 
         try:
             steps = run_follower(settings, world)

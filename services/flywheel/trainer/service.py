@@ -1,36 +1,18 @@
-"""The trainer loop (docs/architecture.md):
+"""The trainer loop (docs/architecture.md#the-trainer-loop; delivery: docs/streams.md):
 
     read source -> admit into groups -> (enough ready) -> stale: drop / down-weight / IS-correct
     -> advantages -> optimizer step -> commit record -> (background) push weights to every
     engine -> (every checkpoint_every steps, background) full checkpoint -> ack -> metrics
 
-Delivery (exactly once with respect to the source): a step is committed by a small durable
-record (commits.py: its groups' entry ids, sample ids and RNG state), not by a checkpoint.
-Full checkpoints (model, AdamW, scheduler, RNG) are written every `checkpoint_every` steps from
-a CPU snapshot, in a background thread while the next steps train; an entry is acked only once
-the checkpoint covering its step is durable, so the pending entries are the replay log. After a
-crash the trainer restores the newest checkpoint, acks what it covers (a crash between the
-checkpoint and its acks), and trains the recorded steps after it again, in order, with the same
-groups, staleness treatments and RNG states (`replay`); then it reads the stream as usual.
-Entries trained but not yet covered by a checkpoint are never admitted twice, and sample ids
-already trained are dropped as duplicates (idempotency by `sample_id`). Dropped samples are
-acked or dead-lettered at once (see `groups.DropReason`), each counted and logged.
-
-Weight push: every `push_every` committed steps the weights are copied to the CPU (in the
-engine's dtype) and a background thread writes them to `weights/v_<version>/` and loads them
-into every engine at once, while the next step trains; a push never overlaps the previous one,
-and a version still waiting when a newer one arrives is skipped. Versions never go backwards on
-an engine: an engine that already serves the version (or a newer one) is left as it is, which
-is what happens while a resumed trainer trains its recorded steps again. An engine that fails
-all its attempts is counted (`flywheel_trainer_weight_push_failures_total{engine}`), logged,
-shown in `/status` as behind, and given the newest weights again at the next step; if every
-engine fails, the trainer stops with the error (a restart pushes its weights again).
-`background_io = false` runs checkpoints and pushes on the step's critical path instead.
-
-Redis outages: a read that fails is retried with backoff (0.5 s doubling to 10 s) until Redis
-answers again, each failure counted (`flywheel_trainer_redis_errors_total`) and logged; acks and
-dead letters of entries already taken from the stream are retried the same way, so no entry is
-left pending and held once Redis is back.
+A step is committed by a durable record (commits.py), not by a checkpoint; entries are acked
+once the checkpoint covering them is durable, and a resumed trainer trains the recorded steps
+after its newest checkpoint again (`replay`). Pushes and checkpoints run from CPU snapshots in
+background threads (background.py; `background_io = false` runs them on the critical path);
+an engine is never given an older version than it serves (weights.py). An engine that fails
+every push attempt is counted, logged, shown as behind and given the newest weights at the next
+step; if every engine fails the trainer stops. Dropped samples are acked or dead-lettered at
+once (`groups.DropReason`), each counted and logged. Redis outages are waited out
+(redis_retry.py): reads, acks and dead letters are retried until Redis answers again.
 """
 
 from __future__ import annotations
@@ -41,7 +23,6 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -49,8 +30,6 @@ import redis
 import torch
 from transformers import PreTrainedModel
 
-from flywheel.core.codec import decode_sample
-from flywheel.core.paths import resolve_model_path
 from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamEntry
 from flywheel.trainer.background import (
@@ -62,169 +41,37 @@ from flywheel.trainer.background import (
 from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
 from flywheel.trainer.distributed import World
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
-from flywheel.trainer.leases import LeaseKeeper, NullLeases
+from flywheel.trainer.policy import TrainerParts, build_policy, build_pusher, training_state
 from flywheel.trainer.redis_retry import retry_redis
-from flywheel.trainer.sources import FakeSource, SampleSource, build_source
-from flywheel.trainer.staleness import StalenessPolicy, Treatment
+from flywheel.trainer.sources import FakeSource, build_source
+from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import (
     StepConfig,
-    build_optimizer,
-    build_scheduler,
-    native_bf16,
     prepare_batch,
-    resolve_precision,
     train_step,
 )
 from flywheel.trainer.telemetry import (
     CHECKPOINT_SECONDS,
-    PUSHES_COALESCED,
     REPLAY_MISSING,
     REPLAYED_STEPS,
     SAMPLE_LAG,
-    MetricsSink,
     Timeline,
     TrainerStatus,
     build_sink,
-    record_push,
+    folder_mib,
+    lag_metrics,
+    report_push,
 )
 from flywheel.trainer.weights import (
     Checkpoint,
-    CheckpointStore,
-    WeightPusher,
     WeightsStore,
     cpu_snapshot,
-    load_model,
+    cpu_tree,
     load_training_state,
-    resolve_device,
     servable_state,
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainerParts:
-    """Everything the loop uses, built by `build_trainer` (tests build their own)."""
-
-    model: PreTrainedModel
-    optimizer: torch.optim.Optimizer
-    consumer: SampleSource
-    """The source of entries (redis stream, replay or fake)."""
-    pusher: WeightPusher
-    store: CheckpointStore
-    leases: LeaseKeeper | NullLeases
-    sink: MetricsSink
-    status: TrainerStatus
-    version: int
-    """Committed optimizer steps of the loaded weights (0 = the initial model)."""
-    reference: PreTrainedModel | None = None
-    """Frozen reference policy for the KL term (None when kl_coef is 0)."""
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    world: World | None = None
-    """Data-parallel ranks (this is rank 0) or None."""
-    trained: torch.nn.Module | None = None
-    """What `train_step` runs: the FSDP2 root (`ShardedPolicy`) under fsdp2, else None (the
-    model itself)."""
-
-
-@dataclass
-class Policy:
-    """The trained model and what its updates need (the same on every rank)."""
-
-    model: PreTrainedModel
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    reference: PreTrainedModel | None
-    latest: Checkpoint | None
-    store: CheckpointStore
-    source_dir: Path
-    trained: torch.nn.Module | None = None
-    """The FSDP2 root under fsdp2 (what train_step runs), else None."""
-
-
-def build_policy(settings: FlywheelSettings, world: World | None = None) -> Policy:
-    """Load the newest checkpoint (or the initial model) with LoRA, reference, AdamW and the LR
-    schedule, and restore their training state. With `world` and `distributed_strategy =
-    "fsdp2"`, the model is sharded (fsdp.py) before AdamW is built over the shards.
-
-    Raises:
-        ValueError: fsdp2 with LoRA, the distributed weight push, or algorithm parts that run
-            their own forward through the model; top-k distillation without teacher top-k.
-    """
-    s = settings.trainer
-    bf16, why = resolve_precision(s.precision, resolve_device(s.device))
-    emulated = bf16 and not native_bf16(resolve_device(s.device))
-    (log.warning if emulated else log.info)("trainer precision: %s", why)
-    fsdp = world is not None and s.distributed_strategy == "fsdp2"
-    if fsdp:
-        check_fsdp_settings(settings)
-    check_teacher_inputs(settings)
-    torch.manual_seed(s.seed)
-    random.seed(s.seed)
-    source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
-    store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source_dir)
-    latest = store.latest()
-    model = load_model(latest.path if latest else source_dir, s.device)
-    if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if s.lora_rank > 0:
-        from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
-
-        model = add_lora(model, s)
-    reference = None
-    if s.kl_coef > 0:
-        ref_path = (
-            resolve_model_path(s.reference_model_path) if s.reference_model_path else (source_dir)
-        )
-        reference = load_model(ref_path, s.device).requires_grad_(False).eval()
-        log.info("KL reference policy (frozen) loaded from %s", ref_path)
-    trained = None
-    if fsdp:
-        from flywheel.trainer.fsdp import shard_policy  # noqa: PLC0415
-
-        trained = shard_policy(model)
-        assert world is not None  # fsdp is only chosen with a world
-        log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
-    optimizer = build_optimizer(model, s)
-    scheduler = build_scheduler(optimizer, s)
-    if latest is not None:
-        restore_training_state(optimizer, scheduler, latest, trained)
-    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
-
-
-def check_teacher_inputs(settings: FlywheelSettings) -> None:
-    """Refuse a selected part that reads the teacher's top-k when the teacher keeps none: the
-    Samples would carry no top-k and the term would silently add 0.
-
-    Raises:
-        ValueError: a top-k distillation regularizer with `[teacher] top_k = 0`.
-    """
-    algo = StepConfig.from_settings(settings.trainer).algo
-    if algo.needs_teacher_topk and settings.teacher.top_k == 0:
-        raise ValueError(
-            "a selected regularizer (distill_topk) reads the teacher's top-k "
-            "logprobs, but [teacher] top_k = 0 keeps none: set [teacher] "
-            "enabled = true and top_k > 0 (e.g. 8), or remove the regularizer"
-        )
-
-
-def check_fsdp_settings(settings: FlywheelSettings) -> None:
-    """Refuse what fsdp2 does not combine with (see fsdp.py).
-
-    Raises:
-        ValueError: LoRA, push_mode distributed, or an algorithm part with its own forward.
-    """
-    s = settings.trainer
-    algo = StepConfig.from_settings(s).algo
-    if s.lora_rank > 0:
-        raise ValueError("distributed_strategy = 'fsdp2' with lora_rank > 0 is not supported")
-    if s.push_mode == "distributed":
-        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = 'disk'")
-    if algo.needs_topk or algo.needs_entropy_pass:
-        raise ValueError(
-            "distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
-            "own forward (top-k regularizers, entropy-scored token weights)"
-        )
 
 
 def build_trainer(
@@ -278,81 +125,6 @@ def build_trainer(
     trainer = Trainer(settings, parts)
     trainer.resume(latest)
     return trainer
-
-
-def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
-    """The disk pusher, wrapped by the distributed one when `push_mode = "distributed"`."""
-    s = settings.trainer
-    disk = WeightPusher(
-        settings.trainer_engine_urls(),
-        timeout_s=s.push_timeout_s,
-        attempts=s.push_attempts,
-        pause=s.push_pause,
-    )
-    if s.push_mode == "disk":
-        return disk
-    from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
-
-    return DistributedPusher(
-        disk,
-        model,
-        master_address=s.push_master_address,
-        backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
-        timeout_s=s.push_timeout_s,
-    )
-
-
-def run_follower(settings: FlywheelSettings, world: World) -> int:
-    """A rank > 0 under torchrun: train the batches rank 0 broadcasts until it says stop;
-    returns the steps taken."""
-    policy = build_policy(settings, world)
-    cfg = StepConfig.from_settings(settings.trainer)
-    steps = 0
-    while True:
-        message = world.broadcast(None)
-        if message[0] == "stop":
-            return steps
-        _, payloads, treatments = message
-        groups = [[decode_sample(p) for p in group] for group in payloads]
-        batch, _ = prepare_batch(groups, cfg, treatments)
-        result = train_step(
-            cast(PreTrainedModel, policy.trained or policy.model),
-            policy.optimizer,
-            batch,
-            cfg,
-            reference=policy.reference,
-            scheduler=policy.scheduler,
-            world=world,
-        )
-        if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
-            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
-
-            gather_checkpoint(
-                policy.model, policy.optimizer, policy.trained, settings.trainer.save_optimizer
-            )
-        steps += not result.skipped
-
-
-def restore_training_state(
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    latest: Checkpoint,
-    trained: torch.nn.Module | None = None,
-) -> None:
-    """AdamW and scheduler state of `latest`, where it has them (logged when not). Under
-    FSDP2 (`trained` is the root) the saved full AdamW state is sharded onto this rank."""
-    optimizer_state = load_training_state(latest.path, "optimizer")
-    if optimizer_state is not None and trained is not None:
-        from flywheel.trainer.fsdp import load_full_optimizer_state  # noqa: PLC0415
-
-        load_full_optimizer_state(trained, optimizer, optimizer_state)
-    elif optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
-    else:
-        log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
-    scheduler_state = load_training_state(latest.path, "scheduler")
-    if scheduler_state is not None and scheduler is not None:
-        scheduler.load_state_dict(scheduler_state)
 
 
 class Trainer:
@@ -457,8 +229,7 @@ class Trainer:
                     records[-1].step,
                 )
                 return
-            by_id = {e.entry_id: e for e in entries}
-            missing = [e for e in record.entry_ids if e not in by_id]
+            groups, missing = record.groups_of(entries)
             if missing:
                 REPLAY_MISSING.inc(len(missing))
                 log.error(
@@ -468,23 +239,7 @@ class Trainer:
                     len(missing),
                     missing[:5],
                 )
-            groups = []
-            for g in record.groups:
-                kept = [
-                    (by_id[e], (Treatment(t), w))
-                    for e, (t, w) in zip(
-                        g.entry_ids,
-                        g.treatments or [("fresh", 1.0)] * len(g.entry_ids),
-                        strict=True,
-                    )
-                    if e in by_id
-                ]
-                if kept:
-                    group = Group(g.group_id, 0.0, [e for e, _ in kept])
-                    group.treatments = [t for _, t in kept]
-                    groups.append(group)
-            for e in entries:
-                self.parts.leases.hold([e.entry_id])
+            self.parts.leases.hold([e.entry_id for e in entries])
             log.info("training recorded step %d again (%d groups)", record.step, len(groups))
             REPLAYED_STEPS.inc()
             restore_rng(record.rng)
@@ -627,7 +382,7 @@ class Trainer:
         metrics = (
             result.metrics
             | adv_metrics
-            | _lag_metrics(lags)
+            | lag_metrics(lags)
             | {
                 "time/wait_s": wait_s,
                 "time/prepare_s": t1 - t0,
@@ -734,7 +489,14 @@ class Trainer:
             step=self.version,
             model=base,
             state_dict=cpu_snapshot(self._model_state()),
-            training=_cpu_tree(self._training_state(self._gathered[1])),
+            training=cpu_tree(
+                training_state(
+                    self.parts.optimizer,
+                    self.parts.scheduler,
+                    self.s.save_optimizer,
+                    *self._gathered[1:],
+                )
+            ),
             state=state,
             entry_ids=state["entry_ids"],
         )
@@ -767,7 +529,7 @@ class Trainer:
             self.timeline.event("checkpoint", job.step, job.start, job.end)
             self._io_metrics |= {
                 "checkpoint/write_s": job.end - job.start,
-                "checkpoint/mib": _folder_mib(job.path),
+                "checkpoint/mib": folder_mib(job.path),
             }
             log.info(
                 "checkpoint of step %d durable in %.1f s; acked %d entries",
@@ -779,55 +541,22 @@ class Trainer:
             self._record_push(outcome, raise_errors)
 
     def _record_push(self, outcome: PushOutcome, raise_errors: bool) -> None:
-        if outcome.coalesced:
-            PUSHES_COALESCED.inc()
-            log.info("weight version %d not pushed: newer weights came first", outcome.version)
+        behind = report_push(outcome, self.parts.pusher.engine_urls, self.timeline)
+        if behind is None:  # coalesced: nothing was pushed
             return
-        self.timeline.event("push", outcome.version, outcome.start, outcome.end)
+        self.behind = behind
+        self.parts.status.set_engines_behind(behind)
         if outcome.error is not None:
-            failed = dict.fromkeys(self.parts.pusher.engine_urls, str(outcome.error))
-            record_push(outcome.version, [], failed, 0.0)
-            self.behind = failed
-            self.parts.status.set_engines_behind(failed)
-            log.error(
-                "weight push of version %d failed on every engine (%s); a restart pushes the "
-                "weights again",
-                outcome.version,
-                outcome.error,
-            )
             if raise_errors:
                 raise outcome.error
             return
-        report = outcome.report
-        assert report is not None
-        record_push(outcome.version, report.ok, report.failed, report.seconds)
-        self.last_push_via = report.via
-        self.behind = dict(report.failed)
-        self.parts.status.set_engines_behind(self.behind)
+        assert outcome.report is not None
+        self.last_push_via = outcome.report.via
         self._io_metrics |= {
             "push/write_s": outcome.write_s,
-            "push/load_s": report.seconds,
+            "push/load_s": outcome.report.seconds,
             "push/version": float(outcome.version),
         }
-        for url, error in report.failed.items():
-            log.error(
-                "engine %s is behind: weight version %d failed (%s); it gets the newest "
-                "weights again at the next step",
-                url,
-                outcome.version,
-                error,
-            )
-
-    def _training_state(self, optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
-        if not self.s.save_optimizer:
-            return {}
-        state: dict[str, Any] = {
-            "optimizer": optimizer_state or self.parts.optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        if self.parts.scheduler is not None:
-            state["scheduler"] = self.parts.scheduler.state_dict()
-        return state
 
     def _skip(self, groups: Sequence[Group], reason: str, metrics: dict[str, Any]) -> None:
         """A skipped step trains nothing. Its samples are dropped: dead-lettered when they made
@@ -862,26 +591,3 @@ class Trainer:
         self.pusher.close()
         self.parts.pusher.close()
         self.parts.sink.close()
-
-
-def _cpu_tree(value: Any) -> Any:
-    """`value` with every tensor inside dicts, lists and tuples copied to the CPU (so the
-    optimizer's live state can change while the copy is written)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _cpu_tree(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_cpu_tree(v) for v in value)
-    return value
-
-
-def _folder_mib(path: Path) -> float:
-    """MiB of the files under `path` (a checkpoint: weights, tokenizer, training state)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
-
-
-def _lag_metrics(lags: Sequence[int]) -> dict[str, float]:
-    if not lags:
-        return {}
-    return {"staleness/lag_mean": sum(lags) / len(lags), "staleness/lag_max": float(max(lags))}

@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -286,3 +287,47 @@ class TrainerStatus:
                 "engines_behind": dict(self.engines_behind),
                 "uptime_s": time.time() - self.started_at,
             }
+
+
+def report_push(outcome: Any, engine_urls: list[str], timeline: Timeline) -> dict[str, str] | None:
+    """Count, log and draw one finished push (`background.PushOutcome`); returns the engines
+    now behind (URL -> error; every engine when the push failed everywhere), or None for a
+    version skipped because newer weights came first."""
+    if outcome.coalesced:
+        PUSHES_COALESCED.inc()
+        log.info("weight version %d not pushed: newer weights came first", outcome.version)
+        return None
+    timeline.event("push", outcome.version, outcome.start, outcome.end)
+    if outcome.error is not None:
+        failed = dict.fromkeys(engine_urls, str(outcome.error))
+        record_push(outcome.version, [], failed, 0.0)
+        log.error(
+            "weight push of version %d failed on every engine (%s); a restart pushes the "
+            "weights again",
+            outcome.version,
+            outcome.error,
+        )
+        return failed
+    report = outcome.report
+    record_push(outcome.version, report.ok, report.failed, report.seconds)
+    for url, error in report.failed.items():
+        log.error(
+            "engine %s is behind: weight version %d failed (%s); it gets the newest weights "
+            "again at the next step",
+            url,
+            outcome.version,
+            error,
+        )
+    return dict(report.failed)
+
+
+def folder_mib(path: Path) -> float:
+    """MiB of the files under `path` (a checkpoint: weights, tokenizer, training state)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
+
+
+def lag_metrics(lags: Sequence[int]) -> dict[str, float]:
+    """Mean and max staleness (versions) of the samples a step examined; {} for none."""
+    if not lags:
+        return {}
+    return {"staleness/lag_mean": sum(lags) / len(lags), "staleness/lag_max": float(max(lags))}

@@ -202,6 +202,18 @@ def cpu_snapshot(
     return out
 
 
+def cpu_tree(value: Any) -> Any:
+    """`value` with every tensor inside dicts, lists and tuples copied to the CPU (so the
+    optimizer's live state can change while the copy is written)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(cpu_tree(v) for v in value)
+    return value
+
+
 def unique_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` without the later names of tensors that share storage with an earlier one (a
     tied `lm_head.weight` after `model.embed_tokens.weight`): safetensors stores each once."""
@@ -388,7 +400,6 @@ class WeightPusher:
         self.attempts = attempts
         self.client = client or httpx.Client()
         self.backoff_s = backoff_s
-        self._spans: dict[str, tuple[float, float]] = {}
 
     def push(self, model_path: Path, version: int) -> PushReport:
         """Push to every engine at once (one thread per engine). An engine that already
@@ -399,18 +410,12 @@ class WeightPusher:
         """
         t0 = time.perf_counter()
         report = PushReport(version, [], {}, 0.0)
-        self._spans = {}
-        if len(self.engine_urls) == 1:
-            results = [self._push_with_retries(self.engine_urls[0], model_path, version)]
-        else:
-            with ThreadPoolExecutor(max_workers=len(self.engine_urls)) as pool:
-                results = list(
-                    pool.map(
-                        lambda url: self._push_with_retries(url, model_path, version),
-                        self.engine_urls,
-                    )
-                )
-        for url, error in zip(self.engine_urls, results, strict=True):
+        with ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls))) as pool:
+            results = list(
+                pool.map(lambda url: self._timed_push(url, model_path, version), self.engine_urls)
+            )
+        for url, (error, span) in zip(self.engine_urls, results, strict=True):
+            report.spans[url] = span
             if error is None:
                 report.ok.append(url)
             elif error == SKIPPED:
@@ -418,7 +423,6 @@ class WeightPusher:
                 report.skipped.append(url)
             else:
                 report.failed[url] = error
-        report.spans = dict(self._spans)
         report.seconds = time.perf_counter() - t0
         if self.engine_urls and not report.ok:
             last = next(reversed(report.failed.values()))
@@ -428,16 +432,17 @@ class WeightPusher:
             )
         return report
 
+    def _timed_push(
+        self, url: str, model_path: Path, version: int
+    ) -> tuple[str | None, tuple[float, float]]:
+        """(outcome, wall-clock span) of `_push_with_retries`."""
+        start = time.time()
+        outcome = self._push_with_retries(url, model_path, version)
+        return outcome, (start, time.time())
+
     def _push_with_retries(self, url: str, model_path: Path, version: int) -> str | None:
         """None when `url` took `version`, SKIPPED when it already serves it or a newer one,
-        else the last error; the call's wall-clock span goes to `self._spans`."""
-        start = time.time()
-        try:
-            return self._push_tries(url, model_path, version)
-        finally:
-            self._spans[url] = (start, time.time())
-
-    def _push_tries(self, url: str, model_path: Path, version: int) -> str | None:
+        else the last error."""
         served = self.served_version(url)
         if served is not None and served >= version:
             log.info("engine %s serves version %d; version %d not pushed", url, served, version)

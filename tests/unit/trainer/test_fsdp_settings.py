@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from flywheel.core.settings import load_settings
-from flywheel.trainer.service import check_fsdp_settings, check_teacher_inputs
+from flywheel.trainer.policy import check_fsdp_settings, check_teacher_inputs
 
 
 @pytest.mark.parametrize(

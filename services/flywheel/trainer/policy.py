@@ -1,0 +1,261 @@
+"""The policy a trainer process trains: loading (or resuming) the model with LoRA, the
+reference, AdamW and the LR schedule; the checks of settings the step cannot run with; the
+weight pusher; and the loop of a rank > 0 under torchrun."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from transformers import PreTrainedModel
+
+from flywheel.core.codec import decode_sample
+from flywheel.core.paths import resolve_model_path
+from flywheel.core.settings import FlywheelSettings
+from flywheel.trainer.distributed import World
+from flywheel.trainer.leases import LeaseKeeper, NullLeases
+from flywheel.trainer.sources import SampleSource
+from flywheel.trainer.step import (
+    StepConfig,
+    build_optimizer,
+    build_scheduler,
+    native_bf16,
+    prepare_batch,
+    resolve_precision,
+    train_step,
+)
+from flywheel.trainer.telemetry import MetricsSink, TrainerStatus
+from flywheel.trainer.weights import (
+    Checkpoint,
+    CheckpointStore,
+    WeightPusher,
+    load_model,
+    load_training_state,
+    resolve_device,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerParts:
+    """Everything the loop uses, built by `build_trainer` (tests build their own)."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    consumer: SampleSource
+    """The source of entries (redis stream, replay or fake)."""
+    pusher: WeightPusher
+    store: CheckpointStore
+    leases: LeaseKeeper | NullLeases
+    sink: MetricsSink
+    status: TrainerStatus
+    version: int
+    """Committed optimizer steps of the loaded weights (0 = the initial model)."""
+    reference: PreTrainedModel | None = None
+    """Frozen reference policy for the KL term (None when kl_coef is 0)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    world: World | None = None
+    """Data-parallel ranks (this is rank 0) or None."""
+    trained: torch.nn.Module | None = None
+    """What `train_step` runs: the FSDP2 root (`ShardedPolicy`) under fsdp2, else None (the
+    model itself)."""
+
+
+@dataclass
+class Policy:
+    """The trained model and what its updates need (the same on every rank)."""
+
+    model: PreTrainedModel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: PreTrainedModel | None
+    latest: Checkpoint | None
+    store: CheckpointStore
+    source_dir: Path
+    trained: torch.nn.Module | None = None
+    """The FSDP2 root under fsdp2 (what train_step runs), else None."""
+
+
+def build_policy(settings: FlywheelSettings, world: World | None = None) -> Policy:
+    """Load the newest checkpoint (or the initial model) with LoRA, reference, AdamW and the LR
+    schedule, and restore their training state. With `world` and `distributed_strategy =
+    "fsdp2"`, the model is sharded (fsdp.py) before AdamW is built over the shards.
+
+    Raises:
+        ValueError: fsdp2 with LoRA, the distributed weight push, or algorithm parts that run
+            their own forward through the model; top-k distillation without teacher top-k.
+    """
+    s = settings.trainer
+    bf16, why = resolve_precision(s.precision, resolve_device(s.device))
+    emulated = bf16 and not native_bf16(resolve_device(s.device))
+    (log.warning if emulated else log.info)("trainer precision: %s", why)
+    fsdp = world is not None and s.distributed_strategy == "fsdp2"
+    if fsdp:
+        check_fsdp_settings(settings)
+    check_teacher_inputs(settings)
+    torch.manual_seed(s.seed)
+    random.seed(s.seed)
+    source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
+    store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source_dir)
+    latest = store.latest()
+    model = load_model(latest.path if latest else source_dir, s.device)
+    if s.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if s.lora_rank > 0:
+        from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
+
+        model = add_lora(model, s)
+    reference = None
+    if s.kl_coef > 0:
+        ref_path = (
+            resolve_model_path(s.reference_model_path) if s.reference_model_path else (source_dir)
+        )
+        reference = load_model(ref_path, s.device).requires_grad_(False).eval()
+        log.info("KL reference policy (frozen) loaded from %s", ref_path)
+    trained = None
+    if fsdp:
+        from flywheel.trainer.fsdp import shard_policy  # noqa: PLC0415
+
+        trained = shard_policy(model)
+        assert world is not None  # fsdp is only chosen with a world
+        log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
+    optimizer = build_optimizer(model, s)
+    scheduler = build_scheduler(optimizer, s)
+    if latest is not None:
+        restore_training_state(optimizer, scheduler, latest, trained)
+    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
+
+
+def check_teacher_inputs(settings: FlywheelSettings) -> None:
+    """Refuse a selected part that reads the teacher's top-k when the teacher keeps none: the
+    Samples would carry no top-k and the term would silently add 0.
+
+    Raises:
+        ValueError: a top-k distillation regularizer with `[teacher] top_k = 0`.
+    """
+    algo = StepConfig.from_settings(settings.trainer).algo
+    if algo.needs_teacher_topk and settings.teacher.top_k == 0:
+        raise ValueError(
+            "a selected regularizer (distill_topk) reads the teacher's top-k "
+            "logprobs, but [teacher] top_k = 0 keeps none: set [teacher] "
+            "enabled = true and top_k > 0 (e.g. 8), or remove the regularizer"
+        )
+
+
+def check_fsdp_settings(settings: FlywheelSettings) -> None:
+    """Refuse what fsdp2 does not combine with (see fsdp.py).
+
+    Raises:
+        ValueError: LoRA, push_mode distributed, or an algorithm part with its own forward.
+    """
+    s = settings.trainer
+    algo = StepConfig.from_settings(s).algo
+    if s.lora_rank > 0:
+        raise ValueError("distributed_strategy = 'fsdp2' with lora_rank > 0 is not supported")
+    if s.push_mode == "distributed":
+        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = 'disk'")
+    if algo.needs_topk or algo.needs_entropy_pass:
+        raise ValueError(
+            "distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
+            "own forward (top-k regularizers, entropy-scored token weights)"
+        )
+
+
+def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
+    """The disk pusher, wrapped by the distributed one when `push_mode = "distributed"`."""
+    s = settings.trainer
+    disk = WeightPusher(
+        settings.trainer_engine_urls(),
+        timeout_s=s.push_timeout_s,
+        attempts=s.push_attempts,
+        pause=s.push_pause,
+    )
+    if s.push_mode == "disk":
+        return disk
+    from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
+
+    return DistributedPusher(
+        disk,
+        model,
+        master_address=s.push_master_address,
+        backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
+        timeout_s=s.push_timeout_s,
+    )
+
+
+def run_follower(settings: FlywheelSettings, world: World) -> int:
+    """A rank > 0 under torchrun: train the batches rank 0 broadcasts until it says stop;
+    returns the steps taken."""
+    policy = build_policy(settings, world)
+    cfg = StepConfig.from_settings(settings.trainer)
+    steps = 0
+    while True:
+        message = world.broadcast(None)
+        if message[0] == "stop":
+            return steps
+        _, payloads, treatments = message
+        groups = [[decode_sample(p) for p in group] for group in payloads]
+        batch, _ = prepare_batch(groups, cfg, treatments)
+        result = train_step(
+            cast(PreTrainedModel, policy.trained or policy.model),
+            policy.optimizer,
+            batch,
+            cfg,
+            reference=policy.reference,
+            scheduler=policy.scheduler,
+            world=world,
+        )
+        if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
+            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
+
+            gather_checkpoint(
+                policy.model, policy.optimizer, policy.trained, settings.trainer.save_optimizer
+            )
+        steps += not result.skipped
+
+
+def restore_training_state(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    latest: Checkpoint,
+    trained: torch.nn.Module | None = None,
+) -> None:
+    """AdamW and scheduler state of `latest`, where it has them (logged when not). Under
+    FSDP2 (`trained` is the root) the saved full AdamW state is sharded onto this rank."""
+    optimizer_state = load_training_state(latest.path, "optimizer")
+    if optimizer_state is not None and trained is not None:
+        from flywheel.trainer.fsdp import load_full_optimizer_state  # noqa: PLC0415
+
+        load_full_optimizer_state(trained, optimizer, optimizer_state)
+    elif optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    else:
+        log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
+    scheduler_state = load_training_state(latest.path, "scheduler")
+    if scheduler_state is not None and scheduler is not None:
+        scheduler.load_state_dict(scheduler_state)
+
+
+def training_state(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    save_optimizer: bool,
+    optimizer_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint keeps under `training/` (`restore_training_state` reads it back):
+    AdamW state (`optimizer_state` when FSDP2 gathered it, else the optimizer's own), the RNG
+    states and the scheduler's; {} when `save_optimizer` is off."""
+    if not save_optimizer:
+        return {}
+    state: dict[str, Any] = {
+        "optimizer": optimizer_state or optimizer.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    return state

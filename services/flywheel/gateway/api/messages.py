@@ -1,0 +1,181 @@
+"""The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens` (and
+their `/s/<session id>/` forms), served as one chat turn each (docs/api.md).
+
+A Messages request becomes one `ChatCompletionRequest` (messages_convert.py) and is served by
+the chat path's `chat.serve`: the same session (`X-Session-Id`, created in live mode on first
+use, or the URL's), the same stitching and recording, the same engine call. Its
+`chat.completion` becomes the `message` (or its stream events, messages_stream.py). Keys come
+from `x-api-key` or `Authorization: Bearer` (access/security.py); `anthropic-version` and
+`anthropic-beta` headers are accepted and change nothing; errors are Anthropic's JSON
+(messages_errors.py).
+
+`count_tokens` renders the conversation with the chat template exactly as the turn's fresh
+prompt would be rendered (system, messages and tools) and answers `{"input_tokens": n}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from flywheel.gateway.access.security import owner_of
+from flywheel.gateway.api import chat, messages_convert, messages_stream
+from flywheel.gateway.api.disconnect import unless_disconnected
+from flywheel.gateway.api.incremental import TextFeed
+from flywheel.gateway.api.messages_schema import CountTokensRequest, MessagesRequest
+from flywheel.gateway.api.request_rules import check_model
+from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.engines.stops import reconcile_stop
+from flywheel.gateway.render.tokenization import render_call, text_size
+
+router = APIRouter()
+
+
+class EngineProbe:
+    """The deps' engines, noting what a turn asked of them: the prompt's length (for
+    `message_start`, sent before the turn ends) and the engine's generations (for the stop
+    sequence that ended the turn). One per request."""
+
+    def __init__(self, engines: Any):
+        self._engines = engines
+        self.prompt_tokens = 0
+        self.generations: list[Generation] = []
+
+    async def generate(self, input_ids: list[int], *args: Any, **kwargs: Any) -> Generation:
+        self.prompt_tokens = len(input_ids)
+        gen: Generation = await self._engines.generate(input_ids, *args, **kwargs)
+        self.generations.append(gen)
+        return gen
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._engines, name)  # AttributeError when the engines lack it
+        if name != "generate_stream":
+            return attr
+
+        async def generate_stream(input_ids: list[int], *args: Any, **kwargs: Any) -> Generation:
+            self.prompt_tokens = len(input_ids)
+            gen: Generation = await attr(input_ids, *args, **kwargs)
+            self.generations.append(gen)
+            return gen
+
+        return generate_stream
+
+
+def matched_stop(d: GatewayDeps, probe: EngineProbe, stops: list[str]) -> str | None:
+    """The stop sequence that ended the turn's generation, or None (an EOS, the token cap, no
+    stop sequences): the engine's answer cut at its first stop exactly as the turn cut it
+    (`reconcile_stop`)."""
+    if not stops or len(probe.generations) != 1:
+        return None
+    eos = d.renderer.eos_token_id
+    gen = reconcile_stop(
+        probe.generations[0], d.renderer.decode, stops, () if eos is None else (eos,)
+    )
+    return gen.matched if isinstance(gen.matched, str) and gen.matched in stops else None
+
+
+async def create_message(
+    d: GatewayDeps,
+    body: MessagesRequest,
+    session_id: str | None,
+    header_id: str | None,
+    turn_type: str | None,
+    owner: str,
+    receive: Any,
+) -> JSONResponse | StreamingResponse:
+    """One Messages request end to end (see the module docstring).
+
+    Raises:
+        PlatformError: as `chat.respond` and `messages_convert.chat_request`.
+    """
+    turn = messages_convert.chat_request(body)
+    chat.check_chat(d, turn)
+    create_owner = None
+    if session_id is None:
+        session_id = chat.session_header(header_id)
+        create_owner = None if session_id is None else owner
+    probe = EngineProbe(d.engines)
+    work = chat.serve(
+        dataclasses.replace(d, engines=probe),
+        turn,
+        session_id,
+        turn_type,
+        create_owner=create_owner,
+    )
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    stops = body.stop_sequences or []
+
+    def finish(completion: dict[str, Any]) -> dict[str, Any]:
+        out = messages_convert.message(completion, matched_stop(d, probe, stops))
+        out["id"] = msg_id
+        return out
+
+    if not body.stream:
+        return JSONResponse(finish(await unless_disconnected(work, receive, session_id)))
+    model = body.model
+
+    def head() -> str:
+        return messages_stream.message_start(msg_id, model, probe.prompt_tokens)
+
+    feed = TextFeed(stops, turn.tools_offered)
+    streamed = await messages_stream.respond(work, receive, session_id, feed, head, finish)
+    if isinstance(streamed, StreamingResponse):
+        return streamed
+    return StreamingResponse(messages_stream.whole_events(streamed), media_type="text/event-stream")
+
+
+async def count_tokens(d: GatewayDeps, body: CountTokensRequest) -> dict[str, int]:
+    """`{"input_tokens": n}`: the length of the fresh prompt the turn would render.
+
+    Raises:
+        InvalidRequestError: as `messages_convert.chat_request`, or the template refuses it.
+        ModelNotFoundError: a model this gateway does not serve.
+    """
+    check_model(d.settings, body.model)
+    turn = messages_convert.chat_request(body, sampling=False)
+    messages = [m.for_template() for m in turn.messages]
+    ids = await render_call(
+        text_size(messages, turn.tools), d.renderer.prompt_ids, messages, turn.tools
+    )
+    return {"input_tokens": len(ids)}
+
+
+@router.post("/v1/messages", response_model=None)
+async def messages(
+    body: MessagesRequest,
+    request: Request,
+    d: Deps,
+    x_session_id: SessionHeader = None,
+    x_turn_type: TurnHeader = None,
+) -> JSONResponse | StreamingResponse:
+    return await create_message(
+        d, body, None, x_session_id, x_turn_type, owner_of(request), request.receive
+    )
+
+
+@router.post("/s/{session_id}/v1/messages", response_model=None)
+async def session_messages(
+    session_id: str,
+    body: MessagesRequest,
+    request: Request,
+    d: Deps,
+    x_turn_type: TurnHeader = None,
+) -> JSONResponse | StreamingResponse:
+    return await create_message(d, body, session_id, None, x_turn_type, "", request.receive)
+
+
+@router.post("/v1/messages/count_tokens")
+async def messages_count_tokens(body: CountTokensRequest, d: Deps) -> dict[str, int]:
+    return await count_tokens(d, body)
+
+
+@router.post("/s/{session_id}/v1/messages/count_tokens")
+async def session_messages_count_tokens(
+    session_id: str, body: CountTokensRequest, d: Deps
+) -> dict[str, int]:
+    return await count_tokens(d, body)

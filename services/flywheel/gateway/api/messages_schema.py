@@ -1,0 +1,189 @@
+"""Request models of the Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`).
+
+Shapes follow Anthropic's API reference (the `anthropic` SDK's `MessageCreateParams`). Field
+policy, as for chat completions (schemas.py): every field that changes the sampled tokens is
+honored or refused; fields without effect on them (`metadata`, `service_tier`, `thinking`,
+`cache_control`, `citations`) are accepted and have no effect; any other field is a 400 naming
+it. Validation errors are answered in Anthropic's error JSON (messages_errors.py).
+
+Refused with a 400 that says why: `image`, `document` and other non-text blocks (the model reads
+text only), `redacted_thinking` blocks (encrypted reasoning of another provider: this gateway
+never produces them and cannot render them; drop them from the history), server tools (a `type`
+other than `custom`: the gateway runs no tools), and `mcp_servers` / `container`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cache_control: dict[str, Any] | None = None
+    """Accepted without effect (the engine's prefix cache needs no marks)."""
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    """The tool's output: a string or text blocks (the model reads text only)."""
+    is_error: bool = False
+    toolset_name: str | None = None
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+    """What the gateway put there (messages_convert.signature): not checked on the way back."""
+
+
+class UnreadableBlock(BaseModel):
+    """A block the model cannot read: refused by `ContentBlock`'s validator with a message."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+    Field(discriminator="type"),
+]
+
+READABLE = ("text", "tool_use", "tool_result", "thinking")
+
+
+def _refuse_unreadable(blocks: Any) -> Any:
+    """Raise a clear error for a block type the gateway does not serve (before the union's own,
+    less readable, discriminator error)."""
+    if not isinstance(blocks, list):
+        return blocks
+    for i, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "redacted_thinking":
+            raise ValueError(
+                f"block {i} is redacted_thinking: encrypted reasoning of another provider, which "
+                "this gateway never produces and cannot render; drop it from the history"
+            )
+        if isinstance(kind, str) and kind not in READABLE:
+            raise ValueError(
+                f"block {i} has type {kind!r}; this model reads text only (blocks of type "
+                f"{', '.join(map(repr, READABLE))})"
+            )
+    return blocks
+
+
+class MessageParam(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        return _refuse_unreadable(v)
+
+
+class ToolParam(BaseModel):
+    """A client tool (`type` "custom" or absent) with its JSON-schema `input_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+    strict: bool | None = None
+    """Accepted; `tool_choice` any/tool is what forces a call (constrained decoding)."""
+    eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+    allowed_callers: list[Any] | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _custom_only(cls, v: Any) -> Any:
+        if v not in (None, "custom"):
+            raise ValueError(
+                f"tool type {v!r} is a server tool; this gateway runs no tools: declare it as a "
+                "custom tool (name, description, input_schema) and run it in the client"
+            )
+        return v
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+    """Accepted without effect: the model's reply holds the calls it wrote."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None, info: Any) -> str | None:
+        if info.data.get("type") == "tool" and not v:
+            raise ValueError("tool_choice of type 'tool' needs the tool's name")
+        return v
+
+
+class ConversationRequest(BaseModel):
+    """Fields `messages` and `count_tokens` share."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: str = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    """Accepted without effect: reasoning the model writes (`<think>`) always comes back as
+    `thinking` blocks; the served model decides whether it reasons."""
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system(cls, v: Any) -> Any:
+        return _refuse_unreadable(v)
+
+
+class CountTokensRequest(ConversationRequest):
+    """`POST /v1/messages/count_tokens` body."""
+
+
+class MessagesRequest(ConversationRequest):
+    """`POST /v1/messages` body."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(None, max_length=32)
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)
+    metadata: dict[str, Any] | None = None
+    """Accepted without effect (`user_id`)."""
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    speed: str | None = None

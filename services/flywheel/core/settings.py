@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -225,8 +226,30 @@ class GatewaySettings(Section):
     `model_not_found`. Empty = any name is accepted (and `model_name` is listed)."""
     tool_parser: Literal["hermes", "json"] = "hermes"
     """How tool calls are parsed out of sampled text (the model family's format)."""
+    session_headers: list[str] = Field(default_factory=list)
+    """Request headers whose value names a request's live session when it has no
+    `X-Session-Id` (the first present, in this order), so a harness's own conversation id
+    header keys its session, e.g. ["x-conversation-id"]; empty = none (docs/sessions.md).
+    Credential headers (authorization, x-api-key, cookie) are refused."""
+    session_from_prompt_cache_key: bool = True
+    """A Responses request's `prompt_cache_key` names its live session when no header does."""
+    response_ttl_s: int = Field(86_400, ge=60)
+    """Seconds a stored Responses response (`store`, for `previous_response_id`) is kept."""
     security: SecuritySettings = Field(default_factory=lambda: SecuritySettings())
     """API keys, roles and limits (`[gateway.security]`)."""
+
+    @field_validator("session_headers")
+    @classmethod
+    def _session_headers(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name):
+                raise ValueError(f"gateway.session_headers: {name!r} is not an HTTP header name")
+            if name.lower() in ("authorization", "proxy-authorization", "x-api-key", "cookie"):
+                raise ValueError(
+                    f"gateway.session_headers: {name!r} carries a credential; a session id is "
+                    "stored and logged in clear"
+                )
+        return [name.lower() for name in v]
 
     @model_validator(mode="after")
     def _idle_finish_before_expiry(self) -> GatewaySettings:

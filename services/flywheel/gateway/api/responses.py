@@ -1,0 +1,245 @@
+"""`POST /v1/responses` (OpenAI Responses API): one chat turn per request.
+
+The request becomes one chat request (responses_translate.py) served by the chat path
+(`chat.serve`: the same session, recording and engine call as `/v1/chat/completions`), and the
+chat result becomes a `response` object or its stream events (responses_stream.py).
+
+- Session (docs/sessions.md): the URL's (`/s/<id>/v1/responses`), else `X-Session-Id` or one of
+  `gateway.session_headers` (session_keys.py), else `prompt_cache_key` (with
+  `gateway.session_from_prompt_cache_key`), else the session of `previous_response_id`'s turn;
+  none: served unrecorded. A session first named by a header or `prompt_cache_key` is created in
+  live mode.
+- `store` (default true): the response's conversation is kept for `previous_response_id`
+  (responses_store.py); another key's response id is a 404.
+- Errors are OpenAI error JSON; chat's refusals name the Responses parameter (`input`,
+  `max_output_tokens`, `text.format`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from flywheel.core.errors import InvalidRequestError
+from flywheel.core.http_errors import param_of
+from flywheel.gateway.access.security import owner_of
+from flywheel.gateway.api import chat, incremental
+from flywheel.gateway.api import responses_stream as stream
+from flywheel.gateway.api.disconnect import unless_disconnected
+from flywheel.gateway.api.request_rules import served_models
+from flywheel.gateway.api.responses_schema import ResponsesRequest
+from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
+from flywheel.gateway.api.responses_translate import (
+    CHAT_PARAMS,
+    chat_request,
+    new_id,
+    output_items,
+)
+from flywheel.gateway.api.schemas import ChatCompletionRequest, stop_list
+from flywheel.gateway.api.session_keys import session_id_of
+from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
+
+log = logging.getLogger(__name__)
+
+
+def as_chat(d: GatewayDeps, data: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request, checked as `/v1/chat/completions` checks one.
+
+    Raises:
+        InvalidRequestError: chat's refusal, naming the Responses parameter.
+    """
+    try:
+        body = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = param_of(first.get("loc", ())) or ""
+        head, _, rest = param.partition(".")
+        head = head.split("[")[0]
+        if head in CHAT_PARAMS:
+            param = CHAT_PARAMS[head] + param[len(head) :]
+        raise InvalidRequestError(f"{param or 'body'}: {first.get('msg')}", param=param) from None
+    try:
+        chat.check_chat(d, body)
+    except InvalidRequestError as exc:
+        if exc.param and exc.param.startswith("messages"):
+            exc.param = "input"
+        raise
+    return body
+
+
+def started(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
+    """The `response` object before any output (`response.created`), echoing the request."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning or {"effort": None, "summary": None},
+        "store": body.stores,
+        "temperature": body.temperature,
+        "text": body.text or {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto",
+        "tools": body.tools or [],
+        "top_p": body.top_p,
+        "truncation": body.truncation or "disabled",
+        "usage": None,
+        "user": body.user,
+        "metadata": body.metadata or {},
+    }
+
+
+def usage(d: GatewayDeps, completion: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+    """Responses usage from chat usage. `reasoning_tokens`: the reasoning text's token count
+    as the tokenizer reads it (0 without reasoning)."""
+    u = completion["usage"]
+    thought = len(d.renderer.encode(reasoning)) if reasoning else 0
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": min(thought, u["completion_tokens"])},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+class Turn:
+    """One Responses request being served: its ids, the chat request and what to store."""
+
+    def __init__(
+        self,
+        d: GatewayDeps,
+        store: ResponseStore,
+        body: ResponsesRequest,
+        chat_body: ChatCompletionRequest,
+        conversation: list[dict[str, Any]],
+        owner: str,
+        session_id: str | None,
+    ):
+        self.d, self.store, self.body, self.chat_body = d, store, body, chat_body
+        self.conversation, self.owner, self.session_id = conversation, owner, session_id
+        self.response_id = new_id("resp")
+        self.message_id = new_id("msg")
+        model = body.model or served_models(d.settings)[0]
+        self.started = started(body, self.response_id, model)
+
+    async def finish(self, completion: dict[str, Any], streamed: str | None) -> dict[str, Any]:
+        """The final `response` object (stored when `store`), from the chat completion and the
+        text already streamed (None: none)."""
+        (choice,) = completion["choices"]
+        message, finish = choice["message"], choice["finish_reason"]
+        if streamed is not None and not (message.get("content") or "").startswith(streamed):
+            incremental.MISMATCHES.inc()
+            log.warning("streamed text %r is not a prefix of the reply %r", streamed[:80], message)
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        output = output_items(
+            message,
+            finish,
+            self.message_id,
+            logprobs=logprobs,
+            with_encrypted=self.body.includes("reasoning.encrypted_content"),
+            force_message=streamed is not None,
+        )
+        response = {
+            **self.started,
+            "status": "incomplete" if finish == "length" else "completed",
+            "output": output,
+            "usage": usage(self.d, completion, message.get("reasoning_content")),
+        }
+        if finish == "length":
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.body.stores:
+            reply = {k: v for k, v in message.items() if v is not None or k == "content"}
+            await self.store.put(
+                self.response_id,
+                StoredResponse(self.owner, self.session_id or "", [*self.conversation, reply]),
+            )
+        return response
+
+
+async def respond(
+    d: GatewayDeps,
+    store: ResponseStore,
+    body: ResponsesRequest,
+    request: Request,
+    url_session: str | None,
+    header_id: str | None,
+    turn_type: str | None,
+) -> JSONResponse | StreamingResponse:
+    """One Responses request end to end (see the module docstring).
+
+    Raises:
+        PlatformError: a refused request (400 naming the parameter, 404 for an unknown
+            previous_response_id), or see `chat.serve`. ClientClosedError: the client left
+            before the answer.
+    """
+    owner = owner_of(request)
+    history: list[dict[str, Any]] = []
+    previous = None
+    if body.previous_response_id is not None:
+        previous = await store.get(body.previous_response_id, owner)
+        history = previous.conversation
+    data, conversation = chat_request(body, history)
+    chat_body = as_chat(d, data)
+    create_owner = None
+    session_id = url_session
+    if session_id is None:
+        session_id = chat.session_header(header_id) or session_id_of(
+            d.settings, body.prompt_cache_key
+        )
+        if session_id is None and previous is not None and previous.session_id:
+            session_id = previous.session_id
+        create_owner = None if session_id is None else owner
+    turn = Turn(d, store, body, chat_body, conversation, owner, session_id)
+    work = chat.serve(d, chat_body, session_id, turn_type, create_owner=create_owner)
+    if incremental.eligible(chat_body, d.settings.tool_parser):
+        feed = incremental.TextFeed(stop_list(chat_body.stop), chat_body.tools_offered)
+        streamed = await stream.respond(
+            work, request.receive, session_id, feed, turn.started, turn.message_id, turn.finish
+        )
+        if isinstance(streamed, StreamingResponse):
+            return streamed
+        completion = streamed  # the turn ended before its first text
+    else:
+        completion = await unless_disconnected(work, request.receive, session_id)
+    response = await turn.finish(completion, None)
+    if body.stream:
+        return stream.sse(stream.whole_events(turn.started, response))
+    return JSONResponse(response)
+
+
+def install(app: FastAPI, deps: GatewayDeps) -> None:
+    """Add `POST /v1/responses` and `POST /s/<session_id>/v1/responses` to the gateway app."""
+    store = ResponseStore(deps.sessions.client, deps.sessions.prefix, deps.settings.response_ttl_s)
+
+    @app.post("/v1/responses", response_model=None)
+    async def create_response(
+        body: ResponsesRequest,
+        request: Request,
+        d: Deps,
+        x_session_id: SessionHeader = None,
+        x_turn_type: TurnHeader = None,
+    ) -> JSONResponse | StreamingResponse:
+        return await respond(d, store, body, request, None, x_session_id, x_turn_type)
+
+    @app.post("/s/{session_id}/v1/responses", response_model=None)
+    async def session_response(
+        session_id: str,
+        body: ResponsesRequest,
+        request: Request,
+        d: Deps,
+        x_turn_type: TurnHeader = None,
+    ) -> JSONResponse | StreamingResponse:
+        return await respond(d, store, body, request, session_id, None, x_turn_type)

@@ -1,0 +1,289 @@
+"""`POST /v1/responses` in-process (api/responses.py): a scripted streaming engine, the real
+SmolLM2 tokenizer and a real Redis; the official `openai` SDK parses the answers and events.
+
+Covers the response object, the event sequence, token faithfulness of output items sent back
+(no fork, one segment), `store` + `previous_response_id` (another key's id is a 404), session
+keys (`gateway.session_headers`, `prompt_cache_key`) and OpenAI error JSON for bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from flywheel.core.settings import GatewaySettings
+from flywheel.gateway.app import create_app
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
+
+from .harness import gateway_app
+
+EOS = 2  # <|im_end|> of the SmolLM2 tokenizer
+TOOL = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+}
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 1}}\n</tool_call>'
+
+
+class ScriptEngine:
+    """Samples the scripted replies in order, token by token (`on_text` gets each cumulative
+    text when streamed); records every prompt."""
+
+    def __init__(self, renderer: ChatRenderer, replies: list[str]):
+        self.renderer, self.replies, self.prompts = renderer, list(replies), []
+
+    def _next(self, input_ids: list[int]) -> tuple[str, list[int]]:
+        self.prompts.append(list(input_ids))
+        text = self.replies.pop(0)
+        return text, self.renderer.encode(text) + [EOS]
+
+    def _gen(self, text: str, ids: list[int], n_prompt: int) -> Generation:
+        return Generation(
+            output_ids=ids,
+            output_logprobs=[-0.5] * len(ids),
+            text=text,
+            finish_type="stop",
+            matched=EOS,
+            matched_eos=True,
+            weight_version=3,
+            prompt_tokens=n_prompt,
+        )
+
+    async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
+        text, ids = self._next(input_ids)
+        gen = self._gen(text, ids, len(input_ids))
+        if top_logprobs_num:
+            gen = dataclasses.replace(gen, output_top_logprobs=[[(-0.5, i)] for i in ids])
+        return gen
+
+    async def generate_stream(
+        self, input_ids, sampling_params, affinity="", top_logprobs_num=0, *, on_text
+    ):
+        text, ids = self._next(input_ids)
+        for k in range(1, len(ids) + 1):
+            on_text(self.renderer.decode(ids[:k]))
+            await asyncio.sleep(0.02)
+        return self._gen(text, ids, len(input_ids))
+
+
+@pytest.fixture(scope="module")
+def renderer(smollm2_dir):
+    return ChatRenderer(smollm2_dir)
+
+
+@pytest.fixture
+def gw(redis_client, prefix, renderer):
+    """(make(replies, **settings) -> (TestClient, engine), samples, deps)."""
+    client, deps, samples = gateway_app(redis_client, prefix, renderer, None)
+
+    def make(replies: list[str], **settings) -> tuple[TestClient, ScriptEngine]:
+        deps.engines = ScriptEngine(renderer, replies)
+        if settings:
+            deps.settings = GatewaySettings(**settings)
+            return TestClient(create_app(deps)), deps.engines
+        return client, deps.engines
+
+    return make, samples, deps
+
+
+def sdk(client: TestClient, **headers: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="k", http_client=client, default_headers=headers
+    )
+
+
+def test_plain_response_is_well_formed_and_echoes_the_request(gw):
+    make, _, _ = gw
+    client, engine = make(["Eight."])
+    r = sdk(client).responses.create(
+        model="m", input="What is 7 + 1?", instructions="Be brief.", max_output_tokens=20
+    )
+    assert r.status == "completed" and r.output_text == "Eight."
+    assert r.id.startswith("resp_") and r.instructions == "Be brief."
+    (message,) = r.output
+    assert message.type == "message" and message.id.startswith("msg_")
+    assert r.usage.input_tokens == len(engine.prompts[0])
+    assert r.usage.output_tokens == 3  # "Eight", "." and the end-of-turn token
+    assert r.usage.total_tokens == r.usage.input_tokens + 3
+    assert r.max_output_tokens == 20 and r.tools == []
+
+
+def test_streamed_events_come_in_order_and_add_up_to_the_recorded_reply(gw):
+    make, samples, _ = gw
+    text = "Seven plus one is eight, as counting on from seven shows."
+    client, _ = make([text])
+    events = list(
+        sdk(client, **{"X-Session-Id": "st-1"}).responses.create(
+            model="m", input="What is 7 + 1?", stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 2 and "".join(deltas) == text  # sent while sampled
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens > 5
+    assert client.post("/v1/sessions/st-1/finish", json={}).status_code == 200
+    (sample,) = samples()
+    assert sample.messages[-1].content_json == f'"{text}"'
+
+
+def test_function_call_round_trip_extends_the_session_without_a_fork(gw, redis_client, prefix):
+    make, samples, _ = gw
+    client, engine = make([f"Let me add. {CALL}", "It is 8."])
+    api = sdk(client, **{"X-Session-Id": "tools-1"})
+    items = [{"role": "user", "content": "What is 7 + 1?"}]
+    first = api.responses.create(model="m", input=items, tools=[TOOL], stream=True)
+    events = list(first)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in kinds
+    assert "response.function_call_arguments.done" in kinds
+    r1 = events[-1].response
+    message, call = r1.output
+    assert message.content[0].text == "Let me add."
+    assert call.type == "function_call" and call.name == "add"
+    assert call.arguments == '{"a": 7, "b": 1}' and call.call_id.startswith("call_")
+    items += [item.model_dump(exclude_none=True) for item in r1.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "8"})
+    r2 = api.responses.create(model="m", input=items, tools=[TOOL])
+    assert r2.output_text == "It is 8."
+    record = SessionStore(redis_client, prefix, 60).get("tools-1")
+    assert record.forks == 0 and record.segment.turns == 2
+    # The second prompt starts with the first prompt and its sampled ids, as sampled.
+    first_ids = engine.prompts[0] + engine.renderer.encode(f"Let me add. {CALL}") + [EOS]
+    assert engine.prompts[1][: len(first_ids)] == first_ids
+    client.post("/v1/sessions/tools-1/finish", json={})
+    assert [s.turn_index for s in samples()] == [0, 1]
+
+
+def test_previous_response_id_continues_the_stored_conversation(gw):
+    make, _, _ = gw
+    client, engine = make([CALL, "It is 8.", "Nine."])
+    api = sdk(client, **{"X-Session-Id": "prev-1"})
+    r1 = api.responses.create(model="m", input="What is 7 + 1?", tools=[TOOL], instructions="I")
+    (call,) = r1.output
+    r2 = api.responses.create(
+        model="m",
+        previous_response_id=r1.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "8"}],
+        tools=[TOOL],
+        instructions="I",
+    )
+    assert r2.previous_response_id == r1.id and r2.output_text == "It is 8."
+    r3 = api.responses.create(
+        model="m", previous_response_id=r2.id, input="And 8 + 1?", instructions="I", tools=[TOOL]
+    )
+    assert r3.output_text == "Nine."
+    assert engine.prompts[2][: len(engine.prompts[1])] == engine.prompts[1]
+    info = client.get("/v1/sessions/prev-1").json()
+    assert info["forks"] == 0 and info["segment_turns"] == 3  # one segment
+
+
+def test_store_false_and_unknown_ids_are_404_in_openai_format(gw):
+    make, _, _ = gw
+    client, _ = make(["a", "b"])
+    api = sdk(client)
+    r1 = api.responses.create(model="m", input="x", store=False)
+    with pytest.raises(openai.NotFoundError) as err:
+        api.responses.create(model="m", input="y", previous_response_id=r1.id)
+    assert err.value.body["param"] == "previous_response_id"
+    assert err.value.body["type"] == "not_found_error"
+
+
+def test_another_keys_response_is_a_404(gw, redis_client, prefix):
+    from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
+
+    make, _, _ = gw
+    client, _ = make(["a"])
+    store = ResponseStore(redis_client, prefix, 60)
+    asyncio.run(store.put("resp_0123", StoredResponse("other-key", "", [])))
+    assert asyncio.run(store.get("resp_0123", "other-key")).owner == "other-key"
+    reply = client.post(
+        "/v1/responses", json={"model": "m", "input": "y", "previous_response_id": "resp_0123"}
+    )
+    assert reply.status_code == 404, reply.text
+
+
+def test_session_header_setting_and_prompt_cache_key_name_live_sessions(gw):
+    make, _, _ = gw
+    client, _ = make(["a", "b", "c"], session_headers=["X-Conversation-Id"])
+    client.post(
+        "/v1/responses", json={"input": "x"}, headers={"x-conversation-id": "conv one"}
+    )  # not a valid id: hashed
+    client.post("/v1/responses", json={"input": "y", "prompt_cache_key": "pck-1"})
+    client.post(
+        "/v1/responses",
+        json={"input": "z", "prompt_cache_key": "pck-2"},
+        headers={"X-Conversation-Id": "conv-2"},  # the header wins over the body's key
+    )
+    hashed = "k-" + hashlib.sha256(b"conv one").hexdigest()[:40]
+    for sid in (hashed, "pck-1", "conv-2"):
+        info = client.get(f"/v1/sessions/{sid}").json()
+        assert info["mode"] == "live" and info["turns"] == 1, (sid, info)
+    assert client.get("/v1/sessions/pck-2").status_code == 404
+
+
+def test_a_misspelled_or_credential_session_header_setting_is_refused():
+    with pytest.raises(ValueError, match="not an HTTP header name"):
+        GatewaySettings(session_headers=["x conversation"])
+    with pytest.raises(ValueError, match="credential"):
+        GatewaySettings(session_headers=["Authorization"])
+    with pytest.raises(ValueError, match="session_header"):
+        GatewaySettings(session_header=["x-conversation-id"])
+
+
+def test_logprobs_are_included_on_request(gw):
+    make, _, _ = gw
+    client, _ = make(["Eight."])
+    r = client.post(
+        "/v1/responses",
+        json={"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 1},
+    ).json()
+    part = r["output"][0]["content"][0]
+    assert [p["logprob"] for p in part["logprobs"]] == [-0.5, -0.5, -0.5]
+    assert "".join(p["token"] for p in part["logprobs"][:2]) == "Eight."
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "include": ["bogus"]}, "include"),
+        ({"input": "x", "max_ouput_tokens": 5}, "max_ouput_tokens"),
+        ({"input": "x", "temperature": 3}, "temperature"),
+        ({"input": []}, "input"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+    ],
+)
+def test_bad_requests_are_400_in_openai_error_format(gw, body, param):
+    make, _, _ = gw
+    client, engine = make(["never"])
+    reply = client.post("/v1/responses", json=body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert engine.prompts == []  # refused before any generation

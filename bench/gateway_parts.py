@@ -68,12 +68,13 @@ async def measure(stub: str, redis_url: str, calls: int) -> list[tuple[str, floa
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.settings import GatewaySettings, SecuritySettings  # noqa: PLC0415
-    from flywheel.gateway import chat, turns  # noqa: PLC0415
-    from flywheel.gateway.engine_pool import EnginePool  # noqa: PLC0415
-    from flywheel.gateway.schemas import ChatCompletionRequest  # noqa: PLC0415
-    from flywheel.gateway.security import _scan  # noqa: PLC0415
-    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
-    from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
+    from flywheel.gateway.access.security import _scan  # noqa: PLC0415
+    from flywheel.gateway.api import chat  # noqa: PLC0415
+    from flywheel.gateway.api.schemas import ChatCompletionRequest  # noqa: PLC0415
+    from flywheel.gateway.engines.pool import EnginePool  # noqa: PLC0415
+    from flywheel.gateway.render.tokenization import ChatRenderer  # noqa: PLC0415
+    from flywheel.gateway.session import turns  # noqa: PLC0415
+    from flywheel.gateway.session.store import SessionStore  # noqa: PLC0415
 
     raw = json.dumps(BODY).encode()
     depth = SecuritySettings().max_json_depth

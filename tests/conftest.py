@@ -86,8 +86,9 @@ def verify_record_cache(monkeypatch):
     handed out from the cache must serialize exactly to the stored record (nothing changed it
     after its save) and share no list, dict or model between two places (as a record parsed
     from Redis never does), so a turn on the cached record does what it does on a read one."""
-    from flywheel.gateway.segment_log import parse_stored  # noqa: PLC0415
-    from flywheel.gateway.sessions import _READ, SessionStore  # noqa: PLC0415
+    from flywheel.gateway.session.scripts import READ_LUA  # noqa: PLC0415
+    from flywheel.gateway.session.segment_log import parse_stored  # noqa: PLC0415
+    from flywheel.gateway.session.store import SessionStore  # noqa: PLC0415
 
     original = SessionStore.atry_acquire
 
@@ -95,7 +96,7 @@ def verify_record_cache(monkeypatch):
         entry = self.cache._entries.get(session_id)
         lease = await original(self, session_id, *args, **kwargs)
         if lease is not None and entry is not None and lease.record is entry.record:
-            head, log = await self._loop_clients.script(_READ)(
+            head, log = await self._loop_clients.script(READ_LUA)(
                 keys=[self._key(session_id), self._log_key(session_id)]
             )
             assert parse_stored(head, log).model_dump_json() == lease.record.model_dump_json(), (

@@ -167,7 +167,7 @@ class ThreadServer:
 
 @pytest.fixture(scope="session")
 def renderer(tiny_model_dir):
-    from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
+    from flywheel.gateway.render.tokenization import ChatRenderer  # noqa: PLC0415
 
     return ChatRenderer(tiny_model_dir)
 
@@ -177,9 +177,10 @@ def inproc_gateway(redis_client, prefix, renderer):
     """`inproc_gateway(engine_urls, high_water=..., **gateway_settings)` -> base URL."""
     from flywheel.core.settings import GatewaySettings  # noqa: PLC0415
     from flywheel.core.streams import StreamProducer  # noqa: PLC0415
-    from flywheel.gateway.app import GatewayDeps, create_app  # noqa: PLC0415
-    from flywheel.gateway.engine_pool import EnginePool  # noqa: PLC0415
-    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
+    from flywheel.gateway.app import create_app  # noqa: PLC0415
+    from flywheel.gateway.deps import GatewayDeps  # noqa: PLC0415
+    from flywheel.gateway.engines.pool import EnginePool  # noqa: PLC0415
+    from flywheel.gateway.session.store import SessionStore  # noqa: PLC0415
 
     servers = []
 

@@ -12,7 +12,7 @@ import pytest
 
 from flywheel.core.codec import decode_sample
 from flywheel.core.streams import FIELD
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.session.store import SessionStore
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 HOT = {"content-type": "application/json"}

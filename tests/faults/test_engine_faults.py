@@ -9,7 +9,7 @@ import pytest
 
 from flywheel.core.codec import decode_sample
 from flywheel.core.streams import FIELD
-from flywheel.gateway.engine_pool import EnginePool
+from flywheel.gateway.engines.pool import EnginePool
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
 SESSIONS = 6  # the session-affine order puts the faulty engine first for some of them

@@ -14,7 +14,7 @@ import httpx
 from flywheel.core.codec import decode_sample
 from flywheel.core.redis_server import free_port
 from flywheel.core.streams import FIELD
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.session.store import SessionStore
 
 CHAT = {"model": "m", "max_tokens": 8}
 

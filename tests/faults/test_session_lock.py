@@ -10,8 +10,8 @@ import time
 import pytest
 
 from flywheel.core.errors import ConflictError
-from flywheel.gateway import turns
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.session import locks
+from flywheel.gateway.session.store import SessionStore
 
 
 def test_lock_of_a_dead_holder_expires_after_the_lease(redis_client, prefix):
@@ -26,13 +26,13 @@ def test_lock_of_a_dead_holder_expires_after_the_lease(redis_client, prefix):
 
 
 def test_a_running_turn_keeps_its_lock(redis_client, prefix, monkeypatch):
-    monkeypatch.setattr(turns, "LOCK_LEASE_S", 0.6)
+    monkeypatch.setattr(locks, "LOCK_LEASE_S", 0.6)
     store = SessionStore(redis_client, prefix, 60)
     store.create(session_id="s")
     original = store.acquire
 
     async def long_turn() -> None:
-        async with turns.locked(store, "s"):
+        async with locks.locked(store, "s"):
             await asyncio.sleep(2.0)  # > 3 leases
 
     async def intruder() -> bool:
@@ -65,7 +65,7 @@ def test_a_turn_whose_lease_was_taken_over_is_not_saved(redis_client, prefix):
 
 
 def _queued(stream: str, sample_id: str):
-    from flywheel.gateway.sessions import Outgoing  # noqa: PLC0415
+    from flywheel.gateway.recording.records import Outgoing  # noqa: PLC0415
 
     return Outgoing(stream, f"payload-{sample_id}".encode(), sample_id, 0, 3, "")
 
@@ -104,7 +104,7 @@ def test_async_release_publishes_with_the_save(redis_client, prefix):
     store.create(session_id="s")
 
     async def turn() -> None:
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             record.queue(_queued(stream, "x"))
             record.queue(_queued(stream, "y"))
 
@@ -139,7 +139,7 @@ def test_the_backlog_rule_in_each_stream_state(redis_client, prefix):
 
 def test_a_turn_over_the_high_water_mark_is_refused_whole(redis_client, prefix):
     from flywheel.core.errors import BackpressureError  # noqa: PLC0415
-    from flywheel.gateway.sessions import Outgoing  # noqa: PLC0415
+    from flywheel.gateway.recording.records import Outgoing  # noqa: PLC0415
 
     stream = f"{prefix}:rollouts"
     store = SessionStore(redis_client, prefix, 60)

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.engines.generation import Generation
 
 MSG = [{"role": "user", "content": "What is 7 + 1?"}]
 LIMITS = {

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from flywheel.core.redis_server import free_port
-from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.engines.generation import Generation
 
 from ..faults.conftest import Procs, wait_http
 from .conftest import build_gateway

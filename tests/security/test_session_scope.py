@@ -180,7 +180,7 @@ def test_a_key_racing_another_keys_first_request_for_one_session_id_is_refused(
     """Two keys send their first request with the same new X-Session-Id at once: both pass the
     access check while the session does not exist; the second one's create then finds the
     first one's session and must be refused like any foreign session, not join it."""
-    from flywheel.gateway import chat
+    from flywheel.gateway.api import chat
 
     first, second = gateway.key("agent"), gateway.key("agent")
     first_id = gateway.keys.verify(first).key_id

@@ -129,7 +129,8 @@ class EngineSettings(Section):
 
 
 class SecuritySettings(Section):
-    """Gateway API keys, roles and request limits (flywheel.gateway.security, docs/security.md).
+    """Gateway API keys, roles and request limits (flywheel.gateway.access.security,
+    docs/security.md).
 
     Default (`auth = "auto"`): keys are required when the gateway binds a non-loopback host, or
     as soon as any agent/admin key exists in the key store (`flywheel keys create`); a gateway on

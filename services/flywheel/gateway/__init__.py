@@ -43,26 +43,22 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
   request that sends the chosen one back in live mode and at the finish in episode mode.
 
 Per token: `weight_versions` from the engine's `weight_versions` spans when an update landed
-during the request. A generation the engine returned past a stop is cut at the stop (stops.py);
-one it aborted is asked again once and never recorded (engine_pool.py).
+during the request. A generation the engine returned past a stop is cut at the stop (engines/stops.py);
+one it aborted is asked again once and never recorded (engines/pool.py).
 
 Delivery: a request's Samples are added to the stream by the same Redis script that saves the
-session record and releases its lock (sessions.py), so a failed request or a gateway killed
+session record and releases its lock (session/store.py), so a failed request or a gateway killed
 mid-turn publishes none of them and a saved turn all of them, once. A request whose client
-disconnects before its answer is stopped and not recorded (disconnect.py). A gateway keeps
-the records it saved (record_cache.py): the session's next turn there reads no record from
+disconnects before its answer is stopped and not recorded (api/disconnect.py). A gateway keeps
+the records it saved (recording/record_cache.py): the session's next turn there reads no record from
 Redis while the stored one is still the version it saved (another replica's save, or any other
 write, makes it read again).
 
-Module map: app.py (routes), chat.py (chat completions served and answered), hot_path.py (the
-chat routes without FastAPI's routing layers), disconnect.py (requests whose client left),
-turns.py (what a session turn records and publishes), recording.py (stitching rule, fork
-reasons, Samples from segments), branches.py (live-mode branches), sweep.py (idle sessions
-finished), request_rules.py (model names, null contents), tokenization.py (the only text ->
-ids), prefix_ids.py (ids of recent prompt prefixes), parsers.py (tool calls, reasoning),
-streaming.py (SSE), incremental.py and engine_stream.py (answers streamed as sampled), stops.py
-(generations past a stop), completions.py (raw completions), engine_pool.py (/generate client,
-affinity, health), sessions.py (Redis store: locks, saves), record_cache.py (records kept after
-their save), script_deadline.py (late session scripts not applied), records.py (what a session
-stores), schemas.py (request models and field policy).
+Layout (the path of a turn, docs/architecture.md): app.py (routes) and deps.py (`GatewayDeps`,
+what every route is given); api/ (one module per wire API: request in, response and stream
+events out); render/ (chat template and tokenization, the only text -> ids); session/ (the Redis
+store, its lock, a turn's stitching into its session, branches, pending turns, finish, idle
+sweep); engines/ (the `Generation` type, the pool and its plain and streamed `/generate`
+clients, stops); recording/ (the typed session record, what a turn appends and when it forks,
+the Sample built from it at publish); access/ (keys, roles, limits); dashboard.py (/dashboard).
 """

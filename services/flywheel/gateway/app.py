@@ -1,7 +1,7 @@
 """The gateway's HTTP API: OpenAI chat completions, sessions, health and metrics.
 
-`create_app(deps)` builds the app from injected dependencies (house style C8): tests swap in
-fakes through `GatewayDeps`; `main.py` builds the real ones.
+`create_app(deps)` builds the app from injected dependencies (deps.py, house style C8): tests
+swap in fakes through `GatewayDeps`; `main.py` builds the real ones.
 """
 
 from __future__ import annotations
@@ -11,80 +11,32 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flywheel.core import http_errors
-from flywheel.core.settings import GatewaySettings
-from flywheel.gateway import chat, completions, sweep, turns
-from flywheel.gateway.completions import CompletionRequest
-from flywheel.gateway.dashboard import install as install_dashboard
-from flywheel.gateway.disconnect import unless_disconnected
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.hot_path import HotPath
-from flywheel.gateway.request_rules import check_model, served_models
-from flywheel.gateway.schemas import (
+from flywheel.gateway.access.security import install as install_security
+from flywheel.gateway.access.security import owner_of
+from flywheel.gateway.api import chat, completions
+from flywheel.gateway.api.completions import CompletionRequest
+from flywheel.gateway.api.disconnect import unless_disconnected
+from flywheel.gateway.api.hot_path import HotPath
+from flywheel.gateway.api.request_rules import check_model, served_models
+from flywheel.gateway.api.schemas import (
     ChatCompletionRequest,
     RewardPost,
     SessionCreate,
     SessionFinish,
 )
-from flywheel.gateway.security import install as install_security
-from flywheel.gateway.security import owner_of
-from flywheel.gateway.sessions import SessionStore, check_request_owner
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.dashboard import install as install_dashboard
+from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
+from flywheel.gateway.session import finish, sweep
+from flywheel.gateway.session.owner import check_request_owner
 
 log = logging.getLogger(__name__)
-
-
-class Engines(Protocol):
-    async def generate(
-        self,
-        input_ids: list[int],
-        sampling_params: dict[str, Any],
-        affinity: str = "",
-        top_logprobs_num: int = 0,
-    ) -> Generation: ...
-
-
-class Publisher(Protocol):
-    """The Sample stream and its backpressure rule (core.streams.StreamProducer): sessions add
-    their Samples to `stream` when they save (SessionRecord.queue)."""
-
-    async def abacklog(self) -> int: ...
-
-    stream: str
-    high_water: int
-    watch_group: str
-
-
-@dataclass
-class GatewayDeps:
-    settings: GatewaySettings
-    renderer: ChatRenderer
-    engines: Engines
-    sessions: SessionStore
-    publisher: Publisher
-    context_length: int = 2048
-    """Tokens (prompt + completion) the engine serves per request."""
-
-
-async def get_deps(request: Request) -> GatewayDeps:
-    """The app's dependencies (async: FastAPI runs a sync dependency in a worker thread)."""
-    return request.app.state.deps
-
-
-Deps = Annotated[GatewayDeps, Depends(get_deps)]
-SessionHeader = Annotated[
-    str | None, Header(description="Session id (live mode; created on first use)")
-]
-TurnHeader = Annotated[
-    str | None, Header(description="main (recorded, default) | side (served, not recorded)")
-]
 
 
 def create_app(deps: GatewayDeps) -> FastAPI:
@@ -180,11 +132,11 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @app.post("/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, body: SessionFinish, d: Deps) -> dict[str, Any]:
         following = [body.next_state.for_template()] if body.next_state else None
-        return await turns.finish(d, session_id, body.reward, following)
+        return await finish.finish(d, session_id, body.reward, following)
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def post_reward(session_id: str, body: RewardPost, d: Deps) -> dict[str, Any]:
-        return await turns.post_reward(d, session_id, body.name, body.reward)
+        return await finish.post_reward(d, session_id, body.name, body.reward)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(

@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.streams import StreamProducer  # noqa: PLC0415
-    from flywheel.gateway.app import GatewayDeps, create_app  # noqa: PLC0415
-    from flywheel.gateway.engine_pool import EnginePool  # noqa: PLC0415
-    from flywheel.gateway.sessions import SessionStore  # noqa: PLC0415
-    from flywheel.gateway.tokenization import ChatRenderer  # noqa: PLC0415
+    from flywheel.gateway.app import create_app  # noqa: PLC0415
+    from flywheel.gateway.deps import GatewayDeps  # noqa: PLC0415
+    from flywheel.gateway.engines.pool import EnginePool  # noqa: PLC0415
+    from flywheel.gateway.render.tokenization import ChatRenderer  # noqa: PLC0415
+    from flywheel.gateway.session.store import SessionStore  # noqa: PLC0415
 
     gw = settings.gateway
     client = connect(settings.redis_url(), socket_timeout=gw.redis_timeout_s)

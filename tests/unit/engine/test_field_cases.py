@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from flywheel.core.settings import EngineSettings
 from flywheel.engine.protocol import RowSpec, SamplingParams
 from flywheel.engine.worker import EngineWorker
-from flywheel.gateway.engine_pool import parse_generation
+from flywheel.gateway.engines.generation import parse_generation
 from flywheel.trainer.weight_sync import DistributedWeightSync
 
 PROMPT = [1, 504, 3458, 314, 260, 1789]

@@ -13,9 +13,10 @@ from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample
 from flywheel.core.settings import GatewaySettings
 from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.app import create_app
+from flywheel.gateway.deps import GatewayDeps
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
 
 
 def gateway_app(

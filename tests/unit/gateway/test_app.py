@@ -6,10 +6,11 @@ from fastapi.testclient import TestClient
 from flywheel.core.codec import decode_sample
 from flywheel.core.settings import GatewaySettings
 from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.app import create_app
+from flywheel.gateway.deps import GatewayDeps
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
 
 
 class FakeEngine:

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 from .harness import gateway_app
 

@@ -8,8 +8,8 @@ import pytest
 from aiohttp import web
 
 from flywheel.core.errors import UpstreamError
-from flywheel.gateway import engine_pool
-from flywheel.gateway.engine_pool import ENGINE_ABORTS, ENGINE_UP, EnginePool
+from flywheel.gateway.engines import pool as engine_pool
+from flywheel.gateway.engines.pool import ENGINE_ABORTS, ENGINE_UP, EnginePool
 
 GENERATE = {
     "text": "8",

@@ -8,10 +8,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from flywheel.core.errors import UpstreamError
-from flywheel.gateway.engine_pool import Generation, parse_generation
-from flywheel.gateway.recording import FORKS, prepare_prompt, record_generation
-from flywheel.gateway.sessions import SessionRecord
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.recording.history import FORKS, prepare_prompt, record_generation
+from flywheel.gateway.recording.records import SessionRecord
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 from .harness import gateway_app
 
@@ -554,7 +554,7 @@ def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, rendere
 
 
 def test_bug19_n_choices_keep_their_per_token_versions():
-    from flywheel.gateway.recording import as_generation, candidate, candidate_segment
+    from flywheel.gateway.recording.history import as_generation, candidate, candidate_segment
 
     spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
     gen = parse_generation(_straddling_body([10, 11, EOS], spans), {EOS})

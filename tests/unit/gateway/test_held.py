@@ -5,7 +5,7 @@ posted rewards (fake engine, real Redis and tokenizer)."""
 import pytest
 from prometheus_client import REGISTRY
 
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 from .harness import gateway_app
 from .test_app import FakeEngine

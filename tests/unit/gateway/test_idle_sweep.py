@@ -16,10 +16,11 @@ from pydantic import ValidationError
 from flywheel.core.codec import decode_sample
 from flywheel.core.settings import GatewaySettings
 from flywheel.core.streams import FIELD, StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.sweep import sweep_idle
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.app import create_app
+from flywheel.gateway.deps import GatewayDeps
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
+from flywheel.gateway.session.sweep import sweep_idle
 
 from .test_live import U1, U2, ScriptEngine
 
@@ -80,7 +81,7 @@ def test_sweep_publishes_what_idle_sessions_hold_once(redis_client, prefix, rend
     before = _metric("flywheel_gateway_sessions_finished_total", reason="idle")
     # Not idle yet: nothing happens.
     assert sweep_idle(deps) == 0 and len(_samples(redis_client, prefix)) == 1
-    with caplog.at_level(logging.WARNING, logger="flywheel.gateway.sweep"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.gateway.session.sweep"):
         assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 3
     assert _metric("flywheel_gateway_sessions_finished_total", reason="idle") == before + 3
     assert sum("finished by the gateway" in r.getMessage() for r in caplog.records) == 3
@@ -147,7 +148,7 @@ def test_an_expired_record_is_counted_and_logged(redis_client, prefix, renderer,
     _post(client, "gone", [U1])
     redis_client.delete(f"{prefix}:session:gone")  # what a TTL expiry does
     before = _metric("flywheel_gateway_sessions_expired_total")
-    with caplog.at_level(logging.ERROR, logger="flywheel.gateway.sweep"):
+    with caplog.at_level(logging.ERROR, logger="flywheel.gateway.session.sweep"):
         assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 0
     assert _metric("flywheel_gateway_sessions_expired_total") == before + 1
     assert any("gone" in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)
@@ -163,7 +164,7 @@ def test_an_unreadable_record_is_counted_and_the_others_still_swept(
     _post(client, "good", [U1])
     redis_client.rpush(f"{prefix}:session-log:bad", json.dumps({"token_ids": [1]}))
     before = _metric("flywheel_gateway_sessions_unreadable_total")
-    with caplog.at_level(logging.ERROR, logger="flywheel.gateway.sweep"):
+    with caplog.at_level(logging.ERROR, logger="flywheel.gateway.session.sweep"):
         assert sweep_idle(deps, now=time.time() + IDLE_S + 1) == 1  # "good"
     assert _metric("flywheel_gateway_sessions_unreadable_total") == before + 1
     assert any(

@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from flywheel.core.errors import UpstreamError
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.incremental import streamable
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.api.incremental import streamable
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 from .harness import gateway_app
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
 
 from .harness import gateway_app
 from .test_live import ScriptEngine
@@ -157,7 +157,7 @@ def test_a_turn_stored_before_checkpoints_existed_still_gets_its_next_state(
 def test_branches_beyond_the_cap_are_published_without_a_next_state(env, caplog):
     from prometheus_client import REGISTRY  # noqa: PLC0415
 
-    from flywheel.gateway.branches import MAX_BRANCHES  # noqa: PLC0415
+    from flywheel.gateway.session.branches import MAX_BRANCHES  # noqa: PLC0415
 
     client, engine, samples = env
     r0 = _post(client, "many", [U1])
@@ -167,7 +167,7 @@ def test_branches_beyond_the_cap_are_published_without_a_next_state(env, caplog)
     # Turn 0 is followed by sub-call 0; sub-calls 1.. each park the previous latest turn, so
     # after MAX_BRANCHES + 2 sub-calls MAX_BRANCHES + 1 turns wait besides the latest: one
     # too many, and the oldest waiting one (sub-call 0's) is published without a next state.
-    with caplog.at_level("WARNING", logger="flywheel.gateway.branches"):
+    with caplog.at_level("WARNING", logger="flywheel.gateway.session.branches"):
         for k in range(MAX_BRANCHES + 2):
             _post(client, "many", [U1, r0, {"role": "user", "content": f"Sub-task {k}"}])
     turn0, sub0 = samples()

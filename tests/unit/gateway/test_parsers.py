@@ -1,7 +1,7 @@
 import json
 
-from flywheel.gateway.parsers import parse_reply
-from flywheel.gateway.streaming import sse_chunks
+from flywheel.gateway.api.parsers import parse_reply
+from flywheel.gateway.api.streaming import sse_chunks
 
 
 def test_hermes_tool_call_parsed_and_text_kept_outside():

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from flywheel.core.codec import encode_sample
-from flywheel.gateway import pending
-from flywheel.gateway.records import Segment
+from flywheel.gateway.recording.records import Segment
+from flywheel.gateway.session import pending
 
 from .harness import gateway_app
 from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixture)

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from flywheel.gateway.prefix_ids import PROMPT_TOKENS, PrefixIds, entry_bytes
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.render.prefix_ids import PROMPT_TOKENS, PrefixIds, entry_bytes
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 
 def _tokens() -> dict[str, float]:

@@ -11,11 +11,11 @@ import json
 import pytest
 
 from flywheel.core.errors import NotFoundError
-from flywheel.gateway import turns
-from flywheel.gateway.record_cache import READS, RecordCache
-from flywheel.gateway.records import SessionRecord
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.recording.record_cache import READS, RecordCache
+from flywheel.gateway.recording.records import SessionRecord
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session import locks
+from flywheel.gateway.session.store import SessionStore
 
 from .harness import gateway_app
 from .test_live import ScriptEngine
@@ -71,7 +71,7 @@ def test_the_budget_counts_what_records_hold_besides_tokens(redis_client, prefix
 
 
 async def _turn(store: SessionStore, sid: str, reward: float, fail: bool = False) -> None:
-    async with turns.locked(store, sid) as record:
+    async with locks.locked(store, sid) as record:
         record.rewards[f"r{reward}"] = reward
         record.segment.append([int(reward)], sampled=True, logprobs=[-0.5], versions=[1])
         if fail:
@@ -238,7 +238,7 @@ def test_a_turn_with_an_infinite_logprob_reads_back_the_same_from_redis_and_the_
     store.create(session_id="s")
 
     async def turn() -> None:
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             record.segment.append(
                 [5, 6], sampled=True, logprobs=[float("-inf"), -0.5], versions=[1, 1]
             )

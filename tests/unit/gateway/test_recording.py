@@ -5,10 +5,11 @@ import json
 import pytest
 
 from flywheel.core.codec import decode_sample, encode_sample
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.recording import build_sample, prepare_prompt, record_generation
-from flywheel.gateway.sessions import SessionRecord
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.recording.history import prepare_prompt, record_generation
+from flywheel.gateway.recording.records import SessionRecord
+from flywheel.gateway.recording.sample import build_sample
+from flywheel.gateway.render.tokenization import ChatRenderer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 16}
 

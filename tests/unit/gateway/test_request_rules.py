@@ -8,9 +8,10 @@ from fastapi.testclient import TestClient
 
 from flywheel.core.settings import GatewaySettings
 from flywheel.core.streams import StreamProducer
-from flywheel.gateway.app import GatewayDeps, create_app
-from flywheel.gateway.sessions import SessionStore
-from flywheel.gateway.tokenization import ChatRenderer
+from flywheel.gateway.app import create_app
+from flywheel.gateway.deps import GatewayDeps
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
 
 from .test_app import FakeEngine
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flywheel.gateway import script_deadline
-from flywheel.gateway.script_deadline import ScriptDeadline
+from flywheel.gateway.session import script_deadline
+from flywheel.gateway.session.script_deadline import ScriptDeadline
 
 T0 = 1_700_000_000_000  # Redis's time (ms) at the first observation
 

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from flywheel.gateway import segment_log, turns
-from flywheel.gateway.records import Segment
-from flywheel.gateway.segment_log import CorruptRecord
-from flywheel.gateway.sessions import SessionStore
+from flywheel.gateway.recording.records import Segment
+from flywheel.gateway.session import locks, segment_log
+from flywheel.gateway.session.segment_log import CorruptRecord
+from flywheel.gateway.session.store import SessionStore
 
 from .harness import gateway_app
 from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixture)
@@ -24,7 +24,7 @@ def _chunks(redis_client, prefix: str, sid: str) -> list[dict]:
 
 async def _turn(store: SessionStore, sid: str, k: int) -> None:
     """Turn k adds the template ids [10k+1], the sampled ids [10k+2, 10k+3] and two messages."""
-    async with turns.locked(store, sid) as record:
+    async with locks.locked(store, sid) as record:
         seg = record.segment
         seg.append([10 * k + 1], sampled=False)
         seg.append([10 * k + 2, 10 * k + 3], sampled=True, logprobs=[-0.5, -0.25], versions=[k, k])
@@ -73,7 +73,7 @@ def test_a_new_segment_or_a_changed_history_rewrites_the_log(redis_client, prefi
     asyncio.run(_turn(store, "s", 2))
 
     async def edit_first_message() -> None:  # a client that rewrote its first question
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             seg = record.segment
             seg.messages = [{"role": "user", "content": "q1, edited"}, *seg.messages[1:]]
 
@@ -83,7 +83,7 @@ def test_a_new_segment_or_a_changed_history_rewrites_the_log(redis_client, prefi
     assert [m["content"] for m in chunk["messages"]] == ["q1, edited", "a1", "q2", "a2"]
 
     async def fork() -> None:  # the next request forked history: a new segment starts
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             record.segment = Segment(index=1)
             record.segment.append([7, 8], sampled=False)
 
@@ -174,7 +174,7 @@ def test_a_record_that_expires_during_a_turn_is_saved_whole(redis_client, prefix
     asyncio.run(_turn(store, "s", 1))
 
     async def turn_outliving_its_record() -> None:
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             redis_client.delete(f"{prefix}:session:s", f"{prefix}:session-log:s")  # TTL
             record.segment.append([21], sampled=False)
 
@@ -191,7 +191,7 @@ def test_history_resent_in_another_json_form_rewrites_the_log(redis_client, pref
     first = {"role": "user", "content": "q", "meta": {"a": 1, "b": 2}}
 
     async def turn(messages) -> str:
-        async with turns.locked(store, "s") as record:
+        async with locks.locked(store, "s") as record:
             record.segment.append([len(messages)], sampled=False)
             record.segment.messages = messages
             return record.segment.model_dump_json()

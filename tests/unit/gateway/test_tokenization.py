@@ -8,7 +8,12 @@ import threading
 
 import pytest
 
-from flywheel.gateway.tokenization import INLINE_RENDER_CHARS, ChatRenderer, render_call, text_size
+from flywheel.gateway.render.tokenization import (
+    INLINE_RENDER_CHARS,
+    ChatRenderer,
+    render_call,
+    text_size,
+)
 
 TEXTS = [
     "What is 7 + 1?",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import base64
 
 from flywheel._proto import sample_pb2
-from flywheel.gateway.recording import add_conversation
-from flywheel.gateway.records import Segment
+from flywheel.gateway.recording.records import Segment
+from flywheel.gateway.recording.sample import add_conversation
 
 _FROM_SEGMENT = ("token_ids", "loss_mask", "rollout_logprobs", "weight_versions", "messages")
 """What the stored form leaves out and `restore` takes from the segment."""
@@ -33,7 +33,7 @@ def _parse(b64: str) -> sample_pb2.Sample:
 
 def stored(light: sample_pb2.Sample, seg: Segment) -> str:
     """The stored form of the Sample of `seg`'s latest turn, built right after it without its
-    conversation (`light`: recording.build_sample with conversation=False).
+    conversation (`light`: sample.build_sample with conversation=False).
 
     Raises:
         ValueError: `light` holds per-token lists or messages.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flywheel.core.errors import InvalidRequestError, NotFoundError
 from flywheel.core.settings import GatewaySettings
-from flywheel.gateway.schemas import ChatMessage
+from flywheel.gateway.api.schemas import ChatMessage
 
 
 class ModelNotFoundError(NotFoundError):

@@ -10,8 +10,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from flywheel.core.auth import KeyStore
-from flywheel.gateway.security import principal, require_role
-from flywheel.gateway.sessions import SessionStore, check_request_owner
+from flywheel.gateway.access.security import principal, require_role
+from flywheel.gateway.session.owner import check_request_owner
+from flywheel.gateway.session.store import SessionStore
 
 
 class KeyCreate(BaseModel):

@@ -26,15 +26,18 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
-from flywheel.gateway import branches, turns
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.recording import build_sample, count_fork, sampling_changed, set_sampling
-from flywheel.gateway.records import Segment, SessionRecord
-from flywheel.gateway.request_rules import served_models
-from flywheel.gateway.schemas import StreamOptionsNeedStream, sglang_sampling
+from flywheel.gateway.api.request_rules import served_models
+from flywheel.gateway.api.schemas import StreamOptionsNeedStream, sglang_sampling
+from flywheel.gateway.engines import calls
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.recording.history import count_fork, sampling_changed, set_sampling
+from flywheel.gateway.recording.records import Segment, SessionRecord
+from flywheel.gateway.recording.sample import build_sample
+from flywheel.gateway.session import branches, turns
+from flywheel.gateway.session.locks import locked
 
 if TYPE_CHECKING:
-    from flywheel.gateway.app import GatewayDeps
+    from flywheel.gateway.deps import GatewayDeps
 
 UNRECORDED = Counter(
     "flywheel_gateway_unrecorded_completions_total", "Raw completions served without a session"
@@ -147,9 +150,9 @@ async def complete(
     UNRECORDED.inc()
     all_ids = [await asyncio.to_thread(_ids, d, p) for p in prompts]
     for ids in all_ids:
-        turns.check_context(d, ids, sampling, param="prompt")
+        calls.check_context(d, ids, sampling, param="prompt")
     gens = await asyncio.gather(
-        *[turns.generate_n(d, ids, sampling, body.n, body.logprobs or 0) for ids in all_ids]
+        *[calls.generate_n(d, ids, sampling, body.n, body.logprobs or 0) for ids in all_ids]
     )
     return _response(d, body, list(gens), sum(len(i) for i in all_ids))
 
@@ -161,7 +164,7 @@ async def _session_completion(
     prompt: str | list[int],
     sampling: dict[str, Any],
 ) -> tuple[Generation, int]:
-    async with turns.locked(d.sessions, session_id) as record:
+    async with locked(d.sessions, session_id) as record:
         if record.status != "open":
             raise turns.finished_error(record)
         out = []
@@ -171,9 +174,9 @@ async def _session_completion(
         if closed is not None and record.mode == "episode":
             out.append(build_sample(record, closed))
         seg = record.segment
-        turns.check_context(d, seg.token_ids, sampling, param="prompt")
+        calls.check_context(d, seg.token_ids, sampling, param="prompt")
         turns.check_held(d, record, len(out))
-        (gen,) = await turns.generate_n(
+        (gen,) = await calls.generate_n(
             d, list(seg.token_ids), sampling, 1, body.logprobs or 0, affinity=session_id
         )
         seg.turn_start = len(seg.token_ids)

@@ -23,16 +23,17 @@ import aiohttp
 import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engine_pool import ENGINE_ABORTS, Generation, parse_generation
+from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.pool import ENGINE_ABORTS
 
 if TYPE_CHECKING:
-    from flywheel.gateway.engine_pool import EnginePool
+    from flywheel.gateway.engines.pool import EnginePool
 
 OnText = Callable[[str], None]
 """Called with the cumulative text of each chunk, in order."""
 TEXT_SINK: ContextVar[OnText | None] = ContextVar("flywheel_text_sink", default=None)
 """Set by a request answered as the text is sampled (incremental.py): its engine call is
-streamed into this sink (`turns.generate_n`, one choice only)."""
+streamed into this sink (`calls.generate_n`, one choice only)."""
 
 
 class _Failed(Exception):

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from flywheel.core.metrics import labeled_counter
-from flywheel.gateway.records import SessionRecord
+from flywheel.gateway.recording.records import SessionRecord
 
 READS = labeled_counter(
     "flywheel_gateway_record_reads_total",

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from flywheel.core.errors import InvalidRequestError
-from flywheel.gateway.prefix_ids import PrefixIds
+from flywheel.gateway.render.prefix_ids import PrefixIds
 
 INLINE_RENDER_CHARS = 8192
 """Conversations up to this many characters are rendered and tokenized on the event loop (well

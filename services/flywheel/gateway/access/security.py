@@ -10,7 +10,7 @@ the middleware, before any route runs:
    (`/s/<id>/...`, `/v1/sessions/<id>...`) or by `X-Session-Id` must belong to the key (admin:
    any); a per-session key is routed to its own session and can do nothing else;
 3. applies per-key rate (token bucket) and concurrency limits (429 with Retry-After), shared
-   by every gateway replica through Redis (`flywheel.gateway.limits`);
+   by every gateway replica through Redis (`flywheel.gateway.access.limits`);
 4. bounds the body (413), checks UTF-8, JSON nesting depth and chat-request shape (messages,
    tools, tool-schema bytes), answering in OpenAI error JSON;
 5. bounds the whole request in time (504).
@@ -46,8 +46,9 @@ from flywheel.core.errors import (
 )
 from flywheel.core.http_errors import error_body, redis_unavailable
 from flywheel.core.settings import SecuritySettings, is_loopback
-from flywheel.gateway.limits import Lease, RedisLimiter
-from flywheel.gateway.sessions import REQUEST_OWNER, SessionStore
+from flywheel.gateway.access.limits import Lease, RedisLimiter
+from flywheel.gateway.session.owner import REQUEST_OWNER
+from flywheel.gateway.session.store import SessionStore
 
 log = logging.getLogger(__name__)
 REJECTED = Counter(
@@ -529,7 +530,7 @@ async def _send_error(send: Callable, exc: PlatformError) -> None:
 def install(app: FastAPI, deps: Any) -> None:
     """Add the security middleware and key routes to the gateway app built from `deps`
     (a GatewayDeps: `settings` with `.security` and `.host`, `sessions` a SessionStore)."""
-    from flywheel.gateway.keys import router  # noqa: PLC0415  (its routes use this module)
+    from flywheel.gateway.access.keys import router  # noqa: PLC0415  (its routes use this module)
 
     store = KeyStore(deps.sessions.client, deps.sessions.prefix)
     app.state.key_store = store

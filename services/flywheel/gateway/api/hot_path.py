@@ -23,12 +23,12 @@ from pydantic import ValidationError
 
 from flywheel.core import http_errors
 from flywheel.core.errors import PlatformError
-from flywheel.gateway import chat
-from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.security import JSON_BODY
+from flywheel.gateway.access.security import JSON_BODY
+from flywheel.gateway.api import chat
+from flywheel.gateway.api.schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
-    from flywheel.gateway.app import GatewayDeps
+    from flywheel.gateway.deps import GatewayDeps
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -28,10 +28,10 @@ from prometheus_client import Counter
 
 from flywheel.core.errors import NotFoundError
 from flywheel.core.settings import GatewaySettings
-from flywheel.gateway import turns
+from flywheel.gateway.session import finish
 
 if TYPE_CHECKING:
-    from flywheel.gateway.app import GatewayDeps
+    from flywheel.gateway.deps import GatewayDeps
 
 log = logging.getLogger(__name__)
 EXPIRED = Counter(
@@ -104,7 +104,7 @@ def _finish_if_idle(d: GatewayDeps, session_id: str, cutoff: float) -> str:
             return "removed"
         if touched is None or touched > cutoff:
             return "kept"  # saved again since the sweep listed it
-        samples = turns.finish_record(d, record, None, None, by="idle")
+        samples = finish.finish_record(d, record, None, None, by="idle")
         finished = True
     finally:
         store.release(lease, record if finished else None)  # saved only when finished here

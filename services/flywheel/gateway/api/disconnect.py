@@ -8,7 +8,7 @@ the server reports the disconnect: the engine call is dropped (SGLang aborts a r
 connection closes), the session lock is released without saving, nothing is published.
 
 A client that disconnects while the turn is being saved or its answer written finds it recorded
-(the save, one Redis round trip, always runs to its end: `turns.locked`).
+(the save, one Redis round trip, always runs to its end: `locks.locked`).
 """
 
 from __future__ import annotations

@@ -18,17 +18,19 @@ from flywheel.core.errors import (
     InvalidRequestError,
     NotFoundError,
 )
-from flywheel.gateway import incremental, turns
-from flywheel.gateway.disconnect import Receive, unless_disconnected
-from flywheel.gateway.engine_pool import Generation
-from flywheel.gateway.parsers import ParsedReply
-from flywheel.gateway.request_rules import check_contents, check_model, served_models
-from flywheel.gateway.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, stop_list
-from flywheel.gateway.streaming import sse_chunks
-from flywheel.gateway.tokenization import render_call, text_size
+from flywheel.gateway.api import incremental
+from flywheel.gateway.api.disconnect import Receive, unless_disconnected
+from flywheel.gateway.api.parsers import ParsedReply
+from flywheel.gateway.api.request_rules import check_contents, check_model, served_models
+from flywheel.gateway.api.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, stop_list
+from flywheel.gateway.api.streaming import sse_chunks
+from flywheel.gateway.engines import calls
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import render_call, text_size
+from flywheel.gateway.session import turns
 
 if TYPE_CHECKING:
-    from flywheel.gateway.app import GatewayDeps
+    from flywheel.gateway.deps import GatewayDeps
 
 UNRECORDED = Counter("flywheel_gateway_unrecorded_requests_total", "Requests served unrecorded")
 
@@ -72,7 +74,7 @@ def session_header(session_id: str | None) -> str | None:
 async def create_live(d: GatewayDeps, session_id: str, owner: str) -> None:
     """Create the live-mode session an `X-Session-Id` names, on its first request (a concurrent
     first request may have created it meanwhile: the turn then checks whose it is under the
-    session lock, `turns.locked`).
+    session lock, `locks.locked`).
 
     Raises:
         BackpressureError: the training backlog is full (no new sessions then).
@@ -164,13 +166,13 @@ async def serve(
         prompt = await render_call(
             text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
         )
-        turns.check_context(
+        calls.check_context(
             d,
             prompt,
             sampling,  # the same rule as in sessions
             capped_by_default=turns.default_cap(body),
         )
-        gens = await turns.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
+        gens = await calls.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
         return _response(d, body, gens, len(prompt), [turns.parse_choice(d, body, g) for g in gens])
     try:
         gens, prompt_tokens, parsed = await turns.session_turn(

@@ -35,10 +35,10 @@ from prometheus_client import Counter
 
 from flywheel.core.errors import ClientClosedError, PlatformError
 from flywheel.core.http_errors import error_body
-from flywheel.gateway.disconnect import Receive, stop_abandoned, until_disconnected
-from flywheel.gateway.engine_stream import TEXT_SINK
-from flywheel.gateway.schemas import ChatCompletionRequest
-from flywheel.gateway.streaming import chunk_event
+from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.gateway.api.schemas import ChatCompletionRequest
+from flywheel.gateway.api.streaming import chunk_event
+from flywheel.gateway.engines.stream import TEXT_SINK
 
 log = logging.getLogger(__name__)
 TOOL_CALL = "<tool_call>"

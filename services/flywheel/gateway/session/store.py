@@ -12,29 +12,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 from prometheus_client import Counter
-from pydantic import BaseModel
 
 from flywheel.core.errors import BackpressureError, ConflictError, NotFoundError
 from flywheel.core.redis_client import LoopClients, ScriptCall, as_str
-from flywheel.core.streams import BACKLOG_LUA, FIELD
+from flywheel.core.streams import FIELD
 from flywheel.core.streams import PUBLISHED as STREAM_PUBLISHED
-from flywheel.gateway.record_cache import READS, Cached, RecordCache, rev_prefix
-from flywheel.gateway.records import (  # noqa: F401  (re-exported: the store's record types)
-    Branch,
-    Candidate,
-    Checkpoint,
-    Outgoing,
-    Segment,
-    SessionRecord,
-)
-from flywheel.gateway.script_deadline import LATE, NOW_LUA, ScriptDeadline
-from flywheel.gateway.segment_log import StoredForm, parse_stored, stored_form
+from flywheel.gateway.recording.record_cache import READS, Cached, RecordCache, rev_prefix
+from flywheel.gateway.recording.records import SessionRecord
+from flywheel.gateway.session.owner import Owner
+from flywheel.gateway.session.script_deadline import LATE, ScriptDeadline
+from flywheel.gateway.session.scripts import CREATE_LUA, PUT_LUA, READ_LUA, RENEW_LUA, TAKE_LUA
+from flywheel.gateway.session.segment_log import StoredForm, parse_stored, stored_form
 
 log = logging.getLogger(__name__)
 
@@ -52,128 +45,12 @@ def _ms(redis_time: tuple[int, int] | list[int]) -> float:
     return int(redis_time[0]) * 1000 + int(redis_time[1]) / 1000
 
 
-class _Owner(BaseModel):
-    """The one field of a stored SessionRecord that access checks need."""
-
-    owner: str = ""
-
-
-REQUEST_OWNER: ContextVar[str | None] = ContextVar("flywheel_request_owner", default=None)
-"""The key whose sessions the current request may use (the security middleware sets it for
-agent keys; None: any, for admins, for session keys, which are confined to their session, and
-without authentication). `turns.locked` checks it under the session lock, so a session another
-key created between the access check and the turn (two first requests naming one new
-X-Session-Id at once) is refused there; routes that read a record without the lock call
-`check_request_owner`."""
-
-
-def check_request_owner(record: SessionRecord) -> None:
-    """Refuse `record` when the current request's key may not use it (`REQUEST_OWNER`).
-
-    Raises:
-        NotFoundError: the session belongs to another key (answered like a missing one).
-    """
-    owner = REQUEST_OWNER.get()
-    if owner is not None and record.owner != owner:
-        log.warning(
-            "key %s refused session %s of another key (created after its access check)",
-            owner,
-            record.session_id,
-        )
-        raise NotFoundError(f"session {record.session_id} not found", param="session_id")
-
-
 RECORD_CACHE_BYTES = 16 << 20
 """Bytes of stored JSON of the records a store keeps in memory by default (their Python objects:
 at most about 110 MB)."""
 
 LOCK_LEASE_S = 15.0
 """Seconds a session lock lives without renewal (holders renew it every third of that)."""
-
-_CREATE = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then return 0 end
-redis.call('DEL', KEYS[3], KEYS[4])
-if ARGV[5] ~= '' then
-  redis.call('RPUSH', KEYS[3], ARGV[5])
-  redis.call('EXPIRE', KEYS[3], ARGV[2])
-end
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
-return 1
-"""
-"""Store a new session's record (head ARGV[1], log chunk ARGV[5]) unless the id is taken (0),
-and index it as touched now (a log or held list left by an earlier session of the id goes)."""
-
-_READ = """
-return {redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[2], 0, -1)}
-"""
-"""A session's record head and log (segment_log.py), read together."""
-
-_TAKE = (
-    NOW_LUA
-    + """
-local now = now_ms()
-if ARGV[4] ~= '0' and now > tonumber(ARGV[4]) then return {4, now} end
-if redis.call('EXISTS', KEYS[1]) == 0 then return {0, now} end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {2, now} end
-local head = ARGV[3]
-if head ~= '' and redis.call('GETRANGE', KEYS[1], 0, #head - 1) == head then return {3, now} end
-return {1, now, redis.call('GET', KEYS[1]), redis.call('LRANGE', KEYS[3], 0, -1)}
-"""
-)
-"""Lock a session and read its record: {0} no session, {1, head, log} taken, {2} busy, {3} taken
-and the stored record starts with ARGV[3] (the caller's cached rev: it holds the record), {4}
-past the deadline ARGV[4] (nothing done); each with Redis's time (ms) second."""
-
-_PUT = (
-    BACKLOG_LUA
-    + NOW_LUA
-    + """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-if late(ARGV[11]) then
-  redis.call('DEL', KEYS[2])
-  return 3
-end
-if ARGV[4] == '1' then
-  if ARGV[12] ~= '1' and (redis.call('LLEN', KEYS[5]) ~= tonumber(ARGV[14])
-                         or redis.call('EXISTS', KEYS[1]) == 0) then
-    return 4
-  end
-  local high_water = tonumber(ARGV[9])
-  local first = 17 + tonumber(ARGV[15])
-  if #ARGV >= first and high_water > 0 and backlog(KEYS[4], ARGV[10]) >= high_water then
-    redis.call('DEL', KEYS[2])
-    return 2
-  end
-  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
-  if ARGV[12] == '1' then redis.call('DEL', KEYS[5]) end
-  if ARGV[13] ~= '' then redis.call('RPUSH', KEYS[5], ARGV[13]) end
-  redis.call('EXPIRE', KEYS[5], ARGV[3])
-  if ARGV[5] == 'open' then redis.call('ZADD', KEYS[3], ARGV[7], ARGV[6])
-  else redis.call('ZREM', KEYS[3], ARGV[6]) end
-  if ARGV[16] == '1' then redis.call('DEL', KEYS[6]) end
-  for i = 17, first - 1 do redis.call('RPUSH', KEYS[6], ARGV[i]) end
-  if redis.call('EXISTS', KEYS[6]) == 1 then redis.call('EXPIRE', KEYS[6], ARGV[3]) end
-  for i = first, #ARGV do redis.call('XADD', KEYS[4], '*', ARGV[8], ARGV[i]) end
-end
-redis.call('DEL', KEYS[2])
-return 1
-"""
-)
-"""Save the record (head ARGV[2]; its log KEYS[5] rewritten when ARGV[12] is 1, chunk ARGV[13]
-appended) and its last-touch time in the idle index and add its queued Samples to
-the stream KEYS[4] (when ARGV[4] is 1), then unlock; all only while the lock is still ours
-(else 0). With Samples queued and the stream's backlog at its high-water mark ARGV[9] (watched
-group ARGV[10]) nothing is written and the lock released (2): the turn is refused whole. Past
-the deadline ARGV[11] (script_deadline.py) only the lock is released (3). An append to a log
-that no longer holds ARGV[14] chunks, or to an expired record, writes nothing and keeps the lock
-(4): the caller saves the record whole instead. Held Samples (episode mode, until the finish):
-ARGV[15] of them, ARGV[17..], appended to the held list KEYS[6] after emptying it when ARGV[16]
-is 1; the stream's Samples follow them."""
-
-_RENEW = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-"""
 
 LOST_LEASES = Counter(
     "flywheel_gateway_session_lease_lost_total",
@@ -234,11 +111,11 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.touched_key = f"{prefix}:sessions:touched"
         """Sorted set: open session id -> Unix time of its last save (the idle sweep's index)."""
-        self._create = client.register_script(_CREATE)
-        self._read = client.register_script(_READ)
-        self._take = client.register_script(_TAKE)
-        self._put = client.register_script(_PUT)
-        self._renew = client.register_script(_RENEW)
+        self._create = client.register_script(CREATE_LUA)
+        self._read = client.register_script(READ_LUA)
+        self._take = client.register_script(TAKE_LUA)
+        self._put = client.register_script(PUT_LUA)
+        self._renew = client.register_script(RENEW_LUA)
         self._loop_clients = LoopClients(client)
 
     def _key(self, session_id: str) -> str:
@@ -293,7 +170,7 @@ class SessionStore:
     async def acreate(self, **fields: Any) -> SessionRecord:
         """`create` on the event loop."""
         record, form, call = self._new(fields)
-        return self._created(record, form, await self._loop_clients.script(_CREATE)(**call))
+        return self._created(record, form, await self._loop_clients.script(CREATE_LUA)(**call))
 
     def exists(self, session_id: str) -> bool:
         return bool(self.client.exists(self._key(session_id)))
@@ -315,7 +192,7 @@ class SessionStore:
         raw = await client.get(key)
         if raw is None:
             raise NotFoundError(f"session {session_id} not found", param="session_id")
-        return _Owner.model_validate_json(raw).owner
+        return Owner.model_validate_json(raw).owner
 
     async def aexists(self, session_id: str) -> bool:
         """`exists` on the event loop."""
@@ -416,7 +293,7 @@ class SessionStore:
             self.deadline.observe(_ms(await self._loop_clients.get().time()))
         cached = self.cache.take(session_id)
         token, call = self._take_call(session_id, lease_s, cached)
-        got = await self._loop_clients.script(_TAKE)(**call)
+        got = await self._loop_clients.script(TAKE_LUA)(**call)
         if got[0] == 3 and cached is not None:
             self.deadline.observe(got[1])
             READS.labels("cached").inc()
@@ -428,7 +305,7 @@ class SessionStore:
         try:
             return self._taken(session_id, token, lease_s, got)
         except _Unreadable as exc:
-            await self._loop_clients.script(_PUT)(**self._unlock_call(session_id, exc.token))
+            await self._loop_clients.script(PUT_LUA)(**self._unlock_call(session_id, exc.token))
             raise exc.cause from None
 
     def acquire(
@@ -464,7 +341,7 @@ class SessionStore:
 
     async def arenew(self, lease: SessionLease) -> bool:
         """`renew` on the event loop."""
-        return bool(await self._loop_clients.script(_RENEW)(**self._renew_call(lease)))
+        return bool(await self._loop_clients.script(RENEW_LUA)(**self._renew_call(lease)))
 
     def _put_call(
         self, lease: SessionLease, record: SessionRecord | None
@@ -513,7 +390,7 @@ class SessionStore:
         }
 
     def _unlock_call(self, session_id: str, token: str) -> ScriptCall:
-        """The `_PUT` call that only releases the lock `token` holds."""
+        """The `PUT_LUA` call that only releases the lock `token` holds."""
         empty = SessionRecord(session_id=session_id)
         return self._put_call(SessionLease(session_id, token, 1.0, empty), None)[1]
 
@@ -617,11 +494,11 @@ class SessionStore:
     async def arelease(self, lease: SessionLease, record: SessionRecord | None = None) -> None:
         """`release` on the event loop."""
         form, call = self._put_call(lease, record)
-        held = await self._loop_clients.script(_PUT)(**call)
+        held = await self._loop_clients.script(PUT_LUA)(**call)
         if held == 4:  # the record expired while the turn ran: store it whole again
             assert record is not None  # the script answers 4 only to a save
             form, call = self._rewrite_call(lease, record)
-            held = await self._loop_clients.script(_PUT)(**call)
+            held = await self._loop_clients.script(PUT_LUA)(**call)
         self._put_done(lease, record, form, held)
         if record is not None and form is not None:  # saved: the next turn may use it as it is
             self.cache.put(lease.session_id, record, form.size)

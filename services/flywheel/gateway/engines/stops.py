@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from prometheus_client import Counter
 
-from flywheel.gateway.engine_pool import Generation
+from flywheel.gateway.engines.generation import Generation
 
 log = logging.getLogger(__name__)
 

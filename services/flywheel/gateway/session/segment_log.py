@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, Field
 
-from flywheel.gateway.records import _EXACT_FLOATS, Segment, SessionRecord
+from flywheel.gateway.recording.records import _EXACT_FLOATS, Segment, SessionRecord
 
 TOKEN_FIELDS = ("token_ids", "loss_mask", "logprobs", "versions")
 """The segment's per-token lists (all the same length)."""

@@ -32,8 +32,8 @@ from collections.abc import Callable
 
 from flywheel._proto import sample_pb2
 from flywheel.core.metrics import labeled_counter
-from flywheel.gateway.recording import FORKS
-from flywheel.gateway.records import Branch, Segment, SessionRecord
+from flywheel.gateway.recording.history import FORKS
+from flywheel.gateway.recording.records import Branch, Segment, SessionRecord
 
 log = logging.getLogger(__name__)
 MAX_BRANCHES = 8

@@ -1,0 +1,69 @@
+"""The gateway's shared dependencies: what every route and turn module is given.
+
+`create_app(deps)` (app.py) builds the app from a `GatewayDeps` (house style C8): tests swap in
+fakes; `main.py` builds the real ones. Route modules take the deps from here (`Deps`, a FastAPI
+dependency), never from app.py, so nothing imports the app module back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+from fastapi import Depends, Header, Request
+
+from flywheel.core.settings import GatewaySettings
+from flywheel.gateway.engines.generation import Generation
+from flywheel.gateway.render.tokenization import ChatRenderer
+from flywheel.gateway.session.store import SessionStore
+
+
+class Engines(Protocol):
+    """What the gateway asks of its engines (engines/pool.py `EnginePool`, or a test fake)."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        affinity: str = "",
+        top_logprobs_num: int = 0,
+    ) -> Generation: ...
+
+
+class Publisher(Protocol):
+    """The Sample stream and its backpressure rule (core.streams.StreamProducer): sessions add
+    their Samples to `stream` when they save (SessionRecord.queue)."""
+
+    async def abacklog(self) -> int: ...
+
+    stream: str
+    high_water: int
+    watch_group: str
+
+
+@dataclass
+class GatewayDeps:
+    """Everything a request needs: settings, the chat renderer, engines, session store and the
+    Sample stream."""
+
+    settings: GatewaySettings
+    renderer: ChatRenderer
+    engines: Engines
+    sessions: SessionStore
+    publisher: Publisher
+    context_length: int = 2048
+    """Tokens (prompt + completion) the engine serves per request."""
+
+
+async def get_deps(request: Request) -> GatewayDeps:
+    """The app's dependencies (async: FastAPI runs a sync dependency in a worker thread)."""
+    return request.app.state.deps
+
+
+Deps = Annotated[GatewayDeps, Depends(get_deps)]
+SessionHeader = Annotated[
+    str | None, Header(description="Session id (live mode; created on first use)")
+]
+TurnHeader = Annotated[
+    str | None, Header(description="main (recorded, default) | side (served, not recorded)")
+]

@@ -1,0 +1,48 @@
+"""Which key may use a session: the request's owner, checked against the stored record.
+
+The security middleware (access/security.py) sets `REQUEST_OWNER` for agent keys; the session
+lock (locks.py) and routes that read a record without the lock call `check_request_owner`.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+
+from pydantic import BaseModel
+
+from flywheel.core.errors import NotFoundError
+from flywheel.gateway.recording.records import SessionRecord
+
+log = logging.getLogger(__name__)
+
+
+class Owner(BaseModel):
+    """The one field of a stored SessionRecord that access checks need."""
+
+    owner: str = ""
+
+
+REQUEST_OWNER: ContextVar[str | None] = ContextVar("flywheel_request_owner", default=None)
+"""The key whose sessions the current request may use (the security middleware sets it for
+agent keys; None: any, for admins, for session keys, which are confined to their session, and
+without authentication). `locks.locked` checks it under the session lock, so a session another
+key created between the access check and the turn (two first requests naming one new
+X-Session-Id at once) is refused there; routes that read a record without the lock call
+`check_request_owner`."""
+
+
+def check_request_owner(record: SessionRecord) -> None:
+    """Refuse `record` when the current request's key may not use it (`REQUEST_OWNER`).
+
+    Raises:
+        NotFoundError: the session belongs to another key (answered like a missing one).
+    """
+    owner = REQUEST_OWNER.get()
+    if owner is not None and record.owner != owner:
+        log.warning(
+            "key %s refused session %s of another key (created after its access check)",
+            owner,
+            record.session_id,
+        )
+        raise NotFoundError(f"session {record.session_id} not found", param="session_id")

@@ -116,7 +116,12 @@ class EngineSettings(Section):
     batch_wait_ms: float = Field(20.0, ge=0)
     """Milliseconds an idle engine waits for more requests before the first prefill."""
     context_length: int = Field(2048, ge=16)
-    """Tokens (prompt + completion) per request."""
+    """Tokens (prompt + completion) per request; at most the model's trained length
+    (`max_position_embeddings`) unless `allow_longer_context` (docs/engine-protocol.md)."""
+    allow_longer_context: bool = False
+    """Serve a `context_length` above the model's trained length (logged as a warning), like
+    SGLang's `--context-length` with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (that variable
+    is honoured too). False: such a setting stops the engine at start."""
     weight_version: str = "default"
     """Initial weight version label (SGLang's `--weight-version`)."""
     seed: int = 0

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from flywheel.engine.grammar import mask_logprobs
 from flywheel.engine.runner import ModelRunner
 from flywheel.engine.sampling import sample_tokens, tempered_logprobs, top_logprobs
 from flywheel.engine.sequence import Sequence
@@ -270,9 +271,12 @@ def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
 
 
 def _sample_step(runner: ModelRunner, seqs: list[Sequence], logits: Tensor) -> Tensor:
+    """Sample one token per row; constrained rows draw from their grammar-masked distribution,
+    every reported logprob is the unmasked `log_softmax(logits / T)` (engine/grammar.py)."""
     configs = [s.config for s in seqs]
     logprobs = tempered_logprobs(logits, configs)  # (B, V)
-    tokens = sample_tokens(logprobs, configs, [s.generator for s in seqs])  # (B,)
+    draw = mask_logprobs(logprobs, [s.grammar for s in seqs])  # (B, V)
+    tokens = sample_tokens(draw, configs, [s.generator for s in seqs])  # (B,)
     picked = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
         if seq.job.spec.top_logprobs_num > 0:

@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     log.info("engine settings %s", settings.model_dump_json())
 
     import uvicorn  # heavy imports only after the settings parsed
+    from transformers import AutoConfig
 
     from flywheel.core.paths import resolve_model_path
     from flywheel.engine.app import EngineDeps, create_app
+    from flywheel.engine.context import check_context_length
     from flywheel.engine.convert import ensure_default_model
     from flywheel.engine.worker import EngineWorker
 
@@ -70,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flywheel-engine: {exc} ([engine] model_path, FLYWHEEL_ENGINE__MODEL_PATH)")
     if not settings.model_path:
         model_path = ensure_default_model(model_path)
+    try:
+        check_context_length(settings, AutoConfig.from_pretrained(model_path))
+    except ConfigurationError as exc:
+        sys.exit(f"flywheel-engine: {exc}")
     worker = EngineWorker(settings, model_path).start()
     app = create_app(EngineDeps(engine=worker, settings=settings, model_path=model_path))
     try:

@@ -11,13 +11,18 @@ Mirrors SGLang 0.5.23 `entrypoints/openai/protocol.py`, `serving_chat.py` and
 * `/v1/completions`: prompt text or token ids (single or batch), `max_tokens` default 16,
   `logprobs: k` legacy format, `echo`.
 
-Unknown keys are ignored (pydantic extra="ignore", as SGLang); values the engine cannot honour
-(penalties, response_format, tools) are refused with a 400 rather than silently dropped.
+Constrained decoding as in SGLang: chat `response_format` `json_schema` (its `schema`) and
+`json_object` (`{"type": "object"}`) become the `json_schema` sampling param, `structural_tag`
+the `structural_tag` param; top-level `regex` / `ebnf` (and `json_schema` on completions) pass
+through; more than one is a 400. Unknown keys are ignored (pydantic extra="ignore", as SGLang);
+values the engine cannot honour (penalties, tools) are refused with a 400 rather than silently
+dropped.
 Responses are plain dicts built from the native /generate result objects (`meta_info`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -80,6 +85,12 @@ class _Common(BaseModel):
     no_stop_trim: bool = False
     rid: str | None = None
     return_token_ids: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
+
+    def grammar(self) -> dict[str, str]:
+        """The constrained-decoding sampling params this request asks for (SGLang's keys)."""
+        return {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf)) if v is not None}
 
     def sampling(self, defaults: dict[str, Any], max_new_tokens: int | None) -> SamplingParams:
         """Native sampling params; `defaults` fills fields the request left null."""
@@ -108,6 +119,7 @@ class _Common(BaseModel):
             no_stop_trim=self.no_stop_trim,
             n=self.n,
             sampling_seed=self.seed,
+            **self.grammar(),
         )
 
     @model_validator(mode="after")
@@ -134,10 +146,34 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     return_meta_info: bool = False
 
+    def grammar(self) -> dict[str, str]:
+        """`regex` / `ebnf` plus the `response_format` constraint, as SGLang maps it.
+
+        Raises:
+            ValueError: an unknown response_format type, or json_schema without a schema.
+        """
+        params = super().grammar()
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs json_schema.schema (object)")
+            params["json_schema"] = json.dumps(spec["schema"])
+        elif kind == "json_object":
+            params["json_schema"] = '{"type": "object"}'
+        elif kind == "structural_tag":
+            params["structural_tag"] = json.dumps(fmt)
+        elif kind not in ("text", None):
+            raise ValueError(
+                f"response_format type {kind!r} is not one of text, json_object, json_schema, "
+                "structural_tag"
+            )
+        return params
+
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this engine")
+        self.grammar()  # a malformed response_format is a 400 before anything is rendered
         if self.tool_choice not in (None, "none", "auto") or (self.tools and self.tool_choice):
             raise ValueError("tool calling needs a tool-call parser; this engine has none")
         if self.stream and self.return_meta_info:
@@ -163,6 +199,14 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    json_schema: str | None = None
+
+    def grammar(self) -> dict[str, str]:
+        """`regex` / `ebnf` / `json_schema` as given (SGLang's completion extras)."""
+        params = super().grammar()
+        if self.json_schema is not None:
+            params["json_schema"] = self.json_schema
+        return params
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:

@@ -6,8 +6,10 @@ contract gate). `expand_generate()` turns one /generate body into per-row `RowSp
 `n` expanded, per-request fields broadcast). Responses are plain dicts built by
 `generate_response()`; `dumps()` serializes them like orjson (NaN/inf -> null).
 
-Keys SGLang knows but this engine does not implement (penalties, grammars, logit_bias,
-min_new_tokens) are accepted only at their neutral values, and rejected otherwise.
+Keys SGLang knows but this engine does not implement (penalties, logit_bias, stop_regex,
+min_new_tokens) are accepted only at their neutral values, and rejected otherwise. The grammar
+keys (`json_schema`, `regex`, `ebnf`, `structural_tag`; at most one) are compiled by
+`engine/grammar.py` when the row is submitted.
 """
 
 from __future__ import annotations
@@ -27,10 +29,6 @@ _NEUTRAL = {
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
     "stop_regex": None,
     "logit_bias": None,
 }
@@ -66,9 +64,13 @@ class SamplingParams(BaseModel):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     json_schema: str | None = None
+    """A JSON Schema (as a string) the output must satisfy (constrained decoding)."""
     regex: str | None = None
+    """A regular expression the whole output must match."""
     ebnf: str | None = None
+    """An EBNF grammar (xgrammar dialect, rule `root`) the output must match."""
     structural_tag: str | None = None
+    """An xgrammar structural tag (JSON), e.g. a tool call's begin/end around a JSON schema."""
     stop_regex: str | list[str] | None = None
     logit_bias: dict[str, float] | None = None
 
@@ -88,6 +90,9 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> SamplingParams:
+        grammars = [self.json_schema, self.regex, self.ebnf, self.structural_tag]
+        if sum(g is not None for g in grammars) > 1:
+            raise ValueError("Only one of regex, json_schema, ebnf or structural_tag can be set.")
         for key, neutral in _NEUTRAL.items():
             if getattr(self, key) != neutral:
                 raise ValueError(
@@ -99,6 +104,13 @@ class SamplingParams(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar (json_schema, regex, ebnf or structural_tag) is set."""
+        return any(
+            g is not None for g in (self.json_schema, self.regex, self.ebnf, self.structural_tag)
+        )
 
 
 class GenerateRequest(BaseModel):

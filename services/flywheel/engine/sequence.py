@@ -12,12 +12,15 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from flywheel.engine.protocol import RowSpec
 from flywheel.engine.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from flywheel.engine.grammar import Grammar
 
 
 class TokenizerLike(Protocol):
@@ -44,6 +47,8 @@ class Job:
     listener: Callable[[dict[str, Any]], None] | None = None
     """Streaming: called from the worker thread with the cumulative (unfinished) response
     object after every sampled token; the final object arrives through `future`."""
+    grammar: Grammar | None = None
+    """The compiled constraint of the request (json_schema / regex / ebnf / structural_tag)."""
 
 
 class Sequence:
@@ -69,6 +74,8 @@ class Sequence:
         self.stop_strings = p.stop_strings()
         self._stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 8
         self.generator = generator
+        self.grammar = job.grammar.matcher() if job.grammar is not None else None
+        """Per-row matcher of the request's constraint; masks every sampled token."""
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top: list[tuple[list[float], list[int]]] = []
@@ -115,7 +122,14 @@ class Sequence:
         """Record one sampled token and set the finish reason if it ends the row."""
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
-        if token in self.stop_ids:
+        if self.grammar is not None and not self.grammar.accept(token):
+            self.finish_reason = {
+                "type": "abort",
+                "message": f"token {token} is not allowed by the request's {self.grammar.kind}",
+            }
+            return
+        if token in self.stop_ids or (self.grammar is not None and self.grammar.terminated):
+            # a terminated grammar has accepted a stop token: SGLang finishes the row here
             self.finish_reason = {"type": "stop", "matched": token}
             return
         if self.stop_strings:

@@ -29,6 +29,8 @@ import torch
 from flywheel.core.errors import InvalidRequestError, PlatformError
 from flywheel.core.settings import EngineSettings
 from flywheel.engine.batcher import RunningBatch
+from flywheel.engine.context import check_context_length
+from flywheel.engine.grammar import GrammarCompiler
 from flywheel.engine.metrics import EngineMetrics
 from flywheel.engine.protocol import RowSpec, SamplingParams
 from flywheel.engine.runner import ModelRunner
@@ -75,6 +77,7 @@ class EngineWorker:
         self.last_progress = 0.0
         """time.monotonic() of the last decode step or finished batch (health checks)."""
         self._batch: RunningBatch | None = None
+        self._grammars: GrammarCompiler | None = None
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
         self.metrics.set_weight_version(self.weight_version)
 
@@ -106,6 +109,10 @@ class EngineWorker:
                 torch.set_num_threads(self.settings.threads)
             t0 = time.perf_counter()
             self.runner = ModelRunner(self.model_path, self.settings.dtype, self.settings.device)
+            check_context_length(self.settings, self.runner.config)
+            self._grammars = GrammarCompiler(
+                self.runner.tokenizer, self.runner.vocab_size, self.runner.eos_ids
+            )
             self._batch = RunningBatch(self.runner)
             self._warm_up()
             log.info("model %s loaded in %.1f s", self.model_path, time.perf_counter() - t0)
@@ -148,13 +155,18 @@ class EngineWorker:
 
         Raises:
             EngineNotReady: the model is still loading or failed to load.
-            InvalidRequestError: a rid is already in flight.
+            InvalidRequestError: a rid is already in flight; a grammar param (json_schema,
+                regex, ebnf, structural_tag) does not compile.
         """
         if self.status != "ready":
             raise EngineNotReady(
                 f"the engine is {self.status}" + (f": {self.error}" if self.error else "")
             )
         jobs = [Job(spec, probe=probe) for spec in specs]
+        if any(spec.params.constrained for spec in specs):
+            assert self._grammars is not None  # built before the engine turns ready
+            for job in jobs:  # xgrammar caches by text: rows of one request compile once
+                job.grammar = self._grammars.compile(job.spec.params)
         unheard: list[Callable[[dict[str, Any]], None] | None] = [None] * len(jobs)
         for job, listener in zip(jobs, listeners or unheard, strict=True):
             job.listener = listener

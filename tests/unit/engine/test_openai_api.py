@@ -46,7 +46,8 @@ def test_completions_defaults_and_prompt_forms():
     [
         {"messages": []},
         {"messages": MSG, "tools": [{"type": "function"}], "tool_choice": "required"},
-        {"messages": MSG, "response_format": {"type": "json_object"}},
+        {"messages": MSG, "response_format": {"type": "xml"}},
+        {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {}}},
         {"messages": MSG, "stream": True, "return_token_ids": True},
     ],
 )

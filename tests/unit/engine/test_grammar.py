@@ -1,0 +1,190 @@
+"""Constrained decoding on the embedded engine: the mask, the params, the logprob rule.
+
+The logprob rule (docs/token-path.md, "Constrained tokens"): a constrained token is DRAWN from
+the grammar-masked, renormalised distribution, and REPORTED with the model's unmasked
+`log_softmax(logits / T)[token]`, so the trainer's recomputation (no mask) matches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from flywheel.core.errors import InvalidRequestError
+from flywheel.engine.grammar import GrammarCompiler, mask_logprobs
+from flywheel.engine.protocol import RowSpec, SamplingParams
+
+YES_NO = 'root ::= "yes" | "no"'
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def allowed_tokens(compiler: GrammarCompiler, params: SamplingParams, prefix: list[int]) -> list:
+    grammar = compiler.compile(params)
+    assert grammar is not None
+    row = grammar.matcher()
+    for t in prefix:
+        assert row.accept(t)
+    lp = torch.zeros((1, compiler.vocab_size))
+    masked = mask_logprobs(lp, [row])
+    return masked[0].isfinite().nonzero().flatten().tolist()
+
+
+def test_mask_allows_exactly_the_grammar_prefixes(compiler, tokenizer):
+    # "yes" | "no": the first token must be a prefix of one of them
+    first = allowed_tokens(compiler, SamplingParams(ebnf=YES_NO), [])
+    assert sorted(tokenizer.decode([t]) for t in first) == ["n", "no", "y", "ye", "yes"]
+    # after "ye" only "s" completes the word; after "yes" only EOS may follow
+    ye = tokenizer.encode("ye")
+    assert [
+        tokenizer.decode([t]) for t in allowed_tokens(compiler, SamplingParams(ebnf=YES_NO), ye)
+    ] == ["s"]
+    done = tokenizer.encode("yes")
+    assert allowed_tokens(compiler, SamplingParams(ebnf=YES_NO), done) == [tokenizer.eos_token_id]
+
+
+def test_masked_rows_are_renormalised_and_free_rows_untouched(compiler, tokenizer):
+    grammar = compiler.compile(SamplingParams(ebnf=YES_NO))
+    assert grammar is not None
+    vocab = compiler.vocab_size
+    logits = torch.zeros((2, vocab))
+    yes, n = tokenizer.encode("yes")[0], tokenizer.encode("n")[0]
+    logits[0, yes] = math.log(3.0)  # e^log3 = 3: "yes" is 3x as likely as each other token
+    logprobs = torch.log_softmax(logits, dim=-1)
+    out = mask_logprobs(logprobs, [grammar.matcher(), None])
+    # row 0 keeps 5 tokens with weights 3, 1, 1, 1, 1 (sum 7):
+    # log(3/7) = -0.8473, log(1/7) = -1.9459
+    assert out[0, yes].item() == pytest.approx(math.log(3 / 7), abs=1e-5)
+    assert out[0, n].item() == pytest.approx(math.log(1 / 7), abs=1e-5)
+    assert out[0].isfinite().sum().item() == 5
+    assert torch.logsumexp(out[0], dim=-1).item() == pytest.approx(0.0, abs=1e-5)
+    # row 1 has no grammar: the very same values, and the input was not changed in place
+    assert torch.equal(out[1], logprobs[1])
+    assert logprobs[0].isfinite().all()
+    # no constrained row: the input itself comes back (no copy per decode step)
+    assert mask_logprobs(logprobs, [None, None]) is logprobs
+
+
+@pytest.mark.parametrize(
+    ("params", "kind"),
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"ebnf": "root ::= (("}, "ebnf"),
+        (
+            {"structural_tag": '{"type": "structural_tag", "format": {"type": "nope"}}'},
+            "structural_tag",
+        ),
+        ({"structural_tag": "[1, 2]"}, "structural_tag"),
+    ],
+)
+def test_a_bad_grammar_is_an_invalid_request_naming_the_param(compiler, params, kind):
+    with pytest.raises(InvalidRequestError, match=rf"Invalid grammar request: {kind}"):
+        compiler.compile(SamplingParams(**params))
+
+
+def test_at_most_one_grammar_param_and_none_means_unconstrained(compiler):
+    with pytest.raises(ValidationError, match="Only one of regex, json_schema"):
+        SamplingParams(regex="a", ebnf=YES_NO)
+    with pytest.raises(ValidationError, match="Only one of regex, json_schema"):
+        SamplingParams(json_schema="{}", structural_tag="{}")
+    assert compiler.compile(SamplingParams()) is None
+    assert not SamplingParams().constrained and SamplingParams(regex="a+").constrained
+
+
+def _spec(rid: str, ids: list[int], **params) -> RowSpec:
+    return RowSpec(
+        rid=rid,
+        text=None,
+        input_ids=ids,
+        params=SamplingParams(**params),
+        return_logprob=True,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        return_text_in_logprobs=False,
+    )
+
+
+def test_outputs_follow_the_grammar_and_a_bad_one_fails_at_submit(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("Answer:")
+    schema = {"enum": ["red", "green", 7]}
+    cases = {
+        "re": {"regex": r"[a-c]{2,5}!"},
+        "eb": {"ebnf": YES_NO},
+        "js": {"json_schema": json.dumps(schema)},
+    }
+    jobs = {
+        name: tiny_engine.submit(
+            [_spec(f"g-{name}", prompt, max_new_tokens=40, temperature=1.0, sampling_seed=7, **p)]
+        )[0]
+        for name, p in cases.items()
+    }
+    out = {name: job.future.result(timeout=120) for name, job in jobs.items()}
+    # the random-weight model would never write these by itself; the mask makes it
+    assert re.fullmatch(r"[a-c]{2,5}!", out["re"]["text"]), out["re"]["text"]
+    assert out["eb"]["text"] in ("yes", "no")
+    # SGLang's default lets JSON carry whitespace around values (a random model pads with it)
+    assert json.loads(out["js"]["text"]) in ("red", "green", 7), out["js"]["text"]
+    for result in out.values():  # a complete grammar lets only EOS through: the row stops
+        assert result["meta_info"]["finish_reason"] == {
+            "type": "stop",
+            "matched": tiny_engine.tokenizer.eos_token_id,
+        }
+    with pytest.raises(InvalidRequestError, match="Invalid grammar request: regex"):
+        tiny_engine.submit([_spec("g-bad", prompt, regex="[a-")])
+
+
+def test_reported_logprobs_are_the_unmasked_model_distribution(tiny_engine, runner):
+    """The documented rule, against a direct computation from the model's logits."""
+    prompt = tiny_engine.tokenizer.encode("Pick letters:")
+    temperature = 0.7
+    (job,) = tiny_engine.submit(
+        [
+            _spec(
+                "g-lp",
+                prompt,
+                max_new_tokens=12,
+                temperature=temperature,
+                sampling_seed=11,
+                regex=r"[xyz]{3,8}",
+            )
+        ]
+    )
+    result = job.future.result(timeout=120)
+    out_ids = result["output_ids"]
+    reported = [row[0] for row in result["meta_info"]["output_token_logprobs"]]
+    assert re.fullmatch(r"[xyz]{3,8}", result["text"]), result["text"]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + out_ids])
+        logits = runner.model(ids).logits[0].float()  # (T, V)
+    # position len(prompt) - 1 + k predicts out_ids[k]
+    rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(out_ids)]  # (K, V)
+    unmasked = torch.log_softmax(rows / temperature, dim=-1)
+    expected = unmasked.gather(1, torch.tensor(out_ids).unsqueeze(1)).squeeze(1).tolist()
+    assert reported == pytest.approx(expected, abs=1e-4)
+    # the masked (renormalised) logprob is another number: the rule is observable
+    grammar = GrammarCompiler(runner.tokenizer, runner.vocab_size, runner.eos_ids).compile(
+        SamplingParams(regex=r"[xyz]{3,8}")
+    )
+    assert grammar is not None
+    row = grammar.matcher()
+    masked = []
+    for k, token in enumerate(out_ids):
+        masked.append(mask_logprobs(unmasked[k : k + 1], [row])[0, token].item())
+        row.accept(token)
+    # a random model puts almost no mass on x/y/z, so renormalising raises every logprob
+    assert all(m > e + 1.0 for m, e in zip(masked, expected, strict=True))

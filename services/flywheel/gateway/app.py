@@ -20,10 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from flywheel.core import http_errors
 from flywheel.gateway.access.security import install as install_security
 from flywheel.gateway.access.security import owner_of
-from flywheel.gateway.api import chat, completions
+from flywheel.gateway.api import chat, completions, messages
 from flywheel.gateway.api.completions import CompletionRequest
 from flywheel.gateway.api.disconnect import unless_disconnected
 from flywheel.gateway.api.hot_path import HotPath
+from flywheel.gateway.api.messages_errors import AnthropicErrors
 from flywheel.gateway.api.request_rules import check_model, served_models
 from flywheel.gateway.api.schemas import (
     ChatCompletionRequest,
@@ -59,6 +60,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     app.add_middleware(HotPath, deps=deps)  # chat completions (hot_path.py), inside security
     install_security(app, deps)  # API keys, roles, session scoping, limits
     install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
+    app.include_router(messages.router)  # Anthropic Messages (api/messages.py)
+    app.add_middleware(AnthropicErrors)  # outermost: Anthropic error JSON on its paths
 
     instance = os.environ.get("FLYWHEEL_INSTANCE", "")
     """The nonce of the stack that started this process (stack.py checks it on /readyz)."""

@@ -201,7 +201,8 @@ def test_count_tokens_is_the_rendered_prompt_length(redis_client, prefix, render
             "reads text only",
         ),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, 400, "prefill"),
-        ({"tool_choice": {"type": "any"}, "tools": TOOLS}, 400, "tool_choice"),
+        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "format"),
+        ({"tools": [{**TOOLS[0], "type": "web_search_20250305"}]}, 400, "server tool"),
         (
             {
                 "messages": [

@@ -1,5 +1,5 @@
 """The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens` (and
-their `/s/<session id>/` forms), served as one chat turn each (docs/api.md).
+their `/s/<session id>/` forms), served as one chat turn each (docs/token-path.md).
 
 A Messages request becomes one `ChatCompletionRequest` (messages_convert.py) and is served by
 the chat path's `chat.serve`: the same session (`X-Session-Id`, created in live mode on first

@@ -3,7 +3,8 @@
 Shapes follow Anthropic's API reference (the `anthropic` SDK's `MessageCreateParams`). Field
 policy, as for chat completions (schemas.py): every field that changes the sampled tokens is
 honored or refused; fields without effect on them (`metadata`, `service_tier`, `thinking`,
-`cache_control`, `citations`) are accepted and have no effect; any other field is a 400 naming
+`cache_control`, `citations`, `output_config.effort`, `speed`, `diagnostics`, ...) are accepted
+and have no effect; any other field is a 400 naming
 it. Validation errors are answered in Anthropic's error JSON (messages_errors.py).
 
 Refused with a 400 that says why: `image`, `document` and other non-text blocks (the model reads
@@ -163,6 +164,22 @@ class ConversationRequest(BaseModel):
     """Accepted without effect: reasoning the model writes (`<think>`) always comes back as
     `thinking` blocks; the served model decides whether it reasons."""
 
+    cache_control: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    """`effort` is accepted without effect; a `format` (structured output) is refused."""
+    speed: str | None = None
+    diagnostics: dict[str, Any] | None = None
+
+    @field_validator("output_config")
+    @classmethod
+    def _output_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if (v or {}).get("format") is not None:
+            raise ValueError(
+                "output_config.format (structured output) is not supported: the engine has "
+                "no constrained decoding; ask for JSON in the prompt"
+            )
+        return v
+
     @field_validator("system", mode="before")
     @classmethod
     def _system(cls, v: Any) -> Any:
@@ -177,13 +194,16 @@ class MessagesRequest(ConversationRequest):
     """`POST /v1/messages` body."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(None, max_length=32)
-    stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
+    """Sampling fields of Anthropic's API before the SDK dropped them (send them with
+    `extra_body`); unset: temperature 1, the whole vocabulary."""
+    stop_sequences: list[str] | None = Field(None, max_length=32)
+    stream: bool = False
     metadata: dict[str, Any] | None = None
     """Accepted without effect (`user_id`)."""
     service_tier: str | None = None
     inference_geo: str | None = None
-    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None

@@ -11,7 +11,9 @@ Targets, each a real process on loopback, all answering the same chat request:
 - gateway: `python -m flywheel.gateway` without a session (chat template, tokenization,
   `/generate` on the stub, reply parsing, OpenAI response);
 - gateway-recorded: the same through a pre-created episode session (the turn is recorded in
-  Redis: lock, stitch, save), i.e. the gateway's overhead with recording included.
+  Redis: lock, stitch, save), i.e. the gateway's overhead with recording included;
+- responses, responses-recorded: the same turn through `POST /v1/responses` on the same
+  gateway (its CPU per request compared with the chat route's: target within 1.2x).
 For each target and concurrency 1/16/64: requests/s and p50/p99 latency over `--requests`
 timed requests after a warm-up (best of `--rounds` interleaved rounds; the load comes from an
 aiohttp client, bench/peers/request_loop.py), the latency each adds
@@ -46,7 +48,17 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}
 LEVELS = (1, 16, 64)
 CONTEXT_LENGTH = 131_072
 """The gateways' context window: the stub engine has none, long-session benches need room."""
-TARGETS = ["direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded"]
+RESPONSES_BODY = {"model": "m", "input": "What is 7 + 1?", "max_output_tokens": 8}
+"""The same turn as `BODY` through `POST /v1/responses` (stored, as by default)."""
+TARGETS = [
+    "direct",
+    "proxy",
+    "proxy-httpx",
+    "gateway",
+    "gateway-recorded",
+    "responses",
+    "responses-recorded",
+]
 
 
 def _start(
@@ -150,12 +162,15 @@ def start(
     tokenizer = build_tiny_model(work / "tiny")
     gateway, proc = _gateway(procs, work, "gateway", redis.url, stub, tokenizer, {})
     urls = {"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway}
+    urls |= {"responses": gateway, "responses-recorded": gateway}
     pids = {
         "direct": [procs[0].pid],
         "proxy": [procs[1].pid],
         "proxy-httpx": [procs[2].pid],
         "gateway": [proc.pid],
         "gateway-recorded": [proc.pid, redis.proc.pid],
+        "responses": [proc.pid, redis.proc.pid],  # a stored response is one Redis SET
+        "responses-recorded": [proc.pid, redis.proc.pid],
     }
     if ab is not None:
         urls["gateway-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub, tokenizer, ab)
@@ -173,23 +188,25 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
-    if not target.startswith("gateway-recorded"):
-        return ["/v1/chat/completions"] * k
+    route = "/v1/responses" if target.startswith("responses") else "/v1/chat/completions"
+    if "recorded" not in target:
+        return [route] * k
     made = await asyncio.gather(
         *[client.post("/v1/sessions", {"group_id": "bench"}) for _ in range(k)]
     )
-    return [f"/s/{body['session_id']}/v1/chat/completions" for _, body in made]
+    return [f"/s/{body['session_id']}{route}" for _, body in made]
 
 
 async def cell(
     base: str, target: str, concurrency: int, n: int, pids: list[int]
 ) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
+    body = RESPONSES_BODY if target.startswith("responses") else BODY
     async with Driver(base, concurrency) as client:
-        await client.drain(await _paths(client, target, 2 * concurrency), BODY)  # warm-up
+        await client.drain(await _paths(client, target, 2 * concurrency), body)  # warm-up
         timed = await _paths(client, target, n)
         cpu0, t0 = _cpu_s(pids), time.perf_counter()
-        latencies, errors = await client.drain(timed, BODY)
+        latencies, errors = await client.drain(timed, body)
         wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
     lat = sorted(latencies) or [float("nan")]
 
@@ -248,6 +265,12 @@ def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
             f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
             f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
             f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})"
+        )
+        resp, resp_rec = results[("responses", c)], results[("responses-recorded", c)]
+        lines.append(
+            f"  {'':>14}  (/v1/responses / chat: cpu/req unrecorded "
+            f"{ratio(resp['cpu_ms'], results[('gateway', c)]['cpu_ms'])}, recorded "
+            f"{ratio(resp_rec['cpu_ms'], rec['cpu_ms'])}; target <= 1.2)"
         )
         if ("gateway-recorded-B", c) in results:
             b = results[("gateway-recorded-B", c)]

@@ -42,7 +42,11 @@ def smol_stack(tmp_path_factory, redis_server, smollm2_dir) -> Iterator[SmolStac
         redis={"url": redis_server.url},
         streams={"prefix": "clients", "block_ms": 200},
         engine={"model_path": str(smollm2_dir), "port": 31100, "batch_wait_ms": 5},
-        gateway={"port": 8810, "default_max_tokens": 48},
+        gateway={
+            "port": 8810,
+            "default_max_tokens": 48,
+            "session_headers": ["x-conversation-id"],
+        },
         reward={"port": 50161, "metrics_port": 9211},
         trainer={
             "port": 8910,

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from flywheel.core import http_errors
 from flywheel.gateway.access.security import install as install_security
 from flywheel.gateway.access.security import owner_of
-from flywheel.gateway.api import chat, completions, messages
+from flywheel.gateway.api import chat, completions, messages, responses
 from flywheel.gateway.api.completions import CompletionRequest
 from flywheel.gateway.api.disconnect import unless_disconnected
 from flywheel.gateway.api.hot_path import HotPath
@@ -32,6 +32,7 @@ from flywheel.gateway.api.schemas import (
     SessionCreate,
     SessionFinish,
 )
+from flywheel.gateway.api.session_keys import SessionHeaders
 from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
 from flywheel.gateway.session import finish, sweep
@@ -58,9 +59,11 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     http_errors.install(app)
     app.state.deps = deps
     app.add_middleware(HotPath, deps=deps)  # chat completions (hot_path.py), inside security
+    app.add_middleware(SessionHeaders, settings=deps.settings)  # gateway.session_headers
     install_security(app, deps)  # API keys, roles, session scoping, limits
     install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
     app.include_router(messages.router)  # Anthropic Messages (api/messages.py)
+    responses.install(app, deps)  # OpenAI Responses (api/responses.py)
     app.add_middleware(AnthropicErrors)  # outermost: Anthropic error JSON on its paths
 
     instance = os.environ.get("FLYWHEEL_INSTANCE", "")

@@ -276,7 +276,7 @@ def test_logprobs_are_included_on_request(gw):
         ({"input": "x", "max_ouput_tokens": 5}, "max_ouput_tokens"),
         ({"input": "x", "temperature": 3}, "temperature"),
         ({"input": []}, "input"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
     ],
 )
 def test_bad_requests_are_400_in_openai_error_format(gw, body, param):

@@ -408,17 +408,19 @@ class SecurityMiddleware:
                 f"the JSON body nests deeper than {self.settings.max_json_depth} levels",
                 code="json_too_deep",
             )
-        if path.endswith("/chat/completions") and isinstance(data, dict):
-            self._check_chat(data)
+        if path.endswith(("/chat/completions", "/responses")) and isinstance(data, dict):
+            self._check_chat(data, "input" if path.endswith("/responses") else "messages")
         return data
 
-    def _check_chat(self, data: dict[str, Any]) -> None:
+    def _check_chat(self, data: dict[str, Any], field: str = "messages") -> None:
+        """Chat limits on `field` (chat `messages`, Responses `input` items) and `tools`."""
         s = self.settings
-        messages, tools = data.get("messages"), data.get("tools")
+        messages, tools = data.get(field), data.get("tools")
         if isinstance(messages, list) and len(messages) > s.max_messages:
             raise InvalidRequestError(
-                f"{len(messages)} messages; at most {s.max_messages} per request",
-                param="messages",
+                f"{len(messages)} {'messages' if field == 'messages' else 'input items'}; at "
+                f"most {s.max_messages} per request",
+                param=field,
                 code="too_many_messages",
             )
         if isinstance(tools, list):

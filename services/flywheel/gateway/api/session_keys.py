@@ -78,8 +78,8 @@ def _with_session(scope: Scope, names: list[bytes]) -> Scope:
             found[key] = value.strip()
     for name in names:
         if name in found:
-            value = as_session_id(found[name].decode("latin-1"))
+            session_id = as_session_id(found[name].decode("latin-1"))
             out: dict[str, Any] = dict(scope)
-            out["headers"] = [*headers, (X_SESSION_ID, value.encode())]
+            out["headers"] = [*headers, (X_SESSION_ID, session_id.encode())]
             return out
     return scope

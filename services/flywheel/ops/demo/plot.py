@@ -37,7 +37,11 @@ ROW_COLORS = {
 
 
 def plot_rewards(
-    steps: list[int], rewards: list[float], eval_points: dict[int, float], out: Path
+    steps: list[int],
+    rewards: list[float],
+    eval_points: dict[int, float],
+    out: Path,
+    title: str = "Flywheel demo: single-digit addition, SmolLM2-135M-Instruct",
 ) -> None:
     """Write a PNG with the per-step mean training reward and held-out accuracy points."""
     import matplotlib  # noqa: PLC0415
@@ -64,7 +68,7 @@ def plot_rewards(
     ax.set_xlabel("trainer step (weight version)")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Flywheel demo: single-digit addition, SmolLM2-135M-Instruct")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

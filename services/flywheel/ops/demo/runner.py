@@ -24,11 +24,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -204,7 +204,7 @@ class DemoRunner:
             title=f"Flywheel demo timeline ({self.cfg.mode}, max_staleness {self.staleness})",
         )
 
-    def run(self, started_at: float | None = None) -> dict[str, float]:
+    def run(self, started_at: float | None = None) -> dict[str, object]:
         """Run the whole demo; writes metrics.jsonl, demo_timeline.jsonl, reward_curve.png,
         timeline.png and summary.json into `out`.
 
@@ -227,7 +227,7 @@ class DemoRunner:
             f"mode {self.cfg.mode}: rollouts of step s begin once the engine serves weight "
             f"version {version0} + s - 1 - {self.staleness}"
         )
-        batches = training_batches(self.cfg.seed, self.cfg.problems_per_step)
+        batches = self.batches()
         steps, rewards = [], []
         metrics_path = self.out / "metrics.jsonl"
         with metrics_path.open("w") as f:
@@ -250,6 +250,7 @@ class DemoRunner:
                     "seconds": round(seconds, 2),
                     "wait_seconds": round(waited, 2),
                     "samples": len(step_rewards),
+                    **self.row_extra(),
                 }
                 f.write(json.dumps(row) + "\n")
                 f.flush()
@@ -264,7 +265,11 @@ class DemoRunner:
         eval_after = self._timed_evaluate(len(steps))
         minutes = (time.monotonic() - t0) / 60
         plot_rewards(
-            steps, rewards, {0: eval_before, len(steps): eval_after}, self.out / "reward_curve.png"
+            steps,
+            rewards,
+            {0: eval_before, len(steps): eval_after},
+            self.out / "reward_curve.png",
+            title=self.plot_title,
         )
         self.timeline_origin = origin
         malformed = self.draw_timeline()
@@ -281,10 +286,41 @@ class DemoRunner:
             "eval_after": eval_after,
             "steps": len(steps),
             "minutes": minutes,
+            **self.summary_extra(),
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.echo(
-            f"reward first5={first5:.3f} last5={last5:.3f} eval_before={eval_before:.3f} "
-            f"eval_after={eval_after:.3f} steps={len(steps)} minutes={minutes:.1f}"
-        )
+        self.echo(summary_line(summary))
         return summary
+
+    plot_title = "Flywheel demo: single-digit addition, SmolLM2-135M-Instruct"
+    """Title of reward_curve.png."""
+
+    def batches(self) -> Iterator[list[Any]]:
+        """The training problems, `problems_per_step` per step."""
+        return training_batches(self.cfg.seed, self.cfg.problems_per_step)
+
+    def row_extra(self) -> dict[str, object]:
+        """More fields for the step's row of metrics.jsonl (after `rollouts`); none here."""
+        return {}
+
+    def summary_extra(self) -> dict[str, object]:
+        """More fields for summary.json and the summary line (after the last evaluation)."""
+        return {}
+
+
+SUMMARY_KEYS = ("first5", "last5", "eval_before", "eval_after", "steps", "minutes")
+
+
+def summary_line(summary: dict[str, object]) -> str:
+    """`reward first5=... last5=... eval_before=... eval_after=... steps=N minutes=M` and then
+    any further fields as `key=value` (floats with 3 decimals, None as `n/a`)."""
+
+    def value(key: str, v: object) -> str:
+        if v is None:
+            return "n/a"
+        if key == "minutes":
+            return f"{float(v):.1f}"  # type: ignore[arg-type]
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    keys = [*SUMMARY_KEYS, *(k for k in summary if k not in SUMMARY_KEYS)]
+    return "reward " + " ".join(f"{k}={value(k, summary[k])}" for k in keys if k in summary)

@@ -1,0 +1,184 @@
+"""The tool-using demo (`flywheel demo --task agent`): the same loop as `DemoRunner`, with the
+`openai-agents` calculator agent (`tool_agent.py`) on 6-digit additions (`agent_tasks.py`).
+
+Each episode is one gateway session in episode mode (`group_id` per problem, G episodes per
+group): the agent calls the model, the tool runs, the model answers; the runner scores the final
+reply (`agent_tasks.episode_reward`) and finishes the session with that reward, which the Samples
+carry as `rewards["outcome"]` (the task names no verifier). The recorded Sample of an episode
+holds every model turn with loss mask 1 and the tool output and chat template between them with
+mask 0.
+
+Evaluation (greedy, evaluation sessions) reports task success, the fraction of episodes that
+ran the tool (`tool_use`) and the fraction of tool-call attempts that were well formed
+(`well_formed`: calls the tool ran over those plus malformed ones; None when no episode tried).
+Before training it evaluates two held-out draws (`eval_seed`, `eval_seed + 1`): with greedy
+decoding their difference is the evaluation's noise from the draw of problems.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from flywheel.ops.demo.agent_tasks import (
+    EVAL_SIZE,
+    AdditionProblem,
+    episode_reward,
+    has_call_markup,
+    held_out,
+    training_batches,
+)
+from flywheel.ops.demo.runner import DemoConfig, DemoRunner
+from flywheel.ops.demo.tool_agent import MAX_TURNS, run_episode
+
+
+@dataclass
+class EpisodeResult:
+    """One episode: its reward and what the agent did."""
+
+    reward: float
+    tool_calls: int
+    """Calls the tool ran (well formed)."""
+    malformed_calls: int
+    """Calls that did not parse or validate (unknown tool, bad arguments, unparsed markup)."""
+
+
+@dataclass
+class EvalStats:
+    """Aggregate of a list of episodes (fractions in [0, 1])."""
+
+    success: float
+    tool_use: float
+    """Episodes with at least one tool call the tool ran."""
+    well_formed: float | None
+    """Well-formed calls over all call attempts; None when no episode tried a call."""
+    episodes: int
+
+    @classmethod
+    def of(cls, results: list[EpisodeResult]) -> EvalStats:
+        """Example: rewards [1, 0, 0], tool_calls [1, 1, 0], malformed [0, 1, 0] ->
+        success 1/3, tool_use 2/3, well_formed 2 / (2 + 1) = 2/3."""
+        n = max(len(results), 1)
+        ran = sum(r.tool_calls for r in results)
+        attempts = ran + sum(r.malformed_calls for r in results)
+        return cls(
+            success=sum(r.reward for r in results) / n,
+            tool_use=sum(1 for r in results if r.tool_calls) / n,
+            well_formed=ran / attempts if attempts else None,
+            episodes=len(results),
+        )
+
+
+@dataclass
+class AgentDemoConfig(DemoConfig):
+    max_tokens: int = 48
+    """Completion tokens per model turn (a call is about 30 tokens)."""
+    max_turns: int = MAX_TURNS
+    eval_seed: int = 0
+    """Held-out draw of the evaluations; the second untrained evaluation uses eval_seed + 1."""
+    eval_size: int = EVAL_SIZE
+    example: bool = True
+    """Show the agent one worked tool round trip before the question."""
+
+
+class AgentDemoRunner(DemoRunner):
+    """`DemoRunner` with the tool-using agent; `run` writes the same files and summary plus
+    `eval_before_seed2`, `tool_use_*`, `well_formed_*` and `train_tool_use` (per step)."""
+
+    cfg: AgentDemoConfig
+    plot_title = "Flywheel demo-agent: 6-digit addition with a calculator tool, SmolLM2-135M"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.evals: list[tuple[int, EvalStats]] = []
+        """(held-out draw seed, stats) of every evaluation, in order."""
+        self.step_results: list[EpisodeResult] = []
+
+    def agent_episode(
+        self, problem: AdditionProblem, group_id: str, *, evaluation: bool, temperature: float
+    ) -> EpisodeResult:
+        """One session: create, run the agent, score, finish with the reward."""
+        created = self.http.post(
+            f"{self.gateway}/v1/sessions",
+            json={"group_id": group_id, "task": problem.task, "eval": evaluation},
+        ).raise_for_status()
+        session = created.json()
+        trace = run_episode(
+            session["base_url"],
+            problem.question,
+            model=self.cfg.model,
+            temperature=temperature,
+            max_tokens=self.cfg.max_tokens,
+            max_turns=self.cfg.max_turns,
+            example=self.cfg.example,
+        )
+        malformed = trace.malformed_calls + (1 if has_call_markup(trace.final_output) else 0)
+        reward = episode_reward(trace.final_output, problem.answer, malformed_calls=malformed)
+        self.http.post(
+            f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={"reward": reward}
+        ).raise_for_status()
+        return EpisodeResult(reward, len(trace.tool_calls), malformed)
+
+    def evaluate_draw(self, seed: int) -> EvalStats:
+        """Greedy evaluation on the held-out draw `seed`."""
+        problems = held_out(seed, self.cfg.eval_size)
+        self.echo(f"evaluating {len(problems)} held-out problems (draw {seed}, greedy)...")
+        results = list(
+            self.pool.map(
+                lambda p: self.agent_episode(p, "", evaluation=True, temperature=0.0), problems
+            )
+        )
+        stats = EvalStats.of(results)
+        self.evals.append((seed, stats))
+        self.echo(
+            f"  success {stats.success:.3f}  tool_use {stats.tool_use:.3f}  well_formed "
+            f"{_fmt(stats.well_formed)}"
+        )
+        return stats
+
+    def evaluate(self) -> float:
+        """Task success on the held-out draw `eval_seed`; before training (no evaluation yet)
+        also on draw `eval_seed + 1`, the noise check."""
+        first = not self.evals
+        stats = self.evaluate_draw(self.cfg.eval_seed)
+        if first:
+            self.evaluate_draw(self.cfg.eval_seed + 1)
+        return stats.success
+
+    def rollouts(self, problems: list[AdditionProblem]) -> list[float]:  # type: ignore[override]
+        jobs = []
+        for problem in problems:
+            group_id = f"g-{uuid.uuid4().hex[:12]}"
+            jobs += [(problem, group_id)] * self.cfg.group_size
+        self.step_results = list(
+            self.pool.map(
+                lambda job: self.agent_episode(
+                    job[0], job[1], evaluation=False, temperature=self.cfg.temperature
+                ),
+                jobs,
+            )
+        )
+        return [r.reward for r in self.step_results]
+
+    def row_extra(self) -> dict[str, object]:
+        stats = EvalStats.of(self.step_results)
+        return {"tool_use": stats.tool_use, "well_formed": stats.well_formed}
+
+    def summary_extra(self) -> dict[str, object]:
+        before, second, after = self.evals[0][1], self.evals[1][1], self.evals[-1][1]
+        return {
+            "eval_before_seed2": second.success,
+            "tool_use_before": before.tool_use,
+            "tool_use_after": after.tool_use,
+            "well_formed_before": before.well_formed,
+            "well_formed_after": after.well_formed,
+        }
+
+    def batches(self) -> Iterator[list[AdditionProblem]]:
+        return training_batches(self.cfg.seed, self.cfg.problems_per_step)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

@@ -6,7 +6,7 @@ Runs `flywheel demo --new-stack` twice, one after the other, with the same task,
 and rollouts per step:
 
 - sync: `--mode sync` (the demo waits for each weight version), `trainer.background_io =
-  false` and `trainer.checkpoint_every = 1` (a full checkpoint, then the push, on every step's
+  false` and `trainer.checkpoint.every = 1` (a full checkpoint, then the push, on every step's
   critical path: the loop as it was);
 - sync_bgio: `--mode sync` with the trainer's defaults (a small commit record per step, full
   checkpoints every `checkpoint_every` steps and weight pushes in background threads);
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {
     "sync": (
         ["--mode", "sync"],
-        {"FLYWHEEL_TRAINER__BACKGROUND_IO": "false", "FLYWHEEL_TRAINER__CHECKPOINT_EVERY": "1"},
+        {"FLYWHEEL_TRAINER__BACKGROUND_IO": "false", "FLYWHEEL_TRAINER__CHECKPOINT__EVERY": "1"},
     ),
     "sync_bgio": (["--mode", "sync"], {}),
     "async": (["--mode", "async"], {}),

@@ -205,12 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         reward={"port": 50251, "metrics_port": 9251},
         trainer={
             "port": 8950,
-            "groups_per_step": 2,
-            "group_size": 2,
-            "group_wait_s": 3.0,
-            "lr": 1e-4,
-            "checkpoint_dir": str(work / "ckpt"),
-            "metrics_path": str(work / "trainer_metrics.jsonl"),
+            "batch": {"groups_per_step": 2, "group_size": 2, "group_wait_s": 3.0},
+            "optim": {"lr": 1e-4},
+            "checkpoint": {"dir": str(work / "ckpt")},
+            "logging": {"metrics_path": str(work / "trainer_metrics.jsonl")},
         },
         state_dir=str(work / "state"),
     )

@@ -5,7 +5,7 @@ model), and a short request is sent `--probe-after-s` seconds after the push beg
 
     .venv/bin/python bench/push_stall.py [--rows 4] [--new-tokens 160]
 
-Runs it twice on one engine, side by side: `trainer.push_pause = "none"` (a plain update: the
+Runs it twice on one engine, side by side: `trainer.push.pause = "none"` (a plain update: the
 rows in flight finish on the old weights first) and `"in_place"` (pause in place, update,
 continue). Prints, against the median gap between two streamed chunks before the push (one
 decode step): the longest gap in token output of the busy rows while the push ran, the push's

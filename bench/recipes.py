@@ -74,7 +74,7 @@ def _patient(settings) -> None:  # noqa: ANN001
     calls, and the trainer's wait for a complete group (its default of 120 s would train on
     partial groups when rollouts trickle in, which changes what is compared)."""
     settings.gateway.request_timeout_s = 1800.0
-    settings.trainer.group_wait_s = 3600.0
+    settings.trainer.batch.group_wait_s = 3600.0
 
 
 def run_recipe(
@@ -93,10 +93,10 @@ def run_recipe(
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
-    settings.trainer.checkpoint_dir = str(stack_dir / "checkpoints")
-    settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
-    settings.trainer.groups_per_step = cfg.problems_per_step
-    settings.trainer.group_size = cfg.group_size
+    settings.trainer.checkpoint.dir = str(stack_dir / "checkpoints")
+    settings.trainer.logging.metrics_path = str(out / "trainer_metrics.jsonl")
+    settings.trainer.batch.groups_per_step = cfg.problems_per_step
+    settings.trainer.batch.group_size = cfg.group_size
     settings.trainer.seed = cfg.seed
     with Stack(settings, config_file=str(recipe)) as stack:
         urls = {s.name: s.url for s in stack.services}

@@ -462,8 +462,8 @@ def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(compose, profil
     active = _active(compose, (profile,))
     gateway = next(s for n, s in active.items() if "gateway" in _names(n, s))
     trainer = next(s for n, s in active.items() if "trainer" in _names(n, s))
-    path = _settings(gateway, monkeypatch).trainer.metrics_path
-    assert path == _settings(trainer, monkeypatch).trainer.metrics_path
+    path = _settings(gateway, monkeypatch).trainer.logging.metrics_path
+    assert path == _settings(trainer, monkeypatch).trainer.logging.metrics_path
 
     def volume_of(svc: dict) -> str:
         mounts = {v.split(":")[1]: v.split(":")[0] for v in svc["volumes"]}
@@ -550,7 +550,8 @@ def _third_party_imports(service: str) -> dict[str, str]:
 
 
 OPTIONAL_IMPORTS = {"wandb"}
-"""Imported only when installed and configured (trainer.wandb_project; checked with find_spec)."""
+"""Imported only when installed and configured (trainer.logging.wandb_project; checked with
+find_spec)."""
 
 
 @pytest.mark.parametrize("service", ["gateway", "reward", "teacher", "engine", "trainer"])

@@ -41,26 +41,26 @@ def test_yaml_file_with_a_section_per_service_then_environment(tmp_path, monkeyp
     cfg = tmp_path / "flywheel.yaml"
     cfg.write_text(
         "streams:\n  prefix: exp7\ngateway:\n  port: 8081\n  engine_urls:\n"
-        "    - http://e1:30000\n    - http://e2:30000\ntrainer:\n  lr: 2.0e-5\n"
-        "  group_size: 4\nreward:\n  judge:\n    enabled: true\n    votes: 5\n"
+        "    - http://e1:30000\n    - http://e2:30000\ntrainer:\n  optim:\n    lr: 2.0e-5\n"
+        "  batch:\n    group_size: 4\nreward:\n  judge:\n    enabled: true\n    votes: 5\n"
     )
-    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "3e-6")
+    monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__LR", "3e-6")
     s = load_settings(cfg)
-    assert s.trainer.lr == 3e-6  # the environment wins over the file
-    assert s.trainer.group_size == 4 and s.gateway.port == 8081  # the file wins over defaults
+    assert s.trainer.optim.lr == 3e-6  # the environment wins over the file
+    assert s.trainer.batch.group_size == 4 and s.gateway.port == 8081  # the file wins over defaults
     assert s.engine_urls() == ["http://e1:30000", "http://e2:30000"]
     assert s.reward.judge.votes == 5 and s.streams.key("train") == "exp7:train"
     # The same settings from TOML and YAML are equal.
     toml = tmp_path / "flywheel.toml"
     toml.write_text(
         '[streams]\nprefix = "exp7"\n[gateway]\nport = 8081\nengine_urls = '
-        '["http://e1:30000", "http://e2:30000"]\n[trainer]\nlr = 2.0e-5\n'
-        "group_size = 4\n[reward.judge]\nenabled = true\nvotes = 5\n"
+        '["http://e1:30000", "http://e2:30000"]\n[trainer.optim]\nlr = 2.0e-5\n'
+        "[trainer.batch]\ngroup_size = 4\n[reward.judge]\nenabled = true\nvotes = 5\n"
     )
     assert load_settings(toml) == s
     empty = tmp_path / "empty.yml"
     empty.write_text("# nothing set\n")
-    assert load_settings(empty).trainer.lr == 3e-6
+    assert load_settings(empty).trainer.optim.lr == 3e-6
 
 
 def test_the_cluster_config_is_one_yaml_file_with_every_service(monkeypatch):
@@ -74,8 +74,8 @@ def test_the_cluster_config_is_one_yaml_file_with_every_service(monkeypatch):
 
 def test_bad_files_name_the_file_and_the_problem(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("trainer:\n  lr: 1e-5\n   group_size: 4\n")  # wrong indentation, line 3
-    with pytest.raises(ConfigFileError, match=r"(?s)bad\.yaml: not valid yaml.*line 3"):
+    bad.write_text("trainer:\n  optim:\n    lr: 1e-5\n     betas: [0.9, 0.99]\n")  # line 4
+    with pytest.raises(ConfigFileError, match=r"(?s)bad\.yaml: not valid yaml.*line 4"):
         load_settings(bad)
     bad.write_text("- trainer\n- gateway\n")
     with pytest.raises(ConfigFileError, match="top level must be a mapping"):
@@ -84,11 +84,14 @@ def test_bad_files_name_the_file_and_the_problem(tmp_path):
 
 def test_invalid_values_are_reported_by_field_and_variable(tmp_path, monkeypatch):
     cfg = tmp_path / "flywheel.yaml"
-    cfg.write_text("trainer:\n  lr: -1\ngateway:\n  prot: 8000\n")
+    cfg.write_text("trainer:\n  optim:\n    lr: -1\ngateway:\n  prot: 8000\n")
     with pytest.raises(ValidationError) as info:
         load_settings(cfg)
     text = describe_validation_error(info.value)
-    assert "trainer.lr (FLYWHEEL_TRAINER__LR): Input should be greater than 0 (got -1)" in text
+    assert (
+        "trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR): Input should be greater than 0 (got -1)"
+        in text
+    )
     assert "gateway.prot (FLYWHEEL_GATEWAY__PROT): Extra inputs are not permitted" in text
     monkeypatch.setenv("FLYWHEEL_REWARD__JUDGE__API_KEY", "{}")
     monkeypatch.setenv("FLYWHEEL_REWARD__JUDGE__VOTES", "99")
@@ -126,9 +129,9 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
     cfg = tmp_path / "flywheel.yaml"
     cfg.write_text(
         "redis:\n  url: redis://:s3cret-pw@redis:6379/0\nreward:\n  judge:\n"
-        "    api_key: sk-judge-123\ntrainer:\n  lr: 2.0e-5\n"
+        "    api_key: sk-judge-123\ntrainer:\n  optim:\n    lr: 2.0e-5\n"
     )
-    env = {**_env(), "FLYWHEEL_TRAINER__GROUP_SIZE": "16"}
+    env = {**_env(), "FLYWHEEL_TRAINER__BATCH__GROUP_SIZE": "16"}
     run = subprocess.run(
         [sys.executable, "-m", "flywheel.ops.cli", "config", "show", "--config", str(cfg)],
         capture_output=True,
@@ -141,7 +144,7 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
     assert "s3cret-pw" not in run.stdout and "sk-judge-123" not in run.stdout
     assert shown["redis"]["url"] == "redis://:***@redis:6379/0"
     assert shown["reward"]["judge"]["api_key"] == "***"
-    assert (shown["trainer"]["lr"], shown["trainer"]["group_size"]) == (2e-5, 16)
+    assert (shown["trainer"]["optim"]["lr"], shown["trainer"]["batch"]["group_size"]) == (2e-5, 16)
     as_yaml = subprocess.run(
         [
             sys.executable,
@@ -164,7 +167,7 @@ def test_config_show_prints_the_resolved_config_with_secrets_masked(tmp_path):
 
 def test_cli_names_the_invalid_field_without_a_traceback(tmp_path):
     cfg = tmp_path / "flywheel.yaml"
-    cfg.write_text("trainer:\n  group_size: 0\n")
+    cfg.write_text("trainer:\n  batch:\n    group_size: 0\n")
     run = subprocess.run(
         [sys.executable, "-m", "flywheel.ops.cli", "config", "show", "--config", str(cfg)],
         capture_output=True,
@@ -173,7 +176,7 @@ def test_cli_names_the_invalid_field_without_a_traceback(tmp_path):
         timeout=60,
     )
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "trainer.group_size (FLYWHEEL_TRAINER__GROUP_SIZE)" in run.stderr
+    assert "trainer.batch.group_size (FLYWHEEL_TRAINER__BATCH__GROUP_SIZE)" in run.stderr
     assert "greater than or equal to 1" in run.stderr
 
 

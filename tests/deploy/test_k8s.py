@@ -657,7 +657,7 @@ def test_gateway_reads_the_trainer_metrics_log_for_the_dashboard(docs, tmp_path,
     for workload, container, service in _flywheel_containers(docs):
         if service in ("gateway", "trainer"):
             settings = _settings_for(docs, workload, container, tmp_path, monkeypatch)
-            path = settings.trainer.metrics_path
+            path = settings.trainer.logging.metrics_path
             volumes = {v["name"]: v for v in _pod_spec(workload)["volumes"]}
             (mount,) = [
                 m

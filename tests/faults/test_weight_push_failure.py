@@ -118,18 +118,12 @@ def test_a_push_refused_by_one_engine_is_retried_reported_and_caught_up(
     settings = load_settings(
         trainer={
             "model_path": str(tiny_model_dir),
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "metrics_path": str(tmp_path / "m.jsonl"),
-            "source": "fake",
-            "group_size": 2,
-            "groups_per_step": 1,
-            "fake_prompt_tokens": 4,
-            "fake_completion_tokens": 4,
-            "lr": 1e-2,
-            "engine_urls": [good, bad],
-            "tensorboard": False,
-            "push_attempts": ATTEMPTS,
-            "push_timeout_s": 60,
+            "checkpoint": {"dir": str(tmp_path / "ckpt")},
+            "logging": {"metrics_path": str(tmp_path / "m.jsonl"), "tensorboard": False},
+            "data": {"source": "fake", "fake_prompt_tokens": 4, "fake_completion_tokens": 4},
+            "batch": {"group_size": 2, "groups_per_step": 1},
+            "optim": {"lr": 1e-2},
+            "push": {"engine_urls": [good, bad], "attempts": ATTEMPTS, "timeout_s": 60},
             "port": free_port(),
         }
     )

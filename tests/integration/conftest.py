@@ -50,10 +50,9 @@ def smol_stack(tmp_path_factory, redis_server, smollm2_dir) -> Iterator[SmolStac
         reward={"port": 50161, "metrics_port": 9211},
         trainer={
             "port": 8910,
-            "groups_per_step": 1000,
-            "group_size": 8,
-            "checkpoint_dir": str(state / "ckpt"),
-            "metrics_path": str(state / "trainer_metrics.jsonl"),
+            "batch": {"groups_per_step": 1000, "group_size": 8},
+            "checkpoint": {"dir": str(state / "ckpt")},
+            "logging": {"metrics_path": str(state / "trainer_metrics.jsonl")},
         },
         state_dir=str(state),
     )

@@ -78,11 +78,9 @@ def ops_stack(tmp_path_factory, redis_server, tiny_model_dir) -> Iterator[OpsSta
         reward={"port": 50181, "metrics_port": 9241},
         trainer={
             "port": 8950,
-            "groups_per_step": 1,
-            "group_size": GROUP_SIZE,
-            "group_wait_s": 5,
-            "checkpoint_dir": str(state / "ckpt"),
-            "metrics_path": str(metrics_path),
+            "batch": {"groups_per_step": 1, "group_size": GROUP_SIZE, "group_wait_s": 5},
+            "checkpoint": {"dir": str(state / "ckpt")},
+            "logging": {"metrics_path": str(metrics_path)},
         },
         state_dir=str(state),
     )

@@ -38,11 +38,10 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
         reward={"port": 50151, "metrics_port": 9201},
         trainer={
             "port": 8900,
-            "groups_per_step": 1,
-            "group_size": 2,
-            "lr": 1e-3,
-            "checkpoint_dir": str(state / "ckpt"),
-            "metrics_path": str(state / "trainer_metrics.jsonl"),
+            "batch": {"groups_per_step": 1, "group_size": 2},
+            "optim": {"lr": 1e-3},
+            "checkpoint": {"dir": str(state / "ckpt")},
+            "logging": {"metrics_path": str(state / "trainer_metrics.jsonl")},
         },
         state_dir=str(state),
     )
@@ -142,14 +141,14 @@ def test_two_episodes_train_one_step_and_update_the_engine(stack, tiny_model_dir
     # The trainer pushes the weights before it writes the step's metrics and acks its batch, so
     # each of the three is waited for on its own.
     _wait(lambda: httpx.get(f"{engine}/model_info").json()["weight_version"] == "1")
-    metrics = Path(settings.trainer.metrics_path)
+    metrics = Path(settings.trainer.logging.metrics_path)
     _wait(lambda: metrics.exists() and metrics.read_text().endswith("\n"))
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert lines and lines[-1]["step"] == 1
     _wait(lambda: client.xpending(settings.streams.key("train"), "trainer")["pending"] == 0)
 
     # The new weights differ from the initial ones.
-    latest = sorted(Path(settings.trainer.checkpoint_dir).glob("*/model.safetensors"))[-1]
+    latest = sorted(Path(settings.trainer.checkpoint.dir).glob("*/model.safetensors"))[-1]
     before, after = load_file(tiny_model_dir / "model.safetensors"), load_file(latest)
     changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
     assert changed, "no parameter changed after a training step"

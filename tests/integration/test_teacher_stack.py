@@ -89,11 +89,10 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
         },
         trainer={
             "port": port["trainer"],
-            "groups_per_step": 1,
-            "group_size": 8,
-            "live_advantage": "opd",
-            "checkpoint_dir": str(state / "ckpt"),
-            "metrics_path": str(state / "trainer_metrics.jsonl"),
+            "batch": {"groups_per_step": 1, "group_size": 8},
+            "algorithm": {"live_advantage": "opd"},
+            "checkpoint": {"dir": str(state / "ckpt")},
+            "logging": {"metrics_path": str(state / "trainer_metrics.jsonl")},
         },
         state_dir=str(state),
     )
@@ -192,7 +191,7 @@ def test_the_trainer_steps_on_the_opd_gap_and_the_teacher_engine_keeps_its_weigh
     session_id = _live_turns(urls["gateway"], {"hint": HINT, "answer": 8})
     (sample,) = _train_samples(settings, session_id)
     assert sample.has_reward and sample.teacher_status == "scored"
-    metrics_path = Path(settings.trainer.metrics_path)
+    metrics_path = Path(settings.trainer.logging.metrics_path)
 
     def opd_steps():
         lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []

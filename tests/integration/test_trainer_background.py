@@ -93,7 +93,7 @@ def test_push_and_checkpoint_of_a_step_overlap_the_next_step(
             prefix,
             engine.url,
             model_dir=model_dir,
-            checkpoint_every=1,
+            checkpoint={"every": 1},
             background_io=background,
         )
         trainer = build_trainer(settings)
@@ -106,8 +106,9 @@ def test_push_and_checkpoint_of_a_step_overlap_the_next_step(
             return save(model, step, *args, **kwargs)
 
         trainer.parts.store.save = gated_save
-        publish(settings, make_group(model_dir, "g1") + make_group(model_dir, "g2"))
-        assert run_steps(trainer, steps=2) == 2
+        groups = [make_group(model_dir, g) for g in ("g1", "g2", "g3")]
+        publish(settings, [s for g in groups for s in g])
+        assert run_steps(trainer, steps=3) == 3
         trainer.close()
     finally:
         engine.close()
@@ -122,7 +123,28 @@ def test_push_and_checkpoint_of_a_step_overlap_the_next_step(
             assert end > train2[1], f"{stage} of step 1 ran while step 2 trained"
         else:
             assert end <= train2[0], f"{stage} of step 1 ended before step 2 began"
-    assert engine.served == "2"
+    assert engine.served == "3"
+    # Each metrics row names the newest checkpoint and push that ended since the row before,
+    # with the same span as the timeline's event of that job.
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for stage in ("push", "checkpoint"):
+        reported = [r.get(f"{stage}_version") for r in rows]
+        if background:  # step 1's jobs ended after step 2 trained (asserted above): not in row 1
+            assert reported[0] is None, reported
+            seen = [v for v in reported if v is not None]
+            assert seen == sorted(set(seen)), reported  # each once, newest last
+            if stage == "checkpoint":  # step 3's checkpoint waited for step 2's: row 3 has one
+                assert seen and seen[-1] in (2, 3), reported
+        else:  # on the critical path each row reports its own step's jobs
+            assert reported == [1, 2, 3], reported
+        for row in rows:
+            if row.get(f"{stage}_version") is None:
+                continue
+            start, end = span[(stage, row[f"{stage}_version"])]
+            assert row[f"{stage}_seconds"] == pytest.approx(end - start)
+            assert end <= row["time"]  # ended before the row was written
+            assert row[f"{stage}_bytes"] > 10 * 2**10  # at least the tiny model's weights
 
 
 def test_one_push_reaches_two_real_engines_at_once(tmp_path, tiny_model_dir):

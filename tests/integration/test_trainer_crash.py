@@ -113,27 +113,24 @@ def model_dir(tmp_path_factory) -> Path:
 def write_config(tmp_path, redis_url, prefix, model_dir, engine_url, **trainer) -> Path:
     values = {
         "model_path": str(model_dir),
-        "checkpoint_dir": str(tmp_path / "ckpt"),
-        "metrics_path": str(tmp_path / "metrics.jsonl"),
-        "group_size": 4,
-        "groups_per_step": 1,
-        "group_wait_s": 60,
-        "lr": 1e-2,
-        "keep_checkpoints": 10,
-        "checkpoint_every": 3,
         "precision": "fp32",
-        "engine_urls": [engine_url],
-        "push_attempts": 1,
-        "push_timeout_s": 120,
         "consumer_name": "trainer-0",
-        "tensorboard": False,
         "port": free_port(),
     } | trainer
+    sections = {
+        "batch": {"group_size": 4, "groups_per_step": 1, "group_wait_s": 60},
+        "optim": {"lr": 1e-2},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "keep": 10, "every": 3},
+        "push": {"engine_urls": [engine_url], "attempts": 1, "timeout_s": 120},
+        "logging": {"metrics_path": str(tmp_path / "metrics.jsonl"), "tensorboard": False},
+    }
     lines = [
         f'[redis]\nurl = "{redis_url}"',
         f'[streams]\nprefix = "{prefix}"\nblock_ms = 100\nmin_idle_ms = 600000',
         "[trainer]",
     ] + [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    for name, fields in sections.items():
+        lines += [f"[trainer.{name}]"] + [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
     path = tmp_path / f"trainer-{values['port']}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

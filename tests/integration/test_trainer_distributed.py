@@ -36,18 +36,17 @@ def test_two_ranks_take_the_same_step_as_one_process(
     dump.append(make_group(model_dir, "g1") + make_group(model_dir, "g22", rewards=(0, 1, 1, 1)))
     engine = FakeEngine()
     try:
-        overrides = {
-            "source": "replay",
-            "replay_path": str(dump.path),
-            "groups_per_step": 2,
-            "micro_batch_size": 3,
-            "tensorboard": False,
-            "max_steps": 1,
-        }
         single = trainer_settings(
-            tmp_path / "single", redis_server, prefix, engine.url, model_dir=model_dir
+            tmp_path / "single",
+            redis_server,
+            prefix,
+            engine.url,
+            model_dir=model_dir,
+            data={"source": "replay", "replay_path": str(dump.path)},
+            batch={"groups_per_step": 2, "micro_batch_size": 3},
+            logging={"tensorboard": False},
+            max_steps=1,
         )
-        single = single.model_copy(update={"trainer": single.trainer.model_copy(update=overrides)})
         trainer = build_trainer(single)
         assert run_steps(trainer) == 1
         trainer.close()
@@ -56,12 +55,15 @@ def test_two_ranks_take_the_same_step_as_one_process(
         config = tmp_path / "ddp.toml"
         config.write_text(
             f'[redis]\nurl = "{redis_server.url}"\n[streams]\nprefix = "{prefix}"\n'
-            f'[trainer]\nmodel_path = "{model_dir}"\ncheckpoint_dir = "{tmp_path / "ddp"}"\n'
-            f'metrics_path = "{tmp_path / "ddp.jsonl"}"\ngroup_size = 4\ngroups_per_step = 2\n'
-            f'micro_batch_size = 3\nlr = 1e-2\nsource = "replay"\nreplay_path = "{dump.path}"\n'
-            f'tensorboard = false\nmax_steps = 1\nengine_urls = ["{engine.url}"]\n'
-            f'port = {single.trainer.port + 1}\ndistributed_strategy = "{strategy}"\n'
-            'precision = "fp32"\n'
+            f'[trainer]\nmodel_path = "{model_dir}"\nmax_steps = 1\nprecision = "fp32"\n'
+            f"port = {single.trainer.port + 1}\n"
+            f'[trainer.checkpoint]\ndir = "{tmp_path / "ddp"}"\n'
+            f'[trainer.logging]\nmetrics_path = "{tmp_path / "ddp.jsonl"}"\ntensorboard = false\n'
+            f"[trainer.batch]\ngroup_size = 4\ngroups_per_step = 2\nmicro_batch_size = 3\n"
+            f"[trainer.optim]\nlr = 1e-2\n"
+            f'[trainer.data]\nsource = "replay"\nreplay_path = "{dump.path}"\n'
+            f'[trainer.push]\nengine_urls = ["{engine.url}"]\n'
+            f'[trainer.distributed]\nstrategy = "{strategy}"\n'
         )
         env = os.environ | {"PYTHONPATH": str(REPO / "services"), "OMP_NUM_THREADS": "1"}
         out = subprocess.run(

@@ -39,33 +39,24 @@ def served_version(url: str) -> str:
     ]
 
 
-def settings_for(tmp_path, model_dir, engine_url, **trainer):
+def settings_for(tmp_path, model_dir, engine_url, **push):
     return load_settings(
         trainer={
             "model_path": str(model_dir),
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "metrics_path": str(tmp_path / "m.jsonl"),
-            "source": "fake",
-            "group_size": 2,
-            "groups_per_step": 1,
-            "fake_prompt_tokens": 4,
-            "fake_completion_tokens": 4,
-            "lr": 1e-2,
-            "engine_urls": [engine_url],
-            "tensorboard": False,
-            "push_attempts": 1,
-            "push_timeout_s": 15,
             "port": free_port(),
+            "checkpoint": {"dir": str(tmp_path / "ckpt")},
+            "logging": {"metrics_path": str(tmp_path / "m.jsonl"), "tensorboard": False},
+            "data": {"source": "fake", "fake_prompt_tokens": 4, "fake_completion_tokens": 4},
+            "batch": {"group_size": 2, "groups_per_step": 1},
+            "optim": {"lr": 1e-2},
+            "push": {"engine_urls": [engine_url], "attempts": 1, "timeout_s": 15} | push,
         }
-        | trainer
     )
 
 
 def test_distributed_push_then_disk_fallback(tmp_path, tiny_model_dir, engine_url):
     name = "model.layers.0.self_attn.q_proj.weight"
-    trainer = build_trainer(
-        settings_for(tmp_path, tiny_model_dir, engine_url, push_mode="distributed")
-    )
+    trainer = build_trainer(settings_for(tmp_path, tiny_model_dir, engine_url, mode="distributed"))
     assert trainer.run(max_steps=1) == 1
     assert trainer.last_push_via == "distributed"
     saved = load_file(tmp_path / "ckpt" / "step_00000001" / "model.safetensors")

@@ -96,28 +96,39 @@ def engine():
     fake.close()
 
 
+def merged(base: dict, update: dict) -> dict:
+    """`base` with `update` merged in, section by section (nested dicts merge, values replace)."""
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and key in out else value
+    return out
+
+
+def with_trainer(settings, **update):
+    """`settings` with trainer settings `update` (nested by section, e.g. `data={...}`)."""
+    trainer = type(settings.trainer).model_validate(merged(settings.trainer.model_dump(), update))
+    return settings.model_copy(update={"trainer": trainer})
+
+
 def trainer_settings(tmp_path, redis_server, prefix, engine_url, **trainer):
     """Trainer settings for these tests: fp32 on every machine (`precision` auto would run the
     decoder under bf16 autocast on a CPU with AVX512-BF16 or AMX, and the tests compare
-    logprobs and weights at fp32 tolerances)."""
+    logprobs and weights at fp32 tolerances). `trainer` overrides by section."""
+    base = {
+        "model_path": str(trainer.pop("model_dir")),
+        "consumer_name": "trainer-a",
+        "port": free_port(),
+        "precision": "fp32",
+        "checkpoint": {"dir": str(tmp_path / "ckpt")},
+        "logging": {"metrics_path": str(tmp_path / "metrics.jsonl")},
+        "batch": {"group_size": 4, "groups_per_step": 1, "group_wait_s": 30},
+        "optim": {"lr": 1e-2},
+        "push": {"engine_urls": [engine_url], "attempts": 1},
+    }
     return load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": prefix, "block_ms": 100},
-        trainer={
-            "model_path": str(trainer.pop("model_dir")),
-            "checkpoint_dir": str(tmp_path / "ckpt"),
-            "metrics_path": str(tmp_path / "metrics.jsonl"),
-            "group_size": 4,
-            "groups_per_step": 1,
-            "group_wait_s": 30,
-            "lr": 1e-2,
-            "engine_urls": [engine_url],
-            "push_attempts": 1,
-            "consumer_name": "trainer-a",
-            "port": free_port(),
-            "precision": "fp32",
-        }
-        | trainer,
+        trainer=merged(base, trainer),
     )
 
 
@@ -260,9 +271,11 @@ def test_cli_runs_one_step_and_serves_http(tmp_path, redis_server, prefix, engin
     config = tmp_path / "flywheel.toml"
     config.write_text(
         f'[redis]\nurl = "{redis_server.url}"\n[streams]\nprefix = "{prefix}"\nblock_ms = 100\n'
-        f'[trainer]\nmodel_path = "{model_dir}"\ncheckpoint_dir = "{tmp_path / "ckpt"}"\n'
-        f'metrics_path = "{tmp_path / "m.jsonl"}"\ngroup_size = 4\ngroups_per_step = 1\n'
-        f'engine_urls = ["{engine.url}"]\nport = {port}\nmax_steps = 1\n'
+        f'[trainer]\nmodel_path = "{model_dir}"\nport = {port}\nmax_steps = 1\n'
+        f'[trainer.checkpoint]\ndir = "{tmp_path / "ckpt"}"\n'
+        f'[trainer.logging]\nmetrics_path = "{tmp_path / "m.jsonl"}"\n'
+        f"[trainer.batch]\ngroup_size = 4\ngroups_per_step = 1\n"
+        f'[trainer.push]\nengine_urls = ["{engine.url}"]\n'
     )
     env = os.environ | {"PYTHONPATH": str(REPO / "services")}
     proc = subprocess.Popen(

@@ -21,6 +21,7 @@ from .test_trainer_service import (
     publish,
     run_steps,
     trainer_settings,
+    with_trainer,
 )
 
 pytestmark = pytest.mark.integration
@@ -34,10 +35,6 @@ def engines():
         engine.close()
 
 
-def with_trainer(settings, **update):
-    return settings.model_copy(update={"trainer": settings.trainer.model_copy(update=update)})
-
-
 def test_recorded_stream_replays_to_the_same_weights(
     tmp_path, redis_server, prefix, engines, model_dir
 ):  # noqa: F811
@@ -46,8 +43,8 @@ def test_recorded_stream_replays_to_the_same_weights(
         trainer_settings(
             tmp_path / "live", redis_server, prefix, engines[0].url, model_dir=model_dir
         ),
-        record_path=str(dump),
-        tensorboard=False,
+        data={"record_path": str(dump)},
+        logging={"tensorboard": False},
     )
     trainer = build_trainer(live)
     publish(live, make_group(model_dir, "g1"))
@@ -58,9 +55,8 @@ def test_recorded_stream_replays_to_the_same_weights(
         trainer_settings(
             tmp_path / "replay", redis_server, prefix, engines[1].url, model_dir=model_dir
         ),
-        source="replay",
-        replay_path=str(dump),
-        tensorboard=False,
+        data={"source": "replay", "replay_path": str(dump)},
+        logging={"tensorboard": False},
     )
     replayed = build_trainer(replay)
     assert run_steps(replayed, steps=5) == 1  # the dump holds one step; then it is used up
@@ -90,10 +86,8 @@ def test_fake_source_trains_alone_and_writes_tensorboard(
 ):  # noqa: F811
     settings = with_trainer(
         trainer_settings(tmp_path, redis_server, prefix, engines[0].url, model_dir=model_dir),
-        source="fake",
-        fake_prompt_tokens=6,
-        fake_completion_tokens=10,
-        micro_batch_tokens=40,
+        data={"source": "fake", "fake_prompt_tokens": 6, "fake_completion_tokens": 10},
+        batch={"micro_batch_tokens": 40},
     )
     trainer = build_trainer(settings)
     assert run_steps(trainer, steps=2) == 2
@@ -141,8 +135,7 @@ def test_an_engine_that_fails_the_push_is_reported_and_caught_up(
     good, bad = engines
     settings = with_trainer(
         trainer_settings(tmp_path, redis_server, prefix, good.url, model_dir=model_dir),
-        engine_urls=[good.url, bad.url],
-        push_attempts=2,
+        push={"engine_urls": [good.url, bad.url], "attempts": 2},
     )
     trainer = build_trainer(settings)
     bad.fail = True

@@ -26,8 +26,8 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         f'state_dir = "{state}"\n'
         f'[redis]\nport = 16379\n[engine]\nmodel_path = "{tiny}"\nport = 31500\n'
         f"[gateway]\nport = 8500\n[reward]\nport = 50551\nmetrics_port = 9501\n"
-        f'[trainer]\nport = 8600\ncheckpoint_dir = "{state}/ckpt"\n'
-        f'metrics_path = "{state}/m.jsonl"\n'
+        f'[trainer]\nport = 8600\n[trainer.checkpoint]\ndir = "{state}/ckpt"\n'
+        f'[trainer.logging]\nmetrics_path = "{state}/m.jsonl"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     proc = subprocess.Popen(

@@ -17,7 +17,7 @@ POLICY_LOSSES -> `policy_loss`, AGGREGATIONS -> `loss_aggregation`, CORRECTIONS 
 `rollout_correction`, WEIGHTS -> `token_weights` (a list, applied in order; includes the
 `balanced` aggregation, which is a weighting for `token_mean`), KL_ESTIMATORS and TERMS ->
 `regularizers` ({name = coefficient}; includes the SimKO and Lp-Reg weightings, which add a term
-to the loss), REGULARIZERS -> `entropy_coef`. Per-part parameters: `[trainer.algorithm_params.
+to the loss), REGULARIZERS -> `entropy_coef`. Per-part parameters: `[trainer.algorithm.params.
 <name>]`.
 """
 
@@ -392,7 +392,7 @@ CATALOG: tuple[Algorithm, ...] = (
         "entropy_bonus",
         "regularizer",
         "REGULARIZERS",
-        "PPO entropy bonus, arXiv:1707.06347 (trainer.entropy_coef)",
+        "PPO entropy bonus, arXiv:1707.06347 (trainer.algorithm.entropy_coef)",
         "entropy_BT (with grad)",
     ),
     Algorithm(
@@ -492,8 +492,8 @@ def group_relative_advantages() -> set[str]:
 
 
 def names_for(settings_field: str) -> set[str]:
-    """Part names a `TrainerSettings` field accepts (`algorithm_params`: any part name)."""
-    if settings_field == "algorithm_params":
+    """Part names a `TrainerSettings` field accepts (`params`: any part name)."""
+    if settings_field == "params":
         return {row.name for row in CATALOG}
     registries = _FIELD_REGISTRIES[settings_field]
     return {row.name for row in CATALOG if row.registry in registries}

@@ -90,7 +90,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def describe_validation_error(exc: Any) -> str:
     """One line per invalid setting, named by its dotted path and its environment variable:
-    `trainer.lr (FLYWHEEL_TRAINER__LR): Input should be greater than 0 (got -1)`."""
+    `trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR): Input should be greater than 0 (got -1)`."""
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])

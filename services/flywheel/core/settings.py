@@ -3,7 +3,7 @@
 One `FlywheelSettings` holds a section per service. Values come, in increasing priority, from
 the defaults below, a config file with one section per service (YAML `.yaml`/`.yml`, TOML, or
 JSON `.json`; `flywheel up --config FILE`, or `FLYWHEEL_CONFIG`), and environment variables
-`FLYWHEEL_<SECTION>__<FIELD>` (e.g. `FLYWHEEL_TRAINER__LR=1e-5`).
+`FLYWHEEL_<SECTION>__<FIELD>` (e.g. `FLYWHEEL_TRAINER__OPTIM__LR=1e-5`).
 Settings are parsed at start-up by `load_settings()`, never at import time.
 
 To add a setting: add a field with a docstring that names its unit and any sentinel value.
@@ -387,7 +387,7 @@ class TeacherSettings(Section):
     """Prometheus /metrics port; 0 = disabled."""
     engine_urls: list[str] = Field(default_factory=list)
     """Teacher engines (SGLang protocol). Empty = the local stack's own teacher engine (or the
-    policy engines when `self_teacher`). Keep them out of `trainer.engine_urls`: a teacher
+    policy engines when `self_teacher`). Keep them out of `trainer.push.engine_urls`: a teacher
     engine never receives the trainer's weight pushes unless it is a self-teacher."""
     self_teacher: bool = False
     """Score on the policy engines, so the teacher follows the policy's weights (on-policy
@@ -467,7 +467,7 @@ class FlywheelSettings(BaseSettings):
         return self.gateway.engine_urls or [self.engine.url]
 
     def trainer_engine_urls(self) -> list[str]:
-        return self.trainer.engine_urls or self.engine_urls()
+        return self.trainer.push.engine_urls or self.engine_urls()
 
     def next_stream_after_reward(self) -> str:
         return self.streams.key("scored" if self.teacher.enabled else "train")

@@ -4,7 +4,7 @@ recent Samples with their tokens colored by loss mask and advantage, judge verdi
 Plain HTML + one JS file (gateway/static/), fed by JSON endpoints:
 
 - `GET /dashboard/api/curves?since=N`: per-step series from the trainer's metrics JSONL
-  (`trainer.metrics_path`, shared with the gateway on the same machine or volume).
+  (`trainer.logging.metrics_path`, shared with the gateway on the same machine or volume).
 - `GET /dashboard/api/samples?limit=N`: the newest scored Samples (the trainer's input stream;
   the rollouts stream when nothing was scored yet), decoded token by token.
 - `GET /dashboard/api/streams`: length, lag and pending of every stream and consumer group.
@@ -341,8 +341,8 @@ def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -
     stream gauges. Call after the security middleware is installed (this one must wrap it).
 
     Args:
-        settings: the deployment's settings (trainer.metrics_path, stream names); None = parsed
-            from the environment/`FLYWHEEL_CONFIG`, as the gateway's own were.
+        settings: the deployment's settings (trainer.logging.metrics_path, stream names); None =
+            parsed from the environment/`FLYWHEEL_CONFIG`, as the gateway's own were.
     """
     global _collector
     if settings is None:
@@ -351,14 +351,15 @@ def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -
         except (ValueError, OSError) as exc:  # main() parsed the same sources already; tests
             log.warning("dashboard: settings unreadable (%s); trainer curves disabled", exc)
             settings = FlywheelSettings.model_construct()  # defaults, no environment
-            settings.trainer.metrics_path = ""
+            settings.trainer.logging.metrics_path = ""
     streams = settings.streams.model_copy(update={"prefix": deps.sessions.prefix})
     tokenizer = deps.renderer.tokenizer
 
     def decode(ids: list[int]) -> list[str]:
         return tokenizer.batch_decode([[i] for i in ids])
 
-    metrics_path = Path(settings.trainer.metrics_path) if settings.trainer.metrics_path else None
+    metrics_file = settings.trainer.logging.metrics_path
+    metrics_path = Path(metrics_file) if metrics_file else None
     data = DashboardData(deps.sessions.client, streams, metrics_path, decode)
     app.include_router(dashboard_router(data))
     app.add_middleware(DashboardLogin)

@@ -174,14 +174,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"using the running stack at {state['gateway']}")
         trainer = _running_trainer_settings(settings)
         lead = 0 if cfg.mode == "sync" else cfg.max_staleness
-        if trainer.get("max_staleness", lead) < lead:
+        staleness = trainer.get("staleness", {})
+        if staleness.get("max_staleness", lead) < lead:
             print(
                 f"flywheel: the rollouts may lag {lead} weight versions (--max-staleness) but "
-                f"the running trainer's max_staleness is {trainer['max_staleness']}: it applies "
-                f"its stale_policy ({trainer.get('stale_policy')}) to the older samples",
+                "the running trainer's trainer.staleness.max_staleness is "
+                f"{staleness['max_staleness']}: it applies its trainer.staleness.policy "
+                f"({staleness.get('policy')}) to the older samples",
                 file=sys.stderr,
             )
-        timeline = Path(trainer["metrics_path"]).parent / "timeline.jsonl"
+        timeline = Path(trainer["logging"]["metrics_path"]).parent / "timeline.jsonl"
         return _run_demo(
             DemoRunner(state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline),
             started,
@@ -189,14 +191,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
-    settings.trainer.checkpoint_dir = str(stack_dir / "checkpoints")
-    settings.trainer.metrics_path = str(out / "trainer_metrics.jsonl")
-    settings.trainer.groups_per_step = cfg.problems_per_step
-    settings.trainer.group_size = cfg.group_size
-    settings.trainer.max_staleness = cfg.max_staleness
+    settings.trainer.checkpoint.dir = str(stack_dir / "checkpoints")
+    settings.trainer.logging.metrics_path = str(out / "trainer_metrics.jsonl")
+    settings.trainer.batch.groups_per_step = cfg.problems_per_step
+    settings.trainer.batch.group_size = cfg.group_size
+    settings.trainer.staleness.max_staleness = cfg.max_staleness
     if cfg.mode == "async":
         _share_the_machine(settings)
-    timeline = Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
+    timeline = Path(settings.trainer.logging.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
     runner = None
     try:  # stopped however the demo ends, also on Ctrl-C during start-up
@@ -398,8 +400,8 @@ def _share_the_machine(settings: FlywheelSettings) -> None:
     engine and trainer share the CPU, each gets half of its cores, so they do not slow each
     other down (on 2 cores, sharing all of them gave 0.39x the steps per hour of the
     synchronous loop and splitting them 1.35x: `bench/async_loop.py`)."""
-    if "push_pause" not in settings.trainer.model_fields_set:
-        settings.trainer.push_pause = "in_place"
+    if "pause" not in settings.trainer.push.model_fields_set:
+        settings.trainer.push.pause = "in_place"
     import torch  # noqa: PLC0415  (only to ask for CUDA)
 
     cuda = torch.cuda.is_available()

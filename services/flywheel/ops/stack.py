@@ -206,12 +206,12 @@ class Stack:
         # Left at their defaults, the trainer's files live in this stack's state dir, so two
         # stacks with different state dirs never share (or resume from) each other's checkpoints.
         defaults = type(s.trainer)()
-        if s.trainer.checkpoint_dir == defaults.checkpoint_dir:
-            s.trainer.checkpoint_dir = str(self.state_dir / "checkpoints")
-        if s.trainer.metrics_path == defaults.metrics_path:
-            s.trainer.metrics_path = str(self.state_dir / "trainer_metrics.jsonl")
-        s.trainer.checkpoint_dir = str(Path(s.trainer.checkpoint_dir).resolve())
-        s.trainer.metrics_path = str(Path(s.trainer.metrics_path).resolve())
+        if s.trainer.checkpoint.dir == defaults.checkpoint.dir:
+            s.trainer.checkpoint.dir = str(self.state_dir / "checkpoints")
+        if s.trainer.logging.metrics_path == defaults.logging.metrics_path:
+            s.trainer.logging.metrics_path = str(self.state_dir / "trainer_metrics.jsonl")
+        s.trainer.checkpoint.dir = str(Path(s.trainer.checkpoint.dir).resolve())
+        s.trainer.logging.metrics_path = str(Path(s.trainer.logging.metrics_path).resolve())
         resolved = self.state_dir / "settings.json"
         resolved.write_text(json.dumps(s.model_dump(mode="json"), indent=2))
         self.env["FLYWHEEL_CONFIG"] = str(resolved.resolve())
@@ -414,7 +414,7 @@ class Stack:
             "instance": self.instance,
             "redis_url": s.redis_url(),
             **{svc.name: svc.url for svc in self.services},
-            "metrics_path": s.trainer.metrics_path,
+            "metrics_path": s.trainer.logging.metrics_path,
         }
         # Atomically: a reader (or a crash mid-write) never sees a truncated file.
         path = self.state_dir / STATE_FILE
@@ -442,7 +442,7 @@ class Stack:
 
     def _check_trainer_settings(self) -> None:
         """Refuse algorithm settings the trainer would refuse (unknown or dropped
-        `algorithm_params`, parts whose inputs are missing) before any service starts.
+        `trainer.algorithm.params`, parts whose inputs are missing) before any service starts.
 
         Raises:
             ConfigurationError: the trainer's check failed (its message).

@@ -13,7 +13,7 @@ the same AdamW step: the weights stay identical without broadcasting them. A non
 any rank skips the step on all ranks (the flag is all-reduced first, so collectives stay
 matched).
 
-Two strategies (`trainer.distributed_strategy`):
+Two strategies (`trainer.distributed.strategy`):
 - `all_reduce` (default): every rank holds the whole model; after the micro-batches the
   gradients are summed with one all-reduce per parameter (the DDP update). Ranks may run
   different numbers of micro-batches (token budgets, empty shards), which DDP's per-backward

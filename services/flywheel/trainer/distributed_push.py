@@ -1,6 +1,6 @@
 """Weight push over a torch.distributed weight-update group, with the disk push as fallback.
 
-`trainer.push_mode = "distributed"`: the trainer (rank 0) and every engine form SGLang's
+`trainer.push.mode = "distributed"`: the trainer (rank 0) and every engine form SGLang's
 weight-update group once (`/init_weights_update_group`; gloo on CPU, NCCL on GPU) and each push
 broadcasts the servable tensors (LoRA merged, tied embeddings once) inside a
 `/begin_weight_update` ... `/end_weight_update` session, labelled with the new

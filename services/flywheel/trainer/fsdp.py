@@ -1,5 +1,5 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) for the trainer: parameters, gradients and AdamW
-state sharded over the ranks (`trainer.distributed_strategy = "fsdp2"`).
+state sharded over the ranks (`trainer.distributed.strategy = "fsdp2"`).
 
 Layout: every decoder layer is its own FSDP unit; the root unit is `ShardedPolicy`, a module
 that holds the Hugging Face model and runs the whole selected-token logprob computation

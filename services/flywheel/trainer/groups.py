@@ -46,6 +46,7 @@ from enum import StrEnum
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import ContractError
 from flywheel.core.streams import StreamEntry
+from flywheel.core.trainer_settings import StalenessSettings
 from flywheel.trainer.samples import (
     check_trainable,
     keepable_unjudged,
@@ -121,9 +122,9 @@ class GroupAssembler:
         clock: monotonic seconds (injected by tests).
         remember: trained sample_ids remembered to reject duplicates.
         keep_unjudged: admit unjudged samples that have other reward components
-            (`trainer.unjudged = "keep"`).
+            (`trainer.data.unjudged = "keep"`).
         live_opd: admit group-less samples with teacher logprobs without a reward
-            (`trainer.live_advantage = "opd"`).
+            (`trainer.algorithm.live_advantage = "opd"`).
         vocab_size: rows of the policy's embedding: a Sample with a token id outside
             [0, vocab_size) is dropped as invalid (None: not checked).
     """
@@ -251,7 +252,7 @@ class GroupAssembler:
         policy = (
             staleness
             if isinstance(staleness, StalenessPolicy)
-            else StalenessPolicy(max_staleness=staleness)
+            else StalenessPolicy(StalenessSettings(max_staleness=staleness))
         )
         taken: list[Group] = []
         samples, tokens = 0, 0

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def settings_problem(settings: Any) -> str | None:
     """Why the trainer cannot run with `settings` (the selected algorithm parts, their
-    `algorithm_params`, the inputs they need), or None. Needs torch, not the model."""
+    `trainer.algorithm.params`, the inputs they need), or None. Needs torch, not the model."""
     from flywheel.trainer.policy import check_teacher_inputs  # noqa: PLC0415
     from flywheel.trainer.step import StepConfig  # noqa: PLC0415
 

@@ -94,26 +94,28 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
     bf16, why = resolve_precision(s.precision, resolve_device(s.device))
     emulated = bf16 and not native_bf16(resolve_device(s.device))
     (log.warning if emulated else log.info)("trainer precision: %s", why)
-    fsdp = world is not None and s.distributed_strategy == "fsdp2"
+    fsdp = world is not None and s.distributed.strategy == "fsdp2"
     if fsdp:
         check_fsdp_settings(settings)
     check_teacher_inputs(settings)
     torch.manual_seed(s.seed)
     random.seed(s.seed)
     source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
-    store = CheckpointStore(Path(s.checkpoint_dir), s.keep_checkpoints, source_dir)
+    store = CheckpointStore(Path(s.checkpoint.dir), s.checkpoint.keep, source_dir)
     latest = store.latest()
     model = load_model(latest.path if latest else source_dir, s.device)
     if s.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if s.lora_rank > 0:
+    if s.lora.rank > 0:
         from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
 
-        model = add_lora(model, s)
+        model = add_lora(model, s.lora)
     reference = None
-    if s.kl_coef > 0:
+    if s.algorithm.kl_coef > 0:
         ref_path = (
-            resolve_model_path(s.reference_model_path) if s.reference_model_path else (source_dir)
+            resolve_model_path(s.algorithm.reference_model_path)
+            if s.algorithm.reference_model_path
+            else (source_dir)
         )
         reference = load_model(ref_path, s.device).requires_grad_(False).eval()
         log.info("KL reference policy (frozen) loaded from %s", ref_path)
@@ -124,8 +126,8 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
         trained = shard_policy(model)
         assert world is not None  # fsdp is only chosen with a world
         log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
-    optimizer = build_optimizer(model, s)
-    scheduler = build_scheduler(optimizer, s)
+    optimizer = build_optimizer(model, s.optim)
+    scheduler = build_scheduler(optimizer, s.optim)
     if latest is not None:
         restore_training_state(optimizer, scheduler, latest, trained)
     return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
@@ -151,40 +153,45 @@ def check_fsdp_settings(settings: FlywheelSettings) -> None:
     """Refuse what fsdp2 does not combine with (see fsdp.py).
 
     Raises:
-        ValueError: LoRA, push_mode distributed, or an algorithm part with its own forward.
+        ValueError: LoRA, push.mode distributed, or an algorithm part with its own forward.
     """
     s = settings.trainer
     algo = StepConfig.from_settings(s).algo
-    if s.lora_rank > 0:
-        raise ValueError("distributed_strategy = 'fsdp2' with lora_rank > 0 is not supported")
-    if s.push_mode == "distributed":
-        raise ValueError("distributed_strategy = 'fsdp2' pushes from disk; set push_mode = 'disk'")
+    if s.lora.rank > 0:
+        raise ValueError(
+            "trainer.distributed.strategy = 'fsdp2' with trainer.lora.rank > 0 is not supported"
+        )
+    if s.push.mode == "distributed":
+        raise ValueError(
+            "trainer.distributed.strategy = 'fsdp2' pushes from disk; set "
+            "trainer.push.mode = 'disk'"
+        )
     if algo.needs_topk or algo.needs_entropy_pass:
         raise ValueError(
-            "distributed_strategy = 'fsdp2' cannot run algorithm parts with their "
+            "trainer.distributed.strategy = 'fsdp2' cannot run algorithm parts with their "
             "own forward (top-k regularizers, entropy-scored token weights)"
         )
 
 
 def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
-    """The disk pusher, wrapped by the distributed one when `push_mode = "distributed"`."""
+    """The disk pusher, wrapped by the distributed one when `push.mode = "distributed"`."""
     s = settings.trainer
     disk = WeightPusher(
         settings.trainer_engine_urls(),
-        timeout_s=s.push_timeout_s,
-        attempts=s.push_attempts,
-        pause=s.push_pause,
+        timeout_s=s.push.timeout_s,
+        attempts=s.push.attempts,
+        pause=s.push.pause,
     )
-    if s.push_mode == "disk":
+    if s.push.mode == "disk":
         return disk
     from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
 
     return DistributedPusher(
         disk,
         model,
-        master_address=s.push_master_address,
+        master_address=s.push.master_address,
         backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
-        timeout_s=s.push_timeout_s,
+        timeout_s=s.push.timeout_s,
     )
 
 
@@ -214,7 +221,10 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
 
             gather_checkpoint(
-                policy.model, policy.optimizer, policy.trained, settings.trainer.save_optimizer
+                policy.model,
+                policy.optimizer,
+                policy.trained,
+                settings.trainer.checkpoint.save_optimizer,
             )
         steps += not result.skipped
 

@@ -4,12 +4,12 @@ Group samples (a `group_id`) get the configured estimator (`StepConfig.algo.adva
 GRPO) over their group, computed here once; an estimator that reads entropy is computed instead
 in `pipeline.batch_stage`, where the entropy is scored (their advantages stay 0 until then).
 Live samples (no `group_id`, each its own group) get the live estimator
-(`StepConfig.live_advantage`): `reward` = the sample's reward on every sampled token (a judge's
-+1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap. Both kinds may
-share one step. Token-level estimators read the batch's per-token inputs (teacher and wrong-hint
-logprobs, step scores; `pipeline.advantage_inputs`). A sample whose "step/<k>" scores cannot be
-placed on its turns is trained without them, counted in `samples/step_rewards_unaligned` and
-logged.
+(`trainer.algorithm.live_advantage`): `reward` = the sample's reward on every sampled token (a
+judge's +1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap. Both
+kinds may share one step. Token-level estimators read the batch's per-token inputs (teacher and
+wrong-hint logprobs, step scores; `pipeline.advantage_inputs`). A sample whose "step/<k>" scores
+cannot be placed on its turns is trained without them, counted in
+`samples/step_rewards_unaligned` and logged.
 
 Shapes: B = samples in the step, T = longest sample; advantages end up (B, T), 0 off the loss
 mask.
@@ -55,9 +55,9 @@ def prepare_batch(
         `samples/live`, `samples/is_corrected`, `samples/downweighted`).
     """
     dropped_zero_variance = 0
-    if cfg.algo.dynamic_sampling:
+    if cfg.algorithm.dynamic_sampling:
         groups, treatments, dropped_zero_variance = keep_groups_with_spread(
-            groups, treatments, cfg.std_floor
+            groups, treatments, cfg.algorithm.std_floor
         )
     samples_B = [sample for group in groups for sample in group]
     group_index_B = torch.tensor([g for g, group in enumerate(groups) for _ in group])
@@ -89,7 +89,7 @@ def prepare_batch(
         metrics |= out
     live_N = live_B.nonzero(as_tuple=True)[0]
     if live_N.numel():
-        if cfg.live_advantage == "opd":
+        if cfg.algorithm.live_advantage == "opd":
             adv_BT[live_N], out = estimate("opd", batch, live_N, cfg, rewards_B)
         else:  # reward: A = r on every sampled token
             adv_BT[live_N] = rewards_B[live_N].float()[:, None].expand(-1, adv_BT.shape[1])

@@ -85,7 +85,7 @@ def sample_lag(sample: sample_pb2.Sample, trainer_version: int) -> int:
 
 def keepable_unjudged(sample: sample_pb2.Sample) -> bool:
     """Unjudged by the reward service but with other reward components; its `reward` is their
-    weighted sum (what `trainer.unjudged = "keep"` trains on)."""
+    weighted sum (what `trainer.data.unjudged = "keep"` trains on)."""
     return (
         not sample.has_reward
         and sample.error.startswith("unjudged:")

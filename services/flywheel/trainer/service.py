@@ -37,6 +37,7 @@ from flywheel.trainer.background import (
     CheckpointJob,
     CheckpointWriter,
     PushOutcome,
+    folder_bytes,
 )
 from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
 from flywheel.trainer.distributed import World
@@ -58,7 +59,6 @@ from flywheel.trainer.telemetry import (
     Timeline,
     TrainerStatus,
     build_sink,
-    folder_mib,
     lag_metrics,
     report_push,
 )
@@ -139,26 +139,24 @@ class Trainer:
         self._stop = threading.Event()
         """Set by `run`'s caller to stop; also ends the retries of a failed Redis call."""
         self.assembler = GroupAssembler(
-            self.s.group_size,
-            self.s.group_wait_s,
-            allow_truncated_sampling=self.s.allow_truncated_sampling,
-            live_samples=self.s.live_advantage != "drop",
-            partial_groups=self.s.partial_groups,
-            min_group_size=self.s.min_group_size,
-            keep_unjudged=self.s.unjudged == "keep",
-            live_opd=self.s.live_advantage == "opd",
+            self.s.batch.group_size,
+            self.s.batch.group_wait_s,
+            allow_truncated_sampling=self.s.data.allow_truncated_sampling,
+            live_samples=self.s.algorithm.live_advantage != "drop",
+            partial_groups=self.s.batch.partial_groups,
+            min_group_size=self.s.batch.min_group_size,
+            keep_unjudged=self.s.data.unjudged == "keep",
+            live_opd=self.s.algorithm.live_advantage == "opd",
             vocab_size=cast(int, parts.model.get_input_embeddings().num_embeddings),
         )
-        self.staleness = StalenessPolicy(
-            self.s.max_staleness, self.s.stale_policy, self.s.stale_decay, self.s.stale_hard_limit
-        )
+        self.staleness = StalenessPolicy(self.s.staleness)
         self.behind: dict[str, str] = {}
         """Engines whose last push failed -> the error (pushed again at the next step)."""
         self.last_push_via = ""
         """`disk` or `distributed`: how the last successful push went."""
         self._drops: Tally[str] = Tally()
         self._last_step_end = time.monotonic()
-        root = Path(self.s.checkpoint_dir)
+        root = Path(self.s.checkpoint.dir)
         self.commits = CommitLog(root)
         self.checkpointed = parts.version
         """Step of the newest durable checkpoint (0 = none: the initial model)."""
@@ -178,10 +176,10 @@ class Trainer:
         self.pusher = BackgroundPusher(
             self.weights.write,
             parts.pusher.push,
-            enabled=background and self.s.push_mode == "disk",  # a broadcast reads live tensors
+            enabled=background and self.s.push.mode == "disk",  # a broadcast reads live tensors
         )
-        self.timeline = Timeline(Path(self.s.metrics_path).parent / "timeline.jsonl")
-        dtype = self.s.push_dtype if self.s.push_dtype != "auto" else settings.engine.dtype
+        self.timeline = Timeline(Path(self.s.logging.metrics_path).parent / "timeline.jsonl")
+        dtype = self.s.push.dtype if self.s.push.dtype != "auto" else settings.engine.dtype
         self.push_dtype = getattr(torch, dtype)
 
     # ---------------------------------------------------------------- resume
@@ -297,16 +295,16 @@ class Trainer:
         if self.parts.consumer.exhausted:
             for group in self.assembler.pending.values():  # nothing more will arrive
                 group.first_seen_s = -float("inf")
-        if self.assembler.should_step(self.s.groups_per_step, self.s.step_tokens):
+        if self.assembler.should_step(self.s.batch.groups_per_step, self.s.batch.step_tokens):
             self.train_ready()
             return
         entries = self.parts.consumer.read(
-            count=self.s.group_size * self.s.groups_per_step,
+            count=self.s.batch.group_size * self.s.batch.groups_per_step,
             block_ms=self.settings.streams.block_ms,
         )
         self.admit(entries)
         idle_s = time.monotonic() - self._last_step_end
-        if self.uncovered and idle_s > self.s.checkpoint_idle_s and not self.writer.busy:
+        if self.uncovered and idle_s > self.s.checkpoint.idle_s and not self.writer.busy:
             log.info("no step for %.0f s: checkpointing step %d", idle_s, self.version)
             self._checkpoint()
 
@@ -350,7 +348,7 @@ class Trainer:
         """Take the ready groups, run one step, and commit (or skip) it."""
         t0 = time.perf_counter()
         groups, drops, lags = self.assembler.pop_ready(
-            self.s.groups_per_step, self.version, self.staleness, self.s.step_tokens
+            self.s.batch.groups_per_step, self.version, self.staleness, self.s.batch.step_tokens
         )
         self.handle_drops(drops)
         for lag in lags:
@@ -407,7 +405,10 @@ class Trainer:
             from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
 
             self._gathered = gather_checkpoint(
-                self.parts.model, self.parts.optimizer, self.parts.trained, self.s.save_optimizer
+                self.parts.model,
+                self.parts.optimizer,
+                self.parts.trained,
+                self.s.checkpoint.save_optimizer,
             )
         record = CommitRecord(
             version,
@@ -428,11 +429,11 @@ class Trainer:
         self.uncovered += list(zip(entry_ids, sample_ids, strict=True))
         self.unacked.update(entry_ids)
         self.assembler.mark_trained(sample_ids)
-        if version % self.s.push_every == 0 or self.behind:
+        if version % self.s.push.every == 0 or self.behind:
             self._offer_push()
         t2 = time.perf_counter()
         checkpoint_wait = 0.0
-        if version % self.s.checkpoint_every == 0:
+        if version % self.s.checkpoint.every == 0:
             checkpoint_wait = self._checkpoint()
         t3 = time.perf_counter()
         self._settle()
@@ -493,7 +494,7 @@ class Trainer:
                 training_state(
                     self.parts.optimizer,
                     self.parts.scheduler,
-                    self.s.save_optimizer,
+                    self.s.checkpoint.save_optimizer,
                     *self._gathered[1:],
                 )
             ),
@@ -527,9 +528,10 @@ class Trainer:
             self.commits.truncate(job.step)
             CHECKPOINT_SECONDS.observe(job.end - job.start)
             self.timeline.event("checkpoint", job.step, job.start, job.end)
-            self._io_metrics |= {
-                "checkpoint/write_s": job.end - job.start,
-                "checkpoint/mib": folder_mib(job.path),
+            self._io_metrics |= {  # the newest durable one since the last line
+                "checkpoint_version": job.step,
+                "checkpoint_seconds": job.end - job.start,
+                "checkpoint_bytes": folder_bytes(job.path),
             }
             log.info(
                 "checkpoint of step %d durable in %.1f s; acked %d entries",
@@ -552,10 +554,12 @@ class Trainer:
             return
         assert outcome.report is not None
         self.last_push_via = outcome.report.via
-        self._io_metrics |= {
+        self._io_metrics |= {  # the newest push that ended since the last line
+            "push_version": outcome.version,
+            "push_seconds": outcome.end - outcome.start,
+            "push_bytes": outcome.bytes,
             "push/write_s": outcome.write_s,
             "push/load_s": outcome.report.seconds,
-            "push/version": float(outcome.version),
         }
 
     def _skip(self, groups: Sequence[Group], reason: str, metrics: dict[str, Any]) -> None:

@@ -16,10 +16,10 @@ Every source hands out `StreamEntry`s and takes acks and dead letters the same w
   random 0/1 rewards, random sampled tokens with logprobs in [-3, -0.05]), stamped with the
   trainer's current weight version, so the step can be run and profiled without any service.
 
-`build_source` builds the one `trainer.source` names (with the lease keeper of the Redis one).
+`build_source` builds the one `trainer.data.source` names (with the lease keeper of the Redis one).
 `SampleDump` is the record/replay format: `.jsonl` (one JSON object per line: `sample_id`,
 `group_id`, `reward` for reading, and `payload` = the base64 protobuf bytes) or `.bin`
-(repeated 4-byte little-endian length + protobuf bytes). `trainer.record_path` appends every
+(repeated 4-byte little-endian length + protobuf bytes). `trainer.data.record_path` appends every
 Sample a source hands out, so real traffic can be replayed later.
 """
 
@@ -417,7 +417,7 @@ def build_source(
     s = settings.trainer
     source: SampleSource
     leases: LeaseKeeper | NullLeases = NullLeases()
-    if s.source == "redis":
+    if s.data.source == "redis":
         client = redis_client or connect(settings.redis_url())
         consumer_name = s.consumer_name or default_consumer_name()
         stream = settings.streams.key("train")
@@ -434,17 +434,23 @@ def build_source(
         )
         interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)
         leases = LeaseKeeper(client, stream, CONSUMER_GROUP, consumer_name, interval_s)
-    elif s.source == "replay":
-        if not s.replay_path:
-            raise ValueError("trainer.source = 'replay' needs trainer.replay_path (a dump)")
+    elif s.data.source == "replay":
+        if not s.data.replay_path:
+            raise ValueError(
+                "trainer.data.source = 'replay' needs trainer.data.replay_path (a dump)"
+            )
         position = (latest.state.get("source_position") or {}) if latest else {}
         source = ReplaySource(
-            s.replay_path, int(position.get("position", 1)), list(position.get("done", []))
+            s.data.replay_path, int(position.get("position", 1)), list(position.get("done", []))
         )
     else:
         source = FakeSource(
-            vocab_size, s.group_size, s.fake_prompt_tokens, s.fake_completion_tokens, seed=s.seed
+            vocab_size,
+            s.batch.group_size,
+            s.data.fake_prompt_tokens,
+            s.data.fake_completion_tokens,
+            seed=s.seed,
         )
-    if s.record_path:
-        source = RecordingSource(source, SampleDump(s.record_path))
+    if s.data.record_path:
+        source = RecordingSource(source, SampleDump(s.data.record_path))
     return source, leases

@@ -2,7 +2,7 @@
 
     prepare_batch       advantages by group (live samples per sample), the padded (B, T) batch
                         (prepare.py)
-    accumulate          per micro-batch (padded, or packed padding-free: `batch_layout`):
+    accumulate          per micro-batch (padded, or packed padding-free: `trainer.batch.layout`):
                         chunked logprobs (fp32 head, decoder optionally under bf16 autocast;
                         through the FSDP2 root under fsdp2) -> [reference logprobs, no grad] ->
                         token loss -> aggregation with the step-wide normalizer -> backward;
@@ -30,7 +30,12 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from flywheel.core.settings import TrainerSettings
+from flywheel.core.trainer_settings import (
+    AlgorithmSettings,
+    BatchSettings,
+    OptimSettings,
+    TrainerSettings,
+)
 from flywheel.trainer.algorithms.corrections import (
     CORRECTIONS,
     CorrectionConfig,
@@ -73,67 +78,69 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepConfig:
-    std_floor: float = 1e-3
-    """Group reward std below this is 0 (every group estimator; dynamic sampling)."""
-    policy_loss: str = "ppo_clip"
-    correction: str = "none"
-    """Key of CORRECTIONS. Not "none": the policy ratio is taken against the trainer's own
-    logprobs at the current weights (detached; equal to pi_train(theta_old) because every
-    micro-batch is scored before the single optimizer step) and each token loss is multiplied by
-    the correction's detached weight from the trainer/rollout ratio."""
-    correction_cfg: CorrectionConfig = field(default_factory=CorrectionConfig)
-    aggregation: str = "token_mean"
-    clip: PPOClipConfig = field(default_factory=PPOClipConfig)
-    micro_batch_size: int = 8
-    """Samples per forward/backward pass."""
-    micro_batch_tokens: int = 0
-    """Tokens per forward/backward pass (padded: rows x longest row; packed: real tokens);
-    0 = no token budget."""
-    packed: bool = False
-    """Run the decoder padding-free: each micro-batch's samples packed into one sequence
-    (logprobs.py `_packed_hidden`); same loss and gradients as padded."""
-    max_grad_norm: float = 1.0
-    logprob_chunk_tokens: int = 1024
-    live_advantage: str = "reward"
-    """Estimator of group-less samples: `reward` or `opd` (see prepare.py)."""
-    kl_coef: float = 0.0
-    """Weight of kl_estimator(logp, ref_logp) per loss token; 0 = off."""
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus -H per loss token; 0 = off."""
+    """What one optimizer step reads: three sections of the trainer's settings as they are,
+    and the precision resolved for the device. Everything else (the loss' clip and correction
+    configs, the algorithm parts) is derived from them here, not copied."""
+
+    algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    """`[trainer.algorithm]`: estimator, loss, corrections, regularizers, part parameters."""
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    """`[trainer.batch]`: micro-batch size / token budget, layout, logprob chunk."""
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    """`[trainer.optim]`: the gradient clip norm (AdamW itself is built by `build_optimizer`)."""
     bf16_autocast: bool = False
-    """Run the decoder forward under bf16 autocast (the head stays fp32)."""
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
-    """The selected advantage estimator, token weights, regularizer terms, dynamic sampling and
-    per-part parameters (flywheel.trainer.algorithms.pipeline)."""
+    """Run the decoder forward under bf16 autocast (the head stays fp32); resolved from
+    `trainer.precision` for the device."""
 
     @classmethod
     def from_settings(cls, s: TrainerSettings) -> StepConfig:
-        return cls(
-            std_floor=s.std_floor,
-            policy_loss=s.policy_loss,
-            correction=s.rollout_correction,
-            correction_cfg=CorrectionConfig(
-                cap=s.correction_cap, low=s.icepop_bounds[0], high=s.icepop_bounds[1]
-            ),
-            aggregation=s.loss_aggregation,
-            clip=PPOClipConfig(
-                s.clip_eps_low,
-                s.clip_eps_high,
-                s.dual_clip_c,
-                params=s.algorithm_params.get(s.policy_loss, {}),
-            ),
-            micro_batch_size=s.micro_batch_size,
-            micro_batch_tokens=s.micro_batch_tokens,
-            packed=s.batch_layout == "packed",
-            max_grad_norm=s.max_grad_norm,
-            logprob_chunk_tokens=s.logprob_chunk_tokens,
-            live_advantage=s.live_advantage,
-            kl_coef=s.kl_coef,
-            kl_estimator=s.kl_estimator,
-            entropy_coef=s.entropy_coef,
+        """The step config of `s`, its algorithm parts checked.
+
+        Raises:
+            ValueError: a part whose inputs the step cannot compute, or parameters of a part
+                that is not selected or does not take them (`AlgoConfig.check`).
+        """
+        cfg = cls(
+            algorithm=s.algorithm,
+            batch=s.batch,
+            optim=s.optim,
             bf16_autocast=resolve_precision(s.precision, resolve_device(s.device))[0],
-            algo=AlgoConfig.from_settings(s),
+        )
+        cfg.algo.check()
+        return cfg
+
+    @property
+    def algo(self) -> AlgoConfig:
+        """The selected algorithm parts (flywheel.trainer.algorithms.pipeline)."""
+        return AlgoConfig(self.algorithm)
+
+    @property
+    def packed(self) -> bool:
+        """Run the decoder padding-free: each micro-batch's samples packed into one sequence
+        (logprobs.py `_packed_hidden`); same loss and gradients as padded."""
+        return self.batch.layout == "packed"
+
+    @property
+    def clip(self) -> PPOClipConfig:
+        """The policy loss' clip bounds and its own parameters."""
+        a = self.algorithm
+        return PPOClipConfig(
+            a.clip_eps_low, a.clip_eps_high, a.dual_clip_c, params=a.params.get(a.policy_loss, {})
+        )
+
+    @property
+    def correction(self) -> str:
+        """Key of CORRECTIONS. Not "none": the policy ratio is taken against the trainer's own
+        logprobs at the current weights (detached; equal to pi_train(theta_old) because every
+        micro-batch is scored before the single optimizer step) and each token loss is
+        multiplied by the correction's detached weight from the trainer/rollout ratio."""
+        return self.algorithm.rollout_correction
+
+    @property
+    def correction_cfg(self) -> CorrectionConfig:
+        a = self.algorithm
+        return CorrectionConfig(
+            cap=a.correction_cap, low=a.icepop_bounds[0], high=a.icepop_bounds[1]
         )
 
 
@@ -234,7 +241,7 @@ def accumulate(
 
     A micro-batch without loss tokens contributes exactly 0 and is skipped (counted). Stops at
     the first non-finite micro-batch loss (`nonfinite`), leaving partial grads for the caller
-    to discard. `reference` (frozen) is scored without grad when `cfg.kl_coef` > 0.
+    to discard. `reference` (frozen) is scored without grad when `cfg.algorithm.kl_coef` > 0.
 
     FSDP2 (`model` is a `ShardedPolicy`, `world` given): every rank runs as many passes as the
     rank with the most micro-batches (`null_pass` for skipped, missing and post-non-finite
@@ -243,7 +250,7 @@ def accumulate(
     Raises:
         ValueError: kl_coef > 0 without a reference model.
     """
-    if cfg.kl_coef > 0 and reference is None:
+    if cfg.algorithm.kl_coef > 0 and reference is None:
         raise ValueError("kl_coef > 0 needs a reference model")
     acc = Accumulated()
     device = next(model.parameters()).device
@@ -304,13 +311,13 @@ def _backward_micro_batch(
     loss is not finite (then nothing is back-propagated)."""
     lp = _logprobs(model, mb, cfg)
     ref_logprobs_BT = None
-    if cfg.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0:
         with torch.no_grad():
             assert reference is not None  # accumulate checks: kl_coef > 0 needs one
             ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
     student = None if is_sharded(model) else student_topk(model, mb, cfg)
     terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, student=student)
-    aggregate = AGGREGATIONS[cfg.aggregation]
+    aggregate = AGGREGATIONS[cfg.algorithm.loss_aggregation]
     loss = aggregate(cast(Tensor, sum(terms_BT.values())), mb.loss_mask_BT, norm)  # pg at least
     if not bool(torch.isfinite(loss)):
         acc.nonfinite = True
@@ -327,7 +334,9 @@ def _backward_micro_batch(
 def split_micro_batches(batch: TrainBatch, cfg: StepConfig) -> list[TrainBatch]:
     """The step's micro-batches (`batch.micro_batch_rows` with `micro_batch_size`,
     `micro_batch_tokens` and the layout); the entropy scoring pass cuts the same ones."""
-    return micro_batches(batch, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packed)
+    return micro_batches(
+        batch, cfg.batch.micro_batch_size, cfg.batch.micro_batch_tokens, cfg.packed
+    )
 
 
 def _logprobs(
@@ -343,10 +352,10 @@ def _logprobs(
     with autocast:
         if isinstance(model, ShardedPolicy):
             return sharded_logprobs(
-                model, *args, chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed
+                model, *args, chunk_tokens=cfg.batch.logprob_chunk_tokens, packed=cfg.packed
             )
         return selected_token_logprobs(
-            model, *args, chunk_tokens=cfg.logprob_chunk_tokens, packed=cfg.packed
+            model, *args, chunk_tokens=cfg.batch.logprob_chunk_tokens, packed=cfg.packed
         )
 
 
@@ -386,7 +395,7 @@ def token_loss(
         old_BT = torch.where(rows_BT, lp.logprobs_BT.detach(), old_BT)
         weights_BT = torch.where(rows_BT, weights_BT * corr.weights_BT, weights_BT)
         stats |= corr.token_stats
-    out = POLICY_LOSSES[cfg.policy_loss](
+    out = POLICY_LOSSES[cfg.algorithm.policy_loss](
         LossInputs(
             lp.logprobs_BT, old_BT, mb.advantages_BT, mask_BT, entropy_BT=lp.entropy_BT.detach()
         ),
@@ -394,11 +403,13 @@ def token_loss(
     )
     terms = {"pg": out.token_loss_BT * weights_BT}
     if ref_logprobs_BT is not None:
-        kl_BT = KL_ESTIMATORS[cfg.kl_estimator](lp.logprobs_BT, ref_logprobs_BT)
-        terms["kl"] = cfg.kl_coef * kl_BT
-        stats[f"kl/ref_{cfg.kl_estimator}"] = kl_BT.detach()
-    if cfg.entropy_coef > 0:  # exact entropy of the tempered distribution, with its gradient
-        terms["entropy"] = -cfg.entropy_coef * lp.entropy_BT
+        kl_BT = KL_ESTIMATORS[cfg.algorithm.kl_estimator](lp.logprobs_BT, ref_logprobs_BT)
+        terms["kl"] = cfg.algorithm.kl_coef * kl_BT
+        stats[f"kl/ref_{cfg.algorithm.kl_estimator}"] = kl_BT.detach()
+    if (
+        cfg.algorithm.entropy_coef > 0
+    ):  # exact entropy of the tempered distribution, with its gradient
+        terms["entropy"] = -cfg.algorithm.entropy_coef * lp.entropy_BT
     reg_BT, reg_stats = token_terms(cfg.algo, lp, mb, student)
     if reg_BT is not None:
         terms["reg"] = reg_BT
@@ -441,7 +452,7 @@ def train_step(
     scheduler as they are.
 
     Args:
-        reference: frozen reference policy for the KL term (needed when cfg.kl_coef > 0).
+        reference: frozen reference policy for the KL term (needed when cfg.algorithm.kl_coef > 0).
         scheduler: stepped after a committed optimizer step only.
         world: data-parallel ranks (distributed.py): this rank trains its rows of `batch`
             with the whole batch's normalizer, then gradients (all-reduce, or FSDP2's
@@ -479,7 +490,7 @@ def train_step(
     if acc.nonfinite:
         return _skip(optimizer, metrics, "nonfinite_loss", t0)
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+    grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm))
     metrics["grad/norm"] = grad_norm
     if not math.isfinite(grad_norm):
         return _skip(optimizer, metrics, "nonfinite_grad_norm", t0)
@@ -536,7 +547,7 @@ def _skip(
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, s: TrainerSettings
+    optimizer: torch.optim.Optimizer, s: OptimSettings
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Learning-rate multiplier per committed step: `constant` (1), `linear_warmup` (k / W for
     k < W, then 1), `cosine` (warm-up, then 0.5 (1 + cos(pi min(k - W, H - W) / (H - W))) with
@@ -556,7 +567,8 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
-def build_optimizer(model: PreTrainedModel, s: TrainerSettings) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, fp32 state (the model is fp32)."""
+def build_optimizer(model: PreTrainedModel, s: OptimSettings) -> torch.optim.AdamW:
+    """AdamW (`[trainer.optim]` lr, betas, weight_decay) over the trainable parameters, fp32
+    state (the model is fp32)."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)

@@ -2,9 +2,9 @@
 
 Prometheus (`/metrics`): counters, gauges and histograms named `flywheel_trainer_*` with their
 unit in the name. Per step, `MetricsSink` writes the step's metrics under their slash-namespaced
-keys to JSONL (`trainer.metrics_path`, one line per optimizer step or skipped step), to
-TensorBoard scalars (`<metrics_path folder>/tensorboard`, when `trainer.tensorboard` and the
-`tensorboard` package is installed) and to Weights & Biases (`trainer.wandb_project`, when
+keys to JSONL (`trainer.logging.metrics_path`, one line per optimizer step or skipped step), to
+TensorBoard scalars (`<metrics_path folder>/tensorboard`, when `trainer.logging.tensorboard` and the
+`tensorboard` package is installed) and to Weights & Biases (`trainer.logging.wandb_project`, when
 `wandb` is installed). `TrainerStatus` is what `/status` shows; the training thread writes it
 and the HTTP thread reads it, under a lock.
 """
@@ -186,20 +186,20 @@ class MultiSink:
 def build_sink(s: Any) -> MultiSink:
     """JSONL always; TensorBoard and W&B when configured and their package is installed (a
     configured one that is missing is logged once, not fatal)."""
-    sinks: list[Any] = [JsonlSink(Path(s.metrics_path))]
-    if s.tensorboard:
+    sinks: list[Any] = [JsonlSink(Path(s.logging.metrics_path))]
+    if s.logging.tensorboard:
         if importlib.util.find_spec("tensorboard") is None:
             log.warning(
-                "trainer.tensorboard is on but the tensorboard package is missing; "
+                "trainer.logging.tensorboard is on but the tensorboard package is missing; "
                 "install the trainer extra (pip install 'flywheel[trainer]')"
             )
         else:
-            sinks.append(TensorBoardSink(Path(s.metrics_path).parent / "tensorboard"))
-    if s.wandb_project:
+            sinks.append(TensorBoardSink(Path(s.logging.metrics_path).parent / "tensorboard"))
+    if s.logging.wandb_project:
         if importlib.util.find_spec("wandb") is None:
-            log.warning("trainer.wandb_project is set but wandb is not installed; skipped")
+            log.warning("trainer.logging.wandb_project is set but wandb is not installed; skipped")
         else:
-            sinks.append(WandbSink(s.wandb_project, s.model_dump(mode="json")))
+            sinks.append(WandbSink(s.logging.wandb_project, s.model_dump(mode="json")))
     return MultiSink(sinks)
 
 
@@ -319,11 +319,6 @@ def report_push(outcome: Any, engine_urls: list[str], timeline: Timeline) -> dic
             error,
         )
     return dict(report.failed)
-
-
-def folder_mib(path: Path) -> float:
-    """MiB of the files under `path` (a checkpoint: weights, tokenizer, training state)."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20
 
 
 def lag_metrics(lags: Sequence[int]) -> dict[str, float]:

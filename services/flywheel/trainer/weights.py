@@ -381,7 +381,7 @@ class WeightPusher:
         client: an httpx client (tests inject a mock transport).
         backoff_s: first retry delay in seconds (doubles, capped at 30 s).
         pause: "in_place" = pause each engine in place around its update (rows in flight
-            continue under the new weights; `trainer.push_pause`), "none" = plain update.
+            continue under the new weights; `trainer.push.pause`), "none" = plain update.
     """
 
     def __init__(

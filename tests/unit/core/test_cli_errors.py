@@ -51,23 +51,23 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
     ("name", "value", "expected"),
     [
         ("FLYWHEEL_GATEWAY__ENGINE_URLS", "http://x", "a list setting takes a JSON value"),
-        ("FLYWHEEL_TRAINER__REGULARIZERS", "k3", "a dict setting takes a JSON value"),
+        ("FLYWHEEL_TRAINER__ALGORITHM__REGULARIZERS", "k3", "a dict setting takes a JSON value"),
     ],
 )
 def test_an_env_value_that_is_not_json_names_the_variable(monkeypatch, name, value, expected):
     monkeypatch.setenv(name, value)
     message = _exit_message(["config", "show"])
     assert f"{name}={value!r}: {expected}" in message
-    assert "FLYWHEEL_TRAINER__LR" not in message  # only the variables that are wrong
+    assert "FLYWHEEL_TRAINER__OPTIM__LR" not in message  # only the variables that are wrong
 
 
 def test_list_and_dict_settings_in_json_still_parse(monkeypatch, capsys):
     monkeypatch.setenv("FLYWHEEL_GATEWAY__ENGINE_URLS", '["http://x:1"]')
-    monkeypatch.setenv("FLYWHEEL_TRAINER__REGULARIZERS", '{"k3": 0.1}')
+    monkeypatch.setenv("FLYWHEEL_TRAINER__ALGORITHM__REGULARIZERS", '{"k3": 0.1}')
     assert cli.main(["config", "show"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["gateway"]["engine_urls"] == ["http://x:1"]
-    assert shown["trainer"]["regularizers"] == {"k3": 0.1}
+    assert shown["trainer"]["algorithm"]["regularizers"] == {"k3": 0.1}
 
 
 @pytest.mark.parametrize(

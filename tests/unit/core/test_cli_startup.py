@@ -152,10 +152,10 @@ def test_an_unreachable_external_redis_fails_before_any_service_starts(tmp_path,
     ("body", "expected"),
     [
         (
-            "[trainer.algorithm_params.ppo_clip]\nfoo = 1\n",
+            "[trainer.algorithm.params.ppo_clip]\nfoo = 1\n",
             "algorithm part 'ppo_clip' takes no parameters",
         ),
-        ("[trainer.algorithm_params.quantile]\nk = 0.5\n", "names ['quantile'], which are not"),
+        ("[trainer.algorithm.params.quantile]\nk = 0.5\n", "names ['quantile'], which are not"),
     ],
 )
 def test_algorithm_settings_the_trainer_refuses_stop_up_before_any_service(
@@ -172,3 +172,18 @@ def test_algorithm_settings_the_trainer_refuses_stop_up_before_any_service(
     assert message.startswith("flywheel: invalid [trainer] settings: ") and expected in message
     logs = tmp_path / "state" / "logs"
     assert not logs.exists() or not any(logs.iterdir())  # no service was started
+
+
+@pytest.mark.parametrize("command", [["up"], ["demo", "--steps", "1"]])
+def test_an_old_flat_trainer_key_stops_up_and_demo_naming_its_new_place(tmp_path, command):
+    config = _config(tmp_path, "[trainer]\npush_pause = 'in_place'\n")
+    out = ["--out", str(tmp_path / "demo")] if command[0] == "demo" else []
+    run = _run(
+        [sys.executable, "-m", "flywheel.ops.cli", *command, "--config", config, *out], _env(), 60
+    )
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "trainer.push_pause moved to trainer.push.pause (FLYWHEEL_TRAINER__PUSH__PAUSE)" in (
+        run.stderr
+    )
+    assert not (tmp_path / "state" / "logs").exists()

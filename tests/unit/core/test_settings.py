@@ -19,18 +19,23 @@ def test_defaults_follow_the_port_conventions():
 
 def test_toml_file_then_environment_override(tmp_path, monkeypatch):
     cfg = tmp_path / "f.toml"
-    cfg.write_text('[trainer]\nlr = 2e-5\ngroup_size = 4\n[streams]\nprefix = "exp1"\n')
-    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "3e-6")
+    cfg.write_text(
+        '[trainer.optim]\nlr = 2e-5\n[trainer.batch]\ngroup_size = 4\n[streams]\nprefix = "exp1"\n'
+    )
+    monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__LR", "3e-6")
     s = load_settings(cfg)
-    assert s.trainer.lr == 3e-6  # environment wins over the file
-    assert s.trainer.group_size == 4  # the file wins over the default
+    assert s.trainer.optim.lr == 3e-6  # environment wins over the file
+    assert s.trainer.batch.group_size == 4  # the file wins over the default
     assert s.streams.key("train") == "exp1:train"
 
 
 def test_unknown_keys_and_bad_values_are_refused(tmp_path):
     cfg = tmp_path / "f.toml"
-    cfg.write_text("[trainer]\nlr = -1\n")
+    cfg.write_text("[trainer.optim]\nlr = -1\n")
     with pytest.raises(ValidationError, match="lr"):
+        load_settings(cfg)
+    cfg.write_text("[trainer.optim]\nlearning_rate = 1e-5\n")
+    with pytest.raises(ValidationError, match="learning_rate"):
         load_settings(cfg)
     cfg.write_text("[nonsense]\nx = 1\n")
     with pytest.raises(ValidationError, match="nonsense"):
@@ -62,7 +67,7 @@ def test_enabling_the_teacher_puts_it_between_reward_and_trainer():
 def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
     from flywheel.ops.cli import main
 
-    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "abc")
+    monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__LR", "abc")
     with pytest.raises(SystemExit) as exit_info:
         main(["config", "show"])
     assert "invalid settings" in str(exit_info.value) and "lr" in str(exit_info.value)
@@ -71,7 +76,7 @@ def test_cli_reports_bad_settings_without_a_traceback(monkeypatch, capsys):
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
 def test_non_finite_numbers_are_refused(tmp_path, value):
     cfg = tmp_path / "f.toml"
-    cfg.write_text(f"[trainer]\nlr = {value}\n")  # TOML's own inf/nan literals
+    cfg.write_text(f"[trainer.optim]\nlr = {value}\n")  # TOML's own inf/nan literals
     with pytest.raises(ValidationError, match="finite number"):
         load_settings(cfg)
 
@@ -95,7 +100,7 @@ def test_service_entry_points_report_bad_settings_in_one_message(tmp_path, servi
 
     main = importlib.import_module(f"flywheel.{service}.main").main
     bad = tmp_path / "bad.toml"
-    bad.write_text("[trainer]\nlr = -1\n")
+    bad.write_text("[trainer.optim]\nlr = -1\n")
     with pytest.raises(SystemExit) as exited:
         main(["--config", str(bad)])
     message = str(exited.value.code)  # sys.exit(str): printed to stderr, exit status 1
@@ -140,33 +145,71 @@ def test_group_size_one_with_a_group_relative_advantage_is_refused(advantage):
     with pytest.raises(
         ValidationError, match=f"group-relative advantage '{advantage}'.*group_size >= 2"
     ):
-        TrainerSettings(advantage=advantage, group_size=1, min_group_size=1)
+        TrainerSettings(
+            algorithm={"advantage": advantage}, batch={"group_size": 1, "min_group_size": 1}
+        )
 
 
 def test_group_size_one_is_fine_without_groups():
     from flywheel.core.trainer_settings import TrainerSettings
 
-    s = TrainerSettings(advantage="opd", group_size=1, min_group_size=1)
-    assert s.group_size == 1
+    s = TrainerSettings(
+        algorithm={"advantage": "opd"}, batch={"group_size": 1, "min_group_size": 1}
+    )
+    assert s.batch.group_size == 1
 
 
 def test_min_group_size_above_group_size_is_refused_saying_what_to_set(tmp_path):
     cfg = tmp_path / "f.toml"
-    cfg.write_text("[trainer]\ngroup_size = 4\nmin_group_size = 5\n")
+    cfg.write_text("[trainer.batch]\ngroup_size = 4\nmin_group_size = 5\n")
     with pytest.raises(
-        ValidationError, match="min_group_size = 5 > group_size = 4.*min_group_size <= 4"
+        ValidationError, match="min_group_size = 5 > group_size = 4.*batch.min_group_size <= 4"
     ):
         load_settings(cfg)
-    cfg.write_text("[trainer]\ngroup_size = 4\nmin_group_size = 4\n")
-    assert load_settings(cfg).trainer.min_group_size == 4
+    cfg.write_text("[trainer.batch]\ngroup_size = 4\nmin_group_size = 4\n")
+    assert load_settings(cfg).trainer.batch.min_group_size == 4
 
 
 def test_quantile_k_moved_to_the_part_parameters(tmp_path):
     cfg = tmp_path / "f.toml"
-    cfg.write_text('[trainer]\nadvantage = "quantile"\nquantile_k = 0.3\n')
-    with pytest.raises(ValidationError, match=r"algorithm_params.quantile\] k = 0.3"):
+    cfg.write_text('[trainer.algorithm]\nadvantage = "quantile"\n[trainer]\nquantile_k = 0.3\n')
+    with pytest.raises(
+        ValidationError, match=r"quantile_k moved to trainer.algorithm.params.quantile.k"
+    ):
         load_settings(cfg)
     cfg.write_text(
-        '[trainer]\nadvantage = "quantile"\n[trainer.algorithm_params.quantile]\nk = 0.3\n'
+        '[trainer.algorithm]\nadvantage = "quantile"\n'
+        "[trainer.algorithm.params.quantile]\nk = 0.3\n"
     )
-    assert load_settings(cfg).trainer.algorithm_params == {"quantile": {"k": 0.3}}
+    assert load_settings(cfg).trainer.algorithm.params == {"quantile": {"k": 0.3}}
+
+
+def test_old_flat_trainer_keys_are_refused_naming_the_new_key(tmp_path, monkeypatch):
+    cfg = tmp_path / "f.toml"
+    cfg.write_text(
+        '[trainer]\nport = 8101\nlr = 1e-5\ncheckpoint_every = 3\nstale_policy = "drop"\n'
+    )
+    with pytest.raises(ValidationError) as refused:
+        load_settings(cfg)
+    message = str(refused.value)
+    assert "trainer.lr moved to trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR)" in message
+    assert "trainer.checkpoint_every moved to trainer.checkpoint.every" in message
+    assert "trainer.stale_policy moved to trainer.staleness.policy" in message
+    assert "port" not in message.split("moved")[0]  # a key that stayed is not named
+    monkeypatch.setenv("FLYWHEEL_TRAINER__PUSH_PAUSE", "in_place")  # the old variable
+    with pytest.raises(ValidationError, match="trainer.push_pause moved to trainer.push.pause"):
+        load_settings()
+    monkeypatch.delenv("FLYWHEEL_TRAINER__PUSH_PAUSE")
+    monkeypatch.setenv("FLYWHEEL_TRAINER__PUSH__PAUSE", "in_place")  # the new one takes effect
+    assert load_settings().trainer.push.pause == "in_place"
+
+
+def test_every_old_flat_key_has_a_new_home():
+    from flywheel.core.trainer_settings import MOVED, TrainerSettings
+
+    for old, new in MOVED.items():
+        node: object = TrainerSettings()
+        for part in new.split(".")[:2]:  # `algorithm.params.quantile.k` ends in a dict
+            assert part in type(node).model_fields, f"{old} -> {new}"  # type: ignore[attr-defined]
+            node = getattr(node, part)
+        assert old not in TrainerSettings.model_fields  # nothing left at the old place

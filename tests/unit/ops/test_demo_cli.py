@@ -47,18 +47,21 @@ def test_demo_defaults_to_async_with_max_staleness_one(monkeypatch, tmp_path):
     settings, runner, out = _demo(monkeypatch, tmp_path)
     assert runner.cfg.mode == "async" and runner.cfg.max_staleness == 1
     assert runner.staleness == 1
-    assert settings.trainer.max_staleness == 1
-    assert runner.trainer_timeline == Path(settings.trainer.metrics_path).parent / "timeline.jsonl"
+    assert settings.trainer.staleness.max_staleness == 1
+    assert (
+        runner.trainer_timeline
+        == Path(settings.trainer.logging.metrics_path).parent / "timeline.jsonl"
+    )
     assert runner.trainer_timeline == out / "timeline.jsonl"
 
 
 def test_demo_mode_and_max_staleness_flags(monkeypatch, tmp_path):
     settings, runner, _ = _demo(monkeypatch, tmp_path, "--mode", "sync", "--max-staleness", "3")
     assert runner.cfg.mode == "sync" and runner.staleness == 0  # sync paces as staleness 0
-    assert settings.trainer.max_staleness == 3
+    assert settings.trainer.staleness.max_staleness == 3
     settings, runner, _ = _demo(monkeypatch, tmp_path, "--max-staleness", "0")
     assert runner.cfg.mode == "async" and runner.staleness == 0
-    assert settings.trainer.max_staleness == 0
+    assert settings.trainer.staleness.max_staleness == 0
 
 
 @pytest.mark.parametrize(
@@ -85,7 +88,14 @@ def test_on_a_running_stack_the_resolved_trainer_settings_name_the_timeline(
     state.mkdir()
     metrics = tmp_path / "elsewhere" / "trainer_metrics.jsonl"
     (state / "settings.json").write_text(
-        json.dumps({"trainer": {"metrics_path": str(metrics), "max_staleness": 0}})
+        json.dumps(
+            {
+                "trainer": {
+                    "logging": {"metrics_path": str(metrics)},
+                    "staleness": {"max_staleness": 0},
+                }
+            }
+        )
     )
     monkeypatch.setenv("FLYWHEEL_STATE_DIR", str(state))
     monkeypatch.setattr(
@@ -117,9 +127,9 @@ def test_async_demo_splits_a_shared_cpu_and_pauses_engines_in_place(monkeypatch)
     settings = load_settings()
     cli_module._share_the_machine(settings)
     assert (settings.engine.threads, settings.trainer.threads) == (2, 2)  # 4 cores, half each
-    assert settings.trainer.push_pause == "in_place"
+    assert settings.trainer.push.pause == "in_place"
     # what the user set stays as set
-    chosen = load_settings(engine={"threads": 3}, trainer={"push_pause": "none"})
+    chosen = load_settings(engine={"threads": 3}, trainer={"push": {"pause": "none"}})
     cli_module._share_the_machine(chosen)
     assert (chosen.engine.threads, chosen.trainer.threads) == (3, 0)
-    assert chosen.trainer.push_pause == "none"
+    assert chosen.trainer.push.pause == "none"

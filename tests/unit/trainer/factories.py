@@ -3,10 +3,14 @@ well-formed Samples."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flywheel.core.codec import new_sample
+from flywheel.trainer.step import StepConfig
 
 VOCAB = 128
 
@@ -58,3 +62,29 @@ def make_sample(
     )
     sample.sampling.temperature = temperature
     return sample
+
+
+def step_config(
+    base: StepConfig | None = None,
+    *,
+    algorithm: dict[str, Any] | None = None,
+    batch: dict[str, Any] | None = None,
+    optim: dict[str, Any] | None = None,
+    bf16_autocast: bool | None = None,
+) -> StepConfig:
+    """`base` (default: the default StepConfig) with fields of its settings sections replaced
+    and validated, e.g. `step_config(batch={"micro_batch_size": 2})`."""
+    base = base or StepConfig()
+
+    def section(current: Any, update: dict[str, Any] | None) -> Any:
+        if not update:
+            return current
+        return type(current).model_validate(current.model_dump() | update)
+
+    return dataclasses.replace(
+        base,
+        algorithm=section(base.algorithm, algorithm),
+        batch=section(base.batch, batch),
+        optim=section(base.optim, optim),
+        bf16_autocast=base.bf16_autocast if bf16_autocast is None else bf16_autocast,
+    )

@@ -37,7 +37,7 @@ def test_registry_names_match_settings():
 
     assert {"grpo", "dr_grpo", "rloo", "quantile", "opd", "opd_plus_rl"} <= set(ADVANTAGES)
     for name in ADVANTAGES:
-        assert TrainerSettings(advantage=name).advantage == name
+        assert TrainerSettings(algorithm={"advantage": name}).algorithm.advantage == name
 
 
 def test_grpo_worked_example_two_groups():

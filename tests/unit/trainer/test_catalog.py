@@ -11,6 +11,7 @@ import pytest
 
 from flywheel.core.algorithm_catalog import CATALOG, KINDS, format_table, names_for
 from flywheel.core.settings import TrainerSettings
+from flywheel.core.trainer_settings import AlgorithmSettings
 from flywheel.ops import cli
 from flywheel.trainer import algorithms
 
@@ -28,7 +29,7 @@ def test_every_registry_entry_has_exactly_one_catalog_row_and_back():
 
 
 def test_every_settings_choice_is_registered():
-    fields = TrainerSettings.model_fields
+    fields = AlgorithmSettings.model_fields
     choices = typing.get_args(fields["rollout_correction"].annotation)
     assert set(choices) <= set(registries()["CORRECTIONS"])
     for field, registry in [
@@ -42,7 +43,7 @@ def test_every_settings_choice_is_registered():
         assert names_for(field) == registered, field
         for name in registered:
             value = {"token_weights": [name], "regularizers": {name: 0.1}}.get(field, name)
-            TrainerSettings(**{field: value})
+            TrainerSettings(algorithm={field: value})
 
 
 @pytest.mark.parametrize(
@@ -52,12 +53,12 @@ def test_every_settings_choice_is_registered():
         ("policy_loss", "ppo"),
         ("token_weights", ["entropy"]),
         ("regularizers", {"k4": 0.1}),
-        ("algorithm_params", {"nope": {"x": 1}}),
+        ("params", {"nope": {"x": 1}}),
     ],
 )
 def test_settings_refuse_unknown_parts_naming_the_choices(field, value):
     with pytest.raises(pydantic.ValidationError, match="flywheel algorithms list"):
-        TrainerSettings(**{field: value})
+        TrainerSettings(algorithm={field: value})
 
 
 def test_catalog_imports_without_torch():

@@ -18,10 +18,10 @@ from flywheel.trainer.algorithms.corrections import (
     none,
     tis,
 )
-from flywheel.trainer.algorithms.losses import PPOClipConfig, normalizer_for
+from flywheel.trainer.algorithms.losses import normalizer_for
 from flywheel.trainer.step import StepConfig, accumulate, prepare_batch
 
-from .factories import make_sample, tiny_model
+from .factories import make_sample, step_config, tiny_model
 
 RATIOS = [0.25, 0.8, 1.5, 3.0, 10.0]
 """k = pi_train / pi_rollout of five trained tokens; a sixth token is masked (NaN logprob)."""
@@ -98,19 +98,22 @@ def grads(cfg: StepConfig) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("name", "cfg"),
     [
-        ("tis", CorrectionConfig(cap=1e9)),
-        ("mis", CorrectionConfig(cap=1e9)),
-        ("icepop", CorrectionConfig(low=0.0, high=1e9)),
+        ("tis", {"correction_cap": 1e9}),
+        ("mis", {"correction_cap": 1e9}),
+        ("icepop", {"icepop_bounds": (0.0, 1e9)}),
     ],
 )
 def test_untruncated_correction_gives_the_plain_importance_sampled_gradient(name, cfg):
     # without clipping, ppo's gradient against the rollout is -A k grad logp; a correction with
     # no truncation gives w = k times the gradient -A grad logp of the ratio against the
     # trainer's own logprobs: the same gradient
-    no_clip = PPOClipConfig(eps_low=1e6, eps_high=1e6)
-    plain = grads(StepConfig(clip=no_clip, logprob_chunk_tokens=4))
+    no_clip = {"clip_eps_low": 1e6, "clip_eps_high": 1e6}
+    plain = grads(step_config(algorithm=no_clip, batch={"logprob_chunk_tokens": 4}))
     corrected = grads(
-        StepConfig(clip=no_clip, logprob_chunk_tokens=4, correction=name, correction_cfg=cfg)
+        step_config(
+            algorithm=no_clip | {"rollout_correction": name} | cfg,
+            batch={"logprob_chunk_tokens": 4},
+        )
     )
     for key, grad in plain.items():
         assert_close(corrected[key], grad, atol=1e-6, rtol=1e-4, msg=key)
@@ -120,7 +123,13 @@ def test_step_config_reads_the_correction_settings():
     default = StepConfig.from_settings(TrainerSettings())
     assert default.correction == "none"
     cfg = StepConfig.from_settings(
-        TrainerSettings(rollout_correction="icepop", icepop_bounds=(0.2, 3.0), correction_cap=4.0)
+        TrainerSettings(
+            algorithm={
+                "rollout_correction": "icepop",
+                "icepop_bounds": (0.2, 3.0),
+                "correction_cap": 4.0,
+            }
+        )
     )
     assert cfg.correction == "icepop"
     assert cfg.correction_cfg == CorrectionConfig(cap=4.0, low=0.2, high=3.0)
@@ -131,13 +140,14 @@ def test_gspo_with_a_correction_accumulates_like_one_big_batch(correction):
     # BUG-14 for the new parts: the same grads with 1 micro-batch of 4 or 4 micro-batches of 1
     def run(micro_batch_size):
         return grads(
-            StepConfig(
-                policy_loss="gspo",
-                aggregation="seq_mean_token_mean",
-                correction=correction,
-                correction_cfg=CorrectionConfig(cap=1.5),
-                micro_batch_size=micro_batch_size,
-                logprob_chunk_tokens=4,
+            step_config(
+                algorithm={
+                    "policy_loss": "gspo",
+                    "loss_aggregation": "seq_mean_token_mean",
+                    "rollout_correction": correction,
+                    "correction_cap": 1.5,
+                },
+                batch={"micro_batch_size": micro_batch_size, "logprob_chunk_tokens": 4},
             )
         )
 

@@ -20,7 +20,7 @@ def test_entry_point_and_group_assembly_import_without_torch():
 
 def test_invalid_settings_fail_before_anything_starts(tmp_path, monkeypatch):
     config = tmp_path / "bad.toml"
-    config.write_text("[trainer]\ndual_clip_c = 0.5\n")
+    config.write_text("[trainer.algorithm]\ndual_clip_c = 0.5\n")
     monkeypatch.delenv("FLYWHEEL_CONFIG", raising=False)
     with pytest.raises(SystemExit, match="dual_clip_c"):  # one message naming the field
         main(["--config", str(config)])

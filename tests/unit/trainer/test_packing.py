@@ -3,8 +3,6 @@ gradients on the real tiny model, for samples of very different lengths."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch.testing import assert_close
@@ -14,7 +12,7 @@ from flywheel.trainer.logprobs import selected_token_logprobs
 from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, split_micro_batches
 from flywheel.trainer.weights import load_model
 
-from .factories import make_sample
+from .factories import make_sample, step_config
 
 LENGTHS = [(3, 2), (40, 60), (5, 9), (2, 1), (12, 30)]
 """(prompt, completion) tokens: totals 5, 100, 14, 3, 42, so padded micro-batches of 5 rows
@@ -88,8 +86,10 @@ def test_packing_without_the_block_mask_would_differ(tiny):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_packed_step_has_the_padded_loss_and_gradients(tiny_model_dir, aggregation):
-    padded_cfg = StepConfig(micro_batch_size=5, aggregation=aggregation)
-    packed_cfg = dataclasses.replace(padded_cfg, packed=True)
+    padded_cfg = step_config(
+        algorithm={"loss_aggregation": aggregation}, batch={"micro_batch_size": 5}
+    )
+    packed_cfg = step_config(padded_cfg, batch={"layout": "packed"})
     batch, _ = prepare_batch(groups(), padded_cfg)
     norm = normalizer_for(batch.loss_mask_BT)
     results = {}
@@ -110,11 +110,11 @@ def test_packed_micro_batches_count_real_tokens():
     # lengths 5, 100, 14, 3, 42; size 8, budget 64 real tokens:
     # (0) then 100 alone (5 + 100 > 64), then 14 + 3 + 42 = 59 <= 64 together.
     batch, _ = prepare_batch(groups(), StepConfig())
-    cfg = StepConfig(micro_batch_size=8, micro_batch_tokens=64, packed=True)
+    cfg = step_config(batch={"micro_batch_size": 8, "micro_batch_tokens": 64, "layout": "packed"})
     parts = split_micro_batches(batch, cfg)
     assert [mb.lengths_B.tolist() for mb in parts] == [[5], [100], [14, 3, 42]]
     two_rows = split_micro_batches(
-        batch, dataclasses.replace(cfg, micro_batch_tokens=0, micro_batch_size=2)
+        batch, step_config(cfg, batch={"micro_batch_tokens": 0, "micro_batch_size": 2})
     )
     assert [mb.size for mb in two_rows] == [2, 2, 1]
 

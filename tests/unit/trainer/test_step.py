@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from flywheel.trainer.algorithms.losses import AGGREGATIONS, PPOClipConfig, normalizer_for
+from flywheel.trainer.algorithms.losses import AGGREGATIONS, normalizer_for
 from flywheel.trainer.batch import collate
 from flywheel.trainer.logprobs import TokenLogprobs
 from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, token_loss, train_step
 
-from .factories import make_sample, tiny_model
+from .factories import make_sample, step_config, tiny_model
 
 LENGTHS = [(3, 5), (6, 2), (4, 0), (2, 0), (5, 7), (3, 1), (7, 4), (2, 3)]
 """(prompt, completion) of 8 samples; samples 2 and 3 have no loss tokens, so with micro-batches
@@ -37,13 +37,15 @@ def groups_of_samples():
     return [samples[:4], samples[4:]]
 
 
-def config(aggregation="token_mean", micro_batch_size=8, **kw) -> StepConfig:
-    return StepConfig(
-        aggregation=aggregation,
-        micro_batch_size=micro_batch_size,
-        logprob_chunk_tokens=4,
-        clip=PPOClipConfig(0.2, 0.28, 3.0),
-        **kw,
+def config(aggregation="token_mean", micro_batch_size=8) -> StepConfig:
+    return step_config(
+        algorithm={
+            "loss_aggregation": aggregation,
+            "clip_eps_low": 0.2,
+            "clip_eps_high": 0.28,
+            "dual_clip_c": 3.0,
+        },
+        batch={"micro_batch_size": micro_batch_size, "logprob_chunk_tokens": 4},
     )
 
 
@@ -175,7 +177,7 @@ def test_token_budget_micro_batches_give_the_same_gradient():
     # micro-batches cut at 24 padded tokens (longest rows first) vs one pass: same loss and grads
     whole, whole_grads = grads_after_accumulate("token_mean", micro_batch_size=8)
     model = tiny_model(seed=3)
-    cfg = dataclasses.replace(config("token_mean", 8), micro_batch_tokens=24)
+    cfg = step_config(config("token_mean", 8), batch={"micro_batch_tokens": 24})
     batch, _ = prepare_batch(groups_of_samples(), cfg)
     acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
     assert acc.micro_batches >= 3
@@ -229,7 +231,10 @@ def test_kl_and_entropy_terms_worked_example():
     # k1 = 0.5; k2 = 0.125; k3 = e^-0.5 - 1 + 0.5 = 0.106531; kl term = 0.1 * k
     # entropy H = 2.0 (given), coef 0.01 -> entropy term = -0.02
     for estimator, value in [("k1", 0.5), ("k2", 0.125), ("k3", 0.106531)]:
-        cfg = dataclasses.replace(config(), kl_coef=0.1, kl_estimator=estimator, entropy_coef=0.01)
+        cfg = step_config(
+            config(),
+            algorithm={"kl_coef": 0.1, "kl_estimator": estimator, "entropy_coef": 0.01},
+        )
         terms, stats = token_loss(
             fixed_logprobs(-1.0), one_token_batch(-1.0, 0.0), cfg, torch.tensor([[0.0, -1.5]])
         )
@@ -246,7 +251,7 @@ def test_kl_against_an_identical_reference_is_zero_and_leaves_the_k3_gradient_un
     accumulate(plain_model, batch, config(), normalizer_for(batch.loss_mask_BT))
     model, reference = tiny_model(seed=3), tiny_model(seed=3)
     reference.requires_grad_(False)
-    cfg = dataclasses.replace(config(), kl_coef=0.5, kl_estimator="k3")
+    cfg = step_config(config(), algorithm={"kl_coef": 0.5, "kl_estimator": "k3"})
     acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT), reference)
     assert acc.terms["kl"] == pytest.approx(0.0, abs=1e-7)
     assert acc.stats.result()["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)
@@ -260,7 +265,7 @@ def test_kl_against_an_identical_reference_is_zero_and_leaves_the_k3_gradient_un
 def test_entropy_bonus_changes_the_update_and_reports_its_term():
     batch, _ = prepare_batch(groups_of_samples(), config())
     model = tiny_model(seed=3)
-    cfg = dataclasses.replace(config(), entropy_coef=0.05)
+    cfg = step_config(config(), algorithm={"entropy_coef": 0.05})
     acc = accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
     entropy = acc.stats.result()["entropy/mean"]
     # token_mean: the term is -0.05 * mean entropy over loss tokens
@@ -294,7 +299,7 @@ def test_live_samples_with_opd_get_the_teacher_gap_per_token():
     sample = make_sample(prompt_len=2, completion_len=3, group_id="", logprob=-1.0)
     sample.teacher_logprobs.extend([0.0, 0.0, -0.5, -2.0, 0.0])
     sample.teacher_mask.extend([0, 0, 1, 1, 0])
-    cfg = dataclasses.replace(config(), live_advantage="opd")
+    cfg = step_config(config(), algorithm={"live_advantage": "opd"})
     batch, metrics = prepare_batch([[sample]], cfg)
     assert batch.advantages_BT[0].tolist() == pytest.approx([0, 0, 0.5, -1.0, 0])
     assert metrics["adv_live/teacher_token_frac"] > 0
@@ -320,7 +325,7 @@ def test_bf16_autocast_step_keeps_fp32_master_weights_and_optimizer_state():
     model = tiny_model(seed=5)
     before = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cfg = dataclasses.replace(config(micro_batch_size=4), bf16_autocast=True)
+    cfg = step_config(config(micro_batch_size=4), bf16_autocast=True)
     batch, _ = prepare_batch(groups_of_samples(), cfg)
     result = train_step(model, optimizer, batch, cfg)
     assert result.skipped == ""

@@ -280,13 +280,11 @@ def test_export_writes_a_plain_servable_folder(tmp_path, source_dir):
 
 def test_lora_checkpoint_holds_the_merged_weights(tmp_path, source_dir):
     # after a LoRA update, the saved plain model's logits equal the adapted model's logits
-    from types import SimpleNamespace
 
+    from flywheel.core.trainer_settings import LoraSettings
     from flywheel.trainer.lora import add_lora
 
-    settings = SimpleNamespace(
-        lora_rank=4, lora_alpha=8.0, lora_target_modules=["q_proj", "v_proj"]
-    )
+    settings = LoraSettings(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
     model = add_lora(load_model(source_dir), settings)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

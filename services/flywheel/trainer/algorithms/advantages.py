@@ -72,7 +72,7 @@ class AdvantageConfig:
     """Group reward std (unbiased) below this is treated as 0: advantages 0 for that group."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the estimator's own parameter dataclass (`ADVANTAGE_PARAMS`), from
-    `[trainer.algorithm_params.<name>]`."""
+    `[trainer.algorithm.params.<name>]`."""
     part_params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Every part's overrides (`algorithm_params`), for an estimator that runs another one
     (`opd_plus_rl`: its `rl_advantage`)."""
@@ -100,7 +100,7 @@ class OPDPlusRLParams:
     """w_rl (weight of the group reward advantage)."""
     rl_advantage: str = "grpo"
     """Group estimator for the reward part: one of GROUP_ESTIMATORS (its own parameters, e.g.
-    `[trainer.algorithm_params.quantile]`, apply)."""
+    `[trainer.algorithm.params.quantile]`, apply)."""
 
     def __post_init__(self) -> None:
         if self.rl_advantage not in GROUP_ESTIMATORS:
@@ -210,7 +210,7 @@ def quantile(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutputs:
     for binary rewards with success rate p the baseline is 0 when p <= 1 - K (only the rare
     successes get signal) and 1 when p > 1 - K (only the remaining failures do): the paper's
     two-regime gate. K = 0.5 is the lower median (as `torch.median`); the paper tunes K per
-    model (`[trainer.algorithm_params.quantile] k`). Groups without reward spread get exactly 0
+    model (`[trainer.algorithm.params.quantile] k`). Groups without reward spread get exactly 0
     (BUG-12).
     """
     k = resolve(QuantileParams, cfg.params, "quantile").k
@@ -329,4 +329,4 @@ ADVANTAGE_PARAMS: dict[str, type] = {
     **TOKEN_ADVANTAGE_PARAMS,
 }
 """Parameter dataclass of every estimator (`NoParams`: takes none; the group std floor of
-every group estimator is `trainer.std_floor`)."""
+every group estimator is `trainer.algorithm.std_floor`)."""

@@ -2,7 +2,7 @@
 
 Same signature as the group estimators in `advantages.py`: `(AdvantageInputs, AdvantageConfig)
 -> AdvantageOutputs`, with `advantages_BT` set. Each reads its own parameter dataclass from
-`cfg.params` (`[trainer.algorithm_params.<name>]`), with the paper's defaults where the paper
+`cfg.params` (`[trainer.algorithm.params.<name>]`), with the paper's defaults where the paper
 gives them and this library's otherwise (said in each docstring).
 
 Shapes: B = samples, T = tokens (right-padded, aligned with token_ids); rewards, group and turn

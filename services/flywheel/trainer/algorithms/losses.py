@@ -53,7 +53,7 @@ class PPOClipConfig:
     dual_clip_c: float = 0.0
     """Dual clip: loss of negative-advantage tokens capped at -A * c (c > 1); 0 = off."""
     params: Mapping[str, Any] = field(default_factory=dict)
-    """Overrides of the selected loss' own parameters (`[trainer.algorithm_params.<loss>]`)."""
+    """Overrides of the selected loss' own parameters (`[trainer.algorithm.params.<loss>]`)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class LossNormalizer:
 
 def normalizer_for(loss_mask_BT: Tensor, constant_k: float = 1024.0) -> LossNormalizer:
     """Denominators from the loss mask of the whole step batch (all micro-batches together);
-    `constant_k` is `constant_normalizer`'s k (`[trainer.algorithm_params.constant_normalizer]`)."""
+    `constant_k` is `constant_normalizer`'s k (`[trainer.algorithm.params.constant_normalizer]`)."""
     tokens_B = loss_mask_BT.sum(dim=1)
     return LossNormalizer(
         tokens=max(float(tokens_B.sum()), 1.0),
@@ -446,7 +446,7 @@ def constant_normalizer(
     "AsyncWebRL: Efficient Multi-Step RL for Visual Web Agents", Bai et al. 2026, arXiv:2606.05597:
     the per-trajectory 1/|tau_i| of multi-step GRPO down-weights the negative gradient of (longer)
     failed trajectories; a constant 1/k removes that coupling. k = `norm.constant_k`
-    (`[trainer.algorithm_params.constant_normalizer] k`, default 1024, a generation budget); k
+    (`[trainer.algorithm.params.constant_normalizer] k`, default 1024, a generation budget); k
     only rescales the gradient relative to `seq_mean_token_sum`.
     """
     return _masked(token_loss_BT, loss_mask_BT).sum() / (norm.sequences * norm.constant_k)
@@ -475,7 +475,7 @@ LOSS_PARAMS: dict[str, type] = {
     "seq_elbo_ratio": NoParams,
 }
 """Parameter dataclass of every policy loss (`NoParams`: takes none; the clip range and dual
-clip are the `trainer.clip_eps_low` / `clip_eps_high` / `dual_clip_c` settings)."""
+clip are the `trainer.algorithm.clip_eps_low` / `clip_eps_high` / `dual_clip_c` settings)."""
 
 
 @dataclass(frozen=True)

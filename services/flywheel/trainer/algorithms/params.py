@@ -1,5 +1,5 @@
 """Per-part hyperparameters: each part owns a frozen dataclass of paper defaults, and the trainer
-config overrides fields by name (`[trainer.algorithm_params.<part>]` in the TOML file).
+config overrides fields by name (`[trainer.algorithm.params.<part>]` in the TOML file).
 
     resolve(HighEntropyParams, {"top_frac": 0.1}, "high_entropy_only")
 
@@ -21,7 +21,7 @@ P = TypeVar("P")
 
 @dataclass(frozen=True)
 class NoParams:
-    """The parameters of a part that takes none: any `[trainer.algorithm_params.<part>]` entry
+    """The parameters of a part that takes none: any `[trainer.algorithm.params.<part>]` entry
     for it is refused at start."""
 
 
@@ -35,7 +35,7 @@ def resolve(cls: type[P], overrides: Mapping[str, Any] | None, part: str) -> P:
     if overrides and not known:
         raise ValueError(
             f"algorithm part {part!r} takes no parameters; remove "
-            f"[trainer.algorithm_params.{part}] (got {sorted(overrides)})"
+            f"[trainer.algorithm.params.{part}] (got {sorted(overrides)})"
         )
     values: dict[str, Any] = {}
     for name, value in (overrides or {}).items():

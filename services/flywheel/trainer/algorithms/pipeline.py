@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from flywheel.core import algorithm_catalog as catalog
+from flywheel.core.trainer_settings import AlgorithmSettings
 from flywheel.trainer.algorithms.advantages import (
     ADVANTAGES,
     AdvantageConfig,
@@ -118,24 +119,34 @@ def param_classes() -> dict[str, type]:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """The selected parts beyond advantage / policy loss / aggregation / correction."""
+    """The parts `[trainer.algorithm]` selects, and what they need from the step."""
 
-    advantage: str = "grpo"
-    policy_loss: str = "ppo_clip"
-    token_weights: tuple[str, ...] = ()
-    regularizers: tuple[tuple[str, float], ...] = ()
-    """(name, coefficient) of each regularizer term added to the token loss."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: groups without reward spread are dropped from the step."""
-    params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    """Per-part hyperparameter overrides (`[trainer.algorithm_params.<part>]`)."""
-    other_parts: tuple[str, ...] = ()
-    """Parts selected by other `[trainer]` settings (`loss_aggregation`, `rollout_correction`,
-    the KL estimator with kl_coef > 0, `entropy_bonus` with entropy_coef > 0, `opd` as the live
-    estimator): their parameters are checked like the others'."""
+    settings: AlgorithmSettings = field(default_factory=AlgorithmSettings)
 
-    @classmethod
-    def from_settings(cls, s: Any) -> AlgoConfig:
+    @property
+    def advantage(self) -> str:
+        return self.settings.advantage
+
+    @property
+    def params(self) -> Mapping[str, Mapping[str, Any]]:
+        """Per-part hyperparameter overrides (`[trainer.algorithm.params.<part>]`)."""
+        return self.settings.params
+
+    @property
+    def token_weights(self) -> list[str]:
+        return self.settings.token_weights
+
+    @property
+    def regularizers(self) -> list[tuple[str, float]]:
+        """(name, coefficient) of each regularizer term added to the token loss, by name."""
+        return sorted(self.settings.regularizers.items())
+
+    @property
+    def other_parts(self) -> list[str]:
+        """Parts selected by other settings (`loss_aggregation`, `rollout_correction`, the KL
+        estimator with kl_coef > 0, `entropy_bonus` with entropy_coef > 0, `opd` as the live
+        estimator): their parameters are checked like the others'."""
+        s = self.settings
         others = [s.loss_aggregation, s.rollout_correction]
         if s.kl_coef > 0:
             others.append(s.kl_estimator)
@@ -143,23 +154,13 @@ class AlgoConfig:
             others.append("entropy_bonus")
         if s.live_advantage == "opd":
             others.append("opd")
-        cfg = cls(
-            advantage=s.advantage,
-            policy_loss=s.policy_loss,
-            token_weights=tuple(s.token_weights),
-            regularizers=tuple(sorted(s.regularizers.items())),
-            dynamic_sampling=s.dynamic_sampling,
-            params={k: dict(v) for k, v in s.algorithm_params.items()},
-            other_parts=tuple(others),
-        )
-        cfg.check()
-        return cfg
+        return others
 
     def selected(self) -> list[str]:
         """Every selected part, once, in order (with `opd_plus_rl`, its `rl_advantage`)."""
         names = [
             self.advantage,
-            self.policy_loss,
+            self.settings.policy_loss,
             *self.token_weights,
             *(n for n, _ in self.regularizers),
             *self.other_parts,
@@ -184,7 +185,7 @@ class AlgoConfig:
         unselected = sorted(set(self.params) - set(selected))
         if unselected:
             raise ValueError(
-                f"[trainer.algorithm_params] names {unselected}, which are not selected; "
+                f"[trainer.algorithm.params] names {unselected}, which are not selected; "
                 f"the selected parts are {selected}"
             )
         classes = param_classes()
@@ -262,7 +263,7 @@ def estimate(
     """(N, T) advantages of rows `rows_N` of `batch` by estimator `name` (its groups renumbered
     within the rows), 0 off the loss mask, with the estimator's metrics.
 
-    `cfg` is the `StepConfig` (`std_floor`, `algo.params`); `rewards_B` (B,) replaces the
+    `cfg` is the `StepConfig` (`algorithm.std_floor`, `algo.params`); `rewards_B` (B,) replaces the
     batch's float32 rewards (prepare passes the Samples' float64 ones); `entropy_BT` (B, T) is
     given to estimators that read it.
     """
@@ -273,7 +274,9 @@ def estimate(
     if entropy_BT is not None:
         inputs = dataclasses.replace(inputs, entropy_BT=entropy_BT[rows_N])
     adv_cfg = AdvantageConfig(
-        std_floor=cfg.std_floor, params=cfg.algo.params.get(name, {}), part_params=cfg.algo.params
+        std_floor=cfg.algorithm.std_floor,
+        params=cfg.algo.params.get(name, {}),
+        part_params=cfg.algo.params,
     )
     out = ADVANTAGES[name](inputs, adv_cfg)
     mask_NT = batch.loss_mask_BT[rows_N]
@@ -352,7 +355,9 @@ def scoring_pass(model: Any, batch: Any, cfg: Any) -> Tensor:
 
     device = next(model.parameters()).device
     entropy_BT = torch.zeros(batch.loss_mask_BT.shape, dtype=torch.float32)
-    for rows_N in micro_batch_rows(batch, cfg.micro_batch_size, cfg.micro_batch_tokens, cfg.packed):
+    for rows_N in micro_batch_rows(
+        batch, cfg.batch.micro_batch_size, cfg.batch.micro_batch_tokens, cfg.packed
+    ):
         mb = batch.select(rows_N)
         if bool(mb.loss_mask_BT.any()):
             mbd = mb.to(device)
@@ -362,7 +367,7 @@ def scoring_pass(model: Any, batch: Any, cfg: Any) -> Tensor:
                 mbd.attention_mask_BT,
                 mbd.temperature_B,
                 mbd.loss_mask_BT,
-                chunk_tokens=cfg.logprob_chunk_tokens,
+                chunk_tokens=cfg.batch.logprob_chunk_tokens,
                 packed=cfg.packed,
             )
             width = lp.entropy_BT.shape[1]

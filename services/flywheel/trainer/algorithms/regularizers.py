@@ -78,7 +78,7 @@ def entropy_bonus_sampled(ctx: TokenContext, p: NoParams) -> Tensor:
 
     has E[l_t] = -H_t and E[grad l_t] = -grad H_t. PPO, "Proximal Policy Optimization Algorithms",
     Schulman et al. 2017, arXiv:1707.06347, eq. 9 (coefficient c2 ~ 0.01, set in
-    `trainer.regularizers`).
+    `trainer.algorithm.regularizers`).
     """
     logp_BT = require(ctx, "logprobs_BT", "entropy_bonus_sampled")
     return _surrogate(logp_BT, logp_BT, logp_BT)

@@ -11,12 +11,14 @@ import torch
 from torch.testing import assert_close
 
 from flywheel.core.settings import TrainerSettings, load_settings
+from flywheel.core.trainer_settings import AlgorithmSettings, OptimSettings
 from flywheel.trainer.algorithms import pipeline
-from flywheel.trainer.algorithms.losses import PPOClipConfig, normalizer_for
+from flywheel.trainer.algorithms.losses import normalizer_for
 from flywheel.trainer.algorithms.pipeline import AlgoConfig, keep_groups_with_spread, needs
 from flywheel.trainer.step import StepConfig, accumulate, build_optimizer, prepare_batch, train_step
 
 from ..factories import make_sample, tiny_model
+from ..factories import step_config as replaced
 
 RECIPES = sorted((Path(__file__).parents[4] / "recipes").glob("*.toml"))
 
@@ -41,18 +43,25 @@ def groups(rewards_per_group=((1.0, 0.0, 1.0, 0.0), (1.0, 1.0, 1.0, 1.0))):
     return out
 
 
-def step_config(**algo) -> StepConfig:
-    return StepConfig(
-        clip=PPOClipConfig(0.2, 0.28), logprob_chunk_tokens=4, algo=AlgoConfig(**algo)
+def step_config(**algorithm) -> StepConfig:
+    """The step config of `[trainer.algorithm]` fields `algorithm` (clip-higher 0.2 / 0.28),
+    with small logprob chunks."""
+    return replaced(
+        algorithm={"clip_eps_low": 0.2, "clip_eps_high": 0.28} | algorithm,
+        batch={"logprob_chunk_tokens": 4},
     )
+
+
+def algo(**algorithm) -> AlgoConfig:
+    return AlgoConfig(AlgorithmSettings(**algorithm))
 
 
 def test_needs_unions_the_declared_inputs():
     assert "entropy_BT" in needs(["high_entropy_only"])
     assert "entropy_BT" not in needs(["grpo", "uncertainty_shaping"])
-    assert AlgoConfig(token_weights=("d3s",)).needs_entropy_pass
-    assert not AlgoConfig(token_weights=("nat",)).needs_entropy_pass
-    assert AlgoConfig(advantage="zero_variance").late_advantage
+    assert algo(token_weights=["d3s"]).needs_entropy_pass
+    assert not algo(token_weights=["nat"]).needs_entropy_pass
+    assert algo(advantage="zero_variance").late_advantage
 
 
 def test_every_catalog_part_has_its_inputs_provided_by_the_step():
@@ -68,8 +77,8 @@ def test_every_catalog_part_has_its_inputs_provided_by_the_step():
 def test_a_part_whose_input_the_step_lacks_is_refused_at_start_up(monkeypatch):
     monkeypatch.setattr(pipeline, "STEP_INPUTS", pipeline.STEP_INPUTS - {"step_rewards_BT"})
     with pytest.raises(ValueError, match="step_rewards_BT"):
-        AlgoConfig(advantage="segment").check()
-    AlgoConfig(advantage="grpo").check()
+        algo(advantage="segment").check()
+    algo(advantage="grpo").check()
 
 
 @pytest.mark.parametrize(
@@ -78,18 +87,18 @@ def test_a_part_whose_input_the_step_lacks_is_refused_at_start_up(monkeypatch):
         (
             {
                 "token_weights": ["high_entropy_only"],
-                "algorithm_params": {"high_entropy_only": {"top_frac_typo": 0.1}},
+                "params": {"high_entropy_only": {"top_frac_typo": 0.1}},
             },
             "top_frac",
         ),
-        ({"advantage": "rlsd", "algorithm_params": {"rlsd": {"betta": 1.0}}}, "beta"),
-        ({"policy_loss": "cppo", "algorithm_params": {"cppo": {"budget": 1.0}}}, "prefix_budget"),
-        ({"regularizers": {"grsp": 0.1}, "algorithm_params": {"grsp": {"scale": "big"}}}, "scale"),
+        ({"advantage": "rlsd", "params": {"rlsd": {"betta": 1.0}}}, "beta"),
+        ({"policy_loss": "cppo", "params": {"cppo": {"budget": 1.0}}}, "prefix_budget"),
+        ({"regularizers": {"grsp": 0.1}, "params": {"grsp": {"scale": "big"}}}, "scale"),
     ],
 )
 def test_bad_part_parameter_is_refused_at_start_up(settings, known):
     with pytest.raises(ValueError, match=known):
-        StepConfig.from_settings(TrainerSettings(**settings))
+        StepConfig.from_settings(TrainerSettings(algorithm=settings))
 
 
 def test_dynamic_sampling_drops_groups_without_reward_spread():
@@ -117,7 +126,7 @@ def test_entropy_pass_runs_only_when_a_selected_part_needs_it(monkeypatch):
     real = pipeline.scoring_pass
     monkeypatch.setattr(pipeline, "scoring_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model(seed=1)
-    opt = build_optimizer(model, TrainerSettings(lr=1e-3))
+    opt = build_optimizer(model, OptimSettings(lr=1e-3))
     for algo, expected in [
         ({}, 0),
         ({"token_weights": ("nat",)}, 0),
@@ -134,7 +143,7 @@ def test_high_entropy_weights_use_the_policy_entropy_and_drop_80_percent():
     model = tiny_model(seed=1)
     cfg = step_config(token_weights=("high_entropy_only",))
     batch, _ = prepare_batch(groups(), cfg)
-    opt = build_optimizer(model, TrainerSettings(lr=1e-3))
+    opt = build_optimizer(model, OptimSettings(lr=1e-3))
     new, metrics = pipeline.batch_stage(model, opt, batch, cfg)
     entropy_BT = pipeline.scoring_pass(model, batch, cfg)
     tau = metrics["weight/high_entropy_only/threshold"]
@@ -149,16 +158,16 @@ def test_high_entropy_weights_use_the_policy_entropy_and_drop_80_percent():
     [
         {"token_weights": ("high_entropy_only", "balanced")},
         {"advantage": "zero_variance"},
-        {"regularizers": (("k3", 0.1), ("entropy_bonus_sampled", 0.01))},
-        {"regularizers": (("simko", 0.5), ("lp_reg", 0.5))},
+        {"regularizers": {"k3": 0.1, "entropy_bonus_sampled": 0.01}},
+        {"regularizers": {"simko": 0.5, "lp_reg": 0.5}},
     ],
 )
 def test_gradient_accumulation_equals_one_big_batch_with_algorithm_parts(algo):
     grads = []
     for micro in (8, 3):
         model = tiny_model(seed=2)
-        opt = build_optimizer(model, TrainerSettings(lr=1e-3))
-        cfg = dataclasses.replace(step_config(**algo), micro_batch_size=micro)
+        opt = build_optimizer(model, OptimSettings(lr=1e-3))
+        cfg = replaced(step_config(**algo), batch={"micro_batch_size": micro})
         batch, _ = prepare_batch(groups(), cfg)
         batch, _ = pipeline.batch_stage(model, opt, batch, cfg)
         accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
@@ -173,9 +182,7 @@ def test_zero_variance_gives_the_all_correct_group_a_signal():
     cfg = step_config(advantage="zero_variance")
     batch, _ = prepare_batch(groups(), cfg)
     assert float(batch.advantages_BT[4:].abs().sum()) == 0.0  # left to batch_stage: 0 until then
-    new, metrics = pipeline.batch_stage(
-        model, build_optimizer(model, TrainerSettings()), batch, cfg
-    )
+    new, metrics = pipeline.batch_stage(model, build_optimizer(model, OptimSettings()), batch, cfg)
     assert float(new.advantages_BT[4:].min()) >= 0.0 and float(new.advantages_BT[4:].max()) > 0
     assert metrics["adv/zvp_frac"] == pytest.approx(0.5)
 
@@ -186,7 +193,7 @@ def test_regularizer_terms_enter_the_loss():
     plain = accumulate(model, batch, step_config(), normalizer_for(batch.loss_mask_BT))
     model.zero_grad()
     reg = accumulate(
-        model, batch, step_config(regularizers=(("k1", 1.0),)), normalizer_for(batch.loss_mask_BT)
+        model, batch, step_config(regularizers={"k1": 1.0}), normalizer_for(batch.loss_mask_BT)
     )
     # k1 = logp - logp_rollout per token, token-mean aggregated
     assert reg.terms["reg"] != 0.0 and plain.terms.get("reg") is None
@@ -197,7 +204,7 @@ def test_student_topk_matches_the_full_distribution_and_only_runs_when_needed():
     model = tiny_model(seed=2)
     batch, _ = prepare_batch(groups(), step_config())
     assert pipeline.student_topk(model, batch, step_config()) is None
-    cfg = step_config(regularizers=(("lp_reg", 1.0),))
+    cfg = step_config(regularizers={"lp_reg": 1.0})
     out = pipeline.student_topk(model, batch, cfg)
     assert out.at_teacher_BTK is None  # no part reads the teacher's top-k
     top_BTK = out.topk_BTK
@@ -226,7 +233,8 @@ def test_recipes_exist():
 def test_recipe_selects_only_parts_whose_inputs_the_step_provides(recipe):
     settings = load_settings(recipe)
     t = settings.trainer
-    parts = [*AlgoConfig.from_settings(t).selected(), t.loss_aggregation, t.rollout_correction]
+    a = t.algorithm
+    parts = [*AlgoConfig(a).selected(), a.loss_aggregation, a.rollout_correction]
     inputs = needs(parts)
     assert inputs <= pipeline.STEP_INPUTS, sorted(inputs - pipeline.STEP_INPUTS)
     # inputs that only the teacher service writes need it on (top-k: with top_k > 0)
@@ -239,9 +247,9 @@ def test_recipe_selects_only_parts_whose_inputs_the_step_provides(recipe):
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_parses_builds_its_parts_and_takes_a_step(recipe):
     settings = load_settings(recipe)
-    cfg = dataclasses.replace(StepConfig.from_settings(settings.trainer), logprob_chunk_tokens=4)
+    cfg = replaced(StepConfig.from_settings(settings.trainer), batch={"logprob_chunk_tokens": 4})
     model = tiny_model(seed=0)
-    opt = build_optimizer(model, settings.trainer)
+    opt = build_optimizer(model, settings.trainer.optim)
     gs = groups()
     for i, sample in enumerate(s for g in gs for s in g):  # what the teacher service writes
         completion = len(sample.token_ids) - 3
@@ -283,14 +291,12 @@ def test_a_late_estimator_is_computed_once_where_entropy_exists(monkeypatch):
     batch, metrics = prepare_batch(groups(), cfg)
     assert calls == [] and "adv/token_mean" not in metrics  # no GRPO stand-in
     assert float(batch.advantages_BT.abs().sum()) == 0.0
-    new, metrics = pipeline.batch_stage(
-        model, build_optimizer(model, TrainerSettings()), batch, cfg
-    )
+    new, metrics = pipeline.batch_stage(model, build_optimizer(model, OptimSettings()), batch, cfg)
     assert calls == ["zero_variance"]
     # the direct estimator on the whole batch (one group per group_id) with the scored entropy
     entropy_BT = pipeline.scoring_pass(model, batch, cfg)
     inputs = dataclasses.replace(pipeline.advantage_inputs(batch), entropy_BT=entropy_BT)
-    direct = zero_variance(inputs, AdvantageConfig(std_floor=cfg.std_floor))
+    direct = zero_variance(inputs, AdvantageConfig(std_floor=cfg.algorithm.std_floor))
     assert_close(new.advantages_BT, torch.where(batch.loss_mask_BT, direct.advantages_BT, 0.0))
     assert "adv/token_mean" in metrics and metrics["adv/zvp_frac"] == pytest.approx(0.5)
 
@@ -300,7 +306,7 @@ def test_grpo_is_computed_once_per_step(monkeypatch):
     model = tiny_model(seed=1)
     cfg = step_config(token_weights=("high_entropy_only",))  # batch_stage runs its pass
     batch, _ = prepare_batch(groups(), cfg)
-    result = train_step(model, build_optimizer(model, TrainerSettings()), batch, cfg)
+    result = train_step(model, build_optimizer(model, OptimSettings()), batch, cfg)
     assert result.skipped == "" and calls == ["grpo"]
 
 
@@ -322,7 +328,9 @@ def test_the_entropy_pass_cuts_the_training_passs_micro_batches(monkeypatch, pac
     cfg = step_config(token_weights=("high_entropy_only",))
     batch, _ = prepare_batch(groups(), cfg)  # 8 rows of 6..8 tokens (3 prompt + 3..5)
     whole = pipeline.scoring_pass(model, batch, cfg)
-    budget = dataclasses.replace(cfg, micro_batch_tokens=16, packed=packed)
+    budget = replaced(
+        cfg, batch={"micro_batch_tokens": 16, "layout": "packed" if packed else "padded"}
+    )
     monkeypatch.setattr(logprobs, "selected_token_logprobs", spy)
     entropy_BT = pipeline.scoring_pass(model, batch, budget)
     # padded: rows x longest <= 16 (at most 2 rows of 8); packed: real tokens <= 16

@@ -5,33 +5,32 @@ ids)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from flywheel.core.settings import TrainerSettings
+from flywheel.core.trainer_settings import AlgorithmSettings, OptimSettings
 from flywheel.trainer.algorithms import pipeline
-from flywheel.trainer.algorithms.losses import PPOClipConfig, normalizer_for
+from flywheel.trainer.algorithms.losses import normalizer_for
 from flywheel.trainer.algorithms.pipeline import AlgoConfig
 from flywheel.trainer.batch import TOPK_ABSENT
 from flywheel.trainer.logprobs import selected_token_logprobs
 from flywheel.trainer.step import StepConfig, accumulate, build_optimizer, prepare_batch, train_step
 
 from ..factories import make_sample, tiny_model
+from ..factories import step_config as replaced
 from .test_step_inputs import two_turn_sample
 
 S = 1 / math.sqrt(2)
 """GRPO advantage of a two-member group with rewards [1, 0]: (1 - 0.5) / std, std = 0.7071."""
 
 
-def step_config(advantage: str = "grpo", **algo) -> StepConfig:
-    return StepConfig(
-        clip=PPOClipConfig(0.2, 0.28),
-        logprob_chunk_tokens=4,
-        algo=AlgoConfig(advantage=advantage, **algo),
+def step_config(advantage: str = "grpo", **algorithm) -> StepConfig:
+    return replaced(
+        algorithm={"advantage": advantage, "clip_eps_low": 0.2, "clip_eps_high": 0.28} | algorithm,
+        batch={"logprob_chunk_tokens": 4},
     )
 
 
@@ -103,7 +102,7 @@ def topk_samples():
 
 def test_student_is_gathered_at_the_teacher_ids_from_the_same_logits():
     model = tiny_model(seed=3)
-    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    cfg = step_config(regularizers={"distill_topk": 1.0})
     batch, _ = prepare_batch(topk_samples(), cfg)
     out = pipeline.student_topk(model, batch, cfg)
     assert out.topk_BTK is None  # SimKO / Lp-Reg not selected: no own top-k
@@ -122,7 +121,7 @@ def test_distill_topk_term_through_the_step_matches_the_binned_kl():
     # position 4; term = sum pi (log pi - log q). 0 on the sample without a teacher and on the
     # prompt.
     model = tiny_model(seed=3)
-    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    cfg = step_config(regularizers={"distill_topk": 1.0})
     batch, _ = prepare_batch(topk_samples(), cfg)
     lp = selected_token_logprobs(
         model,
@@ -148,9 +147,9 @@ def test_distill_topk_term_through_the_step_matches_the_binned_kl():
 
 def test_distill_topk_train_step_moves_the_student_toward_the_teacher():
     # all rewards equal: GRPO advantages are 0, so the only gradient is the distillation term
-    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    cfg = step_config(regularizers={"distill_topk": 1.0})
     model = tiny_model(seed=3)
-    opt = build_optimizer(model, TrainerSettings(lr=3e-2))
+    opt = build_optimizer(model, OptimSettings(lr=3e-2))
     batch, _ = prepare_batch(topk_samples(), cfg)
 
     def kl() -> float:
@@ -178,8 +177,8 @@ def test_distill_topk_gradient_accumulation_equals_one_big_batch():
     grads = []
     for micro in (8, 1):
         model = tiny_model(seed=2)
-        cfg = dataclasses.replace(
-            step_config(regularizers=(("distill_topk", 1.0),)), micro_batch_size=micro
+        cfg = replaced(
+            step_config(regularizers={"distill_topk": 1.0}), batch={"micro_batch_size": micro}
         )
         batch, _ = prepare_batch(topk_samples(), cfg)
         accumulate(model, batch, cfg, normalizer_for(batch.loss_mask_BT))
@@ -192,23 +191,23 @@ def test_distill_topk_gradient_accumulation_equals_one_big_batch():
 def test_the_full_vocabulary_pass_runs_for_either_top_k_input():
     # `needs_topk` (what the step checks, e.g. to refuse parts with their own forward under
     # fsdp2) covers distill_topk too; the pass computes only what is read
-    topk = AlgoConfig(regularizers=(("distill_topk", 1.0),))
-    own = AlgoConfig(regularizers=(("lp_reg", 1.0),))
+    topk = AlgoConfig(AlgorithmSettings(regularizers={"distill_topk": 1.0}))
+    own = AlgoConfig(AlgorithmSettings(regularizers={"lp_reg": 1.0}))
     assert topk.needs_topk and topk.needs_teacher_topk and not topk.needs_own_topk
     assert own.needs_topk and own.needs_own_topk and not own.needs_teacher_topk
-    assert not AlgoConfig(regularizers=(("k3", 1.0),)).needs_topk
+    assert not AlgoConfig(AlgorithmSettings(regularizers={"k3": 1.0})).needs_topk
 
 
 def test_distill_topk_without_any_teacher_top_k_adds_exactly_zero():
     # no sample carries a top-k: K = 0, every position falls in the tail bin on both sides
     # (q_tail = pi_tail = 1), so KL = 1 * (log 1 - log 1) = 0 and the step still commits
-    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    cfg = step_config(regularizers={"distill_topk": 1.0})
     model = tiny_model(seed=3)
     batch, _ = prepare_batch(
         [[make_sample(reward=r, seed=i) for i, r in enumerate([1.0, 0.0])]], cfg
     )
     assert batch.teacher_topk_logprobs_BTK.shape[-1] == 0
-    result = train_step(model, build_optimizer(model, TrainerSettings()), batch, cfg)
+    result = train_step(model, build_optimizer(model, OptimSettings()), batch, cfg)
     assert result.skipped == "" and result.metrics["loss/reg"] == 0.0
 
 
@@ -218,7 +217,7 @@ def test_teacher_ids_outside_the_student_vocabulary_are_left_out():
     samples = topk_samples()
     samples[0][0].teacher_topk_ids[3 * 3 + 1] = 10_000  # position 3, slot 1
     model = tiny_model(seed=3)
-    cfg = step_config(regularizers=(("distill_topk", 1.0),))
+    cfg = step_config(regularizers={"distill_topk": 1.0})
     batch, _ = prepare_batch(samples, cfg)
     out = pipeline.student_topk(model, batch, cfg)
     assert float(out.at_teacher_BTK.detach()[0, 3, 1]) < TOPK_ABSENT / 2  # absent (float32)

@@ -1,6 +1,6 @@
 """Gateway overhead in front of an instant stub engine, side by side in one run.
 
-    .venv/bin/python bench/gateway.py [--requests 300] [--rounds 2]
+    .venv/bin/python bench/gateway.py [--requests 300] [--rounds 2] [--compare-rev REV]
 
 Targets, each a real process on loopback, all answering the same chat request:
 - direct: the stub engine itself (bench/peers/stub_upstream.py), the floor;
@@ -22,6 +22,11 @@ over `direct` (p50/p99, ms), and the CPU time the target's own processes spend p
 same for all and excluded), read from /proc. Ratios compare the gateway with the proxy (target:
 gateway-recorded within 1.5x of the proxy's overhead). On a loaded shared machine wall-clock
 latencies swing by several x between cells; CPU per request is the steadier overhead measure.
+
+`--compare-rev REV` also runs the gateway of git revision REV (its `services/` tree exported to
+a temporary folder, same settings, same Redis and stub): target gateway-recorded-B, printed as
+the ratio of this tree's recorded CPU per request to REV's. `--targets` limits the run to some
+targets (e.g. `--targets gateway-recorded,gateway-recorded-B`).
 """
 
 from __future__ import annotations
@@ -98,7 +103,9 @@ def _gateway(
     stub: str,
     tokenizer: Path,
     extra: dict[str, object],
+    source: Path | None = None,
 ) -> tuple[str, subprocess.Popen]:
+    """Start a gateway (from `source`, another checkout's `services/` folder, when given)."""
     from flywheel.core.redis_server import free_port  # noqa: PLC0415
 
     port = free_port()
@@ -111,6 +118,8 @@ def _gateway(
     }
     (work / f"{name}.json").write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    if source is not None:  # first on the path: its flywheel package, not this tree's
+        env["PYTHONPATH"] = str(source)
     proc = _start(
         procs,
         work,
@@ -124,10 +133,14 @@ def _gateway(
 
 
 def start(
-    procs: list[subprocess.Popen], work: Path, ab: dict[str, object] | None = None
+    procs: list[subprocess.Popen],
+    work: Path,
+    ab: dict[str, object] | None = None,
+    source_b: Path | None = None,
 ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
-    """Start the stub, the proxy, Redis and the gateway (and with `ab`, a second gateway with
-    those gateway settings, targets "gateway-B" and "gateway-recorded-B").
+    """Start the stub, the proxy, Redis and the gateway (and with `ab` or `source_b`, a second
+    gateway with those gateway settings, from that `services/` folder: targets "gateway-B"
+    and "gateway-recorded-B").
 
     Returns:
         (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
@@ -172,8 +185,10 @@ def start(
         "responses": [proc.pid, redis.proc.pid],  # a stored response is one Redis SET
         "responses-recorded": [proc.pid, redis.proc.pid],
     }
-    if ab is not None:
-        urls["gateway-B"], proc = _gateway(procs, work, "gateway-b", redis.url, stub, tokenizer, ab)
+    if ab is not None or source_b is not None:
+        urls["gateway-B"], proc = _gateway(
+            procs, work, "gateway-b", redis.url, stub, tokenizer, ab or {}, source_b
+        )
         urls["gateway-recorded-B"] = urls["gateway-B"]
         pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
     return urls, redis, pids
@@ -227,20 +242,49 @@ def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
     return b if a is None or b["rps"] > a["rps"] else a
 
 
-def report(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+def export_rev(rev: str, work: Path) -> Path:
+    """The `services/` folder of git revision `rev`, exported under `work`.
+
+    Raises:
+        subprocess.CalledProcessError: `rev` is not a revision of this repository.
+    """
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "services"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout
+    out = work / "rev"
+    out.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out / "services"
+
+
+def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> list[str]:
     lines = [
         f"{'target':<17}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
         f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'errors':>8}"
     ]
     for c in LEVELS:
-        floor = results[("direct", c)]
         for t in TARGETS:
             r = results[(t, c)]
+            floor = results.get(("direct", c), r)
             lines.append(
                 f"{t:<17}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
                 f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
                 f"{r['cpu_ms']:>11.2f}{r['errors']:>8.0f}"
             )
+    if rev:
+        lines.append("")
+        lines.append(f"this tree / {rev} (recorded, cpu per request; target <= 1.0):")
+        for c in LEVELS:
+            a, b = results[("gateway-recorded", c)], results[("gateway-recorded-B", c)]
+            lines.append(
+                f"  concurrency {c:>2}: {a['cpu_ms']:.2f} / {b['cpu_ms']:.2f} ms = "
+                f"x{a['cpu_ms'] / b['cpu_ms']:.2f}; req/s x{a['rps'] / b['rps']:.2f}"
+            )
+    if not {"direct", "proxy", "proxy-httpx", "gateway", "responses"} <= set(TARGETS):
+        return lines
     lines.append("")
     lines.append("gateway / pass-through proxy (overhead ratios; target <= 1.5):")
 
@@ -310,23 +354,41 @@ def main(argv: list[str] | None = None) -> int:
         "record_cache_mb=0): target gateway-recorded-B, compared "
         "side by side with gateway-recorded",
     )
+    parser.add_argument(
+        "--compare-rev",
+        metavar="REV",
+        default="",
+        help="also run the gateway of this git revision: target gateway-recorded-B, its "
+        "recorded CPU per request compared with this tree's",
+    )
+    parser.add_argument(
+        "--targets", default="", help="comma-separated targets to run (default: all)"
+    )
     args = parser.parse_args(argv)
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
-    if ab is not None:
+    if ab is not None or args.compare_rev:
         TARGETS.append("gateway-recorded-B")
+    if args.targets:
+        wanted = args.targets.split(",")
+        unknown = set(wanted) - set(TARGETS)
+        if unknown:
+            parser.error(f"unknown targets {sorted(unknown)}; known: {TARGETS}")
+        TARGETS[:] = [t for t in TARGETS if t in wanted]
     procs: list[subprocess.Popen] = []
     redis = None
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-gw-") as tmp:
         try:
-            urls, redis, pids = start(procs, Path(tmp), ab)
+            source_b = export_rev(args.compare_rev, Path(tmp)) if args.compare_rev else None
+            urls, redis, pids = start(procs, Path(tmp), ab, source_b)
             load = os.getloadavg()[0]
             results = asyncio.run(measure(urls, pids, args.requests, args.rounds))
             print(
                 f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
                 f"{args.requests} requests per cell, best of {args.rounds} rounds"
                 + (f"; gateway-recorded-B: {ab}" if ab else "")
+                + (f"; gateway-recorded-B: {args.compare_rev}" if args.compare_rev else "")
             )
-            print("\n".join(report(results)))
+            print("\n".join(report(results, args.compare_rev)))
         finally:
             for proc in procs:
                 if proc.poll() is None:

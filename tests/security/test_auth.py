@@ -6,7 +6,7 @@ import pytest
 from fastapi import Depends
 
 from flywheel.core.auth import KeyStore, hash_key
-from flywheel.gateway.access.security import require_role
+from flywheel.gateway.access.principal import require_role
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

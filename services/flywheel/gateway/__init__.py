@@ -43,8 +43,8 @@ Samples (proto/flywheel/v1/sample.proto) published to the rollouts stream:
   request that sends the chosen one back in live mode and at the finish in episode mode.
 
 Per token: `weight_versions` from the engine's `weight_versions` spans when an update landed
-during the request. A generation the engine returned past a stop is cut at the stop (engines/stops.py);
-one it aborted is asked again once and never recorded (engines/pool.py).
+during the request. A generation the engine returned past a stop is cut at the stop
+(engines/stops.py); one it aborted is asked again once and never recorded (engines/pool.py).
 
 Delivery: a request's Samples are added to the stream by the same Redis script that saves the
 session record and releases its lock (session/store.py), so a failed request or a gateway killed

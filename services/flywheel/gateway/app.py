@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flywheel.core import http_errors
+from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.access.security import install as install_security
-from flywheel.gateway.access.security import owner_of
 from flywheel.gateway.api import chat, completions, messages, responses
 from flywheel.gateway.api.completions import CompletionRequest
 from flywheel.gateway.api.disconnect import unless_disconnected

@@ -42,7 +42,7 @@ from flywheel.core.errors import ContractError
 from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
 from flywheel.core.stream_stats import StreamStatsCollector, stream_stats
 from flywheel.core.streams import FIELD
-from flywheel.gateway.access.security import require_role
+from flywheel.gateway.access.principal import require_role
 
 log = logging.getLogger(__name__)
 

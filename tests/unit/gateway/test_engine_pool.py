@@ -9,7 +9,8 @@ from aiohttp import web
 
 from flywheel.core.errors import UpstreamError
 from flywheel.gateway.engines import pool as engine_pool
-from flywheel.gateway.engines.pool import ENGINE_ABORTS, ENGINE_UP, EnginePool
+from flywheel.gateway.engines.generation import ENGINE_ABORTS
+from flywheel.gateway.engines.pool import ENGINE_UP, EnginePool
 
 GENERATE = {
     "text": "8",

@@ -9,11 +9,17 @@ from prometheus_client import REGISTRY
 
 from flywheel.core.errors import UpstreamError
 from flywheel.gateway.engines.generation import Generation, parse_generation
-from flywheel.gateway.recording.history import FORKS, prepare_prompt, record_generation
+from flywheel.gateway.recording.history import FORKS, prepare_prompt, record_reply, sampled_reply
 from flywheel.gateway.recording.records import SessionRecord
 from flywheel.gateway.render.tokenization import ChatRenderer
 
 from .harness import gateway_app
+
+
+def _record(record, gen, sampling, reply):
+    """Record `gen` as the session's next turn, as a turn does (one SampledReply)."""
+    record_reply(record, sampled_reply(gen, reply), sampling)
+
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 16}
 EOS = 2  # <|im_end|> of the SmolLM2 tokenizer
@@ -82,7 +88,7 @@ def _gen(ids, text, finish="stop", matched=EOS, version=1):
 def _turn(record, renderer, messages, ids, text, tools=None):
     prompt, closed = prepare_prompt(record, renderer, messages, tools)
     reply = {"role": "assistant", "content": text}
-    record_generation(record, _gen(ids, text), SAMPLING, reply)
+    _record(record, _gen(ids, text), SAMPLING, reply)
     return prompt, closed, reply
 
 
@@ -151,7 +157,7 @@ def test_bug02_template_dropping_reasoning_forks_instead_of_splicing(qwen_like, 
     sampled_text = f"<think>\n{reasoning}\n</think>\n\nI am good!"
     sampled = qwen_like.encode(sampled_text) + [EOS]
     prompt1, _ = prepare_prompt(record, qwen_like, msgs[:1], None)
-    record_generation(
+    _record(
         record, _gen(sampled, sampled_text), SAMPLING, {"role": "assistant", "content": content}
     )
     prompt2, closed = prepare_prompt(record, qwen_like, msgs, None)
@@ -186,7 +192,7 @@ def test_bug04_parallel_tool_results_are_one_observation(qwen_like):
         len(qwen_like.render([user])) :
     ]
     sampled = qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS]
-    record_generation(record, _gen(sampled, said), SAMPLING, reply)
+    _record(record, _gen(sampled, said), SAMPLING, reply)
     prompt2, closed = prepare_prompt(record, qwen_like, [user, reply, *tools], None)
     assert closed is None
     observation = prompt2[len(prompt1) + len(sampled) :]
@@ -448,7 +454,7 @@ def test_bug30_request_field_policy(app, renderer):
     penalty = post(presence_penalty=0.5)
     assert penalty.status_code == 400 and penalty.json()["error"]["param"] == "presence_penalty"
     assert post(presence_penalty=0, frequency_penalty=0.0, logit_bias={}).status_code == 200
-    fmt = post(response_format={"type": "json_object"})
+    fmt = post(response_format={"type": "xml"})
     assert fmt.status_code == 400 and fmt.json()["error"]["param"] == "response_format"
     tops = post(top_logprobs=3)  # (f) alternatives asked for without logprobs: not dropped
     assert tops.status_code == 400 and "needs logprobs: true" in tops.json()["error"]["message"]
@@ -485,7 +491,7 @@ def test_reformatted_arguments_fork_when_the_template_renders_them_raw(qwen_like
     said = qwen_like.render([user, reply], add_generation_prompt=False)[
         len(qwen_like.render([user])) :
     ]
-    record_generation(
+    _record(
         record,
         _gen(qwen_like.encode(said.removesuffix("<|im_end|>\n")) + [EOS], said),
         SAMPLING,
@@ -554,15 +560,21 @@ def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, rendere
 
 
 def test_bug19_n_choices_keep_their_per_token_versions():
-    from flywheel.gateway.recording.history import as_generation, candidate, candidate_segment
+    from flywheel.gateway.recording.history import candidate_segment  # noqa: PLC0415
 
     spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
     gen = parse_generation(_straddling_body([10, 11, EOS], spans), {EOS})
-    kept = candidate(gen, {"role": "assistant", "content": "x"})
-    assert as_generation(kept).token_versions() == [3, 4, 4]
+    kept = sampled_reply(gen, {"role": "assistant", "content": "x"})
+    assert kept.token_versions() == [3, 4, 4]
+    # kept as the record stores a choice, and read back: the versions survive
+    kept = SessionRecord.model_validate_json(
+        SessionRecord(session_id="s", candidates=[kept]).model_dump_json()
+    ).candidates[0]
     record = SessionRecord(session_id="s", mode="live")
     seg = candidate_segment(record.segment, kept)
     assert seg.versions[-3:] == [3, 4, 4]
+    record_reply(record, kept, SAMPLING)  # the choice the client continued with
+    assert record.segment.versions[-3:] == [3, 4, 4]
 
 
 @pytest.mark.parametrize(

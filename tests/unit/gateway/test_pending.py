@@ -1,18 +1,16 @@
-"""A live turn waiting for its next state is kept without the conversation it shares with its
-segment (pending.py): the record of a long live session stays small, the Sample published is
-the turn's whole Sample, and one stored whole by an earlier version still publishes (real
-Redis and tokenizer, scripted engine)."""
+"""A live turn waiting for its next state is kept as a typed `PendingTurn`, without the
+conversation it shares with its segment: the record of a long live session stays small, and the
+Sample built from it once, at publish, is the turn's whole Sample (real Redis and tokenizer,
+scripted engine)."""
 
 from __future__ import annotations
 
-import base64
 import json
 
 import pytest
 
-from flywheel.core.codec import encode_sample
-from flywheel.gateway.recording.records import Segment
-from flywheel.gateway.session import pending
+from flywheel.gateway.recording.records import PendingTurn, Segment, SessionRecord
+from flywheel.gateway.recording.sample import build_sample, turn_sample
 
 from .harness import gateway_app
 from .test_live import ScriptEngine, renderer  # noqa: F401  (the module's fixture)
@@ -37,8 +35,9 @@ def test_a_long_live_session_keeps_a_small_pending_turn_and_publishes_whole_samp
     for i in range(10):
         messages.append({"role": "user", "content": f"result {i}: " + "data line " * 60})
         messages.append(_chat(client, "live", messages))
-        sizes.append(len(json.loads(redis_client.get(f"{prefix}:session:live"))["pending"]))
-    # the 10th turn's waiting Sample is stored as small as the 2nd's (ids, seed, sampling...)
+        stored = json.loads(redis_client.get(f"{prefix}:session:live"))["pending"]
+        sizes.append(len(json.dumps(stored)))
+    # the 10th turn's waiting turn is stored as small as the 2nd's (its place, sampling...)
     assert sizes[-1] < 1.2 * sizes[1] and sizes[-1] < 600, sizes
     published = samples()
     assert [s.turn_index for s in published] == list(range(9))  # the 10th waits
@@ -55,7 +54,7 @@ def test_a_long_live_session_keeps_a_small_pending_turn_and_publishes_whole_samp
         assert json.loads(sample.next_state.content_json) == messages[2 * i + 2]["content"]
 
 
-def test_a_pending_turn_stored_whole_by_an_earlier_version_still_publishes(
+def test_a_waiting_turn_publishes_the_sample_of_its_segment_cut_at_the_turn(
     redis_client, prefix, renderer
 ):  # noqa: F811
     engine = ScriptEngine(renderer, ["Paris.", "Lyon."])
@@ -63,19 +62,51 @@ def test_a_pending_turn_stored_whole_by_an_earlier_version_still_publishes(
     u1 = {"role": "user", "content": "Capital of France?"}
     r0 = _chat(client, "s", [u1])
     record = deps.sessions.get("s")
-    whole = pending.restore(record.pending, record.segment)
+    turn = record.pending
+    assert (turn.checkpoint, turn.turn_index, turn.choice) == (0, 0, None)
+    # the same Sample, built from the whole segment as it was right after the turn
+    expected = build_sample(
+        record,
+        record.segment.upto(0),
+        turn_only=True,
+        sample_key="turn/0",
+        turn_index=0,
+        created_at=turn.created_at,  # when the turn was sampled, not when it was published
+    )
+    u2 = {"role": "user", "content": "And of Italy?"}
+    _chat(client, "s", [u1, r0, u2])
+    (turn0,) = samples()
+    assert json.loads(turn0.next_state.content_json) == u2["content"]
+    turn0.ClearField("next_state")
+    assert turn0 == expected
+
+
+def test_a_record_with_a_pending_turn_of_the_earlier_string_form_is_refused(
+    redis_client, prefix, renderer
+):  # noqa: F811
+    """docs/sessions.md: records written by earlier versions are not read; nothing is
+    published from such a record and it stays as it was."""
+    engine = ScriptEngine(renderer, ["Paris.", "Lyon."])
+    client, deps, samples = gateway_app(redis_client, prefix, renderer, engine)
+    u1 = {"role": "user", "content": "Capital of France?"}
+    r0 = _chat(client, "s", [u1])
     key = f"{prefix}:session:s"
     head = json.loads(redis_client.get(key))
-    head["pending"] = base64.b64encode(encode_sample(whole)).decode()  # the old form
+    head["pending"] = "0:12:CgJpZA=="  # "<checkpoint>:<start>:<base64 Sample>"
     head["rev"] = "0" * 32  # not what the gateway holds: it reads this record
     redis_client.set(key, json.dumps(head))
-    _chat(client, "s", [u1, r0, {"role": "user", "content": "And of Italy?"}])
-    (turn0,) = samples()
-    turn0.ClearField("next_state")
-    assert turn0 == whole
+    with pytest.raises(ValueError, match="pending"):
+        client.post(
+            "/v1/chat/completions",
+            headers={"X-Session-Id": "s"},
+            json={"model": "m", "messages": [u1, r0, {"role": "user", "content": "More?"}]},
+        )
+    assert samples() == []
+    assert json.loads(redis_client.get(key))["pending"] == "0:12:CgJpZA=="
+    assert not redis_client.exists(f"{prefix}:session-lock:s")  # the lock was released
 
 
-def test_a_pending_turn_is_restored_only_from_a_segment_holding_its_turn():
+def test_a_pending_turn_is_built_only_from_a_segment_holding_its_turn():
     seg = Segment()
     seg.append([1, 2, 3], sampled=False)
     seg.append([4, 5], sampled=True, logprobs=[-0.5, -0.25], versions=[7, 7])
@@ -83,13 +114,15 @@ def test_a_pending_turn_is_restored_only_from_a_segment_holding_its_turn():
     seg.messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     seg.turns = 1
     seg.mark_turn()
-    stored = f"0:3:{base64.b64encode(b'').decode()}"
-    sample = pending.restore(stored, seg)
+    record = SessionRecord(session_id="s", mode="live")
+    turn = PendingTurn(checkpoint=0, start=3, turn_index=0, rewards={"env": 0.5})
+    sample = turn_sample(record, seg, turn)
     assert list(sample.token_ids) == [1, 2, 3, 4, 5]
     assert list(sample.loss_mask) == [0, 0, 0, 1, 1]
     assert list(sample.rollout_logprobs) == [0.0, 0.0, 0.0, -0.5, -0.25]
     assert list(sample.weight_versions) == [-1, -1, -1, 7, 7]
+    assert (sample.prompt_length, dict(sample.rewards)) == (3, {"env": 0.5})
     seg.append([6], sampled=False)  # the next request's template ids: the turn is unchanged
-    assert pending.restore(stored, seg) == sample
+    assert turn_sample(record, seg, turn) == sample
     with pytest.raises(ValueError, match="checkpoint 0 of a segment with 0 checkpoints"):
-        pending.restore(stored, Segment())
+        turn_sample(record, Segment(), turn)

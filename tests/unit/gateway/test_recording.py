@@ -6,10 +6,16 @@ import pytest
 
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.gateway.engines.generation import Generation
-from flywheel.gateway.recording.history import prepare_prompt, record_generation
+from flywheel.gateway.recording.history import prepare_prompt, record_reply, sampled_reply
 from flywheel.gateway.recording.records import SessionRecord
 from flywheel.gateway.recording.sample import build_sample
 from flywheel.gateway.render.tokenization import ChatRenderer
+
+
+def _record(record, gen, sampling, reply):
+    """Record `gen` as the session's next turn, as a turn does (one SampledReply)."""
+    record_reply(record, sampled_reply(gen, reply), sampling)
+
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 16}
 
@@ -51,7 +57,7 @@ def test_second_turn_keeps_sampled_ids_exactly(renderer):
     # Sampled ids that a re-tokenization of the text would NOT produce: " 8" split oddly.
     odd_ids = renderer.encode(" ") + renderer.encode("8") + [2]
     gen = _gen(renderer, " 8", ids=odd_ids)
-    record_generation(record, gen, SAMPLING, {"role": "assistant", "content": " 8"})
+    _record(record, gen, SAMPLING, {"role": "assistant", "content": " 8"})
     m2 = [*m1, {"role": "assistant", "content": " 8"}, {"role": "user", "content": "And 2+2?"}]
     prompt2, closed = prepare_prompt(record, renderer, m2, None)
     assert closed is None
@@ -71,9 +77,7 @@ def test_edited_history_forks_a_new_segment(renderer):
     record = SessionRecord(session_id="s")
     m1 = [{"role": "user", "content": "Hi"}]
     prepare_prompt(record, renderer, m1, None)
-    record_generation(
-        record, _gen(renderer, "Hello"), SAMPLING, {"role": "assistant", "content": "Hello"}
-    )
+    _record(record, _gen(renderer, "Hello"), SAMPLING, {"role": "assistant", "content": "Hello"})
     edited = [*m1, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "x"}]
     prompt, closed = prepare_prompt(record, renderer, edited, None)
     assert closed is not None and closed.index == 0 and closed.sampled_tokens > 0
@@ -86,7 +90,7 @@ def test_sample_from_segment_satisfies_invariants(renderer):
     m1 = [{"role": "user", "content": "What is 7 + 1?"}]
     prompt, _ = prepare_prompt(record, renderer, m1, None)
     gen = _gen(renderer, "8")
-    record_generation(record, gen, SAMPLING, {"role": "assistant", "content": "8"})
+    _record(record, gen, SAMPLING, {"role": "assistant", "content": "8"})
     sample = decode_sample(encode_sample(build_sample(record, record.segment, reward=1.0)))
     assert list(sample.token_ids) == prompt + gen.output_ids
     assert sum(sample.loss_mask) == len(gen.output_ids)
@@ -130,9 +134,7 @@ def test_reserialized_tool_arguments_still_extend_the_segment(renderer):
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     }
-    record_generation(
-        record, gen, SAMPLING, {"role": "assistant", "content": None, "tool_calls": [call]}
-    )
+    _record(record, gen, SAMPLING, {"role": "assistant", "content": None, "tool_calls": [call]})
     compact = {**call, "function": {**call["function"], "arguments": '{"city":"Paris"}'}}
     m2 = [
         *m1,

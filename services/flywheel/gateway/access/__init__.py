@@ -1,3 +1,4 @@
-"""Access: API keys and roles (security.py, the middleware), key routes (keys.py) and rate and
-concurrency limits (limits.py).
+"""Access: API keys and roles (security.py, the middleware), who sent a request and the role
+checks of routes (principal.py), key routes (keys.py) and rate and concurrency limits
+(limits.py).
 """

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from flywheel.core.auth import KeyStore
-from flywheel.gateway.access.security import principal, require_role
+from flywheel.gateway.access.principal import principal, require_role
 from flywheel.gateway.session.owner import check_request_owner
 from flywheel.gateway.session.store import SessionStore
 

@@ -28,14 +28,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from prometheus_client import Counter
 
-from flywheel.core.auth import KeyRecord, KeyStore, Role, hash_key
+from flywheel.core.auth import KeyRecord, KeyStore, hash_key
 from flywheel.core.errors import (
     AuthenticationError,
     BackpressureError,
@@ -46,7 +45,9 @@ from flywheel.core.errors import (
 )
 from flywheel.core.http_errors import error_body, redis_unavailable
 from flywheel.core.settings import SecuritySettings, is_loopback
+from flywheel.gateway.access.keys import router as key_routes
 from flywheel.gateway.access.limits import Lease, RedisLimiter
+from flywheel.gateway.access.principal import ANONYMOUS, LOCAL_ADMIN, Principal
 from flywheel.gateway.session.owner import REQUEST_OWNER
 from flywheel.gateway.session.store import SessionStore
 
@@ -67,68 +68,6 @@ JSON_BODY = "json_body"
 ASGIApp = Callable[
     [dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]
 ]
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who sent a request. `key_id` "" = the local admin (authentication off)."""
-
-    key_id: str
-    role: Role
-    session_id: str = ""
-    """For session keys: the only session this principal may use."""
-    limit_id: str = "local"
-    """Identity rate and concurrency limits count against."""
-
-    @classmethod
-    def of(cls, record: KeyRecord) -> Principal:
-        return cls(record.key_id, record.role, record.session_id, record.limit_id)
-
-
-LOCAL_ADMIN = Principal(key_id="", role="admin")
-ANONYMOUS = Principal(key_id="anonymous", role="agent", limit_id="anonymous")
-"""Who calls a public path (and `/metrics` when it does not need an admin key) without a key."""
-
-
-def principal(request: Request) -> Principal:
-    """The authenticated principal of a request (set by the middleware).
-
-    Raises:
-        AuthenticationError: the security middleware is not installed on this app.
-    """
-    found = request.scope.get("state", {}).get("principal")
-    if found is None:
-        raise AuthenticationError("no authenticated principal on this request")
-    return found
-
-
-def owner_of(request: Request) -> str:
-    """The owner id a session created by this request gets ("" when authentication is off)."""
-    return principal(request).key_id
-
-
-def require_role(*roles: Role) -> Callable[[Request], Awaitable[Principal]]:
-    """A FastAPI dependency allowing only `roles` (admin is always allowed).
-
-    Usage: `@router.get("/dashboard", dependencies=[Depends(require_role("admin"))])`, or
-    `who: Annotated[Principal, Depends(require_role("agent"))]`.
-
-    Raises (from the dependency):
-        AuthenticationError: no principal (middleware not installed).
-        PermissionDeniedError: the key's role is not allowed.
-    """
-    allowed = set(roles) | {"admin"}
-
-    async def dependency(request: Request) -> Principal:
-        who = principal(request)
-        if who.role not in allowed:
-            raise PermissionDeniedError(
-                f"this endpoint needs a key with role {' or '.join(sorted(allowed))}; "
-                f"yours has role {who.role}"
-            )
-        return who
-
-    return dependency
 
 
 class TooLargeError(PlatformError, ValueError):
@@ -532,11 +471,9 @@ async def _send_error(send: Callable, exc: PlatformError) -> None:
 def install(app: FastAPI, deps: Any) -> None:
     """Add the security middleware and key routes to the gateway app built from `deps`
     (a GatewayDeps: `settings` with `.security` and `.host`, `sessions` a SessionStore)."""
-    from flywheel.gateway.access.keys import router  # noqa: PLC0415  (its routes use this module)
-
     store = KeyStore(deps.sessions.client, deps.sessions.prefix)
     app.state.key_store = store
-    app.include_router(router)
+    app.include_router(key_routes)
     app.add_middleware(
         SecurityMiddleware,
         keys=store,

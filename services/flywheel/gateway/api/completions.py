@@ -24,15 +24,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.schemas import StreamOptionsNeedStream, sglang_sampling
 from flywheel.gateway.engines import calls
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.recording.history import count_fork, sampling_changed, set_sampling
-from flywheel.gateway.recording.records import Segment, SessionRecord
-from flywheel.gateway.recording.sample import build_sample
+from flywheel.gateway.recording.records import PendingTurn, Segment, SegmentSample, SessionRecord
 from flywheel.gateway.session import branches, turns
 from flywheel.gateway.session.locks import locked
 
@@ -167,12 +165,12 @@ async def _session_completion(
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
             raise turns.finished_error(record)
-        out = []
+        out: list[turns.Due] = []
         if record.mode == "live":
             out += _select_branch(d, record, prompt)
         closed = await asyncio.to_thread(_extend, d, record, prompt, sampling)
         if closed is not None and record.mode == "episode":
-            out.append(build_sample(record, closed))
+            out.append(SegmentSample(segment=closed))
         seg = record.segment
         calls.check_context(d, seg.token_ids, sampling, param="prompt")
         turns.check_held(d, record, len(out))
@@ -221,20 +219,20 @@ def _continues(prompt: str | list[int]) -> Callable[[Segment, int], bool]:
 
 def _select_branch(
     d: GatewayDeps, record: SessionRecord, prompt: str | list[int]
-) -> list[sample_pb2.Sample]:
+) -> list[turns.Due]:
     """Live mode: continue the branch the prompt extends; the text after a waiting turn's
     recorded text (or ids) is that turn's next state, as a user message."""
 
-    def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
+    def emit(turn: PendingTurn, seg: Segment, follows: bool) -> list[turns.Due]:
         if not follows:
-            return turns.emit_turn(record, stored, seg, [])
+            return turns.emit_turn(record, turn, seg, [])
         rest = (
             prompt[len(seg.text) :]
             if isinstance(prompt, str)
             else d.renderer.decode(prompt[len(seg.token_ids) :])
         )
         return turns.emit_turn(
-            record, stored, seg, [{"role": "user", "content": rest}] if rest else []
+            record, turn, seg, [{"role": "user", "content": rest}] if rest else []
         )
 
     return branches.select(record, _continues(prompt), emit)

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from flywheel.gateway.access.security import owner_of
+from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, messages_convert, messages_stream
 from flywheel.gateway.api.disconnect import unless_disconnected
 from flywheel.gateway.api.incremental import TextFeed

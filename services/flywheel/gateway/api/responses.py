@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.core.http_errors import param_of
-from flywheel.gateway.access.security import owner_of
+from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, incremental
 from flywheel.gateway.api import responses_stream as stream
 from flywheel.gateway.api.disconnect import unless_disconnected

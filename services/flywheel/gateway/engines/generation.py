@@ -9,8 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter
+
 from flywheel.core.errors import UpstreamError
 from flywheel.core.versions import parse_weight_version
+
+ENGINE_ABORTS = Counter(
+    "flywheel_gateway_engine_aborts_total",
+    "Generations the engine aborted (finish_reason abort: a weight update or pause that aborts "
+    "running requests, an /abort_request): retried once, never recorded",
+    ["engine"],
+)
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,11 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.generation import ENGINE_ABORTS, Generation, parse_generation
+from flywheel.gateway.engines.stream import generate_stream
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
-ENGINE_ABORTS = Counter(
-    "flywheel_gateway_engine_aborts_total",
-    "Generations the engine aborted (finish_reason abort: a weight update or pause that aborts "
-    "running requests, an /abort_request): retried once, never recorded",
-    ["engine"],
-)
 ABORT_RETRY_S = 0.5
 """Pause before a generation the engine aborted is asked again (a weight update is under way)."""
 ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out", ["engine"])
@@ -218,14 +213,12 @@ class EnginePool:
         on_text: Callable[[str], None],
     ) -> Generation:
         """`generate`, streamed: `on_text` gets the cumulative text of each chunk as the
-        engine samples it (engine_stream.py). Aborted or broken after its first chunk, it is
+        engine samples it (stream.py). Aborted or broken after its first chunk, it is
         an UpstreamError (the text has been shown), never retried.
 
         Raises:
             InvalidRequestError, UpstreamError: as `generate`.
         """
-        from flywheel.gateway.engines.stream import generate_stream  # noqa: PLC0415 (cycle)
-
         if self.stream_interval > 1:
             sampling_params = {**sampling_params, "stream_interval": self.stream_interval}
         body = _generate_body(input_ids, sampling_params, top_logprobs_num)

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engines.generation import Generation, parse_generation
-from flywheel.gateway.engines.pool import ENGINE_ABORTS
-
-if TYPE_CHECKING:
-    from flywheel.gateway.engines.pool import EnginePool
+from flywheel.gateway.engines.generation import ENGINE_ABORTS, Generation, parse_generation
 
 OnText = Callable[[str], None]
 """Called with the cumulative text of each chunk, in order."""
@@ -36,12 +32,34 @@ TEXT_SINK: ContextVar[OnText | None] = ContextVar("flywheel_text_sink", default=
 streamed into this sink (`calls.generate_n`, one choice only)."""
 
 
+class Engines(Protocol):
+    """What a streamed call needs of the engine pool (pool.py `EnginePool`)."""
+
+    stop_token_ids: set[int]
+
+    def order(self, affinity: str) -> list[str]:
+        """Engine URLs to try for `affinity`, healthy ones first."""
+        ...
+
+    def mark_down(self, url: str, why: str) -> None:
+        """Take an engine out of service after a failed call."""
+        ...
+
+    def mark_up(self, url: str) -> None:
+        """Put an engine back in service after a good answer."""
+        ...
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The pool's HTTP client session."""
+        ...
+
+
 class _Failed(Exception):
     """The call failed before its first chunk (another engine may serve it)."""
 
 
 async def generate_stream(
-    pool: EnginePool, body: dict[str, Any], affinity: str, on_text: OnText
+    pool: Engines, body: dict[str, Any], affinity: str, on_text: OnText
 ) -> Generation:
     """One streamed `/generate` (`body` without `stream`), on the session's engine or, when it
     fails before its first chunk, the next one.
@@ -70,7 +88,7 @@ async def generate_stream(
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
 
-async def _one(pool: EnginePool, url: str, body: dict[str, Any], on_text: OnText) -> Generation:
+async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -> Generation:
     last: dict[str, Any] | None = None
     try:
         async with pool._session().post(

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from flywheel.gateway.engines.generation import Generation
-from flywheel.gateway.recording.records import Candidate, Segment, SessionRecord
+from flywheel.gateway.recording.records import SampledReply, Segment, SessionRecord
 from flywheel.gateway.render.tokenization import ChatRenderer
 
 log = logging.getLogger(__name__)
@@ -184,50 +184,48 @@ def _finish(finish_type: str, reply: dict[str, Any]) -> str:
     return "tool_calls" if finish_type == "stop" and reply.get("tool_calls") else finish_type
 
 
-def record_generation(
-    record: SessionRecord, gen: Generation, sampling: dict[str, Any], reply: dict[str, Any]
-) -> None:
-    """Append the engine's sampled ids, logprobs and weight version, and the reply message."""
-    seg = record.segment
-    seg.turn_start = len(seg.token_ids)
-    seg.append(
-        gen.output_ids,
-        sampled=True,
-        logprobs=gen.output_logprobs,
-        versions=gen.token_versions(),
-    )
-    seg.messages = [*seg.messages, reply]
-    seg.turns += 1
-    seg.finish_reason = _finish(gen.finish_type, reply)
-    seg.ended_with_eos = gen.matched_eos
-    seg.mark_turn()
-    set_sampling(seg, sampling)
-
-
-def candidate(gen: Generation, reply: dict[str, Any]) -> Candidate:
-    """One choice of an n > 1 turn, kept until the client picks which one it continues with."""
-    return Candidate(
+def sampled_reply(gen: Generation, message: dict[str, Any]) -> SampledReply:
+    """The recorded form of one engine result and the assistant message the client got for it
+    (made once per choice, right after the engine answered)."""
+    return SampledReply(  # validated: its own lists, never the engine result's
         output_ids=gen.output_ids,
         logprobs=gen.output_logprobs,
         weight_version=gen.weight_version,
         versions=gen.output_versions,
-        finish_reason=_finish(gen.finish_type, reply),
+        finish_reason=_finish(gen.finish_type, message),
         matched_eos=gen.matched_eos,
-        message=reply,
+        message=message,
     )
 
 
-def as_generation(c: Candidate) -> Generation:
-    return Generation(
-        output_ids=c.output_ids,
-        output_logprobs=c.logprobs,
-        text="",
-        finish_type=c.finish_reason if c.finish_reason != "tool_calls" else "stop",
-        matched_eos=c.matched_eos,
-        weight_version=c.weight_version,
-        prompt_tokens=0,
-        output_versions=c.versions,
+def record_reply(record: SessionRecord, reply: SampledReply, sampling: dict[str, Any]) -> None:
+    """Append a sampled reply to the session's segment as its next turn: the engine's ids with
+    their logprobs and weight versions (loss mask 1), and the reply message."""
+    seg = record.segment
+    seg.turn_start = len(seg.token_ids)
+    seg.append(
+        reply.output_ids,
+        sampled=True,
+        logprobs=reply.logprobs,
+        versions=reply.token_versions(),
     )
+    seg.messages = [*seg.messages, reply.message]
+    seg.turns += 1
+    seg.finish_reason = reply.finish_reason
+    seg.ended_with_eos = reply.matched_eos
+    seg.mark_turn()
+    set_sampling(seg, sampling)
+
+
+def candidate_segment(seg: Segment, c: SampledReply) -> Segment:
+    """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
+    out = seg.model_copy(deep=True)
+    out.turn_start = len(out.token_ids)
+    out.append(c.output_ids, sampled=True, logprobs=c.logprobs, versions=c.token_versions())
+    out.messages = [*out.messages, c.message]
+    out.turns += 1
+    out.finish_reason = c.finish_reason
+    return out
 
 
 def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> int | None:
@@ -241,22 +239,6 @@ def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> i
         if _same_message(c.message, sent):
             return k
     return None
-
-
-def candidate_segment(seg: Segment, c: Candidate) -> Segment:
-    """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
-    out = seg.model_copy(deep=True)
-    out.turn_start = len(out.token_ids)
-    out.append(
-        c.output_ids,
-        sampled=True,
-        logprobs=c.logprobs,
-        versions=c.versions or [c.weight_version] * len(c.output_ids),
-    )
-    out.messages = [*out.messages, c.message]
-    out.turns += 1
-    out.finish_reason = c.finish_reason
-    return out
 
 
 def continues_chat(messages: list[dict[str, Any]]) -> Callable[[Segment, int], bool]:

@@ -1,8 +1,9 @@
 """What a session stores in Redis: the exact token history of its current segment (prompt ids,
 then per turn the sampled ids with the engine's logprobs and weight version and the template ids
 between turns), the n > 1 choices waiting to be picked, the live-mode branches and turn waiting
-for its next state, and the Samples queued for the record's next save (sessions.py saves them
-atomically).
+for its next state, and the Samples queued for the record's next save (session/store.py saves them
+atomically). Every part is typed and stored as JSON; Samples are built from them once, when
+published (sample.py).
 """
 
 from __future__ import annotations
@@ -119,8 +120,12 @@ class Segment(BaseModel):
         return out
 
 
-class Candidate(BaseModel):
-    """One choice of an n > 1 turn, not yet part of the segment (the client picks one)."""
+class SampledReply(BaseModel):
+    """One sampled choice as recorded: the engine's ids, logprobs and per-token weight versions,
+    how it ended, and the assistant message the client got. Made once from the engine's
+    `Generation` (history.sampled_reply); a turn appends it to its segment
+    (history.record_reply), and an n > 1 turn keeps its choices as they are until the client
+    sends one back (`SessionRecord.candidates`)."""
 
     model_config = _EXACT_FLOATS
 
@@ -128,12 +133,67 @@ class Candidate(BaseModel):
     logprobs: list[float]
     weight_version: int
     finish_reason: str
+    """stop | length | tool_calls (a stop with tool calls in the reply)."""
     matched_eos: bool
     message: dict[str, Any]
     """The assistant message the client got for this choice."""
     versions: list[int] = []
     """Per output token, its weight version when they differ (see Generation.output_versions);
     empty when every token is `weight_version`'s."""
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each output token, shape [len(output_ids)]."""
+        return self.versions or [self.weight_version] * len(self.output_ids)
+
+
+class PendingTurn(BaseModel):
+    """Live mode: a turn waiting for its next state, as its session record keeps it: the turn's
+    place in its segment and the rewards posted while it waits.
+
+    The Sample is built from this and the segment once, when it is published
+    (sample.turn_sample): the segment cut at the checkpoint is exactly what it was right after
+    the turn (segments only grow; `Segment.upto`), and its finish reason, sampling params and
+    tools are still the turn's (a request that continues the turn publishes it before it
+    extends the segment; one that does not moves the segment aside as a branch), so the record
+    never holds the conversation twice."""
+
+    checkpoint: int
+    """Index of the turn's checkpoint in its segment."""
+    start: int
+    """Offset of the turn's first sampled token (the Sample's `prompt_length`)."""
+    turn_index: int
+    """The turn's index in the session."""
+    choice: int | None = None
+    """n > 1: the choice the client continued with (part of the sample id)."""
+    rewards: dict[str, float] = Field(default_factory=dict)
+    """Rewards posted for this turn while it waits (`/v1/sessions/<id>/reward`)."""
+    created_at: float = Field(default_factory=time.time)
+    """When the turn was sampled (the Sample's `created_at`, Unix seconds)."""
+
+    @property
+    def key(self) -> str:
+        """What makes the Sample's id unique in the session: `turn/<i>[/choice/<k>]`."""
+        return f"turn/{self.turn_index}" + ("" if self.choice is None else f"/choice/{self.choice}")
+
+
+class SegmentSample(BaseModel):
+    """A Sample due from a whole segment, or from only its last turn (`turn_only`): an episode
+    segment closed by a fork or by the finish, an n > 1 choice not continued (its segment with
+    the choice appended). Episode sessions hold these for their finish (as JSON in the held
+    list, `SessionRecord.held`); the Sample is built from one once, when it is published
+    (sample.segment_sample)."""
+
+    model_config = _EXACT_FLOATS
+
+    segment: Segment
+    key: str = ""
+    """What makes the Sample's id unique in the session (default: the segment's index)."""
+    turn_index: int | None = None
+    """The session-wide turn index (default: the segment's last turn)."""
+    turn_only: bool = False
+    """Only the segment's last turn is trainable (loss mask 0 before `Segment.turn_start`)."""
+    created_at: float = Field(default_factory=time.time)
+    """When the Sample became due (its `created_at`, Unix seconds)."""
 
 
 class Branch(BaseModel):
@@ -142,8 +202,8 @@ class Branch(BaseModel):
 
     segment: Segment
     """The segment as it was right after the turn (a later request may continue it)."""
-    pending: str
-    """The turn's Sample (base64 protobuf)."""
+    pending: PendingTurn
+    """The turn waiting for its next state."""
 
 
 class SessionRecord(BaseModel):
@@ -167,7 +227,7 @@ class SessionRecord(BaseModel):
     samples_published: int = 0
     forks: int = 0
     fork_reasons: dict[str, int] = Field(default_factory=dict)
-    """Forks of this session per reason (recording.FORK_REASONS)."""
+    """Forks of this session per reason (history.FORK_REASONS)."""
     turns: int = 0
     """Assistant turns recorded in the whole session (across segments): the next turn's index."""
     finish_request: str = ""
@@ -177,9 +237,9 @@ class SessionRecord(BaseModel):
     """`samples_published` of the finish response (what a repeated finish answers)."""
     rewards: dict[str, float] = Field(default_factory=dict)
     """Rewards posted for the episode Sample (episode mode), published with it at finish."""
-    pending: str = ""
-    """Live mode: the last turn's Sample (base64 protobuf) waiting for its next state."""
-    candidates: list[Candidate] = Field(default_factory=list)
+    pending: PendingTurn | None = None
+    """Live mode: the latest turn, waiting for its next state."""
+    candidates: list[SampledReply] = Field(default_factory=list)
     """n > 1 in a session: the choices of the last turn until the client sends one back."""
     branches: list[Branch] = Field(default_factory=list)
     """Live mode: other turns waiting for their next state, oldest first (see branches.py)."""

@@ -1,4 +1,5 @@
-"""Samples from segments: the one place a Sample is built from recorded ids.
+"""Samples from segments: the one place a Sample is built from recorded ids, once, when it is
+published (session/turns.py `publish`, session/finish.py).
 
 Samples come from segments in three shapes (all share `session_id` and `group_id`):
 
@@ -17,7 +18,7 @@ from typing import Any
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import new_sample
-from flywheel.gateway.recording.records import Segment, SessionRecord
+from flywheel.gateway.recording.records import PendingTurn, Segment, SegmentSample, SessionRecord
 
 
 def next_state_message(following: list[dict[str, Any]]) -> sample_pb2.Message | None:
@@ -68,6 +69,51 @@ def add_conversation(
     add_messages(sample, seg.messages[:messages])
 
 
+def sample_id(session_id: str, key: str) -> str:
+    """A Sample's id: uuid5 of `<session_id>/<key>` (hex), deterministic, so a re-publish is a
+    duplicate consumers can drop."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{session_id}/{key}").hex
+
+
+def _new(
+    record: SessionRecord,
+    seg: Segment,
+    key: str,
+    turn_index: int,
+    prompt_length: int,
+    finish_reason: str,
+    tools: list[dict[str, Any]] | None,
+    sampling: dict[str, Any],
+    created_at: float | None = None,
+) -> sample_pb2.Sample:
+    sample = new_sample(
+        sample_id=sample_id(record.session_id, key),
+        session_id=record.session_id,
+        group_id=record.group_id,
+        mode=record.mode,
+        segment_index=seg.index,
+        turn_index=turn_index,
+        prompt_length=prompt_length,
+        finish_reason=finish_reason,
+        task_json=json.dumps(record.task),
+        tools_json=json.dumps(tools) if tools else "",
+        tenant=record.owner,
+    )
+    if created_at is not None:
+        sample.created_at = created_at
+    if sampling:
+        sample.sampling.temperature = sampling["temperature"]
+        sample.sampling.top_p = sampling["top_p"]
+        sample.sampling.top_k = int(sampling["top_k"])
+        sample.sampling.min_p = sampling["min_p"]
+        sample.sampling.max_new_tokens = int(sampling["max_new_tokens"])
+        sample.sampling.stop.extend(sampling.get("stop", []))
+        if "seed" in sampling:
+            sample.sampling.has_seed = True
+            sample.sampling.seed = sampling["seed"]
+    return sample
+
+
 def build_sample(
     record: SessionRecord,
     seg: Segment,
@@ -76,9 +122,9 @@ def build_sample(
     turn_only: bool = False,
     sample_key: str = "",
     turn_index: int | None = None,
-    conversation: bool = True,
+    created_at: float | None = None,
 ) -> sample_pb2.Sample:
-    """The Sample of one segment (validated later by the codec on publish).
+    """The Sample of one segment (validated by the codec when it is encoded at publish).
 
     Args:
         record: the session.
@@ -87,39 +133,73 @@ def build_sample(
         reward: an outcome reward, stored as `rewards["outcome"]`.
         sample_key: what makes the sample id unique in the session (default: the segment).
         turn_index: the session-wide turn index (default: the segment's last turn).
-        conversation: False leaves out the per-token lists and the messages (what a pending
-            live turn takes back from its segment when published, pending.py).
+        created_at: when the Sample became due (Unix seconds; default: now).
     """
     start = seg.turn_start if turn_only else 0
-    sample = new_sample(
-        # Deterministic, so a re-publish is a duplicate consumers can drop.
-        sample_id=uuid.uuid5(
-            uuid.NAMESPACE_URL, f"{record.session_id}/{sample_key or seg.index}"
-        ).hex,
-        session_id=record.session_id,
-        group_id=record.group_id,
-        mode=record.mode,
-        segment_index=seg.index,
-        turn_index=max(seg.turns - 1, 0) if turn_index is None else turn_index,
-        prompt_length=start if turn_only else seg.prompt_length,
-        finish_reason=seg.finish_reason,
-        task_json=json.dumps(record.task),
-        tools_json=json.dumps(seg.tools) if seg.tools else "",
-        tenant=record.owner,
+    sample = _new(
+        record,
+        seg,
+        sample_key or str(seg.index),
+        max(seg.turns - 1, 0) if turn_index is None else turn_index,
+        start if turn_only else seg.prompt_length,
+        seg.finish_reason,
+        seg.tools,
+        seg.sampling,
+        created_at,
     )
-    if conversation:
-        add_conversation(sample, seg, start, len(seg.token_ids), len(seg.messages))
-    s = seg.sampling
-    if s:
-        sample.sampling.temperature = s["temperature"]
-        sample.sampling.top_p = s["top_p"]
-        sample.sampling.top_k = int(s["top_k"])
-        sample.sampling.min_p = s["min_p"]
-        sample.sampling.max_new_tokens = int(s["max_new_tokens"])
-        sample.sampling.stop.extend(s.get("stop", []))
-        if "seed" in s:
-            sample.sampling.has_seed = True
-            sample.sampling.seed = s["seed"]
+    add_conversation(sample, seg, start, len(seg.token_ids), len(seg.messages))
     if reward is not None:
         sample.rewards["outcome"] = reward
+    return sample
+
+
+def segment_sample(record: SessionRecord, due: SegmentSample) -> sample_pb2.Sample:
+    """The Sample of a `SegmentSample` (built once, when it is published)."""
+    return build_sample(
+        record,
+        due.segment,
+        turn_only=due.turn_only,
+        sample_key=due.key,
+        turn_index=due.turn_index,
+        created_at=due.created_at,
+    )
+
+
+def turn_sample(
+    record: SessionRecord,
+    seg: Segment,
+    turn: PendingTurn,
+    following: list[dict[str, Any]] | None = None,
+) -> sample_pb2.Sample:
+    """The whole Sample of a waiting live turn of `seg`: the segment cut at the turn's
+    checkpoint (ids, masks, logprobs, versions and messages as they were right after it), loss
+    mask only from the turn's first sampled token, the turn's posted rewards and, when messages
+    `following` it are given, its `next_state`.
+
+    Raises:
+        ValueError: `seg` has no checkpoint of that turn (it is not the turn's segment).
+    """
+    k = turn.checkpoint
+    if not 0 <= k < len(seg.checkpoints):
+        raise ValueError(
+            f"pending turn at checkpoint {k} of a segment with {len(seg.checkpoints)} checkpoints"
+        )
+    sample = _new(
+        record,
+        seg,
+        turn.key,
+        turn.turn_index,
+        turn.start,
+        seg.finish_reason,
+        seg.tools,
+        seg.sampling,
+        turn.created_at,
+    )
+    cp = seg.checkpoints[k]
+    add_conversation(sample, seg, turn.start, cp.tokens, cp.messages)
+    for name, value in turn.rewards.items():
+        sample.rewards[name] = value
+    message = next_state_message(following or [])
+    if message is not None:
+        sample.next_state.CopyFrom(message)
     return sample

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
-from flywheel._proto import sample_pb2
 from flywheel.core.metrics import labeled_counter
 from flywheel.gateway.recording.history import FORKS
-from flywheel.gateway.recording.records import Branch, Segment, SessionRecord
+from flywheel.gateway.recording.records import Branch, PendingTurn, Segment, SessionRecord
 
 log = logging.getLogger(__name__)
 MAX_BRANCHES = 8
@@ -48,12 +48,12 @@ BRANCHES = labeled_counter(
 
 Continues = Callable[[Segment, int], bool]
 """`continues(segment, k)`: whether the request extends `segment` cut right after turn `k`."""
-Emit = Callable[[str, Segment, bool], list[sample_pb2.Sample]]
-"""`emit(pending, segment, follows)`: the Samples of a pending turn of `segment`, with the next
-state the request gives after it when `follows` (else none)."""
+Emit = Callable[[PendingTurn, Segment, bool], list[Any]]
+"""`emit(pending, segment, follows)`: the Samples (turns.Due) of a pending turn of `segment`,
+with the next state the request gives after it when `follows` (else none)."""
 
 
-def _tips(record: SessionRecord) -> list[tuple[Segment, str]]:
+def _tips(record: SessionRecord) -> list[tuple[Segment, PendingTurn | None]]:
     """(segment, pending) of the current tip and of every branch, newest first."""
     return [
         (record.segment, record.pending),
@@ -61,12 +61,12 @@ def _tips(record: SessionRecord) -> list[tuple[Segment, str]]:
     ]
 
 
-def _park(record: SessionRecord, emit: Emit) -> list[sample_pb2.Sample]:
+def _park(record: SessionRecord, emit: Emit) -> list[Any]:
     """Keep the current tip as a branch when its turn waits; drop the oldest beyond the cap."""
-    out: list[sample_pb2.Sample] = []
+    out: list[Any] = []
     if record.pending:
         record.branches.append(Branch(segment=record.segment, pending=record.pending))
-        record.pending = ""
+        record.pending = None
     while len(record.branches) > MAX_BRANCHES:
         oldest = record.branches.pop(0)
         log.warning(
@@ -88,7 +88,7 @@ def select(
     continues: Continues,
     emit: Emit,
     rewrite: Callable[[], str | None] = lambda: None,
-) -> list[sample_pb2.Sample]:
+) -> list[Any]:
     """Make `record.segment` the state a live request continues (module docstring).
 
     Args:
@@ -104,7 +104,7 @@ def select(
     """
     seg = record.segment
     if seg.checkpoints and continues(seg, len(seg.checkpoints) - 1):  # the common case
-        pending, record.pending = record.pending, ""
+        pending, record.pending = record.pending, None
         return emit(pending, seg, True) if pending else []
     tips = _tips(record)
     # The longest recorded history the request extends; the newest tip among equals.
@@ -117,7 +117,7 @@ def select(
         i = -max(ends)[1]
         branch = record.branches.pop(len(record.branches) - i)
         out = _park(record, emit)
-        record.segment, record.pending = branch.segment, ""
+        record.segment, record.pending = branch.segment, None
         return out + emit(branch.pending, branch.segment, True)
     earlier = [
         (seg.checkpoints[k].tokens, -i, k)

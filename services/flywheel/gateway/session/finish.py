@@ -14,14 +14,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
+from pydantic import ValidationError
 
 from flywheel._proto import sample_pb2
-from flywheel.core.codec import decode_sample
-from flywheel.core.errors import ConflictError, ContractError
+from flywheel.core.errors import ConflictError
 from flywheel.core.metrics import labeled_counter
-from flywheel.gateway.recording.records import SessionRecord
-from flywheel.gateway.recording.sample import build_sample
-from flywheel.gateway.session import pending
+from flywheel.gateway.recording.records import SegmentSample, SessionRecord
+from flywheel.gateway.recording.sample import segment_sample
 from flywheel.gateway.session.locks import locked
 from flywheel.gateway.session.turns import emit_turn, finished_error, publish, resolve_candidates
 
@@ -85,31 +84,34 @@ async def finish(
     return {"session_id": session_id, "status": "finished", "samples_published": published}
 
 
-def _held(d: GatewayDeps, record: SessionRecord) -> list[sample_pb2.Sample]:
-    """The Samples an episode held until its finish (`SessionRecord.held`); the save that
-    publishes them empties the held list. Fewer than the record counts (the list expired, or an
-    entry cannot be read) are counted and logged; the others are still published."""
+def _held(d: GatewayDeps, record: SessionRecord) -> list[SegmentSample]:
+    """What an episode held until its finish (`SessionRecord.held`): the Samples due from its
+    closed segments and choices not continued; the save that publishes them empties the held
+    list. Fewer than the record counts (the list expired, or an entry cannot be read) are
+    counted and logged; the others are still published."""
     if not record.held:
         return []
-    samples = []
+    held = []
     for payload in d.sessions.held_samples(record.session_id):
         try:
-            samples.append(decode_sample(payload))
-        except ContractError as exc:  # counted below with the missing ones
+            held.append(SegmentSample.model_validate_json(payload))
+        except ValidationError as exc:  # counted below with the missing ones
             log.error(
-                "session %s: a held Sample cannot be read (%s); left out", record.session_id, exc
+                "session %s: a held Sample cannot be read (%s); left out",
+                record.session_id,
+                exc.errors(include_url=False)[:1],
             )
-    if len(samples) != record.held:
-        HELD_LOST.inc(max(record.held - len(samples), 0))
+    if len(held) != record.held:
+        HELD_LOST.inc(max(record.held - len(held), 0))
         log.error(
             "session %s: %d held Samples expected, %d found; publishing those found",
             record.session_id,
             record.held,
-            len(samples),
+            len(held),
         )
     record.held = 0
     record._release_held = True
-    return samples
+    return held
 
 
 def finish_record(
@@ -135,14 +137,15 @@ def finish_record(
     if record.mode == "live":
         if record.pending:
             out += emit_turn(record, record.pending, record.segment, following or [])
-            record.pending = ""
+            record.pending = None
         for branch in record.branches:  # the latest turn's next state is not theirs
             out += emit_turn(record, branch.pending, branch.segment, [])
         record.branches = []
     else:
-        out = _held(d, record) + out
+        out = [*_held(d, record), *out]
         if record.segment.sampled_tokens:
-            out.append(build_sample(record, record.segment))
+            out.append(SegmentSample(segment=record.segment))
+    samples = [x if isinstance(x, sample_pb2.Sample) else segment_sample(record, x) for x in out]
     rewards = dict(record.rewards)
     if reward is not None:
         if rewards.get("outcome", reward) != reward:
@@ -153,15 +156,15 @@ def finish_record(
                 rewards["outcome"],
             )
         rewards["outcome"] = reward
-    for sample in out:
+    for sample in samples:
         for name, value in rewards.items():
             sample.rewards[name] = value
-    publish(d, record, out)
+    publish(d, record, list(samples))
     FINISHED.labels(by).inc()
     if record.eval:
-        out = []
-    record.finish_published = len(out)
-    return out
+        samples = []
+    record.finish_published = len(samples)
+    return samples
 
 
 async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:
@@ -187,9 +190,9 @@ async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) 
                 "assistant turn and before the next request",
                 param="session_id",
             )
-        record.pending, sample = pending.with_reward(record.pending, name, value)
+        record.pending.rewards[name] = value
         return {
             "session_id": session_id,
-            "applies_to": f"turn {sample.turn_index}",
-            "rewards": dict(sample.rewards),
+            "applies_to": f"turn {record.pending.turn_index}",
+            "rewards": dict(record.pending.rewards),
         }

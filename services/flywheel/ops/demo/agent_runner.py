@@ -17,6 +17,7 @@ decoding their difference is the evaluation's noise from the draw of problems.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,6 +96,9 @@ class AgentDemoRunner(DemoRunner):
         self.evals: list[tuple[int, EvalStats]] = []
         """(held-out draw seed, stats) of every evaluation, in order."""
         self.step_results: list[EpisodeResult] = []
+        self.lock = threading.Lock()
+        self.failed = 0
+        """Episodes of the current step (or evaluation) the gateway answered with an error."""
 
     def agent_episode(
         self, problem: AdditionProblem, group_id: str, *, evaluation: bool, temperature: float
@@ -116,6 +120,12 @@ class AgentDemoRunner(DemoRunner):
         )
         malformed = trace.malformed_calls + (1 if has_call_markup(trace.final_output) else 0)
         reward = episode_reward(trace.final_output, problem.answer, malformed_calls=malformed)
+        if trace.error.startswith("api"):
+            # Finished with reward 0 like any failed episode, so its group still fills; counted
+            # in the step's `failed_episodes` and said here.
+            with self.lock:
+                self.failed += 1
+            self.echo(f"episode {session['session_id']} failed on the server: {trace.error}")
         self.http.post(
             f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={"reward": reward}
         ).raise_for_status()
@@ -148,6 +158,7 @@ class AgentDemoRunner(DemoRunner):
         return stats.success
 
     def rollouts(self, problems: list[AdditionProblem]) -> list[float]:  # type: ignore[override]
+        self.failed = 0
         jobs = []
         for problem in problems:
             group_id = f"g-{uuid.uuid4().hex[:12]}"
@@ -164,7 +175,11 @@ class AgentDemoRunner(DemoRunner):
 
     def row_extra(self) -> dict[str, object]:
         stats = EvalStats.of(self.step_results)
-        return {"tool_use": stats.tool_use, "well_formed": stats.well_formed}
+        return {
+            "tool_use": stats.tool_use,
+            "well_formed": stats.well_formed,
+            "failed_episodes": self.failed,
+        }
 
     def summary_extra(self) -> dict[str, object]:
         before, second, after = self.evals[0][1], self.evals[1][1], self.evals[-1][1]

@@ -16,7 +16,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
 
 def demo_runner(task: str, **settings: Any) -> tuple[type[DemoRunner], DemoConfig]:
     """(runner class, config) for `task` ("addition" | "agent"); settings given as None take
-    the task's default (`DEFAULTS`); `eval_seed` applies to the agent task only.
+    the task's default (`DEFAULTS`); `eval_seed` and `eval_size` apply to the agent task only.
 
     Raises:
         ValueError: an unknown task.
@@ -26,7 +26,8 @@ def demo_runner(task: str, **settings: Any) -> tuple[type[DemoRunner], DemoConfi
     given = {k: v for k, v in settings.items() if v is not None}
     merged = DEFAULTS[task] | given
     if task == "addition":
-        merged.pop("eval_seed", None)
+        for key in ("eval_seed", "eval_size"):  # the agent task's only
+            merged.pop(key, None)
         return DemoRunner, DemoConfig(**merged)
     from flywheel.ops.demo.agent_runner import AgentDemoConfig, AgentDemoRunner  # noqa: PLC0415
 

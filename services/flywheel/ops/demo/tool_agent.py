@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import agents
+import openai
 from openai import AsyncOpenAI
 
 INSTRUCTIONS = (
@@ -55,7 +56,8 @@ class AgentTrace:
     tool_calls: list[tuple[int, int]] = field(default_factory=list)
     malformed_calls: int = 0
     error: str = ""
-    """"" or why the run stopped early (max_turns, model_behavior, ...)."""
+    """"" or why the run stopped early: "max_turns", "model_behavior: ..." (counted as a
+    malformed call) or "api: ..." (the gateway answered with an error)."""
 
 
 def _build_agent(trace: AgentTrace, client: AsyncOpenAI, model: str, settings: Any) -> Any:
@@ -89,8 +91,9 @@ async def run_episode_async(
     max_turns: int = MAX_TURNS,
     example: bool = True,
 ) -> AgentTrace:
-    """Run the agent on `question` through `base_url`; returns its trace (never raises for the
-    model's behavior: too many turns or an unknown tool end the episode with `error` set)."""
+    """Run the agent on `question` through `base_url`; returns its trace. Never raises for the
+    model's behavior or the server's errors: too many turns, an unknown tool or an error
+    answer from the gateway end the episode with `error` set."""
     trace = AgentTrace()
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
     settings = agents.ModelSettings(temperature=temperature, max_tokens=max_tokens)
@@ -104,6 +107,8 @@ async def run_episode_async(
     except agents.ModelBehaviorError as exc:  # e.g. a call to a tool that does not exist
         trace.malformed_calls += 1
         trace.error = f"model_behavior: {exc}"
+    except openai.APIError as exc:  # the gateway or engine failed: no verdict on the model
+        trace.error = f"api: {type(exc).__name__}: {exc}"
     finally:
         await client.close()
     return trace

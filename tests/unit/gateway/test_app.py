@@ -212,9 +212,11 @@ def test_openai_sdk_streaming_and_tool_calls_through_a_session(env, renderer):
     assert sample.segment_index == 0
 
 
-def test_response_format_json_is_a_clear_400(env):
-    client, _, _, _ = env
-    bad = _chat(client, "/v1", response_format={"type": "json_object"})
+def test_response_format_json_reaches_the_engine_as_a_json_schema_param(env):
+    client, engine, _, _ = env
+    assert _chat(client, "/v1", response_format={"type": "json_object"}).status_code == 200
+    assert engine.prompts[-1][1]["json_schema"] == '{"type": "object"}'
+    bad = _chat(client, "/v1", response_format={"type": "xml"})
     assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]
 
 

@@ -173,14 +173,18 @@ def _then(assistant: dict) -> list[dict]:
         ),
         ({"messages": U, "tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
         ({"messages": U, "tools": [TOOL], "tool_choice": "bogus"}, "tool_choice"),
-        ({"messages": U, "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": U, "tool_choice": "required"}, "tool_choice"),  # no tools to call
         (
             {
                 "messages": U,
                 "tools": [TOOL],
-                "tool_choice": {"type": "function", "function": {"name": "add"}},
+                "tool_choice": {"type": "function", "function": {"name": "not_a_tool"}},
             },
             "tool_choice",
+        ),
+        (
+            {"messages": U, "tools": [TOOL], "tool_choice": "required", "regex": "a+"},
+            "regex",
         ),
         ({"messages": U, "stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": U, "top_logprobs": 2}, "top_logprobs"),

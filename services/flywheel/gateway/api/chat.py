@@ -154,7 +154,7 @@ async def serve(
         BackpressureError: a new session while the training backlog is full.
     """
     messages = [m.for_template() for m in body.messages]
-    sampling = body.sampling_params(d.settings.default_max_tokens)
+    sampling = body.sampling_params(d.settings.default_max_tokens, d.settings.tool_parser)
     turn_type = (turn_type or "main").lower()
     if turn_type not in turns.TURN_TYPES:
         raise InvalidRequestError(

@@ -173,7 +173,7 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
 
     Raises:
         InvalidRequestError: see `chat_messages`; or the chat path refuses a translated field
-            (e.g. `tool_choice` any/tool while the engine has no constrained decoding), named
+            (e.g. `tool_choice` any/tool naming no offered tool), named
             by its Anthropic field.
     """
     data: dict[str, Any] = {

@@ -7,9 +7,12 @@ Invalid values and unrecognized fields fail validation and are answered with Ope
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from flywheel.gateway.api import json_shapes as shapes
+from flywheel.gateway.api.constraints import grammar_params
 
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 """Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
@@ -121,9 +124,6 @@ _NEUTRAL: dict[str, Any] = {
     "min_tokens": (None, 0),
     "ignore_eos": (None, False),
     "stop_token_ids": (None, []),
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
     "chat_template_kwargs": (None, {}),
 }
 
@@ -155,10 +155,24 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     unrecognized argument: nothing that could change sampling is ignored silently.
     """
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "dependentSchemas": {
+                **shapes.STREAM_OPTIONS_NEED_STREAM,
+                # Two caps must agree; documented: send one of them.
+                "max_completion_tokens": {"properties": {"max_tokens": False}},
+                "top_logprobs": {
+                    "properties": {"logprobs": {"const": True}},
+                    "required": ["logprobs"],
+                },
+            }
+        },
+    )
 
     model: str = ""
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Annotated[list[ChatMessage], shapes.CHAT_MESSAGES] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -169,9 +183,9 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     """Choices per request; in a session each choice is recorded (turns.py)."""
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, shapes.TOOLS] = Field(None, max_length=128)
+    tool_choice: Annotated[str | dict[str, Any] | None, shapes.TOOL_CHOICE] = None
+    response_format: Annotated[dict[str, Any] | None, shapes.RESPONSE_FORMAT] = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Most likely alternatives per token (needs `logprobs: true`)."""
@@ -190,25 +204,25 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     moderation: Any = None
     modalities: list[Literal["text"]] | None = None
     # Changes sampling: neutral values only (see _NEUTRAL).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    prediction: Any = None
-    audio: Any = None
-    web_search_options: Any = None
-    functions: list[Any] | None = None
-    function_call: Any = None
+    frequency_penalty: Annotated[float | None, shapes.neutral(0)] = None
+    presence_penalty: Annotated[float | None, shapes.neutral(0)] = None
+    logit_bias: Annotated[dict[str, float] | None, shapes.neutral({})] = None
+    prediction: Annotated[Any, shapes.ONLY_NULL] = None
+    audio: Annotated[Any, shapes.ONLY_NULL] = None
+    web_search_options: Annotated[Any, shapes.ONLY_NULL] = None
+    functions: Annotated[list[Any] | None, shapes.neutral([])] = None
+    function_call: Annotated[Any, shapes.ONLY_NULL] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: Annotated[float | None, shapes.neutral(1)] = None
+    min_tokens: Annotated[int | None, shapes.neutral(0)] = None
+    ignore_eos: Annotated[bool | None, shapes.neutral(False)] = None
+    stop_token_ids: Annotated[list[int] | None, shapes.neutral([])] = None
     regex: str | None = None
     json_schema: Any = None
     ebnf: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, shapes.neutral({})] = None
     separate_reasoning: bool | None = None
     skip_special_tokens: bool | None = None
 
@@ -241,16 +255,19 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v is None or v in ("auto", "none"):
-            return v
-        if v == "required" or isinstance(v, dict):
-            raise ValueError(
-                f"tool_choice {v!r} is not supported: the engine has no "
-                "constrained decoding to force a tool call; use 'auto' (the model "
-                "decides) or 'none'"
-            )
+        if v is None or v in ("auto", "none", "required"):
+            return v  # "required": a forced call (api/constraints.py)
+        if isinstance(v, dict):
+            fn = v.get("function")
+            if (
+                v.get("type") == "function"
+                and isinstance(fn, dict)
+                and isinstance(fn.get("name"), str)
+            ):
+                return v
         raise ValueError(
-            f"tool_choice must be 'auto', 'none', 'required' or a named function, got {v!r}"
+            "tool_choice must be 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {v!r}"
         )
 
     @field_validator("top_k")
@@ -264,10 +281,9 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     @classmethod
     def _response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         kind = (v or {}).get("type", "text")
-        if kind != "text":
+        if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(
-                f"response_format type {kind!r} is not supported: the engine has no "
-                "constrained decoding; use 'text' and ask for JSON in the prompt"
+                f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
             )
         return v
 
@@ -307,11 +323,21 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         """Whether the model may call a tool: tools given and `tool_choice` not "none"."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def sampling_params(self, default_max_tokens: int) -> dict[str, Any]:
-        """SGLang `sampling_params` for this request (only keys SGLang accepts)."""
-        return sglang_sampling(
+    def sampling_params(
+        self, default_max_tokens: int, tool_parser: str = "hermes"
+    ) -> dict[str, Any]:
+        """SGLang `sampling_params` for this request (only keys SGLang accepts), with the
+        grammar param of a forced tool call or structured output (api/constraints.py).
+
+        Raises:
+            InvalidRequestError: a forced call without (or naming no) tool, a malformed
+                json_schema response_format, or two constraints at once.
+        """
+        params = sglang_sampling(
             self, self.max_completion_tokens or self.max_tokens or default_max_tokens
         )
+        params.update(grammar_params(self, tool_parser))
+        return params
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -365,7 +391,7 @@ class SessionFinish(BaseModel):
 
     reward: float | None = None
     """Outcome reward posted by the environment; combined with the others by the reward service."""
-    next_state: NextState | None = None
+    next_state: Annotated[NextState | None, shapes.NEXT_STATE] = None
     """Live mode: what followed the last turn (e.g. the user's final reply), if anything."""
 
 

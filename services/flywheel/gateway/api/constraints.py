@@ -1,0 +1,164 @@
+"""Constrained decoding for a chat turn: forced tool calls and structured output as SGLang params.
+
+Every wire API (chat, Responses, Anthropic Messages) translates its request into one chat turn;
+this module turns that turn's `tool_choice`, `response_format` and SGLang's `regex` / `ebnf` /
+`json_schema` extras into at most one of SGLang's grammar sampling params, which the engine
+(SGLang or the embedded one, both through xgrammar) applies per decode step:
+
+- `tool_choice: "required"` -> `structural_tag`: one or more tool calls in the model's
+  tool-call format and nothing else; `parallel_tool_calls: false` allows exactly one. A named
+  function (`{"type": "function", "function": {"name"}}`) -> exactly one call of it. With the
+  `hermes` parser a call is `<tool_call>\\n{"name": "<name>", "arguments": <JSON valid for the
+  tool's parameters>}\\n</tool_call>` (what the chat template teaches and `parsers.parse_hermes`
+  reads); with the `json` parser a bare `{"name", "arguments"}` object (`json_schema`).
+- `response_format` `json_schema` -> `json_schema` (its `schema`); `json_object` ->
+  `json_schema` `{"type": "object"}`; `text` -> nothing.
+- more than one constraint (a forced call plus a response_format or regex, ...) is a 400, as
+  SGLang answers it.
+
+What a constrained token means for training is in docs/token-path.md ("Constrained tokens").
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from flywheel.core.errors import InvalidRequestError
+
+ANY_OBJECT = {"type": "object"}
+"""Arguments schema of a tool that declares no parameters, and json_object's schema."""
+
+
+def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else dict(ANY_OBJECT)
+
+
+def _hermes_tag(tool: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar structural-tag `tag` for one call of `tool` in the hermes format."""
+    name = json.dumps(tool["function"]["name"])
+    return {
+        "type": "tag",
+        "begin": f'<tool_call>\n{{"name": {name}, "arguments": ',
+        "content": {"type": "json_schema", "json_schema": _params_schema(tool)},
+        "end": "}\n</tool_call>",
+    }
+
+
+def _json_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """JSON schema of one bare `{"name", "arguments"}` call of any of `tools`."""
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": _params_schema(t),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_tools(body: Any) -> list[dict[str, Any]] | None:
+    """The tools a call is forced among (`tool_choice` required or named), else None.
+
+    Raises:
+        InvalidRequestError (param `tool_choice`): a forced call without tools, or a named
+            function that is not in `tools`.
+    """
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = list(body.tools or [])
+    if not tools:
+        raise InvalidRequestError(
+            f"tool_choice {choice!r} needs tools: give the functions the model must call",
+            param="tool_choice",
+        )
+    if choice == "required":
+        return tools
+    name = (choice.get("function") or {}).get("name")
+    named = [t for t in tools if t["function"]["name"] == name]
+    if not named:
+        offered = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise InvalidRequestError(
+            f"tool_choice names function {name!r}, which is not in tools ({offered})",
+            param="tool_choice",
+        )
+    return named[:1]
+
+
+def tool_call_constraint(body: Any, tool_parser: str) -> dict[str, str]:
+    """The grammar param that forces a well-formed tool call, or {} when none is forced."""
+    tools = forced_tools(body)
+    if tools is None:
+        return {}
+    if tool_parser == "json":
+        return {"json_schema": json.dumps(_json_call_schema(tools))}
+    tags = [_hermes_tag(t) for t in tools]
+    single = body.tool_choice != "required" or body.parallel_tool_calls is False
+    fmt: dict[str, Any]
+    if single:
+        fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+    else:
+        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
+
+
+def response_format_constraint(response_format: dict[str, Any] | None) -> dict[str, str]:
+    """The `json_schema` param for `response_format` json_schema / json_object, {} for text.
+
+    Raises:
+        InvalidRequestError (param `response_format`): json_schema without a schema object.
+    """
+    fmt = response_format or {}
+    kind = fmt.get("type", "text")
+    if kind == "json_object":
+        return {"json_schema": json.dumps(ANY_OBJECT)}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", ANY_OBJECT) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(
+                "response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
+                "{...JSON schema...}}}",
+                param="response_format",
+            )
+        return {"json_schema": json.dumps(schema)}
+    return {}
+
+
+def grammar_params(body: Any, tool_parser: str) -> dict[str, str]:
+    """SGLang grammar sampling params for a chat turn: at most one of json_schema, regex, ebnf,
+    structural_tag (empty when nothing constrains the turn).
+
+    Args:
+        body: the chat turn (`schemas.ChatCompletionRequest`): `tools`, `tool_choice`,
+            `parallel_tool_calls`, `response_format`, `regex`, `ebnf`, `json_schema`.
+        tool_parser: the gateway's tool-call format ("hermes" or "json").
+
+    Raises:
+        InvalidRequestError: see `forced_tools` and `response_format_constraint`; or more than
+            one constraint asked for (param names the second one).
+    """
+    asked: list[tuple[str, dict[str, str]]] = [
+        ("tool_choice", tool_call_constraint(body, tool_parser)),
+        ("response_format", response_format_constraint(body.response_format)),
+    ]
+    for key in ("regex", "ebnf", "json_schema"):
+        value = getattr(body, key)
+        if value is not None:
+            text = value if isinstance(value, str) else json.dumps(value)
+            asked.append((key, {key: text}))
+    given = [(name, params) for name, params in asked if params]
+    if len(given) > 1:
+        names = " and ".join(name for name, _ in given)
+        raise InvalidRequestError(
+            f"{names} each constrain the output and cannot be combined; send only one",
+            param=given[1][0],
+        )
+    return given[0][1] if given else {}

@@ -1,11 +1,13 @@
-"""The chat completion routes without FastAPI's routing and dependency layers.
+"""The chat completion and Responses routes without FastAPI's routing and dependency layers.
 
-`POST /v1/chat/completions` and `/s/<id>/v1/chat/completions` are most of a gateway's traffic.
+`POST /v1/chat/completions` and `/s/<id>/v1/chat/completions` are most of a gateway's traffic
+(`POST /v1/responses` and `/s/<id>/v1/responses` are served here the same way).
 Through FastAPI each request pays for route matching, dependency solving, a `Request` object and
 the exception middleware: more CPU than the chat template and tokenization together
 (`bench/gateway.py`). This ASGI layer sits inside the security middleware (authentication,
 limits and the body checks have run, and the body is parsed once there) and serves those two
-routes with the same request model, the same handlers (chat.py) and the same error bodies.
+routes with the same request models, the same handlers (chat.py, responses.py) and the same
+error bodies.
 
 Whatever it cannot take as is goes to the FastAPI app, which answers it exactly as before: a
 body that is not a JSON object, a media type other than `application/json` (none at all
@@ -24,7 +26,8 @@ from pydantic import ValidationError
 from flywheel.core import http_errors
 from flywheel.core.errors import PlatformError
 from flywheel.gateway.access.security import JSON_BODY
-from flywheel.gateway.api import chat
+from flywheel.gateway.api import chat, responses
+from flywheel.gateway.api.responses_schema import ResponsesRequest
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 
 if TYPE_CHECKING:
@@ -34,17 +37,18 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 TAIL = "/v1/chat/completions"
+RESPONSES_TAIL = "/v1/responses"
 
 
-def route(scope: Scope) -> tuple[bool, str | None]:
-    """(is a hot route, the session id of `/s/<id>/...` or None)."""
+def route(scope: Scope, tail: str = TAIL) -> tuple[bool, str | None]:
+    """(is the hot route ending in `tail`, the session id of `/s/<id>/...` or None)."""
     if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
         return False, None
     path: str = scope["path"]
-    if path == TAIL:
+    if path == tail:
         return True, None
-    if path.startswith("/s/") and path.endswith(TAIL):
-        session_id = path[3 : -len(TAIL)]
+    if path.startswith("/s/") and path.endswith(tail):
+        session_id = path[3 : -len(tail)]
         if session_id and "/" not in session_id:
             return True, session_id
     return False, None
@@ -64,9 +68,14 @@ class HotPath:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], deps: GatewayDeps):
         self.app = app
         self.deps = deps
+        self.responses = responses.store_for(deps)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hot, session_id = route(scope)
+        model: type[ChatCompletionRequest | ResponsesRequest] = ChatCompletionRequest
+        if not hot:
+            hot, session_id = route(scope, RESPONSES_TAIL)
+            model = ResponsesRequest
         if not hot:
             await self.app(scope, receive, send)
             return
@@ -88,12 +97,15 @@ class HotPath:
             await self.app(scope, replay, send)
             return
         try:
-            body = ChatCompletionRequest.model_validate(data)
+            body = model.model_validate(data)
         except ValidationError:
             await self.app(scope, replay, send)  # FastAPI's answer names the field
             return
         try:
-            response = await self._serve(scope, body, session_id, headers, receive)
+            if isinstance(body, ResponsesRequest):
+                response = await self._serve_responses(scope, body, session_id, headers, receive)
+            else:
+                response = await self._serve(scope, body, session_id, headers, receive)
         except PlatformError as exc:
             response = http_errors.platform_error(exc)
         except redis.RedisError as exc:
@@ -108,16 +120,39 @@ class HotPath:
         headers: dict[bytes, str],
         receive: Receive,
     ) -> Any:
-        principal = scope.get("state", {}).get("principal")
         return await chat.respond(
             self.deps,
             body,
             session_id,
             headers.get(b"x-session-id"),
             headers.get(b"x-turn-type"),
-            principal.key_id if principal else "",
+            _owner(scope),
             receive,
         )
+
+    async def _serve_responses(
+        self,
+        scope: Scope,
+        body: ResponsesRequest,
+        session_id: str | None,
+        headers: dict[bytes, str],
+        receive: Receive,
+    ) -> Any:
+        return await responses.respond(
+            self.deps,
+            self.responses,
+            body,
+            _owner(scope),
+            receive,
+            session_id,
+            None if session_id else headers.get(b"x-session-id"),
+            headers.get(b"x-turn-type"),
+        )
+
+
+def _owner(scope: Scope) -> str:
+    principal = scope.get("state", {}).get("principal")
+    return principal.key_id if principal else ""
 
 
 def _replay(body: bytes, then: dict[str, Any] | None, receive: Receive) -> Receive:

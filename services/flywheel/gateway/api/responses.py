@@ -30,7 +30,7 @@ from flywheel.core.http_errors import param_of
 from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, incremental
 from flywheel.gateway.api import responses_stream as stream
-from flywheel.gateway.api.disconnect import unless_disconnected
+from flywheel.gateway.api.disconnect import Receive, unless_disconnected
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
@@ -173,19 +173,21 @@ async def respond(
     d: GatewayDeps,
     store: ResponseStore,
     body: ResponsesRequest,
-    request: Request,
+    owner: str,
+    receive: Receive | None,
     url_session: str | None,
     header_id: str | None,
     turn_type: str | None,
 ) -> JSONResponse | StreamingResponse:
-    """One Responses request end to end (see the module docstring).
+    """One Responses request end to end (see the module docstring), as the routes and the hot
+    path (hot_path.py) serve it: `owner` is the key id of the request ("" without
+    authentication), `receive` the ASGI receive after the body (a disconnect stops the turn).
 
     Raises:
         PlatformError: a refused request (400 naming the parameter, 404 for an unknown
             previous_response_id), or see `chat.serve`. ClientClosedError: the client left
             before the answer.
     """
-    owner = owner_of(request)
     history: list[dict[str, Any]] = []
     previous = None
     if body.previous_response_id is not None:
@@ -207,22 +209,27 @@ async def respond(
     if incremental.eligible(chat_body, d.settings.tool_parser):
         feed = incremental.TextFeed(stop_list(chat_body.stop), chat_body.tools_offered)
         streamed = await stream.respond(
-            work, request.receive, session_id, feed, turn.started, turn.message_id, turn.finish
+            work, receive, session_id, feed, turn.started, turn.message_id, turn.finish
         )
         if isinstance(streamed, StreamingResponse):
             return streamed
         completion = streamed  # the turn ended before its first text
     else:
-        completion = await unless_disconnected(work, request.receive, session_id)
+        completion = await unless_disconnected(work, receive, session_id)
     response = await turn.finish(completion, None)
     if body.stream:
         return stream.sse(stream.whole_events(turn.started, response))
     return JSONResponse(response)
 
 
+def store_for(deps: GatewayDeps) -> ResponseStore:
+    """The stored-response store of a gateway's deps (its Redis client and key prefix)."""
+    return ResponseStore(deps.sessions.client, deps.sessions.prefix, deps.settings.response_ttl_s)
+
+
 def install(app: FastAPI, deps: GatewayDeps) -> None:
     """Add `POST /v1/responses` and `POST /s/<session_id>/v1/responses` to the gateway app."""
-    store = ResponseStore(deps.sessions.client, deps.sessions.prefix, deps.settings.response_ttl_s)
+    store = store_for(deps)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(
@@ -232,7 +239,10 @@ def install(app: FastAPI, deps: GatewayDeps) -> None:
         x_session_id: SessionHeader = None,
         x_turn_type: TurnHeader = None,
     ) -> JSONResponse | StreamingResponse:
-        return await respond(d, store, body, request, None, x_session_id, x_turn_type)
+        owner = owner_of(request)
+        return await respond(
+            d, store, body, owner, request.receive, None, x_session_id, x_turn_type
+        )
 
     @app.post("/s/{session_id}/v1/responses", response_model=None)
     async def session_response(
@@ -242,4 +252,5 @@ def install(app: FastAPI, deps: GatewayDeps) -> None:
         d: Deps,
         x_turn_type: TurnHeader = None,
     ) -> JSONResponse | StreamingResponse:
-        return await respond(d, store, body, request, session_id, None, x_turn_type)
+        owner = owner_of(request)
+        return await respond(d, store, body, owner, request.receive, session_id, None, x_turn_type)

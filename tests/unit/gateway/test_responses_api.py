@@ -287,3 +287,57 @@ def test_bad_requests_are_400_in_openai_error_format(gw, body, param):
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert engine.prompts == []  # refused before any generation
+
+
+# A template that renders an assistant turn's `reasoning_content` as a <think> block (as Qwen3's
+# does for the turns after the last user message), so dropping it changes the rendered history.
+THINKING = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content -%}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif -%}{{ m.content or '' }}"
+    "{%- for call in m.tool_calls or [] -%}"
+    '{{ \'<tool_call>\\n{"name": "\' + call.function.name + \'", "arguments": \' '
+    "+ call.function.arguments + '}\\n</tool_call>' }}"
+    "{%- endfor -%}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking(smollm2_dir, tmp_path_factory):
+    base = ChatRenderer(smollm2_dir)
+    base.tokenizer.chat_template = THINKING
+    folder = tmp_path_factory.mktemp("thinking_tokenizer")
+    base.tokenizer.save_pretrained(folder)
+    return ChatRenderer(folder)
+
+
+@pytest.mark.parametrize("send_reasoning", [True, False])
+def test_reasoning_items_sent_back_keep_a_thinking_template_on_the_recorded_ids(
+    redis_client, prefix, thinking, send_reasoning
+):
+    client, deps, _ = gateway_app(redis_client, prefix, thinking, None)
+    deps.engines = ScriptEngine(thinking, [f"<think>\nI add.\n</think>\n\n{CALL}", "It is 8."])
+    api = sdk(client, **{"X-Session-Id": "think-1"})
+    items: list[dict] = [{"role": "user", "content": "What is 7 + 1?"}]
+    r1 = api.responses.create(
+        model="m", input=items, tools=[TOOL], include=["reasoning.encrypted_content"]
+    )
+    reasoning, call = r1.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "I add."
+    assert reasoning.encrypted_content == "I add."
+    assert r1.usage.output_tokens_details.reasoning_tokens == len(thinking.encode("I add."))
+    sent = r1.output if send_reasoning else [call]
+    items += [item.model_dump(exclude_none=True) for item in sent]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": "8"})
+    assert api.responses.create(model="m", input=items, tools=[TOOL]).output_text == "It is 8."
+    record = SessionStore(redis_client, prefix, 60).get("think-1")
+    # Sent back, the reasoning renders as it was recorded: the turn extends the segment.
+    # Dropped, the template renders the turn without its <think> block: a fork, counted.
+    assert record.forks == (0 if send_reasoning else 1), record.fork_reasons

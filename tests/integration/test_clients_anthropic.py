@@ -129,8 +129,11 @@ def test_stream_equals_whole_with_thinking_passed_back(smol_stack):
         with client.messages.stream(
             model=MODEL, max_tokens=24, messages=history, extra_body={"temperature": 1.0}
         ) as stream:
-            deltas = list(stream.text_stream)
+            events = list(stream)
             final = stream.get_final_message()
+        deltas = [e.text for e in events if e.type == "text"]
+        (start,) = [e for e in events if e.type == "message_start"]
+        assert start.message.usage.input_tokens == final.usage.input_tokens
         assert len(deltas) >= 1 and final.stop_reason in ("end_turn", "max_tokens")
         text = "".join(b.text for b in final.content if b.type == "text")
         assert "".join(deltas) == text

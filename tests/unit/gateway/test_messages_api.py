@@ -201,7 +201,7 @@ def test_count_tokens_is_the_rendered_prompt_length(redis_client, prefix, render
             "reads text only",
         ),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, 400, "prefill"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, 400, "format"),
+        ({"output_config": {"format": {"type": "text"}}}, 400, "format"),
         ({"tools": [{**TOOLS[0], "type": "web_search_20250305"}]}, 400, "server tool"),
         (
             {
@@ -245,3 +245,25 @@ def test_auth_errors_are_anthropic_errors_and_x_api_key_is_accepted(redis_client
     # other routes keep OpenAI's error format
     chat = client.post("/v1/chat/completions", json={"messages": []}, headers=bearer)
     assert set(chat.json()) == {"error"} and chat.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_output_config_format_constrains_the_reply_to_the_schema(redis_client, prefix, renderer):
+    client, engine, _ = _env(redis_client, prefix, renderer, ['{"fruit": "apple"}'])
+    schema = {"type": "object", "properties": {"fruit": {"type": "string"}}}
+    body = {
+        "messages": [{"role": "user", "content": "A fruit as JSON."}],
+        "output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+    }
+    msg = _post(client, body).json()
+    assert json.loads(engine.calls[0][1]["json_schema"]) == schema  # the engine's grammar
+    assert msg["content"] == [{"type": "text", "text": '{"fruit": "apple"}'}]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_tool_choice_any_and_tool_force_a_call(redis_client, prefix, renderer, choice):
+    client, engine, _ = _env(redis_client, prefix, renderer, [CALL])
+    body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS, "tool_choice": choice}
+    msg = _post(client, body).json()
+    tag = json.loads(engine.calls[0][1]["structural_tag"])  # the engine got the call grammar
+    assert "get_weather" in json.dumps(tag)
+    assert msg["stop_reason"] == "tool_use" and msg["content"][0]["input"] == {"city": "Paris"}

@@ -14,7 +14,8 @@ Request, block by block (worked examples in tests/unit/gateway/test_messages_con
   arguments, and sessions compare arguments as parsed JSON anyway (recording/history.py), so an
   assistant turn sent back as it was answered extends the recorded segment.
 - `tools` -> function tools (`input_schema` as `parameters`); `tool_choice` auto/none/any/tool
-  -> "auto"/"none"/"required"/a named function; `stop_sequences` -> `stop`; `max_tokens`,
+  -> "auto"/"none"/"required"/a named function; `output_config.format` (json_schema) ->
+  `response_format` json_schema; `stop_sequences` -> `stop`; `max_tokens`,
   `temperature`, `top_p`, `top_k` as they are.
 
 Answer: `reasoning_content` -> a `thinking` block (`signature`: `signature(text)`, a digest of
@@ -193,6 +194,12 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
         )
         if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
             data["parallel_tool_calls"] = False
+        fmt = (body.output_config or {}).get("format")
+        if fmt is not None:
+            data["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": fmt["schema"]},
+            }
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:

@@ -166,17 +166,23 @@ class ConversationRequest(BaseModel):
 
     cache_control: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
-    """`effort` is accepted without effect; a `format` (structured output) is refused."""
+    """`effort` is accepted without effect; `format` `{"type": "json_schema", "schema"}` makes
+    the reply JSON valid for the schema (chat's `response_format`, constrained decoding)."""
     speed: str | None = None
     diagnostics: dict[str, Any] | None = None
 
     @field_validator("output_config")
     @classmethod
     def _output_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if (v or {}).get("format") is not None:
+        fmt = (v or {}).get("format")
+        if fmt is not None and (
+            not isinstance(fmt, dict)
+            or fmt.get("type") != "json_schema"
+            or not isinstance(fmt.get("schema"), dict)
+        ):
             raise ValueError(
-                "output_config.format (structured output) is not supported: the engine has "
-                "no constrained decoding; ask for JSON in the prompt"
+                "output_config.format must be {'type': 'json_schema', 'schema': {...JSON "
+                "schema...}}"
             )
         return v
 

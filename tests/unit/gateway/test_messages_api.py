@@ -267,3 +267,22 @@ def test_tool_choice_any_and_tool_force_a_call(redis_client, prefix, renderer, c
     tag = json.loads(engine.calls[0][1]["structural_tag"])  # the engine got the call grammar
     assert "get_weather" in json.dumps(tag)
     assert msg["stop_reason"] == "tool_use" and msg["content"][0]["input"] == {"city": "Paris"}
+
+
+def test_the_access_checks_message_limit_applies_in_anthropic_format(
+    redis_client, prefix, renderer
+):
+    client, engine, _ = _env(redis_client, prefix, renderer, ["x"])
+    many = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] * 512
+    body = {"messages": [*many, {"role": "user", "content": "c"}]}  # 1025 > max_messages 1024
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        resp = _post(client, body, path=path)
+        assert resp.status_code == 400
+        assert resp.json() == {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "1025 messages; at most 1024 per request",
+            },
+        }
+    assert engine.calls == []

@@ -347,7 +347,9 @@ class SecurityMiddleware:
                 f"the JSON body nests deeper than {self.settings.max_json_depth} levels",
                 code="json_too_deep",
             )
-        if path.endswith(("/chat/completions", "/responses")) and isinstance(data, dict):
+        if isinstance(data, dict) and path.endswith(
+            ("/chat/completions", "/responses", "/v1/messages", "/v1/messages/count_tokens")
+        ):
             self._check_chat(data, "input" if path.endswith("/responses") else "messages")
         return data
 

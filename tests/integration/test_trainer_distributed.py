@@ -89,6 +89,13 @@ def test_two_ranks_take_the_same_step_as_one_process(
         engine.close()
     assert "rank 1 stopped after 1 steps" in out.stdout + out.stderr
     assert [c["weight_version"] for c in engine.calls] == ["1"]  # only rank 0 pushes
+    sharded = tmp_path / "ddp" / "sharded" / "step_00000001"
+    if strategy == "fsdp2":  # every rank wrote its own shards of the model and AdamW
+        assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert (sharded / ".metadata").is_file()
+        assert not (tmp_path / "ddp" / "step_00000001" / "training" / "optimizer.pt").exists()
+    else:
+        assert not sharded.exists()
     one = load_file(tmp_path / "single" / "ckpt" / "step_00000001" / "model.safetensors")
     two = load_file(tmp_path / "ddp" / "step_00000001" / "model.safetensors")
     initial = load_file(model_dir / "model.safetensors")

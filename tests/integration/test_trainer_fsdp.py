@@ -14,13 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flywheel.core.trainer_settings import BatchSettings
 from flywheel.trainer.distributed import World, exit_distributed
-from flywheel.trainer.fsdp import (
-    full_state_dict,
-    gather_checkpoint,
-    load_full_optimizer_state,
-    shard_policy,
-)
+from flywheel.trainer.fsdp import ShardedCheckpointer, full_state_dict, shard_policy
 from flywheel.trainer.step import StepConfig, prepare_batch, train_step
 from flywheel.trainer.weights import load_model
 
@@ -57,7 +53,7 @@ def batch_and_config():
         )
         for i, (p, c) in enumerate(LENGTHS)
     ]
-    cfg = StepConfig(micro_batch_size=2)
+    cfg = StepConfig(batch=BatchSettings(micro_batch_size=2))
     batch, _ = prepare_batch([samples], cfg)
     return batch, cfg
 
@@ -72,24 +68,14 @@ def one_step(model_dir: Path, strategy: str, world: World | None):
     trained = shard_policy(model) if strategy == "fsdp2" else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     batch, cfg = batch_and_config()
-    cfg = dataclasses.replace(cfg, packed=packed)
+    layout = "packed" if packed else "padded"
+    cfg = dataclasses.replace(cfg, batch=BatchSettings(micro_batch_size=2, layout=layout))
     result = train_step(trained, optimizer, batch, cfg, world=world)
     assert not result.skipped, result
     if strategy != "fsdp2":
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, result.metrics
-    # the checkpoint path: full weights and AdamW state gathered on every rank; a fresh
-    # optimizer restored from that full state gathers back to the same state (resume)
-    state, optim = gather_checkpoint(model, optimizer, trained, with_optimizer=True)
-    restored = torch.optim.AdamW(trained.parameters(), lr=1e-2)
-    load_full_optimizer_state(trained, restored, optim)
-    _, again = gather_checkpoint(model, restored, trained, with_optimizer=True)
-    if world is None or world.main:  # the full optimizer state lands on rank 0 only
-        moments = [(name, key) for name, entry in optim["state"].items() for key in entry]
-        assert len(moments) > 10
-        for name, key in moments:
-            torch.testing.assert_close(again["state"][name][key], optim["state"][name][key])
-    assert full_state_dict(model).keys() == state.keys()
-    return state, result.metrics
+    # the weights rank 0 exports (pushes, model.safetensors): gathered from every rank
+    return full_state_dict(model), result.metrics
 
 
 def rank_main(rank: int, size: int, port: int, model_dir: str, strategy: str, out: str) -> None:
@@ -142,3 +128,75 @@ def test_two_ranks_take_the_one_process_step(tiny_model_dir, tmp_path, strategy)
     for key in REPORTED:
         assert two["metrics"][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
     assert two["metrics"]["tokens/trained"] == single_metrics["tokens/trained"]
+
+
+def local_state(trained, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's shards of the parameters and of AdamW's moments (and step), as CPU copies."""
+    out = {f"param/{n}": p.to_local().detach().clone() for n, p in trained.named_parameters()}
+    for i, entry in enumerate(optimizer.state.values()):
+        for key, value in entry.items():
+            local = value.to_local() if hasattr(value, "to_local") else value
+            out[f"optim/{i}/{key}"] = local.detach().clone()
+    return out
+
+
+def checkpoint_rank(rank: int, size: int, port: int, model_dir: str, folder: str) -> None:
+    """Step, save sharded (async), step again while the shards are written, then restore into
+    a fresh policy and optimizer: its shards equal those right after the first step."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        world = World(rank, size)
+        batch, cfg = batch_and_config()
+        trained = shard_policy(load_model(Path(model_dir)))
+        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
+        checkpointer = ShardedCheckpointer(Path(folder), trained, optimizer)
+        assert not train_step(trained, optimizer, batch, cfg, world=world).skipped
+        saved = local_state(trained, optimizer)
+        writing = checkpointer.save(1)
+        assert not train_step(trained, optimizer, batch, cfg, world=world).skipped  # meanwhile
+        moved = local_state(trained, optimizer)
+        writing.result()
+        assert checkpointer.complete(1)
+
+        fresh = shard_policy(load_model(Path(model_dir)))
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        restorer = ShardedCheckpointer(Path(folder), fresh, fresh_optimizer)
+        assert restorer.load(1)  # with its optimizer state
+        restored = local_state(fresh, fresh_optimizer)
+        assert restored.keys() == saved.keys() and len(restored) > 20
+        for key, value in saved.items():
+            torch.testing.assert_close(restored[key], value, atol=0, rtol=0, msg=key)
+        differs = [k for k in saved if k.startswith("param/") and not moved[k].equal(saved[k])]
+        assert differs, "the second step changed the live parameters, not the checkpoint"
+        torch.save(
+            {"keys": sorted(saved), "numel": sum(v.numel() for v in saved.values())},
+            Path(folder) / f"rank{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+    exit_distributed(0)
+
+
+def test_sharded_checkpoint_is_written_per_rank_and_restores_exactly(tiny_model_dir, tmp_path):
+    mp.spawn(
+        checkpoint_rank,
+        args=(2, free_port(), str(tiny_model_dir), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    folder = tmp_path / "sharded" / "step_00000001"
+    shards = sorted(p.name for p in folder.glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # one file per rank, no gathered copy
+    assert (folder / ".metadata").is_file()
+    # each rank wrote its own part: every element of both ranks' shards (parameters, two AdamW
+    # moments: fp32, 4 bytes each) is on disk once, and neither file holds the whole state
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["keys"] == ranks[1]["keys"]
+    elements = sum(r["numel"] for r in ranks)
+    full = sum(p.numel() for p in load_model(tiny_model_dir).parameters())  # tied: once
+    assert elements >= 3 * full * 0.95  # the ranks' shards together: params + 2 moments
+    sizes = [(folder / name).stat().st_size for name in shards]
+    assert sum(sizes) >= 4 * elements
+    assert all(size < 0.75 * 4 * elements for size in sizes), sizes

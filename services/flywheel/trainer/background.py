@@ -52,6 +52,9 @@ class CheckpointJob:
     start: float = 0.0
     end: float = 0.0
     """Wall-clock seconds (time.time()) of the write."""
+    sharded: Any = None
+    """Under FSDP2 the future of every rank's sharded write (the checkpoint is durable when it
+    is done too)."""
 
 
 class CheckpointWriter:
@@ -120,12 +123,20 @@ class PushOutcome:
     end: float = 0.0
     """Wall-clock seconds (time.time()) of the write and the push."""
     write_s: float = 0.0
+    bytes: int = 0
+    """Size of the weights folder written (measured before a newer version can prune it)."""
 
 
 @dataclass
 class _Offer:
     version: int
     snapshot: dict[str, torch.Tensor] = field(repr=False)
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (a checkpoint or a pushed weights folder); 0 when it is
+    gone."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 class BackgroundPusher:
@@ -191,6 +202,7 @@ class BackgroundPusher:
             t0 = time.perf_counter()
             outcome.path = self.write(offer.version, offer.snapshot)
             outcome.write_s = time.perf_counter() - t0
+            outcome.bytes = folder_bytes(outcome.path)
             outcome.report = self.push(outcome.path, offer.version)
         except BaseException as exc:  # noqa: BLE001 (handed to the training thread)
             outcome.error = exc

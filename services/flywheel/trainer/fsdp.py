@@ -23,14 +23,17 @@ refuse those combinations.
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_optimizer_state_dict,
+    get_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -144,31 +147,98 @@ def is_sharded(model: torch.nn.Module) -> TypeGuard[ShardedPolicy]:
     return isinstance(model, ShardedPolicy)
 
 
-def gather_checkpoint(
-    model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    trained: torch.nn.Module,
-    with_optimizer: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """Under FSDP2: the full model state dict and (when `with_optimizer`) the full AdamW state
-    dict. Collective: every rank calls it after each committed step; rank 0 saves them."""
-    state = full_state_dict(model)
-    optim = (
-        get_optimizer_state_dict(
-            trained, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+class ShardedCheckpointer:
+    """Full checkpoints of the FSDP2 model and AdamW state, sharded: every rank writes its own
+    shards with `torch.distributed.checkpoint` (no gather of AdamW to rank 0) under
+    `<root>/sharded/step_<8 digits>/` (`__<rank>_0.distcp` files and a `.metadata` index the
+    coordinator writes last, so a folder with `.metadata` is complete).
+
+    `save` is `dcp.async_save`: the shards are copied to CPU memory before it returns (training
+    may change the parameters at once) and written in a background thread over a gloo group of
+    their own, so the writes never interleave with FSDP's collectives. A later `save`, `wait` or
+    `load` waits for the write in flight. Collective: every rank builds it in the same order and
+    calls `save` / `load` for the same steps.
+    """
+
+    def __init__(self, root: Path, trained: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self.root = root / "sharded"
+        self.trained = trained
+        self.optimizer = optimizer
+        self.group = dist.new_group(backend="gloo")
+        self.pending: Future[Any] | None = None
+
+    def path_for(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def complete(self, step: int) -> bool:
+        """The shards of `step` are all written (their `.metadata` exists)."""
+        return (self.path_for(step) / ".metadata").is_file()
+
+    def save(self, step: int, with_optimizer: bool = True) -> Future[Any]:
+        """Stage this rank's shards of the model (and AdamW when `with_optimizer`) and write them
+        in the background; the future is done when every rank's shards are on disk."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        self.wait()
+        model_state, optim_state = get_state_dict(self.trained, self.optimizer)
+        state: dict[str, Any] = {"model": model_state}
+        if with_optimizer:
+            state["optim"] = optim_state
+        self.pending = cast(
+            "Future[Any]",
+            dcp.async_save(state, checkpoint_id=self.path_for(step), process_group=self.group),
         )
-        if with_optimizer
-        else None
-    )
-    return state, optim
+        return self.pending
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; raises its error."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+    def load(self, step: int) -> bool:
+        """Load this rank's shards of `step` into the model and (when saved) AdamW; False when
+        the step has no complete sharded checkpoint (nothing changed)."""
+        import torch.distributed.checkpoint as dcp  # noqa: PLC0415
+
+        self.wait()
+        path = self.path_for(step)
+        if not self.complete(step):
+            return False
+        model_state, optim_state = get_state_dict(self.trained, self.optimizer)
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        with_optimizer = any(k.startswith("optim.") for k in keys)
+        state: dict[str, Any] = {"model": model_state}
+        if with_optimizer:
+            state["optim"] = optim_state
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        set_state_dict(
+            self.trained,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
+        return with_optimizer
+
+    def prune(self, keep: set[int]) -> None:
+        """Delete the sharded checkpoints of steps not in `keep` (rank 0, after a save)."""
+        import shutil  # noqa: PLC0415
+
+        if not self.root.is_dir():
+            return
+        for folder in self.root.glob("step_*"):
+            if int(folder.name.removeprefix("step_")) not in keep:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_full_optimizer_state(
     trained: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
-    """Shard a full AdamW state dict (as `gather_checkpoint` wrote it) onto this rank's
-    optimizer. Collective: every rank calls it; rank 0's `state` is broadcast (the other
-    ranks' may be empty)."""
+    """Shard a full AdamW state dict (`training/optimizer.pt` of a checkpoint written before
+    checkpoints were sharded) onto this rank's optimizer. Collective: every rank calls it; rank
+    0's `state` is broadcast (the other ranks' may be empty)."""
     set_optimizer_state_dict(
         trained,
         optimizer,

@@ -64,6 +64,8 @@ class TrainerParts:
     trained: torch.nn.Module | None = None
     """What `train_step` runs: the FSDP2 root (`ShardedPolicy`) under fsdp2, else None (the
     model itself)."""
+    sharded: Any = None
+    """Under fsdp2 the `ShardedCheckpointer` (every rank writes its own shards), else None."""
 
 
 @dataclass
@@ -79,6 +81,8 @@ class Policy:
     source_dir: Path
     trained: torch.nn.Module | None = None
     """The FSDP2 root under fsdp2 (what train_step runs), else None."""
+    sharded: Any = None
+    """The `ShardedCheckpointer` under fsdp2, else None."""
 
 
 def build_policy(settings: FlywheelSettings, world: World | None = None) -> Policy:
@@ -128,9 +132,16 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
         log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
     optimizer = build_optimizer(model, s.optim)
     scheduler = build_scheduler(optimizer, s.optim)
+    sharded = None
+    if trained is not None:
+        from flywheel.trainer.fsdp import ShardedCheckpointer  # noqa: PLC0415
+
+        sharded = ShardedCheckpointer(Path(s.checkpoint.dir), trained, optimizer)
     if latest is not None:
-        restore_training_state(optimizer, scheduler, latest, trained)
-    return Policy(model, optimizer, scheduler, reference, latest, store, source_dir, trained)
+        restore_training_state(optimizer, scheduler, latest, trained, sharded)
+    return Policy(
+        model, optimizer, scheduler, reference, latest, store, source_dir, trained, sharded
+    )
 
 
 def check_teacher_inputs(settings: FlywheelSettings) -> None:
@@ -204,7 +215,12 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
     while True:
         message = world.broadcast(None)
         if message[0] == "stop":
+            if policy.sharded is not None:
+                policy.sharded.wait()
             return steps
+        if message[0] == "checkpoint":  # rank 0 checkpoints: every rank writes its shards
+            policy.sharded.save(message[1], settings.trainer.checkpoint.save_optimizer)
+            continue
         _, payloads, treatments = message
         groups = [[decode_sample(p) for p in group] for group in payloads]
         batch, _ = prepare_batch(groups, cfg, treatments)
@@ -217,15 +233,10 @@ def run_follower(settings: FlywheelSettings, world: World) -> int:
             scheduler=policy.scheduler,
             world=world,
         )
-        if not result.skipped and policy.trained is not None:  # rank 0 saves a checkpoint
-            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
+        if not result.skipped and policy.trained is not None:  # rank 0 exports the weights
+            from flywheel.trainer.fsdp import full_state_dict  # noqa: PLC0415
 
-            gather_checkpoint(
-                policy.model,
-                policy.optimizer,
-                policy.trained,
-                settings.trainer.checkpoint.save_optimizer,
-            )
+            full_state_dict(policy.model)
         steps += not result.skipped
 
 
@@ -234,18 +245,24 @@ def restore_training_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     latest: Checkpoint,
     trained: torch.nn.Module | None = None,
+    sharded: Any = None,
 ) -> None:
     """AdamW and scheduler state of `latest`, where it has them (logged when not). Under
-    FSDP2 (`trained` is the root) the saved full AdamW state is sharded onto this rank."""
-    optimizer_state = load_training_state(latest.path, "optimizer")
-    if optimizer_state is not None and trained is not None:
+    FSDP2 (`trained` is the root) every rank loads its own shards of the model and AdamW
+    (`sharded`, collective); a checkpoint written before sharding has its full AdamW state
+    sharded onto this rank instead."""
+    optimizer_state = None
+    if sharded is not None and sharded.complete(latest.step):
+        if not sharded.load(latest.step):
+            log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
+    elif (optimizer_state := load_training_state(latest.path, "optimizer")) is None:
+        log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
+    elif trained is not None:
         from flywheel.trainer.fsdp import load_full_optimizer_state  # noqa: PLC0415
 
         load_full_optimizer_state(trained, optimizer, optimizer_state)
-    elif optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
     else:
-        log.warning("checkpoint %s has no optimizer state; AdamW starts fresh", latest.path)
+        optimizer.load_state_dict(optimizer_state)
     scheduler_state = load_training_state(latest.path, "scheduler")
     if scheduler_state is not None and scheduler is not None:
         scheduler.load_state_dict(scheduler_state)
@@ -255,17 +272,18 @@ def training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     save_optimizer: bool,
-    optimizer_state: dict[str, Any] | None = None,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """What a checkpoint keeps under `training/` (`restore_training_state` reads it back):
-    AdamW state (`optimizer_state` when FSDP2 gathered it, else the optimizer's own), the RNG
-    states and the scheduler's; {} when `save_optimizer` is off."""
+    AdamW state (not under FSDP2, `sharded`: every rank's shards are in the sharded
+    checkpoint), the RNG states and the scheduler's; {} when `save_optimizer` is off."""
     if not save_optimizer:
         return {}
     state: dict[str, Any] = {
-        "optimizer": optimizer_state or optimizer.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
     }
+    if not sharded:
+        state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     return state

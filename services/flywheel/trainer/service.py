@@ -41,6 +41,7 @@ from flywheel.trainer.background import (
 )
 from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
 from flywheel.trainer.distributed import World
+from flywheel.trainer.fsdp import full_state_dict
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.policy import TrainerParts, build_policy, build_pusher, training_state
 from flywheel.trainer.redis_retry import retry_redis
@@ -107,6 +108,7 @@ def build_trainer(
         version=latest.step if latest else 0,
         world=world,
         trained=policy.trained,
+        sharded=policy.sharded,
     )
     if isinstance(source, FakeSource):
         source.version = lambda: parts.version
@@ -168,7 +170,7 @@ class Trainer:
         """True while a recorded step is trained again (its metrics line says `replayed`)."""
         self._io_metrics: dict[str, float] = {}
         """Background checkpoint/push results, reported with the next step's metrics."""
-        self._gathered: tuple[Any, Any] = (None, None)
+        self._gathered: dict[str, torch.Tensor] | None = None
         """FSDP2: the full model and AdamW state gathered at the last step."""
         background = self.s.background_io
         self.writer = CheckpointWriter(self._save_checkpoint, enabled=background)
@@ -401,15 +403,8 @@ class Trainer:
         sample_ids = [e.sample.sample_id for e in entries]
         version = self.version + 1
         t0 = time.perf_counter()
-        if self.parts.trained is not None:  # FSDP2: every rank gathers, rank 0 saves
-            from flywheel.trainer.fsdp import gather_checkpoint  # noqa: PLC0415
-
-            self._gathered = gather_checkpoint(
-                self.parts.model,
-                self.parts.optimizer,
-                self.parts.trained,
-                self.s.checkpoint.save_optimizer,
-            )
+        if self.parts.trained is not None:  # FSDP2: every rank gathers the weights to export
+            self._gathered = full_state_dict(self.parts.model)
         record = CommitRecord(
             version,
             [
@@ -464,8 +459,8 @@ class Trainer:
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The servable weights: the FSDP2 gather, a LoRA merge, or the model's own."""
-        if self._gathered[0] is not None:
-            return self._gathered[0]
+        if self._gathered is not None:
+            return self._gathered
         base, merged = servable_state(self.parts.model)
         return merged if merged is not None else base.state_dict()
 
@@ -495,18 +490,25 @@ class Trainer:
                     self.parts.optimizer,
                     self.parts.scheduler,
                     self.s.checkpoint.save_optimizer,
-                    *self._gathered[1:],
+                    sharded=self.parts.sharded is not None,
                 )
             ),
             state=state,
             entry_ids=state["entry_ids"],
         )
+        if self.parts.sharded is not None:  # FSDP2: every rank writes its own shards
+            cast(World, self.parts.world).broadcast(("checkpoint", self.version))
+            job.sharded = self.parts.sharded.save(self.version, self.s.checkpoint.save_optimizer)
         return self.writer.submit(job)
 
     def _save_checkpoint(self, job: CheckpointJob) -> Path:
-        return self.parts.store.save(
+        path = self.parts.store.save(
             job.model, job.step, job.state, job.training, state_dict=job.state_dict
         )
+        if job.sharded is not None:  # durable once every rank's shards are written too
+            job.sharded.result()
+            self.parts.sharded.prune(set(self.parts.store.steps()))
+        return path
 
     def _settle(self, raise_errors: bool = True) -> None:
         """Handle finished background work: ack the entries of durable checkpoints, record

@@ -167,6 +167,10 @@ class CheckpointStore:
             if not leftover.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(leftover, ignore_errors=True)
 
+    def steps(self) -> list[int]:
+        """Steps with a published checkpoint (after pruning: the newest `keep`)."""
+        return self._steps()
+
     def _steps(self) -> list[int]:
         if not self.root.is_dir():
             return []

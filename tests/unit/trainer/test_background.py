@@ -3,6 +3,7 @@ handed back, and the synchronous mode."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -91,11 +92,11 @@ def test_pushes_run_one_at_a_time_and_skip_a_version_overtaken_while_waiting():
     pusher.close()
 
 
-def test_a_push_that_failed_everywhere_is_handed_back():
+def test_a_push_that_failed_everywhere_is_handed_back(tmp_path):
     def push(path, version):
         raise UpstreamError("no engine took it")
 
-    pusher = BackgroundPusher(lambda v, s: Path("."), push)
+    pusher = BackgroundPusher(lambda v, s: tmp_path, push)
     pusher.offer(4, {})
     pusher.wait(5)
     (outcome,) = pusher.results()
@@ -103,15 +104,34 @@ def test_a_push_that_failed_everywhere_is_handed_back():
     pusher.close()
 
 
-def test_disabled_runs_in_the_calling_thread():
+def test_disabled_runs_in_the_calling_thread(tmp_path):
     threads: list[str] = []
 
     def push(path, version):
         threads.append(threading.current_thread().name)
         return PushReport(version, [], {}, 0.0)
 
-    BackgroundPusher(lambda v, s: Path("."), push, enabled=False).offer(1, {})
+    BackgroundPusher(lambda v, s: tmp_path, push, enabled=False).offer(1, {})
     assert threads == [threading.current_thread().name]
+
+
+def test_a_push_reports_the_bytes_it_wrote_before_the_folder_can_be_pruned(tmp_path):
+    def write(version, snapshot):
+        folder = tmp_path / f"v_{version}"
+        (folder / "sub").mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+        (folder / "sub" / "config.json").write_bytes(b"{}")
+        return folder
+
+    def push(path, version):
+        shutil.rmtree(path)  # pruned right after the load: the size was taken before
+        return PushReport(version, ["e"], {}, 0.0)
+
+    pusher = BackgroundPusher(write, push, enabled=False)
+    pusher.offer(7, {})
+    (outcome,) = pusher.results()
+    assert (outcome.version, outcome.bytes) == (7, 1000 + 2)  # both files, nested too
+    assert outcome.end >= outcome.start > 0
 
 
 def test_a_snapshot_does_not_follow_later_updates_and_keeps_ties():

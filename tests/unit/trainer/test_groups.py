@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flywheel.core.codec import encode_sample
 from flywheel.core.streams import StreamEntry
+from flywheel.core.trainer_settings import StalenessSettings
 from flywheel.trainer.groups import DropReason, GroupAssembler
 from flywheel.trainer.samples import sample_lag
 from flywheel.trainer.staleness import StalenessPolicy, Treatment
@@ -198,7 +199,7 @@ def test_stale_members_down_weighted_or_is_corrected_by_policy():
     asm, _ = assembler(group_size=2)
     asm.add(entry(group_id="a", version=5))
     asm.add(entry(group_id="a", version=1))  # lag 4 > 2
-    policy = StalenessPolicy(max_staleness=2, mode="downweight", decay=0.5)
+    policy = StalenessPolicy(StalenessSettings(max_staleness=2, policy="downweight", decay=0.5))
     groups, drops, lags = asm.pop_ready(1, trainer_version=5, staleness=policy)
     assert drops == [] and lags == [0, 4]
     assert groups[0].treatments == [(Treatment.FRESH, 1.0), (Treatment.DOWNWEIGHT, 0.25)]

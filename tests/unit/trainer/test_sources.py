@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flywheel.core.errors import ContractError
+from flywheel.core.trainer_settings import StalenessSettings
 from flywheel.trainer.samples import check_trainable
 from flywheel.trainer.sources import FakeSource, RecordingSource, ReplaySource, SampleDump
 from flywheel.trainer.staleness import StalenessPolicy, Treatment
@@ -79,13 +80,16 @@ def test_recording_source_appends_what_it_hands_out(tmp_path):
 
 def test_staleness_policy_worked_examples():
     # max_staleness 2, decay 0.5: lag 2 fresh; lag 4 -> 0.5 ** (4 - 2) = 0.25 when down-weighted
-    assert StalenessPolicy(2, "drop").treat(2) == (Treatment.FRESH, 1.0)
-    assert StalenessPolicy(2, "drop").treat(3) == (Treatment.DROP, 0.0)
-    assert StalenessPolicy(2, "downweight", 0.5).treat(4) == (Treatment.DOWNWEIGHT, 0.25)
-    assert StalenessPolicy(2, "is_correct").treat(9) == (Treatment.IS_CORRECT, 1.0)
-    assert StalenessPolicy(2, "is_correct", hard_limit=8).treat(9) == (Treatment.DROP, 0.0)
+    def policy(name: str, **kw) -> StalenessPolicy:
+        return StalenessPolicy(StalenessSettings(max_staleness=2, policy=name, **kw))
+
+    assert policy("drop").treat(2) == (Treatment.FRESH, 1.0)
+    assert policy("drop").treat(3) == (Treatment.DROP, 0.0)
+    assert policy("downweight", decay=0.5).treat(4) == (Treatment.DOWNWEIGHT, 0.25)
+    assert policy("is_correct").treat(9) == (Treatment.IS_CORRECT, 1.0)
+    assert policy("is_correct", hard_limit=8).treat(9) == (Treatment.DROP, 0.0)
     with pytest.raises(ValueError):
-        StalenessPolicy(2, "sometimes")
+        policy("sometimes")
 
 
 def test_check_trainable_refuses_ids_outside_the_vocabulary_and_non_finite_rewards():

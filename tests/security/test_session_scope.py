@@ -13,6 +13,8 @@ from flywheel.core.errors import NotFoundError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
 TEXT = {"model": "m", "prompt": "7 + 1 =", "max_tokens": 4}
+COUNT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
+MESSAGE = {**COUNT, "max_tokens": 4}
 
 # (method, path, body, use the X-Session-Id header instead of the path)
 SESSION_ENDPOINTS = [
@@ -23,6 +25,10 @@ SESSION_ENDPOINTS = [
     ("POST", "/v1/chat/completions", CHAT, True),
     ("POST", "/s/{sid}/v1/completions", TEXT, False),
     ("POST", "/v1/completions", TEXT, True),
+    ("POST", "/s/{sid}/v1/messages", MESSAGE, False),
+    ("POST", "/v1/messages", MESSAGE, True),
+    ("POST", "/s/{sid}/v1/messages/count_tokens", COUNT, False),
+    ("POST", "/v1/messages/count_tokens", COUNT, True),
     ("POST", "/v1/sessions/{sid}/keys", {}, False),
     ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}, False),
 ]

@@ -62,7 +62,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     app.add_middleware(SessionHeaders, settings=deps.settings)  # gateway.session_headers
     install_security(app, deps)  # API keys, roles, session scoping, limits
     install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
-    app.include_router(messages.router)  # Anthropic Messages (api/messages.py)
+    messages.install(app)  # Anthropic Messages (api/messages.py)
     responses.install(app, deps)  # OpenAI Responses (api/responses.py)
     app.add_middleware(AnthropicErrors)  # outermost: Anthropic error JSON on its paths
 

@@ -19,7 +19,7 @@ import dataclasses
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from flywheel.gateway.access.principal import owner_of
@@ -32,8 +32,6 @@ from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.engines.stops import reconcile_stop
 from flywheel.gateway.render.tokenization import render_call, text_size
-
-router = APIRouter()
 
 
 class EngineProbe:
@@ -145,7 +143,6 @@ async def count_tokens(d: GatewayDeps, body: CountTokensRequest) -> dict[str, in
     return {"input_tokens": len(ids)}
 
 
-@router.post("/v1/messages", response_model=None)
 async def messages(
     body: MessagesRequest,
     request: Request,
@@ -158,7 +155,6 @@ async def messages(
     )
 
 
-@router.post("/s/{session_id}/v1/messages", response_model=None)
 async def session_messages(
     session_id: str,
     body: MessagesRequest,
@@ -169,13 +165,20 @@ async def session_messages(
     return await create_message(d, body, session_id, None, x_turn_type, "", request.receive)
 
 
-@router.post("/v1/messages/count_tokens")
 async def messages_count_tokens(body: CountTokensRequest, d: Deps) -> dict[str, int]:
     return await count_tokens(d, body)
 
 
-@router.post("/s/{session_id}/v1/messages/count_tokens")
 async def session_messages_count_tokens(
     session_id: str, body: CountTokensRequest, d: Deps
 ) -> dict[str, int]:
     return await count_tokens(d, body)
+
+
+def install(app: FastAPI) -> None:
+    """Add the Messages routes to the gateway app (`/v1/messages`, `/v1/messages/count_tokens`
+    and their `/s/{session_id}/` forms)."""
+    app.post("/v1/messages", response_model=None)(messages)
+    app.post("/s/{session_id}/v1/messages", response_model=None)(session_messages)
+    app.post("/v1/messages/count_tokens")(messages_count_tokens)
+    app.post("/s/{session_id}/v1/messages/count_tokens")(session_messages_count_tokens)

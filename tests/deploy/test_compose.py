@@ -250,7 +250,7 @@ def test_gpu_profile_runs_sglang_with_the_flags_flywheel_needs(compose, monkeypa
     assert tr.model_path == model and tr.device == "cuda"
     mounts = {v.split(":")[1]: v.split(":")[0] for v in sglang["volumes"]}
     trainer_mounts = {v.split(":")[1]: v.split(":")[0] for v in trainer["volumes"]}
-    assert mounts[tr.checkpoint_dir] == trainer_mounts[tr.checkpoint_dir] == "checkpoints"
+    assert mounts[tr.checkpoint.dir] == trainer_mounts[tr.checkpoint.dir] == "checkpoints"
     for svc in (sglang, trainer):
         (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["count"] >= 1

@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,8 @@ CONTEXT_LENGTH = 131_072
 """The gateways' context window: the stub engine has none, long-session benches need room."""
 RESPONSES_BODY = {"model": "m", "input": "What is 7 + 1?", "max_output_tokens": 8}
 """The same turn as `BODY` through `POST /v1/responses` (stored, as by default)."""
+ROUNDS: dict[tuple[str, int], list[dict[str, float]]] = {}
+"""Every round's result per (target, concurrency), in order (the report takes the best)."""
 TARGETS = [
     "direct",
     "proxy",
@@ -279,9 +282,19 @@ def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> l
         lines.append(f"this tree / {rev} (recorded, cpu per request; target <= 1.0):")
         for c in LEVELS:
             a, b = results[("gateway-recorded", c)], results[("gateway-recorded-B", c)]
+            each = [
+                ra["cpu_ms"] / rb["cpu_ms"]
+                for ra, rb in zip(
+                    ROUNDS.get(("gateway-recorded", c), []),
+                    ROUNDS.get(("gateway-recorded-B", c), []),
+                    strict=True,
+                )
+            ]
             lines.append(
                 f"  concurrency {c:>2}: {a['cpu_ms']:.2f} / {b['cpu_ms']:.2f} ms = "
-                f"x{a['cpu_ms'] / b['cpu_ms']:.2f}; req/s x{a['rps'] / b['rps']:.2f}"
+                f"x{a['cpu_ms'] / b['cpu_ms']:.2f}; req/s x{a['rps'] / b['rps']:.2f}; "
+                f"cpu per round {', '.join(f'x{r:.2f}' for r in each)} "
+                f"(median x{statistics.median(each or [float('nan')]):.2f})"
             )
     if not {"direct", "proxy", "proxy-httpx", "gateway", "responses"} <= set(TARGETS):
         return lines
@@ -334,7 +347,9 @@ async def measure(
         for c in LEVELS:
             for t in TARGETS:
                 key = (t, c)
-                results[key] = best(results.get(key), await cell(urls[t], t, c, n, pids[t]))
+                got = await cell(urls[t], t, c, n, pids[t])
+                ROUNDS.setdefault(key, []).append(got)
+                results[key] = best(results.get(key), got)
                 print(f"  {t} at {c}: {results[key]['rps']:.0f} req/s", file=sys.stderr, flush=True)
     return results
 

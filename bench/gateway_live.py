@@ -5,14 +5,22 @@ publishes the previous turn's Sample with its next state and stores the new turn
 instant stub engine; beside it, in the same run, the same number of unrecorded requests.
 
     .venv/bin/python bench/gateway_live.py [--agents 16] [--turns 4] [--sessions 10]
+        [--compare-rev REV] [--rounds 1]
 
 Prints requests/s, p50 latency and the CPU ms per request of the gateway plus Redis for both.
+`--compare-rev REV` also runs the live sessions on the gateway of git revision REV (beside this
+tree's, same Redis and stub, rounds interleaved; bench/gateway.py `export_rev`) and prints the
+ratio of this tree's live CPU per request to REV's (best of `--rounds`). With `--together` the
+two trees' live loads run at the same time instead of one after the other, so both meet the
+same machine load (for a shared, busy machine); their CPU per request is then each gateway
+process's own, without the Redis they share.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
@@ -54,7 +62,10 @@ async def _agent(
             ]
 
 
-async def run(base: str, pids: list[int], args: argparse.Namespace, live: bool) -> str:
+async def run(
+    base: str, pids: list[int], args: argparse.Namespace, live: bool, name: str = ""
+) -> tuple[str, float]:
+    """One load run: its report line and its CPU ms per request."""
     async with aiohttp.ClientSession() as http:
         await asyncio.gather(
             *[_agent(http, base, 1, args.turns, live, []) for _ in range(args.agents)]
@@ -69,10 +80,28 @@ async def run(base: str, pids: list[int], args: argparse.Namespace, live: bool) 
         )
         wall, cpu = time.perf_counter() - t0, bench._cpu_s(pids) - cpu0
     latencies.sort()
+    per = cpu * 1000 / len(latencies)
+    label = name or ("live sessions" if live else "unrecorded")
     return (
-        f"{'live sessions' if live else 'unrecorded':<14}{len(latencies):>9}"
+        f"{label:<22}{len(latencies):>9}"
         f"{len(latencies) / wall:>9.0f}{latencies[len(latencies) // 2] * 1000:>9.1f}"
-        f"{cpu * 1000 / len(latencies):>11.2f}"
+        f"{per:>11.2f}"
+    ), per
+
+
+async def _runs(
+    urls: dict[str, str],
+    pids: dict[str, list[int]],
+    args: argparse.Namespace,
+    group: tuple[tuple[str, bool, str], ...],
+) -> list[tuple[str, float]]:
+    """The runs of `group` at the same time (target, live, name each)."""
+    # At the same time both would count the shared Redis's CPU: then the gateways' own only.
+    key = (
+        (lambda t: t) if len(group) > 1 else (lambda t: t.replace("gateway", "gateway-recorded", 1))
+    )
+    return await asyncio.gather(
+        *[run(urls[t], pids[key(t)], args, live, name) for t, live, name in group]
     )
 
 
@@ -83,23 +112,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--sessions", type=int, default=10, help="sessions per agent")
+    parser.add_argument("--compare-rev", metavar="REV", default="")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (best kept)")
+    parser.add_argument(
+        "--together", action="store_true", help="with --compare-rev: both live loads at once"
+    )
     args = parser.parse_args(argv)
     procs: list = []
     redis = None
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-live-") as tmp:
         try:
-            urls, redis, pids = bench.start(procs, Path(tmp))
-            lines = [
-                asyncio.run(run(urls["gateway"], pids["gateway-recorded"], args, live))
-                for live in (True, False)
-            ]
+            rev = args.compare_rev
+            source_b = bench.export_rev(rev, Path(tmp)) if rev else None
+            urls, redis, pids = bench.start(procs, Path(tmp), source_b=source_b)
+            runs = [("gateway", True, "live sessions"), ("gateway", False, "unrecorded")]
+            if rev:
+                runs.append(("gateway-B", True, f"live sessions, {rev}"))
+            best: dict[str, tuple[str, float]] = {}
+            ratios: list[float] = []
+            for _ in range(args.rounds):  # interleaved: drifting load hits both trees alike
+                if args.together and rev:
+                    batch = [(runs[1],), (runs[0], runs[2])]
+                else:
+                    batch = [(r,) for r in runs]
+                this: dict[str, float] = {}
+                for group in batch:
+                    for (_, _, name), got in zip(
+                        group, asyncio.run(_runs(urls, pids, args, group)), strict=True
+                    ):
+                        this[name] = got[1]
+                        if name not in best or got[1] < best[name][1]:
+                            best[name] = got
+                if rev:
+                    ratios.append(this["live sessions"] / this[f"live sessions, {rev}"])
+            lines = [best[name][0] for _, _, name in runs]
+            if rev:
+                a, b = best["live sessions"][1], best[f"live sessions, {rev}"][1]
+                lines.append(
+                    f"live CPU per request, this tree / {rev}: x{a / b:.2f} (best of each)"
+                )
+                each = ", ".join(f"x{r:.2f}" for r in ratios)
+                lines.append(f"  per round: {each}; median x{statistics.median(ratios):.2f}")
         finally:
             for proc in procs:
                 proc.kill()
             if redis is not None:
                 redis.stop()
     print(f"{args.agents} agents x {args.sessions} sessions x {args.turns} turns")
-    print(f"{'requests':<14}{'count':>9}{'req/s':>9}{'p50 ms':>9}{'cpu ms/req':>11}")
+    print(f"{'requests':<22}{'count':>9}{'req/s':>9}{'p50 ms':>9}{'cpu ms/req':>11}")
     print("\n".join(lines))
     return 0
 

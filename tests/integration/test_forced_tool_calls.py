@@ -134,12 +134,13 @@ def test_response_format_json_schema_returns_valid_json(smol_stack):
     _faithful(smol_stack, sid, 1)
 
 
-def test_responses_required_and_anthropic_any_force_a_call(smol_stack):
+def test_responses_required_forces_a_call(smol_stack):
     responses = _chat(smol_stack, "forced-responses").responses.create(
         model=MODEL,
         input="What is the weather like in Paris today?",
         tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_PARAMS}],
         tool_choice="required",
+        parallel_tool_calls=False,
         temperature=1.0,
         max_output_tokens=80,
     )
@@ -148,6 +149,8 @@ def test_responses_required_and_anthropic_any_force_a_call(smol_stack):
     jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
     _faithful(smol_stack, "forced-responses", 1)
 
+
+def test_anthropic_named_tool_forces_that_call(smol_stack):
     claude = anthropic.Anthropic(
         base_url=smol_stack.gateway,
         api_key="local",

@@ -341,3 +341,17 @@ def test_reasoning_items_sent_back_keep_a_thinking_template_on_the_recorded_ids(
     # Sent back, the reasoning renders as it was recorded: the turn extends the segment.
     # Dropped, the template renders the turn without its <think> block: a fork, counted.
     assert record.forks == (0 if send_reasoning else 1), record.fork_reasons
+
+
+def test_a_configured_session_header_names_chat_sessions_too(gw):
+    make, _, _ = gw
+    client, _ = make(["a", "b"], session_headers=["x-conversation-id"])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    reply = client.post("/v1/chat/completions", json=chat, headers={"x-conversation-id": "c-1"})
+    assert reply.status_code == 200, reply.text
+    assert client.get("/v1/sessions/c-1").json()["turns"] == 1
+    # X-Session-Id, when sent, wins over the configured header.
+    both = {"x-conversation-id": "c-1", "X-Session-Id": "explicit-1"}
+    assert client.post("/v1/chat/completions", json=chat, headers=both).status_code == 200
+    assert client.get("/v1/sessions/explicit-1").json()["turns"] == 1
+    assert client.get("/v1/sessions/c-1").json()["turns"] == 1

@@ -14,6 +14,9 @@ Targets, each a real process on loopback, all answering the same chat request:
   Redis: lock, stitch, save), i.e. the gateway's overhead with recording included;
 - responses, responses-recorded: the same turn through `POST /v1/responses` on the same
   gateway (its CPU per request compared with the chat route's: target within 1.2x).
+- messages, messages-recorded: the same turn through `POST /v1/messages` (Anthropic Messages)
+  on the same gateway (target within 1.2x of the chat route's CPU per request, printed even
+  when `--targets` picks only gateway, gateway-recorded, messages, messages-recorded).
 For each target and concurrency 1/16/64: requests/s and p50/p99 latency over `--requests`
 timed requests after a warm-up (best of `--rounds` interleaved rounds; the load comes from an
 aiohttp client, bench/peers/request_loop.py), the latency each adds
@@ -56,6 +59,14 @@ CONTEXT_LENGTH = 131_072
 """The gateways' context window: the stub engine has none, long-session benches need room."""
 RESPONSES_BODY = {"model": "m", "input": "What is 7 + 1?", "max_output_tokens": 8}
 """The same turn as `BODY` through `POST /v1/responses` (stored, as by default)."""
+MESSAGES_BODY = {
+    "model": "m",
+    "max_tokens": 8,
+    "messages": [{"role": "user", "content": "What is 7 + 1?"}],
+}
+"""The same turn as `BODY` through `POST /v1/messages`."""
+ROUTES = {"responses": "/v1/responses", "messages": "/v1/messages"}
+"""A target's route by its first word (any other target: /v1/chat/completions)."""
 ROUNDS: dict[tuple[str, int], list[dict[str, float]]] = {}
 """Every round's result per (target, concurrency), in order (the report takes the best)."""
 TARGETS = [
@@ -66,6 +77,8 @@ TARGETS = [
     "gateway-recorded",
     "responses",
     "responses-recorded",
+    "messages",
+    "messages-recorded",
 ]
 
 
@@ -179,6 +192,7 @@ def start(
     gateway, proc = _gateway(procs, work, "gateway", redis.url, stub, tokenizer, {})
     urls = {"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway}
     urls |= {"responses": gateway, "responses-recorded": gateway}
+    urls |= {"messages": gateway, "messages-recorded": gateway}
     pids = {
         "direct": [procs[0].pid],
         "proxy": [procs[1].pid],
@@ -187,6 +201,8 @@ def start(
         "gateway-recorded": [proc.pid, redis.proc.pid],
         "responses": [proc.pid, redis.proc.pid],  # a stored response is one Redis SET
         "responses-recorded": [proc.pid, redis.proc.pid],
+        "messages": [proc.pid],
+        "messages-recorded": [proc.pid, redis.proc.pid],
     }
     if ab is not None or source_b is not None:
         urls["gateway-B"], proc = _gateway(
@@ -206,7 +222,7 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
-    route = "/v1/responses" if target.startswith("responses") else "/v1/chat/completions"
+    route = ROUTES.get(target.split("-")[0], "/v1/chat/completions")
     if "recorded" not in target:
         return [route] * k
     made = await asyncio.gather(
@@ -219,7 +235,8 @@ async def cell(
     base: str, target: str, concurrency: int, n: int, pids: list[int]
 ) -> dict[str, float]:
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
-    body = RESPONSES_BODY if target.startswith("responses") else BODY
+    kind = target.split("-")[0]
+    body = {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(kind, BODY)
     async with Driver(base, concurrency) as client:
         await client.drain(await _paths(client, target, 2 * concurrency), body)  # warm-up
         timed = await _paths(client, target, n)
@@ -296,6 +313,7 @@ def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> l
                 f"cpu per round {', '.join(f'x{r:.2f}' for r in each)} "
                 f"(median x{statistics.median(each or [float('nan')]):.2f})"
             )
+    lines += _messages_ratios(results)
     if not {"direct", "proxy", "proxy-httpx", "gateway", "responses"} <= set(TARGETS):
         return lines
     lines.append("")
@@ -336,6 +354,23 @@ def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> l
                 f"{ratio(b['cpu_ms'], rec['cpu_ms'])}, req/s "
                 f"{ratio(b['rps'], rec['rps'])})"
             )
+    return lines
+
+
+def _messages_ratios(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
+    """/v1/messages CPU per request over the chat route's, unrecorded and recorded (when both
+    ran)."""
+    need = ("gateway", "gateway-recorded", "messages", "messages-recorded")
+    if not all((t, c) in results for t in need for c in LEVELS):
+        return []
+    lines = ["", "/v1/messages / chat (cpu per request; target <= 1.2):"]
+    for c in LEVELS:
+        plain, rec = results[("gateway", c)]["cpu_ms"], results[("gateway-recorded", c)]["cpu_ms"]
+        m, m_rec = results[("messages", c)]["cpu_ms"], results[("messages-recorded", c)]["cpu_ms"]
+        lines.append(
+            f"  concurrency {c:>2}: unrecorded {m:.2f} / {plain:.2f} ms = x{m / plain:.2f}; "
+            f"recorded {m_rec:.2f} / {rec:.2f} ms = x{m_rec / rec:.2f}"
+        )
     return lines
 
 

@@ -1,13 +1,15 @@
-"""The chat completion and Responses routes without FastAPI's routing and dependency layers.
+"""The chat completion, Responses and Messages routes without FastAPI's routing and dependency
+layers.
 
 `POST /v1/chat/completions` and `/s/<id>/v1/chat/completions` are most of a gateway's traffic
-(`POST /v1/responses` and `/s/<id>/v1/responses` are served here the same way).
+(`POST /v1/responses`, `POST /v1/messages` and their `/s/<id>/` forms are served here the same
+way; Messages errors are rewritten to Anthropic's JSON outside, messages_errors.py).
 Through FastAPI each request pays for route matching, dependency solving, a `Request` object and
 the exception middleware: more CPU than the chat template and tokenization together
 (`bench/gateway.py`). This ASGI layer sits inside the security middleware (authentication,
 limits and the body checks have run, and the body is parsed once there) and serves those two
-routes with the same request models, the same handlers (chat.py, responses.py) and the same
-error bodies.
+routes with the same request models, the same handlers (chat.py, responses.py, messages.py)
+and the same error bodies.
 
 Whatever it cannot take as is goes to the FastAPI app, which answers it exactly as before: a
 body that is not a JSON object, a media type other than `application/json` (none at all
@@ -26,7 +28,8 @@ from pydantic import ValidationError
 from flywheel.core import http_errors
 from flywheel.core.errors import PlatformError
 from flywheel.gateway.access.security import JSON_BODY
-from flywheel.gateway.api import chat, responses
+from flywheel.gateway.api import chat, messages, responses
+from flywheel.gateway.api.messages_schema import MessagesRequest
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 
@@ -38,6 +41,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 TAIL = "/v1/chat/completions"
 RESPONSES_TAIL = "/v1/responses"
+MESSAGES_TAIL = "/v1/messages"
 
 
 def route(scope: Scope, tail: str = TAIL) -> tuple[bool, str | None]:
@@ -72,10 +76,14 @@ class HotPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hot, session_id = route(scope)
-        model: type[ChatCompletionRequest | ResponsesRequest] = ChatCompletionRequest
+        model: type[ChatCompletionRequest | ResponsesRequest | MessagesRequest]
+        model = ChatCompletionRequest
         if not hot:
             hot, session_id = route(scope, RESPONSES_TAIL)
             model = ResponsesRequest
+        if not hot:
+            hot, session_id = route(scope, MESSAGES_TAIL)
+            model = MessagesRequest
         if not hot:
             await self.app(scope, receive, send)
             return
@@ -104,6 +112,16 @@ class HotPath:
         try:
             if isinstance(body, ResponsesRequest):
                 response = await self._serve_responses(scope, body, session_id, headers, receive)
+            elif isinstance(body, MessagesRequest):
+                response = await messages.create_message(
+                    self.deps,
+                    body,
+                    session_id,
+                    None if session_id else headers.get(b"x-session-id"),
+                    headers.get(b"x-turn-type"),
+                    _owner(scope),
+                    receive,
+                )
             else:
                 response = await self._serve(scope, body, session_id, headers, receive)
         except PlatformError as exc:

@@ -24,6 +24,7 @@ from flywheel.gateway.api import chat, completions, messages, responses
 from flywheel.gateway.api.completions import CompletionRequest
 from flywheel.gateway.api.disconnect import unless_disconnected
 from flywheel.gateway.api.hot_path import HotPath
+from flywheel.gateway.api.json_shapes import document_limits
 from flywheel.gateway.api.messages_errors import AnthropicErrors
 from flywheel.gateway.api.request_rules import check_model, served_models
 from flywheel.gateway.api.schemas import (
@@ -83,15 +84,12 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    @app.get("/s/{session_id}/v1/models")
     async def models(d: Deps) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "flywheel"}
-                for name in served_models(d.settings)
-            ],
-        }
+        return _model_list(d)
+
+    @app.get("/s/{session_id}/v1/models")
+    async def session_models(session_id: str, d: Deps) -> dict[str, Any]:
+        return _model_list(d)  # the same list in every session
 
     @app.post("/v1/sessions")
     async def create_session(
@@ -181,7 +179,33 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         check_model(d.settings, body.model)
         return await _complete(d, body, session_id, request)
 
+    generated = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document with this deployment's limits (api/json_shapes.py)."""
+        if app.openapi_schema is None:
+            document_limits(
+                generated(),  # cached by FastAPI in app.openapi_schema, changed in place
+                context_length=deps.context_length,
+                vocab_size=len(deps.renderer.tokenizer),
+                max_messages=deps.settings.security.max_messages,
+                max_tools=deps.settings.security.max_tools,
+                served_models=list(deps.settings.served_model_names),
+            )
+        return app.openapi_schema or generated()
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented override
     return app
+
+
+def _model_list(d: GatewayDeps) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "flywheel"}
+            for name in served_models(d.settings)
+        ],
+    }
 
 
 async def _complete(

@@ -61,9 +61,18 @@ async def get_deps(request: Request) -> GatewayDeps:
 
 
 Deps = Annotated[GatewayDeps, Depends(get_deps)]
+# Documented shapes only: the handlers check both headers themselves, with their own messages.
 SessionHeader = Annotated[
-    str | None, Header(description="Session id (live mode; created on first use)")
+    str | None,
+    Header(
+        description="Session id (live mode; created on first use)",
+        json_schema_extra={"pattern": "^[A-Za-z0-9_.:-]{1,128}$"},
+    ),
 ]
 TurnHeader = Annotated[
-    str | None, Header(description="main (recorded, default) | side (served, not recorded)")
+    str | None,
+    Header(
+        description="main (recorded, default) | side (served, not recorded)",
+        json_schema_extra={"enum": ["main", "side"]},
+    ),
 ]

@@ -19,12 +19,13 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from prometheus_client import Counter
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.schemas import StreamOptionsNeedStream, sglang_sampling
 from flywheel.gateway.engines import calls
@@ -49,19 +50,45 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            _IDS,
+            {"type": "array", "items": _IDS, "minItems": 1},
+        ]
+    }
+)
+"""A text prompt, a batch of them, one id prompt, or a batch of id prompts; none empty (ids
+below the vocabulary size: `json_shapes.document_limits`)."""
+
+
 class CompletionRequest(StreamOptionsNeedStream):
     """`POST /v1/completions` body; unrecognized fields are a 400 (as in chat completions)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "dependentSchemas": {
+                **shapes.STREAM_OPTIONS_NEED_STREAM,
+                "best_of": {"properties": {"n": {"const": 1}}},  # documented: best_of = n = 1
+            }
+        },
+    )
 
     model: str = ""
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT]
     max_tokens: int | None = Field(None, ge=1)
     """Completion tokens; OpenAI's default is 16."""
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    best_of: int | None = Field(None, ge=1, le=16)
+    best_of: Annotated[int | None, WithJsonSchema(shapes.nullable({"const": 1}))] = Field(
+        None, ge=1, le=16
+    )
     stop: str | list[str] | None = Field(None, max_length=32)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
@@ -69,12 +96,12 @@ class CompletionRequest(StreamOptionsNeedStream):
     logprobs: int | None = Field(None, ge=0, le=5)
     """Alternatives per token in `choices[].logprobs.top_logprobs` (0 = chosen tokens only)."""
     user: str | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    top_k: int | None = Field(None, ge=-1)
+    echo: Annotated[bool | None, shapes.neutral(False)] = None
+    suffix: Annotated[str | None, shapes.neutral("")] = None
+    frequency_penalty: Annotated[float | None, shapes.neutral(0)] = None
+    presence_penalty: Annotated[float | None, shapes.neutral(0)] = None
+    logit_bias: Annotated[dict[str, float] | None, shapes.neutral({})] = None
+    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
 
     @field_validator(*_NEUTRAL, mode="after")

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from flywheel.gateway.api import json_shapes as shapes
+
 
 class _Block(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -156,7 +158,7 @@ class ConversationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: Annotated[list[MessageParam], shapes.ANTHROPIC_MESSAGES] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[ToolParam] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None

@@ -13,9 +13,11 @@ the chat turn (responses_translate.py), which names the offending item (`input[3
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+
+from flywheel.gateway.api import json_shapes as shapes
 
 RESPONSE_ID_PATTERN = re.compile(r"resp_[A-Za-z0-9]{1,64}")
 """Ids of responses this gateway creates (`resp_` + 32 hex digits)."""
@@ -57,17 +59,31 @@ _WHY = {
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses` body (see the module docstring for the field policy)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "required": ["input"],
+            "dependentSchemas": {
+                **shapes.STREAM_OPTIONS_NEED_STREAM,
+                **shapes.FORCED_CALL_NEEDS_TOOLS,
+            },
+        },
+    )
 
     model: str = ""
-    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    input: Annotated[str | list[dict[str, Any]], shapes.RESPONSES_INPUT] = Field(
+        default_factory=list
+    )
     """A user message's text, or items: messages, function_call, function_call_output,
     reasoning (responses_translate.py)."""
     instructions: str | None = None
     """A system message put before the conversation (not carried to a later response that
     names this one as previous_response_id, as in OpenAI's API)."""
-    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, shapes.RESPONSES_TOOLS] = Field(
+        None, max_length=128
+    )
+    tool_choice: Annotated[str | dict[str, Any] | None, shapes.RESPONSES_TOOL_CHOICE] = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -77,9 +93,12 @@ class ResponsesRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     store: bool | None = None
     """Keep the response for `previous_response_id` (default true, as in OpenAI's API)."""
-    previous_response_id: str | None = None
-    include: list[str] | None = None
-    text: dict[str, Any] | None = None
+    previous_response_id: str | None = Field(None, pattern=f"^{RESPONSE_ID_PATTERN.pattern}$")
+    include: Annotated[
+        list[str] | None,
+        WithJsonSchema(shapes.nullable({"type": "array", "items": {"enum": sorted(INCLUDABLE)}})),
+    ] = None
+    text: Annotated[dict[str, Any] | None, shapes.RESPONSES_TEXT] = None
     """`{"format": {"type": "text" | "json_schema" | "json_object", ...}, "verbosity"?}`; the
     format becomes the chat turn's `response_format`."""
     # Accepted without effect on the sampled tokens.
@@ -97,13 +116,13 @@ class ResponsesRequest(BaseModel):
     image: Any = None
     access_programs: Any = None
     # Services the gateway does not run: neutral values only (see _NEUTRAL).
-    background: bool | None = None
-    conversation: Any = None
-    prompt: Any = None
-    max_tool_calls: int | None = None
-    context_management: Any = None
+    background: Annotated[bool | None, shapes.neutral(False)] = None
+    conversation: Annotated[Any, shapes.ONLY_NULL] = None
+    prompt: Annotated[Any, shapes.ONLY_NULL] = None
+    max_tool_calls: Annotated[int | None, shapes.ONLY_NULL] = None
+    context_management: Annotated[Any, shapes.neutral([])] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body), as for chat.
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
 

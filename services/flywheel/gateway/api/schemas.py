@@ -161,6 +161,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         json_schema_extra={
             "dependentSchemas": {
                 **shapes.STREAM_OPTIONS_NEED_STREAM,
+                **shapes.FORCED_CALL_NEEDS_TOOLS,
                 # Two caps must agree; documented: send one of them.
                 "max_completion_tokens": {"properties": {"max_tokens": False}},
                 "top_logprobs": {

@@ -1,0 +1,111 @@
+"""Schema fuzzing (schemathesis) of every route of the running gateway, with an admin API key,
+against the real engine serving SmolLM2: requests the OpenAPI document allows and requests it
+does not, at least 1000 in all. No request gets a 5xx, and most generated chat (and, where the
+routes exist, Responses and Anthropic Messages) bodies that the schema allows are served: the
+document says what the validation accepts (api/json_shapes.py).
+
+Cost: every generated completion cap (`max_tokens`, `max_completion_tokens`,
+`max_output_tokens`) is lowered to at most 2 tokens, and set to 2 where the body has none, and
+`n` to at most 2, before the request is sent (values the schema allows, so acceptance is not
+changed). The acceptance ratio per route is printed (`pytest -s`)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+
+from .keyed_gateway import keyed_gateway  # noqa: F401 (the fixture, used by name)
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+POSITIVE_EXAMPLES = 40
+NEGATIVE_EXAMPLES = 12
+CAPS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+MUST_ACCEPT = {"/v1/chat/completions", "/v1/responses", "/v1/messages"}
+
+
+def cheap(path: str, body: Any) -> Any:
+    """`body` with its completion caps at most 2 (2 where unset) and `n` at most 2."""
+    if not isinstance(body, dict) or not path.endswith(GENERATING):
+        return body
+    body = dict(body)
+    for cap in CAPS:
+        if isinstance(body.get(cap), int) and not isinstance(body[cap], bool):
+            body[cap] = min(body[cap], 2)
+    if not any(cap in body for cap in CAPS):
+        body["max_output_tokens" if path.endswith("/v1/responses") else "max_tokens"] = 2
+    if isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
+        body["n"] = min(body["n"], 2)
+    if isinstance(body.get("best_of"), int) and not isinstance(body["best_of"], bool):
+        body["best_of"] = min(body["best_of"], 2)
+    return body
+
+
+@pytest.mark.timeout(1800)
+def test_every_route_fuzzed_with_a_key_no_5xx_and_chat_bodies_mostly_served(keyed_gateway):
+    gw = keyed_gateway
+    auth = {"Authorization": f"Bearer {gw.admin_key}"}
+    schema = schemathesis.openapi.from_url(f"{gw.gateway}/openapi.json", headers=auth)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    paths = {op.path for op in operations}
+    assert {"/v1/chat/completions", "/s/{session_id}/v1/models"} <= paths
+    for op in operations:  # every path parameter is declared
+        for name in _path_names(op.path):
+            declared = {p.name for p in op.path_parameters}
+            assert name in declared, f"{op.method.upper()} {op.path}: {name} undeclared"
+    failures: list[str] = []
+    statuses: dict[str, Counter[int]] = defaultdict(Counter)
+    for op in operations:
+        for mode, examples in (
+            (GenerationMode.POSITIVE, POSITIVE_EXAMPLES),
+            (GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES),
+        ):
+            try:
+                _fuzz(op, mode, examples, gw.gateway, auth, failures, statuses)()
+            except Unsatisfiable:  # nothing in this operation's schema to break (no body)
+                assert mode is GenerationMode.NEGATIVE, op.path
+    total = sum(sum(c.values()) for c in statuses.values())
+    print(f"\n{total} requests")
+    ratios = {}
+    for key, counts in sorted(statuses.items()):
+        served = sum(n for status, n in counts.items() if status < 400)
+        ratios[key] = served / sum(counts.values())
+        print(f"{key:60} served {served}/{sum(counts.values())} {dict(counts)}")
+    assert not failures, "\n".join(failures[:30])
+    assert total >= 1000
+    for path in MUST_ACCEPT & paths:
+        key = f"POST {path} positive"
+        assert ratios[key] > 0.5, (key, dict(statuses[key]))
+
+
+def _path_names(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{")]
+
+
+def _fuzz(op, mode, examples, base_url, auth, failures, statuses):
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def check(case):
+        if case.body is not None:
+            case.body = cheap(op.path, case.body)
+        response = case.call(base_url=base_url, headers=auth, timeout=120)
+        statuses[f"{op.method.upper()} {op.path} {mode.value}"][response.status_code] += 1
+        if response.status_code >= 500:
+            failures.append(
+                f"{op.method.upper()} {op.path} ({mode.value}) -> {response.status_code}: "
+                f"{response.text[:300]}\n  body: {str(case.body)[:300]}"
+            )
+
+    return check

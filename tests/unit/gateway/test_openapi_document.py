@@ -1,0 +1,104 @@
+"""The OpenAPI document says what the routes accept: for each body below, the document's JSON
+schema (checked with `jsonschema`) and the route (a 200 or a 400 from the app with a canned
+engine) give the same verdict; the deployment's limits are in the document; every path
+parameter is declared."""
+
+from __future__ import annotations
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from flywheel.gateway.render.tokenization import ChatRenderer
+
+from .harness import gateway_app
+from .test_app import FakeEngine
+
+USER = {"role": "user", "content": "7 + 1?"}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CHAT = [
+    ({"messages": [USER]}, True),
+    ({"messages": []}, False),
+    ({"messages": [{"role": "tool", "content": "3"}]}, False),  # no tool_call_id
+    ({"messages": [USER, {"role": "assistant", "content": None}, USER]}, False),
+    (
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"},
+            ]
+        },
+        True,
+    ),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, False),
+    ({"messages": [USER], "frequency_penalty": 0}, True),
+    ({"messages": [USER], "frequency_penalty": 0.5}, False),
+    ({"messages": [USER], "logit_bias": {"5": 1.0}}, False),
+    ({"messages": [USER], "stream_options": {"include_usage": True}}, False),
+    ({"messages": [USER], "top_k": 0}, False),
+    ({"messages": [USER], "top_k": -1}, True),
+    ({"messages": [USER], "tool_choice": "required"}, False),  # no tools to call
+    ({"messages": [USER], "tools": [{"type": "function"}]}, False),
+    ({"messages": [USER], "tools": [TOOL], "tool_choice": "auto"}, True),
+    ({"messages": [USER], "top_logprobs": 3}, False),  # needs logprobs: true
+    ({"messages": [USER], "response_format": {"type": "xml"}}, False),
+    ({"messages": [USER], "max_tokens": 2000}, True),
+    ({"messages": [USER], "max_tokens": 2048}, False),  # the window is 2048 tokens
+]
+COMPLETIONS = [
+    ({"prompt": "7 + 1 ="}, True),
+    ({"prompt": []}, False),
+    ({"prompt": [[]]}, False),
+    ({"prompt": [1, 2, 3]}, True),
+    ({"prompt": [1, 2, 10**6]}, False),  # beyond the vocabulary
+    ({"prompt": "a", "best_of": 2}, False),
+    ({"prompt": "a", "echo": True}, False),
+]
+
+
+@pytest.fixture(scope="module")
+def app_and_doc(smollm2_dir, redis_server):
+    from flywheel.core.redis_client import connect
+
+    renderer = ChatRenderer(smollm2_dir)
+    client, _, _ = gateway_app(
+        connect(redis_server.url), "openapi-doc", renderer, FakeEngine(renderer)
+    )
+    return client, client.get("/openapi.json").json()
+
+
+def _validator(doc: dict, model: str) -> Draft202012Validator:
+    return Draft202012Validator(
+        {"$ref": f"#/components/schemas/{model}", "components": doc["components"]}
+    )
+
+
+@pytest.mark.parametrize(("body", "valid"), CHAT)
+def test_chat_schema_and_route_agree(app_and_doc, body, valid):
+    client, doc = app_and_doc
+    assert _validator(doc, "ChatCompletionRequest").is_valid(body) is valid
+    status = client.post("/v1/chat/completions", json={"max_tokens": 4, **body}).status_code
+    assert status == (200 if valid else 400), body
+
+
+@pytest.mark.parametrize(("body", "valid"), COMPLETIONS)
+def test_completion_schema_and_route_agree(app_and_doc, body, valid):
+    client, doc = app_and_doc
+    assert _validator(doc, "CompletionRequest").is_valid(body) is valid
+    status = client.post("/v1/completions", json={"max_tokens": 4, **body}).status_code
+    assert status == (200 if valid else 400), body
+
+
+def test_document_declares_every_path_parameter_and_the_limits(app_and_doc):
+    _, doc = app_and_doc
+    for path, ops in doc["paths"].items():
+        names = {part[1:-1] for part in path.split("/") if part.startswith("{")}
+        for method, op in ops.items():
+            declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
+            assert names == declared, f"{method.upper()} {path}"
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    # A cap of the whole window never fits (the prompt has at least one token): 2048 - 1.
+    assert {"type": "integer", "minimum": 1, "maximum": 2047} in chat["max_tokens"]["anyOf"]
+    assert chat["messages"]["maxItems"] == 1024  # gateway.security.max_messages

@@ -355,3 +355,21 @@ def test_a_configured_session_header_names_chat_sessions_too(gw):
     assert client.post("/v1/chat/completions", json=chat, headers=both).status_code == 200
     assert client.get("/v1/sessions/explicit-1").json()["turns"] == 1
     assert client.get("/v1/sessions/c-1").json()["turns"] == 1
+
+
+def test_a_client_that_rewrites_its_output_items_forks_and_it_is_counted(gw, redis_client, prefix):
+    make, _, _ = gw
+    client, _ = make([f"Let me add. {CALL}", "It is 8."])
+    api = sdk(client, **{"X-Session-Id": "edit-1"})
+    items: list[dict] = [{"role": "user", "content": "What is 7 + 1?"}]
+    r1 = api.responses.create(model="m", input=items, tools=[TOOL])
+    message, call = (item.model_dump(exclude_none=True) for item in r1.output)
+    message["content"][0]["text"] = "I will add."  # not what the model said
+    items += [
+        message,
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "8"},
+    ]
+    api.responses.create(model="m", input=items, tools=[TOOL])
+    record = SessionStore(redis_client, prefix, 60).get("edit-1")
+    assert record.forks == 1 and record.fork_reasons == {"assistant_edited": 1}

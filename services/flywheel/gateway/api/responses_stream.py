@@ -14,8 +14,8 @@ The turn is the chat turn (incremental.py's rules): text is sent as `output_text
 is sampled, except what could still become a stop string, a tool call or a `<think>` block, which
 is sent when the turn ends together with the reasoning and function-call items. A turn that ends
 before its first text (or asks for logprobs) is answered with the whole sequence at once. A
-failure after the first event is an `error` event then `response.failed`; nothing is recorded. A
-client that leaves mid-stream stops the turn: nothing recorded, nothing stored.
+failure after the first event is an `error` event then `response.failed` (a turn that failed
+records nothing). A client that leaves mid-stream stops the turn: nothing recorded, nothing stored.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ problems and held-out split (flywheel.ops.demo.tasks, imported from the source t
 optimizer step per batch of 32 rollouts (num_iterations=1), AdamW at the same lr, PPO clip 0.2,
 no KL (beta=0), token-mean loss (TRL's "dapo" normalization), temperature 1.0, 32 new tokens,
 fp32 on CPU. Prints the demo's summary line: reward first5/last5, greedy held-out accuracy
-before/after, steps, minutes.
+before/after, steps, minutes; summary.json also keeps the per-step reward curve and the unix
+time each step's rewards were known (`reward_times`).
 """
 
 from __future__ import annotations
@@ -26,15 +27,23 @@ sys.path.insert(0, str(ROOT / "services"))
 
 from flywheel.ops.demo.tasks import split, training_batches  # noqa: E402
 
+REWARD_TIMES: list[float] = []
+"""Unix time of each call of the reward function: one call per optimizer step (one generation
+batch of 32 rollouts), so entry k is when step k's rewards were known."""
+
 
 def last_integer_reward(completions, answer, **_):
     """1.0 when the last integer of the reply equals the answer, else 0.0 (the demo's verifier)."""
-    out = []
-    for completion, ans in zip(completions, answer, strict=True):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
-        found = re.findall(r"-?\d+", text)
-        out.append(1.0 if found and int(found[-1]) == int(ans) else 0.0)
-    return out
+    REWARD_TIMES.append(time.time())
+    return [
+        score(completion[-1]["content"] if isinstance(completion, list) else completion, ans)
+        for completion, ans in zip(completions, answer, strict=True)
+    ]
+
+
+def score(text: str, answer: int | str) -> float:
+    found = re.findall(r"-?\d+", text)
+    return 1.0 if found and int(found[-1]) == int(answer) else 0.0
 
 
 def accuracy(model, tokenizer, problems) -> float:
@@ -51,7 +60,7 @@ def accuracy(model, tokenizer, problems) -> float:
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=32, do_sample=False)
         text = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        hits += last_integer_reward([text], [p.answer])[0]
+        hits += score(text, p.answer)
     return hits / len(problems)
 
 
@@ -125,6 +134,7 @@ def main() -> int:
     )
     trainer.train()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    reward_times = list(REWARD_TIMES)
     eval_after = accuracy(trainer.model, tokenizer, held_out)
     minutes = (time.monotonic() - started) / 60
     first5 = sum(rewards[:5]) / max(len(rewards[:5]), 1)
@@ -137,6 +147,7 @@ def main() -> int:
         "steps": len(rewards),
         "minutes": minutes,
         "rewards": rewards,
+        "reward_times": reward_times,
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "summary.json").write_text(json.dumps(summary, indent=2))

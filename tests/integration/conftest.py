@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from flywheel.core.auth import KeyStore
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import FlywheelSettings, load_settings
 from flywheel.ops.stack import Stack
@@ -59,3 +60,45 @@ def smol_stack(tmp_path_factory, redis_server, smollm2_dir) -> Iterator[SmolStac
     with Stack(settings, echo=lambda _: None) as running:
         urls = {s.name: s.url for s in running.services}
         yield SmolStack(gateway=urls["gateway"], engine=urls["engine"], settings=settings)
+
+
+@dataclass
+class KeyedGateway(SmolStack):
+    """`gateway` requires a key; `engine` is the shared engine; Samples go to `settings`' prefix."""
+
+    agent_key: str = ""
+    admin_key: str = ""
+
+
+@pytest.fixture(scope="session")
+def keyed_gateway(
+    tmp_path_factory, redis_server, smollm2_dir, smol_stack
+) -> Iterator[KeyedGateway]:
+    """A second gateway that requires API keys, for client tests that send one (pi, the schema
+    fuzzer). It serves from `smol_stack`'s engine with its own stream prefix and key store, so
+    its keys never turn authentication on for the other client tests (`auth = "auto"` requires
+    keys as soon as one exists), and no second model is loaded."""
+    state = tmp_path_factory.mktemp("keyed_state")
+    settings = load_settings(
+        redis={"url": redis_server.url},
+        streams={"prefix": "keyed", "block_ms": 200},
+        engine={"model_path": str(smollm2_dir)},
+        gateway={
+            "port": 8811,
+            "default_max_tokens": 48,
+            "engine_urls": [smol_stack.engine],
+            "security": {"auth": "on"},
+        },
+        state_dir=str(state),
+    )
+    keys = KeyStore(connect(redis_server.url), settings.streams.prefix)
+    agent_key, _ = keys.create("agent", "clients")
+    admin_key, _ = keys.create("admin", "fuzz")
+    with Stack(settings, echo=lambda _: None, only=("gateway",)) as running:
+        yield KeyedGateway(
+            gateway=running.services[0].url,
+            engine=smol_stack.engine,
+            settings=settings,
+            agent_key=agent_key,
+            admin_key=admin_key,
+        )

@@ -25,7 +25,6 @@ import pytest
 from flywheel.ops.fidelity import check_fidelity
 
 from .http_tap import http_tap
-from .keyed_gateway import keyed_gateway  # noqa: F401 (the fixture, used by name)
 from .pi_agent import API_MODES, ensure_pi, run_pi, write_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

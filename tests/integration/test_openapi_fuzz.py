@@ -21,8 +21,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from .keyed_gateway import keyed_gateway  # noqa: F401 (the fixture, used by name)
-
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 POSITIVE_EXAMPLES = 45
 NEGATIVE_EXAMPLES = 14

@@ -55,7 +55,7 @@ def _wait(predicate, timeout_s: float = 900.0) -> None:  # noqa: ANN001
         time.sleep(0.5)
 
 
-@pytest.mark.timeout(2700)  # minutes per turn when the 2-core machine is shared
+@pytest.mark.timeout(3600)  # minutes per turn when the 2-core machine is shared
 def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
     tmp_path, redis_server, smollm2_dir
 ):
@@ -83,8 +83,11 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
         state_dir=str(state),
     )
     out = tmp_path / "out"
+    # Seed 4: each step's two problems are asked as "What is a + b?" and "Add a and b." (the
+    # training draws are fixed by the seed); the untrained model calls the tool for the first
+    # phrasing (15 of 16 greedy episodes), so both steps have episodes with a tool round trip.
     cfg = AgentDemoConfig(
-        steps=STEPS, problems_per_step=PROBLEMS, group_size=GROUP, eval_size=1, seed=3
+        steps=STEPS, problems_per_step=PROBLEMS, group_size=GROUP, eval_size=1, seed=4
     )
     with Stack(settings, echo=lambda _: None) as running:
         urls = {s.name: s.url for s in running.services}

@@ -111,3 +111,9 @@ def test_eval_stats_worked_example():
     assert none_tried.well_formed is None and none_tried.tool_use == 0.0
     all_bad = EvalStats.of([EpisodeResult(0.0, 0, 2)])
     assert all_bad.well_formed == 0.0  # 0 ran of 2 attempts
+
+
+def test_training_seed_4_asks_what_is_first_in_the_first_two_steps():
+    # tests/integration/test_demo_agent.py relies on it: phrasing 0 ("What is a + b?") in both.
+    batches = list(itertools.islice(training_batches(4, 2), 2))
+    assert [[p.phrasing for p in b] for b in batches] == [[0, 1], [0, 1]]

@@ -15,6 +15,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}
 TEXT = {"model": "m", "prompt": "7 + 1 =", "max_tokens": 4}
 COUNT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}]}
 MESSAGE = {**COUNT, "max_tokens": 4}
+RESPONSE = {"model": "m", "input": "What is 7 + 1?", "max_output_tokens": 4}
 
 # (method, path, body, use the X-Session-Id header instead of the path)
 SESSION_ENDPOINTS = [
@@ -29,6 +30,8 @@ SESSION_ENDPOINTS = [
     ("POST", "/v1/messages", MESSAGE, True),
     ("POST", "/s/{sid}/v1/messages/count_tokens", COUNT, False),
     ("POST", "/v1/messages/count_tokens", COUNT, True),
+    ("POST", "/s/{sid}/v1/responses", RESPONSE, False),
+    ("POST", "/v1/responses", RESPONSE, True),
     ("POST", "/v1/sessions/{sid}/keys", {}, False),
     ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}, False),
 ]

@@ -75,7 +75,8 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
         reward={"port": 50191, "metrics_port": 9251},
         trainer={
             "port": 8960,
-            "batch": {"groups_per_step": PROBLEMS, "group_size": GROUP},
+            # as `flywheel demo --task agent` sets it: no group trained before it is complete
+            "batch": {"groups_per_step": PROBLEMS, "group_size": GROUP, "group_wait_s": 3600},
             "checkpoint": {"dir": str(state / "ckpt"), "every": 1},
             "logging": {"metrics_path": str(tmp_path / "out" / "trainer_metrics.jsonl")},
             "staleness": {"max_staleness": 1},
@@ -129,7 +130,9 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
         metrics = Path(settings.trainer.logging.metrics_path)
         trained = [json.loads(x) for x in metrics.read_text().splitlines()]
         assert [t["step"] for t in trained][-1] == STEPS
-        assert all(t.get("tokens", 1) > 0 for t in trained)
+        # every Sample of both steps trained, in complete groups
+        assert [t["n_groups"] for t in trained] == [PROBLEMS] * STEPS
+        assert sum(t["samples/trained"] for t in trained) == STEPS * PROBLEMS * GROUP
         spread = any(
             len({s.rewards["outcome"] for s in samples if s.group_id == g}) > 1
             for g in {s.group_id for s in samples}

@@ -199,6 +199,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings.trainer.batch.groups_per_step = cfg.problems_per_step
     settings.trainer.batch.group_size = cfg.group_size
     settings.trainer.staleness.max_staleness = cfg.max_staleness
+    if args.task == "agent" and "group_wait_s" not in settings.trainer.batch.model_fields_set:
+        # Multi-turn episodes of one group end minutes apart on a busy CPU: a group trained
+        # partial (after the default 120 s) would lose its baseline, so wait for all of it.
+        settings.trainer.batch.group_wait_s = AGENT_GROUP_WAIT_S
     if cfg.mode == "async":
         _share_the_machine(settings)
     timeline = Path(settings.trainer.logging.metrics_path).parent / "timeline.jsonl"
@@ -220,6 +224,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 runner.draw_timeline()
             except Exception as exc:  # noqa: BLE001 (the demo's own outcome comes first)
                 print(f"flywheel: timeline.png not redrawn: {exc}", file=sys.stderr)
+
+
+AGENT_GROUP_WAIT_S = 3600.0
+"""`trainer.batch.group_wait_s` on a stack `flywheel demo --task agent` starts (unless set)."""
 
 
 def _running_trainer_settings(settings: FlywheelSettings) -> dict:

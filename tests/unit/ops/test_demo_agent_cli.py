@@ -53,6 +53,8 @@ def test_task_agent_builds_the_agent_runner_with_its_defaults(monkeypatch, tmp_p
     assert runner.cfg.eval_seed == 5 and runner.cfg.eval_size == 7 and runner.cfg.max_tokens == 48
     assert settings.trainer.batch.group_size == 6  # the trainer's groups match the demo's
     assert settings.trainer.batch.groups_per_step == 4
+    # a group is trained only once complete: its episodes end minutes apart on a busy CPU
+    assert settings.trainer.batch.group_wait_s == cli.AGENT_GROUP_WAIT_S == 3600.0
 
 
 def test_default_task_is_the_addition_demo(monkeypatch, tmp_path):
@@ -60,6 +62,13 @@ def test_default_task_is_the_addition_demo(monkeypatch, tmp_path):
     assert type(runner) is DemoRunner and type(runner.cfg) is DemoConfig
     assert (runner.cfg.problems_per_step, runner.cfg.group_size) == (4, 3)
     assert settings.trainer.batch.group_size == 3
+    assert settings.trainer.batch.group_wait_s == 120.0  # the trainer's default, untouched
+
+
+def test_task_agent_keeps_a_group_wait_the_user_set(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLYWHEEL_TRAINER__BATCH__GROUP_WAIT_S", "30")
+    settings, _ = _demo(monkeypatch, tmp_path, "--task", "agent")
+    assert settings.trainer.batch.group_wait_s == 30.0
 
 
 def test_demo_runner_choice():

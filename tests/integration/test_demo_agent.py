@@ -65,7 +65,8 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
     settings = load_settings(
         redis={"url": redis_server.url},
         streams={"prefix": "demo-agent", "block_ms": 200},
-        engine={"model_path": str(smollm2_dir), "port": 31460, "batch_wait_ms": 5},
+        # one thread each: on an oversubscribed CPU, spinning thread pools slow every step
+        engine={"model_path": str(smollm2_dir), "port": 31460, "batch_wait_ms": 5, "threads": 1},
         # A shared 2-core machine can take minutes per turn: no engine timeout in the test.
         gateway={
             "port": 8860,
@@ -75,6 +76,7 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
         reward={"port": 50191, "metrics_port": 9251},
         trainer={
             "port": 8960,
+            "threads": 1,
             # as `flywheel demo --task agent` sets it: no group trained before it is complete
             "batch": {"groups_per_step": PROBLEMS, "group_size": GROUP, "group_wait_s": 3600},
             "checkpoint": {"dir": str(state / "ckpt"), "every": 1},

@@ -227,6 +227,12 @@ class GatewaySettings(Section):
     n > 1 choices not continued). A request that would set aside more is a 409
     `too_many_held_samples` before any generation (finish the session and start a new one);
     what the session holds stays as it is."""
+    live_backpressure: Literal["refuse", "serve_unrecorded"] = "refuse"
+    """What a live-session turn gets while the train stream is at its high-water mark and the
+    turn would add Samples to it, decided before the engine is called: `refuse` = a 429 with
+    Retry-After in the API's own error JSON (nothing generated); `serve_unrecorded` = answered
+    but not recorded, counted in `flywheel_gateway_live_turns_unrecorded_total
+    {reason="backpressure"}` and logged (docs/sessions.md "Backpressure")."""
     served_model_names: list[str] = Field(default_factory=list)
     """Model names a request may ask for, listed by `GET /v1/models`; another name is a 404
     `model_not_found`. Empty = any name is accepted (and `model_name` is listed)."""

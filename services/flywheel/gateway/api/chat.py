@@ -28,6 +28,7 @@ from flywheel.gateway.engines import calls
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.render.tokenization import render_call, text_size
 from flywheel.gateway.session import turns
+from flywheel.gateway.session.backpressure import backlog_full, served_unrecorded
 
 if TYPE_CHECKING:
     from flywheel.gateway.deps import GatewayDeps
@@ -163,17 +164,7 @@ async def serve(
         )
     if session_id is None:
         UNRECORDED.inc()
-        prompt = await render_call(
-            text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
-        )
-        calls.check_context(
-            d,
-            prompt,
-            sampling,  # the same rule as in sessions
-            capped_by_default=turns.default_cap(body),
-        )
-        gens = await calls.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
-        return _response(d, body, gens, len(prompt), [turns.parse_choice(d, body, g) for g in gens])
+        return await _unrecorded(d, body, messages, sampling)
     try:
         gens, prompt_tokens, parsed = await turns.session_turn(
             d, body, session_id, messages, sampling, turn_type
@@ -181,11 +172,36 @@ async def serve(
     except NotFoundError:
         if create_owner is None:
             raise
+        if d.settings.live_backpressure == "serve_unrecorded" and await backlog_full(d):
+            completion = await _unrecorded(d, body, messages, sampling)
+            tokens = completion["usage"]["completion_tokens"]
+            served_unrecorded(session_id, "backpressure", tokens)
+            return completion
         await create_live(d, session_id, create_owner)
         gens, prompt_tokens, parsed = await turns.session_turn(
             d, body, session_id, messages, sampling, turn_type
         )
     return _response(d, body, gens, prompt_tokens, parsed)
+
+
+async def _unrecorded(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    sampling: dict[str, Any],
+) -> dict[str, Any]:
+    """A chat request served outside any session: nothing recorded; the `chat.completion`."""
+    prompt = await render_call(
+        text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
+    )
+    calls.check_context(
+        d,
+        prompt,
+        sampling,  # the same rule as in sessions
+        capped_by_default=turns.default_cap(body),
+    )
+    gens = await calls.generate_n(d, prompt, sampling, body.n, turns.top_logprobs_num(body))
+    return _response(d, body, gens, len(prompt), [turns.parse_choice(d, body, g) for g in gens])
 
 
 def _response(

@@ -48,7 +48,7 @@ from prometheus_client import Counter
 
 from flywheel._proto import sample_pb2
 from flywheel.core.codec import encode_sample
-from flywheel.core.errors import ConflictError
+from flywheel.core.errors import BackpressureError, ConflictError
 from flywheel.gateway.api.parsers import ParsedReply, parse_reply
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 from flywheel.gateway.engines.calls import check_context, generate_n
@@ -74,6 +74,7 @@ from flywheel.gateway.recording.records import (
 from flywheel.gateway.recording.sample import sample_id, segment_sample, turn_sample
 from flywheel.gateway.render.tokenization import render_call, text_size
 from flywheel.gateway.session import branches
+from flywheel.gateway.session.backpressure import backlog_full, refused, served_unrecorded
 from flywheel.gateway.session.locks import locked
 from flywheel.gateway.session.owner import check_request_owner
 
@@ -275,6 +276,9 @@ async def session_turn(
     Raises:
         NotFoundError: no such session. ConflictError: the session is finished.
         InvalidRequestError: prompt + max_tokens exceed the context window.
+        BackpressureError: a live turn with Samples to publish while the train stream is at
+            its high-water mark and `gateway.live_backpressure` is `refuse`; raised before the
+            engine is called (backpressure.py).
     """
     if turn_type == "side":
         record = await asyncio.to_thread(d.sessions.get, session_id)
@@ -286,10 +290,43 @@ async def session_turn(
             text_size(messages, body.tools), d.renderer.prompt_ids, messages, body.tools
         )
         check_context(d, prompt, sampling, capped_by_default=default_cap(body))
-        gens = await generate_n(
+        side = await generate_n(
             d, prompt, sampling, body.n, top_logprobs_num(body), affinity=session_id
         )
-        return gens, len(prompt), [parse_choice(d, body, g) for g in gens]
+        return side, len(prompt), [parse_choice(d, body, g) for g in side]
+    gens: list[Generation] = []
+    try:
+        return await _recorded_turn(d, body, session_id, messages, sampling, gens)
+    except _Unrecorded as served:
+        return served.result
+    except BackpressureError:
+        if not gens:  # refused before generation (the session is as it was)
+            raise
+        # the backlog reached the mark while the turn was generated: answered, not recorded
+        served_unrecorded(session_id, "backpressure", sum(len(g.output_ids) for g in gens))
+        prompt_tokens = gens[0].prompt_tokens
+        return gens, prompt_tokens, [parse_choice(d, body, g) for g in gens]
+
+
+class _Unrecorded(Exception):
+    """Leaves the session lock without saving: the turn was answered unrecorded."""
+
+    def __init__(self, result: tuple[list[Generation], int, list[ParsedReply]]):
+        super().__init__("served unrecorded")
+        self.result = result
+
+
+async def _recorded_turn(
+    d: GatewayDeps,
+    body: ChatCompletionRequest,
+    session_id: str,
+    messages: list[dict[str, Any]],
+    sampling: dict[str, Any],
+    gens: list[Generation],
+) -> tuple[list[Generation], int, list[ParsedReply]]:
+    """A main turn under the session lock (`session_turn`); `gens` is filled with the
+    generations as soon as they exist, so the caller can tell a save refused after generation
+    from a turn refused before it."""
     async with locked(d.sessions, session_id) as record:
         if record.status != "open":
             raise finished_error(record)
@@ -309,10 +346,18 @@ async def session_turn(
         if closed is not None and record.mode == "episode":
             out.append(SegmentSample(segment=closed))
         check_held(d, record, len(out))
-        gens = await generate_n(
+        unrecorded = (
+            record.mode == "live" and not record.eval and bool(out) and await backlog_full(d)
+        )
+        if unrecorded and d.settings.live_backpressure == "refuse":
+            raise refused(session_id)
+        gens += await generate_n(
             d, prompt, sampling, body.n, top_logprobs_num(body), affinity=session_id
         )
         parsed = [parse_choice(d, body, g) for g in gens]
+        if unrecorded:  # the lock is released, the record left as it was
+            served_unrecorded(session_id, "backpressure", sum(len(g.output_ids) for g in gens))
+            raise _Unrecorded((gens, len(prompt), parsed))
         turn = record.turns
         record.turns += 1
         replies = [sampled_reply(g, p.message()) for g, p in zip(gens, parsed, strict=True)]

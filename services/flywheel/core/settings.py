@@ -29,6 +29,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     mask_secrets,
     read_config_file,
 )
+from flywheel.core.rewards import RESERVED
 from flywheel.core.section import Section
 from flywheel.core.trainer_settings import TrainerSettings
 
@@ -335,10 +336,15 @@ class RewardSettings(Section):
     """gRPC port."""
     metrics_port: int = Field(9101, ge=0, le=65535)
     """Prometheus /metrics port; 0 = disabled."""
-    default_verifier: Literal[
-        "last_integer", "exact", "math", "numeric", "regex", "json_schema", "code_tests", "none"
-    ] = "last_integer"
-    """Verifier used when a session's task metadata names none."""
+    default_verifier: str = "last_integer"
+    """Verifier used when a session's task metadata names none: a built-in one ("last_integer",
+    "exact", "math", "numeric", "regex", "json_schema", "code_tests"), "none", or a reward
+    registered by a module in `plugins` (checked when the reward service has imported them)."""
+    plugins: list[str] = Field(default_factory=list)
+    """Python modules of user-defined rewards (flywheel.core.rewards), imported by the reward
+    service at start; each `@reward("name", inputs=..., range=...)` in them is a verifier
+    selectable by name. A module that fails to import, or a refused registration, stops the
+    service at start."""
     consumer_name: str = ""
     """Consumer name in the group; empty = host-pid."""
     weights: dict[str, float] = Field(default_factory=dict)
@@ -365,6 +371,15 @@ class RewardSettings(Section):
     breaker_pause_s: float = Field(10.0, gt=0)
     """Seconds the worker pauses new reads while the judge is down, doubled per failed probe up
     to 8x."""
+
+    @model_validator(mode="after")
+    def _known_verifier(self) -> RewardSettings:
+        if self.default_verifier not in RESERVED and not self.plugins:
+            raise ValueError(
+                f"reward.default_verifier {self.default_verifier!r} is not a verifier: use one "
+                f"of {', '.join(RESERVED)}, or name the module defining it in reward.plugins"
+            )
+        return self
 
 
 class HintJudgeSettings(JudgeSettings):

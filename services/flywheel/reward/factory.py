@@ -3,7 +3,9 @@ endpoint, key, concurrency limit and timeout)."""
 
 from __future__ import annotations
 
+from flywheel.core.errors import ConfigurationError
 from flywheel.core.judge_client import AsyncJudgeClient
+from flywheel.core.rewards import REGISTRY, RESERVED, load_plugins
 from flywheel.core.settings import JudgeSettings, RewardSettings
 from flywheel.reward import metrics
 from flywheel.reward.judge import NextStateJudge, RubricJudge
@@ -54,3 +56,24 @@ def build_scorer(rs: RewardSettings) -> Scorer:
     return Scorer(
         rs.default_verifier, dict(rs.weights), judge, step, rubric, rs.rubric_judge.default_rubric
     )
+
+
+def load_reward_plugins(rs: RewardSettings) -> list[str]:
+    """Import the modules in `rs.plugins` (their `@reward` functions register themselves) and
+    check that `rs.default_verifier` names a verifier that exists now.
+
+    Returns:
+        The user-defined reward names registered, sorted.
+
+    Raises:
+        ConfigurationError: a plugin module cannot be imported or registers a bad reward, or the
+            default verifier is neither built in nor registered by a plugin.
+    """
+    names = load_plugins(rs.plugins)
+    if rs.default_verifier not in RESERVED and rs.default_verifier not in REGISTRY:
+        raise ConfigurationError(
+            f"reward.default_verifier {rs.default_verifier!r} is not a verifier: built in are "
+            f"{', '.join(RESERVED)}; the plugins {rs.plugins} register "
+            f"{names or 'nothing'}"
+        )
+    return names

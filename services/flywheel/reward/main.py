@@ -1,8 +1,9 @@
 """Reward service entry point: `python -m flywheel.reward [--config FILE]`.
 
-Parse settings -> scorers (verifiers, enabled judges) -> gRPC server (Score, ScoreBatch, health,
-reflection) -> Prometheus /metrics -> stream worker (rollouts -> scored, or -> train when the
-teacher is disabled), all on one asyncio loop until SIGTERM or Ctrl-C.
+Parse settings -> user-defined reward plugins (`reward.plugins`; one that fails to import stops
+the service here, with its message) -> scorers (verifiers, enabled judges) -> gRPC server (Score,
+ScoreBatch, health, reflection) -> Prometheus /metrics -> stream worker (rollouts -> scored, or
+-> train when the teacher is disabled), all on one asyncio loop until SIGTERM or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 
 from flywheel.core.logs import setup_logging
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
@@ -88,6 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     settings = load_settings_or_exit(args.config, "flywheel-reward")
     setup_logging(settings.log_level, service="reward")
     log.info("settings %s", _redacted(settings))
+    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
+    from flywheel.reward.factory import load_reward_plugins  # noqa: PLC0415
+
+    try:
+        names = load_reward_plugins(settings.reward)
+    except ConfigurationError as exc:
+        log.error("%s", exc)
+        sys.exit(f"flywheel-reward: {exc}")
+    if settings.reward.plugins:
+        log.info("reward plugins %s registered %s", settings.reward.plugins, names)
     if settings.reward.metrics_port:
         from prometheus_client import start_http_server  # noqa: PLC0415
 

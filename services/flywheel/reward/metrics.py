@@ -60,3 +60,9 @@ BREAKER_OPEN = Gauge(
     "flywheel_reward_breaker_open",
     "1 while the stream worker pauses new reads because the judge is down",
 )
+PLUGIN_UNSCORED = Counter(
+    "flywheel_reward_plugin_unscored_total",
+    "Samples left unscored by a user-defined reward (flywheel.core.rewards), by the reward's name "
+    "and the reason: exception, not_a_number, not_finite (NaN or inf), out_of_range",
+    ["reward", "reason"],
+)

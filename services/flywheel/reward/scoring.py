@@ -1,7 +1,10 @@
 """Score one Sample from every configured component and combine them by weight.
 
 Components (each kept by name in `Sample.rewards`):
-- "verifier": the task's verifiable reward on the last assistant reply (flywheel.reward.verifiers);
+- "verifier": the task's verifiable reward on the last assistant reply (flywheel.reward.verifiers),
+  or a user-defined reward of that name (flywheel.core.rewards, `reward.plugins`): one that
+  raises, returns NaN/inf, a non-number or a value outside its declared range leaves the Sample
+  unscored (`has_reward = false`, `error` = "reward <name> <reason>: ..."), never 0;
 - "outcome": posted by an environment on the gateway (already in `rewards`); passed through;
 - "judge": next-state PRM on a live-mode turn (the Sample has a `next_state`), m votes;
 - "step": episodes (no `next_state`): the next-state PRM on every assistant turn that a user or
@@ -32,8 +35,10 @@ from typing import Any
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
+from flywheel.core.rewards import REGISTRY, RewardRegistry
 from flywheel.reward import metrics
 from flywheel.reward.judge import Judgment, NextStateJudge, RubricJudge
+from flywheel.reward.plugins import run_plugin
 from flywheel.reward.verifiers import REQUIRED_KEY, VERIFIERS
 
 UNJUDGED_PREFIX = "unjudged:"
@@ -100,6 +105,7 @@ class Scorer:
         step_judge: per-turn PRM for episodes; None = off.
         rubric_judge: rubric outcome judge; None = off.
         default_rubric: rubric used when the task gives none; "" = judge only tasks with one.
+        plugins: user-defined rewards, selectable by name like verifiers.
     """
 
     default_verifier: str = "last_integer"
@@ -108,6 +114,7 @@ class Scorer:
     step_judge: NextStateJudge | None = None
     rubric_judge: RubricJudge | None = None
     default_rubric: str = ""
+    plugins: RewardRegistry = field(default_factory=lambda: REGISTRY)
 
     async def score(self, sample: sample_pb2.Sample) -> sample_pb2.Sample:
         """Fill `rewards`, `reward`, `has_reward`, `votes` (and `error`); returns the Sample.
@@ -118,9 +125,10 @@ class Scorer:
         start = time.perf_counter()
         errors: list[str] = []
         unjudged: list[str] = []
+        failed: list[str] = []
         task = _task(sample, errors)
         truncated = sample.finish_reason == "length"
-        jobs = [self._verify(sample, task, errors)]
+        jobs = [self._verify(sample, task, errors, failed)]
         if self.judge is not None and sample.HasField("next_state"):
             jobs.append(self._judge_live(sample, truncated, unjudged))
         if self.step_judge is not None and not sample.HasField("next_state"):
@@ -129,11 +137,13 @@ class Scorer:
         if self.rubric_judge is not None and isinstance(rubric, str) and rubric:
             jobs.append(self._judge_rubric(sample, rubric, truncated, unjudged))
         await asyncio.gather(*jobs)
-        self._combine(sample, errors, unjudged)
+        self._combine(sample, errors, unjudged, failed)
         metrics.SCORE_SECONDS.observe(time.perf_counter() - start)
         return sample
 
-    def _combine(self, sample: sample_pb2.Sample, errors: list[str], unjudged: list[str]) -> None:
+    def _combine(
+        self, sample: sample_pb2.Sample, errors: list[str], unjudged: list[str], failed: list[str]
+    ) -> None:
         bad = {k: v for k, v in sample.rewards.items() if not math.isfinite(v)}
         for name, value in bad.items():  # a NaN or inf would poison a whole training step
             del sample.rewards[name]
@@ -145,8 +155,9 @@ class Scorer:
         for name, value in top.items():
             metrics.COMPONENT.labels(name).observe(value)
         sample.reward = sum(self.weights.get(k, 1.0) * v for k, v in top.items())
-        if bad:
+        if bad or failed:
             sample.has_reward = False
+            errors[:0] = failed
         elif unjudged:
             sample.has_reward = False
             errors.insert(0, f"{UNJUDGED_PREFIX} {'; '.join(unjudged)}")
@@ -158,17 +169,26 @@ class Scorer:
         sample.error = "; ".join(errors)
 
     async def _verify(
-        self, sample: sample_pb2.Sample, task: dict[str, Any], errors: list[str]
+        self, sample: sample_pb2.Sample, task: dict[str, Any], errors: list[str], failed: list[str]
     ) -> None:
         name = task.get("verifier", self.default_verifier)
         if not isinstance(name, str):
             errors.append(f"task 'verifier' must be a string, got {name!r}")
             return
+        spec = self.plugins.get(name)
+        if spec is not None:  # a user-defined reward reads what it declared; it needs no answer
+            result = await run_plugin(spec, sample, task, last_reply(sample))
+            if result.value is None:
+                failed.append(f"reward {name} {result.reason}: {result.detail}")
+            else:
+                sample.rewards["verifier"] = result.value
+            return
         if name == "none" or REQUIRED_KEY.get(name, "answer") not in task:
             return
         verifier = VERIFIERS.get(name)
         if verifier is None:
-            errors.append(f"unknown verifier {name!r}; known: {sorted(VERIFIERS)}")
+            known = sorted([*VERIFIERS, *self.plugins.names()])
+            errors.append(f"unknown verifier {name!r}; known: {known}")
             return
         try:  # off the event loop: code tests run a sandboxed subprocess for seconds
             sample.rewards["verifier"] = await asyncio.to_thread(verifier, last_reply(sample), task)

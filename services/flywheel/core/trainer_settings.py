@@ -118,9 +118,11 @@ class AlgorithmSettings(Section):
     """Frozen reference policy for the KL term; empty = the initial policy (`model_path`)."""
     entropy_coef: float = Field(0.0, ge=0)
     """Coefficient of the entropy bonus (-coef * H per loss token, nats); 0 = off."""
-    live_advantage: Literal["drop", "reward", "opd"] = "reward"
+    live_advantage: Literal["drop", "reward", "opd", "opd_plus_rl"] = "reward"
     """Samples without a group_id (live mode): `reward` = advantage is the sample's reward
-    (e.g. a judge's +1/-1), `opd` = per-token teacher - rollout logprob gap, `drop` = dropped
+    (e.g. a judge's +1/-1), `opd` = per-token teacher - rollout logprob gap, `opd_plus_rl` =
+    OpenClaw-RL's combination w_opd * gap + w_rl * reward (a turn with one signal uses that
+    one; weights and `gap_clip` in `[trainer.algorithm.params.opd_plus_rl]`), `drop` = dropped
     as `no_group_id`."""
     token_weights: list[str] = Field(default_factory=list)
     """Token weight / mask parts applied in order to the advantages (WEIGHTS in

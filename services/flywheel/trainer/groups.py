@@ -124,7 +124,7 @@ class GroupAssembler:
         keep_unjudged: admit unjudged samples that have other reward components
             (`trainer.data.unjudged = "keep"`).
         live_opd: admit group-less samples with teacher logprobs without a reward
-            (`trainer.algorithm.live_advantage = "opd"`).
+            (`trainer.algorithm.live_advantage = "opd"` or `"opd_plus_rl"`).
         vocab_size: rows of the policy's embedding: a Sample with a token id outside
             [0, vocab_size) is dropped as invalid (None: not checked).
     """

@@ -5,7 +5,9 @@ GRPO) over their group, computed here once; an estimator that reads entropy is c
 in `pipeline.batch_stage`, where the entropy is scored (their advantages stay 0 until then).
 Live samples (no `group_id`, each its own group) get the live estimator
 (`trainer.algorithm.live_advantage`): `reward` = the sample's reward on every sampled token (a
-judge's +1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap. Both
+judge's +1/-1 is already centred), `opd` = the per-token teacher - rollout logprob gap,
+`opd_plus_rl` = OpenClaw-RL's combination w_opd * gap + w_rl * r (either term alone when the
+turn has only that signal; `algorithms.advantages.live_opd_plus_rl`). Both
 kinds may share one step. Token-level estimators read the batch's per-token inputs (teacher and
 wrong-hint logprobs, step scores; `pipeline.advantage_inputs`). A sample whose "step/<k>" scores
 cannot be placed on its turns is trained without them, counted in
@@ -24,7 +26,9 @@ from collections.abc import Sequence
 import torch
 
 from flywheel._proto import sample_pb2
+from flywheel.trainer.algorithms.advantages import OPDPlusRLParams, live_opd_plus_rl
 from flywheel.trainer.algorithms.pipeline import (
+    advantage_inputs,
     advantage_token_stats,
     estimate,
     keep_groups_with_spread,
@@ -91,6 +95,8 @@ def prepare_batch(
     if live_N.numel():
         if cfg.algorithm.live_advantage == "opd":
             adv_BT[live_N], out = estimate("opd", batch, live_N, cfg, rewards_B)
+        elif cfg.algorithm.live_advantage == "opd_plus_rl":
+            adv_BT[live_N], out = _live_combined(samples_B, batch, live_N, cfg)
         else:  # reward: A = r on every sampled token
             adv_BT[live_N] = rewards_B[live_N].float()[:, None].expand(-1, adv_BT.shape[1])
             out = {"adv/mean": float(rewards_B[live_N].mean())}
@@ -99,6 +105,28 @@ def prepare_batch(
     if not cfg.algo.late_advantage:
         metrics |= advantage_token_stats(adv_BT, batch.loss_mask_BT)
     return dataclasses.replace(batch, advantages_BT=adv_BT), metrics
+
+
+def _live_combined(
+    samples_B: Sequence[sample_pb2.Sample], batch: TrainBatch, live_N: torch.Tensor, cfg
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(N, T) OpenClaw-RL combined advantages of the live rows `live_N` (`live_opd_plus_rl`)
+    and their metrics; a row with neither a judge's reward nor a teacher logprob gets 0 and is
+    counted in `adv/no_signal` and logged (admission drops such Samples as `no_reward`, so
+    this only catches a Sample whose teacher mask covers none of its loss tokens)."""
+    params = cfg.algo.part_params("opd_plus_rl")
+    assert isinstance(params, OPDPlusRLParams)
+    has_reward_N = torch.tensor([samples_B[i].has_reward for i in live_N.tolist()])
+    adv_NT, no_signal_N, out = live_opd_plus_rl(
+        advantage_inputs(batch, live_N), has_reward_N, params
+    )
+    for i in no_signal_N.nonzero(as_tuple=True)[0].tolist():
+        log.warning(
+            "live sample %s has neither a judge reward nor a teacher logprob on its sampled "
+            "tokens; trained with advantage 0",
+            samples_B[int(live_N[i])].sample_id,
+        )
+    return adv_NT, out | {"adv/no_signal": float(no_signal_N.sum())}
 
 
 def _unaligned_step_rewards(samples_B: Sequence[sample_pb2.Sample]) -> int:

@@ -148,7 +148,7 @@ class Trainer:
             partial_groups=self.s.batch.partial_groups,
             min_group_size=self.s.batch.min_group_size,
             keep_unjudged=self.s.data.unjudged == "keep",
-            live_opd=self.s.algorithm.live_advantage == "opd",
+            live_opd=self.s.algorithm.live_advantage in ("opd", "opd_plus_rl"),
             vocab_size=cast(int, parts.model.get_input_embeddings().num_embeddings),
         )
         self.staleness = StalenessPolicy(self.s.staleness)

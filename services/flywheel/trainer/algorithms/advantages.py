@@ -100,9 +100,17 @@ class OPDPlusRLParams:
     """w_rl (weight of the group reward advantage)."""
     rl_advantage: str = "grpo"
     """Group estimator for the reward part: one of GROUP_ESTIMATORS (its own parameters, e.g.
-    `[trainer.algorithm.params.quantile]`, apply)."""
+    `[trainer.algorithm.params.quantile]`, apply). Live turns (`live_advantage =
+    "opd_plus_rl"`) use their own reward r instead: a judge's +1/-1 is already centred."""
+    gap_clip: float = 0.0
+    """Clip of the teacher - student logprob gap to [-gap_clip, gap_clip] nats before w_opd
+    (OpenClaw-RL's second version); 0 = off."""
 
     def __post_init__(self) -> None:
+        if self.gap_clip < 0:
+            raise ValueError(
+                f"gap_clip of 'opd_plus_rl' must be >= 0 (0 = off), got {self.gap_clip}"
+            )
         if self.rl_advantage not in GROUP_ESTIMATORS:
             raise ValueError(
                 f"rl_advantage of 'opd_plus_rl' must be one of {list(GROUP_ESTIMATORS)}, "
@@ -284,6 +292,7 @@ def opd_plus_rl(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutpu
     """
     p = resolve(OPDPlusRLParams, cfg.params, "opd_plus_rl")
     gap_BT, mask_BT = _teacher_gap(inputs)
+    gap_BT = clip_gap(gap_BT, p.gap_clip)
     rl_cfg = dataclasses.replace(cfg, params=cfg.part_params.get(p.rl_advantage, {}))
     rl = ADVANTAGES[p.rl_advantage](inputs, rl_cfg)
     adv_BT = p.opd_weight * gap_BT + p.rl_weight * rl.advantages_B[:, None]  # (B, T)
@@ -298,6 +307,62 @@ def opd_plus_rl(inputs: AdvantageInputs, cfg: AdvantageConfig) -> AdvantageOutpu
         metrics=metrics,
         advantages_BT=adv_BT.to(torch.float32),
     )
+
+
+def clip_gap(gap_BT: Tensor, gap_clip: float) -> Tensor:
+    """(B, T) teacher - student logprob gap clipped to [-gap_clip, gap_clip] nats (0 = off)."""
+    return gap_BT.clamp(-gap_clip, gap_clip) if gap_clip > 0 else gap_BT
+
+
+def live_opd_plus_rl(
+    inputs: AdvantageInputs, has_reward_B: Tensor, params: OPDPlusRLParams
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """OpenClaw-RL's combined advantage on live turns, per response token:
+
+        A_t = w_opd * [teacher_i] * clip(log pi_teacher(a_t | s + hint) - log pi_old(a_t | s))
+              + w_rl * [reward_i] * r_i
+
+    ("OpenClaw-RL: Train Any Agent Simply by Talking", arXiv:2603.10165, the combined
+    objective; used inside the PPO clipped surrogate by the policy loss). pi_old is the rollout
+    logprob the gateway recorded; clip is `gap_clip` (0 = off). A turn with only one signal
+    uses that one ([teacher_i]: some token has a teacher logprob; [reward_i]: the judge scored
+    it, `Sample.has_reward`); a turn with neither gets 0 everywhere and is reported in
+    `no_signal_B` for the caller to drop and count. Tokens without a teacher logprob get only
+    the reward term.
+
+    Args:
+        inputs: `rewards_B` (B,), `teacher_logprobs_BT`, `rollout_logprobs_BT`,
+            `teacher_mask_BT`, `loss_mask_BT` (B, T).
+        has_reward_B: (B,) bool, the judge's verdict exists.
+        params: weights and gap clip (`[trainer.algorithm.params.opd_plus_rl]`).
+
+    Returns:
+        (advantages_BT (B, T) float32, no_signal_B (B,) bool, metrics `adv/mean`,
+        `adv/opd_mean`, `adv/teacher_token_frac`, `adv/max_abs`, `adv/both_signals`,
+        `adv/reward_only`, `adv/opd_only`).
+
+    Raises:
+        ValueError: a teacher input is missing.
+    """
+    gap_BT, mask_BT = _teacher_gap(inputs)
+    gap_BT = clip_gap(gap_BT, params.gap_clip)
+    has_teacher_B = mask_BT.any(dim=1)
+    has_reward_B = has_reward_B.bool()
+    reward_B = torch.where(has_reward_B, inputs.rewards_B.double(), 0.0)
+    adv_BT = params.opd_weight * gap_BT + params.rl_weight * reward_B[:, None]
+    loss_BT = mask_BT if inputs.loss_mask_BT is None else inputs.loss_mask_BT.bool()
+    adv_BT = torch.where(loss_BT, adv_BT, 0.0)
+    no_signal_B = ~has_teacher_B & ~has_reward_B
+    metrics = {
+        "adv/mean": float(adv_BT[loss_BT].mean()) if loss_BT.any() else 0.0,
+        "adv/opd_mean": _token_metrics(gap_BT, mask_BT, 0)["adv/mean"],
+        "adv/teacher_token_frac": float(mask_BT.float().mean()) if mask_BT.numel() else 0.0,
+        "adv/max_abs": float(adv_BT.abs().max()) if adv_BT.numel() else 0.0,
+        "adv/both_signals": float((has_teacher_B & has_reward_B).sum()),
+        "adv/reward_only": float((~has_teacher_B & has_reward_B).sum()),
+        "adv/opd_only": float((has_teacher_B & ~has_reward_B).sum()),
+    }
+    return adv_BT.to(torch.float32), no_signal_B, metrics
 
 
 AdvantageFn = Callable[[AdvantageInputs, AdvantageConfig], AdvantageOutputs]

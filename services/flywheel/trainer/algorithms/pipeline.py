@@ -144,16 +144,16 @@ class AlgoConfig:
     @property
     def other_parts(self) -> list[str]:
         """Parts selected by other settings (`loss_aggregation`, `rollout_correction`, the KL
-        estimator with kl_coef > 0, `entropy_bonus` with entropy_coef > 0, `opd` as the live
-        estimator): their parameters are checked like the others'."""
+        estimator with kl_coef > 0, `entropy_bonus` with entropy_coef > 0, `opd` or
+        `opd_plus_rl` as the live estimator): their parameters are checked like the others'."""
         s = self.settings
         others = [s.loss_aggregation, s.rollout_correction]
         if s.kl_coef > 0:
             others.append(s.kl_estimator)
         if s.entropy_coef > 0:
             others.append("entropy_bonus")
-        if s.live_advantage == "opd":
-            others.append("opd")
+        if s.live_advantage in ("opd", "opd_plus_rl"):
+            others.append(s.live_advantage)
         return others
 
     def selected(self) -> list[str]:

@@ -35,7 +35,9 @@ PYTHONPATH = os.pathsep.join(
 )
 
 
-def _settings(state: Path, redis_url: str, plugins: list[str], prefix: str) -> Path:
+def _settings(
+    state: Path, redis_url: str, plugins: list[str], prefix: str, **reward: object
+) -> Path:
     settings = load_settings(
         redis={"url": redis_url},
         streams={"prefix": prefix, "block_ms": 100},
@@ -44,6 +46,7 @@ def _settings(state: Path, redis_url: str, plugins: list[str], prefix: str) -> P
             "metrics_port": free_port(9361),
             "plugins": plugins,
             "default_verifier": "length_exact",
+            **reward,
         },
         state_dir=str(state),
     )
@@ -63,8 +66,14 @@ def _sample(sample_id: str, reply: str, task: dict, next_state: str | None = Non
 
 
 def test_plugin_rewards_score_the_stream_and_failures_are_unscored(tmp_path, redis_server):
+    # "thanked" also runs on every Sample as its own component, weight 0.5 (0.25 without thanks)
     config = _settings(
-        tmp_path, redis_server.url, ["length_exact", "reward_plugins_for_tests"], "plug"
+        tmp_path,
+        redis_server.url,
+        ["length_exact", "reward_plugins_for_tests"],
+        "plug",
+        components=["thanked"],
+        weights={"thanked": 0.5},
     )
     settings = load_settings(config)
     log_path = tmp_path / "reward.log"
@@ -100,16 +109,24 @@ def test_plugin_rewards_score_the_stream_and_failures_are_unscored(tmp_path, red
                 time.sleep(0.2)
             assert len(out) == 8, log_path.read_text()[-3000:]
             scored = {k: (s.has_reward, s.reward, dict(s.rewards)) for k, s in out.items()}
-            assert scored["long"] == (True, pytest.approx(0.9), {"verifier": pytest.approx(0.9)})
-            assert scored["short"] == (True, 1.0, {"verifier": 1.0})
-            assert scored["wrong"] == (True, 0.0, {"verifier": 0.0})
-            assert scored["thanks"] == (True, 0.75, {"verifier": 0.75})
-            assert scored["no-next"] == (True, 0.25, {"verifier": 0.25})
+            approx = pytest.approx
+            # reward = verifier + 0.5 * thanked; thanked = 0.25 unless the next state thanks
+            # long: 0.9 + 0.5 * 0.25 = 1.025; short: 1 + 0.125 = 1.125; wrong: 0 + 0.125
+            assert scored["long"] == (
+                True,
+                approx(1.025),
+                {"verifier": approx(0.9), "thanked": 0.25},
+            )
+            assert scored["short"] == (True, 1.125, {"verifier": 1.0, "thanked": 0.25})
+            assert scored["wrong"] == (True, 0.125, {"verifier": 0.0, "thanked": 0.25})
+            # verifier "thanked" too: thanks: 0.75 + 0.5 * 0.75 = 1.125; none: 0.25 + 0.125
+            assert scored["thanks"] == (True, 1.125, {"verifier": 0.75, "thanked": 0.75})
+            assert scored["no-next"] == (True, 0.375, {"verifier": 0.25, "thanked": 0.25})
             reasons = {"raises": "exception", "nan": "not_finite", "too_big": "out_of_range"}
             for name, reason in reasons.items():
                 s = out[f"bad-{name}"]
                 assert not s.has_reward, name
-                assert "verifier" not in s.rewards and dict(s.rewards) == {"outcome": 0.5}
+                assert dict(s.rewards) == {"outcome": 0.5, "thanked": 0.25}  # no "verifier"
                 assert s.error.startswith(f"reward {name} {reason}: "), s.error
             assert "RuntimeError: cannot score '8'" in out["bad-raises"].error
             assert "outside its declared range [0, 1]" in out["bad-too_big"].error

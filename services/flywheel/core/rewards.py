@@ -2,7 +2,9 @@
 
 A plugin is a Python module of the user's, named in `reward.plugins`; the reward service imports
 it at start, and each function it decorates becomes a verifier selectable by name (a task's
-`verifier`, or `reward.default_verifier`), exactly like the built-in ones:
+`verifier`, or `reward.default_verifier`), exactly like the built-in ones, and may also run on
+every Sample as a component of its own name (`reward.components`, weighted by
+`reward.weights[name]`):
 
     from flywheel.core.rewards import reward
 
@@ -50,7 +52,10 @@ BUILTIN_VERIFIERS = (
 """Names of the verifiers the reward service ships (flywheel.reward.verifiers); a plugin reward
 may not take one of these names, nor "none" (= no verifier)."""
 
-RESERVED = (*BUILTIN_VERIFIERS, "none")
+COMPONENTS = ("verifier", "outcome", "judge", "step", "rubric")
+"""Names of the reward service's own components (keys of `Sample.rewards`)."""
+
+RESERVED = (*BUILTIN_VERIFIERS, "none", *COMPONENTS)
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,8 @@ class RewardRegistry:
         if spec.name in RESERVED:
             raise ConfigurationError(
                 f"reward {spec.name!r} ({spec.module}.{spec.fn.__name__}) takes the name of a "
-                f"built-in verifier; choose another name (taken: {', '.join(RESERVED)})"
+                f"built-in verifier or component; choose another name (taken: "
+                f"{', '.join(RESERVED)})"
             )
         old = self._specs.get(spec.name)
         if old is not None and (old.module, old.fn.__qualname__) != (

@@ -345,6 +345,10 @@ class RewardSettings(Section):
     service at start; each `@reward("name", inputs=..., range=...)` in them is a verifier
     selectable by name. A module that fails to import, or a refused registration, stops the
     service at start."""
+    components: list[str] = Field(default_factory=list)
+    """User-defined rewards (from `plugins`) run on every Sample as components of their own name
+    in `Sample.rewards`, weighted by `weights[name]` (missing = 1.0); one that fails leaves the
+    Sample unscored. A name no plugin registers stops the reward service at start."""
     consumer_name: str = ""
     """Consumer name in the group; empty = host-pid."""
     weights: dict[str, float] = Field(default_factory=dict)
@@ -378,6 +382,11 @@ class RewardSettings(Section):
             raise ValueError(
                 f"reward.default_verifier {self.default_verifier!r} is not a verifier: use one "
                 f"of {', '.join(RESERVED)}, or name the module defining it in reward.plugins"
+            )
+        if self.components and not self.plugins:
+            raise ValueError(
+                f"reward.components {self.components} name user-defined rewards, but "
+                "reward.plugins names no module to import them from"
             )
         return self
 

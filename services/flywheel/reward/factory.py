@@ -30,7 +30,8 @@ def judge_client(js: JudgeSettings, name: str) -> AsyncJudgeClient:
 
 
 def build_scorer(rs: RewardSettings) -> Scorer:
-    """Scorer with the default verifier, weights and every enabled judge.
+    """Scorer with the default verifier, weights, user-defined components and every enabled
+    judge.
 
     Raises:
         ConfigurationError: a judge names a prompt file that does not exist.
@@ -54,7 +55,13 @@ def build_scorer(rs: RewardSettings) -> Scorer:
             rj.context_chars,
         )
     return Scorer(
-        rs.default_verifier, dict(rs.weights), judge, step, rubric, rs.rubric_judge.default_rubric
+        rs.default_verifier,
+        dict(rs.weights),
+        judge,
+        step,
+        rubric,
+        rs.rubric_judge.default_rubric,
+        components=tuple(rs.components),
     )
 
 
@@ -75,5 +82,11 @@ def load_reward_plugins(rs: RewardSettings) -> list[str]:
             f"reward.default_verifier {rs.default_verifier!r} is not a verifier: built in are "
             f"{', '.join(RESERVED)}; the plugins {rs.plugins} register "
             f"{names or 'nothing'}"
+        )
+    unknown = [c for c in rs.components if c not in REGISTRY]
+    if unknown:
+        raise ConfigurationError(
+            f"reward.components {unknown} are not registered by the plugins {rs.plugins} "
+            f"(they register {names or 'nothing'})"
         )
     return names

@@ -5,6 +5,8 @@ Components (each kept by name in `Sample.rewards`):
   or a user-defined reward of that name (flywheel.core.rewards, `reward.plugins`): one that
   raises, returns NaN/inf, a non-number or a value outside its declared range leaves the Sample
   unscored (`has_reward = false`, `error` = "reward <name> <reason>: ..."), never 0;
+- "<name>": a user-defined reward listed in `reward.components`, run on every Sample (the same
+  failure rule);
 - "outcome": posted by an environment on the gateway (already in `rewards`); passed through;
 - "judge": next-state PRM on a live-mode turn (the Sample has a `next_state`), m votes;
 - "step": episodes (no `next_state`): the next-state PRM on every assistant turn that a user or
@@ -35,7 +37,7 @@ from typing import Any
 
 from flywheel._proto import sample_pb2
 from flywheel.core.errors import InvalidRequestError
-from flywheel.core.rewards import REGISTRY, RewardRegistry
+from flywheel.core.rewards import REGISTRY, RewardRegistry, RewardSpec
 from flywheel.reward import metrics
 from flywheel.reward.judge import Judgment, NextStateJudge, RubricJudge
 from flywheel.reward.plugins import run_plugin
@@ -106,6 +108,7 @@ class Scorer:
         rubric_judge: rubric outcome judge; None = off.
         default_rubric: rubric used when the task gives none; "" = judge only tasks with one.
         plugins: user-defined rewards, selectable by name like verifiers.
+        components: names in `plugins` run on every Sample, each its own component.
     """
 
     default_verifier: str = "last_integer"
@@ -115,6 +118,7 @@ class Scorer:
     rubric_judge: RubricJudge | None = None
     default_rubric: str = ""
     plugins: RewardRegistry = field(default_factory=lambda: REGISTRY)
+    components: tuple[str, ...] = ()
 
     async def score(self, sample: sample_pb2.Sample) -> sample_pb2.Sample:
         """Fill `rewards`, `reward`, `has_reward`, `votes` (and `error`); returns the Sample.
@@ -129,6 +133,7 @@ class Scorer:
         task = _task(sample, errors)
         truncated = sample.finish_reason == "length"
         jobs = [self._verify(sample, task, errors, failed)]
+        jobs += [self._component(sample, task, name, failed) for name in self.components]
         if self.judge is not None and sample.HasField("next_state"):
             jobs.append(self._judge_live(sample, truncated, unjudged))
         if self.step_judge is not None and not sample.HasField("next_state"):
@@ -177,11 +182,7 @@ class Scorer:
             return
         spec = self.plugins.get(name)
         if spec is not None:  # a user-defined reward reads what it declared; it needs no answer
-            result = await run_plugin(spec, sample, task, last_reply(sample))
-            if result.value is None:
-                failed.append(f"reward {name} {result.reason}: {result.detail}")
-            else:
-                sample.rewards["verifier"] = result.value
+            await self._plugin(sample, task, spec, "verifier", failed)
             return
         if name == "none" or REQUIRED_KEY.get(name, "answer") not in task:
             return
@@ -196,6 +197,30 @@ class Scorer:
             errors.append(str(exc))
         except Exception as exc:  # a task the verifier cannot read: unscored, never a crash
             errors.append(f"verifier {name!r} failed on this task: {type(exc).__name__}: {exc}")
+
+    async def _component(
+        self, sample: sample_pb2.Sample, task: dict[str, Any], name: str, failed: list[str]
+    ) -> None:
+        spec = self.plugins.get(name)
+        if spec is None:  # the factory checks names at start; a hand-built Scorer may not
+            failed.append(f"reward {name} unknown: no plugin registers it")
+            return
+        await self._plugin(sample, task, spec, name, failed)
+
+    async def _plugin(
+        self,
+        sample: sample_pb2.Sample,
+        task: dict[str, Any],
+        spec: RewardSpec,
+        component: str,
+        failed: list[str],
+    ) -> None:
+        """Run a user-defined reward into `rewards[component]`, or its failure into `failed`."""
+        result = await run_plugin(spec, sample, task, last_reply(sample))
+        if result.value is None:
+            failed.append(f"reward {spec.name} {result.reason}: {result.detail}")
+        else:
+            sample.rewards[component] = result.value
 
     async def _judge_live(
         self, sample: sample_pb2.Sample, truncated: bool, unjudged: list[str]

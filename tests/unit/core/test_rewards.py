@@ -128,3 +128,9 @@ def test_settings_refuse_an_unknown_default_verifier_without_plugins():
     assert load_settings(reward={"default_verifier": "mine", "plugins": ["m"]}).reward.plugins == [
         "m"
     ]
+
+
+@pytest.mark.parametrize("name", ["verifier", "outcome", "judge", "step", "rubric"])
+def test_component_names_are_reserved(name):
+    with pytest.raises(ConfigurationError, match="built-in verifier or component"):
+        reward(name, registry=RewardRegistry())(lambda turn, task: 0.0)

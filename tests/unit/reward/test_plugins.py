@@ -87,3 +87,27 @@ def test_failures_leave_the_sample_unscored_and_counted(task, reason):
 def test_an_unknown_verifier_lists_plugin_names():
     s = _score(_sample({"verifier": "nope", "answer": 1}))
     assert not s.has_reward and "'bounded', 'code_tests', 'count_messages'" in s.error
+
+
+def test_components_run_on_every_sample_under_their_own_name_and_weight():
+    scorer = Scorer("bounded", {"count_messages": 0.5}, plugins=REGISTRY)
+    scorer.components = ("count_messages",)
+    s = asyncio.run(scorer.score(_sample({"value": 0.25, "bonus": 1}, "ok")))
+    # verifier "bounded" 0.25 (weight 1) + 0.5 * count_messages 3.5 = 0.25 + 1.75 = 2.0
+    assert s.has_reward and dict(s.rewards) == {"verifier": 0.25, "count_messages": 3.5}
+    assert s.reward == 2.0
+    s = asyncio.run(scorer.score(_sample({"value": 0.25, "bonus": 20})))  # 2 + 20 > 10
+    assert not s.has_reward and s.error.startswith("reward count_messages out_of_range: ")
+    assert dict(s.rewards) == {"verifier": 0.25}
+
+
+def test_the_factory_refuses_components_no_plugin_registers():
+    from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
+    from flywheel.core.settings import load_settings  # noqa: PLC0415
+    from flywheel.reward.factory import load_reward_plugins  # noqa: PLC0415
+
+    rs = load_settings(reward={"plugins": ["json"], "components": ["missing_one"]}).reward
+    with pytest.raises(ConfigurationError, match=r"reward.components \['missing_one'\]"):
+        load_reward_plugins(rs)
+    with pytest.raises(Exception, match="reward.plugins names no module"):
+        load_settings(reward={"components": ["x"]})

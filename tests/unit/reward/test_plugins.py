@@ -111,3 +111,24 @@ def test_the_factory_refuses_components_no_plugin_registers():
         load_reward_plugins(rs)
     with pytest.raises(Exception, match="reward.plugins names no module"):
         load_settings(reward={"components": ["x"]})
+
+
+def test_the_recipe_selects_its_example_reward(monkeypatch):
+    from pathlib import Path  # noqa: PLC0415
+
+    from flywheel.core.settings import load_settings  # noqa: PLC0415
+    from flywheel.reward.factory import build_scorer, load_reward_plugins  # noqa: PLC0415
+
+    recipes = Path(__file__).parents[3] / "recipes"
+    monkeypatch.syspath_prepend(str(recipes / "plugins"))
+    rs = load_settings(recipes / "plugin_reward.toml").reward
+    assert "length_exact" in load_reward_plugins(rs)
+    scorer = build_scorer(rs)
+    sample = _sample({"answer": 8, "max_chars": 10})
+    sample.messages[-1].content_json = json.dumps("So 7+1 is\n8")
+    # 11 characters, budget 10: 1 - 1/10 = 0.9
+    s = asyncio.run(scorer.score(sample))
+    assert s.has_reward and dict(s.rewards) == {"verifier": pytest.approx(0.9)}
+    sample.messages[-1].content_json = json.dumps("So 7+1 is\n9")  # wrong answer: 0.0, scored
+    s = asyncio.run(scorer.score(sample))
+    assert s.has_reward and dict(s.rewards) == {"verifier": 0.0}

@@ -52,10 +52,13 @@ BUILTIN_VERIFIERS = (
 """Names of the verifiers the reward service ships (flywheel.reward.verifiers); a plugin reward
 may not take one of these names, nor "none" (= no verifier)."""
 
+VERIFIER_NAMES = (*BUILTIN_VERIFIERS, "none")
+"""What `reward.default_verifier` may name without a plugin."""
+
 COMPONENTS = ("verifier", "outcome", "judge", "step", "rubric")
 """Names of the reward service's own components (keys of `Sample.rewards`)."""
 
-RESERVED = (*BUILTIN_VERIFIERS, "none", *COMPONENTS)
+RESERVED = (*VERIFIER_NAMES, *COMPONENTS)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     mask_secrets,
     read_config_file,
 )
-from flywheel.core.rewards import RESERVED
+from flywheel.core.rewards import VERIFIER_NAMES
 from flywheel.core.section import Section
 from flywheel.core.trainer_settings import TrainerSettings
 
@@ -378,10 +378,10 @@ class RewardSettings(Section):
 
     @model_validator(mode="after")
     def _known_verifier(self) -> RewardSettings:
-        if self.default_verifier not in RESERVED and not self.plugins:
+        if self.default_verifier not in VERIFIER_NAMES and not self.plugins:
             raise ValueError(
                 f"reward.default_verifier {self.default_verifier!r} is not a verifier: use one "
-                f"of {', '.join(RESERVED)}, or name the module defining it in reward.plugins"
+                f"of {', '.join(VERIFIER_NAMES)}, or name the module defining it in reward.plugins"
             )
         if self.components and not self.plugins:
             raise ValueError(

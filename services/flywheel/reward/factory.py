@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flywheel.core.errors import ConfigurationError
 from flywheel.core.judge_client import AsyncJudgeClient
-from flywheel.core.rewards import REGISTRY, RESERVED, load_plugins
+from flywheel.core.rewards import REGISTRY, VERIFIER_NAMES, load_plugins
 from flywheel.core.settings import JudgeSettings, RewardSettings
 from flywheel.reward import metrics
 from flywheel.reward.judge import NextStateJudge, RubricJudge
@@ -77,10 +77,10 @@ def load_reward_plugins(rs: RewardSettings) -> list[str]:
             default verifier is neither built in nor registered by a plugin.
     """
     names = load_plugins(rs.plugins)
-    if rs.default_verifier not in RESERVED and rs.default_verifier not in REGISTRY:
+    if rs.default_verifier not in VERIFIER_NAMES and rs.default_verifier not in REGISTRY:
         raise ConfigurationError(
             f"reward.default_verifier {rs.default_verifier!r} is not a verifier: built in are "
-            f"{', '.join(RESERVED)}; the plugins {rs.plugins} register "
+            f"{', '.join(VERIFIER_NAMES)}; the plugins {rs.plugins} register "
             f"{names or 'nothing'}"
         )
     unknown = [c for c in rs.components if c not in REGISTRY]

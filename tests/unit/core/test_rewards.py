@@ -134,3 +134,8 @@ def test_settings_refuse_an_unknown_default_verifier_without_plugins():
 def test_component_names_are_reserved(name):
     with pytest.raises(ConfigurationError, match="built-in verifier or component"):
         reward(name, registry=RewardRegistry())(lambda turn, task: 0.0)
+
+
+def test_a_component_name_is_not_a_default_verifier():
+    with pytest.raises(Exception, match="'outcome' is not a verifier: use one of last_integer"):
+        load_settings(reward={"default_verifier": "outcome"})

@@ -118,7 +118,7 @@ def test_agent_demo_two_steps_trains_on_multi_turn_tool_episodes(
             # Between two sampled segments lies the tool's output: context with mask 0.
             for (_, end), (start, _) in zip(runs, runs[1:], strict=False):
                 assert all(m == 0 for m in sample.loss_mask[end:start])
-            tools = [m.content for m in sample.messages if m.role == "tool"]
+            tools = [json.loads(m.content_json) for m in sample.messages if m.role == "tool"]
             assert len(tools) >= 2  # the worked example's, then this episode's
             first_gap = detokenize(urls["engine"], list(sample.token_ids[runs[0][1] : runs[1][0]]))
             # The chat template's tool turn with the tool's output, then the next generation.

@@ -51,6 +51,7 @@ def test_task_agent_builds_the_agent_runner_with_its_defaults(monkeypatch, tmp_p
     assert isinstance(runner, AgentDemoRunner) and isinstance(runner.cfg, AgentDemoConfig)
     assert (runner.cfg.problems_per_step, runner.cfg.group_size) == (4, 6)
     assert runner.cfg.eval_seed == 5 and runner.cfg.eval_size == 7 and runner.cfg.max_tokens == 48
+    assert runner.cfg.temperature == 0.7  # the addition demo samples at 1.0
     assert settings.trainer.batch.group_size == 6  # the trainer's groups match the demo's
     assert settings.trainer.batch.groups_per_step == 4
     # a group is trained only once complete: its episodes end minutes apart on a busy CPU

@@ -76,6 +76,10 @@ class EvalStats:
 class AgentDemoConfig(DemoConfig):
     max_tokens: int = 48
     """Completion tokens per model turn (a call is about 30 tokens)."""
+    temperature: float = 0.7
+    """Sampling temperature of the training episodes. At 1.0 the untrained model's calls fall
+    apart (1 of 8 "What is a + b?" episodes succeeded, the others wrote broken JSON, unknown
+    tools or answers from its head); at 0.7, 6 of 8 (2026-12-02)."""
     max_turns: int = MAX_TURNS
     eval_seed: int = 0
     """Held-out draw of the evaluations; the second untrained evaluation uses eval_seed + 1."""

@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from flywheel._proto import reward_pb2, reward_pb2_grpc
 from flywheel.core.codec import decode_sample, new_sample
 from flywheel.core.redis_client import connect
 from flywheel.core.redis_server import free_port
@@ -142,6 +144,17 @@ def test_plugin_rewards_score_the_stream_and_failures_are_unscored(tmp_path, red
                 assert float(lines[key]) == 1.0, key
             assert float(lines['flywheel_reward_samples_total{outcome="unscored"}']) == 3.0
             assert float(lines['flywheel_reward_samples_total{outcome="scored"}']) == 5.0
+            # the gRPC Score path uses the same scorer: 0.75 + 0.5 * 0.75 = 1.125; NaN unscored
+            channel = grpc.insecure_channel(f"127.0.0.1:{settings.reward.port}")
+            stub = reward_pb2_grpc.RewardServiceStub(channel)
+            thanks = _sample("grpc-thanks", "8", {"verifier": "thanked"}, "thanks!")
+            resp = stub.Score(reward_pb2.ScoreRequest(sample=thanks), timeout=30)
+            assert (resp.has_reward, resp.reward) == (True, 1.125)
+            nan = _sample("grpc-nan", "8", {"verifier": "nan"})
+            resp = stub.Score(reward_pb2.ScoreRequest(sample=nan), timeout=30)
+            assert not resp.has_reward and resp.error.startswith("reward nan not_finite: ")
+            assert dict(resp.rewards) == {"thanked": 0.25}
+            channel.close()
         finally:
             proc.terminate()
             proc.wait(timeout=20)

@@ -24,6 +24,9 @@ It returns one number inside the declared `range` (both ends included). An excep
 that is not a number, NaN/inf or a value outside the range leaves the Sample *unscored*
 (`has_reward = false` and an `error` naming the reward and the reason), counted by
 `flywheel_reward_plugin_unscored_total{reward, reason}` and logged; it is never scored as 0.
+The function runs in a worker thread, possibly on several Samples at once (up to
+`reward.max_in_flight`), so it must be thread-safe; a call past `reward.sample_timeout_s` fails
+the scoring attempt like any scorer (retried, then dead-lettered).
 """
 
 from __future__ import annotations

@@ -63,13 +63,15 @@ class Procs:
         engine_urls: list[str],
         tokenizer: Path,
         port: int = 0,
+        streams: dict | None = None,
         **gateway: object,
     ) -> str:
-        """A gateway process (python -m flywheel.gateway); returns its URL once /healthz is ok."""
+        """A gateway process (python -m flywheel.gateway); returns its URL once /healthz is ok.
+        `streams`: more `[streams]` settings."""
         port = port or free_port()
         cfg = {
             "redis": {"url": redis_url},
-            "streams": {"prefix": prefix},
+            "streams": {"prefix": prefix, **(streams or {})},
             "gateway": {
                 "port": port,
                 "engine_urls": engine_urls,

@@ -49,6 +49,9 @@ class KeyRecord(BaseModel):
     parent: str = ""
     """For `session` keys: key_id of the key that minted it (limits are counted against it)."""
     created_at: float = Field(default_factory=time.time)
+    train: bool = True
+    """False = not for training: the key's turns are served and never recorded or published
+    (docs/security.md "Not for training"); session keys minted by it inherit it."""
 
     @property
     def limit_id(self) -> str:
@@ -93,8 +96,10 @@ class KeyStore:
         session_id: str = "",
         parent: str = "",
         ttl_s: int | None = None,
+        train: bool = True,
     ) -> tuple[str, KeyRecord]:
-        """Mint a key; returns (secret shown once, its record).
+        """Mint a key; returns (secret shown once, its record). `train` False = not for
+        training (`KeyRecord.train`).
 
         Raises:
             InvalidRequestError: a `session` key without `session_id`, or an unknown role.
@@ -108,7 +113,12 @@ class KeyStore:
         secret = new_key(role)
         digest = hash_key(secret)
         record = KeyRecord(
-            key_id=digest[:12], role=role, name=name, session_id=session_id, parent=parent
+            key_id=digest[:12],
+            role=role,
+            name=name,
+            session_id=session_id,
+            parent=parent,
+            train=train,
         )
         pipe = self.client.pipeline()
         pipe.set(self._key(digest), record.model_dump_json(), ex=ttl_s)
@@ -139,6 +149,21 @@ class KeyStore:
             if raw is not None:
                 records.append(KeyRecord.model_validate_json(raw))
         return sorted(records, key=lambda r: r.created_at)
+
+    def set_train(self, key_id: str, train: bool) -> KeyRecord:
+        """Mark an agent/admin key for training (`train` True) or not for training; returns
+        its updated record. Takes effect on the gateway within `security.key_cache_s`.
+
+        Raises:
+            NotFoundError: no such key.
+        """
+        digest = self.client.hget(self._index, key_id)
+        raw = self.client.get(self._key(as_str(digest))) if digest else None
+        if digest is None or raw is None:
+            raise NotFoundError(f"API key {key_id} not found", param="key_id")
+        record = KeyRecord.model_validate_json(raw).model_copy(update={"train": train})
+        self.client.set(self._key(as_str(digest)), record.model_dump_json(), keepttl=True)
+        return record
 
     def revoke(self, key_id: str) -> KeyRecord:
         """Delete an agent/admin key by its id.

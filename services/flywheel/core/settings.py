@@ -69,6 +69,31 @@ class StreamSettings(Section):
     """Milliseconds XREADGROUP blocks waiting for new entries."""
     high_water: int = Field(10_000, ge=1)
     """Stream lag (entries) above which producers apply backpressure."""
+    retention: str = "7d"
+    """How long a consumed entry is kept: entries acked by every consumer group of their
+    stream and older than this are trimmed by each gateway's retention task (never one still
+    pending or undelivered in any group; docs/streams.md "Retention and trimming"). Seconds
+    ("3600") or a number with a unit s, m, h, d, w ("12h", "7d"); "0" = keep everything."""
+    retention_check_s: float = Field(60.0, gt=0)
+    """Seconds between retention passes."""
+
+    @field_validator("retention", mode="before")
+    @classmethod
+    def _retention(cls, v: object) -> str:
+        from flywheel.core.retention import parse_duration  # noqa: PLC0415
+
+        try:
+            parse_duration(v)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ValueError(f"streams.retention: {exc}") from None
+        return str(v)
+
+    @property
+    def retention_s(self) -> float:
+        """`retention` in seconds (0 = off)."""
+        from flywheel.core.retention import parse_duration  # noqa: PLC0415
+
+        return parse_duration(self.retention)
 
     def key(self, name: str) -> str:
         """Full Redis key of stream `name` (e.g. `flywheel:rollouts`)."""

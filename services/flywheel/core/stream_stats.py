@@ -15,6 +15,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from flywheel.core.retention import oldest_age_s, trimmed_counts
 from flywheel.core.settings import StreamSettings
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ class StreamStat:
     key: str
     length: int
     groups: list[GroupStat] = field(default_factory=list)
+    oldest_age_s: float | None = None
+    """Seconds since the oldest entry kept was added; None = empty."""
+    trimmed: int = 0
+    """Entries trimmed by retention so far (core/retention.py)."""
 
 
 def _lag_by_scan(client: redis.Redis, key: str, last_id: str) -> tuple[int, bool]:
@@ -55,7 +60,8 @@ def _lag_by_scan(client: redis.Redis, key: str, last_id: str) -> tuple[int, bool
 
 
 def stream_stats(client: redis.Redis, streams: StreamSettings) -> list[StreamStat]:
-    """Length of every pipeline stream and, per consumer group, its lag and pending entries.
+    """Length of every pipeline stream, the age of its oldest entry, the entries retention
+    has trimmed from it and, per consumer group, its lag and pending entries.
 
     Lag comes from XINFO GROUPS (`lag`, Redis >= 7); older servers, or a lag Redis reports as
     unknown (after XDEL/XTRIM), are counted by scanning the entries after the group's
@@ -65,12 +71,19 @@ def stream_stats(client: redis.Redis, streams: StreamSettings) -> list[StreamSta
         redis.RedisError: Redis is unreachable (callers show it as unhealthy).
     """
     out = []
+    trimmed = trimmed_counts(client, streams.prefix)
     for name in STREAMS:
         key = streams.key(name)
         if not client.exists(key):
-            out.append(StreamStat(name, key, 0))
+            out.append(StreamStat(name, key, 0, trimmed=trimmed.get(key, 0)))
             continue
-        stat = StreamStat(name, key, int(client.xlen(key)))
+        stat = StreamStat(
+            name,
+            key,
+            int(client.xlen(key)),
+            oldest_age_s=oldest_age_s(client, key),
+            trimmed=trimmed.get(key, 0),
+        )
         for info in client.xinfo_groups(key):
             group = _text(info["name"])
             lag = info.get("lag")

@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flywheel.core import http_errors
-from flywheel.gateway.access.principal import owner_of
+from flywheel.core.errors import PermissionDeniedError
+from flywheel.gateway.access.principal import owner_of, principal
 from flywheel.gateway.access.security import install as install_security
 from flywheel.gateway.api import chat, completions, messages, responses
 from flywheel.gateway.api.completions import CompletionRequest
@@ -46,12 +47,16 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         sweeper = asyncio.create_task(sweep.run_sweeper(deps))  # idle sessions (sweep.py)
+        tasks = [sweeper]
+        if deps.retention is not None:  # consumed stream entries past streams.retention
+            tasks.append(asyncio.create_task(deps.retention.run()))
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             close = getattr(deps.engines, "aclose", None)
             if close is not None:  # the engine pool's HTTP connections
                 await close()
@@ -96,6 +101,13 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         request: Request, d: Deps, body: SessionCreate | None = None
     ) -> dict[str, Any]:
         body = body or SessionCreate()  # no body: every field has its default
+        if not principal(request).train:
+            raise PermissionDeniedError(
+                "this API key is not for training: its requests are served without a session "
+                "and never recorded; send them to /v1 without creating a session, or use a "
+                "key marked for training",
+                code="not_for_training",
+            )
         if not body.eval:
             await chat.check_backlog(d)
         record = await d.sessions.acreate(

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, Header, Request
 
+from flywheel.core.retention import StreamRetention
 from flywheel.core.settings import GatewaySettings
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.render.tokenization import ChatRenderer
@@ -53,6 +54,9 @@ class GatewayDeps:
     publisher: Publisher
     context_length: int = 2048
     """Tokens (prompt + completion) the engine serves per request."""
+    retention: StreamRetention | None = None
+    """The pipeline's streams and `streams.retention`, trimmed by the gateway's retention task
+    (core/retention.py); None = no task (tests, embedded apps)."""
 
 
 async def get_deps(request: Request) -> GatewayDeps:

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.retention import StreamRetention  # noqa: PLC0415
     from flywheel.core.streams import StreamProducer  # noqa: PLC0415
     from flywheel.gateway.app import create_app  # noqa: PLC0415
     from flywheel.gateway.deps import GatewayDeps  # noqa: PLC0415
@@ -68,6 +69,13 @@ def main(argv: list[str] | None = None) -> None:
             watch_group="reward",
         ),
         context_length=settings.engine.context_length,
+        retention=StreamRetention(
+            client,
+            settings.streams.prefix,
+            [settings.streams.key(s) for s in ("rollouts", "scored", "train")],
+            settings.streams.retention_s,
+            settings.streams.retention_check_s,
+        ),
     )
     uvicorn.run(
         create_app(deps),

@@ -359,7 +359,8 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    """`flywheel keys create|list|revoke`: API keys in the deployment's Redis (stored hashed)."""
+    """`flywheel keys create|list|mark|revoke`: API keys in the deployment's Redis (stored
+    hashed); `--not-for-training` keys are served and never recorded (docs/security.md)."""
     from flywheel.core.auth import KeyStore  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.ops.stack import running_stack  # noqa: PLC0415
@@ -370,14 +371,21 @@ def cmd_keys(args: argparse.Namespace) -> int:
     store = KeyStore(connect(url), settings.streams.prefix)
     try:
         if args.keys_command == "create":
-            secret, record = store.create(args.role, args.name)
-            print(f"created {record.role} key {record.key_id}; it is shown only once:\n{secret}")
+            secret, record = store.create(args.role, args.name, train=not args.not_for_training)
+            use = "" if record.train else " (not for training)"
+            print(f"created {record.role} key {record.key_id}{use}; it is shown only once:")
+            print(secret)
         elif args.keys_command == "list":
             records = store.list()
             for r in records:
-                print(f"{r.key_id}  {r.role:6}  {r.name}")
+                use = "train" if r.train else "no-train"
+                print(f"{r.key_id}  {r.role:6}  {use:8}  {r.name}")
             if not records:
                 print("no API keys")
+        elif args.keys_command == "mark":
+            record = store.set_train(args.key_id, args.train)
+            use = "for training" if record.train else "not for training"
+            print(f"key {record.key_id} is now {use}")
         else:
             print(f"revoked {store.revoke(args.key_id).key_id}")
     except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)
@@ -516,7 +524,21 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys_sub.add_parser("create", help="mint a key (printed once)", parents=[common])
     create.add_argument("--role", choices=["agent", "admin"], default="agent")
     create.add_argument("--name", default="", help="a label shown by `keys list`")
-    keys_sub.add_parser("list", help="key ids, roles and names", parents=[common])
+    create.add_argument(
+        "--not-for-training",
+        action="store_true",
+        help="the key's requests are served and never recorded",
+    )
+    keys_sub.add_parser("list", help="key ids, roles, training use and names", parents=[common])
+    mark = keys_sub.add_parser(
+        "mark", help="mark a key for training or not (by id)", parents=[common]
+    )
+    mark.add_argument("key_id")
+    use = mark.add_mutually_exclusive_group(required=True)
+    use.add_argument("--train", dest="train", action="store_true", help="record its turns")
+    use.add_argument(
+        "--not-for-training", dest="train", action="store_false", help="never record its turns"
+    )
     revoke = keys_sub.add_parser("revoke", help="delete a key by id", parents=[common])
     revoke.add_argument("key_id")
     keys.set_defaults(func=cmd_keys)

@@ -162,6 +162,10 @@ class StatusReport:
     engines: dict[str, str | None]
     """Engine URL -> served weight version (None = no answer)."""
     trainer: dict[str, Any] | None
+    retention: str = ""
+    """`streams.retention` (consumed entries older than this are trimmed)."""
+    session_ttl_s: int = 0
+    """`gateway.session_ttl_s` (an idle session record expires after it)."""
 
     @property
     def dead_letters(self) -> int:
@@ -184,6 +188,7 @@ class StatusReport:
             "dead_letters": self.dead_letters,
             "engines": self.engines,
             "trainer": self.trainer,
+            "retention": {"streams": self.retention, "session_ttl_s": self.session_ttl_s},
         }
 
 
@@ -208,7 +213,15 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
         trainer_host = "trainer"
     trainer_url = state.get("trainer", f"http://{trainer_host}:{settings.trainer.port}")
     return StatusReport(
-        services, redis_url, redis_ok, redis_error, streams, engines, trainer_status(trainer_url)
+        services,
+        redis_url,
+        redis_ok,
+        redis_error,
+        streams,
+        engines,
+        trainer_status(trainer_url),
+        settings.streams.retention,
+        settings.gateway.session_ttl_s,
     )
 
 
@@ -219,6 +232,16 @@ def _fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}g}"
     return "-" if value is None else str(value)
+
+
+def _age(seconds: float | None) -> str:
+    """An age as the largest whole unit: 42 s, 5 m, 3 h, 2 d ("-" = none)."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit}"
+    return f"{int(seconds)} s"
 
 
 def render(report: StatusReport) -> Any:
@@ -241,21 +264,27 @@ def render(report: StatusReport) -> Any:
         services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)
 
     streams = Table(title="streams", title_justify="left")
-    for col in ("stream", "length", "group", "consumers", "lag", "pending"):
+    cols = ("stream", "length", "oldest", "trimmed", "group", "consumers", "lag", "pending")
+    for col in cols:
         streams.add_column(col, justify="right" if col not in ("stream", "group") else "left")
     for stat in report.streams:
+        kept = (stat.key, str(stat.length), _age(stat.oldest_age_s), str(stat.trimmed))
         if not stat.groups:
-            streams.add_row(stat.key, str(stat.length), "-", "-", "-", "-")
+            streams.add_row(*kept, "-", "-", "-", "-")
         for i, g in enumerate(stat.groups):
             lag = "?" if g.lag is None else f"{g.lag}{'+' if g.lag_capped else ''}"
             streams.add_row(
-                stat.key if i == 0 else "",
-                str(stat.length) if i == 0 else "",
+                *(kept if i == 0 else ("", "", "", "")),
                 g.group,
                 str(g.consumers),
                 Text(lag, style="yellow" if g.lag else ""),
                 str(g.pending),
             )
+    kept_line = Text(
+        f"retention: consumed entries older than {report.retention or '-'} are trimmed "
+        f"(never one pending or unread); idle session records expire after "
+        f"{report.session_ttl_s} s"
+    )
     dead = Text(
         f"dead letters: {report.dead_letters}", style="bold red" if report.dead_letters else "green"
     )
@@ -277,4 +306,4 @@ def render(report: StatusReport) -> Any:
             f"{_fmt(m.get('reward/mean'))}  loss {_fmt(m.get('loss/pg'))}  "
             f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}"
         )
-    return Group(services, streams, dead, engines, trainer)
+    return Group(services, streams, kept_line, dead, engines, trainer)

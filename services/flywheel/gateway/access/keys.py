@@ -20,6 +20,14 @@ class KeyCreate(BaseModel):
 
     role: Literal["agent", "admin"] = "agent"
     name: str = ""
+    train: bool = True
+    """False = not for training (served, never recorded)."""
+
+
+class KeyTrain(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    train: bool
 
 
 def _store(request: Request) -> KeyStore:
@@ -41,6 +49,7 @@ async def mint_session_key(session_id: str, request: Request) -> dict[str, Any]:
         session_id=session_id,
         parent=who.limit_id if who.key_id else "",
         ttl_s=sessions.ttl_s,
+        train=who.train,
     )
     base = str(request.base_url).rstrip("/")
     return {
@@ -59,8 +68,17 @@ async def list_keys(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/admin/keys", dependencies=[Depends(require_role("admin"))])
 async def create_key(body: KeyCreate, request: Request) -> dict[str, Any]:
-    secret, record = await asyncio.to_thread(_store(request).create, body.role, body.name)
+    secret, record = await asyncio.to_thread(
+        _store(request).create, body.role, body.name, train=body.train
+    )
     return {"api_key": secret, **record.model_dump()}
+
+
+@router.patch("/v1/admin/keys/{key_id}", dependencies=[Depends(require_role("admin"))])
+async def mark_key(key_id: str, body: KeyTrain, request: Request) -> dict[str, Any]:
+    """Mark a key for training or not (`{"train": false}`)."""
+    record = await asyncio.to_thread(_store(request).set_train, key_id, body.train)
+    return record.model_dump()
 
 
 @router.delete("/v1/admin/keys/{key_id}", dependencies=[Depends(require_role("admin"))])

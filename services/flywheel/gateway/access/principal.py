@@ -22,10 +22,12 @@ class Principal:
     """For session keys: the only session this principal may use."""
     limit_id: str = "local"
     """Identity rate and concurrency limits count against."""
+    train: bool = True
+    """False: the key is not for training (its turns are served, never recorded)."""
 
     @classmethod
     def of(cls, record: KeyRecord) -> Principal:
-        return cls(record.key_id, record.role, record.session_id, record.limit_id)
+        return cls(record.key_id, record.role, record.session_id, record.limit_id, record.train)
 
 
 LOCAL_ADMIN = Principal(key_id="", role="admin")

@@ -48,7 +48,7 @@ from flywheel.core.settings import SecuritySettings, is_loopback
 from flywheel.gateway.access.keys import router as key_routes
 from flywheel.gateway.access.limits import Lease, RedisLimiter
 from flywheel.gateway.access.principal import ANONYMOUS, LOCAL_ADMIN, Principal
-from flywheel.gateway.session.owner import REQUEST_OWNER
+from flywheel.gateway.session.owner import REQUEST_OWNER, REQUEST_TRAIN
 from flywheel.gateway.session.store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class SecurityMiddleware:
                 return
             scope.setdefault("state", {})["principal"] = who
             REQUEST_OWNER.set(who.key_id if who.role == "agent" else None)
+            REQUEST_TRAIN.set(who.train)
             await self._run(scope, receive, send)
         finally:
             await self.limiter.give_back(lease)

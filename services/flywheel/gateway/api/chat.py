@@ -29,6 +29,7 @@ from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.render.tokenization import render_call, text_size
 from flywheel.gateway.session import turns
 from flywheel.gateway.session.backpressure import backlog_full, served_unrecorded
+from flywheel.gateway.session.owner import REQUEST_TRAIN
 
 if TYPE_CHECKING:
     from flywheel.gateway.deps import GatewayDeps
@@ -165,6 +166,11 @@ async def serve(
     if session_id is None:
         UNRECORDED.inc()
         return await _unrecorded(d, body, messages, sampling)
+    if not REQUEST_TRAIN.get():  # a key not for training: served outside its session
+        completion = await _unrecorded(d, body, messages, sampling)
+        tokens = completion["usage"]["completion_tokens"]
+        served_unrecorded(session_id, "not_for_training", tokens)
+        return completion
     try:
         gens, prompt_tokens, parsed = await turns.session_turn(
             d, body, session_id, messages, sampling, turn_type

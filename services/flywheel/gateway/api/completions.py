@@ -33,7 +33,9 @@ from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.recording.history import count_fork, sampling_changed, set_sampling
 from flywheel.gateway.recording.records import PendingTurn, Segment, SegmentSample, SessionRecord
 from flywheel.gateway.session import branches, turns
+from flywheel.gateway.session.backpressure import served_unrecorded
 from flywheel.gateway.session.locks import locked
+from flywheel.gateway.session.owner import REQUEST_TRAIN
 
 if TYPE_CHECKING:
     from flywheel.gateway.deps import GatewayDeps
@@ -164,6 +166,10 @@ async def complete(
     """Serve (and in a session, record) a completions request; returns the response body."""
     sampling = body.sampling_params()
     prompts = body.prompts()
+    if session_id is not None and not REQUEST_TRAIN.get():  # not for training: unrecorded
+        result = await complete(d, body, None)
+        served_unrecorded(session_id, "not_for_training", result["usage"]["completion_tokens"])
+        return result
     if session_id is not None:
         if len(prompts) != 1 or body.n != 1:
             raise InvalidRequestError(

@@ -24,6 +24,9 @@ class Owner(BaseModel):
 
 
 REQUEST_OWNER: ContextVar[str | None] = ContextVar("flywheel_request_owner", default=None)
+REQUEST_TRAIN: ContextVar[bool] = ContextVar("flywheel_request_train", default=True)
+"""False while serving a request of a key marked not for training (set by the middleware):
+its turns are served outside any session and never recorded."""
 """The key whose sessions the current request may use (the security middleware sets it for
 agent keys; None: any, for admins, for session keys, which are confined to their session, and
 without authentication). `locks.locked` checks it under the session lock, so a session another

@@ -2,7 +2,8 @@
 
 `collect_status()` asks the live system, never a cache: each service's health endpoint, Redis
 for every stream's length and each consumer group's lag and pending entries (XINFO GROUPS), the
-dead-letter stream's length, each engine's served weight version (`/model_info`, SGLang and the
+dead-letter stream's length, what is kept (`streams.retention`, `gateway.session_ttl_s`, each
+stream's oldest entry age and entries trimmed), each engine's served weight version (`/model_info`, SGLang and the
 embedded engine alike) and the trainer's `/status` (step, last reward and loss). `render()` turns
 it into one rich screen. The stream numbers come from
 flywheel.core.stream_stats, which the gateway also exports as Prometheus gauges.
@@ -264,27 +265,30 @@ def render(report: StatusReport) -> Any:
         services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)
 
     streams = Table(title="streams", title_justify="left")
-    cols = ("stream", "length", "oldest", "trimmed", "group", "consumers", "lag", "pending")
-    for col in cols:
+    for col in ("stream", "length", "group", "consumers", "lag", "pending"):
         streams.add_column(col, justify="right" if col not in ("stream", "group") else "left")
     for stat in report.streams:
-        kept = (stat.key, str(stat.length), _age(stat.oldest_age_s), str(stat.trimmed))
         if not stat.groups:
-            streams.add_row(*kept, "-", "-", "-", "-")
+            streams.add_row(stat.key, str(stat.length), "-", "-", "-", "-")
         for i, g in enumerate(stat.groups):
             lag = "?" if g.lag is None else f"{g.lag}{'+' if g.lag_capped else ''}"
             streams.add_row(
-                *(kept if i == 0 else ("", "", "", "")),
+                stat.key if i == 0 else "",
+                str(stat.length) if i == 0 else "",
                 g.group,
                 str(g.consumers),
                 Text(lag, style="yellow" if g.lag else ""),
                 str(g.pending),
             )
-    kept_line = Text(
-        f"retention: consumed entries older than {report.retention or '-'} are trimmed "
-        f"(never one pending or unread); idle session records expire after "
-        f"{report.session_ttl_s} s"
+    retention = Text(
+        f"retention: consumed entries older than {report.retention or '-'} are trimmed (never "
+        f"one pending or unread); idle session records expire after {report.session_ttl_s} s"
     )
+    kept = Table(title="kept", title_justify="left")
+    for col in ("stream", "oldest entry", "trimmed"):
+        kept.add_column(col, justify="left" if col == "stream" else "right")
+    for stat in report.streams:
+        kept.add_row(stat.key, _age(stat.oldest_age_s), str(stat.trimmed))
     dead = Text(
         f"dead letters: {report.dead_letters}", style="bold red" if report.dead_letters else "green"
     )
@@ -306,4 +310,4 @@ def render(report: StatusReport) -> Any:
             f"{_fmt(m.get('reward/mean'))}  loss {_fmt(m.get('loss/pg'))}  "
             f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}"
         )
-    return Group(services, streams, kept_line, dead, engines, trainer)
+    return Group(services, streams, retention, kept, dead, engines, trainer)

@@ -5,10 +5,12 @@ gap clip, and the settings that reach it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flywheel.core.codec import encode_sample
 from flywheel.core.streams import StreamEntry
 from flywheel.core.trainer_settings import AlgorithmSettings
+from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
 from flywheel.trainer.groups import GroupAssembler
 from flywheel.trainer.step import prepare_batch
 
@@ -71,6 +73,7 @@ def test_weights_and_gap_clip_reach_the_advantage():
     # A = 0.5 * [0.5, -0.6, 0.0] + 2 * 1 = [2.25, 1.7, 2.0]
     sample = live(reward=1.0, teacher=[-0.5, -2.0, -1.0])
     cfg = combined({"opd_weight": 0.5, "rl_weight": 2.0, "gap_clip": 0.6})
+    cfg.algo.check()  # accepted: the part is selected by live_advantage
     batch, metrics = prepare_batch([[sample]], cfg)
     assert batch.advantages_BT[0].tolist() == pytest.approx([0, 0, 2.25, 1.7, 2.0])
     # adv/opd_mean is the clipped gap's mean over teacher tokens: (0.5 - 0.6 + 0) / 3
@@ -117,3 +120,19 @@ def test_admission_keeps_an_unjudged_turn_with_teacher_logprobs():
     assert assembler.add(StreamEntry("1-0", encode_sample(taught), taught)) is None
     drop = assembler.add(StreamEntry("2-0", encode_sample(neither), neither))
     assert drop is not None and drop.reason == "no_reward"
+
+
+def test_gap_clip_also_applies_to_grouped_opd_plus_rl():
+    # group of 2, rewards [1, 0]: GRPO mean 0.5, unbiased std sqrt(0.5) = 0.70711 -> A = +-0.70711
+    # one token each, rollout -1; teacher -0.5 (gap +0.5) and +1.0 (gap +2.0, clipped to 1.0)
+    # A = 1 * gap + 1 * A_grpo = [0.5 + 0.70711, 1.0 - 0.70711] = [1.20711, 0.29289]
+    inputs = AdvantageInputs(
+        rewards_B=torch.tensor([1.0, 0.0]),
+        group_index_B=torch.tensor([0, 0]),
+        teacher_logprobs_BT=torch.tensor([[-0.5], [1.0]]),
+        rollout_logprobs_BT=torch.tensor([[-1.0], [-1.0]]),
+        teacher_mask_BT=torch.tensor([[True], [True]]),
+    )
+    out = ADVANTAGES["opd_plus_rl"](inputs, AdvantageConfig(params={"gap_clip": 1.0}))
+    assert out.advantages_BT is not None
+    assert out.advantages_BT[:, 0].tolist() == pytest.approx([1.20711, 0.29289], abs=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 
 import openai
 import pytest
@@ -373,3 +374,30 @@ def test_a_client_that_rewrites_its_output_items_forks_and_it_is_counted(gw, red
     api.responses.create(model="m", input=items, tools=[TOOL])
     record = SessionStore(redis_client, prefix, 60).get("edit-1")
     assert record.forks == 1 and record.fork_reasons == {"assistant_edited": 1}
+
+
+WIDE = 2**70  # 1180591620717411303424: wider than 64 bits, valid JSON
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_integers_wider_than_64_bits_are_echoed_back_exactly(gw, stream):
+    """A tool schema's `maximum` of 2**70 comes back unchanged in the response object (streamed
+    events too), and the response is stored for `previous_response_id`."""
+    make, _, _ = gw
+    client, _ = make(["Noted.", "Again."])
+    tool = {**TOOL, "parameters": {"type": "object", "properties": {"a": {"maximum": WIDE}}}}
+    body = {"model": "m", "input": "Hi", "tools": [tool], "stream": stream}
+    resp = client.post("/v1/responses", json=body)
+    assert resp.status_code == 200
+    if stream:
+        datas = [ln[6:] for ln in resp.text.splitlines() if ln.startswith("data: ")]
+        events = [json.loads(d) for d in datas]
+        assert events[-1]["type"] == "response.completed", events[-1]
+        final = events[-1]["response"]
+    else:
+        final = resp.json()
+    assert final["tools"][0]["parameters"]["properties"]["a"]["maximum"] == WIDE
+    again = client.post(
+        "/v1/responses", json={"model": "m", "input": "More", "previous_response_id": final["id"]}
+    )
+    assert again.status_code == 200, again.text

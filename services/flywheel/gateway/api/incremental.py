@@ -28,7 +28,6 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-import orjson
 import redis
 from fastapi.responses import StreamingResponse
 from prometheus_client import Counter
@@ -36,6 +35,7 @@ from prometheus_client import Counter
 from flywheel.core.errors import ClientClosedError, PlatformError
 from flywheel.core.http_errors import error_body
 from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.gateway.api.json_text import dumps_str
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 from flywheel.gateway.api.streaming import chunk_event
 from flywheel.gateway.engines.stream import TEXT_SINK
@@ -215,7 +215,7 @@ def _error_event(exc: Exception) -> str:
     else:
         log.error("streamed turn failed after its first text", exc_info=exc)
         error = error_body(f"internal error: {type(exc).__name__}", "server_error")
-    return f"data: {orjson.dumps(error).decode()}\n\n"
+    return f"data: {dumps_str(error)}\n\n"
 
 
 def _drain(queue: asyncio.Queue[str]) -> str:
@@ -258,6 +258,6 @@ def closing_events(
             "choices": [],
             "usage": completion["usage"],
         }
-        events.append(f"data: {orjson.dumps(body).decode()}\n\n")
+        events.append(f"data: {dumps_str(body)}\n\n")
     events.append("data: [DONE]\n\n")
     return events

@@ -24,13 +24,13 @@ import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
-import orjson
 import redis
 from fastapi.responses import StreamingResponse
 
 from flywheel.core.errors import ClientClosedError, PlatformError
 from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
 from flywheel.gateway.api.incremental import MISMATCHES, TextFeed
+from flywheel.gateway.api.json_text import dumps_str
 from flywheel.gateway.api.messages_errors import anthropic_error
 from flywheel.gateway.engines.stream import TEXT_SINK
 
@@ -41,7 +41,7 @@ Finish = Callable[[dict[str, Any]], dict[str, Any]]
 
 def sse(event: dict[str, Any]) -> str:
     """One server-sent event: `event: <type>` and its JSON data."""
-    return f"event: {event['type']}\ndata: {orjson.dumps(event).decode()}\n\n"
+    return f"event: {event['type']}\ndata: {dumps_str(event)}\n\n"
 
 
 def message_start(msg_id: str, model: str, input_tokens: int) -> str:

@@ -18,6 +18,7 @@ import redis
 
 from flywheel.core.errors import NotFoundError
 from flywheel.core.redis_client import LoopClients
+from flywheel.gateway.api.json_text import dumps
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ResponseStore:
 
     async def put(self, response_id: str, stored: StoredResponse) -> None:
         """Store a response (one SET with expiry)."""
-        value = orjson.dumps(
+        value = dumps(
             {
                 "owner": stored.owner,
                 "session_id": stored.session_id,

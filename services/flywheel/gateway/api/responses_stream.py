@@ -26,13 +26,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
-import orjson
 import redis
 from fastapi.responses import StreamingResponse
 
 from flywheel.core.errors import ClientClosedError, PlatformError
 from flywheel.gateway.api import incremental
 from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.gateway.api.json_text import dumps_str
 from flywheel.gateway.engines.stream import TEXT_SINK
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Events:
     def __call__(self, kind: str, **fields: Any) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {orjson.dumps(body).decode()}\n\n"
+        return f"event: {kind}\ndata: {dumps_str(body)}\n\n"
 
 
 def opening(ev: Events, started: dict[str, Any]) -> list[str]:

@@ -267,7 +267,13 @@ def test_n_choices_without_a_session(env):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_k", 0), ("top_k", -5), ("stop", ["x"] * 33), ("temperature", "Infinity")],
+    [
+        ("top_k", 0),
+        ("top_k", -5),
+        ("top_k", 2**31),  # the Sample records top_k as int32: at most 2**31 - 1
+        ("stop", ["x"] * 33),
+        ("temperature", "Infinity"),
+    ],
 )
 def test_invalid_sampling_values_are_400_before_the_engine(env, field, value):
     client, engine, _, _ = env

@@ -39,6 +39,8 @@ CHAT = [
     ({"messages": [USER], "stream_options": {"include_usage": True}}, False),
     ({"messages": [USER], "top_k": 0}, False),
     ({"messages": [USER], "top_k": -1}, True),
+    ({"messages": [USER], "top_k": 2**31 - 1}, True),
+    ({"messages": [USER], "top_k": 2**31}, False),  # recorded as int32
     ({"messages": [USER], "tool_choice": "required"}, False),  # no tools to call
     ({"messages": [USER], "tools": [{"type": "function"}]}, False),
     ({"messages": [USER], "tools": [TOOL], "tool_choice": "auto"}, True),

@@ -44,10 +44,13 @@ def neutral(*values: Any) -> WithJsonSchema:
 ONLY_NULL = WithJsonSchema(NULL)
 """A field the gateway accepts only as null or absent."""
 
+TOP_K_MAX = 2**31 - 1
+"""Largest `top_k` accepted: the Sample records it as an int32 (proto/flywheel/v1/sample.proto)."""
+
 TOP_K = WithJsonSchema(
-    nullable({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1}]}),
+    nullable({"anyOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": TOP_K_MAX}]}),
 )
-"""SGLang's `top_k`: -1 (the whole vocabulary) or a positive integer."""
+"""SGLang's `top_k`: -1 (the whole vocabulary) or a positive integer up to `TOP_K_MAX`."""
 
 TEXT_PART: dict[str, Any] = {
     "type": "object",

@@ -122,7 +122,7 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: Annotated[int | None, shapes.ONLY_NULL] = None
     context_management: Annotated[Any, shapes.neutral([])] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body), as for chat.
-    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
+    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
 

@@ -214,7 +214,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     functions: Annotated[list[Any] | None, shapes.neutral([])] = None
     function_call: Annotated[Any, shapes.ONLY_NULL] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
-    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
+    top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: Annotated[float | None, shapes.neutral(1)] = None
     min_tokens: Annotated[int | None, shapes.neutral(0)] = None

@@ -43,7 +43,10 @@ def free_port() -> int:
 
 
 class Engine:
-    def __init__(self, dtype: str, max_batch: int, threads: int):
+    def __init__(
+        self, dtype: str, max_batch: int, threads: int, settings: dict[str, str] | None = None
+    ):
+        """`settings`: further engine settings by name (FLYWHEEL_ENGINE__<NAME> values)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {
@@ -52,6 +55,7 @@ class Engine:
             "FLYWHEEL_ENGINE__MAX_BATCH_SIZE": str(max_batch),
             "FLYWHEEL_ENGINE__BATCH_WAIT_MS": "5",
             "FLYWHEEL_ENGINE__THREADS": str(threads),
+            **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in (settings or {}).items()},
         }
         cmd = [sys.executable, "-m", "flywheel.engine", "--port", str(self.port)]
         self.proc = subprocess.Popen(

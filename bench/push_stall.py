@@ -5,12 +5,14 @@ model), and a short request is sent `--probe-after-s` seconds after the push beg
 
     .venv/bin/python bench/push_stall.py [--rows 4] [--new-tokens 160]
 
-Runs it twice on one engine, side by side: `trainer.push.pause = "none"` (a plain update: the
-rows in flight finish on the old weights first) and `"in_place"` (pause in place, update,
-continue). Prints, against the median gap between two streamed chunks before the push (one
-decode step): the longest gap in token output of the busy rows while the push ran, the push's
-own duration, and the time to the first token of the request sent during the push (with the
-same request's time on an idle engine beside it).
+Runs three ways side by side: the engine's default `engine.weight_swap = "step"` (the swap lands
+between two decode steps; rows in flight continue under the new weights), and on an engine with
+`weight_swap = "drain"` (the swap waits until the rows in flight finish on the old weights) both
+`trainer.push.pause = "none"` and `"in_place"` (pause in place, update, continue). Prints, against
+the median gap between two streamed chunks before the push (one decode step): the longest gap in
+token output of the busy rows while the push ran, the push's own duration, and the time to the
+first token of the request sent during the push (with the same request's time on an idle engine
+beside it).
 """
 
 from __future__ import annotations
@@ -111,26 +113,34 @@ def main() -> int:
     args = parser.parse_args()
     model = ensure_default_model()
     rows = {}
-    with tempfile.TemporaryDirectory() as tmp, Engine("float32", 16, 0) as engine:
+    modes = (("step", "none"), ("drain", "none"), ("drain", "in_place"))
+    idle_ttft = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
         folder = WeightsStore(Path(tmp), model).write(1, load_file(model / "model.safetensors"))
-        idle_ttft = first_token_s(engine.url)
-        for version, pause in enumerate(("none", "in_place"), start=1):
-            rows[pause] = measure(engine.url, folder, version, pause, args)
+        for swap in ("step", "drain"):
+            with Engine("float32", 16, 0, {"weight_swap": swap}) as engine:
+                idle_ttft = idle_ttft or first_token_s(engine.url)
+                for version, (mode, pause) in enumerate(modes, start=1):
+                    if mode == swap:
+                        rows[f"{swap}/{pause}"] = measure(engine.url, folder, version, pause, args)
     print(
-        f"{'push_pause':12} {'decode step':>12} {'push':>8} {'longest gap':>12} {'gap/step':>9}"
+        f"{'swap/pause':16} {'decode step':>12} {'push':>8} {'longest gap':>12} {'gap/step':>9}"
         f" {'first token of a request sent during the push':>47}"
     )
-    for pause, r in rows.items():
+    for name, r in rows.items():
         print(
-            f"{pause:12} {r['step_ms']:>9.1f} ms {r['push_s']:>6.2f} s {r['gap_ms']:>9.1f} ms"
+            f"{name:16} {r['step_ms']:>9.1f} ms {r['push_s']:>6.2f} s {r['gap_ms']:>9.1f} ms"
             f" {r['gap_ms'] / r['step_ms']:>8.1f}x {r['ttft_s']:>10.2f} s"
             f" (x{r['ttft_s'] / idle_ttft:.1f} of an idle engine's {idle_ttft:.2f} s)"
         )
-    none, in_place = rows["none"], rows["in_place"]
-    print(
-        f"in_place / none: push x{in_place['push_s'] / none['push_s']:.2f}, first token during"
-        f" the push x{in_place['ttft_s'] / none['ttft_s']:.2f}"
-    )
+    step = rows["step/none"]
+    for name in ("drain/none", "drain/in_place"):
+        other = rows[name]
+        print(
+            f"step / {name}: push x{step['push_s'] / other['push_s']:.2f}, longest gap"
+            f" x{step['gap_ms'] / other['gap_ms']:.2f}, first token during the push"
+            f" x{step['ttft_s'] / other['ttft_s']:.2f}"
+        )
     return 0
 
 

@@ -3,7 +3,7 @@
 After each update: /get_weights_by_name shows the new tensors (the tied lm_head with them), the
 greedy logprobs of a fixed prompt equal a plain transformers forward pass of the new weights
 (1e-4 nats), weight_version changed, nothing is served from a cache (cached_tokens 0), and a
-request in flight when the update arrived completed normally on the old weights.
+request in flight when the update arrived completed normally (not aborted).
 """
 
 from __future__ import annotations

@@ -150,6 +150,11 @@ class EngineSettings(Section):
     is honoured too). False: such a setting stops the engine at start."""
     weight_version: str = "default"
     """Initial weight version label (SGLang's `--weight-version`)."""
+    weight_swap: Literal["step", "drain"] = "step"
+    """How a weight update meets rows in flight: "step" swaps at the next decode-step boundary
+    (running rows continue under the new weights, their tokens carry the new version from the
+    swap on, nothing waits); "drain" holds new rows until every row in flight has finished on
+    the old weights, then swaps (one version per request; new rows wait for the longest one)."""
     seed: int = 0
     threads: int = Field(0, ge=0)
     """torch threads; 0 = torch's default."""

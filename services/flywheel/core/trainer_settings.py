@@ -243,13 +243,15 @@ class PushSettings(Section):
     attempts: int = Field(5, ge=1)
     """Attempts per engine (exponential backoff) before the weight push fails the trainer."""
     pause: Literal["none", "in_place"] = "none"
-    """How a busy engine takes a disk push. none = a plain `/update_weights_from_disk`, which
-    lets the rows in flight finish on the old weights first (SGLang's behaviour): requests that
-    arrive meanwhile wait for them. in_place = `/pause_generation` in place, the update,
-    `/continue_generation`: the rows in flight continue under the new weights from the swap on
-    (their later tokens carry the new version, reported as `weight_versions` spans), and new
-    requests wait only for the load (`bench/push_stall.py`). An engine without in-place pause
-    (SGLang < 0.5.12) is updated the plain way (logged)."""
+    """How a busy engine takes a disk push. none = a plain `/update_weights_from_disk`: the
+    embedded engine swaps between two decode steps (`engine.weight_swap = "step"`, nothing
+    waits); an engine that drains (SGLang, or `weight_swap = "drain"`) lets the rows in flight
+    finish on the old weights first and requests that arrive meanwhile wait for them.
+    in_place = `/pause_generation` in place, the update, `/continue_generation`: the rows in
+    flight continue under the new weights from the swap on (their later tokens carry the new
+    version, reported as `weight_versions` spans), and new requests wait only for the load
+    (`bench/push_stall.py`). An engine without in-place pause (SGLang < 0.5.12) is updated the
+    plain way (logged)."""
     master_address: str = "127.0.0.1"
     """Address the engines reach the trainer at for the distributed weight-update group."""
 

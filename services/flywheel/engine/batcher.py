@@ -162,6 +162,26 @@ class RunningBatch:
                 self.next_logits = self._forward(keep_tokens)
         return finished
 
+    def refresh_logits(self) -> None:
+        """Recompute every row's next-token logits under the weights loaded now.
+
+        The last cache column (the KV of each row's last fed token, computed under the weights
+        of the previous forward pass) is dropped and that token is fed again, so the next
+        sampled token comes from the current weights; the earlier columns are kept. Every row's
+        last column is a real token (rows are right-aligned), so one (B, 1) forward pass does it.
+        """
+        if not self.seqs or self.cache is None:
+            return
+        with torch.inference_mode():
+            last = [s.output_ids[-1] if s.output_ids else s.input_ids[-1] for s in self.seqs]
+            for layer in _kv_layers(self.cache):
+                layer.keys = layer.keys[:, :, :-1]
+                layer.values = layer.values[:, :, :-1]
+            self.mask = self.mask[:, :-1]
+            self.positions = self.positions - 1
+            tokens = torch.tensor(last, dtype=torch.long, device=self.mask.device)
+            self.next_logits = self._forward(tokens)
+
     def finish_aborted(self) -> list[Sequence]:
         """Drop rows aborted while the batch is not stepping (paused); returns them."""
         for seq in self.seqs:

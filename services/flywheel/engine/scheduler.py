@@ -4,12 +4,13 @@ Items arrive on a thread-safe inbox and are moved, in order, into `waiting` by t
 thread (`pull`). Between decode steps the worker asks `admit()` for the jobs that may join the
 running batch (up to the free room) and the controls that may run now:
 
-* an urgent control (`drain=False`: pause barriers, weight reads, relabels) runs at the next
-  step boundary, whatever is running;
-* a draining control (`drain=True`: weight swaps) keeps its place in line: jobs that arrived
-  before it are admitted first, jobs after it wait, and it runs once no row is running, so an
-  update never mixes weights inside a request (SGLang's writer lock). While paused it runs at
-  once (SGLang: an update on a paused engine proceeds immediately).
+* an urgent control (`drain=False`: pause barriers, weight reads, relabels, weight swaps with
+  `engine.weight_swap = "step"`) runs at the next step boundary, whatever is running;
+* a draining control (`drain=True`: weight swaps with `engine.weight_swap = "drain"`) keeps
+  its place in line: jobs that arrived before it are admitted first, jobs after it wait, and
+  it runs once no row is running, so an update never mixes weights inside a request (SGLang's
+  writer lock). While paused it runs at once (SGLang: an update on a paused engine proceeds
+  immediately).
 
 While paused (SGLang /pause_generation) no job is admitted; queued jobs that get aborted are
 released at once (as abort results).

@@ -1,19 +1,26 @@
 """Weight updates of a running engine: from disk and over torch.distributed (SGLang's routes).
 
 * Disk (`/update_weights_from_disk`): the safetensors checkpoint is read and validated in the
-  caller's thread; the swap runs on the worker as a draining control.
+  caller's thread; the swap runs on the worker between two decode steps.
 * Distributed (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`): the engine joins a process group as rank
   `rank_offset` (the trainer is rank 0 and broadcasts). gloo on CPU, NCCL on CUDA. As in SGLang
   0.5.21+, an update must run inside `/begin_weight_update` ... `/end_weight_update`.
   Tensors are received into fresh buffers in the HTTP thread while the worker keeps decoding,
-  then validated (names and shapes; a partial update is allowed) and swapped in as a draining
-  control. A mismatch answers success false after the broadcast was consumed (so the trainer
+  then validated (names and shapes; a partial update is allowed) and swapped in between two
+  decode steps. A mismatch answers success false after the broadcast was consumed (so the trainer
   never hangs) and leaves the served weights untouched.
+
+`engine.weight_swap = "step"` (default): the swap happens at the next decode-step boundary; rows
+in flight continue under the new weights (their next-token logits are recomputed under them, see
+`RunningBatch.refresh_logits`) and report the change as `meta_info.weight_versions` spans; no row
+waits. `"drain"`: the swap waits until every row that arrived before it has finished on the old
+weights and holds rows that arrive after it (one version per request).
 
 Every successful update relabels `weight_version` when one is given. There is no prefix cache
 in this engine (`cached_tokens` is always 0), so `flush_cache` has nothing to flush: no KV
-computed under old weights is ever reused by a later request.
+computed under old weights is ever reused by a later request (a row in flight keeps the KV of
+its own earlier tokens, as SGLang's in-place continue does).
 """
 
 from __future__ import annotations
@@ -70,8 +77,9 @@ class WeightUpdater:
     ) -> tuple[bool, str]:
         """Load a safetensors checkpoint into the live model (blocking until swapped).
 
-        On any mismatch nothing changes and `(False, reason)` is returned. Rows in flight when
-        the call arrives finish on the old weights (unless the engine is paused in place).
+        On any mismatch nothing changes and `(False, reason)` is returned. Rows in flight
+        continue under the new weights from the next decode step (`engine.weight_swap =
+        "step"`), or finish on the old ones first (`"drain"`, unless paused in place).
         """
         if load_format not in SUPPORTED_LOAD_FORMATS:
             return False, f"load_format {load_format!r} is not supported; use safetensors"
@@ -102,10 +110,9 @@ class WeightUpdater:
 
         def swap() -> None:
             runner.apply_weights(state)
-            if version is not None:
-                self.worker.relabel(version)
+            self.worker.after_swap(version)
 
-        self.worker.control(swap, drain=True)
+        self.worker.control(swap, drain=self.worker.settings.weight_swap == "drain")
         self.worker.metrics.weight_updates.labels("ok").inc()
 
     # -- session ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from flywheel.engine.batcher import decode_batch
+from flywheel.engine.batcher import RunningBatch, decode_batch
 from flywheel.engine.protocol import RowSpec, SamplingParams
 from flywheel.engine.runner import ModelRunner
 from flywheel.engine.sequence import Job, Sequence
@@ -138,3 +138,38 @@ def test_eos_is_included_in_the_output_unless_ignored(runner):
     assert eos not in seq.stop_ids
     seq = make_seq(runner, PROMPTS[2], temperature=0, max_new_tokens=6)
     assert eos in seq.stop_ids
+
+
+def test_refresh_logits_recomputes_the_next_token_under_the_weights_loaded_now(tiny_model_dir):
+    """A swap between decode steps: the rows' next-token logits come from the new weights.
+
+    Only the final norm changes (x2), which leaves every cached key/value as it was, so the
+    refreshed logits must equal a full forward pass of the new model over each row's tokens;
+    without the refresh they are still the old model's.
+    """
+    runner = ModelRunner(tiny_model_dir, device="cpu")  # its own copy: its weights change
+    seqs = [
+        make_seq(runner, ids, seed=i, max_new_tokens=12, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS)
+    ]
+    batch = RunningBatch(runner)
+    batch.add(seqs[:2])
+    batch.step()
+    batch.add(seqs[2:])  # rows prefilled at another width join the running ones
+    for _ in range(3):
+        batch.step()
+    assert batch.next_logits is not None
+    before = batch.next_logits.clone()
+    batch.refresh_logits()  # same weights: the same numbers
+    assert_close(batch.next_logits, before, atol=1e-4, rtol=0)
+    old = runner.parameter("model.norm.weight").detach().clone()
+    runner.apply_weights({"model.norm.weight": old * 2})
+    batch.refresh_logits()
+    for i, seq in enumerate(batch.seqs):
+        full = seq.input_ids + seq.output_ids
+        new_ref = reference_logprobs(runner, full, 1.0)[-1]
+        assert_close(torch.log_softmax(batch.next_logits[i], -1), new_ref, atol=1e-4, rtol=0)
+        assert not torch.allclose(torch.log_softmax(before[i], -1), new_ref, atol=1e-3)
+    while batch.seqs:  # decoding goes on from the refreshed state
+        batch.step()
+    assert all(len(s.output_ids) == 12 for s in seqs)

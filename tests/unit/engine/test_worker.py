@@ -1,4 +1,5 @@
-"""The worker thread: aborts, weight swaps between batches, version stamping, limits."""
+"""The worker thread: aborts, weight swaps between decode steps or batches, version stamping,
+limits."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.core.settings import EngineSettings
@@ -71,7 +73,65 @@ def test_abort_returns_the_partial_output(worker):
     assert len(out["output_ids"]) == len(meta["output_token_logprobs"]) == meta["completion_tokens"]
 
 
-def test_update_waits_for_the_inflight_batch_and_stamps_versions(worker, tiny_model_dir, tmp_path):
+def test_step_swap_continues_rows_in_flight_under_the_new_weights(worker, tiny_model_dir, tmp_path):
+    """The default swap (engine.weight_swap "step") lands between two decode steps.
+
+    The checkpoint scales only the final norm, which leaves every cached key/value unchanged,
+    so each token's logprob must equal a full forward pass of the weights its span names:
+    the old model before the span boundary, the new one from it on.
+    """
+    prompt = [1, 504, 3458, 314]
+    ckpt = modified_checkpoint(tiny_model_dir, tmp_path / "ckpt")
+    t0 = time.monotonic()
+    (long_job,) = worker.submit(
+        [spec("long", prompt, max_new_tokens=200, ignore_eos=True, temperature=1.0)]
+    )
+    wait_for_progress(worker, t0)
+    assert worker.update_weights_from_disk(str(ckpt), "1") == (
+        True,
+        "Succeeded to update model weights.",
+    )
+    assert not long_job.future.done()  # the update did not wait for the row
+    out = long_job.future.result(timeout=60)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 200}
+    (old, new) = meta["weight_versions"]
+    assert old["version"] == "default" and new["version"] == "1"
+    k = old["end"]
+    assert old["start"] == 0 and new["start"] == k and new["end"] == 200 and 0 < k < 200
+    full = prompt + out["output_ids"]
+    got = torch.tensor([row[0] for row in meta["output_token_logprobs"]])
+    picked = torch.tensor(out["output_ids"])[:, None]
+    state = load_file(ckpt / "model.safetensors")
+    for weights, lo, hi in ((None, 0, k), (state, k, 200)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if weights is not None:
+            model.load_state_dict(weights, strict=False)
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([full])).logits[0]  # (T, V)
+        ref = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(1, picked)[:, 0]
+        torch.testing.assert_close(got[lo:hi], ref[lo:hi], atol=1e-4, rtol=0)
+        other = ref[k:] if weights is None else ref[:k]  # the other version's numbers differ
+        assert (got[k:] if weights is None else got[:k]).sub(other).abs().max() > 1e-3
+
+
+def test_drain_update_waits_for_the_inflight_batch_and_stamps_versions(tiny_model_dir, tmp_path):
+    settings = EngineSettings(
+        model_path=str(tiny_model_dir),
+        max_batch_size=8,
+        batch_wait_ms=1,
+        context_length=256,
+        weight_swap="drain",
+    )
+    worker = EngineWorker(settings, tiny_model_dir).start()
+    assert worker.wait_ready(60), worker.error
+    try:
+        _drain_update(worker, tiny_model_dir, tmp_path)
+    finally:
+        worker.close()
+
+
+def _drain_update(worker, tiny_model_dir, tmp_path):
     prompt = [1, 504, 3458, 314]
     before = generate(worker, "b0", prompt, temperature=0, max_new_tokens=4)
     ckpt = modified_checkpoint(tiny_model_dir, tmp_path / "ckpt")

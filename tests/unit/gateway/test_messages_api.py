@@ -288,3 +288,26 @@ def test_the_access_checks_message_limit_applies_in_anthropic_format(
             },
         }
     assert engine.calls == []
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        # the block type (text) is in the path before the field
+        ([{"type": "text"}], "messages[0].content[0].text.text: Field required"),
+        ([{"type": "text", "text": "a", "bogus": 1}], "content[0].text.bogus: Extra inputs"),
+        ([{"text": "x"}], "block 0 must be an object with a 'type'"),
+        ([5], "block 0 must be an object with a 'type'"),
+        (5, "content must be a string or a list of blocks of type"),
+        ({"type": "text", "text": "x"}, "content must be a string or a list of blocks of type"),
+    ],
+)
+def test_a_rejected_content_names_the_real_problem(redis_client, prefix, renderer, content, words):
+    """Not the first union branch's "Input should be a valid string" for a list of blocks."""
+    client, engine, _ = _env(redis_client, prefix, renderer, ["x"])
+    data = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
+    resp = client.post("/v1/messages", json=data)
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert words in message and "valid string" not in message, message
+    assert engine.calls == []

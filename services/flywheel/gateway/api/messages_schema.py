@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from flywheel.gateway.api import json_shapes as shapes
 
@@ -83,6 +83,11 @@ def _refuse_unreadable(blocks: Any) -> Any:
         return blocks
     for i, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            raise ValueError(
+                f"block {i} must be an object with a 'type' among "
+                f"{', '.join(map(repr, READABLE))}; got {_brief(block)}"
+            )
         if kind == "redacted_thinking":
             raise ValueError(
                 f"block {i} is redacted_thinking: encrypted reasoning of another provider, which "
@@ -96,11 +101,32 @@ def _refuse_unreadable(blocks: Any) -> Any:
     return blocks
 
 
+def _brief(value: Any) -> str:
+    """`value`'s repr, cut to 80 characters (for error messages)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _content_kind(v: Any) -> str | None:
+    return "str" if isinstance(v, str) else "list[blocks]" if isinstance(v, list) else None
+
+
 class MessageParam(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: Annotated[
+        Annotated[str, Tag("str")] | Annotated[list[ContentBlock], Tag("list[blocks]")],
+        Discriminator(
+            _content_kind,
+            custom_error_type="content_type",
+            custom_error_message=(
+                f"content must be a string or a list of blocks of type {', '.join(READABLE)}"
+            ),
+        ),
+    ]
+    """A string, or a list of blocks; the errors of a rejected one are those of the branch its
+    JSON type picks (never the other branch's "Input should be a valid string")."""
 
     @field_validator("content", mode="before")
     @classmethod

@@ -173,3 +173,49 @@ def test_anthropic_named_tool_forces_that_call(smol_stack):
     assert use.name == "get_time"
     jsonschema.validate(use.input, TIME_PARAMS)
     _faithful(smol_stack, "forced-anthropic", 1)
+
+
+ADD_PARAMS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+
+
+def test_anthropic_any_with_parallel_calls_ends_after_the_call(smol_stack):
+    """A forced call with parallel calls allowed ends (EOS) after a complete call: stop_reason
+    tool_use and only tool_use blocks, not a newline-forced second call cut at max_tokens."""
+    claude = anthropic.Anthropic(
+        base_url=smol_stack.gateway,
+        api_key="local",
+        default_headers={"X-Session-Id": "forced-any"},
+        max_retries=0,
+    )
+    message = claude.messages.create(
+        model=MODEL,
+        max_tokens=48,
+        messages=[{"role": "user", "content": "Use add to add 2 and 3"}],
+        tools=[{"name": "add", "input_schema": ADD_PARAMS}],
+        tool_choice={"type": "any"},
+    )
+    assert message.stop_reason == "tool_use", message
+    assert {b.type for b in message.content} == {"tool_use"}, message.content
+    for use in message.content:
+        jsonschema.validate(use.input, ADD_PARAMS)
+    _faithful(smol_stack, "forced-any", 1)
+
+
+def test_responses_required_with_parallel_calls_gives_only_function_calls(smol_stack):
+    """The row ends after the model's last complete call: only function_call items, no
+    message item (a newline after a call used to force one more call until the token limit)."""
+    sid = "forced-responses-parallel"
+    responses = _chat(smol_stack, sid).responses.create(
+        model=MODEL,
+        input="Use add to add 2 and 3",
+        tools=[{"type": "function", "name": "add", "parameters": ADD_PARAMS}],
+        tool_choice="required",
+        max_output_tokens=200,  # room for a few parallel calls: the model may add some
+    )
+    assert responses.status == "completed", responses.output
+    assert {item.type for item in responses.output} == {"function_call"}, responses.output
+    _faithful(smol_stack, sid, 1)

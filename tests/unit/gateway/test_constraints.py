@@ -139,3 +139,25 @@ def test_impossible_or_doubled_constraints_are_refused(body, param, needle):
     with pytest.raises(InvalidRequestError) as err:
         _params(**body)
     assert err.value.param == param and needle in str(err.value)
+
+
+def test_a_forced_call_may_end_right_after_it_even_after_a_newline(tiny_model_dir):
+    """After a complete call the only ways on are EOS, or a newline then EOS or another call:
+    a newline must never force a second call (the row would then run to max_tokens)."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = tok.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[eos])
+    compiler = xgr.GrammarCompiler(info)
+    call = _call("add", {"a": 2, "b": 3})
+    parallel = {"tools": [ADD, NOW], "tool_choice": "required"}
+    single = {"tools": [ADD], "tool_choice": "required", "parallel_tool_calls": False}
+    cases = [(parallel, call), (parallel, call + "\n"), (parallel, call + "\n" + call + "\n")]
+    for body, text in [*cases, (single, call)]:
+        ((_, value),) = _params(**body).items()
+        grammar = compiler.compile_structural_tag(xgr.StructuralTag.model_validate_json(value))
+        matcher = xgr.GrammarMatcher(grammar)
+        assert matcher.accept_string(text), (body, text)
+        assert matcher.accept_token(eos) and matcher.is_terminated(), (body, text)
+        # what such a row reads back as: only the calls, no text around them
+        parsed = parse_reply(text, tools_offered=True)
+        assert not parsed.content and len(parsed.tool_calls) == text.count("<tool_call>")

@@ -11,6 +11,8 @@ this module turns that turn's `tool_choice`, `response_format` and SGLang's `reg
   `hermes` parser a call is `<tool_call>\\n{"name": "<name>", "arguments": <JSON valid for the
   tool's parameters>}\\n</tool_call>` (what the chat template teaches and `parsers.parse_hermes`
   reads); with the `json` parser a bare `{"name", "arguments"}` object (`json_schema`).
+  After a complete call the row may always end (EOS): parallel calls are separated by one
+  newline, and one trailing newline is allowed, so a newline never forces a further call.
 - `response_format` `json_schema` -> `json_schema` (its `schema`); `json_object` ->
   `json_schema` `{"type": "object"}`; `text` -> nothing.
 - more than one constraint (a forced call plus a response_format or regex, ...) is a 400, as
@@ -105,7 +107,12 @@ def tool_call_constraint(body: Any, tool_parser: str) -> dict[str, str]:
     if single:
         fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+        calls: dict[str, Any] = {"type": "tags_with_separator", "tags": tags, "separator": "\n"}
+        calls["at_least_one"] = True
+        # an optional newline after the last call: a model that writes one where the template
+        # would put the next call may still stop (EOS) there instead of being forced into
+        # another call until max_tokens; the parser drops whitespace around the calls
+        fmt = {"type": "sequence", "elements": [calls, {"type": "regex", "pattern": "\\n?"}]}
     return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
 
 

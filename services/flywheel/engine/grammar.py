@@ -21,6 +21,7 @@ weights. SGLang instead reports the logprob after its vocabulary mask (renormali
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,9 @@ import xgrammar as xgr
 from torch import Tensor
 
 from flywheel.core.errors import InvalidRequestError
+
+_SOURCE_PREFIX = re.compile(r"^\[\d{2}:\d{2}:\d{2}\] \S+:\d+: ")
+"""The `[hh:mm:ss] /path/to/file.cc:line: ` xgrammar's C++ puts before its messages."""
 
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf", "structural_tag")
 """SGLang's constrained-decoding sampling params; at most one per request."""
@@ -93,7 +97,8 @@ class GrammarCompiler:
 
         Raises:
             InvalidRequestError: the grammar does not parse (bad JSON schema, regex, EBNF or
-                structural tag); the message names the param and xgrammar's reason.
+                structural tag); the message names the param and xgrammar's reason (without
+                the time and C++ source location xgrammar puts before it).
         """
         for kind in GRAMMAR_KEYS:
             text = getattr(params, kind)
@@ -102,6 +107,7 @@ class GrammarCompiler:
                     return Grammar(kind, self._compile(kind, text))
                 except (RuntimeError, ValueError, TypeError) as e:
                     reason = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+                    reason = _SOURCE_PREFIX.sub("", reason)
                     raise InvalidRequestError(
                         f"Invalid grammar request: {kind} could not be compiled: {reason}"
                     ) from e

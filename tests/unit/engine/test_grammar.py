@@ -97,6 +97,15 @@ def test_a_bad_grammar_is_an_invalid_request_naming_the_param(compiler, params, 
         compiler.compile(SamplingParams(**params))
 
 
+def test_a_bad_grammar_message_has_no_source_path_or_time(compiler):
+    with pytest.raises(InvalidRequestError) as err:
+        compiler.compile(SamplingParams(json_schema='{"type": "nonsense"}'))
+    message = str(err.value.message)
+    # xgrammar says '[05:35:17] /project/cpp/json_schema_converter.cc:5082: Unsupported type ...'
+    assert message.startswith("Invalid grammar request: json_schema could not be compiled: ")
+    assert "nonsense" in message and ".cc:" not in message and "[" not in message, message
+
+
 def test_at_most_one_grammar_param_and_none_means_unconstrained(compiler):
     with pytest.raises(ValidationError, match="Only one of regex, json_schema"):
         SamplingParams(regex="a", ebnf=YES_NO)

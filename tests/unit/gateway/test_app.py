@@ -220,6 +220,28 @@ def test_response_format_json_reaches_the_engine_as_a_json_schema_param(env):
     assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]
 
 
+def test_an_invalid_json_schema_is_a_400_naming_it_before_the_engine(env):
+    client, engine, _, _ = env
+    sent = len(engine.prompts)
+    nonsense = {"type": "nonsense"}
+    bad = _chat(
+        client,
+        "/v1",
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": nonsense}},
+    )
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert "not a valid JSON Schema" in error["message"] and "'nonsense'" in error["message"]
+    tools = [
+        {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "add", "parameters": nonsense}},
+    ]
+    bad = _chat(client, "/v1", tools=tools, tool_choice="required")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools[1].function.parameters"
+    assert len(engine.prompts) == sent  # refused before any generation
+
+
 def test_failed_request_after_a_fork_publishes_nothing_twice(env):
     client, engine, redis_client, prefix = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]

@@ -213,6 +213,19 @@ def test_count_tokens_is_the_rendered_prompt_length(redis_client, prefix, render
             "redacted_thinking",
         ),
         ({"top_k": 0}, 400, "top_k"),
+        (
+            {
+                "tools": [{"name": "f", "input_schema": {"type": "nonsense"}}],
+                "tool_choice": {"type": "any"},
+            },
+            400,
+            "tools[0].input_schema is not a valid JSON Schema",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}},
+            400,
+            "output_config.format.schema is not a valid JSON Schema",
+        ),
         # recorded in the Sample as int32: 481134667759 > 2**31 - 1 = 2147483647
         ({"top_k": 481134667759}, 400, "top_k"),
         ({"bogus": 1}, 400, "bogus"),

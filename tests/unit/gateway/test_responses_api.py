@@ -265,6 +265,9 @@ def test_logprobs_are_included_on_request(gw):
     assert "".join(p["token"] for p in part["logprobs"][:2]) == "Eight."
 
 
+NONSENSE = {"type": "nonsense"}  # not a JSON Schema: xgrammar could not compile it
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -278,6 +281,21 @@ def test_logprobs_are_included_on_request(gw):
         ({"input": "x", "temperature": 3}, "temperature"),
         ({"input": []}, "input"),
         ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+        (
+            {
+                "input": "x",
+                "text": {"format": {"type": "json_schema", "name": "s", "schema": NONSENSE}},
+            },
+            "text.format.schema",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "function", "name": "f", "parameters": NONSENSE}],
+                "tool_choice": "required",
+            },
+            "tools[0].parameters",
+        ),
     ],
 )
 def test_bad_requests_are_400_in_openai_error_format(gw, body, param):

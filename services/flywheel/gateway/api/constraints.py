@@ -15,6 +15,9 @@ this module turns that turn's `tool_choice`, `response_format` and SGLang's `reg
   newline, and one trailing newline is allowed, so a newline never forces a further call.
 - `response_format` `json_schema` -> `json_schema` (its `schema`); `json_object` ->
   `json_schema` `{"type": "object"}`; `text` -> nothing.
+- a schema that is not a valid JSON Schema (`{"type": "nonsense"}`) is a 400 naming where it
+  is (`response_format.json_schema.schema`, `tools[i].function.parameters`), checked here with
+  jsonschema's Draft 2020-12 meta-schema before anything reaches the engine.
 - more than one constraint (a forced call plus a response_format or regex, ...) is a 400, as
   SGLang answers it.
 
@@ -25,6 +28,9 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 
 from flywheel.core.errors import InvalidRequestError
 
@@ -63,6 +69,49 @@ def _json_call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
         for t in tools
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """Refuse `schema` unless it is a valid JSON Schema (Draft 2020-12 meta-schema).
+
+    Raises:
+        InvalidRequestError (param `param`): e.g. `{"type": "nonsense"}` -> "... is not a valid
+            JSON Schema: 'nonsense' is not valid under any of the given schemas (at type)".
+    """
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "the top level"
+        raise InvalidRequestError(
+            f"{param} is not a valid JSON Schema: {e.message} (at {where})", param=param
+        ) from None
+
+
+def check_schemas(
+    body: Any,
+    schema_param: str = "response_format.json_schema.schema",
+    tool_param: str = "tools[{i}].function.parameters",
+) -> None:
+    """Check the JSON Schemas a chat turn's grammar would be compiled from: the
+    `response_format` json_schema and the parameters of every tool a call is forced among.
+
+    Args:
+        body: the chat turn (`schemas.ChatCompletionRequest`).
+        schema_param, tool_param: the wire API's names of the two (`{i}`: the tool's index in
+            `tools`), e.g. Responses' `text.format.schema` and `tools[{i}].parameters`.
+
+    Raises:
+        InvalidRequestError: param `schema_param` or `tool_param`; see `check_schema`.
+    """
+    fmt = body.response_format or {}
+    spec = fmt.get("json_schema") if fmt.get("type") == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
+        check_schema(spec["schema"], schema_param)
+    forced = forced_tools(body) or []
+    for i, tool in enumerate(body.tools or []):
+        params = tool["function"].get("parameters")
+        if tool in forced and isinstance(params, dict):
+            check_schema(params, tool_param.format(i=i))
 
 
 def forced_tools(body: Any) -> list[dict[str, Any]] | None:
@@ -149,9 +198,11 @@ def grammar_params(body: Any, tool_parser: str) -> dict[str, str]:
         tool_parser: the gateway's tool-call format ("hermes" or "json").
 
     Raises:
-        InvalidRequestError: see `forced_tools` and `response_format_constraint`; or more than
-            one constraint asked for (param names the second one).
+        InvalidRequestError: see `forced_tools`, `check_schemas` and
+            `response_format_constraint`; or more than one constraint asked for (param names
+            the second one).
     """
+    check_schemas(body)
     asked: list[tuple[str, dict[str, str]]] = [
         ("tool_choice", tool_call_constraint(body, tool_parser)),
         ("response_format", response_format_constraint(body.response_format)),

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.core.http_errors import param_of
+from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.messages_schema import (
     ConversationRequest,
     MessageParam,
@@ -201,7 +202,7 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
                 "json_schema": {"name": "output", "schema": fmt["schema"]},
             }
     try:
-        return ChatCompletionRequest.model_validate(data)
+        turn = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_of(("body", *first["loc"]))
@@ -209,6 +210,9 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
             param = "stop_sequences"
         message = str(first["msg"]).removeprefix("Value error, ")
         raise InvalidRequestError(f"{param or 'body'}: {message}", param=param) from None
+    if sampling:
+        check_schemas(turn, "output_config.format.schema", "tools[{i}].input_schema")
+    return turn
 
 
 def signature(thinking: str) -> str:

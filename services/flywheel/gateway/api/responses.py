@@ -30,6 +30,7 @@ from flywheel.core.http_errors import param_of
 from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, incremental
 from flywheel.gateway.api import responses_stream as stream
+from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.disconnect import Receive, unless_disconnected
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.responses_schema import ResponsesRequest
@@ -65,6 +66,7 @@ def as_chat(d: GatewayDeps, data: dict[str, Any]) -> ChatCompletionRequest:
         raise InvalidRequestError(f"{param or 'body'}: {first.get('msg')}", param=param) from None
     try:
         chat.check_chat(d, body)
+        check_schemas(body, "text.format.schema", "tools[{i}].parameters")
     except InvalidRequestError as exc:
         if exc.param and exc.param.startswith("messages"):
             exc.param = "input"

@@ -53,6 +53,17 @@ def _non_negative_int(value: str) -> int:
     return number
 
 
+def _positive_float(value: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {value}")
+    return number
+
+
 def _start_failed(stack, exc: BaseException) -> None:  # noqa: ANN001
     """Stop what `stack.start` left running and say why it failed, in place of a traceback."""
     stack.stop()
@@ -297,6 +308,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_check_fidelity(args: argparse.Namespace) -> int:
+    import httpx  # noqa: PLC0415
     import redis  # noqa: PLC0415
 
     from flywheel.core.codec import decode_sample  # noqa: PLC0415
@@ -347,7 +359,23 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
         return 1
     ok = True
     for sample in samples:
-        report = check_fidelity(sample, state["engine"])
+        try:
+            report = check_fidelity(sample, state["engine"], timeout_s=args.timeout)
+        except httpx.TimeoutException:
+            print(
+                f"flywheel: the engine at {state['engine']} did not re-score sample "
+                f"{sample.sample_id} within {args.timeout:g} s (busy?); retry when it is idle "
+                "or give a longer --timeout.",
+                file=sys.stderr,
+            )
+            return 1
+        except httpx.HTTPError as exc:
+            print(
+                f"flywheel: the engine at {state['engine']} failed to re-score sample "
+                f"{sample.sample_id}: {exc!r}; check `flywheel status`.",
+                file=sys.stderr,
+            )
+            return 1
         ok &= report.ok(args.tol)
         print(
             f"sample {sample.sample_id} (segment {sample.segment_index}, turn "
@@ -511,6 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fidelity.add_argument("--session", required=True, help="session id")
     fidelity.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff|")
+    fidelity.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds to wait for the engine to re-score one Sample (default 600)",
+    )
     fidelity.set_defaults(func=cmd_check_fidelity)
     config = sub.add_parser("config", help="settings")
     config_sub = config.add_subparsers(dest="config_command", required=True)

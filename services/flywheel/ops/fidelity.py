@@ -33,14 +33,17 @@ class FidelityReport:
 
 
 def check_fidelity(
-    sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 120.0
+    sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 600.0
 ) -> FidelityReport:
     """Re-score `sample` on the engine at `engine_url` and compare ids and logprobs.
 
     The engine must serve the weights that produced the Sample (same `weight_versions`).
 
+    Args:
+        timeout_s: seconds to wait for the engine's answer (a busy engine queues the prefill).
+
     Raises:
-        httpx.HTTPError: the engine call failed.
+        httpx.HTTPError: the engine call failed (httpx.TimeoutException after `timeout_s`).
     """
     ids = list(sample.token_ids)
     body = {

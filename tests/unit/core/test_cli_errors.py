@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from http.server import HTTPServer
+import time
+from http.server import HTTPServer, ThreadingHTTPServer
 
 import pytest
 
@@ -120,7 +121,7 @@ def test_check_fidelity_skips_undecodable_entries(
     redis_client.xadd(stream, {FIELD: encode_sample(_sample("s2"))})
     checked = []
 
-    def check(sample, engine_url):
+    def check(sample, engine_url, timeout_s):
         checked.append((sample.sample_id, engine_url))
         return fidelity.FidelityReport(
             ids_match=True, logprobs_compared=True, max_abs_logprob_diff=0.0, sampled_tokens=2
@@ -136,3 +137,46 @@ def test_check_fidelity_skips_undecodable_entries(
     assert checked == [(mine.sample_id, url)]
     assert f"skipped 2 undecodable entries of {stream}" in out.err
     assert f"sample {mine.sample_id}" in out.out
+
+
+class _Slow(_Ok):
+    """An engine that takes 2 s to answer (busy with other rows)."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        time.sleep(2)
+        self.send_response(200)
+        self.end_headers()
+
+
+def test_check_fidelity_on_a_busy_engine_is_a_one_line_error_naming_timeout(
+    tmp_path, redis_server, redis_client, prefix, capsys
+):
+    gateway = HTTPServer(("127.0.0.1", 0), _Ok)
+    engine = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    for server in (gateway, engine):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / STATE_FILE).write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "gateway": f"http://127.0.0.1:{gateway.server_port}",
+                "engine": f"http://127.0.0.1:{engine.server_port}",
+                "redis_url": redis_server.url,
+            }
+        )
+    )
+    config = tmp_path / "flywheel.toml"
+    config.write_text(f'state_dir = "{tmp_path}"\n[streams]\nprefix = "{prefix}"\n')
+    redis_client.xadd(f"{prefix}:rollouts", {FIELD: encode_sample(_sample("s1"))})
+    argv = ["check-fidelity", "--config", str(config), "--session", "s1", "--timeout", "0.3"]
+    try:
+        rc = cli.main(argv)
+    finally:
+        gateway.shutdown()
+        engine.shutdown()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "within 0.3 s" in err and "--timeout" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    with pytest.raises(SystemExit):  # a timeout must be a number above 0
+        cli.main([*argv[:-1], "0"])

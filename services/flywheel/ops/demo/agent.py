@@ -18,7 +18,7 @@ def answer(
     api_key: str = "flywheel-local",
 ) -> str:
     """Ask the model one question through `base_url`; returns the reply text."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=600)
     completion = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": question}],

@@ -22,6 +22,7 @@ Writes `metrics.jsonl` (a row per step), `demo_timeline.jsonl` (its rollout and 
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import openai
 
 from flywheel.core.answers import last_integer
 from flywheel.core.versions import parse_weight_version
@@ -105,27 +107,54 @@ class DemoRunner:
         """The demo's own spans of this run (also in `out/demo_timeline.jsonl`)."""
         self.http = httpx.Client(timeout=600)
         self.pool = ThreadPoolExecutor(max_workers=cfg.problems_per_step * cfg.group_size)
+        self.lock = threading.Lock()
+        self.failed = 0
+        """Episodes of the current step the gateway failed (scored 0; `failed_episodes`)."""
 
     def episode(
         self, problem: Problem, group_id: str, *, evaluation: bool, temperature: float
     ) -> float:
-        """One session: create, let the agent answer, finish. Returns the verifier reward."""
-        created = self.http.post(
-            f"{self.gateway}/v1/sessions",
-            json={"group_id": group_id, "task": problem.task, "eval": evaluation},
-        ).raise_for_status()
-        session = created.json()
-        reply = answer(
-            session["base_url"],
-            problem.question,
-            model=self.cfg.model,
-            temperature=temperature,
-            max_tokens=self.cfg.max_tokens,
-        )
-        self.http.post(
-            f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={}
-        ).raise_for_status()
+        """One session: create, let the agent answer, finish. Returns the verifier reward.
+
+        An episode the gateway still fails after the client's retries (a 5xx such as 502 "no
+        engine could serve the request", or a timeout) is finished with reward 0, counted in
+        the step's `failed_episodes` and logged; it never ends the run.
+        """
+        session: dict[str, Any] | None = None
+        try:
+            created = self.http.post(
+                f"{self.gateway}/v1/sessions",
+                json={"group_id": group_id, "task": problem.task, "eval": evaluation},
+            ).raise_for_status()
+            session = created.json()
+            reply = answer(
+                session["base_url"],
+                problem.question,
+                model=self.cfg.model,
+                temperature=temperature,
+                max_tokens=self.cfg.max_tokens,
+            )
+            self.http.post(
+                f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={}
+            ).raise_for_status()
+        except (openai.APIError, httpx.HTTPError) as exc:
+            self._failed_episode(session, exc)
+            return 0.0
         return last_integer(reply, problem.task)
+
+    def _failed_episode(self, session: dict[str, Any] | None, exc: Exception) -> None:
+        """Count and log an episode the gateway failed; finish its session with reward 0."""
+        with self.lock:
+            self.failed += 1
+        sid = session["session_id"] if session else "(not created)"
+        self.echo(f"episode {sid} failed on the server, scored 0: {type(exc).__name__}: {exc}")
+        if session is not None:
+            try:
+                self.http.post(
+                    f"{self.gateway}/v1/sessions/{sid}/finish", json={"reward": 0.0}
+                ).raise_for_status()
+            except httpx.HTTPError as finish_exc:
+                self.echo(f"episode {sid}: finishing it failed too: {finish_exc}")
 
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out problems (evaluation sessions)."""
@@ -137,6 +166,7 @@ class DemoRunner:
         return sum(rewards) / len(rewards)
 
     def rollouts(self, problems: list[Problem]) -> list[float]:
+        self.failed = 0
         jobs = []
         for problem in problems:
             group_id = f"g-{uuid.uuid4().hex[:12]}"
@@ -250,6 +280,7 @@ class DemoRunner:
                     "seconds": round(seconds, 2),
                     "wait_seconds": round(waited, 2),
                     "samples": len(step_rewards),
+                    "failed_episodes": self.failed,
                     **self.row_extra(),
                 }
                 f.write(json.dumps(row) + "\n")

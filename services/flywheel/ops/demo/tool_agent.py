@@ -95,7 +95,7 @@ async def run_episode_async(
     model's behavior or the server's errors: too many turns, an unknown tool or an error
     answer from the gateway end the episode with `error` set."""
     trace = AgentTrace()
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=2, timeout=600)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=600)
     settings = agents.ModelSettings(temperature=temperature, max_tokens=max_tokens)
     agent = _build_agent(trace, client, model, settings)
     items = [*(worked_example() if example else []), {"role": "user", "content": question}]

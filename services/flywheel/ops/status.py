@@ -3,9 +3,9 @@
 `collect_status()` asks the live system, never a cache: each service's health endpoint, Redis
 for every stream's length and each consumer group's lag and pending entries (XINFO GROUPS), the
 dead-letter stream's length, what is kept (`streams.retention`, `gateway.session_ttl_s`, each
-stream's oldest entry age and entries trimmed), each engine's served weight version (`/model_info`, SGLang and the
-embedded engine alike) and the trainer's `/status` (step, last reward and loss). `render()` turns
-it into one rich screen. The stream numbers come from
+stream's oldest entry age and entries trimmed), each engine's served weight version
+(`/model_info`, SGLang and the embedded engine alike) and the trainer's `/status` (step, last
+reward and loss). `render()` turns it into one rich screen. The stream numbers come from
 flywheel.core.stream_stats, which the gateway also exports as Prometheus gauges.
 
 To show another service: add it to `service_targets()` with its health URL.

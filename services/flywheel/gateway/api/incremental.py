@@ -117,23 +117,24 @@ class TextFeed:
             self.sent = text[:n]
 
 
-async def respond(
-    body: ChatCompletionRequest,
+Turn = asyncio.Future[dict[str, Any]]
+
+
+async def start(
     work: Coroutine[Any, Any, dict[str, Any]],
+    feed: TextFeed,
     receive: Receive | None,
     session_id: str | None,
-    stops: list[str],
-    model: str,
-) -> StreamingResponse | dict[str, Any]:
-    """Run the turn `work` (returning the `chat.completion` body) with its engine call
-    streamed: the streamed answer as soon as its first text is sampled, or, when the turn
-    ends first, its `chat.completion` body (to be answered whole, `chat.answer`).
+) -> tuple[Turn, asyncio.Future[str]] | dict[str, Any]:
+    """Start the turn `work` (returning its `chat.completion` body) with its sampled text fed
+    to `feed`, and wait for its first text: then (the running turn, the first text's future),
+    to be streamed with `text_deltas`; or, when the turn ends first, its result. Shared by
+    every API's streamed answer (chat, Responses, Messages).
 
     Raises:
         PlatformError: the turn failed before any text was sampled. ClientClosedError: the
             client disconnected before that (the turn stopped, nothing recorded).
     """
-    feed = TextFeed(stops, body.tools_offered)
     token = TEXT_SINK.set(feed.push)
     try:
         turn = asyncio.ensure_future(work)  # the task runs in a copy of this context
@@ -157,6 +158,47 @@ async def respond(
         first.cancel()
         await stop_abandoned(turn, session_id)
         raise ClientClosedError("the client closed the connection before the answer")
+    return turn, first
+
+
+async def text_deltas(turn: Turn, first: asyncio.Future[str], feed: TextFeed) -> AsyncIterator[str]:
+    """The sampled text as it is fed, one delta per wake-up (text queued meanwhile joined),
+    until the turn ends; then what was queued last. The caller formats each delta as its
+    API's event and reads `turn.result()` afterwards."""
+    pending = first
+    while True:
+        either: set[asyncio.Future[Any]] = {pending, turn}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not pending.done():
+            pending.cancel()
+            break
+        yield pending.result() + drain(feed.queue)
+        pending = asyncio.ensure_future(feed.queue.get())
+    if rest := drain(feed.queue):
+        yield rest
+
+
+async def respond(
+    body: ChatCompletionRequest,
+    work: Coroutine[Any, Any, dict[str, Any]],
+    receive: Receive | None,
+    session_id: str | None,
+    stops: list[str],
+    model: str,
+) -> StreamingResponse | dict[str, Any]:
+    """Run the turn `work` (returning the `chat.completion` body) with its engine call
+    streamed: the streamed answer as soon as its first text is sampled, or, when the turn
+    ends first, its `chat.completion` body (to be answered whole, `chat.answer`).
+
+    Raises:
+        PlatformError: the turn failed before any text was sampled. ClientClosedError: the
+            client disconnected before that (the turn stopped, nothing recorded).
+    """
+    feed = TextFeed(stops, body.tools_offered)
+    started = await start(work, feed, receive, session_id)
+    if isinstance(started, dict):
+        return started
+    turn, first = started
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(
@@ -175,17 +217,8 @@ async def _events(
     """The SSE events: role, content deltas while sampling, then the closing events."""
     try:
         yield chunk_event(base, {"role": "assistant", "content": ""})
-        pending = first
-        while True:
-            either: set[asyncio.Future[Any]] = {pending, turn}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not pending.done():
-                pending.cancel()
-                break
-            yield chunk_event(base, {"content": pending.result() + _drain(feed.queue)})
-            pending = asyncio.ensure_future(feed.queue.get())
-        if rest := _drain(feed.queue):
-            yield chunk_event(base, {"content": rest})
+        async for delta in text_deltas(turn, first, feed):
+            yield chunk_event(base, {"content": delta})
         try:
             completion = turn.result()
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
@@ -218,7 +251,7 @@ def _error_event(exc: Exception) -> str:
     return f"data: {dumps_str(error)}\n\n"
 
 
-def _drain(queue: asyncio.Queue[str]) -> str:
+def drain(queue: asyncio.Queue[str]) -> str:
     """The deltas queued while the last event was being sent, as one (a client that reads
     slower than the engine samples gets fewer, larger events)."""
     parts = []

@@ -27,12 +27,12 @@ from typing import Any
 import redis
 from fastapi.responses import StreamingResponse
 
-from flywheel.core.errors import ClientClosedError, PlatformError
-from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.core.errors import PlatformError
+from flywheel.gateway.api import incremental
+from flywheel.gateway.api.disconnect import Receive, stop_abandoned
 from flywheel.gateway.api.incremental import MISMATCHES, TextFeed
 from flywheel.gateway.api.json_text import dumps_str
 from flywheel.gateway.api.messages_errors import anthropic_error
-from flywheel.gateway.engines.stream import TEXT_SINK
 
 log = logging.getLogger(__name__)
 Finish = Callable[[dict[str, Any]], dict[str, Any]]
@@ -150,39 +150,13 @@ async def respond(
         PlatformError: the turn failed before any text. ClientClosedError: the client left
             before that (the turn stopped, nothing recorded).
     """
-    token = TEXT_SINK.set(feed.push)
-    try:
-        turn = asyncio.ensure_future(work)  # the task runs in a copy of this context
-    finally:
-        TEXT_SINK.reset(token)
-    first = asyncio.ensure_future(feed.queue.get())
-    watcher = asyncio.ensure_future(until_disconnected(receive)) if receive else None
-    waiting = {turn, first} | ({watcher} if watcher else set())
-    try:
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        for task in waiting:
-            task.cancel()
-        raise
-    if watcher is not None:
-        watcher.cancel()
-    if turn.done():
-        first.cancel()
-        return finish(turn.result())
-    if watcher is not None and watcher.done():
-        first.cancel()
-        await stop_abandoned(turn, session_id)
-        raise ClientClosedError("the client closed the connection before the answer")
+    started = await incremental.start(work, feed, receive, session_id)
+    if isinstance(started, dict):
+        return finish(started)
+    turn, first = started
     return StreamingResponse(
         _events(turn, first, feed, head(), finish, session_id), media_type="text/event-stream"
     )
-
-
-def _drain(queue: asyncio.Queue[str]) -> str:
-    parts = []
-    while not queue.empty():
-        parts.append(queue.get_nowait())
-    return "".join(parts)
 
 
 def _rest(text: str, sent: str) -> str:
@@ -209,18 +183,8 @@ async def _events(
         yield head
         yield PING
         yield _start(0, {"type": "text", "text": ""})
-        pending = first
-        while True:
-            either: set[asyncio.Future[Any]] = {pending, turn}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not pending.done():
-                pending.cancel()
-                break
-            text = pending.result() + _drain(feed.queue)
+        async for text in incremental.text_deltas(turn, first, feed):
             yield _delta(0, {"type": "text_delta", "text": text})
-            pending = asyncio.ensure_future(feed.queue.get())
-        if rest := _drain(feed.queue):
-            yield _delta(0, {"type": "text_delta", "text": rest})
         try:
             message = finish(turn.result())
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)

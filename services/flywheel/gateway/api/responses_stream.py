@@ -29,11 +29,10 @@ from typing import Any
 import redis
 from fastapi.responses import StreamingResponse
 
-from flywheel.core.errors import ClientClosedError, PlatformError
+from flywheel.core.errors import PlatformError
 from flywheel.gateway.api import incremental
-from flywheel.gateway.api.disconnect import Receive, stop_abandoned, until_disconnected
+from flywheel.gateway.api.disconnect import Receive, stop_abandoned
 from flywheel.gateway.api.json_text import dumps_str
-from flywheel.gateway.engines.stream import TEXT_SINK
 
 log = logging.getLogger(__name__)
 Finish = Callable[[dict[str, Any], str | None], Awaitable[dict[str, Any]]]
@@ -175,29 +174,10 @@ async def respond(
         PlatformError: the turn failed before any text was sampled. ClientClosedError: the
             client disconnected before that (the turn stopped, nothing recorded).
     """
-    token = TEXT_SINK.set(feed.push)
-    try:
-        turn = asyncio.ensure_future(work)  # the task runs in a copy of this context
-    finally:
-        TEXT_SINK.reset(token)
-    first = asyncio.ensure_future(feed.queue.get())
-    watcher = asyncio.ensure_future(until_disconnected(receive)) if receive else None
-    waiting = {turn, first} | ({watcher} if watcher else set())
-    try:
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        for task in waiting:
-            task.cancel()
-        raise
-    if watcher is not None:
-        watcher.cancel()
-    if turn.done():
-        first.cancel()
-        return turn.result()
-    if watcher is not None and watcher.done():
-        first.cancel()
-        await stop_abandoned(turn, session_id)
-        raise ClientClosedError("the client closed the connection before the answer")
+    begun = await incremental.start(work, feed, receive, session_id)
+    if isinstance(begun, dict):
+        return begun
+    turn, first = begun
     return sse_async(_events(turn, first, feed, started, message_id, finish, session_id))
 
 
@@ -219,18 +199,8 @@ async def _events(
     try:
         for event in [*opening(ev, started), *message_start(ev, 0, message_id)]:
             yield event
-        pending = first
-        while True:
-            either: set[asyncio.Future[Any]] = {pending, turn}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not pending.done():
-                pending.cancel()
-                break
-            delta = pending.result() + _drain(feed.queue)
+        async for delta in incremental.text_deltas(turn, first, feed):
             yield text_delta(ev, 0, message_id, delta)
-            pending = asyncio.ensure_future(feed.queue.get())
-        if rest := _drain(feed.queue):
-            yield text_delta(ev, 0, message_id, rest)
         try:
             response = await finish(turn.result(), feed.sent)
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
@@ -257,14 +227,6 @@ async def _events(
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)
-
-
-def _drain(queue: asyncio.Queue[str]) -> str:
-    """The deltas queued while the last event was being sent, as one."""
-    parts = []
-    while not queue.empty():
-        parts.append(queue.get_nowait())
-    return "".join(parts)
 
 
 def failure(exc: Exception) -> dict[str, Any]:

@@ -13,8 +13,8 @@ per route is printed (`pytest -s`).
 A Messages body whose last message is the assistant's (a prefill) is refused by design (the
 gateway records whole turns: docs/token-path.md, "Anthropic Messages API"), and JSON Schema
 cannot say "the last item of `messages` has role user", so the document allows it. Such bodies
-are counted apart (`... positive prefill`): the majority assertion for `/v1/messages` counts only bodies that
-end with a user message."""
+are counted apart (`... positive prefill`): the majority assertion for `/v1/messages` counts
+only bodies that end with a user message."""
 
 from __future__ import annotations
 

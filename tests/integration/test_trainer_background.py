@@ -195,12 +195,14 @@ def _long_rows(url: str, n: int, out: list[dict]) -> list[threading.Thread]:
 
 @pytest.mark.parametrize("pause", ["none", "in_place"])
 def test_rows_in_flight_continue_under_an_in_place_push(tmp_path, tiny_model_dir, pause):
+    # On an engine that drains before a swap (engine.weight_swap = "drain"; the default "step"
+    # swaps between decode steps, tests/integration/test_engine_swap_under_load.py):
     # none: the rows in flight finish on the old weights before the swap (one version each);
     # in_place: they continue under the new weights, and their later tokens carry version 1
     folder = WeightsStore(tmp_path, tiny_model_dir).write(
         1, {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
     )
-    with engine_process(tiny_model_dir, threads="1") as url:
+    with engine_process(tiny_model_dir, threads="1", weight_swap="drain") as url:
         replies: list[dict] = []
         rows = _long_rows(url, 3, replies)
         time.sleep(0.3)  # the rows are decoding

@@ -13,16 +13,14 @@ from flywheel.gateway.recording.history import FORKS, prepare_prompt, record_rep
 from flywheel.gateway.recording.records import SessionRecord
 from flywheel.gateway.render.tokenization import ChatRenderer
 
-from .harness import gateway_app
+from .field_failure_support import EOS, SAMPLING, run_episode, scripted_app
+from .field_failure_support import make_gen as _gen
 
 
 def _record(record, gen, sampling, reply):
     """Record `gen` as the session's next turn, as a turn does (one SampledReply)."""
     record_reply(record, sampled_reply(gen, reply), sampling)
 
-
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 16}
-EOS = 2  # <|im_end|> of the SmolLM2 tokenizer
 
 # A Qwen3-style ChatML template written for these tests: the latest assistant turn (after the
 # last user message) keeps a <think> block, earlier ones lose it; consecutive tool results are
@@ -70,19 +68,6 @@ def qwen_like(smollm2_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen_like_tokenizer")
     base.tokenizer.save_pretrained(folder)
     return ChatRenderer(folder)
-
-
-def _gen(ids, text, finish="stop", matched=EOS, version=1):
-    return Generation(
-        output_ids=ids,
-        output_logprobs=[-0.5] * len(ids),
-        text=text,
-        finish_type=finish,
-        matched_eos=finish == "stop" and ids[-1:] == [EOS],
-        weight_version=version,
-        prompt_tokens=0,
-        matched=matched,
-    )
 
 
 def _turn(record, renderer, messages, ids, text, tools=None):
@@ -205,26 +190,9 @@ def test_bug04_parallel_tool_results_are_one_observation(qwen_like):
     assert qwen_like.tokenizer.decode(prompt2) == full
 
 
-class ScriptedEngine:
-    """Returns one fixed generation; records every call."""
-
-    def __init__(self, gen):
-        self.gen, self.calls = gen, []
-
-    async def generate(self, input_ids, sampling_params, affinity="", top_logprobs_num=0):
-        self.calls.append((list(input_ids), dict(sampling_params), top_logprobs_num))
-        return self.gen
-
-
 @pytest.fixture
 def app(redis_client, prefix, renderer):
-    client, deps, samples = gateway_app(redis_client, prefix, renderer, ScriptedEngine(None))
-
-    def use(gen):
-        deps.engines = ScriptedEngine(gen)
-        return deps.engines
-
-    return client, use, samples
+    return scripted_app(redis_client, prefix, renderer)
 
 
 TOOLS = [
@@ -237,11 +205,7 @@ TWO_CALLS = (
 )
 
 
-def _episode(client, body, samples):
-    sid = client.post("/v1/sessions", json={}).json()["session_id"]
-    resp = client.post(f"/s/{sid}/v1/chat/completions", json=body)
-    client.post(f"/v1/sessions/{sid}/finish", json={})
-    return resp, samples()[-1]
+_episode = run_episode
 
 
 # BUG-06: streaming with a tool parser keeps every sampled id (tool-call tokens included).
@@ -525,110 +489,3 @@ def test_bug10_eos_as_the_last_allowed_token_is_a_stop_and_stitches_once(app, re
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["forks"] == 0
     assert info["token_ids"][: -len(ids)] == renderer.prompt_ids(then)
-
-
-# BUG-19: a request that straddles a weight update records each token's own version, from the
-# engine's `meta_info.weight_versions` spans, not the version at completion.
-def _straddling_body(ids, spans):
-    return {
-        "output_ids": ids,
-        "text": "x",
-        "meta_info": {
-            "output_token_logprobs": [[-0.5, t, None] for t in ids],
-            "weight_version": "4",
-            "weight_versions": spans,
-            "finish_reason": {"type": "stop", "matched": EOS},
-        },
-    }
-
-
-def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, renderer):
-    client, use, samples = app
-    ids = [10, 11, 12, 13, EOS]
-    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
-    gen = parse_generation(_straddling_body(ids, spans), {EOS})
-    assert gen.token_versions() == [3, 3, 4, 4, 4]
-    use(gen)
-    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "go"}]}, samples)
-    assert resp.json()["metadata"]["weight_version"] == "4"
-    n = sample.prompt_length
-    assert list(sample.weight_versions[n:]) == [3, 3, 4, 4, 4]
-    assert set(sample.weight_versions[:n]) == {-1}  # prompt tokens were not sampled
-    # Without spans every token is the completion version.
-    plain = parse_generation(_straddling_body(ids, None), {EOS})
-    assert plain.token_versions() == [4] * 5
-
-
-def test_bug19_n_choices_keep_their_per_token_versions():
-    from flywheel.gateway.recording.history import candidate_segment  # noqa: PLC0415
-
-    spans = [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
-    gen = parse_generation(_straddling_body([10, 11, EOS], spans), {EOS})
-    kept = sampled_reply(gen, {"role": "assistant", "content": "x"})
-    assert kept.token_versions() == [3, 4, 4]
-    # kept as the record stores a choice, and read back: the versions survive
-    kept = SessionRecord.model_validate_json(
-        SessionRecord(session_id="s", candidates=[kept]).model_dump_json()
-    ).candidates[0]
-    record = SessionRecord(session_id="s", mode="live")
-    seg = candidate_segment(record.segment, kept)
-    assert seg.versions[-3:] == [3, 4, 4]
-    record_reply(record, kept, SAMPLING)  # the choice the client continued with
-    assert record.segment.versions[-3:] == [3, 4, 4]
-
-
-@pytest.mark.parametrize(
-    "spans",
-    [
-        [{"version": "3", "start": 0, "end": 2}],  # covers 2 of 5 tokens
-        [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 5}],  # a gap
-        [{"version": "3", "begin": 0, "end": 5}],  # no start
-    ],
-)
-def test_bug19_spans_that_do_not_cover_the_output_are_refused(spans):
-    with pytest.raises(UpstreamError, match="weight_versions"):
-        parse_generation(_straddling_body([10, 11, 12, 13, EOS], spans), {EOS})
-
-
-# BUG-07: a Sample carries one sampling setting, the one the trainer recomputes logprobs with; an
-# episode turn drawn at another temperature (or top_p/top_k/min_p) starts a new segment.
-@pytest.mark.parametrize(
-    ("first_t", "second", "forked"),
-    [
-        (0.5, {"temperature": 1.0}, True),
-        (0.5, {"temperature": 0.5, "top_p": 0.9}, True),
-        (0.5, {"temperature": 0.5, "max_tokens": 3}, False),  # the cap leaves the distribution
-        (0.0, {"temperature": 0.0, "top_p": 0.5}, False),  # greedy takes the argmax either way
-        (0.0, {"temperature": 0.5}, True),
-    ],
-)
-def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(
-    app, renderer, first_t, second, forked
-):
-    client, use, samples = app
-    reply = renderer.encode("8") + [EOS]
-    use(_gen(reply, "8"))
-    sid = client.post("/v1/sessions", json={}).json()["session_id"]
-    first = [{"role": "user", "content": "7 + 1?"}]
-    assert (
-        client.post(
-            f"/s/{sid}/v1/chat/completions", json={"messages": first, "temperature": first_t}
-        ).status_code
-        == 200
-    )
-    then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
-    assert (
-        client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then, **second}).status_code
-        == 200
-    )
-    info = client.get(f"/v1/sessions/{sid}").json()
-    client.post(f"/v1/sessions/{sid}/finish", json={})
-    published = [s for s in samples() if s.session_id == sid]
-    temps = [round(s.sampling.temperature, 6) for s in published]
-    if forked:
-        assert info["forks"] == 1 and info["fork_reasons"] == {"sampling_changed": 1}
-        assert temps == [first_t, second["temperature"]]
-        assert [sum(s.loss_mask) for s in published] == [len(reply), len(reply)]
-    else:
-        assert info["forks"] == 0 and temps == [first_t]
-        assert sum(published[0].loss_mask) == 2 * len(reply)

@@ -6,42 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-import flywheel.ops.stack as stack_module
 from flywheel.ops import cli
-from flywheel.ops.demo import runner as runner_module
 from flywheel.ops.demo.agent_runner import AgentDemoConfig, AgentDemoRunner
 from flywheel.ops.demo.runner import DemoConfig, DemoRunner, summary_line
 from flywheel.ops.demo.tasks_choice import demo_runner
 
-SUMMARY = {"first5": 0.2, "last5": 0.8, "eval_before": 0.5, "eval_after": 0.9, "steps": 2}
-
-
-class FakeService:
-    def __init__(self, name: str):
-        self.name, self.url = name, f"http://{name}.invalid"
+from .demo_fakes import SUMMARY, run_demo_cli
 
 
 def _demo(monkeypatch, tmp_path, *flags: str):  # noqa: ANN202
-    seen = {}
-
-    class FakeStack:
-        def __init__(self, settings, config_file=None):  # noqa: ANN001
-            seen["settings"] = settings
-            self.services = [FakeService("gateway"), FakeService("engine")]
-
-        def start(self) -> None: ...
-
-        def stop(self) -> None: ...
-
-    def fake_run(self, started_at=None):  # noqa: ANN001, ANN202
-        seen["runner"] = self
-        return SUMMARY
-
-    monkeypatch.setattr(stack_module, "Stack", FakeStack)
-    monkeypatch.setattr(runner_module.DemoRunner, "run", fake_run)
-    out = tmp_path / "demo"
-    assert cli.main(["demo", "--new-stack", "--out", str(out), "--steps", "2", *flags]) == 0
-    return seen["settings"], seen["runner"]
+    settings, runner, _ = run_demo_cli(monkeypatch, tmp_path, *flags)
+    return settings, runner
 
 
 def test_task_agent_builds_the_agent_runner_with_its_defaults(monkeypatch, tmp_path):

@@ -12,35 +12,9 @@ import flywheel.ops.stack as stack_module
 from flywheel.ops import cli
 from flywheel.ops.demo import runner as runner_module
 
-SUMMARY = {"first5": 0.2, "last5": 0.8, "eval_before": 0.5, "eval_after": 0.9, "steps": 2}
+from .demo_fakes import SUMMARY, run_demo_cli
 
-
-class FakeService:
-    def __init__(self, name: str):
-        self.name, self.url = name, f"http://{name}.invalid"
-
-
-def _demo(monkeypatch, tmp_path, *flags: str):  # noqa: ANN202
-    seen = {}
-
-    class FakeStack:
-        def __init__(self, settings, config_file=None):  # noqa: ANN001
-            seen["settings"] = settings
-            self.services = [FakeService("gateway"), FakeService("engine")]
-
-        def start(self) -> None: ...
-
-        def stop(self) -> None: ...
-
-    def fake_run(self, started_at=None):  # noqa: ANN001, ANN202
-        seen["runner"] = self
-        return SUMMARY
-
-    monkeypatch.setattr(stack_module, "Stack", FakeStack)
-    monkeypatch.setattr(runner_module.DemoRunner, "run", fake_run)
-    out = tmp_path / "demo"
-    assert cli.main(["demo", "--new-stack", "--out", str(out), "--steps", "2", *flags]) == 0
-    return seen["settings"], seen["runner"], out
+_demo = run_demo_cli
 
 
 def test_demo_defaults_to_async_with_max_staleness_one(monkeypatch, tmp_path):

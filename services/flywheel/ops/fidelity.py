@@ -6,12 +6,17 @@ One prefill-only `/generate` call (`max_new_tokens: 0`, `return_logprob`,
 rows must echo the recorded ids exactly, and on sampled tokens (loss mask 1) the logprobs must
 equal the recorded rollout logprobs within a tolerance.
 
+A Sample whose tokens were sampled under several weight versions (a push mid-generation, a
+continued partial rollout) is checked one version at a time: `versions` restricts the logprob
+comparison to the sampled tokens of those versions, with the engine serving those weights.
+
 Prompt logprobs are untempered, so logprobs are compared only for Samples drawn at temperature
 1 or greedily (0); at other temperatures the check compares ids only and says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import httpx
@@ -27,20 +32,26 @@ class FidelityReport:
     max_abs_logprob_diff: float
     """Over sampled tokens; 0.0 when not compared."""
     sampled_tokens: int
+    """Sampled tokens whose logprobs were compared (those of `versions` when given)."""
 
     def ok(self, tol: float) -> bool:
         return self.ids_match and (not self.logprobs_compared or self.max_abs_logprob_diff <= tol)
 
 
 def check_fidelity(
-    sample: sample_pb2.Sample, engine_url: str, timeout_s: float = 600.0
+    sample: sample_pb2.Sample,
+    engine_url: str,
+    timeout_s: float = 600.0,
+    versions: Collection[int] | None = None,
 ) -> FidelityReport:
     """Re-score `sample` on the engine at `engine_url` and compare ids and logprobs.
 
-    The engine must serve the weights that produced the Sample (same `weight_versions`).
+    The engine must serve the weights that produced the compared tokens (their
+    `weight_versions`).
 
     Args:
         timeout_s: seconds to wait for the engine's answer (a busy engine queues the prefill).
+        versions: compare only the sampled tokens of these weight versions; None = all.
 
     Raises:
         httpx.HTTPError: the engine call failed (httpx.TimeoutException after `timeout_s`).
@@ -60,14 +71,19 @@ def check_fidelity(
     )
     temperature = sample.sampling.temperature
     comparable = ids_match and temperature in (0.0, 1.0)
+    compared = [
+        k
+        for k in range(1, len(ids))
+        if sample.loss_mask[k] and (versions is None or sample.weight_versions[k] in versions)
+    ]
     diffs = [
         abs(float(rows[k][0]) - sample.rollout_logprobs[k])
-        for k in range(1, len(ids))
-        if sample.loss_mask[k] and rows[k][0] is not None
+        for k in compared
+        if ids_match and rows[k][0] is not None
     ]
     return FidelityReport(
         ids_match=ids_match,
         logprobs_compared=comparable,
         max_abs_logprob_diff=max(diffs, default=0.0) if comparable else 0.0,
-        sampled_tokens=sum(sample.loss_mask),
+        sampled_tokens=len(compared),
     )

@@ -1,5 +1,5 @@
 """EnginePool health: a failed engine is taken out (healthy engines serve first), probed, and
-put back once `/health` answers 200; an aborted generation is asked again. Engines are two small
+put back once `/health` answers 200; an aborted generation continues from its tokens. Engines are two small
 aiohttp servers on loopback that answer /generate and /health, or 500 while broken."""
 
 import asyncio
@@ -8,7 +8,6 @@ import pytest
 from aiohttp import web
 
 from flywheel.core.errors import UpstreamError
-from flywheel.gateway.engines import pool as engine_pool
 from flywheel.gateway.engines.generation import ENGINE_ABORTS
 from flywheel.gateway.engines.pool import ENGINE_UP, EnginePool
 
@@ -128,10 +127,8 @@ def test_every_engine_out_is_still_tried():
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("aborts", [1, 2])
-def test_an_aborted_generation_is_asked_again_once_and_never_returned(aborts, monkeypatch):
-    monkeypatch.setattr(engine_pool, "ABORT_RETRY_S", 0.01)
-
+@pytest.mark.parametrize("aborts", [1, 4])
+def test_an_aborted_generation_continues_from_its_tokens(aborts):
     async def run():
         engines = Engines()
         A, B = await engines.start()
@@ -141,13 +138,17 @@ def test_an_aborted_generation_is_asked_again_once_and_never_returned(aborts, mo
         engines.aborts = aborts
         try:
             if aborts == 1:
-                gen = await pool.generate([1], {"max_new_tokens": 2}, affinity=sid)
-                assert (gen.finish_type, gen.output_ids) == ("stop", [28, 2])
-            else:
-                with pytest.raises(UpstreamError, match="aborted the generation twice"):
-                    await pool.generate([1], {"max_new_tokens": 2}, affinity=sid)
-            # Asked again on the same engine, which stays in service: an abort is not a fault.
-            assert engines.calls == [(A, "/generate")] * 2 and not pool.down
+                gen = await pool.generate([1], {"max_new_tokens": 3}, affinity=sid)
+                # part 1 [28] (aborted), part 2 [28, 2]: sent the prompt + [28], 3 - 1 tokens
+                assert (gen.finish_type, gen.output_ids, gen.parts) == ("stop", [28, 28, 2], 2)
+                assert engines.bodies[1]["input_ids"] == [1, 28]
+                assert engines.bodies[1]["sampling_params"]["max_new_tokens"] == 2
+            else:  # MAX_ABORTS (3) continuations, then the 4th abort is an error
+                with pytest.raises(UpstreamError, match="aborted the generation 4 times"):
+                    await pool.generate([1], {"max_new_tokens": 9}, affinity=sid)
+            # Asked on the same engine, which stays in service: an abort is not a fault.
+            assert engines.calls == [(A, "/generate")] * (aborts + 1 if aborts == 1 else 4)
+            assert not pool.down
             assert ENGINE_ABORTS.labels(A)._value.get() == before + aborts
         finally:
             await pool.aclose()
@@ -156,7 +157,7 @@ def test_an_aborted_generation_is_asked_again_once_and_never_returned(aborts, mo
     asyncio.run(run())
 
 
-def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_and_refuses_aborts():
+def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_and_continues():
     async def run():
         engines = Engines()
         a, b = await engines.start()
@@ -173,12 +174,14 @@ def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_an
             assert engines.bodies[-1]["stream"] is True
             assert engines.bodies[-1]["sampling_params"]["stream_interval"] == 4
             engines.broken.clear()
-            engines.aborts = 1  # an aborted stream is not asked again: its text was shown
+            engines.aborts = 1  # an aborted stream continues from its token, its text runs on
             before = ENGINE_ABORTS.labels(b)._value.get()
-            with pytest.raises(UpstreamError, match="aborted"):
-                await pool.generate_stream(
-                    [1, 2], {"max_new_tokens": 2}, _session_for(pool, b), on_text=texts.append
-                )
+            texts.clear()
+            gen = await pool.generate_stream(
+                [1, 2], {"max_new_tokens": 3}, _session_for(pool, b), on_text=texts.append
+            )
+            assert gen.output_ids == [28, 28, 2] and texts == ["", "8"]  # "" + "8"
+            assert engines.bodies[-1]["input_ids"] == [1, 2, 28]
             assert ENGINE_ABORTS.labels(b)._value.get() == before + 1
         finally:
             await pool.aclose()

@@ -7,6 +7,8 @@ result is cut at its first stop (stops.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flywheel.core.errors import InvalidRequestError
@@ -46,10 +48,25 @@ async def generate_n(
     eos = d.renderer.eos_token_id
     return [
         reconcile_stop(
-            gen, d.renderer.decode, sampling.get("stop") or [], () if eos is None else (eos,)
+            _whole_text(gen, d.renderer.decode),
+            d.renderer.decode,
+            sampling.get("stop") or [],
+            () if eos is None else (eos,),
         )
         for gen in gens
     ]
+
+
+def _whole_text(gen: Generation, decode: Callable[[list[int]], str]) -> Generation:
+    """A continued generation (`gen.parts` > 1) with its text decoded from all its ids (a
+    character split across two parts reads whole), cut before a matched stop string as the
+    engine trims it; any other generation as it is."""
+    if gen.parts == 1:
+        return gen
+    text = decode(gen.output_ids)
+    if gen.finish_type == "stop" and isinstance(gen.matched, str) and gen.matched in text:
+        text = text[: text.find(gen.matched)]
+    return dataclasses.replace(gen, text=text)
 
 
 def check_context(

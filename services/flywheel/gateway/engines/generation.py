@@ -17,7 +17,7 @@ from flywheel.core.versions import parse_weight_version
 ENGINE_ABORTS = Counter(
     "flywheel_gateway_engine_aborts_total",
     "Generations the engine aborted (finish_reason abort: a weight update or pause that aborts "
-    "running requests, an /abort_request): retried once, never recorded",
+    "running requests, an /abort_request): continued from their tokens (partial.py)",
     ["engine"],
 )
 
@@ -43,6 +43,9 @@ class Generation:
     """Per output token, the weight version that sampled it, from the engine's
     `meta_info.weight_versions` spans when the weights changed during the request (BUG-19);
     empty when they did not (every token is `weight_version`'s)."""
+    parts: int = 1
+    """Engine calls that sampled it: > 1 when an aborted generation was continued (partial.py;
+    its `text` is then the parts' texts joined, decoded again by `calls.generate_n`)."""
 
     def token_versions(self) -> list[int]:
         """The weight version of each output token, shape [len(output_ids)]."""

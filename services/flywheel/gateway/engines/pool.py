@@ -1,5 +1,14 @@
 """Client for SGLang-protocol engines: session-affine choice, one retry elsewhere on failure.
 
+Affinity: rendezvous (highest random weight) hashing, Thaler & Ravishankar 1998: a session key
+k scores every engine e with h(e, k) (64 bits of BLAKE2b) and goes to the highest score. Adding
+an (N+1)-th engine moves a key only when the new engine outscores all N others, which happens
+for 1/(N+1) of the keys; removing an engine moves only the keys it had (test_pool_affinity.py).
+
+Fleet: the engines in service (`urls`) change with the shared fleet (core/fleet.py,
+engines/fleet_watch.py). An engine that joins waits in `pending`, never routed to, until it
+serves the fleet's weight version (`admit`).
+
 Health: an engine whose call fails (connection error, 5xx, unusable answer) is taken out: it
 goes to the end of every session's order, so healthy engines serve first. A background probe
 (`GET /health` every `health_interval_s`) puts it back once it answers 200; while every engine
@@ -26,13 +35,13 @@ import orjson
 from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engines.generation import ENGINE_ABORTS, Generation, parse_generation
+from flywheel.core.versions import parse_weight_version
+from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.partial import generate_partial
 from flywheel.gateway.engines.stream import generate_stream
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
-ABORT_RETRY_S = 0.5
-"""Pause before a generation the engine aborted is asked again (a weight update is under way)."""
 ENGINE_UP = Gauge("flywheel_gateway_engine_up", "1 = engine in service, 0 = taken out", ["engine"])
 
 
@@ -41,6 +50,17 @@ IDLE_CLOSE_S = 4.0
 """Seconds an idle engine connection is kept for reuse: below uvicorn's 5 s keep-alive (SGLang
 and most Python servers keep its default), so a POST never goes out on a connection the server
 is closing at that moment (it would fail and take a healthy engine out of service)."""
+
+
+def _score(url: str, key: str) -> int:
+    """Rendezvous weight of engine `url` for session key `key`: 64 bits of BLAKE2b."""
+    digest = hashlib.blake2b(f"{url}\n{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_order(urls: list[str], key: str) -> list[str]:
+    """`urls` by descending rendezvous weight for `key` (the first is the key's engine)."""
+    return sorted(urls, key=lambda url: _score(url, key), reverse=True)
 
 
 def _generate_body(
@@ -90,6 +110,9 @@ class EnginePool:
         """Sampled tokens per chunk of a streamed call (SGLang's `stream_interval`)."""
         self.down: dict[str, float] = {}
         """Engines taken out -> monotonic time they failed."""
+        self.pending: dict[str, float] = {}
+        """Engines that joined the fleet and do not serve its weights yet -> monotonic time
+        they joined (never routed to)."""
         self._prober: asyncio.Task[None] | None = None
         for url in self.urls:
             ENGINE_UP.labels(url).set(1)
@@ -130,10 +153,53 @@ class EnginePool:
             return resp.status, await resp.read()
 
     def order(self, affinity: str) -> list[str]:
-        """Engines in the order to try for this session key: healthy ones first."""
-        start = int(hashlib.sha1(affinity.encode()).hexdigest(), 16) % len(self.urls)
-        ring = self.urls[start:] + self.urls[:start]
+        """Engines in service in the order to try for this session key (rendezvous hashing,
+        `rendezvous_order`): healthy ones first, then those taken out."""
+        ring = rendezvous_order(self.urls, affinity)
         return [u for u in ring if u not in self.down] + [u for u in ring if u in self.down]
+
+    def set_members(self, urls: list[str]) -> tuple[list[str], list[str]]:
+        """Follow the fleet: engines no longer listed leave at once; new ones wait in
+        `pending` until `admit`. Returns (joined, left).
+        """
+        wanted = [u.rstrip("/") for u in urls]
+        left = [u for u in [*self.urls, *self.pending] if u not in wanted]
+        for url in left:
+            if url in self.urls:
+                self.urls.remove(url)
+            self.pending.pop(url, None)
+            self.down.pop(url, None)
+            ENGINE_UP.labels(url).set(0)
+            log.info("engine %s left the fleet; its sessions move to the others", url)
+        joined = [u for u in wanted if u not in self.urls and u not in self.pending]
+        for url in joined:
+            self.pending[url] = time.monotonic()
+            ENGINE_UP.labels(url).set(0)
+            log.info("engine %s joined the fleet; not routed to until it serves the fleet's "
+                     "weights", url)
+        return joined, left
+
+    def admit(self, url: str, version: int) -> None:
+        """Put pending engine `url` (serving weight `version`) in service."""
+        if self.pending.pop(url, None) is not None:
+            self.urls.append(url)
+            ENGINE_UP.labels(url).set(1)
+            log.info("engine %s serves weight version %d: in service", url, version)
+
+    async def served_version(self, url: str) -> int | None:
+        """The weight version `url` serves (`/model_info`, `/get_model_info` before SGLang
+        0.5.12), or None when it does not answer."""
+        for path in ("/model_info", "/get_model_info"):
+            try:
+                status, raw = await self._call("GET", f"{url}{path}", timeout_s=10.0)
+                if status == 404:
+                    continue
+                if status != 200:
+                    return None
+                return parse_weight_version(orjson.loads(raw).get("weight_version"))
+            except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+                return None
+        return None
 
     def mark_down(self, url: str, why: str) -> None:
         ENGINE_ERRORS.labels(url).inc()
@@ -176,32 +242,21 @@ class EnginePool:
         """`/generate` with input ids and logprobs; retried once on another engine on failure.
 
         `top_logprobs_num` > 0 also asks for that many alternatives per output token. A
-        generation the engine aborted (finish_reason `abort`, BUG-16: its tokens are a partial
-        answer, not a trajectory) is counted, logged and asked again once after
-        `ABORT_RETRY_S`; aborted twice, it is an UpstreamError and nothing is recorded.
+        generation the engine aborted (finish_reason `abort`: a weight update or pause that
+        aborts) continues from its tokens under the weights now served (partial.py), its
+        tokens keeping the versions that sampled them.
 
         Raises:
             InvalidRequestError: the engine rejected the request (4xx).
-            UpstreamError: every tried engine failed, or the engine aborted the generation twice.
+            UpstreamError: every tried engine failed, or the engine aborted the generation
+                more than `partial.MAX_ABORTS` times.
         """
-        body = _generate_body(input_ids, sampling_params, top_logprobs_num)
-        for attempt in range(2):
-            url, gen = await self._generate(body, affinity)
-            if gen.finish_type != "abort":
-                return gen
-            ENGINE_ABORTS.labels(url).inc()
-            log.warning(
-                "engine %s aborted a generation after %d tokens%s",
-                url,
-                len(gen.output_ids),
-                "; asking again" if attempt == 0 else "",
-            )
-            if attempt == 0:
-                await asyncio.sleep(ABORT_RETRY_S)
-        raise UpstreamError(
-            "the engine aborted the generation twice (a weight update or an "
-            "abort request); nothing was recorded, send the request again"
-        )
+
+        async def call(ids: list[int], params: dict[str, Any]) -> tuple[str, Generation]:
+            return await self._generate(_generate_body(ids, params, top_logprobs_num), affinity)
+
+        gen, _ = await generate_partial(call, input_ids, sampling_params)
+        return gen
 
     async def generate_stream(
         self,
@@ -213,8 +268,9 @@ class EnginePool:
         on_text: Callable[[str], None],
     ) -> Generation:
         """`generate`, streamed: `on_text` gets the cumulative text of each chunk as the
-        engine samples it (stream.py). Aborted or broken after its first chunk, it is
-        an UpstreamError (the text has been shown), never retried.
+        engine samples it (stream.py). An aborted generation continues from its tokens, the
+        client's text running on; broken after its first chunk, it is an UpstreamError (the
+        text has been shown), never retried.
 
         Raises:
             InvalidRequestError, UpstreamError: as `generate`.
@@ -227,6 +283,11 @@ class EnginePool:
     async def _generate(self, body: dict[str, Any], affinity: str) -> tuple[str, Generation]:
         """One `/generate` answer and the engine that gave it (another engine once on failure)."""
         errors = []
+        if not self.urls:
+            raise UpstreamError(
+                "no engine is in service: the fleet is empty or its engines do not serve the "
+                "current weights yet (GET /v1/admin/engines shows them)"
+            )
         for url in self.order(affinity)[:2]:
             try:
                 status, raw = await self._call("POST", f"{url}/generate", body)

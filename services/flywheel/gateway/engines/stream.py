@@ -9,8 +9,9 @@ parsed from the final chunk alone (`parse_generation`, the same checks as a plai
 nothing is concatenated from the chunks.
 
 A failure before the first chunk tries the next engine once, as a plain call does; after the
-first chunk the text is already on its way to the client, so a failure or an aborted generation
-is an UpstreamError and nothing is recorded.
+first chunk the text is already on its way to the client, so a failure is an UpstreamError and
+nothing is recorded. A generation the engine aborts (a weight update) continues from its tokens
+(partial.py) and its text runs on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import aiohttp
 import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engines.generation import ENGINE_ABORTS, Generation, parse_generation
+from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.partial import generate_partial
 
 OnText = Callable[[str], None]
 """Called with the cumulative text of each chunk, in order."""
@@ -61,14 +63,40 @@ class _Failed(Exception):
 async def generate_stream(
     pool: Engines, body: dict[str, Any], affinity: str, on_text: OnText
 ) -> Generation:
-    """One streamed `/generate` (`body` without `stream`), on the session's engine or, when it
-    fails before its first chunk, the next one.
+    """One streamed `/generate` (`body` without `stream`, with `input_ids`), on the session's
+    engine or, when it fails before its first chunk, the next one. A generation the engine
+    aborts continues from its tokens (partial.py): `on_text` goes on with the text so far
+    followed by the new part's, so the client's stream runs on as if nothing happened.
 
     Raises:
         InvalidRequestError: the engine rejected the request (4xx).
         UpstreamError: every tried engine failed, the stream broke or reported an error after
-            its first chunk, or the engine aborted the generation.
+            its first chunk, or the engine aborted the generation more than
+            `partial.MAX_ABORTS` times (or once, when it has a grammar or output penalty).
     """
+    shown = ""
+
+    async def call(ids: list[int], params: dict[str, Any]) -> tuple[str, Generation]:
+        nonlocal shown
+        prefix = shown
+        url, gen = await _stream_once(
+            pool,
+            {**body, "input_ids": ids, "sampling_params": params},
+            affinity,
+            lambda text: on_text(prefix + text),
+        )
+        shown = prefix + gen.text
+        return url, gen
+
+    gen, _ = await generate_partial(call, body["input_ids"], body["sampling_params"], restart=False)
+    return gen
+
+
+async def _stream_once(
+    pool: Engines, body: dict[str, Any], affinity: str, on_text: OnText
+) -> tuple[str, Generation]:
+    """One streamed call and the engine that answered (the next one on a failure before the
+    first chunk)."""
     errors = []
     for url in pool.order(affinity)[:2]:
         try:
@@ -78,13 +106,7 @@ async def generate_stream(
             pool.mark_down(url, errors[-1])
             continue
         pool.mark_up(url)
-        if gen.finish_type == "abort":
-            ENGINE_ABORTS.labels(url).inc()
-            raise UpstreamError(
-                "the engine aborted the streamed generation (a weight update "
-                "or an abort request); nothing was recorded, send it again"
-            )
-        return gen
+        return url, gen
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
 

@@ -29,6 +29,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     mask_secrets,
     read_config_file,
 )
+from flywheel.core.engine_settings import EngineSettings
 from flywheel.core.judge_settings import (  # noqa: F401  (re-exported for callers of settings)
     DEFAULT_MODEL_NAME,
     HintJudgeSettings,
@@ -128,44 +129,6 @@ class RedisSettings(Section):
                 "(redis://:PASSWORD@host:6379/0 or rediss://...)"
             )
         return value
-
-
-class EngineSettings(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=1, le=65535)
-    """SGLang's default port."""
-    model_path: str = ""
-    """Hugging Face folder to serve; empty = SmolLM2-135M-Instruct converted from the GGUF."""
-    served_model_name: str = DEFAULT_MODEL_NAME
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weights dtype; bf16 is faster, fp32 matches the trainer's logprobs exactly."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """auto = CUDA when a GPU is visible, else CPU."""
-    max_batch_size: int = Field(64, ge=1)
-    """Rows in the running batch at once (continuous batching: rows join between steps)."""
-    batch_wait_ms: float = Field(20.0, ge=0)
-    """Milliseconds an idle engine waits for more requests before the first prefill."""
-    context_length: int = Field(2048, ge=16)
-    """Tokens (prompt + completion) per request; at most the model's trained length
-    (`max_position_embeddings`) unless `allow_longer_context` (docs/engine-protocol.md)."""
-    allow_longer_context: bool = False
-    """Serve a `context_length` above the model's trained length (logged as a warning), like
-    SGLang's `--context-length` with SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 (that variable
-    is honoured too). False: such a setting stops the engine at start."""
-    weight_version: str = "default"
-    """Initial weight version label (SGLang's `--weight-version`)."""
-    weight_swap: Literal["step", "drain"] = "step"
-    """How a weight update meets rows in flight: "step" swaps at the next decode-step boundary
-    (running rows continue under the new weights, their tokens carry the new version from the
-    swap on, nothing waits); "drain" holds new rows until every row in flight has finished on
-    the old weights, then swaps (one version per request; new rows wait for the longest one)."""
-    seed: int = 0
-    threads: int = Field(0, ge=0)
-    """torch threads; 0 = torch's default."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 class SecuritySettings(Section):
@@ -460,11 +423,24 @@ class FlywheelSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (env_settings, init_settings)
 
+    @model_validator(mode="after")
+    def _teacher_engine_when_attached(self) -> FlywheelSettings:
+        t = self.teacher
+        attached = self.engine.backend == "external"
+        if attached and t.enabled and not t.engine_urls and not t.self_teacher:
+            raise ValueError(
+                'engine.backend = "external" starts no engine, also none for the teacher: '
+                "list its engines in teacher.engine_urls, or set teacher.self_teacher"
+            )
+        return self
+
     def redis_url(self) -> str:
         return self.redis.url or f"redis://127.0.0.1:{self.redis.port}/0"
 
     def engine_urls(self) -> list[str]:
-        return self.gateway.engine_urls or [self.engine.url]
+        """The policy engines: `gateway.engine_urls`, else `engine.urls` (backend "external"),
+        else the local engine's URL."""
+        return self.gateway.engine_urls or self.engine.urls or [self.engine.url]
 
     def trainer_engine_urls(self) -> list[str]:
         return self.trainer.push.engine_urls or self.engine_urls()

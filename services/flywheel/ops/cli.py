@@ -149,12 +149,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
-            dead = [s.name for s in stack.services if s.proc and s.proc.poll() is not None]
+            dead = stack.exited()
             if dead:
-                print(
-                    f"flywheel: {', '.join(dead)} exited; see {stack.state_dir}/logs. "
-                    "Stopping the stack."
-                )
+                reports = "\n".join(f"flywheel: {s.exit_report()}" for s in dead)
+                print(f"{reports}\nflywheel: stopping the stack.", file=sys.stderr, flush=True)
                 return 1
     except KeyboardInterrupt:
         print("\nstopping...")
@@ -457,6 +455,7 @@ def _share_the_machine(settings: FlywheelSettings) -> None:
         settings.trainer.device == "auto" and not cuda
     )
     half = max(1, (os.cpu_count() or 2) // 2)
+    on_cpu = on_cpu and settings.engine.backend == "embedded"  # SGLang has no engine.threads
     if on_cpu and trainer_cpu and not settings.engine.threads and not settings.trainer.threads:
         settings.engine.threads = half
         settings.trainer.threads = half

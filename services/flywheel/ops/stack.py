@@ -31,12 +31,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from flywheel.core.config_files import mask_secrets
 from flywheel.core.errors import ConfigurationError, ConflictError, UpstreamError
 from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
 from flywheel.core.settings import FlywheelSettings
+from flywheel.ops.engine_launch import (
+    ENGINE_SERVICES,
+    policy_engine,
+    teacher_engine,
+    wait_attached,
+)
+from flywheel.ops.service import (  # noqa: F401  (`listens` re-exported for callers)
+    Service,
+    grpc_ok,
+    http_ok,
+    instance_ok,
+    listens,
+    port_of,
+)
 
 STATE_FILE = "stack.json"
 """File in the state dir that tells `flywheel demo`/`status` where a running stack listens."""
@@ -47,95 +59,6 @@ SERVICES = ("engine", "teacher-engine", "gateway", "reward", "teacher", "trainer
 
 class StackBusyError(ConflictError):
     """Another stack is running or starting from the same state dir."""
-
-
-@dataclass
-class Service:
-    name: str
-    url: str
-    module: str
-    health: Callable[[], bool]
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path | None = None
-    args: list[str] = field(default_factory=list)
-    """Command-line arguments after `python -m <module>`."""
-    failed: Callable[[], str | None] | None = None
-    """Why the service can never become healthy (it says so itself), else None."""
-    fix: str = ""
-    """What to change when `failed` gives a reason (e.g. which setting)."""
-    log_offset: int = 0
-    """Size of `log_path` before this run: older runs' lines end there."""
-
-    def log_tail(self, chars: int = 3000) -> str:
-        """The last lines (about `chars` characters) this run wrote to the service's log."""
-        if self.log_path is None:
-            return ""
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(self.log_offset)
-                text = log.read().decode(errors="replace")
-        except OSError:
-            return ""
-        if len(text) <= chars:
-            return text
-        tail = text[-chars:]
-        return tail.split("\n", 1)[1] if "\n" in tail[:-1] else tail  # no cut-off first line
-
-
-def http_ok(url: str) -> Callable[[], bool]:
-    def check() -> bool:
-        try:
-            return httpx.get(url, timeout=5).status_code == 200
-        except (httpx.HTTPError, httpx.InvalidURL):  # InvalidURL: e.g. from a hand-edited state
-            return False
-
-    return check
-
-
-def engine_failed(url: str, what: str) -> Callable[[], str | None]:
-    """`what` (e.g. "loading the model X failed") once the engine at `url` reports on /healthz
-    (503, `{"status": "failed"}`) that loading its model failed: it stays up then, but never
-    becomes healthy."""
-
-    def check() -> str | None:
-        try:
-            resp = httpx.get(f"{url}/healthz", timeout=5)
-            failed = resp.status_code == 503 and resp.json().get("status") == "failed"
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        return what if failed else None
-
-    return check
-
-
-def instance_ok(url: str, instance: str) -> Callable[[], bool]:
-    """200 from `url` with JSON `instance` equal to this stack's nonce (not another stack's)."""
-
-    def check() -> bool:
-        try:
-            resp = httpx.get(url, timeout=5)
-            return resp.status_code == 200 and resp.json().get("instance") == instance
-        except (httpx.HTTPError, ValueError):
-            return False
-
-    return check
-
-
-def grpc_ok(target: str) -> Callable[[], bool]:
-    def check() -> bool:
-        import grpc  # noqa: PLC0415
-        from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
-
-        with grpc.insecure_channel(target) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=2
-                )
-            except grpc.RpcError:
-                return False
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-    return check
 
 
 @dataclass
@@ -165,12 +88,15 @@ class Stack:
     def state_dir(self) -> Path:
         return Path(self.settings.state_dir)
 
-    def start(self, startup_timeout_s: float = 600.0) -> Stack:
-        """Start every service and wait for each to be healthy.
+    def start(self, startup_timeout_s: float | None = None) -> Stack:
+        """Start every service and wait for each to be healthy (at most `startup_timeout_s`
+        each; None = `engine.startup_timeout_s` for engines, 600 s for the others). With
+        `engine.backend = "external"` no engine is started: the stack waits for `engine.urls`.
 
         Raises:
             StackBusyError: another stack runs or starts from the same state dir.
-            ConfigurationError: `only` names an unknown service.
+            ConfigurationError: `only` names an unknown service, or the teacher would need an
+                engine of its own with backend "external".
             UpstreamError: the external Redis (`redis.url`) does not answer a ping.
             RuntimeError: a service exited during start-up, or reported that it never will be
                 healthy (the message names it, the reason and its log tail).
@@ -197,12 +123,13 @@ class Stack:
         else:
             self._ping_redis(s.redis.url)
         self._prepare_model()
-        for section in ("engine", "gateway", "trainer"):
+        attach = s.engine.backend == "external"  # no engine of its own: no engine port
+        for section in ("gateway", "trainer") if attach else ("engine", "gateway", "trainer"):
             sec = getattr(s, section)
             sec.port = self._port(sec.port)
         s.reward.port = self._port(s.reward.port)
         s.reward.metrics_port = self._port(s.reward.metrics_port)
-        teacher_engine = self._teacher_ports()
+        teacher_engines = self._teacher_ports()
         # Left at their defaults, the trainer's files live in this stack's state dir, so two
         # stacks with different state dirs never share (or resume from) each other's checkpoints.
         defaults = type(s.trainer)()
@@ -217,20 +144,12 @@ class Stack:
         self.env["FLYWHEEL_CONFIG"] = str(resolved.resolve())
         if not self.only or "trainer" in self.only:
             self._check_trainer_settings()
-        engine_url = f"http://{s.engine.host}:{s.engine.port}"
         gateway_url = f"http://{s.gateway.host}:{s.gateway.port}"
         trainer_url = f"http://{s.trainer.host}:{s.trainer.port}"
         reward_target = f"{s.reward.host}:{s.reward.port}"
         plan = [
-            Service(
-                "engine",
-                engine_url,
-                "flywheel.engine",
-                http_ok(f"{engine_url}/health"),
-                failed=engine_failed(engine_url, f"loading the model {s.engine.model_path} failed"),
-                fix="check [engine] model_path (FLYWHEEL_ENGINE__MODEL_PATH)",
-            ),
-            *teacher_engine,
+            *filter(None, [policy_engine(s)]),
+            *teacher_engines,
             Service(
                 "gateway",
                 gateway_url,
@@ -241,11 +160,16 @@ class Stack:
             *self._teacher_service(),
             Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
         ]
+        if s.engine.backend == "external" and (not self.only or "engine" in self.only):
+            wait_attached(s.engine.urls, startup_timeout_s or s.engine.startup_timeout_s, self.echo)
         for service in plan:
             if self.only and service.name not in self.only:
                 continue
             self._launch(service)
-            self._wait_healthy(service, startup_timeout_s)
+            engine = service.name in ENGINE_SERVICES
+            self._wait_healthy(
+                service, startup_timeout_s or (s.engine.startup_timeout_s if engine else 600.0)
+            )
         self._write_state()
         return self
 
@@ -321,20 +245,7 @@ class Stack:
         if t.engine_urls or t.self_teacher:
             return []
         t.engine_port = pick(t.engine_port)
-        url = f"http://{e.host}:{t.engine_port}"
-        args = ["--port", str(t.engine_port), "--model-path", t.model_path or e.model_path]
-        failed = engine_failed(url, f"loading the teacher model {args[-1]} failed")
-        return [
-            Service(
-                "teacher-engine",
-                url,
-                "flywheel.engine",
-                http_ok(f"{url}/health"),
-                args=args,
-                failed=failed,
-                fix="check [teacher] model_path (FLYWHEEL_TEACHER__MODEL_PATH)",
-            )
-        ]
+        return [teacher_engine(s, t.engine_port)]
 
     def _teacher_service(self) -> list[Service]:
         t = self.settings.teacher
@@ -363,25 +274,32 @@ class Stack:
         service.log_path = self.state_dir / "logs" / f"{service.name}.log"
         log = open(service.log_path, "ab")  # noqa: SIM115  (owned by the child)
         service.log_offset = log.seek(0, os.SEEK_END)  # earlier runs' lines end here
-        service.proc = subprocess.Popen(
-            [sys.executable, "-m", service.module, *service.args],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        try:
+            service.proc = subprocess.Popen(
+                service.argv(sys.executable),
+                env={**self.env, **service.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        except OSError as exc:  # e.g. an `engine.sglang_launcher` that is not there
+            log.close()
+            raise ConfigurationError(
+                f"cannot start {service.name} ({' '.join(service.argv(sys.executable))}): "
+                f"{exc}{f'; {service.fix}' if service.fix else ''}"
+            ) from None
         self.services.append(service)
 
     def _wait_healthy(self, service: Service, timeout_s: float) -> None:
         start = time.monotonic()
-        port = _port_of(service.url)
+        port = port_of(service.url)
         while time.monotonic() - start < timeout_s:
             assert service.proc is not None
             if service.proc.poll() is not None:
                 tail = service.log_tail()
                 self.stop()
                 raise RuntimeError(
-                    f"{service.name} exited with {service.proc.returncode} "
-                    f"during start-up; log {service.log_path}:\n{tail}"
+                    f"{service.name} exited with {service.proc.returncode} during start-up"
+                    f"{f' ({service.fix})' if service.fix else ''}; log {service.log_path}:\n{tail}"
                 )
             # A service that says it can never become healthy (and is this stack's own) fails
             # the start-up now, not after the whole timeout.
@@ -413,6 +331,7 @@ class Stack:
             "pid": os.getpid(),
             "instance": self.instance,
             "redis_url": s.redis_url(),
+            **({"engine": s.engine.urls[0]} if s.engine.backend == "external" else {}),
             **{svc.name: svc.url for svc in self.services},
             "metrics_path": s.trainer.logging.metrics_path,
         }
@@ -457,6 +376,11 @@ class Stack:
             lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
             message = lines[-1] if lines else f"exit code {done.returncode}"
             raise ConfigurationError(message.removeprefix("flywheel-trainer: "))
+
+    def exited(self) -> list[Service]:
+        """The services whose process has exited (`Service.exit_report` says how, with the
+        tail of its log)."""
+        return [s for s in self.services if s.proc and s.proc.poll() is not None]
 
     def revive(self, name: str) -> int | None:
         """Start service `name` again if its process exited, with the same command, settings
@@ -551,66 +475,3 @@ def _alive(pid: object) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1].split("/", 1)[0])
-
-
-def _listening_inodes(port: int) -> set[str] | None:
-    """Socket inodes listening on TCP `port` (IPv4 and IPv6); None without /proc/net."""
-    found: set[str] | None = None
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        found = found or set()
-        for line in lines:
-            parts = line.split()
-            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                found.add(parts[9])
-    return found
-
-
-def _family(pid: int) -> set[int]:
-    """`pid` and all its descendants (from /proc/<pid>/stat parent ids)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    family, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        if p not in family:
-            family.add(p)
-            todo += children.get(p, [])
-    return family
-
-
-def listens(pid: int, port: int) -> bool:
-    """Whether process `pid` (or a descendant) holds the socket listening on TCP `port`.
-
-    True where /proc is missing (the check is then skipped: ports are still reserved).
-    """
-    inodes = _listening_inodes(port)
-    if inodes is None:
-        return True
-    targets = {f"socket:[{inode}]" for inode in inodes}
-    for p in _family(pid):
-        try:
-            fds = os.listdir(f"/proc/{p}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{p}/fd/{fd}") in targets:
-                    return True
-            except OSError:
-                continue
-    return False

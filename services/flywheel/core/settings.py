@@ -30,6 +30,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     read_config_file,
 )
 from flywheel.core.engine_settings import EngineSettings
+from flywheel.core.fleet import FleetSettings
 from flywheel.core.judge_settings import (  # noqa: F401  (re-exported for callers of settings)
     DEFAULT_MODEL_NAME,
     HintJudgeSettings,
@@ -404,6 +405,8 @@ class FlywheelSettings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings)
     streams: StreamSettings = Field(default_factory=StreamSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
+    """Where the engine list comes from; shared in Redis by every gateway and the trainer."""
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     reward: RewardSettings = Field(default_factory=RewardSettings)
     teacher: TeacherSettings = Field(default_factory=TeacherSettings)

@@ -37,6 +37,7 @@ from flywheel.gateway.api.schemas import (
 from flywheel.gateway.api.session_keys import SessionHeaders
 from flywheel.gateway.dashboard import install as install_dashboard
 from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
+from flywheel.gateway.engines import fleet_routes
 from flywheel.gateway.session import finish, sweep
 from flywheel.gateway.session.owner import check_request_owner
 
@@ -50,6 +51,8 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         tasks = [sweeper]
         if deps.retention is not None:  # consumed stream entries past streams.retention
             tasks.append(asyncio.create_task(deps.retention.run()))
+        if deps.fleet is not None:  # the shared engine fleet (engines/fleet_watch.py)
+            tasks.append(asyncio.create_task(deps.fleet.run()))
         try:
             yield
         finally:
@@ -68,6 +71,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     app.add_middleware(SessionHeaders, settings=deps.settings)  # gateway.session_headers
     install_security(app, deps)  # API keys, roles, session scoping, limits
     install_dashboard(app, deps)  # /dashboard (admin): curves, samples; stream gauges
+    app.include_router(fleet_routes.router)  # /v1/admin/engines (admin): the engine fleet
     messages.install(app)  # Anthropic Messages (api/messages.py)
     responses.install(app, deps)  # OpenAI Responses (api/responses.py)
     app.add_middleware(AnthropicErrors)  # outermost: Anthropic error JSON on its paths

@@ -57,6 +57,9 @@ class GatewayDeps:
     retention: StreamRetention | None = None
     """The pipeline's streams and `streams.retention`, trimmed by the gateway's retention task
     (core/retention.py); None = no task (tests, embedded apps)."""
+    fleet: Any = None
+    """The engine fleet watch (engines/fleet_watch.py `FleetWatch`), refreshed by a background
+    task; None = the engines stay as given (tests, embedded apps)."""
 
 
 async def get_deps(request: Request) -> GatewayDeps:

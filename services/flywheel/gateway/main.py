@@ -29,12 +29,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn  # noqa: PLC0415  (heavy imports after settings parse)
 
+    from flywheel.core.fleet import Fleet  # noqa: PLC0415
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.retention import StreamRetention  # noqa: PLC0415
     from flywheel.core.streams import StreamProducer  # noqa: PLC0415
     from flywheel.gateway.app import create_app  # noqa: PLC0415
     from flywheel.gateway.deps import GatewayDeps  # noqa: PLC0415
+    from flywheel.gateway.engines.fleet_watch import FleetWatch  # noqa: PLC0415
     from flywheel.gateway.engines.pool import EnginePool  # noqa: PLC0415
     from flywheel.gateway.render.tokenization import ChatRenderer  # noqa: PLC0415
     from flywheel.gateway.session.store import SessionStore  # noqa: PLC0415
@@ -46,16 +48,20 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache_bytes=int(gw.prefix_cache_mb * (1 << 20)),
     )
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
+    pool = EnginePool(
+        settings.engine_urls(),
+        gw.request_timeout_s,
+        stop_ids,
+        health_interval_s=gw.engine_health_interval_s,
+        stream_interval=gw.stream_interval,
+    )
+    fleet = Fleet(client, settings.streams.prefix, settings.engine_urls(), settings.fleet)
+    fleet.seed()  # the configured engines; admin and DNS ones join through the watch
     deps = GatewayDeps(
         settings=gw,
         renderer=renderer,
-        engines=EnginePool(
-            settings.engine_urls(),
-            gw.request_timeout_s,
-            stop_ids,
-            health_interval_s=gw.engine_health_interval_s,
-            stream_interval=gw.stream_interval,
-        ),
+        engines=pool,
+        fleet=FleetWatch(pool, fleet, settings.fleet.refresh_s),
         sessions=SessionStore(
             client,
             settings.streams.prefix,

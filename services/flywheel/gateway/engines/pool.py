@@ -175,8 +175,9 @@ class EnginePool:
         for url in joined:
             self.pending[url] = time.monotonic()
             ENGINE_UP.labels(url).set(0)
-            log.info("engine %s joined the fleet; not routed to until it serves the fleet's "
-                     "weights", url)
+            log.info(
+                "engine %s joined the fleet; not routed to until it serves the fleet's weights", url
+            )
         return joined, left
 
     def admit(self, url: str, version: int) -> None:

@@ -1,0 +1,75 @@
+"""Admin routes for the engine fleet (admin key): `GET /v1/admin/engines` lists the fleet,
+`POST /v1/admin/engines {"url": ...}` adds an engine (it serves once it has the fleet's
+weights), `DELETE /v1/admin/engines?url=...` removes one (only its sessions move). Every gateway
+and the trainer see the change within `fleet.refresh_s` (the fleet is in Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict
+
+from flywheel.core.errors import InvalidRequestError, NotFoundError
+from flywheel.core.fleet import normalize_url
+from flywheel.gateway.access.principal import require_role
+from flywheel.gateway.engines.fleet_watch import FleetWatch
+
+router = APIRouter()
+
+
+class EngineAdd(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    """Engine base URL, e.g. http://10.0.0.7:30000."""
+
+
+def _watch(request: Request) -> FleetWatch:
+    watch: FleetWatch | None = getattr(request.app.state.deps, "fleet", None)
+    if watch is None:
+        raise InvalidRequestError(
+            "this gateway was started without a shared fleet (an embedded app); engines come "
+            "from gateway.engine_urls"
+        )
+    return watch
+
+
+def _url(url: str) -> str:
+    try:
+        return normalize_url(url)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="url") from None
+
+
+@router.get("/v1/admin/engines", dependencies=[Depends(require_role("admin"))])
+async def list_engines(request: Request) -> dict[str, Any]:
+    watch = _watch(request)
+    version = await asyncio.to_thread(watch.fleet.version)
+    return {"object": "list", "weight_version": version, "data": await watch.describe()}
+
+
+@router.post("/v1/admin/engines", dependencies=[Depends(require_role("admin"))])
+async def add_engine(body: EngineAdd, request: Request) -> dict[str, Any]:
+    watch = _watch(request)
+    url = _url(body.url)
+    added = await asyncio.to_thread(watch.fleet.add, url)
+    await watch.refresh()  # this gateway sees it at once; the others within fleet.refresh_s
+    return {"url": url, "added": added, "state": _state(watch, url)}
+
+
+@router.delete("/v1/admin/engines", dependencies=[Depends(require_role("admin"))])
+async def remove_engine(request: Request, url: str = Query(...)) -> dict[str, Any]:
+    watch = _watch(request)
+    url = _url(url)
+    if not await asyncio.to_thread(watch.fleet.remove, url):
+        raise NotFoundError(f"engine {url} is not in the fleet (GET /v1/admin/engines lists it)")
+    await watch.refresh()
+    return {"url": url, "removed": True}
+
+
+def _state(watch: FleetWatch, url: str) -> str:
+    if url in watch.pool.pending:
+        return "pending"
+    return "in_service" if url in watch.pool.urls else "unseen"

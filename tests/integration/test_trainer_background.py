@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ from flywheel.trainer.service import build_trainer
 from flywheel.trainer.weights import WeightPusher, WeightsStore, load_model
 
 from ..engine_process import engine_process
+from .push_target import PushTarget
 from .test_trainer_service import (  # noqa: F401  (module fixture)
     make_group,
     model_dir,
@@ -34,44 +34,19 @@ def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.is_file() else 0
 
 
-class GatedEngine:
+class GatedEngine(PushTarget):
     """Answers a push of version 1 only once `ready()` is true (or after `limit_s`)."""
 
     def __init__(self, ready, limit_s: float):
-        engine = self
-        self.served = "default"
+        self.ready, self.limit_s = ready, limit_s
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                self._reply({"weight_version": engine.served})
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if body["weight_version"] == "1":
-                    deadline = time.monotonic() + limit_s
-                    while not ready() and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                engine.served = body["weight_version"]
-                self._reply({"success": True, "message": "ok"})
-
-            def _reply(self, data: dict) -> None:
-                raw = json.dumps(data).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def on_push(self, path: str, body: dict) -> tuple[int, dict]:
+        if body["weight_version"] == "1":
+            deadline = time.monotonic() + self.limit_s
+            while not self.ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return super().on_push(path, body)
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "critical_path"])

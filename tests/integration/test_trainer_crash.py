@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
 
+from .push_target import PushTarget
 from .test_trainer_service import make_group, pending_count, publish
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -48,48 +48,26 @@ sys.exit(main(["--config", sys.argv[3]]))
 """
 
 
-class HangingEngine:
+class HangingEngine(PushTarget):
     """Records /update_weights_from_disk calls and serves the last version it took on
     /model_info; a push of `hang_version` never answers."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.served = "default"
         self.hang_version = ""
         self.release = threading.Event()
-        engine = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server API)
-                self._reply(json.dumps({"weight_version": engine.served}).encode())
-
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                engine.calls.append(body["weight_version"])
-                if body["weight_version"] == engine.hang_version:
-                    engine.release.wait(60)
-                    return
-                engine.served = body["weight_version"]
-                self._reply(b'{"success": true, "message": "ok"}')
-
-            def _reply(self, reply: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def on_push(self, path: str, body: dict) -> tuple[int, dict]:
+        self.calls.append(body["weight_version"])
+        if body["weight_version"] == self.hang_version:
+            self.release.wait(60)
+            return 200, {}
+        return super().on_push(path, body)
 
     def close(self) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 @pytest.fixture(scope="module")

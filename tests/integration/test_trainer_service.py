@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -32,6 +31,8 @@ from flywheel.trainer.leases import LeaseKeeper
 from flywheel.trainer.logprobs import naive_token_logprobs
 from flywheel.trainer.service import build_trainer
 from flywheel.trainer.sources import CONSUMER_GROUP
+
+from .push_target import PushTarget
 
 pytestmark = pytest.mark.integration
 VOCAB = 256
@@ -57,36 +58,21 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-class FakeEngine:
-    """An HTTP server that records /update_weights_from_disk calls; `fail` makes it refuse."""
+class FakeEngine(PushTarget):
+    """Records every push call (path and body); `fail` makes it refuse with a 400. It has no
+    `/model_info`."""
+
+    serves_model_info = False
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
         self.fail = False
-        engine = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server API)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                engine.calls.append({"path": self.path, **body})
-                ok = not engine.fail
-                reply = json.dumps({"success": ok, "message": "ok" if ok else "refused"}).encode()
-                self.send_response(200 if ok else 400)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def on_push(self, path: str, body: dict) -> tuple[int, dict]:
+        self.calls.append({"path": path, **body})
+        ok = not self.fail
+        return (200 if ok else 400), {"success": ok, "message": "ok" if ok else "refused"}
 
 
 @pytest.fixture

@@ -161,7 +161,13 @@ class Stack:
             Service("trainer", trainer_url, "flywheel.trainer", http_ok(f"{trainer_url}/readyz")),
         ]
         if s.engine.backend == "external" and (not self.only or "engine" in self.only):
-            wait_attached(s.engine.urls, startup_timeout_s or s.engine.startup_timeout_s, self.echo)
+            try:
+                wait_attached(
+                    s.engine.urls, startup_timeout_s or s.engine.startup_timeout_s, self.echo
+                )
+            except TimeoutError:
+                self.stop()
+                raise
         for service in plan:
             if self.only and service.name not in self.only:
                 continue

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import itertools
 import json
 import os
 import re
@@ -40,7 +39,7 @@ PROFILE_SETS = [
     ("cpu",),
     ("gpu",),
     ("cpu", "teacher", "observability"),
-    ("gpu", "teacher", "observability"),
+    ("gpu", "teacher-gpu", "observability"),
 ]
 REQUIRED_ENV = {"REDIS_PASSWORD": "pw-test"}
 ONE_SHOT = {"model-init", "checkpoints-init"}
@@ -52,7 +51,13 @@ FLYWHEEL_PORTS = {
     "teacher": [("teacher", "port"), ("teacher", "metrics_port")],
     "trainer": [("trainer", "port")],
 }
-OTHER_PORTS = {"redis": {6379}, "sglang": {30000}, "prometheus": {9090}, "grafana": {3000}}
+OTHER_PORTS = {
+    "redis": {6379},
+    "sglang": {30000},
+    "sglang-teacher": {30000},
+    "prometheus": {9090},
+    "grafana": {3000},
+}
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +215,7 @@ def test_each_profile_is_a_complete_health_gated_graph(compose, profiles):
     names = [n for name, svc in active.items() for n in _names(name, svc)]
     for needed in ("redis", "engine", "gateway", "trainer", "reward"):
         assert names.count(needed) == 1, (needed, profiles)
-    if "teacher" in profiles:
+    if {"teacher", "teacher-gpu"} & set(profiles):
         assert names.count("teacher") == 1 and names.count("teacher-engine") == 1
     # Only the gateway is published beyond loopback.
     public = [
@@ -420,8 +425,8 @@ def test_prometheus_scrapes_every_metrics_endpoint(compose, monkeypatch):
         "teacher-engine": ("engine", "port"),
     }
     assert set(targets) == set(metrics_port)
-    for profiles in itertools.product(["cpu", "gpu"], [("teacher",)]):
-        active = _active(compose, (profiles[0], *profiles[1]))
+    for profiles in (("cpu", "teacher"), ("gpu", "teacher-gpu")):
+        active = _active(compose, profiles)
         by_name = {n: svc for name, svc in active.items() for n in _names(name, svc)}
         for host, (section, field) in metrics_port.items():
             svc = by_name[host]

@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flywheel.core.settings import load_settings
+from flywheel.core.errors import ConfigurationError
+from flywheel.core.settings import EngineSettings, load_settings
+from flywheel.ops.engine_launch import wait_attached
 from flywheel.ops.stack import Stack
 
 from ..engine_process import engine_process
@@ -143,12 +145,21 @@ def test_attach_mode_waits_for_the_engines_and_never_starts_one(
         stack.start()
     assert time.monotonic() - started < 30 and stack.services == []
 
-    with engine_process(tiny_model_dir) as url:
+    with engine_process(tiny_model_dir) as url:  # context length 512
+        # An engine serving a shorter context than the gateway would allow is refused.
+        too_long = EngineSettings(backend="external", urls=[url], context_length=1024)
+        with pytest.raises(ConfigurationError, match="its context length is 512, below engine"):
+            wait_attached([url], too_long, 10, lambda _: None)
         lines: list[str] = []
         s = load_settings(
             redis={"url": redis_server.url},
             streams={"prefix": "attached"},
-            engine={"backend": "external", "urls": [url], "model_path": str(tiny_model_dir)},
+            engine={
+                "backend": "external",
+                "urls": [url],
+                "model_path": str(tiny_model_dir),
+                "context_length": 512,
+            },
             gateway={"port": 8771, "default_max_tokens": 4},
             state_dir=str(tmp_path / "state"),
         )

@@ -9,7 +9,7 @@ A key of the old flat layout (`[trainer] lr = ...`) is refused with the key it m
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -253,7 +253,19 @@ class PushSettings(Section):
     (`bench/push_stall.py`). An engine without in-place pause (SGLang < 0.5.12) is updated the
     plain way (logged)."""
     master_address: str = "127.0.0.1"
-    """Address the engines reach the trainer at for the distributed weight-update group."""
+    """Address the engines reach the trainer at for the distributed weight-update group (the
+    rendezvous listens on every interface; deploy/k8s sets the trainer pod's IP)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """TCP port of that group's rendezvous on the trainer; 0 = a free port each time the group
+    forms. Fix it where a firewall or NetworkPolicy must let it through (deploy/k8s: 29600)."""
+    tp_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    """TP ranks of each engine, in the order of the engines pushed to (SGLang's `--tp-size`):
+    engine i joins the group at rank 1 + the sum of the sizes before it, and the group has
+    1 + their sum ranks. Empty = ask each engine's `/server_info` (`tp_size`) when the group
+    forms. Must have one entry per engine when given."""
+    bucket_mb: float = Field(512.0, gt=0)
+    """MiB of tensors per `/update_weights_from_distributed` call: a push sends the weights in
+    buckets of this size (one call and one series of broadcasts each)."""
 
 
 class DistributedSettings(Section):

@@ -436,7 +436,7 @@ def server_info_body(d: EngineDeps) -> dict[str, Any]:
         **s.model_dump(mode="json"),
         **model_info_body(d),
         "status": d.engine.status,
-        "tp_size": 1,
+        "tp_size": s.emulate_tp_size,  # the ranks it joins a weight-update group with
         "dp_size": 1,
         "max_running_requests": s.max_batch_size,
         "max_num_reqs": s.max_batch_size,

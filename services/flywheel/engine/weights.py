@@ -4,12 +4,18 @@
   caller's thread; the swap runs on the worker between two decode steps.
 * Distributed (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`): the engine joins a process group as rank
-  `rank_offset` (the trainer is rank 0 and broadcasts). gloo on CPU, NCCL on CUDA. As in SGLang
-  0.5.21+, an update must run inside `/begin_weight_update` ... `/end_weight_update`.
-  Tensors are received into fresh buffers in the HTTP thread while the worker keeps decoding,
-  then validated (names and shapes; a partial update is allowed) and swapped in between two
-  decode steps. A mismatch answers success false after the broadcast was consumed (so the trainer
-  never hangs) and leaves the served weights untouched.
+  `rank_offset` (the trainer is rank 0 and broadcasts); with `engine.emulate_tp_size = N` it
+  joins as ranks `rank_offset .. rank_offset + N - 1`, as an SGLang server with `--tp-size N`
+  does (one rank per TP worker): the extra ranks are process groups of their own in this
+  process, receive every broadcast too, and their copies must equal the first rank's (the
+  layout check; the model is still computed on one device). gloo on CPU, NCCL on CUDA. As in
+  SGLang 0.5.21+, an update must run inside `/begin_weight_update` ... `/end_weight_update`.
+  Tensors are received into fresh buffers in the HTTP thread while the worker keeps decoding and
+  validated per call (names and shapes; a partial update is allowed); the calls of one session
+  (a trainer's buckets) are staged and swapped in once, at `/end_weight_update`, between two
+  decode steps, so no request is ever served by half-updated weights. A mismatch answers
+  success false after the broadcast was consumed (so the trainer never hangs); nothing of that
+  session is applied and the served weights stay untouched.
 
 `engine.weight_swap = "step"` (default): the swap happens at the next decode-step boundary; rows
 in flight continue under the new weights (their next-token logits are recomputed under them, see
@@ -29,7 +35,8 @@ import datetime
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,10 +57,23 @@ GROUP_TIMEOUT_S = 600.0
 
 @dataclass
 class _Group:
-    group: Any  # ProcessGroupGloo | ProcessGroupNCCL
+    groups: list[Any]
+    """ProcessGroupGloo | ProcessGroupNCCL, one per (emulated) TP rank, in rank order."""
     rank: int
+    """The first rank (`rank_offset`)."""
     world_size: int
     device: torch.device
+
+
+@dataclass
+class _Session:
+    """What the calls of one open weight-update session received (applied at its end)."""
+
+    staged: dict[str, Tensor] = field(default_factory=dict)
+    version: str | None = None
+    abort_all: bool = False
+    error: str = ""
+    """Why a call of this session failed (then nothing of it is applied)."""
 
 
 class WeightUpdater:
@@ -63,7 +83,7 @@ class WeightUpdater:
         self.worker = worker
         self._lock = threading.Lock()
         self._groups: dict[str, _Group] = {}
-        self._session = False
+        self._session: _Session | None = None
 
     # -- disk -------------------------------------------------------------------------------------
 
@@ -122,16 +142,32 @@ class WeightUpdater:
         if selector not in ("all", "target", "draft"):
             return False, f"unknown selector {selector!r}"
         with self._lock:
-            if self._session:
+            if self._session is not None:
                 return False, "a weight update session is already open"
-            self._session = True
+            self._session = _Session()
         return True, "Weight update session started."
 
     def end(self) -> tuple[bool, str]:
+        """SGLang 0.5.21+ `/end_weight_update`: swap in what the session's
+        `/update_weights_from_distributed` calls received, once (blocking until swapped).
+        A session with a failed call applies nothing and answers `(False, reason)`."""
         with self._lock:
-            if not self._session:
+            session, self._session = self._session, None
+            if session is None:
                 return False, "no weight update session is open"
-            self._session = False
+            if session.error:
+                return False, f"nothing of this session was applied: {session.error}"
+            if session.staged:
+                t0 = time.perf_counter()
+                self._swap(session.staged, session.version, session.abort_all)
+                log.info(
+                    "%d tensors applied in %.2f s, version %s",
+                    len(session.staged),
+                    time.perf_counter() - t0,
+                    self.worker.weight_version,
+                )
+            elif session.version is not None:
+                self.worker.set_weight_version(session.version)
         return True, "Weight update session ended."
 
     # -- distributed ------------------------------------------------------------------------------
@@ -145,7 +181,8 @@ class WeightUpdater:
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> tuple[bool, str]:
-        """Join the trainer's process group as rank `rank_offset` (blocks until all joined).
+        """Join the trainer's process group as ranks `rank_offset .. rank_offset + N - 1`
+        (N = `engine.emulate_tp_size`; blocks until every rank of the group joined).
 
         backend "nccl" on a CPU engine falls back to gloo (nothing else can move CPU tensors).
         """
@@ -154,22 +191,39 @@ class WeightUpdater:
             return False, f"the engine is {self.worker.status}"
         if group_name in self._groups:
             return False, f"group {group_name!r} already exists; destroy it first"
-        if not 0 < rank_offset < world_size:
-            return False, f"rank_offset {rank_offset} must be in [1, world_size={world_size})"
+        tp = self.worker.settings.emulate_tp_size
+        if not 0 < rank_offset <= world_size - tp:
+            return False, (
+                f"rank_offset {rank_offset} with tp_size {tp} does not fit world_size "
+                f"{world_size}: ranks {rank_offset}..{rank_offset + tp - 1} must lie in "
+                f"[1, {world_size - 1}] (rank 0 is the trainer)"
+            )
         device = runner.device
         use_nccl = backend == "nccl" and device.type == "cuda"
-        try:
-            group = _new_group(
-                master_address, master_port, rank_offset, world_size, group_name, use_nccl, device
+
+        def join(tp_rank: int) -> Any:
+            return _new_group(
+                master_address,
+                master_port,
+                rank_offset + tp_rank,
+                world_size,
+                group_name,
+                use_nccl,
+                device,
             )
+
+        try:  # every rank of this engine joins at once: each blocks until all ranks are in
+            with ThreadPoolExecutor(max_workers=tp) as pool:
+                groups = list(pool.map(join, range(tp)))
         except Exception as e:  # rendezvous timeout, refused port, bad backend
             log.warning("joining weight update group %s failed: %s", group_name, e)
             return False, f"Failed to init process group: {type(e).__name__}: {e}"
-        self._groups[group_name] = _Group(group, rank_offset, world_size, device)
+        self._groups[group_name] = _Group(groups, rank_offset, world_size, device)
         log.info(
-            "joined weight update group %s as rank %d of %d (%s)",
+            "joined weight update group %s as ranks %d..%d of %d (%s)",
             group_name,
             rank_offset,
+            rank_offset + tp - 1,
             world_size,
             "nccl" if use_nccl else "gloo",
         )
@@ -179,12 +233,13 @@ class WeightUpdater:
         group = self._groups.pop(group_name, None)
         if group is None:
             return False, f"no group named {group_name!r}"
-        shutdown = getattr(group.group, "shutdown", None)
-        if callable(shutdown):
-            try:
-                shutdown()
-            except Exception as e:  # a peer already gone; the group is dropped anyway
-                log.info("shutting down group %s: %s", group_name, e)
+        for pg in group.groups:
+            shutdown = getattr(pg, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception as e:  # a peer already gone; the group is dropped anyway
+                    log.info("shutting down group %s: %s", group_name, e)
         return True, "Succeeded to destroy custom process group."
 
     def from_distributed(
@@ -197,12 +252,15 @@ class WeightUpdater:
         weight_version: str | None = None,
         abort_all_requests: bool = False,
     ) -> tuple[bool, str]:
-        """Receive `names` broadcast by rank 0 (in that order) and swap them in.
+        """Receive `names` broadcast by rank 0 (in that order) on every rank of this engine
+        and stage them; `end` swaps the session's tensors in.
 
-        Returns `(False, reason)` without touching the served weights when no session is open,
-        the group is unknown, or a name/shape does not fit the model.
+        Returns `(False, reason)` when no session is open, the group is unknown, a name/shape
+        does not fit the model, or an emulated TP rank received other bytes than the first
+        (then nothing of the session is applied).
         """
-        if not self._session:
+        session = self._session
+        if session is None:
             return False, (
                 "update_weights_from_distributed must run between "
                 "begin_weight_update() and end_weight_update()"
@@ -221,22 +279,33 @@ class WeightUpdater:
         with self._lock:
             t0 = time.perf_counter()
             state: dict[str, Tensor] = {}
+            differ: list[str] = []
             for name, dtype, shape in zip(names, types, shapes, strict=True):
-                buf = torch.empty(shape, dtype=dtype, device=group.device)
-                group.group.broadcast(buf, 0).wait()
-                state[name] = buf
+                bufs = [torch.empty(shape, dtype=dtype, device=group.device) for _ in group.groups]
+                for work in [pg.broadcast(b, 0) for pg, b in zip(group.groups, bufs, strict=True)]:
+                    work.wait()
+                if not all(torch.equal(bufs[0], b) for b in bufs[1:]):
+                    differ.append(name)
+                state[name] = bufs[0]
             try:
                 runner.validate(state, "distributed update", complete=False)
+                if differ:
+                    raise CheckpointError(
+                        f"TP ranks {group.rank}..{group.rank + len(group.groups) - 1} received "
+                        f"different bytes for {differ[:5]}"
+                    )
             except CheckpointError as e:
                 self.worker.metrics.weight_updates.labels("failed").inc()
+                session.error = str(e)
                 return False, str(e)
-            self._swap(state, weight_version, abort_all_requests)
+            session.staged |= state
+            session.version = weight_version if weight_version is not None else session.version
+            session.abort_all |= abort_all_requests
             log.info(
-                "%d tensors received over %s in %.2f s, version %s",
+                "%d tensors received over %s in %.2f s (applied at end_weight_update)",
                 len(state),
                 group_name,
                 time.perf_counter() - t0,
-                self.worker.weight_version,
             )
         return True, "Succeeded to update parameter online."
 

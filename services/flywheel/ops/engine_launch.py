@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -177,12 +178,15 @@ def teacher_engine(settings: FlywheelSettings, port: int) -> Service:
     )
 
 
-def wait_attached(urls: list[str], timeout_s: float, echo: Callable[[str], None]) -> None:
+def wait_attached(
+    urls: list[str], engine: EngineSettings, timeout_s: float, echo: Callable[[str], None]
+) -> None:
     """Wait until every engine `flywheel up` attaches to (backend "external") answers `/health`
-    with 200; it starts none of them.
+    with 200, then check its server arguments (`check_server`); it starts none of them.
 
     Raises:
         TimeoutError: one did not within `timeout_s` (the message names it and the setting).
+        ConfigurationError: one runs with arguments Flywheel cannot work with.
     """
     for url in urls:
         start = time.monotonic()
@@ -195,6 +199,7 @@ def wait_attached(urls: list[str], timeout_s: float, echo: Callable[[str], None]
                     "it, or fix engine.urls (engine.startup_timeout_s sets the wait)"
                 )
             time.sleep(0.5)
+        check_server(url, engine)
         info = served_model(url)
         serves = f", serves {info.get('model_path')} version {info.get('weight_version')}"
         echo(
@@ -203,15 +208,50 @@ def wait_attached(urls: list[str], timeout_s: float, echo: Callable[[str], None]
         )
 
 
-def served_model(url: str) -> dict[str, object]:
-    """`/model_info` of the engine at `url` (legacy `/get_model_info` on older SGLang); {} when
-    neither answers a JSON object."""
-    for path in ("/model_info", "/get_model_info"):
+def _info(url: str, paths: tuple[str, ...], http: httpx.Client | None) -> dict[str, Any]:
+    """The first JSON object one of `paths` of `url` answers with 200 (newer SGLang routes
+    first, then their legacy names); {} when none does."""
+    for path in paths:
         try:
-            reply = httpx.get(f"{url}{path}", timeout=10)
+            reply = (http or httpx).get(f"{url}{path}", timeout=10)
             info = reply.json() if reply.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             continue
         if isinstance(info, dict):
             return info
     return {}
+
+
+def served_model(url: str, http: httpx.Client | None = None) -> dict[str, Any]:
+    """`/model_info` of the engine at `url` (`/get_model_info` on SGLang before 0.5.12)."""
+    return _info(url, ("/model_info", "/get_model_info"), http)
+
+
+def check_server(url: str, engine: EngineSettings, http: httpx.Client | None = None) -> None:
+    """Refuse an engine whose server arguments (`/server_info`, `/get_server_info` before SGLang
+    0.5.12) Flywheel cannot work with: a context length below `engine.context_length` (the
+    gateway would pass prompts the engine refuses), incremental streaming (the gateway reads
+    cumulative chunks), no tokenizer (`--skip-tokenizer-init`: no text in answers), or a grammar
+    backend other than xgrammar (forced tool calls are xgrammar structural tags). Arguments the
+    engine does not report are not checked.
+
+    Raises:
+        ConfigurationError: one or more of those, each with what to change.
+    """
+    info = _info(url, ("/server_info", "/get_server_info"), http)
+    problems = []
+    context = info.get("context_length")
+    if isinstance(context, int) and context < engine.context_length:
+        problems.append(
+            f"its context length is {context}, below engine.context_length = "
+            f"{engine.context_length}: set engine.context_length = {context}"
+        )
+    if info.get("incremental_streaming_output"):
+        problems.append("it streams increments: run it without --incremental-streaming-output")
+    if info.get("skip_tokenizer_init"):
+        problems.append("it answers without text: run it without --skip-tokenizer-init")
+    grammar = info.get("grammar_backend")
+    if grammar not in (None, "xgrammar"):
+        problems.append(f"its grammar backend is {grammar}: run it with --grammar-backend xgrammar")
+    if problems:
+        raise ConfigurationError(f"engine {url} cannot serve Flywheel: {'; '.join(problems)}")

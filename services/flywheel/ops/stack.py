@@ -37,6 +37,7 @@ from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
 from flywheel.core.settings import FlywheelSettings
 from flywheel.ops.engine_launch import (
     ENGINE_SERVICES,
+    check_server,
     policy_engine,
     teacher_engine,
     wait_attached,
@@ -162,10 +163,9 @@ class Stack:
         ]
         if s.engine.backend == "external" and (not self.only or "engine" in self.only):
             try:
-                wait_attached(
-                    s.engine.urls, startup_timeout_s or s.engine.startup_timeout_s, self.echo
-                )
-            except TimeoutError:
+                timeout = startup_timeout_s or s.engine.startup_timeout_s
+                wait_attached(s.engine.urls, s.engine, timeout, self.echo)
+            except (TimeoutError, ConfigurationError):
                 self.stop()
                 raise
         for service in plan:
@@ -176,8 +176,22 @@ class Stack:
             self._wait_healthy(
                 service, startup_timeout_s or (s.engine.startup_timeout_s if engine else 600.0)
             )
+            if service.command:  # a launched SGLang: sglang_args may change what it runs
+                self._check_server(service)
         self._write_state()
         return self
+
+    def _check_server(self, service: Service) -> None:
+        """`check_server` on a launched engine; stops the stack when it refuses it.
+
+        Raises:
+            ConfigurationError: the engine runs with arguments Flywheel cannot work with.
+        """
+        try:
+            check_server(service.url, self.settings.engine)
+        except ConfigurationError:
+            self.stop()
+            raise
 
     def _lock_state_dir(self) -> None:
         """Hold `<state_dir>/stack.lock` until `stop` (released by the OS if this process dies).

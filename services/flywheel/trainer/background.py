@@ -10,7 +10,9 @@ the next step can update the live tensors while a background thread writes or pu
 - `BackgroundPusher`: one push at a time, newest first. Weights offered while a push runs wait;
   weights still waiting when newer ones arrive are skipped (counted as `coalesced`), so an
   engine never gets an older version after a newer one. Each push writes the weights folder
-  (`WeightsStore`) and then calls every engine at once (`WeightPusher.push`).
+  (`WeightsStore`) and then calls every engine at once (`WeightPusher.push`); with a
+  `broadcast` (`trainer.push.mode = "distributed"`) it first broadcasts the snapshot over the
+  weight-update group and writes and pushes the folder only when that cannot be done.
 
 With `enabled = False` both run the work in the calling thread at once (the synchronous loop).
 Errors raised in a background thread are handed back through `finished()` / `results()` and
@@ -139,6 +141,12 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
+def snapshot_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of the distinct tensors of `state` (a tied alias counted once)."""
+    seen = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t in state.values()}
+    return sum(seen.values())
+
+
 class BackgroundPusher:
     """Writes and pushes offered weights one at a time, newest first (see module docstring).
 
@@ -146,6 +154,8 @@ class BackgroundPusher:
         write: (version, CPU snapshot) -> the weights folder (WeightsStore.write).
         push: (folder, version) -> PushReport (WeightPusher.push or DistributedPusher.push).
         enabled: run in a background thread; False = `offer` pushes at once.
+        broadcast: (version, CPU snapshot) -> PushReport, or None when the disk path must take
+            this push (DistributedPusher.broadcast); None = always the disk path.
     """
 
     def __init__(
@@ -154,9 +164,11 @@ class BackgroundPusher:
         push: Callable[[Path, int], PushReport],
         *,
         enabled: bool = True,
+        broadcast: Callable[[int, dict[str, torch.Tensor]], PushReport | None] | None = None,
     ):
         self.write = write
         self.push = push
+        self.broadcast = broadcast
         self.enabled = enabled
         self._cond = threading.Condition()
         self._waiting: _Offer | None = None
@@ -199,11 +211,15 @@ class BackgroundPusher:
     def _do(self, offer: _Offer) -> None:
         outcome = PushOutcome(offer.version, start=time.time())
         try:
-            t0 = time.perf_counter()
-            outcome.path = self.write(offer.version, offer.snapshot)
-            outcome.write_s = time.perf_counter() - t0
-            outcome.bytes = folder_bytes(outcome.path)
-            outcome.report = self.push(outcome.path, offer.version)
+            if self.broadcast is not None:
+                outcome.report = self.broadcast(offer.version, offer.snapshot)
+                outcome.bytes = snapshot_bytes(offer.snapshot) if outcome.report else 0
+            if outcome.report is None:
+                t0 = time.perf_counter()
+                outcome.path = self.write(offer.version, offer.snapshot)
+                outcome.write_s = time.perf_counter() - t0
+                outcome.bytes = folder_bytes(outcome.path)
+                outcome.report = self.push(outcome.path, offer.version)
         except BaseException as exc:  # noqa: BLE001 (handed to the training thread)
             outcome.error = exc
         outcome.end = time.time()

@@ -1,56 +1,88 @@
 """Weight push over a torch.distributed weight-update group, with the disk push as fallback.
 
-`trainer.push.mode = "distributed"`: the trainer (rank 0) and every engine form SGLang's
-weight-update group once (`/init_weights_update_group`; gloo on CPU, NCCL on GPU) and each push
-broadcasts the servable tensors (LoRA merged, tied embeddings once) inside a
-`/begin_weight_update` ... `/end_weight_update` session, labelled with the new
-`weight_version`, without aborting in-flight requests (flywheel.trainer.weight_sync). The
-checkpoint is still written to disk first (crash safety, resume). If the group cannot be formed
-or a broadcast fails, the group is dropped (formed again at the next push) and this push falls
-back to `/update_weights_from_disk` on every engine, so no engine is left behind silently.
+`trainer.push.mode = "distributed"`: the trainer (rank 0) and every TP rank of every engine form
+SGLang's weight-update group once (`/init_weights_update_group`; gloo on CPU, NCCL on GPU). The
+rank layout is SGLang's: engine i joins at `rank_offset = 1 + sum of the TP sizes before it`,
+the world size is `1 + sum of all TP sizes` (`trainer.push.tp_sizes`, or each engine's
+`/server_info` `tp_size`). Each push broadcasts a CPU snapshot of the servable tensors (LoRA
+merged, tied embeddings once, in the engines' dtype) in buckets of `trainer.push.bucket_mb`
+inside a `/begin_weight_update` ... `/end_weight_update` session, labelled with the new
+`weight_version`, without aborting in-flight requests (flywheel.trainer.weight_sync). Because
+it reads a snapshot, not the live model, it runs in the background pusher while the next step
+trains (flywheel.trainer.background), one push at a time.
+
+The disk path stays the fallback: if the group cannot be formed or a broadcast fails, the
+group is dropped (formed again at the next push) and this push goes by
+`/update_weights_from_disk` to every engine, so no engine is left behind silently. An engine
+that already serves this version or a newer one (a resumed trainer) also sends the push by
+disk, which leaves that engine as it is: versions never go backwards on an engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
+import torch
 
-from flywheel.trainer.weight_sync import DistributedWeightSync, WeightSyncError
-from flywheel.trainer.weights import PushReport, WeightPusher, servable_state
+from flywheel.trainer.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    DistributedWeightSync,
+    WeightSyncError,
+)
+from flywheel.trainer.weights import PushReport, WeightPusher
 
 log = logging.getLogger(__name__)
 
 
 class DistributedPusher:
-    """Same interface as `WeightPusher` (`push(path, version) -> PushReport`, `close()`).
+    """`broadcast(version, snapshot)` over the group; `push(path, version)` by disk.
 
     Args:
         disk: the disk pusher used as fallback (its engine URLs are the group's engines).
-        model: returns the policy to broadcast (a plain or peft model).
         master_address: address the engines reach this process at.
+        master_port: rendezvous port; 0 = a free one each time the group forms.
         backend: "gloo" or "nccl".
         timeout_s: rendezvous and per-call seconds.
+        tp_sizes: TP ranks per engine; empty = ask each engine's `/server_info`.
+        bucket_bytes: tensor bytes per `/update_weights_from_distributed` call.
+        pause: "in_place" = `/pause_generation` in place around each broadcast (an SGLang
+            engine loads each bucket at once; the embedded engine swaps at the session's end).
+
+    Raises:
+        ValueError: `tp_sizes` given without one entry per engine.
     """
 
     def __init__(
         self,
         disk: WeightPusher,
-        model: Callable[[], Any],
         *,
         master_address: str,
         backend: str,
         timeout_s: float,
+        master_port: int = 0,
+        tp_sizes: list[int] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        pause: str = "none",
     ):
         self.disk = disk
-        self.model = model
         self.master_address = master_address
+        self.master_port = master_port
         self.backend = backend
         self.timeout_s = timeout_s
+        self.tp_sizes = list(tp_sizes or [])
+        if self.tp_sizes and len(self.tp_sizes) != len(self.engine_urls):
+            raise ValueError(
+                f"trainer.push.tp_sizes has {len(self.tp_sizes)} entries for "
+                f"{len(self.engine_urls)} engines {self.engine_urls}; give one per engine or "
+                "leave it empty to ask each engine's /server_info"
+            )
+        self.bucket_bytes = bucket_bytes
+        self.pause = pause
         self.sync: DistributedWeightSync | None = None
 
     @property
@@ -58,25 +90,36 @@ class DistributedPusher:
         return self.disk.engine_urls
 
     def push(self, model_path: Path, version: int) -> PushReport:
-        """Broadcast the current weights as `version`; on failure, push `model_path` by disk.
+        """The disk path: `/update_weights_from_disk` of `model_path` on every engine.
 
         Raises:
-            UpstreamError: the fallback disk push failed on every engine.
+            UpstreamError: every engine failed.
         """
-        t0 = time.perf_counter()
+        report = self.disk.push(model_path, version)
+        report.via = "disk"
+        return report
+
+    def broadcast(self, version: int, state: dict[str, torch.Tensor]) -> PushReport | None:
+        """Broadcast `state` (a CPU snapshot: name -> tensor in the engines' dtype) as
+        `version` to every engine; None when this push must go by disk instead (the group
+        could not form or broke: logged, group dropped; or an engine already serves
+        `version` or newer)."""
+        start, t0 = time.time(), time.perf_counter()
+        served = {url: self.disk.served_version(url) for url in self.engine_urls}
+        ahead = [url for url, v in served.items() if v is not None and v >= version]
+        if ahead:
+            log.info(
+                "engines %s already serve version %d or newer; this push goes by disk, which "
+                "leaves them as they are",
+                ahead,
+                version,
+            )
+            return None
         try:
-            if self.sync is None:
-                self.sync = DistributedWeightSync(
-                    list(self.engine_urls),
-                    master_address=self.master_address,
-                    backend=self.backend,
-                    timeout_s=self.timeout_s,
-                )
-                self.sync.connect()
-            base, state = servable_state(self.model())
-            named = state.items() if state is not None else base.state_dict().items()
-            sent = self.sync.push(named, str(version))
-        except (WeightSyncError, RuntimeError, httpx.HTTPError) as exc:
+            sync = self._connected()
+            with self._paused():
+                sent = sync.push(state.items(), str(version))
+        except (WeightSyncError, RuntimeError, ValueError, httpx.HTTPError) as exc:
             log.error(
                 "distributed weight push of version %d failed (%s); falling back to "
                 "/update_weights_from_disk",
@@ -84,18 +127,83 @@ class DistributedPusher:
                 exc,
             )
             self._drop_group()
-            report = self.disk.push(model_path, version)
-            report.via = "disk"
-            return report
+            return None
         log.info(
-            "broadcast %d tensors of weight version %d to %d engines",
+            "broadcast %d tensors of weight version %d to %d engines (%d ranks) in %.2f s",
             sent,
             version,
             len(self.engine_urls),
+            sync.world_size - 1,
+            time.perf_counter() - t0,
         )
+        span = (start, time.time())
         return PushReport(
-            version, list(self.engine_urls), {}, time.perf_counter() - t0, via="distributed"
+            version,
+            list(self.engine_urls),
+            {},
+            time.perf_counter() - t0,
+            via="distributed",
+            spans=dict.fromkeys(self.engine_urls, span),
         )
+
+    def _connected(self) -> DistributedWeightSync:
+        if self.sync is None:
+            sync = DistributedWeightSync(
+                list(self.engine_urls),
+                tp_sizes=self.tp_sizes or [self.server_tp_size(u) for u in self.engine_urls],
+                master_address=self.master_address,
+                master_port=self.master_port,
+                backend=self.backend,
+                timeout_s=self.timeout_s,
+                bucket_bytes=self.bucket_bytes,
+            )
+            sync.connect()
+            self.sync = sync
+        return self.sync
+
+    def server_tp_size(self, url: str) -> int:
+        """`tp_size` of `url`'s `/server_info` (`/get_server_info` on servers before 0.5.12).
+
+        Raises:
+            WeightSyncError: the engine does not say, or runs dp_size > 1 (SGLang's distributed
+                update needs dp_size 1).
+        """
+        info: dict = {}
+        for path in ("/server_info", "/get_server_info"):
+            r = self.disk.client.get(f"{url.rstrip('/')}{path}", timeout=30)
+            if r.status_code == 200:
+                info = r.json()
+                break
+        tp, dp = info.get("tp_size"), info.get("dp_size", 1)
+        if not isinstance(tp, int) or tp < 1:
+            raise WeightSyncError(
+                f"engine {url} reports no tp_size in /server_info; set trainer.push.tp_sizes"
+            )
+        if dp != 1:
+            raise WeightSyncError(
+                f"engine {url} runs dp_size {dp}; SGLang's distributed weight update needs "
+                "dp_size 1 (use trainer.push.mode = 'disk')"
+            )
+        return tp
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Pause every engine in place for the broadcast when `pause = "in_place"`."""
+        paused = []
+        try:
+            if self.pause == "in_place":
+                for url in self.engine_urls:
+                    r = self.disk.client.post(
+                        f"{url.rstrip('/')}/pause_generation", json={"mode": "in_place"}, timeout=60
+                    )
+                    if r.status_code == 200:
+                        paused.append(url)
+                    else:
+                        log.warning("engine %s refused to pause in place (%s)", url, r.status_code)
+            yield
+        finally:
+            for url in paused:
+                self.disk.client.post(f"{url.rstrip('/')}/continue_generation", json={}, timeout=60)
 
     def _drop_group(self) -> None:
         if self.sync is not None:

@@ -184,8 +184,12 @@ def check_fsdp_settings(settings: FlywheelSettings) -> None:
         )
 
 
-def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
-    """The disk pusher, wrapped by the distributed one when `push.mode = "distributed"`."""
+def build_pusher(settings: FlywheelSettings) -> Any:
+    """The disk pusher, wrapped by the distributed one when `push.mode = "distributed"`.
+
+    Raises:
+        ValueError: `push.tp_sizes` given without one entry per engine.
+    """
     s = settings.trainer
     disk = WeightPusher(
         settings.trainer_engine_urls(),
@@ -199,10 +203,13 @@ def build_pusher(settings: FlywheelSettings, model: Any) -> Any:
 
     return DistributedPusher(
         disk,
-        model,
         master_address=s.push.master_address,
+        master_port=s.push.master_port,
         backend="nccl" if torch.cuda.is_available() and s.device != "cpu" else "gloo",
         timeout_s=s.push.timeout_s,
+        tp_sizes=s.push.tp_sizes,
+        bucket_bytes=int(s.push.bucket_mb * 1024**2),
+        pause=s.push.pause,
     )
 
 

@@ -100,7 +100,7 @@ def build_trainer(
         reference=policy.reference,
         scheduler=policy.scheduler,
         consumer=source,
-        pusher=build_pusher(settings, lambda: model),
+        pusher=build_pusher(settings),
         store=policy.store,
         leases=leases,
         sink=build_sink(s),
@@ -178,7 +178,8 @@ class Trainer:
         self.pusher = BackgroundPusher(
             self.weights.write,
             parts.pusher.push,
-            enabled=background and self.s.push.mode == "disk",  # a broadcast reads live tensors
+            enabled=background,
+            broadcast=getattr(parts.pusher, "broadcast", None),  # push.mode = "distributed"
         )
         self.timeline = Timeline(Path(self.s.logging.metrics_path).parent / "timeline.jsonl")
         dtype = self.s.push.dtype if self.s.push.dtype != "auto" else settings.engine.dtype

@@ -9,12 +9,15 @@ import sys
 import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
+from flywheel.core.errors import ConfigurationError
 from flywheel.core.settings import load_settings, load_settings_or_exit
 from flywheel.ops.engine_launch import (
     SGLANG_RELEASE,
+    check_server,
     policy_engine,
     sglang_command,
     sglang_env,
@@ -210,3 +213,37 @@ def test_an_engine_that_exits_is_reported_with_the_tail_of_its_log(tmp_path):
     assert report.endswith("loading shard 399")
     assert "earlier run" not in report  # only this run's lines
     assert "loading shard 0\n" not in report  # a tail: about 3000 characters
+
+
+def _sglang_answering(server_args: dict, legacy: bool = False) -> httpx.Client:
+    """An HTTP client whose server answers `/server_info` (or only the pre-0.5.12
+    `/get_server_info`) with `server_args`, as SGLang reports its arguments."""
+    route = "/get_server_info" if legacy else "/server_info"
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == route:
+            return httpx.Response(200, json=server_args)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    return httpx.Client(transport=httpx.MockTransport(handle))
+
+
+def test_an_sglang_server_run_with_arguments_flywheel_cannot_use_is_refused():
+    engine = load_settings(engine={"backend": "external", "urls": ["http://e:1"]}).engine
+    fine = {"context_length": 2048, "grammar_backend": "xgrammar", "tp_size": 8}
+    check_server("http://e:1", engine, _sglang_answering(fine))
+    check_server("http://e:1", engine, _sglang_answering({"context_length": None}))  # model's
+    bad = {
+        "context_length": 1024,
+        "incremental_streaming_output": True,
+        "skip_tokenizer_init": True,
+        "grammar_backend": "llguidance",
+    }
+    with pytest.raises(ConfigurationError) as refused:
+        check_server("http://e:1", engine, _sglang_answering(bad, legacy=True))
+    message = str(refused.value)
+    assert message.startswith("engine http://e:1 cannot serve Flywheel: ")
+    assert "its context length is 1024, below engine.context_length = 2048" in message
+    assert "without --incremental-streaming-output" in message
+    assert "without --skip-tokenizer-init" in message
+    assert "its grammar backend is llguidance: run it with --grammar-backend xgrammar" in message

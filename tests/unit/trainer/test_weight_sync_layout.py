@@ -142,7 +142,9 @@ def _pusher(replies: dict, log: list, **kwargs) -> DistributedPusher:
     disk = WeightPusher(
         ["http://a", "http://b"], timeout_s=5, attempts=1, client=_recording_client(log, replies)
     )
-    return DistributedPusher(disk, master_address="127.0.0.1", backend="gloo", timeout_s=5, **kwargs)
+    return DistributedPusher(
+        disk, master_address="127.0.0.1", backend="gloo", timeout_s=5, **kwargs
+    )
 
 
 def test_tp_sizes_come_from_server_info_with_the_old_route_as_fallback():

@@ -247,3 +247,16 @@ def test_an_sglang_server_run_with_arguments_flywheel_cannot_use_is_refused():
     assert "without --incremental-streaming-output" in message
     assert "without --skip-tokenizer-init" in message
     assert "its grammar backend is llguidance: run it with --grammar-backend xgrammar" in message
+
+
+def test_the_demo_reads_the_weight_version_of_an_sglang_older_than_0_5_12(tmp_path):
+    from flywheel.ops.demo.runner import DemoConfig, DemoRunner  # noqa: PLC0415
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/get_model_info":  # SGLang 0.5.5 to 0.5.11: no /model_info
+            return httpx.Response(200, json={"model_path": "/m", "weight_version": "7"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    runner = DemoRunner("http://gateway.invalid", "http://engine.invalid", DemoConfig(), tmp_path)
+    runner.http = httpx.Client(transport=httpx.MockTransport(handle))
+    assert runner.engine_version() == 7

@@ -181,9 +181,13 @@ class DemoRunner:
         )
 
     def engine_version(self) -> int:
-        return parse_weight_version(
-            self.http.get(f"{self.engine}/model_info").json().get("weight_version")
-        )
+        """The weight version the engine serves: `/model_info`, or `/get_model_info` on an SGLang
+        server older than 0.5.12 (404 on the new route)."""
+        for path in ("/model_info", "/get_model_info"):
+            reply = self.http.get(f"{self.engine}{path}")
+            if reply.status_code != 404:
+                break
+        return parse_weight_version(reply.json().get("weight_version"))
 
     @property
     def staleness(self) -> int:

@@ -17,6 +17,7 @@ from flywheel.core.codec import decode_sample
 from flywheel.core.paths import resolve_model_path
 from flywheel.core.settings import FlywheelSettings
 from flywheel.trainer.distributed import World
+from flywheel.trainer.fleet_push import shared_fleet
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 from flywheel.trainer.sources import SampleSource
 from flywheel.trainer.step import (
@@ -196,6 +197,10 @@ def build_pusher(settings: FlywheelSettings) -> Any:
         timeout_s=s.push.timeout_s,
         attempts=s.push.attempts,
         pause=s.push.pause,
+        engine_deadline_s=settings.fleet.push_deadline_s,
+        # the shared fleet (disk pushes; a distributed group's ranks are fixed when it forms)
+        fleet=shared_fleet(settings) if s.push.mode == "disk" else None,
+        refresh_s=settings.fleet.refresh_s,
     )
     if s.push.mode == "disk":
         return disk

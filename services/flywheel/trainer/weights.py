@@ -31,8 +31,8 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from tenacity import (
     Retrying,
     retry_if_exception_type,
     stop_after_attempt,
+    stop_after_delay,
     wait_exponential,
     wait_random,
 )
@@ -52,6 +53,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from flywheel.core.errors import ContractError, UpstreamError
 from flywheel.core.versions import parse_weight_version
+from flywheel.trainer.fleet_push import FleetWatcher, push_each
 
 log = logging.getLogger(__name__)
 
@@ -374,9 +376,11 @@ class WeightPusher:
 
     `flush_cache` is on (no stale prefix cache, BUG-15) and in-flight requests are not aborted
     (BUG-16). Each engine gets `attempts` tries with exponential backoff and jitter. An engine
-    that still fails is reported in the `PushReport` (the caller counts it, logs it and pushes
-    the newest checkpoint to it again at the next step); only when every engine fails is
-    `UpstreamError` raised.
+    that still fails, or is past `engine_deadline_s`, is reported in the `PushReport` (the
+    caller counts it, logs it and pushes the newest checkpoint to it again at the next step);
+    only when every engine fails is `UpstreamError` raised. With a shared `fleet`
+    (core/fleet.py) the engines are the fleet's at each push, and a `FleetWatcher` gives the
+    newest weights to a member that serves an older version (fleet_push.py).
 
     Args:
         engine_urls: engine base URLs.
@@ -386,6 +390,9 @@ class WeightPusher:
         backoff_s: first retry delay in seconds (doubles, capped at 30 s).
         pause: "in_place" = pause each engine in place around its update (rows in flight
             continue under the new weights; `trainer.push.pause`), "none" = plain update.
+        engine_deadline_s: seconds one engine's push may take, every attempt (0 = none).
+        fleet: the shared fleet (core/fleet.Fleet) instead of `engine_urls`; None = fixed.
+        refresh_s: seconds between the fleet watcher's passes.
     """
 
     def __init__(
@@ -397,28 +404,63 @@ class WeightPusher:
         client: httpx.Client | None = None,
         backoff_s: float = 1.0,
         pause: str = "none",
+        engine_deadline_s: float = 0.0,
+        fleet: Any = None,
+        refresh_s: float = 2.0,
     ):
         self.pause = pause
-        self.engine_urls = engine_urls
+        self.static_urls = list(engine_urls)
+        self.fleet = fleet
+        self.engine_deadline_s = engine_deadline_s
+        self.latest: tuple[Path, int] | None = None
+        """The weights folder and version of the newest push (what a joined engine gets)."""
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.client = client or httpx.Client()
         self.backoff_s = backoff_s
+        self.watcher = FleetWatcher(self, fleet, refresh_s).start() if fleet else None
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engines a push goes to now: the fleet's (the last list read when Redis does
+        not answer), or the fixed list."""
+        if self.fleet is not None:
+            try:
+                self.static_urls = self.fleet.urls()
+            except Exception as exc:  # noqa: BLE001 (redis errors: push to the last list)
+                log.warning("fleet unreadable (%s); pushing to %s", exc, self.static_urls)
+        return self.static_urls
+
+    @engine_urls.setter
+    def engine_urls(self, urls: list[str]) -> None:
+        self.static_urls = list(urls)
 
     def push(self, model_path: Path, version: int) -> PushReport:
-        """Push to every engine at once (one thread per engine). An engine that already
-        serves `version` or a newer one is left as it is and counted as ok (`skipped`).
+        """Push to every engine at once (one thread per engine, each within
+        `engine_deadline_s`). An engine that already serves `version` or a newer one is left
+        as it is and counted as ok (`skipped`).
 
         Raises:
             UpstreamError: every engine failed `attempts` times (the message has the last).
         """
         t0 = time.perf_counter()
         report = PushReport(version, [], {}, 0.0)
-        with ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls))) as pool:
-            results = list(
-                pool.map(lambda url: self._timed_push(url, model_path, version), self.engine_urls)
-            )
-        for url, (error, span) in zip(self.engine_urls, results, strict=True):
+        urls = self.engine_urls
+        self.latest = (Path(model_path), version)
+        if self.fleet is not None:  # gateways wait for a joined engine to serve this version
+            try:
+                self.fleet.set_version(version)
+            except Exception as exc:  # noqa: BLE001 (redis errors: the push goes on)
+                log.warning("fleet version not recorded (%s)", exc)
+        results = push_each(
+            urls,
+            lambda url: self.push_with_retries(url, model_path, version),
+            self.engine_deadline_s,
+        )
+        for url in urls:
+            error, span = results[url]
             report.spans[url] = span
             if error is None:
                 report.ok.append(url)
@@ -428,7 +470,7 @@ class WeightPusher:
             else:
                 report.failed[url] = error
         report.seconds = time.perf_counter() - t0
-        if self.engine_urls and not report.ok:
+        if urls and not report.ok:
             last = next(reversed(report.failed.values()))
             raise UpstreamError(
                 f"no engine took weight version {version} after {self.attempts} attempts "
@@ -436,23 +478,36 @@ class WeightPusher:
             )
         return report
 
-    def _timed_push(
-        self, url: str, model_path: Path, version: int
-    ) -> tuple[str | None, tuple[float, float]]:
-        """(outcome, wall-clock span) of `_push_with_retries`."""
-        start = time.time()
-        outcome = self._push_with_retries(url, model_path, version)
-        return outcome, (start, time.time())
+    def _lock(self, url: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(url, threading.Lock())
 
-    def _push_with_retries(self, url: str, model_path: Path, version: int) -> str | None:
+    def busy(self, url: str) -> bool:
+        """True while a push to `url` runs."""
+        return self._lock(url).locked()
+
+    def push_with_retries(self, url: str, model_path: Path, version: int) -> str | None:
         """None when `url` took `version`, SKIPPED when it already serves it or a newer one,
-        else the last error."""
+        else the last error. One push per engine at a time (a later one waits, then finds the
+        version served and skips), so an engine never gets an older version after a newer."""
+        lock = self._lock(url)
+        if not lock.acquire(timeout=self.engine_deadline_s or -1):
+            return f"a push to {url} still runs after {self.engine_deadline_s} s"
+        try:
+            return self._push_locked(url, model_path, version)
+        finally:
+            lock.release()
+
+    def _push_locked(self, url: str, model_path: Path, version: int) -> str | None:
         served = self.served_version(url)
         if served is not None and served >= version:
             log.info("engine %s serves version %d; version %d not pushed", url, served, version)
             return SKIPPED
+        stop: Any = stop_after_attempt(self.attempts)
+        if self.engine_deadline_s:
+            stop = stop | stop_after_delay(self.engine_deadline_s)
         retrying = Retrying(
-            stop=stop_after_attempt(self.attempts),
+            stop=stop,
             wait=wait_exponential(multiplier=self.backoff_s, max=30.0)
             + wait_random(0, self.backoff_s),
             retry=retry_if_exception_type((httpx.HTTPError, UpstreamError)),
@@ -532,4 +587,6 @@ class WeightPusher:
         log.info("engine %s now serves weight_version %s", url, version)
 
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
         self.client.close()

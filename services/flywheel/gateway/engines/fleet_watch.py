@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import redis
 from prometheus_client import Gauge
@@ -67,7 +68,7 @@ class FleetWatch:
                 log.warning("fleet refresh failed (%s); engines unchanged", exc)
             await asyncio.sleep(self.interval_s)
 
-    async def describe(self) -> list[dict[str, object]]:
+    async def describe(self) -> list[dict[str, Any]]:
         """Every fleet engine with its source, state (in_service, down, pending) and the
         weight version it serves (None when it does not answer)."""
         members = await asyncio.to_thread(self.fleet.members)

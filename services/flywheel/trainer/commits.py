@@ -3,10 +3,11 @@
 A step is committed when its record is on disk (`<checkpoint_dir>/commits.jsonl`, one JSON line,
 flushed and fsynced before the step's weights are pushed). A record holds what re-training the
 step needs: its weight version, its groups (group id, stream entry ids in order, and each
-member's staleness treatment and loss weight), the sample ids, and the RNG states at the start
-of the step. Full checkpoints are written only every `checkpoint_every` steps; the stream
-entries of later steps stay pending (unacked) in Redis, so the records after the newest
-checkpoint and the pending entries together are the replay log. After a crash the trainer
+member's staleness treatment, loss weight and version floor: its tokens of older versions
+are masked as stale), the sample ids, and the RNG states at the start of the step. Full
+checkpoints are written only every `checkpoint_every` steps; the stream entries of later steps
+stay pending (unacked) in Redis, so the records after the newest checkpoint and the pending
+entries together are the replay log. After a crash the trainer
 restores the newest checkpoint, then trains the recorded steps after it again, in order, with
 the same groups, treatments and RNG states (`Trainer.replay`), so every sample is trained once
 in the surviving lineage.
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from flywheel.core.streams import StreamEntry
-from flywheel.trainer.groups import Group
+from flywheel.trainer.groups import Group, masked_entry
 from flywheel.trainer.staleness import Treatment
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class GroupRecord:
     """Stream entry ids of the members, in training order."""
     treatments: list[tuple[str, float]] = field(default_factory=list)
     """(staleness treatment, loss weight) per member, aligned with `entry_ids`."""
+    version_floors: list[int] = field(default_factory=list)
+    """Oldest weight version trained per member (`Group.version_floors`; -1 = none masked;
+    [] in records written before per-token staleness = none masked)."""
 
 
 @dataclass
@@ -73,14 +77,21 @@ class CommitRecord:
         groups = []
         for g in self.groups:
             treatments = g.treatments or [("fresh", 1.0)] * len(g.entry_ids)
+            floors = g.version_floors or [-1] * len(g.entry_ids)
             kept = [
-                (by_id[e], (Treatment(t), w))
-                for e, (t, w) in zip(g.entry_ids, treatments, strict=True)
+                (masked_entry(by_id[e], floor), (Treatment(t), w), floor)
+                for e, (t, w), floor in zip(g.entry_ids, treatments, floors, strict=True)
                 if e in by_id
             ]
             if kept:
                 groups.append(
-                    Group(g.group_id, 0.0, [e for e, _ in kept], treatments=[t for _, t in kept])
+                    Group(
+                        g.group_id,
+                        0.0,
+                        [e for e, _, _ in kept],
+                        treatments=[t for _, t, _ in kept],
+                        version_floors=[f for _, _, f in kept],
+                    )
                 )
         return groups, [e for e in self.entry_ids if e not in by_id]
 
@@ -94,6 +105,7 @@ class CommitRecord:
                         "group_id": g.group_id,
                         "entry_ids": g.entry_ids,
                         "treatments": [list(t) for t in g.treatments],
+                        "version_floors": g.version_floors,
                     }
                     for g in self.groups
                 ],
@@ -116,6 +128,7 @@ class CommitRecord:
                     g["group_id"],
                     list(g["entry_ids"]),
                     [(str(t[0]), float(t[1])) for t in g.get("treatments", [])],
+                    [int(f) for f in g.get("version_floors", [])],
                 )
                 for g in data["groups"]
             ]

@@ -28,15 +28,19 @@ Policy:
   norm and was skipped; dead-lettered), `no_loss_tokens` (the whole step had no sampled token
   to train; acked).
   A re-delivery of an entry already held is ignored (the held copy is acked after training).
-- Staleness, at the time a group is taken for a step: lag = trainer version - the oldest weight
-  version of the sample's sampled tokens (staleness is measured from dispatch, BUG-19). A sampled
-  token without a version (< 0) counts as version 0, the initial weights. Samples with lag >
-  `max_staleness` are dropped as `stale` (acked), down-weighted or IS-corrected, by the
-  `StalenessPolicy` (staleness.py); the group keeps each member's lag and treatment.
+- Staleness, per token, at the time a group is taken for a step (staleness.py): a sampled
+  token's lag = trainer version - the weight version that sampled it (staleness is measured from
+  dispatch, BUG-19; a token without a version, < 0, counts as version 0). Tokens beyond the drop
+  bound (`max_staleness` under policy drop, else `hard_limit`) are masked out of the loss
+  (counted, logged; the member's entry then holds the masked Sample and its re-encoded payload,
+  and the group its version floor); a sample with no sampled token left is dropped as `stale`
+  (acked). The rest is down-weighted or IS-corrected by the lag of its oldest token left, by the
+  `StalenessPolicy`; the group keeps each member's lag and treatment.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -44,17 +48,23 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from flywheel._proto import sample_pb2
+from flywheel.core.codec import encode_sample
 from flywheel.core.errors import ContractError
 from flywheel.core.streams import StreamEntry
 from flywheel.core.trainer_settings import StalenessSettings
 from flywheel.trainer.samples import (
     check_trainable,
     keepable_unjudged,
-    sample_lag,
     truncated_sampling,
 )
-from flywheel.trainer.staleness import StalenessPolicy, Treatment
+from flywheel.trainer.staleness import (
+    STALE_TOKENS,
+    StalenessPolicy,
+    Treatment,
+    mask_stale_tokens,
+)
 
+log = logging.getLogger(__name__)
 LIVE_PREFIX = "live/"
 """Internal group key prefix of a group-less (live-mode) sample: `live/<sample_id>`."""
 
@@ -94,6 +104,9 @@ class Group:
     """Lag (versions) of each entry when the group was taken for a step; [] before."""
     treatments: list[tuple[Treatment, float]] = field(default_factory=list)
     """Staleness treatment and loss weight of each entry (aligned with `entries`)."""
+    version_floors: list[int] = field(default_factory=list)
+    """Oldest weight version trained of each entry (aligned with `entries`; -1 = no token
+    masked as stale; [] before the group is taken)."""
 
     @property
     def samples(self) -> list[sample_pb2.Sample]:
@@ -286,19 +299,36 @@ class GroupAssembler:
     def _examine(
         group: Group, version: int, policy: StalenessPolicy, drops: list[Drop], lags: list[int]
     ) -> Group:
-        """The group's members that are not dropped as stale, with their lags and treatments."""
+        """The group's members that are not dropped as stale, with their lags and treatments;
+        a member with tokens beyond the drop bound keeps only its fresher tokens in the loss
+        (staleness.py; counted and logged)."""
         kept = Group(group.group_id, group.first_seen_s)
         for entry in group.entries:
-            lag = sample_lag(entry.sample, version)
-            lags.append(lag)
-            treatment, weight = policy.treat(lag)
-            if treatment == Treatment.DROP:
-                detail = f"lag {lag} > {policy.max_staleness}"
+            tokens = policy.tokens(entry.sample.weight_versions, entry.sample.loss_mask, version)
+            lags.append(tokens.oldest_lag)
+            if tokens.stale and not tokens.kept:
+                detail = f"all {tokens.stale} sampled tokens lag > {policy.drop_bound}"
                 drops.append(Drop(entry, DropReason.STALE, detail))
                 continue
+            treatment, weight = policy.treat(tokens.lag)
+            if treatment == Treatment.DROP:
+                detail = f"lag {tokens.lag} > {policy.max_staleness}"
+                drops.append(Drop(entry, DropReason.STALE, detail))
+                continue
+            if tokens.stale:
+                entry = masked_entry(entry, tokens.floor)
+                STALE_TOKENS.inc(tokens.stale)
+                log.info(
+                    "sample %s: %d of %d sampled tokens lag > %s versions, out of the loss",
+                    entry.sample.sample_id,
+                    tokens.stale,
+                    tokens.stale + tokens.kept,
+                    policy.drop_bound,
+                )
             kept.entries.append(entry)
-            kept.lags.append(lag)
+            kept.lags.append(tokens.lag)
             kept.treatments.append((treatment, weight))
+            kept.version_floors.append(tokens.floor if tokens.stale else -1)
         return kept
 
     def held_entry_ids(self) -> list[str]:
@@ -317,3 +347,15 @@ class GroupAssembler:
         for entry in entries:
             self._held_ids.discard(entry.entry_id)
             self._held_samples.discard(entry.sample.sample_id)
+
+
+def masked_entry(entry: StreamEntry, floor: int) -> StreamEntry:
+    """`entry` with its sampled tokens of versions below `floor` out of the loss
+    (`staleness.mask_stale_tokens`), its payload re-encoded so every rank trains the same
+    Sample; `entry` itself when `floor` < 0 or nothing is masked."""
+    if floor < 0:
+        return entry
+    sample = mask_stale_tokens(entry.sample, floor)
+    if sample is entry.sample:
+        return entry
+    return StreamEntry(entry.entry_id, encode_sample(sample), sample)

@@ -54,12 +54,10 @@ def service_targets(
         return name if bound in BIND_ALL else bound
 
     s = settings
+    local = f"http://{host('engine', s.engine.host)}:{s.engine.port}"
+    engine = s.engine.urls[0] if s.engine.urls else local  # attached: the first engine.urls
     targets = [
-        (
-            "engine",
-            "http",
-            url("engine", f"http://{host('engine', s.engine.host)}:{s.engine.port}") + "/health",
-        ),
+        ("engine", "http", url("engine", engine) + "/health"),
         (
             "gateway",
             "http",

@@ -260,3 +260,13 @@ def test_the_demo_reads_the_weight_version_of_an_sglang_older_than_0_5_12(tmp_pa
     runner = DemoRunner("http://gateway.invalid", "http://engine.invalid", DemoConfig(), tmp_path)
     runner.http = httpx.Client(transport=httpx.MockTransport(handle))
     assert runner.engine_version() == 7
+
+
+def test_flywheel_status_probes_the_attached_engine():
+    from flywheel.ops.status import service_targets  # noqa: PLC0415
+
+    attached = load_settings(engine={"backend": "external", "urls": ["http://gpu-1:30000"]})
+    targets = {name: target for name, _, target in service_targets(attached)}
+    assert targets["engine"] == "http://gpu-1:30000/health"
+    targets = {name: target for name, _, target in service_targets(load_settings())}
+    assert targets["engine"] == "http://127.0.0.1:30000/health"

@@ -179,6 +179,7 @@ def test_with_api_keys_the_dashboard_needs_an_admin_key(ops_stack):  # noqa: F81
     finally:
         store.revoke(admin_rec.key_id)
         store.revoke(agent_rec.key_id)
+        store.reopen()  # the shared stack serves other tests without keys
 
 
 def test_samples_carry_votes_hints_masks_and_survive_a_poison_entry(

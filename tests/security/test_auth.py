@@ -47,7 +47,38 @@ def test_list_and_revoke(redis_client, prefix):
     assert [r.key_id for r in store.list()] == [record.key_id]  # session keys not listed
     assert store.any_keys()
     store.revoke(record.key_id)
-    assert store.verify(secret) is None and not store.any_keys()
+    assert store.verify(secret) is None and store.keys_left() == 0
+    assert store.any_keys()  # a deployment that had keys keeps requiring them
+
+
+def test_revoking_the_last_key_keeps_the_gateway_closed(make_gateway):
+    """auth = "auto" on loopback: open with no keys, closed once a key exists, and still closed
+    (every request 401, none served as the local admin) after the only key is revoked."""
+    gw = make_gateway(key_cache_s=0)
+    assert gw.client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    admin = gw.key("admin")
+    agent = gw.key("agent")
+    revoked = gw.client.delete(
+        f"/v1/admin/keys/{gw.keys.verify(agent).key_id}", headers=gw.auth(admin)
+    )
+    assert revoked.json()["keys_left"] == 1
+    last = gw.client.delete(
+        f"/v1/admin/keys/{gw.keys.verify(admin).key_id}", headers=gw.auth(admin)
+    )
+    assert last.status_code == 200 and last.json()["keys_left"] == 0
+    served = len(gw.engine.calls)
+    for headers in ({}, gw.auth(admin), gw.auth(agent)):
+        reply = gw.client.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert reply.status_code == 401, reply.text
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+    assert gw.client.get("/v1/admin/keys").status_code == 401  # no local admin either
+    assert len(gw.engine.calls) == served
+    assert (
+        gw.client.post(  # a new key works again
+            "/v1/chat/completions", json=CHAT, headers=gw.auth(gw.key("agent"))
+        ).status_code
+        == 200
+    )
 
 
 def test_missing_wrong_and_revoked_keys_get_401(gateway):

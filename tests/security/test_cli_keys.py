@@ -14,8 +14,27 @@ def test_create_list_revoke(redis_server, redis_client, prefix, monkeypatch, cap
     assert record is not None and record.role == "admin" and record.name == "ops"
     assert main(["keys", "list"]) == 0
     assert capsys.readouterr().out.split() == [record.key_id, "admin", "train", "ops"]
+    assert main(["keys", "create", "--name", "ci"]) == 0
+    agent = KeyStore(redis_client, prefix).verify(capsys.readouterr().out.split()[-1])
     assert main(["keys", "revoke", record.key_id]) == 0
+    assert capsys.readouterr().out.strip() == f"revoked {record.key_id}"  # one key is left
     assert KeyStore(redis_client, prefix).verify(secret) is None
+    assert main(["keys", "revoke", agent.key_id]) == 0
+    out = capsys.readouterr().out
+    assert "no agent or admin keys are left" in out and "refuses every request" in out
+    assert "flywheel keys create --role admin" in out and "flywheel keys reopen" in out
+    store = KeyStore(redis_client, prefix)
+    assert store.any_keys()  # still closed
+    assert main(["keys", "reopen"]) == 0
+    assert not store.any_keys()
+    store.create("agent")
+    assert store.any_keys()
+    try:  # refused while a key exists: a CLI message, not a traceback
+        main(["keys", "reopen"])
+    except SystemExit as exc:
+        assert "still exist" in str(exc.code)
+    else:
+        raise AssertionError("reopen with a key left must fail")
 
 
 def test_not_for_training_create_and_mark(

@@ -14,7 +14,10 @@ lookups stay one GET. Roles:
 
 Layout under the deployment prefix: `<prefix>:apikey:<sha256 hex>` -> KeyRecord JSON;
 `<prefix>:apikeys` hash key_id -> digest, for listing and revoking agent/admin keys (session keys
-expire with their session instead and are not listed, so they never switch `auth = "auto"` on).
+expire with their session instead and are not listed, so they never switch `auth = "auto"` on);
+`<prefix>:apikeys:required`, set when the first agent/admin key is created (or one is revoked)
+and never removed: under `auth = "auto"` keys stay required once a deployment has had one, so
+revoking the last key refuses every request instead of silently serving everyone as admin.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ class KeyStore:
     def _index(self) -> str:
         return f"{self.prefix}:apikeys"
 
+    @property
+    def _required(self) -> str:
+        return f"{self.prefix}:apikeys:required"
+
     def create(
         self,
         role: Role,
@@ -124,6 +131,7 @@ class KeyStore:
         pipe.set(self._key(digest), record.model_dump_json(), ex=ttl_s)
         if role != "session":
             pipe.hset(self._index, record.key_id, digest)
+            pipe.set(self._required, "1")
         pipe.execute()
         return secret, record
 
@@ -178,9 +186,30 @@ class KeyStore:
         pipe = self.client.pipeline()
         pipe.delete(self._key(as_str(digest)))
         pipe.hdel(self._index, key_id)
+        pipe.set(self._required, "1")  # a deployment that had keys keeps requiring them
         pipe.execute()
         return KeyRecord.model_validate_json(raw)
 
+    def reopen(self) -> None:
+        """Let `auth = "auto"` serve without keys again (loopback gateways, within
+        `key_cache_s`): the deliberate way back after the last key was revoked.
+
+        Raises:
+            InvalidRequestError: agent or admin keys still exist (revoke them first).
+        """
+        left = self.keys_left()
+        if left:
+            raise InvalidRequestError(
+                f"{left} agent/admin key(s) still exist; revoke them first (`flywheel keys list`)"
+            )
+        self.client.delete(self._required)
+
+    def keys_left(self) -> int:
+        """Agent and admin keys that exist now."""
+        return int(self.client.hlen(self._index))
+
     def any_keys(self) -> bool:
-        """True when at least one agent/admin key exists (`auth = "auto"` then requires keys)."""
-        return bool(self.client.hlen(self._index))
+        """True once this deployment has had an agent/admin key, even if every one was revoked
+        since (`auth = "auto"` then requires keys: with none left every request is refused,
+        never served as the local admin)."""
+        return bool(self.client.exists(self._index, self._required))

@@ -384,8 +384,15 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
     return 0 if ok else 2
 
 
+NO_KEYS_LEFT = (
+    "no agent or admin keys are left: the gateway keeps requiring keys, so it now refuses "
+    "every request (401). Create one with `flywheel keys create --role admin`, or run "
+    "`flywheel keys reopen` to serve loopback clients without keys again."
+)
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
-    """`flywheel keys create|list|mark|revoke`: API keys in the deployment's Redis (stored
+    """`flywheel keys create|list|mark|revoke|reopen`: API keys in the deployment's Redis (stored
     hashed); `--not-for-training` keys are served and never recorded (docs/security.md)."""
     from flywheel.core.auth import KeyStore  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
@@ -412,8 +419,16 @@ def cmd_keys(args: argparse.Namespace) -> int:
             record = store.set_train(args.key_id, args.train)
             use = "for training" if record.train else "not for training"
             print(f"key {record.key_id} is now {use}")
+        elif args.keys_command == "reopen":
+            store.reopen()
+            print(
+                'no keys required again where gateway.security.auth = "auto" and the gateway '
+                "binds loopback (within key_cache_s); anyone reaching it is served as admin"
+            )
         else:
             print(f"revoked {store.revoke(args.key_id).key_id}")
+            if not store.keys_left():
+                print(NO_KEYS_LEFT)
     except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)
         sys.exit(f"flywheel: {exc} (Redis at {url.split('@')[-1]}; is the stack up?)")
     return 0
@@ -574,6 +589,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     revoke = keys_sub.add_parser("revoke", help="delete a key by id", parents=[common])
     revoke.add_argument("key_id")
+    keys_sub.add_parser(
+        "reopen",
+        help="after the last key was revoked: serve loopback clients without keys again "
+        "(auth = auto)",
+        parents=[common],
+    )
     keys.set_defaults(func=cmd_keys)
     algorithms = sub.add_parser("algorithms", help="the trainer's algorithm library")
     algorithms_sub = algorithms.add_subparsers(dest="algorithms_command", required=True)

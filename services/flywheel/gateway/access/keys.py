@@ -83,5 +83,8 @@ async def mark_key(key_id: str, body: KeyTrain, request: Request) -> dict[str, A
 
 @router.delete("/v1/admin/keys/{key_id}", dependencies=[Depends(require_role("admin"))])
 async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    """Revoke a key; `keys_left` 0 means every request is refused from now on (keys stay
+    required once a deployment had one, docs/security.md)."""
     record = await asyncio.to_thread(_store(request).revoke, key_id)
-    return {"key_id": record.key_id, "revoked": True}
+    left = await asyncio.to_thread(_store(request).keys_left)
+    return {"key_id": record.key_id, "revoked": True, "keys_left": left}

@@ -147,7 +147,9 @@ def test_attach_mode_waits_for_the_engines_and_never_starts_one(
 
     with engine_process(tiny_model_dir) as url:  # context length 512
         # An engine serving a shorter context than the gateway would allow is refused.
-        too_long = EngineSettings(backend="external", urls=[url], context_length=1024)
+        too_long = EngineSettings(
+            backend="external", urls=[url], model_path=str(tiny_model_dir), context_length=1024
+        )
         with pytest.raises(ConfigurationError, match="its context length is 512, below engine"):
             wait_attached([url], too_long, 10, lambda _: None)
         lines: list[str] = []

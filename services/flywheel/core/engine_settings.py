@@ -59,6 +59,11 @@ class EngineSettings(Section):
     max_batch_size: int = Field(64, ge=1)
     """Rows in the running batch at once (continuous batching: rows join between steps);
     SGLang's `--max-running-requests` when set."""
+    max_queued_requests: int = Field(256, ge=0)
+    """Rows that may wait for the running batch (SGLang's `--max-queued-requests`); a request
+    that would queue more is refused at once (503; the gateway answers its client 503 with
+    Retry-After in the API's error format) instead of waiting past the gateway's
+    `request_timeout_s`; 0 = unbounded."""
     batch_wait_ms: float = Field(20.0, ge=0)
     """Milliseconds an idle engine waits for more requests before the first prefill."""
     context_length: int = Field(2048, ge=16)
@@ -138,6 +143,12 @@ class EngineSettings(Section):
                 f"{', '.join(f'engine.{n}' for n in changed)}; remove "
                 f"{'it' if len(changed) == 1 else 'them'}"
                 + (" (pass SGLang's own flags in engine.sglang_args)" if b == "sglang" else "")
+            )
+        if b == "external" and not self.model_path:
+            raise ValueError(
+                'engine.backend = "external" needs engine.model_path: the folder of the model '
+                "the attached engines serve (the gateway tokenizes with it, the trainer starts "
+                "from it); the default SmolLM2 would silently tokenize for another model"
             )
         return self
 

@@ -133,7 +133,12 @@ def test_a_misspelled_backend_is_refused_at_start_naming_the_choices(monkeypatch
         ({"backend": "sglang", "weight_swap": "drain"}, {}, "engine.weight_swap"),
         ({"backend": "external", "urls": ["http://g:1"], "port": 31000}, {}, "engine.port"),
         ({"backend": "external", "urls": ["ftp://g:1"]}, {}, "not an http(s):// URL"),
-        ({"backend": "external", "urls": ["http://g:1"]}, {"enabled": True}, "teacher.engine_urls"),
+        (
+            {"backend": "external", "urls": ["http://g:1"], "model_path": "/m"},
+            {"enabled": True},
+            "teacher.engine_urls",
+        ),
+        ({"backend": "external", "urls": ["http://g:1"]}, {}, "needs engine.model_path"),
     ],
 )
 def test_settings_a_backend_cannot_use_are_refused(engine, teacher, refusal):
@@ -142,12 +147,14 @@ def test_settings_a_backend_cannot_use_are_refused(engine, teacher, refusal):
 
 
 def test_settings_each_backend_uses_are_accepted():
-    external = load_settings(engine={"backend": "external", "urls": ["http://gpu-1:30000/"]})
+    external = load_settings(
+        engine={"backend": "external", "urls": ["http://gpu-1:30000/"], "model_path": "/m"}
+    )
     assert external.engine_urls() == ["http://gpu-1:30000"]  # the gateway's and the trainer's
     assert external.trainer_engine_urls() == ["http://gpu-1:30000"]
     assert policy_engine(external) is None
     attached_teacher = load_settings(
-        engine={"backend": "external", "urls": ["http://g:1"]},
+        engine={"backend": "external", "urls": ["http://g:1"], "model_path": "/m"},
         teacher={"enabled": True, "self_teacher": True},
     )
     assert attached_teacher.teacher.self_teacher
@@ -229,7 +236,9 @@ def _sglang_answering(server_args: dict, legacy: bool = False) -> httpx.Client:
 
 
 def test_an_sglang_server_run_with_arguments_flywheel_cannot_use_is_refused():
-    engine = load_settings(engine={"backend": "external", "urls": ["http://e:1"]}).engine
+    engine = load_settings(
+        engine={"backend": "external", "urls": ["http://e:1"], "model_path": "/m"}
+    ).engine
     fine = {"context_length": 2048, "grammar_backend": "xgrammar", "tp_size": 8}
     check_server("http://e:1", engine, _sglang_answering(fine))
     check_server("http://e:1", engine, _sglang_answering({"context_length": None}))  # model's
@@ -265,7 +274,9 @@ def test_the_demo_reads_the_weight_version_of_an_sglang_older_than_0_5_12(tmp_pa
 def test_flywheel_status_probes_the_attached_engine():
     from flywheel.ops.status import service_targets  # noqa: PLC0415
 
-    attached = load_settings(engine={"backend": "external", "urls": ["http://gpu-1:30000"]})
+    attached = load_settings(
+        engine={"backend": "external", "urls": ["http://gpu-1:30000"], "model_path": "/m"}
+    )
     targets = {name: target for name, _, target in service_targets(attached)}
     assert targets["engine"] == "http://gpu-1:30000/health"
     targets = {name: target for name, _, target in service_targets(load_settings())}

@@ -68,7 +68,8 @@ def test_the_cluster_config_is_one_yaml_file_with_every_service(monkeypatch):
     assert set(SERVICES) <= set(data)
     monkeypatch.setenv("FLYWHEEL_CONFIG", str(CLUSTER_CONFIG))
     s = load_settings()
-    assert s.gateway.engine_urls == ["http://engine:30000"]
+    assert s.gateway.engine_urls == []  # the engines come from the fleet (test_k8s_fleet.py)
+    assert (s.fleet.discovery, s.fleet.dns_name) == ("dns", "engine-headless")
     assert s.teacher.engine_urls == ["http://teacher-engine:30000"]
 
 

@@ -13,6 +13,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from flywheel.core.fleet import static_urls
 from flywheel.core.settings import FlywheelSettings
 
 from .k8s_manifests import (
@@ -227,8 +228,8 @@ def test_config_and_env_parse_into_settings_that_point_at_real_services(
             assert url.password and url.password.startswith("secret-from-"), service
             assert url.hostname in services and url.port in services[url.hostname], service
         urls = {
-            "gateway": settings.engine_urls(),
-            "trainer": settings.trainer_engine_urls(),
+            "gateway": static_urls(settings),  # and the fleet's (test_k8s_fleet.py)
+            "trainer": settings.trainer.push.engine_urls or static_urls(settings),
             "teacher": settings.teacher.engine_urls,
         }.get(service, [])
         if service == "teacher":

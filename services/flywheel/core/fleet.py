@@ -4,8 +4,8 @@ The fleet is a Redis hash `{prefix}:fleet:engines` (engine base URL -> the sourc
 it) and the fleet's current weight version `{prefix}:fleet:version` (the version the trainer is
 rolling out; docs/fleet.md). Sources, all written to the same hash:
 
-- `static`: the configured list (`gateway.engine_urls`, else the local engine), written by
-  each service at start (`Fleet.seed`);
+- `static`: the configured list (`gateway.engine_urls`, else `engine.urls`, else the local
+  engine; `static_urls`), written by each service at start (`Fleet.seed`);
 - `dns`: Kubernetes discovery, the A/AAAA records of a headless Service
   (`fleet.discovery = "dns"`, `fleet.dns_name`), resolved with `socket.getaddrinfo` at every
   refresh; a headless Service publishes only ready pods, so a pod appears once its readiness
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import redis
@@ -33,6 +33,9 @@ from pydantic import Field, model_validator
 
 from flywheel.core.redis_client import as_str
 from flywheel.core.section import Section
+
+if TYPE_CHECKING:
+    from flywheel.core.settings import FlywheelSettings
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,14 @@ def normalize_url(url: str) -> str:
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     netloc = f"{host}:{port}" if port else host
     return f"{parts.scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+def static_urls(settings: FlywheelSettings) -> list[str]:
+    """The `static` source: `gateway.engine_urls`, else `engine.urls`, else the local engine's
+    URL, which is left out when DNS discovery finds the engines (an empty list is then fine)."""
+    if settings.fleet.discovery == "dns":
+        return list(settings.gateway.engine_urls or settings.engine.urls)
+    return settings.engine_urls()
 
 
 Resolver = Callable[..., list[tuple[Any, ...]]]

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn  # noqa: PLC0415  (heavy imports after settings parse)
 
-    from flywheel.core.fleet import Fleet  # noqa: PLC0415
+    from flywheel.core.fleet import Fleet, static_urls  # noqa: PLC0415
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.retention import StreamRetention  # noqa: PLC0415
@@ -49,13 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     stop_ids = {renderer.eos_token_id} if renderer.eos_token_id is not None else set()
     pool = EnginePool(
-        settings.engine_urls(),
+        static_urls(settings),
         gw.request_timeout_s,
         stop_ids,
         health_interval_s=gw.engine_health_interval_s,
         stream_interval=gw.stream_interval,
     )
-    fleet = Fleet(client, settings.streams.prefix, settings.engine_urls(), settings.fleet)
+    fleet = Fleet(client, settings.streams.prefix, static_urls(settings), settings.fleet)
     fleet.seed()  # the configured engines; admin and DNS ones join through the watch
     deps = GatewayDeps(
         settings=gw,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 from prometheus_client import Counter
 
-from flywheel.core.fleet import Fleet
+from flywheel.core.fleet import Fleet, static_urls
 
 if TYPE_CHECKING:
     from flywheel.core.settings import FlywheelSettings
@@ -100,7 +100,7 @@ def shared_fleet(settings: FlywheelSettings, redis_client: Any = None) -> Fleet 
     from flywheel.core.redis_client import connect  # noqa: PLC0415
 
     client = redis_client or connect(settings.redis_url())
-    fleet = Fleet(client, settings.streams.prefix, settings.engine_urls(), settings.fleet)
+    fleet = Fleet(client, settings.streams.prefix, static_urls(settings), settings.fleet)
     fleet.seed()
     return fleet
 

@@ -82,7 +82,8 @@ class EnginePool:
     """Engines by URL; a session always goes to the same healthy engine.
 
     Args:
-        urls: engine base URLs (SGLang servers, a router, or embedded engines).
+        urls: engine base URLs (SGLang servers, a router, or embedded engines); may start
+            empty when the fleet (fleet_watch.py) fills it.
         timeout_s: seconds per call.
         stop_token_ids: ids whose sampling ends a turn (the tokenizer's EOS).
         health_interval_s: seconds between probes of engines taken out; 0 = never probe (an
@@ -98,8 +99,6 @@ class EnginePool:
         health_interval_s: float = 2.0,
         stream_interval: int = 1,
     ):
-        if not urls:
-            raise InvalidRequestError("at least one engine URL is required")
         self.urls = [u.rstrip("/") for u in urls]
         self.stop_token_ids = stop_token_ids
         self.timeout_s = timeout_s

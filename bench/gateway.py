@@ -313,7 +313,7 @@ def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> l
                 f"cpu per round {', '.join(f'x{r:.2f}' for r in each)} "
                 f"(median x{statistics.median(each or [float('nan')]):.2f})"
             )
-    lines += _messages_ratios(results)
+    lines += _route_ratios(results, "responses") + _route_ratios(results, "messages")
     if not {"direct", "proxy", "proxy-httpx", "gateway", "responses"} <= set(TARGETS):
         return lines
     lines.append("")
@@ -357,20 +357,32 @@ def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> l
     return lines
 
 
-def _messages_ratios(results: dict[tuple[str, int], dict[str, float]]) -> list[str]:
-    """/v1/messages CPU per request over the chat route's, unrecorded and recorded (when both
-    ran)."""
-    need = ("gateway", "gateway-recorded", "messages", "messages-recorded")
+def _route_ratios(results: dict[tuple[str, int], dict[str, float]], route: str) -> list[str]:
+    """`route`'s (responses, messages) CPU per request over the chat route's, unrecorded and
+    recorded (when all four targets ran): the best rounds' ratio and the median of the
+    per-round ratios (rounds are interleaved, so each round's pair met the same load)."""
+    need = ("gateway", "gateway-recorded", route, f"{route}-recorded")
     if not all((t, c) in results for t in need for c in LEVELS):
         return []
-    lines = ["", "/v1/messages / chat (cpu per request; target <= 1.2):"]
+    lines = [
+        "",
+        f"/v1/{route} / chat (cpu per request; target <= 1.2; best rounds, median of rounds):",
+    ]
     for c in LEVELS:
-        plain, rec = results[("gateway", c)]["cpu_ms"], results[("gateway-recorded", c)]["cpu_ms"]
-        m, m_rec = results[("messages", c)]["cpu_ms"], results[("messages-recorded", c)]["cpu_ms"]
-        lines.append(
-            f"  concurrency {c:>2}: unrecorded {m:.2f} / {plain:.2f} ms = x{m / plain:.2f}; "
-            f"recorded {m_rec:.2f} / {rec:.2f} ms = x{m_rec / rec:.2f}"
-        )
+        parts = []
+        for name, mine, chat in (
+            ("unrecorded", route, "gateway"),
+            ("recorded", f"{route}-recorded", "gateway-recorded"),
+        ):
+            a, b = results[(mine, c)]["cpu_ms"], results[(chat, c)]["cpu_ms"]
+            each = [
+                ra["cpu_ms"] / rb["cpu_ms"]
+                for ra, rb in zip(ROUNDS.get((mine, c), []), ROUNDS.get((chat, c), []), strict=True)
+                if rb["cpu_ms"] > 0
+            ]
+            median = statistics.median(each) if each else float("nan")
+            parts.append(f"{name} {a:.2f} / {b:.2f} ms = x{a / b:.2f} (median x{median:.2f})")
+        lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
     return lines
 
 

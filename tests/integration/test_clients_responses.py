@@ -174,6 +174,26 @@ def test_previous_response_id_chain_in_a_prompt_cache_key_session(smol_stack):
     _finish_and_check(smol_stack, key, 3)
 
 
+def test_retrieve_and_delete_through_the_sdk_against_the_stack(smol_stack):
+    """`client.responses.retrieve` gives the stored response as answered; after
+    `client.responses.delete` it, and a `previous_response_id` naming it, are 404s."""
+    client = openai.OpenAI(base_url=f"{smol_stack.gateway}/v1", api_key="local")
+    made = client.responses.create(
+        model=MODEL, input="Name one fruit.", max_output_tokens=8, temperature=0
+    )
+    got = client.responses.retrieve(made.id)
+    assert got.id == made.id and got.output_text == made.output_text
+    assert got.usage.output_tokens == made.usage.output_tokens
+    client.responses.delete(made.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(
+            model=MODEL, input="And another?", max_output_tokens=8, previous_response_id=made.id
+        )
+    assert err.value.body["param"] == "previous_response_id"
+
+
 def _abandoned(gateway: str) -> float:
     text = httpx.get(f"{gateway}/metrics").text
     found = re.search(r'flywheel_gateway_requests_abandoned_total{kind="session"} (\S+)', text)

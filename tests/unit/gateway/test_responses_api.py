@@ -225,6 +225,53 @@ def test_another_keys_response_is_a_404(gw, redis_client, prefix):
     assert reply.status_code == 404, reply.text
 
 
+def test_retrieve_and_delete_a_stored_response_through_the_sdk(gw):
+    make, _, _ = gw
+    client, _ = make(["Eight.", "Nine.", "Ten."])
+    api = sdk(client)
+    made = api.responses.create(model="m", input="What is 7 + 1?", metadata={"k": "v"})
+    got = api.responses.retrieve(made.id)
+    assert got.model_dump() == made.model_dump()  # the object as it was answered
+    assert got.output_text == "Eight." and got.metadata == {"k": "v"}
+    # the session form answers the same (a client whose base URL is /s/<id>/v1)
+    sid = client.post("/v1/sessions", json={}).json()["session_id"]
+    assert client.get(f"/s/{sid}/v1/responses/{made.id}").json() == got.model_dump(
+        mode="json", exclude_unset=True
+    )
+
+    api.responses.delete(made.id)
+    for call in (api.responses.retrieve, api.responses.delete):
+        with pytest.raises(openai.NotFoundError) as err:
+            call(made.id)
+        assert err.value.body["type"] == "not_found_error", err.value.body
+        assert made.id in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as err:  # a deleted response has no successor
+        api.responses.create(model="m", input="y", previous_response_id=made.id)
+    assert err.value.body["param"] == "previous_response_id"
+
+    unstored = api.responses.create(model="m", input="z", store=False)
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve(unstored.id)
+    assert client.delete("/v1/responses/resp_missing").json()["error"]["type"] == (
+        "not_found_error"
+    )
+
+
+def test_another_keys_response_cannot_be_retrieved_or_deleted(gw, redis_client, prefix):
+    from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
+
+    make, _, _ = gw
+    client, _ = make([])
+    store = ResponseStore(redis_client, prefix, 60)
+    theirs = StoredResponse("other-key", "", [], {"id": "resp_theirs", "object": "response"})
+    asyncio.run(store.put("resp_theirs", theirs))
+    for method in ("GET", "DELETE"):
+        reply = client.request(method, "/v1/responses/resp_theirs")
+        assert reply.status_code == 404, reply.text
+        assert reply.json()["error"]["type"] == "not_found_error"
+    assert asyncio.run(store.get("resp_theirs", "other-key", None)).response == theirs.response
+
+
 def test_session_header_setting_and_prompt_cache_key_name_live_sessions(gw):
     make, _, _ = gw
     client, _ = make(["a", "b", "c"], session_headers=["X-Conversation-Id"])

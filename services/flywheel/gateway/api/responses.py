@@ -22,16 +22,17 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from flywheel.core.errors import InvalidRequestError
+from flywheel.core.errors import InvalidRequestError, NotFoundError
 from flywheel.core.http_errors import param_of
 from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, incremental
 from flywheel.gateway.api import responses_stream as stream
 from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.disconnect import Receive, unless_disconnected
+from flywheel.gateway.api.json_text import dumps
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
@@ -136,6 +137,9 @@ class Turn:
         self.message_id = new_id("msg")
         model = body.model or served_models(d.settings)[0]
         self.started = started(body, self.response_id, model)
+        self.response_json = b""
+        """The final response object's JSON (set by `finish`): the HTTP body and what is
+        stored."""
 
     async def finish(self, completion: dict[str, Any], streamed: str | None) -> dict[str, Any]:
         """The final `response` object (stored when `store`), from the chat completion and the
@@ -162,11 +166,13 @@ class Turn:
         }
         if finish == "length":
             response["incomplete_details"] = {"reason": "max_output_tokens"}
+        self.response_json = dumps(response)
         if self.body.stores:
             reply = {k: v for k, v in message.items() if v is not None or k == "content"}
             await self.store.put(
                 self.response_id,
                 StoredResponse(self.owner, self.session_id or "", [*self.conversation, reply]),
+                self.response_json,
             )
         return response
 
@@ -180,7 +186,7 @@ async def respond(
     url_session: str | None,
     header_id: str | None,
     turn_type: str | None,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     """One Responses request end to end (see the module docstring), as the routes and the hot
     path (hot_path.py) serve it: `owner` is the key id of the request ("" without
     authentication), `receive` the ASGI receive after the body (a disconnect stops the turn).
@@ -221,7 +227,7 @@ async def respond(
     response = await turn.finish(completion, None)
     if body.stream:
         return stream.sse(stream.whole_events(turn.started, response))
-    return JSONResponse(response)
+    return Response(turn.response_json, media_type="application/json")  # encoded once
 
 
 def store_for(deps: GatewayDeps) -> ResponseStore:
@@ -229,9 +235,41 @@ def store_for(deps: GatewayDeps) -> ResponseStore:
     return ResponseStore(deps.sessions.client, deps.sessions.prefix, deps.settings.response_ttl_s)
 
 
+def deleted(response_id: str) -> dict[str, Any]:
+    """OpenAI's answer to `DELETE /v1/responses/{id}`."""
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 def install(app: FastAPI, deps: GatewayDeps) -> None:
-    """Add `POST /v1/responses` and `POST /s/<session_id>/v1/responses` to the gateway app."""
+    """Add `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}` and their
+    `/s/<session_id>/v1/...` forms to the gateway app. A response id the key did not create
+    (never stored, `store: false`, expired, deleted, another key's) is a 404
+    `not_found_error` in OpenAI's error JSON."""
     store = store_for(deps)
+
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        stored = await store.get(response_id, owner_of(request), param=None)
+        if stored.response is None:  # stored by a gateway before retrieval was served
+            raise NotFoundError(f"Response with id '{response_id}' not found.")
+        return Response(dumps(stored.response), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", response_model=None)
+    async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+        await store.delete(response_id, owner_of(request))
+        return deleted(response_id)
+
+    @app.get("/s/{session_id}/v1/responses/{response_id}", response_model=None)
+    async def session_retrieve_response(
+        session_id: str, response_id: str, request: Request
+    ) -> Response:
+        return await retrieve_response(response_id, request)
+
+    @app.delete("/s/{session_id}/v1/responses/{response_id}", response_model=None)
+    async def session_delete_response(
+        session_id: str, response_id: str, request: Request
+    ) -> dict[str, Any]:
+        return await delete_response(response_id, request)
 
     @app.post("/v1/responses", response_model=None)
     async def create_response(
@@ -240,7 +278,7 @@ def install(app: FastAPI, deps: GatewayDeps) -> None:
         d: Deps,
         x_session_id: SessionHeader = None,
         x_turn_type: TurnHeader = None,
-    ) -> JSONResponse | StreamingResponse:
+    ) -> Response:
         owner = owner_of(request)
         return await respond(
             d, store, body, owner, request.receive, None, x_session_id, x_turn_type
@@ -253,6 +291,6 @@ def install(app: FastAPI, deps: GatewayDeps) -> None:
         request: Request,
         d: Deps,
         x_turn_type: TurnHeader = None,
-    ) -> JSONResponse | StreamingResponse:
+    ) -> Response:
         owner = owner_of(request)
         return await respond(d, store, body, owner, request.receive, session_id, None, x_turn_type)

@@ -201,11 +201,13 @@ def test_trainer_broadcasts_step_k_while_step_k_plus_1_trains(engines, tiny_mode
     assert rows[0].get("push_version") is None  # step 1's push had not ended at row 1
     state = load_file(tmp_path / "ckpt" / "step_00000003" / "model.safetensors")
     nbytes = sum(t.numel() * t.element_size() for t in unique_storage(state).values())
-    assert any(r.get("push_version") is not None for r in rows[1:]), rows
-    for row in rows:
-        if row.get("push_version") is not None:
-            assert row["push_bytes"] == nbytes  # broadcast: the distinct fp32 tensors
-            assert row["push/write_s"] == 0.0  # nothing written for the disk path
+    # pushes that ended after the last row are held for the next row: the final one is there
+    held = [trainer._io_metrics] if "push_version" in trainer._io_metrics else []
+    reported = [r for r in rows if r.get("push_version") is not None] + held
+    assert reported and reported[-1]["push_version"] == 3, reported
+    for row in reported:
+        assert row["push_bytes"] == nbytes  # broadcast: the distinct fp32 tensors
+        assert row["push/write_s"] == 0.0  # nothing written for the disk path
 
     names = sorted(state)
     for url in engines:

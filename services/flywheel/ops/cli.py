@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
+from flywheel.ops import engines_cli
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
@@ -596,6 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     keys.set_defaults(func=cmd_keys)
+    engines_cli.install(sub, common)  # flywheel engines list|add|remove (the fleet)
     algorithms = sub.add_parser("algorithms", help="the trainer's algorithm library")
     algorithms_sub = algorithms.add_subparsers(dest="algorithms_command", required=True)
     algorithms_sub.add_parser(

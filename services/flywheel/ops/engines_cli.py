@@ -1,0 +1,95 @@
+"""`flywheel engines list|add|remove`: the shared engine fleet (core/fleet.py) from the command
+line, read and written in the deployment's Redis like `POST/DELETE /v1/admin/engines`. Every
+gateway and the trainer see a change within `fleet.refresh_s`; an added engine serves once it
+has the fleet's weight version (docs/fleet.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def install(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the `engines` command to the `flywheel` parser's subcommands `sub`."""
+    engines = sub.add_parser("engines", help="the engine fleet shared by gateways and trainer")
+    engines_sub = engines.add_subparsers(dest="engines_command", required=True)
+    listing = engines_sub.add_parser(
+        "list", help="engines, their source and served weight version", parents=[common]
+    )
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    add = engines_sub.add_parser(
+        "add", help="add an engine (served once it has the current weights)", parents=[common]
+    )
+    add.add_argument("url", help="engine base URL, e.g. http://10.0.0.7:30000")
+    remove = engines_sub.add_parser(
+        "remove", help="remove an engine (only its sessions move)", parents=[common]
+    )
+    remove.add_argument("url", help="engine base URL as `flywheel engines list` shows it")
+    engines.set_defaults(func=cmd_engines)
+
+
+def served_version(url: str) -> int | None:
+    """The weight version `url` serves, or None when it does not answer in 5 s."""
+    import httpx  # noqa: PLC0415
+
+    from flywheel.core.versions import parse_weight_version  # noqa: PLC0415
+
+    for path in ("/model_info", "/get_model_info"):
+        try:
+            reply = httpx.get(f"{url}{path}", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if reply.status_code == 200:
+            return parse_weight_version(reply.json().get("weight_version"))
+        if reply.status_code != 404:
+            return None
+    return None
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    """Run `flywheel engines <list|add|remove>`; a bad URL or an unreachable Redis ends with a
+    one-line message (exit 1)."""
+    from flywheel.core.fleet import Fleet, static_urls  # noqa: PLC0415
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.settings import load_settings_or_exit  # noqa: PLC0415
+    from flywheel.ops.stack import running_stack  # noqa: PLC0415
+
+    settings = load_settings_or_exit(args.config)
+    state = running_stack(settings.state_dir)
+    redis_url = settings.redis.url or (state or {}).get("redis_url") or settings.redis_url()
+    fleet = Fleet(connect(redis_url), settings.streams.prefix, static_urls(settings))
+    try:
+        if args.engines_command == "list":
+            version = fleet.version()
+            rows = [
+                {"url": url, "source": source, "weight_version": served_version(url)}
+                for url, source in fleet.members().items()
+            ]
+            if args.json:
+                print(json.dumps({"weight_version": version, "engines": rows}))
+                return 0
+            print(f"fleet weight version {version}")
+            for row in rows:
+                served = "no answer" if row["weight_version"] is None else row["weight_version"]
+                print(f"{row['url']}  {row['source']:6}  serves {served}")
+            if not rows:
+                print("no engines (a gateway or trainer adds the configured ones at start)")
+        elif args.engines_command == "add":
+            if fleet.add(args.url):
+                print(
+                    f"added {args.url}; gateways route to it once it serves weight version "
+                    f"{fleet.version()} (the trainer pushes it within fleet.refresh_s)"
+                )
+            else:
+                print(f"{args.url} is already in the fleet")
+        elif not fleet.remove(args.url):
+            sys.exit(f"flywheel: {args.url} is not in the fleet; `flywheel engines list` shows it")
+        else:
+            print(f"removed {args.url}; its sessions move to the other engines")
+    except ValueError as exc:
+        sys.exit(f"flywheel: {exc}")
+    except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)
+        sys.exit(f"flywheel: {exc} (Redis at {redis_url.split('@')[-1]}; is the stack up?)")
+    return 0

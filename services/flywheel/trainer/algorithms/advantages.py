@@ -105,8 +105,16 @@ class OPDPlusRLParams:
     gap_clip: float = 0.0
     """Clip of the teacher - student logprob gap to [-gap_clip, gap_clip] nats before w_opd
     (OpenClaw-RL's second version); 0 = off."""
+    student_topk: int = 0
+    """Keep the distillation term only where the sampled token is among the student's k most
+    likely tokens (OpenClaw-RL's second version; ranked by the policy once per step,
+    `opd_topk.py`); 0 = off."""
 
     def __post_init__(self) -> None:
+        if self.student_topk < 0:
+            raise ValueError(
+                f"student_topk of 'opd_plus_rl' must be >= 0 (0 = off), got {self.student_topk}"
+            )
         if self.gap_clip < 0:
             raise ValueError(
                 f"gap_clip of 'opd_plus_rl' must be >= 0 (0 = off), got {self.gap_clip}"

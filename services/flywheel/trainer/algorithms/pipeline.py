@@ -3,7 +3,9 @@
     prepare      samples -> advantage estimator (unless it reads entropy) -> [dynamic
                  sampling: zero-variance groups dropped] -> padded batch
     batch_stage  once per step, whole batch: [no-grad scoring pass, only when a selected part
-                 declares `entropy_BT`, cut into the training pass's micro-batches] -> late
+                 declares `entropy_BT`, cut into the training pass's micro-batches] ->
+                 [opd_plus_rl with `student_topk`: the sampled tokens ranked by a no-grad
+                 pass, the distillation term dropped outside the student's top-k] -> late
                  advantage estimators (those reading entropy: the step's only advantage
                  computation for grouped rows) -> token weights in configured order (folded
                  into advantages_BT)
@@ -35,6 +37,11 @@ from flywheel.trainer.algorithms.advantages import (
     AdvantageInputs,
 )
 from flywheel.trainer.algorithms.context import TokenContext, masked
+from flywheel.trainer.algorithms.opd_topk import (
+    opd_topk_rows,
+    restrict_to_student_topk,
+    student_ranks,
+)
 from flywheel.trainer.algorithms.weights import apply_weight
 
 log = logging.getLogger(__name__)
@@ -221,8 +228,24 @@ class AlgoConfig:
         return "student_logprobs_at_teacher_topk_BTK" in needs([n for n, _ in self.regularizers])
 
     @property
-    def needs_entropy_pass(self) -> bool:
+    def needs_entropy(self) -> bool:
+        """A selected advantage or token weight reads `entropy_BT` (the scoring pass)."""
         return "entropy_BT" in needs([self.advantage, *self.token_weights])
+
+    @property
+    def ranks_student(self) -> bool:
+        """`opd_plus_rl` (the advantage or the live one) restricts its distillation term to
+        the student's top-k (`student_topk` > 0): batch_stage ranks the sampled tokens."""
+        s = self.settings
+        if "opd_plus_rl" not in (s.advantage, s.live_advantage):
+            return False
+        return int(self.params.get("opd_plus_rl", {}).get("student_topk", 0)) > 0
+
+    @property
+    def needs_entropy_pass(self) -> bool:
+        """batch_stage runs a no-grad pass of the batch through the model: for `entropy_BT`,
+        or to rank the sampled tokens for `opd_plus_rl`'s `student_topk`."""
+        return self.needs_entropy or self.ranks_student
 
 
 def advantage_inputs(
@@ -312,11 +335,26 @@ def batch_stage(model: Any, optimizer: Any, batch: Any, cfg: Any) -> tuple[Any, 
         (`batch` with new `advantages_BT`, or unchanged when no part is selected; metrics).
     """
     algo: AlgoConfig = cfg.algo
-    if not algo.token_weights and not algo.late_advantage:
+    if not algo.token_weights and not algo.late_advantage and not algo.ranks_student:
         return batch, {}
     metrics: dict[str, float] = {}
-    entropy_BT = scoring_pass(model, batch, cfg) if algo.needs_entropy_pass else None
+    entropy_BT = scoring_pass(model, batch, cfg) if algo.needs_entropy else None
     advantages_BT = batch.advantages_BT
+    rows_N, opd_params = opd_topk_rows(cfg, batch)
+    if opd_params is not None and rows_N.numel():
+        ranks_BT = student_ranks(model, batch, cfg)
+        adv_NT, out = restrict_to_student_topk(
+            advantages_BT[rows_N],
+            batch.teacher_logprobs_BT[rows_N],
+            batch.old_logprobs_BT[rows_N],
+            batch.teacher_mask_BT[rows_N],
+            batch.loss_mask_BT[rows_N],
+            ranks_BT[rows_N],
+            opd_params,
+        )
+        advantages_BT = advantages_BT.clone()
+        advantages_BT[rows_N] = adv_NT
+        metrics |= out
     if algo.late_advantage:
         grouped_N = (~batch.live_B).nonzero(as_tuple=True)[0]
         if grouped_N.numel():

@@ -413,6 +413,7 @@ class Trainer:
                     g.group_id,
                     [e.entry_id for e in g.entries],
                     [(str(t), float(w)) for t, w in g.treatments],
+                    list(g.version_floors),
                 )
                 for g in groups
             ],

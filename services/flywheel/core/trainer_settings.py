@@ -164,15 +164,19 @@ class StalenessSettings(Section):
     """`[trainer.staleness]`: samples drawn by older weights than the trainer's."""
 
     max_staleness: int = Field(4, ge=0)
-    """Weight versions a sample may lag behind the trainer before `policy` applies."""
+    """Weight versions a sampled token may lag behind the trainer before `policy` applies (per
+    token: a sample's tokens may come from several versions; `trainer/staleness.py`)."""
     policy: Literal["drop", "downweight", "is_correct"] = "drop"
-    """Samples that lag more than `max_staleness` versions: dropped, down-weighted by
-    `decay ** (lag - max_staleness)`, or IS-corrected (ratio against the trainer's own
-    logprobs, tokens weighted by min(pi_train / pi_rollout, algorithm.correction_cap))."""
+    """Lag beyond `max_staleness`: drop = such tokens leave the loss (a sample with none left
+    is dropped); downweight = the sample's losses are multiplied by
+    `decay ** (lag - max_staleness)`, lag of its oldest token; is_correct = IS-corrected (ratio
+    against the trainer's own logprobs, tokens weighted by min(pi_train / pi_rollout,
+    algorithm.correction_cap))."""
     decay: float = Field(0.5, gt=0, le=1)
     """Per-version loss weight decay of `downweight`."""
     hard_limit: int = Field(0, ge=0)
-    """Lag above which a sample is dropped whatever `policy` says; 0 = no limit."""
+    """Lag above which a token leaves the loss whatever `policy` says (a sample with none
+    left is dropped); 0 = no limit."""
 
 
 class DataSettings(Section):
@@ -242,7 +246,7 @@ class PushSettings(Section):
     """Seconds to wait for one engine's /update_weights_from_disk answer."""
     attempts: int = Field(5, ge=1)
     """Attempts per engine (exponential backoff) before the weight push fails the trainer."""
-    pause: Literal["none", "in_place"] = "none"
+    pause: Literal["none", "in_place", "abort"] = "none"
     """How a busy engine takes a disk push. none = a plain `/update_weights_from_disk`: the
     embedded engine swaps between two decode steps (`engine.weight_swap = "step"`, nothing
     waits); an engine that drains (SGLang, or `weight_swap = "drain"`) lets the rows in flight
@@ -250,8 +254,11 @@ class PushSettings(Section):
     in_place = `/pause_generation` in place, the update, `/continue_generation`: the rows in
     flight continue under the new weights from the swap on (their later tokens carry the new
     version, reported as `weight_versions` spans), and new requests wait only for the load
-    (`bench/push_stall.py`). An engine without in-place pause (SGLang < 0.5.12) is updated the
-    plain way (logged)."""
+    (`bench/push_stall.py`). abort = `/pause_generation` in abort mode, the update,
+    `/continue_generation` (SGLang's RL flow): the rows in flight end with their partial output
+    and the gateway continues each from its tokens under the new weights (partial rollouts,
+    `gateway/engines/partial.py`), so no row waits for the others. An engine without the pause
+    mode (SGLang < 0.5.12) is updated the plain way (logged)."""
     master_address: str = "127.0.0.1"
     """Address the engines reach the trainer at for the distributed weight-update group (the
     rendezvous listens on every interface; deploy/k8s sets the trainer pod's IP)."""

@@ -13,8 +13,8 @@ Modules:
     batcher        continuous batching: rows join and leave a running batch between steps.
     scheduler      the worker's inbox: admission order, draining vs urgent controls, pause.
     worker         the thread that owns the model: submit, abort, pause, decode loop, health.
-    weights        weight updates from disk and over torch.distributed; weight reads.
-    weight_sync    trainer-side client pushing weights over torch.distributed (gloo / NCCL).
+    weights        weight updates from disk and over torch.distributed (SGLang's rank layout,
+                   `emulate_tp_size` ranks); weight reads.
     metrics        Prometheus metrics.
     app            native SGLang routes; openai_routes the /v1 routes; weight_routes the
                    distributed weight-update routes.

@@ -389,7 +389,9 @@ class WeightPusher:
         client: an httpx client (tests inject a mock transport).
         backoff_s: first retry delay in seconds (doubles, capped at 30 s).
         pause: "in_place" = pause each engine in place around its update (rows in flight
-            continue under the new weights; `trainer.push.pause`), "none" = plain update.
+            continue under the new weights; `trainer.push.pause`), "abort" = pause in abort
+            mode around it (rows in flight end with their partial output, which the gateway
+            continues under the new weights), "none" = plain update.
         engine_deadline_s: seconds one engine's push may take, every attempt (0 = none).
         fleet: the shared fleet (core/fleet.Fleet) instead of `engine_urls`; None = fixed.
         refresh_s: seconds between the fleet watcher's passes.
@@ -533,7 +535,7 @@ class WeightPusher:
             return None
 
     def _push_one(self, url: str, model_path: Path, version: int) -> None:
-        paused = self.pause == "in_place" and self._pause(url)
+        paused = self.pause in ("in_place", "abort") and self._pause(url)
         try:
             self._update(url, model_path, version)
         finally:
@@ -541,18 +543,20 @@ class WeightPusher:
                 self.client.post(f"{url.rstrip('/')}/continue_generation", json={}, timeout=60)
 
     def _pause(self, url: str) -> bool:
-        """Pause `url` in place; False (logged) when the engine cannot."""
+        """Pause `url` in the mode of `self.pause` (in_place or abort); False (logged) when the
+        engine cannot."""
         try:
             reply = self.client.post(
-                f"{url.rstrip('/')}/pause_generation", json={"mode": "in_place"}, timeout=60
+                f"{url.rstrip('/')}/pause_generation", json={"mode": self.pause}, timeout=60
             )
         except httpx.HTTPError as exc:
-            log.warning("engine %s could not pause in place (%s); plain update", url, exc)
+            log.warning("engine %s could not pause (%s, %s); plain update", url, self.pause, exc)
             return False
         if reply.status_code != 200:
             log.warning(
-                "engine %s refused to pause in place (HTTP %s); plain update",
+                "engine %s refused to pause (%s, HTTP %s); plain update",
                 url,
+                self.pause,
                 reply.status_code,
             )
             return False

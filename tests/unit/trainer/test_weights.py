@@ -182,10 +182,13 @@ class PausingEngine(FakeEngine):
         super().__init__(failures=failures)
         self.can_pause = can_pause
         self.paths: list[str] = []
+        self.pause_modes: list[str] = []
 
     def __call__(self, request):
         if request.url.path != "/model_info":
             self.paths.append(request.url.path)
+        if request.url.path == "/pause_generation":
+            self.pause_modes.append(json.loads(request.content)["mode"])
         if request.url.path in ("/pause_generation", "/continue_generation"):
             if not self.can_pause:
                 return httpx.Response(404, json={"detail": "Not Found"})
@@ -193,14 +196,16 @@ class PausingEngine(FakeEngine):
         return super().__call__(request)
 
 
-def test_an_in_place_push_pauses_updates_and_continues(tmp_path):
+@pytest.mark.parametrize("mode", ["in_place", "abort"])
+def test_a_pausing_push_pauses_in_its_mode_updates_and_continues(tmp_path, mode):
     engine = PausingEngine()
-    pusher(engine, urls=["http://e1"], pause="in_place").push(tmp_path, 2)
+    pusher(engine, urls=["http://e1"], pause=mode).push(tmp_path, 2)
     assert engine.paths == [
         "/pause_generation",
         "/update_weights_from_disk",
         "/continue_generation",
     ]
+    assert engine.pause_modes == [mode]
 
 
 def test_a_paused_engine_is_continued_even_when_the_update_fails(tmp_path):

@@ -51,7 +51,9 @@ class DistributedPusher:
         tp_sizes: TP ranks per engine; empty = ask each engine's `/server_info`.
         bucket_bytes: tensor bytes per `/update_weights_from_distributed` call.
         pause: "in_place" = `/pause_generation` in place around each broadcast (an SGLang
-            engine loads each bucket at once; the embedded engine swaps at the session's end).
+            engine loads each bucket at once; the embedded engine swaps at the session's end);
+            "abort" = paused in abort mode (rows in flight end with their partial output, which
+            the gateway continues under the new weights).
 
     Raises:
         ValueError: `tp_sizes` given without one entry per engine.
@@ -188,18 +190,21 @@ class DistributedPusher:
 
     @contextmanager
     def _paused(self) -> Iterator[None]:
-        """Pause every engine in place for the broadcast when `pause = "in_place"`."""
+        """Pause every engine for the broadcast when `pause` is "in_place" or "abort" (that
+        mode of `/pause_generation`)."""
         paused = []
         try:
-            if self.pause == "in_place":
+            if self.pause in ("in_place", "abort"):
                 for url in self.engine_urls:
                     r = self.disk.client.post(
-                        f"{url.rstrip('/')}/pause_generation", json={"mode": "in_place"}, timeout=60
+                        f"{url.rstrip('/')}/pause_generation", json={"mode": self.pause}, timeout=60
                     )
                     if r.status_code == 200:
                         paused.append(url)
                     else:
-                        log.warning("engine %s refused to pause in place (%s)", url, r.status_code)
+                        log.warning(
+                            "engine %s refused to pause (%s, %s)", url, self.pause, r.status_code
+                        )
             yield
         finally:
             for url in paused:

@@ -58,6 +58,7 @@ def push_each(
         whatever `push_one` raises besides its reported errors.
     """
     if not urls:
+        log.warning("no engine to push to: the fleet is empty (flywheel engines list)")
         return {}
     starts: dict[str, float] = {}
 

@@ -44,6 +44,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--device")
     p.add_argument("--max-running-requests", type=int)
+    p.add_argument("--max-queued-requests", type=int)
     # Flags of SGLang's that only tune a GPU server: accepted, no effect on the stand-in.
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--log-level")

@@ -80,6 +80,18 @@ class BackpressureError(PlatformError, RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class OverloadedError(PlatformError, RuntimeError):
+    """Every engine's request queue is full (or an engine is not ready): answered at once with
+    503 and `Retry-After: retry_after_s` instead of waiting in a queue past the timeouts."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0):
+        super().__init__(message, code="engine_overloaded")
+        self.retry_after_s = retry_after_s
+
+
 class ClientClosedError(PlatformError, ConnectionError):
     """The client closed its connection before the answer was ready; the request was stopped
     and nothing of it recorded (HTTP 499, nginx's "client closed request": nobody reads it)."""

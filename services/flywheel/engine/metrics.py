@@ -35,6 +35,11 @@ class EngineMetrics:
         self.queue_depth = Gauge(
             "flywheel_engine_queue_depth", "Rows waiting for the next batch.", registry=r
         )
+        self.queue_rejected = Counter(
+            "flywheel_engine_queue_rejected",
+            "Rows refused because the queue was full (engine.max_queued_requests).",
+            registry=r,
+        )
         self.weight_updates = Counter(
             "flywheel_engine_weight_updates", "Weight updates by outcome.", ["outcome"], registry=r
         )

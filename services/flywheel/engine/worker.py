@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flywheel.core.errors import InvalidRequestError, PlatformError
+from flywheel.core.errors import InvalidRequestError, OverloadedError, PlatformError
 from flywheel.core.settings import EngineSettings
 from flywheel.engine.batcher import RunningBatch
 from flywheel.engine.context import check_context_length
@@ -68,6 +68,8 @@ class EngineWorker:
         self.weight_version = settings.weight_version
         self.runner: ModelRunner | None = None
         self._work = WorkQueue()
+        self._queued = 0
+        """Rows submitted and not yet admitted or aborted (`max_queued_requests`)."""
         self._inflight: dict[str, Job] = {}
         self._lock = threading.Lock()
         self.weights = WeightUpdater(self)
@@ -175,6 +177,15 @@ class EngineWorker:
             rids = [j.spec.rid for j in jobs]
             if len(set(rids)) != len(rids) or any(r in self._inflight for r in rids):
                 raise InvalidRequestError("Duplicate request ID detected")
+            limit = self.settings.max_queued_requests
+            if limit and not probe and self._queued + len(jobs) > limit:
+                self.metrics.queue_rejected.inc(len(jobs))
+                log.warning("request queue full (%d rows waiting): %d refused", limit, len(jobs))
+                raise OverloadedError(
+                    f"The request queue is full ({limit} rows wait for the running batch, "
+                    "engine.max_queued_requests); retry later"
+                )
+            self._queued += len(jobs)
             for job in jobs:
                 self._inflight[job.spec.rid] = job
         for job in jobs:
@@ -319,7 +330,7 @@ class EngineWorker:
         for item in controls:
             item.run()
         if jobs:
-            self.metrics.queue_depth.dec(len(jobs))
+            self._unqueued(len(jobs))
             self._admit(jobs)
         if len(batch) and not work.paused.is_set():
             self._step()
@@ -382,7 +393,7 @@ class EngineWorker:
 
     def _finish_unstarted(self, job: Job) -> None:
         """Answer a row that was aborted before it was prefilled (SGLang: no prompt_tokens)."""
-        self.metrics.queue_depth.dec()
+        self._unqueued(1)
         meta = {
             "id": job.spec.rid,
             "finish_reason": {"type": "abort", "message": job.abort_message},
@@ -391,6 +402,12 @@ class EngineWorker:
             "weight_version": self.weight_version,
         }
         self._finish(job, result={"text": "", "output_ids": [], "meta_info": meta})
+
+    def _unqueued(self, rows: int) -> None:
+        """`rows` left the queue (admitted, or aborted before they ran)."""
+        with self._lock:
+            self._queued -= rows
+        self.metrics.queue_depth.dec(rows)
 
     def _on_step(self, tokens: int) -> None:
         self.last_progress = time.monotonic()

@@ -54,7 +54,9 @@ def sglang_command(
     `--weight-version`, `--tp-size`, `--dtype`, `--random-seed` (`engine.seed`),
     `--grammar-backend xgrammar` (the gateway sends xgrammar structural tags for forced tool
     calls), `--enable-metrics` (the engine's `/metrics`), `--device` unless `engine.device` is
-    "auto", `--max-running-requests` when `engine.max_batch_size` is not its default; then
+    "auto", `--max-running-requests` when `engine.max_batch_size` is not its default,
+    `--max-queued-requests` unless `engine.max_queued_requests` is 0 (SGLang's own queue is
+    unbounded); then
     `engine.sglang_args` as given. Streaming stays cumulative (no
     `--incremental-streaming-output`) and the tokenizer stays on (no `--skip-tokenizer-init`):
     the gateway reads the text and ids of the final chunk.
@@ -89,6 +91,8 @@ def sglang_command(
         args += ["--device", engine.device]
     if engine.max_batch_size != EngineSettings.model_fields["max_batch_size"].default:
         args += ["--max-running-requests", str(engine.max_batch_size)]
+    if engine.max_queued_requests:  # SGLang's own default is an unbounded queue
+        args += ["--max-queued-requests", str(engine.max_queued_requests)]
     return [*launcher, *args, *engine.sglang_args]
 
 

@@ -69,6 +69,7 @@ def test_sglang_command_carries_every_engine_setting_sglang_has_a_flag_for():
         "--enable-metrics",
         "--device", "cuda",
         "--max-running-requests", "32",
+        "--max-queued-requests", "256",
         "--mem-fraction-static", "0.85", "--tool-call-parser", "qwen25",
     ]  # fmt: skip
     # Every flag is one SGLang's parser (as the stand-in models it) reads, with the value given.
@@ -80,6 +81,7 @@ def test_sglang_command_carries_every_engine_setting_sglang_has_a_flag_for():
     )
     assert (args.context_length, args.weight_version, args.tp_size) == (8192, "7", 2)
     assert (args.dtype, args.random_seed, args.max_running_requests) == ("bfloat16", 3, 32)
+    assert args.max_queued_requests == 256  # engine.max_queued_requests: a fast 503 when full
     assert args.mem_fraction_static == 0.85 and args.tool_call_parser == "qwen25"
     assert sglang_env(e) == {}
 

@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.core.versions import parse_weight_version
 from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
 from flywheel.gateway.engines.stream import generate_stream
 
@@ -281,8 +282,13 @@ class EnginePool:
         return await generate_stream(self, body, affinity, on_text)
 
     async def _generate(self, body: dict[str, Any], affinity: str) -> tuple[str, Generation]:
-        """One `/generate` answer and the engine that gave it (another engine once on failure)."""
-        errors = []
+        """One `/generate` answer and the engine that gave it (another engine once on failure).
+
+        Raises:
+            OverloadedError: an engine tried was full (429/503) and none served (overload.py).
+        """
+        errors: list[str] = []
+        busy: list[str] = []
         if not self.urls:
             raise UpstreamError(
                 "no engine is in service: the fleet is empty or its engines do not serve the "
@@ -294,6 +300,10 @@ class EnginePool:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 errors.append(f"{url}: {exc!r}")
                 self.mark_down(url, errors[-1])
+                continue
+            if status in BUSY_STATUSES:  # full or loading: busy, not broken (overload.py)
+                ENGINE_BUSY.labels(url).inc()
+                busy.append(f"{url}: HTTP {status} {raw[:200].decode(errors='replace')}")
                 continue
             if 400 <= status < 500:
                 raise InvalidRequestError(
@@ -312,6 +322,8 @@ class EnginePool:
                 continue
             self.mark_up(url)
             return url, gen
+        if busy:
+            raise busy_error(busy + errors)
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:

@@ -25,6 +25,7 @@ import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.gateway.engines.generation import Generation, parse_generation
+from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
 
 OnText = Callable[[str], None]
@@ -58,6 +59,10 @@ class Engines(Protocol):
 
 class _Failed(Exception):
     """The call failed before its first chunk (another engine may serve it)."""
+
+
+class _Busy(Exception):
+    """The engine refused the call as full or not ready (429/503): try another, keep it in."""
 
 
 async def generate_stream(
@@ -97,16 +102,21 @@ async def _stream_once(
 ) -> tuple[str, Generation]:
     """One streamed call and the engine that answered (the next one on a failure before the
     first chunk)."""
-    errors = []
+    errors, busy = [], []
     for url in pool.order(affinity)[:2]:
         try:
             gen = await _one(pool, url, {**body, "stream": True}, on_text)
+        except _Busy as exc:  # full or loading: busy, not broken (overload.py)
+            busy.append(f"{url}: {exc}")
+            continue
         except _Failed as exc:
             errors.append(f"{url}: {exc}")
             pool.mark_down(url, errors[-1])
             continue
         pool.mark_up(url)
         return url, gen
+    if busy:
+        raise busy_error(busy + errors)
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
 
@@ -116,6 +126,10 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
         async with pool._session().post(
             f"{url}/generate", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
         ) as resp:
+            if resp.status in BUSY_STATUSES:
+                ENGINE_BUSY.labels(url).inc()
+                raw = await resp.read()
+                raise _Busy(f"HTTP {resp.status} {raw[:200].decode(errors='replace')}")
             if 400 <= resp.status < 500:
                 raw = await resp.read()
                 raise InvalidRequestError(

@@ -242,6 +242,14 @@ class PushSettings(Section):
     weight-update group with the engines (gloo on CPU, NCCL on GPU), disk as fallback."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """dtype of the weights written for `/update_weights_from_disk`; auto = `engine.dtype`."""
+    delta: bool | Literal["auto"] = "auto"
+    """Delta pushes (disk mode): after the first push, write only the elements that changed
+    since the last pushed version (`delta.safetensors`, checked by the engine with per-tensor
+    checksums) and fall back to the full weights for an engine that serves another version,
+    refuses it, or has no `/update_weights_from_delta` (SGLang), counted in
+    `flywheel_trainer_weight_delta_fallbacks_total`. auto = on when the push dtype is bfloat16
+    (about 1-3% of the elements change per step), off for float32, where nearly all change and
+    a delta is as large as the full weights (bench/README.md, "Delta pushes")."""
     timeout_s: float = Field(600.0, gt=0)
     """Seconds to wait for one engine's /update_weights_from_disk answer."""
     attempts: int = Field(5, ge=1)

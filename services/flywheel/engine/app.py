@@ -5,8 +5,8 @@ tests). Routes: /generate (also PUT; `stream` = SSE with cumulative chunks, one 
 token), /update_weights_from_disk, /update_weight_version, /pause_generation,
 /continue_generation, /abort_request, /flush_cache, /get_weights_by_name, /health,
 /health_generate, /ready, /model_info (+ /get_model_info), /server_info (+ /get_server_info),
-/healthz (liveness) and /metrics (Prometheus); the /v1 OpenAI routes (openai_routes.py) and the
-distributed weight-update routes (weight_routes.py).
+/healthz (liveness) and /metrics (Prometheus); the /v1 OpenAI routes (openai_routes.py), the
+distributed weight-update routes (weight_routes.py) and /update_weights_from_delta (deltas.py).
 
 Errors: a /generate body that fails schema validation (unknown sampling key, wrong type) answers
 400 `{"error": "<text>"}` like SGLang's 0.5.22+ contract gate; every other error answers
@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, ValidationError
 import flywheel
 from flywheel.core.errors import PlatformError
 from flywheel.core.settings import EngineSettings
+from flywheel.engine.deltas import register_delta_routes
 from flywheel.engine.metrics import EngineMetrics
 from flywheel.engine.openai_routes import register_openai_routes
 from flywheel.engine.protocol import (

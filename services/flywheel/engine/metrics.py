@@ -43,6 +43,12 @@ class EngineMetrics:
         self.weight_updates = Counter(
             "flywheel_engine_weight_updates", "Weight updates by outcome.", ["outcome"], registry=r
         )
+        self.weight_deltas = Counter(
+            "flywheel_engine_weight_deltas",
+            "Weight deltas by outcome: applied, base_mismatch, checksum_mismatch, invalid.",
+            ["outcome"],
+            registry=r,
+        )
         self.weight_version = Info(
             "flywheel_engine_weight", "Weight version currently served.", registry=r
         )

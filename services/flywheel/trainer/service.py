@@ -40,6 +40,7 @@ from flywheel.trainer.background import (
     folder_bytes,
 )
 from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
+from flywheel.trainer.deltas import attach_deltas
 from flywheel.trainer.distributed import World
 from flywheel.trainer.fsdp import full_state_dict
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
@@ -176,7 +177,7 @@ class Trainer:
         self.writer = CheckpointWriter(self._save_checkpoint, enabled=background)
         self.weights = WeightsStore(root, parts.store.source_dir)
         self.pusher = BackgroundPusher(
-            self.weights.write,
+            attach_deltas(settings, self.weights, parts.pusher),  # trainer.push.delta
             parts.pusher.push,
             enabled=background,
             broadcast=getattr(parts.pusher, "broadcast", None),  # push.mode = "distributed"

@@ -1,0 +1,105 @@
+"""The weight-delta format shared by the trainer (writer) and the embedded engine (reader).
+
+A delta turns the weights of `base_version` into those of `weight_version`, both in the engine's
+dtype. It is one safetensors file, `delta.safetensors` in the pushed weights folder, holding for
+each tensor that changed either
+
+* `<name>:idx` (int32, or int64 for tensors of 2**31 elements or more: flat indices of the
+  changed elements, ascending) and `<name>:val` (their new values, the tensor's dtype), or
+* `<name>:full` (the whole new tensor) when that is smaller: a sparse entry costs
+  (index bytes + element bytes) per changed element, a full one element bytes per element, so
+  fp32 with 4-byte indices goes full above half the elements changed, bf16 above a third.
+
+Unchanged tensors are absent. Elements compare by their bits, so -0.0 vs 0.0 and NaN payloads
+count as changes. The file's metadata (safetensors' string map) holds `format` (= `FORMAT`),
+`base_version`, `weight_version`, `checksum` (= `CHECKSUM`) and `checksums`: JSON
+{name: hex digest} of every tensor of the *result* (unchanged ones too; a tied alias is listed
+once, under its first name), each the xxh3-128 of the tensor's bytes in C order.
+
+The engine applies a delta only when it serves `base_version` and every result tensor's digest
+equals the trainer's; otherwise it answers why (`REASONS`) and changes nothing, and the trainer
+pushes the full weights instead. Real SGLang servers have no delta route (404): they always get
+full pushes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict
+
+FORMAT = "flywheel-weight-delta/1"
+CHECKSUM = "xxh3_128"
+DELTA_FILE = "delta.safetensors"
+ROUTE = "/update_weights_from_delta"
+"""Engine route taking a delta (the embedded engine's extension of SGLang's weight routes)."""
+
+IDX, VAL, FULL = ":idx", ":val", ":full"
+"""Suffixes of the entries of one tensor in the delta file."""
+
+Reason = Literal["base_mismatch", "checksum_mismatch", "invalid", "unsupported", "error"]
+REASONS: tuple[str, ...] = (
+    "base_mismatch",
+    "checksum_mismatch",
+    "invalid",
+    "unsupported",
+    "error",
+)
+"""Why a delta was not applied: the engine serves another version (or a label the trainer did
+not write); a result digest differs from the trainer's; the file does not fit the model (names,
+shapes, dtypes, indices); the engine has no delta route (SGLang); the call failed (HTTP)."""
+
+
+class DeltaUpdateRequest(BaseModel):
+    """Body of `POST /update_weights_from_delta` (fields named as SGLang's disk update)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    delta_path: str
+    """The delta file, or the folder holding `delta.safetensors`."""
+    base_version: str
+    """The weight version the delta applies to; the engine must serve exactly this one."""
+    weight_version: str
+    """The version the engine serves after applying it."""
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+def digest(data: Any) -> str:
+    """xxh3-128 hex digest (32 characters) of a bytes-like object (bytes, memoryview, a
+    contiguous numpy array)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def sparse_is_smaller(changed: int, numel: int, element_bytes: int, index_bytes: int) -> bool:
+    """Whether `changed` (index, value) pairs take fewer bytes than the whole tensor.
+
+    Example (bf16, int32 indices): numel 1000, element 2 B: full = 2000 B; 300 changed = 300 x
+    (4 + 2) = 1800 B < 2000 -> sparse; 400 changed = 2400 B -> full.
+    """
+    return changed * (index_bytes + element_bytes) < numel * element_bytes
+
+
+def metadata(base_version: int | str, version: int | str, checksums: dict[str, str]) -> dict:
+    """The safetensors metadata of a delta (all values are strings, as safetensors requires)."""
+    return {
+        "format": FORMAT,
+        "base_version": str(base_version),
+        "weight_version": str(version),
+        "checksum": CHECKSUM,
+        "checksums": json.dumps(checksums, separators=(",", ":")),
+    }
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(tensor name, suffix) of a delta file entry, e.g. ("a.weight", ":idx").
+
+    Raises:
+        ValueError: the key ends in none of the suffixes.
+    """
+    for suffix in (IDX, VAL, FULL):
+        if key.endswith(suffix):
+            return key[: -len(suffix)], suffix
+    raise ValueError(f"delta entry {key!r} ends in none of {IDX}, {VAL}, {FULL}")

@@ -1,0 +1,269 @@
+"""`POST /update_weights_from_delta`: apply a weight delta (format: flywheel.core.weight_delta).
+
+Body `{"delta_path", "base_version", "weight_version", "abort_all_requests": false,
+"flush_cache": true}`. The engine applies the delta only when
+
+1. it serves exactly `base_version` (its `weight_version` label) and the file's metadata says
+   the same base and target versions (else reason `base_mismatch`);
+2. the file fits the model: known names, the served dtype, shapes, indices in range, and its
+   digests name every tensor of the served model (else `invalid`);
+3. the xxh3-128 of every result tensor (changed ones after applying, unchanged ones as served)
+   equals the digest the trainer recorded (else `checksum_mismatch`).
+
+Then the changed tensors are swapped in like a disk update (between two decode steps,
+`engine.weight_swap`) and the label becomes `weight_version`: 200 `{"success": true, "message",
+"changed_tensors", "changed_elements"}`. A refusal changes nothing and answers 400 `{"success":
+false, "message", "reason"}`; the trainer then pushes the full weights. Every outcome is counted
+in `flywheel_engine_weight_deltas_total{outcome}` (`applied` or the reason) and a refusal is
+logged. SGLang has no such route, so a trainer gets 404 from a real SGLang server and pushes
+full weights to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from flywheel.core.weight_delta import (
+    CHECKSUM,
+    DELTA_FILE,
+    FORMAT,
+    FULL,
+    IDX,
+    ROUTE,
+    VAL,
+    DeltaUpdateRequest,
+    digest,
+    split_key,
+)
+from flywheel.engine.protocol import dumps
+
+if TYPE_CHECKING:
+    from flywheel.engine.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+
+class DeltaRefused(Exception):
+    """The delta was not applied; `reason` is one of weight_delta.REASONS."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _tensor_digest(tensor: Tensor) -> str:
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    return digest(flat.view(torch.uint8).numpy())
+
+
+def _read(path: Path) -> tuple[dict[str, str], dict[str, Tensor]]:
+    """(metadata, entries) of a delta file or of the folder holding one.
+
+    Raises:
+        DeltaRefused: missing or unreadable file (invalid).
+    """
+    file = path / DELTA_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise DeltaRefused("invalid", f"{path} holds no {DELTA_FILE}")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            entries = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError) as e:
+        raise DeltaRefused("invalid", f"cannot read {file}: {e}") from e
+    return meta, entries
+
+
+def _unique_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's state dict without later names of shared storage (a tied lm_head)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor
+    return out
+
+
+def build_result(
+    served: dict[str, Tensor], entries: dict[str, Tensor]
+) -> tuple[dict[str, Tensor], int]:
+    """The new values of the changed tensors (CPU copies; `served` is not touched) and the
+    number of changed elements.
+
+    Raises:
+        DeltaRefused: unknown name, wrong dtype or shape, unpaired idx/val, index out of range
+            (invalid).
+    """
+    parts: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in entries.items():
+        try:
+            name, suffix = split_key(key)
+        except ValueError as e:
+            raise DeltaRefused("invalid", str(e)) from e
+        parts.setdefault(name, {})[suffix] = tensor
+    result: dict[str, Tensor] = {}
+    changed = 0
+    for name, part in parts.items():
+        if name not in served:
+            raise DeltaRefused("invalid", f"the model has no tensor {name!r}")
+        live = served[name]
+        if FULL in part:
+            new = part[FULL]
+            if set(part) != {FULL} or new.shape != live.shape or new.dtype != live.dtype:
+                raise DeltaRefused(
+                    "invalid",
+                    f"{name}: full entry {new.dtype}{list(new.shape)} does not replace the "
+                    f"served {live.dtype}{list(live.shape)}",
+                )
+            result[name] = new
+            changed += new.numel()
+            continue
+        if set(part) != {IDX, VAL}:
+            raise DeltaRefused("invalid", f"{name}: needs both {IDX} and {VAL} entries")
+        idx, val = part[IDX], part[VAL]
+        if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or idx.shape != val.shape:
+            raise DeltaRefused("invalid", f"{name}: {IDX} must be 1-D integers shaped like {VAL}")
+        if val.dtype != live.dtype:
+            raise DeltaRefused(
+                "invalid", f"{name}: delta values are {val.dtype}, the engine serves {live.dtype}"
+            )
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= live.numel()):
+            raise DeltaRefused("invalid", f"{name}: an index is outside 0..{live.numel() - 1}")
+        new = live.detach().to("cpu", copy=True).contiguous()
+        new.view(-1)[idx.long()] = val
+        result[name] = new
+        changed += idx.numel()
+    return result, changed
+
+
+def check_digests(
+    served: dict[str, Tensor], result: dict[str, Tensor], expected: dict[str, str]
+) -> None:
+    """Every tensor of the model after the update has the trainer's digest.
+
+    Raises:
+        DeltaRefused: a served tensor has no digest (invalid), or a digest differs
+            (checksum_mismatch, naming up to 5 tensors).
+    """
+    missing = sorted(set(served) - set(expected))
+    unknown = sorted(set(expected) - set(served))
+    if missing or unknown:
+        raise DeltaRefused(
+            "invalid",
+            f"the delta's digests do not cover the model: missing {missing[:5]}, unknown "
+            f"{unknown[:5]}",
+        )
+    wrong = [
+        name
+        for name, tensor in served.items()
+        if _tensor_digest(result.get(name, tensor)) != expected[name]
+    ]
+    if wrong:
+        raise DeltaRefused(
+            "checksum_mismatch",
+            f"{len(wrong)} tensors differ from the trainer's after applying the delta: {wrong[:5]}",
+        )
+
+
+def apply_delta(worker: EngineWorker, req: DeltaUpdateRequest) -> tuple[int, int]:
+    """Check and apply one delta (module docstring); returns (changed tensors, elements).
+
+    Raises:
+        DeltaRefused: the delta was not applied (nothing changed).
+    """
+    runner = worker.runner
+    if worker.status != "ready" or runner is None:
+        raise DeltaRefused("error", f"the engine is {worker.status}")
+    updater = worker.weights
+    with updater._lock:  # the updater's lock: one weight update at a time
+        if worker.weight_version != req.base_version:
+            raise DeltaRefused(
+                "base_mismatch",
+                f"the engine serves weight version {worker.weight_version!r}, the delta "
+                f"applies to {req.base_version!r}",
+            )
+        meta, entries = _read(Path(req.delta_path))
+        if meta.get("format") != FORMAT or meta.get("checksum") != CHECKSUM:
+            raise DeltaRefused(
+                "invalid",
+                f"format {meta.get('format')!r}/{meta.get('checksum')!r} is not "
+                f"{FORMAT}/{CHECKSUM}",
+            )
+        if (meta.get("base_version"), meta.get("weight_version")) != (
+            req.base_version,
+            req.weight_version,
+        ):
+            raise DeltaRefused(
+                "base_mismatch",
+                f"the file turns {meta.get('base_version')!r} into "
+                f"{meta.get('weight_version')!r}, the request says {req.base_version!r} -> "
+                f"{req.weight_version!r}",
+            )
+        try:
+            expected = json.loads(meta.get("checksums", ""))
+        except json.JSONDecodeError as e:
+            raise DeltaRefused("invalid", f"unreadable checksums: {e}") from e
+        served = _unique_state(runner.model)
+        result, changed = build_result(served, entries)
+        check_digests(served, result, expected)
+        updater._swap(result, req.weight_version, req.abort_all_requests)
+    return len(result), changed
+
+
+def register_delta_routes(
+    app: FastAPI,
+    body: Callable[[Request], Awaitable[dict[str, Any]]],
+    parse: Callable[[type[Any], dict[str, Any]], Any],
+) -> None:
+    """Add `POST /update_weights_from_delta`; `body` reads the JSON object, `parse` validates."""
+    from flywheel.engine.app import get_deps  # noqa: PLC0415
+
+    @app.post(ROUTE)
+    async def update_weights_from_delta(request: Request) -> Response:
+        req: DeltaUpdateRequest = parse(DeltaUpdateRequest, await body(request))
+        engine = cast("EngineWorker", get_deps(request).engine)
+        counter = engine.metrics.weight_deltas
+        t0 = time.perf_counter()
+        try:
+            tensors, elements = await asyncio.to_thread(apply_delta, engine, req)
+        except DeltaRefused as e:
+            counter.labels(e.reason).inc()
+            log.warning(
+                "weight delta %s -> %s refused (%s): %s",
+                req.base_version,
+                req.weight_version,
+                e.reason,
+                e.message,
+            )
+            answer = {"success": False, "message": e.message, "reason": e.reason}
+            return Response(dumps(answer), status_code=400, media_type="application/json")
+        counter.labels("applied").inc()
+        log.info(
+            "weight delta %s -> %s applied in %.2f s: %d tensors, %d elements",
+            req.base_version,
+            req.weight_version,
+            time.perf_counter() - t0,
+            tensors,
+            elements,
+        )
+        answer = {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "changed_tensors": tensors,
+            "changed_elements": elements,
+        }
+        return Response(dumps(answer), media_type="application/json")

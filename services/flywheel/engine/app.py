@@ -34,7 +34,6 @@ from pydantic import BaseModel, Field, ValidationError
 import flywheel
 from flywheel.core.errors import PlatformError
 from flywheel.core.settings import EngineSettings
-from flywheel.engine.deltas import register_delta_routes
 from flywheel.engine.metrics import EngineMetrics
 from flywheel.engine.openai_routes import register_openai_routes
 from flywheel.engine.protocol import (
@@ -47,6 +46,7 @@ from flywheel.engine.protocol import (
     validation_message,
 )
 from flywheel.engine.sequence import Job
+from flywheel.engine.deltas import register_delta_routes
 from flywheel.engine.weight_routes import register_weight_routes
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -283,6 +283,7 @@ def create_app(deps: EngineDeps) -> FastAPI:
 
     register_openai_routes(app, _wait, open_stream)
     register_weight_routes(app, _body, _parse)
+    register_delta_routes(app, _body, _parse)
     return app
 
 

@@ -421,9 +421,9 @@ class WeightPusher:
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.client = client or httpx.Client()
+        self.backoff_s = backoff_s
         self.deltas: Any = None
         """`deltas.DeltaPushes` when `trainer.push.delta` is on (set by `attach_deltas`)."""
-        self.backoff_s = backoff_s
         self.watcher = FleetWatcher(self, fleet, refresh_s).start() if fleet else None
 
     @property
@@ -560,15 +560,15 @@ class WeightPusher:
                 url,
                 self.pause,
                 reply.status_code,
-        if self.deltas is not None:  # trainer.push.delta: the delta first, else the full weights
-            if self.deltas.push(self.client, url, Path(model_path), version, self.timeout_s):
-                return
-            model_path = self.deltas.full_folder(Path(model_path), version)
             )
             return False
         return True
 
     def _update(self, url: str, model_path: Path, version: int) -> None:
+        if self.deltas is not None:  # trainer.push.delta: the delta first, else the full weights
+            if self.deltas.push(self.client, url, Path(model_path), version, self.timeout_s):
+                return
+            model_path = self.deltas.full_folder(Path(model_path), version)
         body = {
             "model_path": str(Path(model_path).resolve()),
             "weight_version": str(version),

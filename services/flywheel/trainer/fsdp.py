@@ -72,11 +72,15 @@ class ShardedPolicy(torch.nn.Module):
         return out.logprobs_BT, out.entropy_BT
 
 
-def shard_policy(model: PreTrainedModel) -> ShardedPolicy:
+def shard_policy(model: PreTrainedModel, reshard_root_after_forward: bool = False) -> ShardedPolicy:
     """Shard `model` in place over the default process group and return the FSDP2 root.
 
-    Call on every rank after the process group is up and the same weights are loaded; build
-    the optimizer afterwards (its parameters are the sharded DTensors).
+    Call on every rank after the process group is up, with the same weights loaded or with
+    parameters on the meta device (fsdp_load.py then gives each rank storage for its shards);
+    build the optimizer afterwards (its parameters are the sharded DTensors).
+    `reshard_root_after_forward`: free the root's gathered parameters (embeddings, norm, head)
+    after each forward, for a frozen model no backward follows (the KL reference); a trained
+    root keeps them for its backward.
 
     Raises:
         ValueError: the model has no `base_model.layers` (decoder layers) to shard.
@@ -87,7 +91,7 @@ def shard_policy(model: PreTrainedModel) -> ShardedPolicy:
     for layer in layers:
         fully_shard(layer)
     root = ShardedPolicy(model)
-    fully_shard(root)
+    fully_shard(root, reshard_after_forward=True if reshard_root_after_forward else None)
     for unit in root.modules():  # per unit: these setters do not recurse
         if isinstance(unit, FSDPModule):
             # sum over ranks (the loss holds the global normalizer); plain SUM collectives,
@@ -103,15 +107,19 @@ def sharded_logprobs(root: ShardedPolicy, *args, **kwargs) -> TokenLogprobs:
     return TokenLogprobs(logprobs_BT=logprobs_BT, entropy_BT=entropy_BT)
 
 
-def null_pass(root: ShardedPolicy) -> None:
+def null_pass(root: ShardedPolicy, reference: torch.nn.Module | None = None) -> None:
     """A forward + backward that adds exactly zero to every gradient: keeps this rank's FSDP
-    collectives matched with ranks that still have micro-batches."""
+    collectives matched with ranks that still have micro-batches. A sharded `reference` (the
+    KL reference, whose forwards are collectives too) runs its no-grad forward between the two,
+    as in a real micro-batch."""
     device = next(root.parameters()).device
     ids_BT = torch.zeros(1, 2, dtype=torch.int64, device=device)
+    args = (ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device))
     score_BT = torch.tensor([[False, True]], device=device)
-    logprobs_BT, entropy_BT = root(
-        ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device), score_BT
-    )
+    logprobs_BT, entropy_BT = root(*args, score_BT)
+    if is_sharded(reference):
+        with torch.no_grad():
+            reference(*args, score_BT)
     (0.0 * (logprobs_BT.sum() + entropy_BT.sum())).backward()
 
 
@@ -143,7 +151,7 @@ def full_state_dict(model: PreTrainedModel) -> dict[str, Tensor]:
     return out
 
 
-def is_sharded(model: torch.nn.Module) -> TypeGuard[ShardedPolicy]:
+def is_sharded(model: torch.nn.Module | None) -> TypeGuard[ShardedPolicy]:
     return isinstance(model, ShardedPolicy)
 
 

@@ -18,6 +18,7 @@ from flywheel.core.paths import resolve_model_path
 from flywheel.core.settings import FlywheelSettings
 from flywheel.trainer.distributed import World
 from flywheel.trainer.fleet_push import shared_fleet
+from flywheel.trainer.fsdp import ShardedPolicy
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
 from flywheel.trainer.sources import SampleSource
 from flywheel.trainer.step import (
@@ -57,8 +58,9 @@ class TrainerParts:
     status: TrainerStatus
     version: int
     """Committed optimizer steps of the loaded weights (0 = the initial model)."""
-    reference: PreTrainedModel | None = None
-    """Frozen reference policy for the KL term (None when kl_coef is 0)."""
+    reference: PreTrainedModel | ShardedPolicy | None = None
+    """Frozen reference policy for the KL term (None when kl_coef is 0); under fsdp2 sharded
+    (its `ShardedPolicy` root)."""
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     world: World | None = None
     """Data-parallel ranks (this is rank 0) or None."""
@@ -76,7 +78,7 @@ class Policy:
     model: PreTrainedModel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    reference: PreTrainedModel | None
+    reference: PreTrainedModel | ShardedPolicy | None
     latest: Checkpoint | None
     store: CheckpointStore
     source_dir: Path
@@ -89,7 +91,8 @@ class Policy:
 def build_policy(settings: FlywheelSettings, world: World | None = None) -> Policy:
     """Load the newest checkpoint (or the initial model) with LoRA, reference, AdamW and the LR
     schedule, and restore their training state. With `world` and `distributed_strategy =
-    "fsdp2"`, the model is sharded (fsdp.py) before AdamW is built over the shards.
+    "fsdp2"`, the model and the KL reference are built on the meta device, sharded (fsdp.py)
+    and each rank loads only its shards (fsdp_load.py); AdamW is built over the shards.
 
     Raises:
         ValueError: fsdp2 with LoRA, the distributed weight push, or algorithm parts that run
@@ -108,29 +111,40 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
     source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
     store = CheckpointStore(Path(s.checkpoint.dir), s.checkpoint.keep, source_dir)
     latest = store.latest()
-    model = load_model(latest.path if latest else source_dir, s.device)
-    if s.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    weights_path = latest.path if latest else source_dir
+    trained = None
+    if fsdp:  # built on the meta device, each rank loading only its shards (fsdp_load.py)
+        from flywheel.trainer.fsdp_load import load_sharded_policy  # noqa: PLC0415
+
+        model, trained = load_sharded_policy(
+            weights_path,
+            resolve_device(s.device),
+            gradient_checkpointing=s.gradient_checkpointing,
+        )
+        assert world is not None  # fsdp is only chosen with a world
+        log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
+    else:
+        model = load_model(weights_path, s.device)
+        if s.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
     if s.lora.rank > 0:
         from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
 
         model = add_lora(model, s.lora)
-    reference = None
+    reference: PreTrainedModel | ShardedPolicy | None = None
     if s.algorithm.kl_coef > 0:
         ref_path = (
             resolve_model_path(s.algorithm.reference_model_path)
             if s.algorithm.reference_model_path
             else (source_dir)
         )
-        reference = load_model(ref_path, s.device).requires_grad_(False).eval()
-        log.info("KL reference policy (frozen) loaded from %s", ref_path)
-    trained = None
-    if fsdp:
-        from flywheel.trainer.fsdp import shard_policy  # noqa: PLC0415
+        if fsdp:  # sharded like the policy: no rank holds a whole copy
+            from flywheel.trainer.fsdp_load import load_sharded_policy  # noqa: PLC0415
 
-        trained = shard_policy(model)
-        assert world is not None  # fsdp is only chosen with a world
-        log.info("rank %d: model sharded with FSDP2 over %d ranks", world.rank, world.size)
+            reference = load_sharded_policy(ref_path, resolve_device(s.device), frozen=True)[1]
+        else:
+            reference = load_model(ref_path, s.device).requires_grad_(False).eval()
+        log.info("KL reference policy (frozen) loaded from %s", ref_path)
     optimizer = build_optimizer(model, s.optim)
     scheduler = build_scheduler(optimizer, s.optim)
     sharded = None

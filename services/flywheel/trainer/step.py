@@ -234,7 +234,7 @@ def accumulate(
     batch: TrainBatch,
     cfg: StepConfig,
     norm: LossNormalizer,
-    reference: PreTrainedModel | None = None,
+    reference: PreTrainedModel | ShardedPolicy | None = None,
     world: World | None = None,
 ) -> Accumulated:
     """Forward + backward every micro-batch; grads add up to the full-batch gradient (BUG-14).
@@ -277,12 +277,13 @@ def _accumulate_sharded(
     parts: list[TrainBatch],
     cfg: StepConfig,
     norm: LossNormalizer,
-    reference: PreTrainedModel | None,
+    reference: PreTrainedModel | ShardedPolicy | None,
     world: World | None,
     acc: Accumulated,
 ) -> Accumulated:
     device = next(model.parameters()).device
     passes = world.max_int(len(parts)) if world is not None else len(parts)
+    scored_reference = reference if cfg.algorithm.kl_coef > 0 else None
     for index in range(passes):
         set_gradient_sync(model, index == passes - 1)
         mb = parts[index] if index < len(parts) else None
@@ -290,11 +291,11 @@ def _accumulate_sharded(
             acc.micro_batches += 1
         if mb is None or acc.nonfinite or not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += mb is not None and not bool(mb.loss_mask_BT.any())
-            null_pass(model)
+            null_pass(model, scored_reference)
             continue
         _backward_micro_batch(model, mb.to(device), cfg, norm, reference, acc)
         if acc.nonfinite:
-            null_pass(model)  # the pass whose loss was not back-propagated
+            null_pass(model, scored_reference)  # the pass whose loss was not back-propagated
     set_gradient_sync(model, True)
     return acc
 
@@ -304,7 +305,7 @@ def _backward_micro_batch(
     mb: TrainBatch,
     cfg: StepConfig,
     norm: LossNormalizer,
-    reference: PreTrainedModel | None,
+    reference: PreTrainedModel | ShardedPolicy | None,
     acc: Accumulated,
 ) -> bool:
     """Loss and backward of one micro-batch into `acc`; False (and `acc.nonfinite`) when its
@@ -444,7 +445,7 @@ def train_step(
     batch: TrainBatch,
     cfg: StepConfig,
     *,
-    reference: PreTrainedModel | None = None,
+    reference: PreTrainedModel | ShardedPolicy | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     world: World | None = None,
 ) -> StepResult:
@@ -452,7 +453,8 @@ def train_step(
     scheduler as they are.
 
     Args:
-        reference: frozen reference policy for the KL term (needed when cfg.algorithm.kl_coef > 0).
+        reference: frozen reference policy for the KL term (needed when cfg.algorithm.kl_coef > 0);
+            under FSDP2 a sharded one (fsdp_load.py), whose forwards every rank runs alike.
         scheduler: stepped after a committed optimizer step only.
         world: data-parallel ranks (distributed.py): this rank trains its rows of `batch`
             with the whole batch's normalizer, then gradients (all-reduce, or FSDP2's

@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, ValidationError
 import flywheel
 from flywheel.core.errors import PlatformError
 from flywheel.core.settings import EngineSettings
+from flywheel.engine.deltas import register_delta_routes
 from flywheel.engine.metrics import EngineMetrics
 from flywheel.engine.openai_routes import register_openai_routes
 from flywheel.engine.protocol import (
@@ -46,7 +47,6 @@ from flywheel.engine.protocol import (
     validation_message,
 )
 from flywheel.engine.sequence import Job
-from flywheel.engine.deltas import register_delta_routes
 from flywheel.engine.weight_routes import register_weight_routes
 
 _M = TypeVar("_M", bound=BaseModel)

@@ -1,8 +1,8 @@
 """The engine fleet: the engine URLs that every gateway and the trainer share, kept in Redis.
 
 The fleet is a Redis hash `{prefix}:fleet:engines` (engine base URL -> the source that added
-it) and the fleet's current weight version `{prefix}:fleet:version` (the version the trainer is
-rolling out; docs/fleet.md). Sources, all written to the same hash:
+it) and the fleet's current weight version `{prefix}:fleet:version` (the newest version a
+trainer push reached; docs/fleet.md). Sources, all written to the same hash:
 
 - `static`: the configured list (`gateway.engine_urls`, else `engine.urls`, else the local
   engine; `static_urls`), written by each service at start (`Fleet.seed`);
@@ -241,6 +241,6 @@ class Fleet:
         return int(raw) if raw is not None else 0
 
     def set_version(self, version: int) -> None:
-        """Record `version` as the one every engine must serve before a gateway routes to an
-        engine that joined (set by the trainer when it starts a push, and at its start)."""
+        """Record `version` as the one an engine must serve before a gateway routes to it after
+        it joined (set by the trainer after a push reached an engine, and at its start)."""
         self.client.set(self.version_key, int(version))

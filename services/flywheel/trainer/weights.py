@@ -378,9 +378,8 @@ class WeightPusher:
     (BUG-16). Each engine gets `attempts` tries with exponential backoff and jitter. An engine
     that still fails, or is past `engine_deadline_s`, is reported in the `PushReport` (the
     caller counts it, logs it and pushes the newest checkpoint to it again at the next step);
-    only when every engine fails is `UpstreamError` raised. With a shared `fleet`
-    (core/fleet.py) the engines are the fleet's at each push, and a `FleetWatcher` gives the
-    newest weights to a member that serves an older version (fleet_push.py).
+    only when every engine fails is `UpstreamError` raised. With a shared `fleet` the engines
+    are the fleet's at each push, and a `FleetWatcher` catches up engines (fleet_push.py).
 
     Args:
         engine_urls: engine base URLs.
@@ -437,10 +436,6 @@ class WeightPusher:
                 log.warning("fleet unreadable (%s); pushing to %s", exc, self.static_urls)
         return self.static_urls
 
-    @engine_urls.setter
-    def engine_urls(self, urls: list[str]) -> None:
-        self.static_urls = list(urls)
-
     def push(self, model_path: Path, version: int) -> PushReport:
         """Push to every engine at once (one thread per engine, each within
         `engine_deadline_s`). An engine that already serves `version` or a newer one is left
@@ -452,12 +447,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         report = PushReport(version, [], {}, 0.0)
         urls = self.engine_urls
-        self.latest = (Path(model_path), version)
-        if self.fleet is not None:  # gateways wait for a joined engine to serve this version
-            try:
-                self.fleet.set_version(version)
-            except Exception as exc:  # noqa: BLE001 (redis errors: the push goes on)
-                log.warning("fleet version not recorded (%s)", exc)
+        self.latest = (Path(model_path), version)  # what the fleet watcher gives joined engines
         results = push_each(
             urls,
             lambda url: self.push_with_retries(url, model_path, version),
@@ -474,6 +464,11 @@ class WeightPusher:
             else:
                 report.failed[url] = error
         report.seconds = time.perf_counter() - t0
+        if self.fleet is not None and report.ok:  # gateways hold back engines serving less
+            try:
+                self.fleet.set_version(version)
+            except Exception as exc:  # noqa: BLE001 (redis errors: the push stands)
+                log.warning("fleet version not recorded (%s)", exc)
         if urls and not report.ok:
             last = next(reversed(report.failed.values()))
             raise UpstreamError(

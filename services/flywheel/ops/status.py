@@ -193,6 +193,7 @@ class StatusReport:
 
 def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = None) -> StatusReport:
     """Probe everything once (a few seconds at most: every call has a 3 s timeout)."""
+    from flywheel.core.fleet import Fleet  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
 
     state = state or {}
@@ -200,12 +201,14 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
     services = [probe(*t) for t in service_targets(settings, state)]
     streams: list[StreamStat] = []
     redis_ok, redis_error = True, ""
+    engine_urls = [state["engine"]] if "engine" in state else settings.engine_urls()
     try:
         client = connect(redis_url)
         streams = stream_stats(client, settings.streams)
+        fleet = Fleet(client, settings.streams.prefix, []).urls()  # docs/fleet.md
+        engine_urls = list(dict.fromkeys([u.rstrip("/") for u in engine_urls] + fleet))
     except redis.RedisError as exc:
         redis_ok, redis_error = False, str(exc)
-    engine_urls = [state["engine"]] if "engine" in state else settings.engine_urls()
     engines = {u: engine_weight_version(u) for u in engine_urls}
     trainer_host = settings.trainer.host
     if trainer_host in BIND_ALL:

@@ -3,13 +3,14 @@
 The images are built from Debian's archive and PyPI alone (deploy/podman/build-images.sh: a
 debootstrap root as BASE_IMAGE, Redis from Debian's package as REDIS_IMAGE), the stack is
 started by podman-compose from docker-compose.yml, every service's own compose health check
-passes, and the gateway answers a chat request from the openai SDK and records it: the Sample
-in the Redis rollouts stream holds the tokens of the reply.
+passes, and the gateway answers an episode's chat request from the openai SDK and records it:
+the Sample in the Redis rollouts stream holds the tokens, logprobs and reward of the episode.
 
 Not part of `make test` (it builds images and starts five containers: 10+ minutes on two
-cores the first time). It runs when FLYWHEEL_CONTAINER_TESTS=1 (`make compose-test` sets it)
-and skips, saying why, where podman cannot run containers (not installed, not root, no
-Debian base image and no debootstrap). Host set-up, as root: `make podman-setup`.
+cores the first time). It runs when FLYWHEEL_CONTAINER_TESTS=1 (`make compose-test` sets it;
+`prebuilt` uses the images already built instead of building them) and skips, saying why,
+where podman cannot run containers (not installed, not root, no Debian base image and no
+debootstrap). Host set-up, as root: `make podman-setup`.
 
 podman 4.3 (Debian 12) ignores `condition: service_healthy` (podman-compose needs podman 4.6
 for it, and runs the services in dependency order only) and, without systemd, runs no health
@@ -81,8 +82,9 @@ def _podman_or_skip() -> str:
 def images() -> str:
     """Every image of the cpu profile, built (podman's layer cache makes a rebuild quick)."""
     podman = _podman_or_skip()
-    build = _run([str(ROOT / "deploy/podman/build-images.sh")], 5400, cwd=ROOT)
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
+    if os.environ.get("FLYWHEEL_CONTAINER_TESTS") != "prebuilt":
+        build = _run([str(ROOT / "deploy/podman/build-images.sh")], 5400, cwd=ROOT)
+        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
     probe = _run([podman, "run", "--rm", BASE_TAG, "python3", "-c", "print(40 + 2)"], 300)
     if probe.returncode != 0:  # built, but this host cannot start a container
         pytest.skip(f"podman cannot start a container here: {probe.stderr.strip()[-400:]}")
@@ -193,8 +195,10 @@ def test_every_service_of_the_cpu_profile_passes_its_compose_health_check(stack)
 
 
 def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
-    """An API key minted inside the network, a chat completion through the published gateway
-    port, and the Sample in the rollouts stream: its sampled tokens decode to the reply."""
+    """An API key minted inside the network, an episode (session, chat completion, finish)
+    through the published gateway port with the openai SDK, and its Sample in the rollouts
+    stream: the sampled tokens, their logprobs and the reward are the ones served and posted."""
+    import httpx  # noqa: PLC0415
     from openai import OpenAI  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
@@ -204,7 +208,12 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     minted = stack.exec("gateway", "flywheel", "keys", "create", "--role", "agent", "--name", "ct")
     assert minted.returncode == 0, minted.stdout + minted.stderr
     key = minted.stdout.strip().splitlines()[-1]
-    client = OpenAI(base_url=f"http://127.0.0.1:{stack.port}/v1", api_key=key, timeout=300)
+    gateway = f"http://127.0.0.1:{stack.port}"
+    auth = {"Authorization": f"Bearer {key}"}
+    refused = httpx.post(f"{gateway}/v1/sessions", json={}, timeout=60)
+    assert refused.status_code == 401, refused.text  # 0.0.0.0 in a container: keys required
+    session = httpx.post(f"{gateway}/v1/sessions", json={}, headers=auth, timeout=60).json()
+    client = OpenAI(base_url=session["base_url"], api_key=key, timeout=300)
     model = client.models.list().data[0].id
     prompt = f"Say hello to container test {secrets.token_hex(3)}."
     reply = client.chat.completions.create(
@@ -216,17 +225,18 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     )
     text = reply.choices[0].message.content or ""
     assert text.strip() and reply.usage is not None
-    samples = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        read = stack.exec("gateway", "python", "-c", READ_SAMPLES)
-        assert read.returncode == 0, read.stdout + read.stderr
-        samples = [decode_sample(base64.b64decode(b)) for b in json.loads(read.stdout)]
-        samples = [s for s in samples if any(prompt in m.content_json for m in s.messages)]
-        if samples:
-            break
-        time.sleep(2)
-    assert len(samples) == 1, f"no Sample recorded the request\n{stack.logs()}"
+    finished = httpx.post(
+        f"{gateway}/v1/sessions/{session['session_id']}/finish",
+        json={"reward": 0.75},
+        headers=auth,
+        timeout=120,
+    )
+    assert finished.status_code == 200 and finished.json()["samples_published"] == 1, finished.text
+    read = stack.exec("gateway", "python", "-c", READ_SAMPLES)
+    assert read.returncode == 0, read.stdout + read.stderr
+    samples = [decode_sample(base64.b64decode(b)) for b in json.loads(read.stdout)]
+    samples = [s for s in samples if s.session_id == session["session_id"]]
+    assert len(samples) == 1, f"the rollouts stream lacks the episode\n{stack.logs()}"
     (sample,) = samples
     n = sample.prompt_length
     sampled = list(sample.token_ids[n:])
@@ -239,3 +249,4 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     assert tok.decode(sampled, skip_special_tokens=True).strip() == text.strip()
     assert prompt in tok.decode(sample.token_ids[:n])
+    assert sample.rewards["outcome"] == 0.75

@@ -2,9 +2,11 @@
 
 The embedded engine serves SmolLM2-135M-Instruct (version 0); a gateway process in front of it
 records to a real Redis. The openai SDK streams a long chat turn of an episode session; while it
-streams, a push (`/update_weights_from_disk` with `abort_all_requests`, as SGLang is updated in
-RL loops) aborts the row. The gateway continues it from its tokens (prompt ids + the tokens so
-far) under version 1 and the client's stream runs on. The recorded Sample then carries version 0
+streams, a push aborts the row: `/update_weights_from_disk` with `abort_all_requests`, or the
+trainer's own pusher with `trainer.push.pause = "abort"` (`/pause_generation` in abort mode, the
+update, `/continue_generation`: SGLang's RL flow; the continuation waits while paused). The
+gateway continues it from its tokens (prompt ids + the tokens so far) under version 1 and the
+client's stream runs on. The recorded Sample then carries version 0
 on the tokens before the abort and version 1 after, and each part passes the fidelity check
 against its own weights (re-scored by the engine serving them) and fails it against the other's.
 """
@@ -25,6 +27,7 @@ from flywheel.core.settings import load_settings
 from flywheel.core.streams import FIELD
 from flywheel.ops.fidelity import check_fidelity
 from flywheel.ops.stack import Stack
+from flywheel.trainer.weights import WeightPusher
 
 from ..engine_process import engine_process
 
@@ -51,7 +54,10 @@ def _push(engine: str, model_dir, version: str, abort: bool) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
 
 
-def test_an_aborted_generation_continues_under_the_new_version(smollm2_dir, tmp_path, redis_server):
+@pytest.mark.parametrize("push", ["abort_all_requests", "pause_abort"])
+def test_an_aborted_generation_continues_under_the_new_version(
+    smollm2_dir, tmp_path, redis_server, push
+):
     state = load_file(smollm2_dir / "model.safetensors")
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -61,7 +67,7 @@ def test_an_aborted_generation_continues_under_the_new_version(smollm2_dir, tmp_
     with engine_process(smollm2_dir, "--weight-version", "0", threads="2") as engine:
         settings = load_settings(
             redis={"url": redis_server.url},
-            streams={"prefix": "partial", "block_ms": 200},
+            streams={"prefix": f"partial_{push}", "block_ms": 200},
             engine={"model_path": str(smollm2_dir)},
             gateway={
                 "port": free_port(),
@@ -92,7 +98,9 @@ def test_an_aborted_generation_continues_under_the_new_version(smollm2_dir, tmp_
                 choice = chunk.choices[0]
                 if choice.delta.content:
                     deltas.append(choice.delta.content)
-                    if len(deltas) == 6:  # the row is decoding: push with abort
+                    if len(deltas) == 6 and push == "pause_abort":  # the trainer's push
+                        WeightPusher([engine], timeout_s=300, attempts=1, pause="abort").push(v1, 1)
+                    elif len(deltas) == 6:  # the row is decoding: push with abort
                         _push(engine, v1, "1", abort=True)
                 finish = choice.finish_reason or finish
             assert len(deltas) > 6, "the reply ended before the push"

@@ -216,3 +216,38 @@ def test_trainer_broadcasts_step_k_while_step_k_plus_1_trains(engines, tiny_mode
         for name in names:
             rows_ = 4 if "embed_tokens" in name else None
             assert served[name] == state[name][:rows_].tolist(), (url, name)
+
+
+def test_a_group_left_by_a_dead_trainer_is_formed_again(engines, tiny_model_dir):
+    """A trainer that died mid-push leaves the group (its name taken) and an open session with
+    received tensors on the engines. The next trainer destroys the left-over group before it
+    forms its own, which drops the stale session unapplied, and its first push broadcasts."""
+    one, two = engines
+    dead = DistributedWeightSync([one, two], tp_sizes=[1, 2], backend="gloo", timeout_s=60)
+    dead.connect()
+    for url in engines:
+        assert httpx.post(f"{url}/begin_weight_update", json={}).json()["success"] is True
+    stale = torch.full((64,), 7.0)
+    dead._send_bucket(
+        [("model.norm.weight", stale)], "99", flush_cache=True, abort_all_requests=False
+    )
+    # the trainer dies here: no end, no destroy
+
+    for url in engines:  # below the versions the earlier tests pushed
+        httpx.post(f"{url}/update_weight_version", json={"new_version": "0"}, timeout=30)
+    state = cpu_snapshot(perturbed(tiny_model_dir, seed=4))
+    pusher = DistributedPusher(
+        WeightPusher([one, two], timeout_s=60, attempts=1),
+        master_address="127.0.0.1",
+        backend="gloo",
+        timeout_s=60,
+    )
+    try:
+        report = pusher.broadcast(5, state)
+        assert report is not None and report.via == "distributed"
+    finally:
+        pusher.close()
+    for url in engines:
+        assert behaviour(url)[2] == "5"
+        norm = served_tensors(url, ["model.norm.weight"])["model.norm.weight"]
+        assert norm == state["model.norm.weight"].tolist() != stale.tolist()

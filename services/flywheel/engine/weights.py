@@ -230,9 +230,19 @@ class WeightUpdater:
         return True, "Succeeded to initialize custom process group."
 
     def destroy_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        """Leave the group. A weight-update session still open is dropped with it, nothing of
+        it applied (its trainer is gone: a trainer that died mid-push left it open)."""
         group = self._groups.pop(group_name, None)
         if group is None:
             return False, f"no group named {group_name!r}"
+        with self._lock:
+            if self._session is not None:
+                log.warning(
+                    "weight update session dropped unapplied (%d tensors received) with group %s",
+                    len(self._session.staged),
+                    group_name,
+                )
+                self._session = None
         for pg in group.groups:
             shutdown = getattr(pg, "shutdown", None)
             if callable(shutdown):

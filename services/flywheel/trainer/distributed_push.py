@@ -31,6 +31,7 @@ import torch
 
 from flywheel.trainer.weight_sync import (
     DEFAULT_BUCKET_BYTES,
+    GROUP_NAME,
     DistributedWeightSync,
     WeightSyncError,
 )
@@ -149,7 +150,16 @@ class DistributedPusher:
         )
 
     def _connected(self) -> DistributedWeightSync:
+        """The group, formed now if there is none. Before forming it, a group of that name left
+        on the engines by a trainer that died is destroyed (an engine drops the session that
+        trainer left open with it); a group that cannot form is destroyed everywhere too, so
+        the next push forms it again.
+
+        Raises:
+            WeightSyncError, httpx.HTTPError: the group could not form.
+        """
         if self.sync is None:
+            self._destroy_leftovers()
             sync = DistributedWeightSync(
                 list(self.engine_urls),
                 tp_sizes=self.tp_sizes or [self.server_tp_size(u) for u in self.engine_urls],
@@ -159,9 +169,27 @@ class DistributedPusher:
                 timeout_s=self.timeout_s,
                 bucket_bytes=self.bucket_bytes,
             )
-            sync.connect()
+            try:
+                sync.connect()
+            except BaseException:
+                sync.close()
+                raise
             self.sync = sync
         return self.sync
+
+    def _destroy_leftovers(self) -> None:
+        for url in self.engine_urls:
+            try:
+                r = self.disk.client.post(
+                    f"{url.rstrip('/')}/destroy_weights_update_group",
+                    json={"group_name": GROUP_NAME},
+                    timeout=60,
+                )
+            except httpx.HTTPError as exc:
+                log.warning("engine %s: destroying a left-over group failed: %s", url, exc)
+                continue
+            if r.status_code == 200 and r.json().get("success"):
+                log.warning("engine %s had a weight update group left by an earlier trainer", url)
 
     def server_tp_size(self, url: str) -> int:
         """`tp_size` of `url`'s `/server_info` (`/get_server_info` on servers before 0.5.12).

@@ -43,6 +43,10 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2
 """Bytes of tensors per `/update_weights_from_distributed` call (slime's default bucket)."""
 
 
+GROUP_NAME = "weight_update_group"
+"""SGLang's default name of the weight-update group."""
+
+
 class WeightSyncError(RuntimeError):
     """An engine refused a weight-sync call; the message names the engine and its reason."""
 
@@ -133,7 +137,7 @@ class DistributedWeightSync:
     master_address: str = "127.0.0.1"
     master_port: int = 0
     backend: str = "gloo"
-    group_name: str = "weight_update_group"
+    group_name: str = GROUP_NAME
     timeout_s: float = 600.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     _group: Any = field(default=None, init=False, repr=False)

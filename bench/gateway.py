@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     if ab is not None or args.compare_rev:
-        TARGETS.append("gateway-recorded-B")
+        TARGETS.extend(["gateway-B", "gateway-recorded-B"])
     if args.targets:
         wanted = args.targets.split(",")
         unknown = set(wanted) - set(TARGETS)

@@ -8,6 +8,7 @@ small machine the driver, not the target, would otherwise set the pace.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -27,6 +28,9 @@ class Driver:
         headers: dict[str, str] | None = None,
         timeout_s: float = 60,
     ):
+        # The driver's own full garbage collections (its process may hold torch and
+        # transformers: hundreds of ms each) would show up as the target's latency tail.
+        gc.freeze()
         self.base = base.rstrip("/")
         self.concurrency = concurrency
         self._session = aiohttp.ClientSession(

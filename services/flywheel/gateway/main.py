@@ -7,6 +7,7 @@ publisher -> serve the app with uvicorn.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 from flywheel.core.http_errors import KEEP_ALIVE_S
@@ -83,8 +84,14 @@ def main(argv: list[str] | None = None) -> None:
             settings.streams.retention_check_s,
         ),
     )
+    app = create_app(deps)
+    # What start-up loaded (tokenizer, chat template, libraries: over a million objects) lives
+    # as long as the process: frozen out of the collector's reach, a full collection scans only
+    # what requests made. Unfrozen, each one took 400-600 ms every second or two at concurrency
+    # 64, the p99 tail of bench/peers/gateway_overhead.py.
+    gc.freeze()
     uvicorn.run(
-        create_app(deps),
+        app,
         host=gw.host,
         port=gw.port,
         log_level="warning",

@@ -257,6 +257,22 @@ def test_retrieve_and_delete_a_stored_response_through_the_sdk(gw):
     )
 
 
+def test_a_trailing_assistant_item_is_history_not_a_prefill(gw, renderer):
+    """The Responses API has no prefill: the reply is a new assistant turn after it."""
+    make, _, _ = gw
+    client, engine = make(["Eight."])
+    r = sdk(client).responses.create(
+        model="m",
+        input=[
+            {"role": "user", "content": "What is 7 + 1?"},
+            {"role": "assistant", "content": "Let me think"},
+        ],
+    )
+    assert r.output_text == "Eight."  # not "Let me think" + anything
+    prompt = renderer.tokenizer.decode(engine.prompts[0])
+    assert prompt.endswith("Let me think<|im_end|>\n<|im_start|>assistant\n"), prompt[-80:]
+
+
 def test_another_keys_response_cannot_be_retrieved_or_deleted(gw, redis_client, prefix):
     from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
 

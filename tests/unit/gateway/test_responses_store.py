@@ -1,0 +1,69 @@
+"""The stored-response store (api/responses_store.py) on a real Redis: concurrent SETs on its
+one pipelined connection all land with their expiry, owners are checked, and a connection Redis
+closed fails only the writes waiting on it; the next write opens a new one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from flywheel.core.errors import NotFoundError
+from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
+
+
+def _stored(i: int) -> StoredResponse:
+    return StoredResponse(
+        "key-a",
+        f"s{i}",
+        [{"role": "user", "content": f"q{i}"}],
+        {"id": f"resp_{i}", "object": "response", "n": 2**70},  # wider than 64 bits
+    )
+
+
+def test_concurrent_puts_land_in_order_with_their_expiry(redis_client, prefix):
+    store = ResponseStore(redis_client, prefix, 120)
+
+    async def run() -> list[StoredResponse]:
+        await asyncio.gather(*(store.put(f"resp_{i}", _stored(i)) for i in range(50)))
+        return [await store.get(f"resp_{i}", "key-a") for i in range(50)]
+
+    got = asyncio.run(run())
+    assert [g.session_id for g in got] == [f"s{i}" for i in range(50)]
+    assert got[7].conversation == [{"role": "user", "content": "q7"}]
+    assert got[7].response == {"id": "resp_7", "object": "response", "n": 2**70}
+    assert 0 < redis_client.ttl(f"{prefix}:response:resp_7") <= 120
+    with pytest.raises(NotFoundError):  # another key's id is answered like a missing one
+        asyncio.run(store.get("resp_7", "key-b"))
+
+
+def test_the_response_bytes_given_are_stored_as_they_are(redis_client, prefix):
+    store = ResponseStore(redis_client, prefix, 120)
+    body = b'{"id":"resp_x","object":"response","output":[]}'
+    asyncio.run(store.put("resp_x", StoredResponse("", "", []), body))
+    raw = redis_client.get(f"{prefix}:response:resp_x")
+    assert raw.endswith(b',"response":' + body + b"}")
+    asyncio.run(store.delete("resp_x", ""))
+    assert redis_client.get(f"{prefix}:response:resp_x") is None
+
+
+def test_a_connection_redis_closed_is_replaced(redis_client, prefix):
+    store = ResponseStore(redis_client, prefix, 120)
+
+    async def run() -> list[str]:
+        await store.put("resp_a", _stored(1))
+        redis_client.client_setname("test-killer")
+        redis_client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        outcomes = []
+        for i in range(3):  # the first may meet the closed socket; later ones reconnect
+            try:
+                await store.put(f"resp_b{i}", _stored(2))
+                outcomes.append("ok")
+            except redis.ConnectionError:
+                outcomes.append("failed")
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert outcomes[1:] == ["ok", "ok"], outcomes
+    assert asyncio.run(store.get("resp_b2", "key-a")).session_id == "s2"

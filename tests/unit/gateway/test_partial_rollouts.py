@@ -107,6 +107,10 @@ def test_a_grammar_generation_restarts_or_fails_when_streamed():
     script = Script([_gen([5, 6], 0, "abort")])
     with pytest.raises(UpstreamError, match="cannot continue"):
         asyncio.run(generate_partial(script, [1], sampling, restart=False))
+    # aborted before its first token, a streamed one is sampled again: nothing was shown
+    script = Script([_gen([], 0, "abort"), _gen([9, 2], 1, "stop")])
+    gen, _ = asyncio.run(generate_partial(script, [1], sampling, restart=False))
+    assert gen.output_ids == [9, 2]
 
 
 def test_an_abort_with_the_budget_spent_finishes_as_length():

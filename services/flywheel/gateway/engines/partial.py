@@ -124,8 +124,8 @@ async def generate_partial(
         input_ids: the prompt ids.
         sampling: SGLang sampling params, with `max_new_tokens`.
         restart: a generation that cannot continue (`continuable`) may be sampled again from
-            the prompt; False (a streamed call whose text was shown) makes its abort an
-            UpstreamError.
+            the prompt; False (a streamed call: its text is shown as it comes) makes such an
+            abort an UpstreamError once a token was sampled.
 
     Returns:
         (the joined Generation, number of parts).
@@ -148,7 +148,7 @@ async def generate_partial(
             break
         if keep and len(done) + len(gen.output_ids) >= cap:  # nothing left to sample
             return join(parts, cap), len(parts)
-        if not keep and not restart:
+        if not keep and not restart and gen.output_ids:  # its text was shown
             raise UpstreamError(
                 "the engine aborted the streamed generation (a weight update or an abort "
                 "request) and a generation with a grammar or an output penalty cannot continue "

@@ -55,6 +55,7 @@ def test_rest_of_lowers_the_budget_and_offsets_the_seed():
         "max_new_tokens": 3,
         "temperature": 1.0,
     }
+    assert rest_of({}, 28) == {"max_new_tokens": 100}  # SGLang's default 128 - 28
 
 
 def test_continuable_refuses_grammars_and_output_penalties():

@@ -46,6 +46,8 @@ MAX_ABORTS = 3
 """Aborts of one generation tolerated; one more is an UpstreamError (nothing recorded)."""
 STATEFUL_SAMPLING = ("json_schema", "regex", "ebnf", "structural_tag")
 """Sampling params whose state spans the output tokens: such a generation cannot continue."""
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's `max_new_tokens` when a request sets none."""
 _PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
 
 Call = Callable[[list[int], dict[str, Any]], Awaitable[tuple[str, Generation]]]
@@ -68,7 +70,8 @@ def rest_of(sampling: dict[str, Any], done: int) -> dict[str, Any]:
     Example: {"max_new_tokens": 64, "min_new_tokens": 8, "sampling_seed": 7}, done 40 ->
     {"max_new_tokens": 24, "min_new_tokens": 0, "sampling_seed": 47}.
     """
-    rest = {**sampling, "max_new_tokens": max(int(sampling["max_new_tokens"]) - done, 0)}
+    cap = int(sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    rest = {**sampling, "max_new_tokens": max(cap - done, 0)}
     if "min_new_tokens" in sampling:
         rest["min_new_tokens"] = max(int(sampling["min_new_tokens"]) - done, 0)
     if "sampling_seed" in sampling:
@@ -122,7 +125,7 @@ async def generate_partial(
     Args:
         call: one engine call (plain or streamed; a streamed one sends its own text on).
         input_ids: the prompt ids.
-        sampling: SGLang sampling params, with `max_new_tokens`.
+        sampling: SGLang sampling params (`max_new_tokens` unset = SGLang's 128).
         restart: a generation that cannot continue (`continuable`) may be sampled again from
             the prompt; False (a streamed call: its text is shown as it comes) makes such an
             abort an UpstreamError once a token was sampled.
@@ -135,7 +138,7 @@ async def generate_partial(
         InvalidRequestError, UpstreamError: from `call`.
     """
     keep = continuable(sampling)
-    cap = int(sampling["max_new_tokens"])
+    cap = int(sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     parts: list[Generation] = []
     for aborts in range(MAX_ABORTS + 1):
         done = [t for p in parts for t in p.output_ids]

@@ -110,16 +110,16 @@ def sharded_logprobs(root: ShardedPolicy, *args, **kwargs) -> TokenLogprobs:
 def null_pass(root: ShardedPolicy, reference: torch.nn.Module | None = None) -> None:
     """A forward + backward that adds exactly zero to every gradient: keeps this rank's FSDP
     collectives matched with ranks that still have micro-batches. A sharded `reference` (the
-    KL reference, whose forwards are collectives too) runs its no-grad forward between the two,
-    as in a real micro-batch."""
+    KL reference, whose forwards are collectives too) runs its no-grad forward first, as in a
+    real micro-batch (step.py)."""
     device = next(root.parameters()).device
     ids_BT = torch.zeros(1, 2, dtype=torch.int64, device=device)
     args = (ids_BT, torch.ones_like(ids_BT), torch.ones(1, device=device))
     score_BT = torch.tensor([[False, True]], device=device)
-    logprobs_BT, entropy_BT = root(*args, score_BT)
     if is_sharded(reference):
         with torch.no_grad():
             reference(*args, score_BT)
+    logprobs_BT, entropy_BT = root(*args, score_BT)
     (0.0 * (logprobs_BT.sum() + entropy_BT.sum())).backward()
 
 

@@ -3,10 +3,10 @@
     prepare_batch       advantages by group (live samples per sample), the padded (B, T) batch
                         (prepare.py)
     accumulate          per micro-batch (padded, or packed padding-free: `trainer.batch.layout`):
-                        chunked logprobs (fp32 head, decoder optionally under bf16 autocast;
-                        through the FSDP2 root under fsdp2) -> [reference logprobs, no grad] ->
-                        token loss -> aggregation with the step-wide normalizer -> backward;
-                        token statistics (reduced over ranks under torchrun)
+                        [reference logprobs, no grad] -> chunked logprobs (fp32 head,
+                        decoder optionally under bf16 autocast; through the FSDP2 root under
+                        fsdp2) -> token loss -> aggregation with the step-wide normalizer ->
+                        backward; token statistics (reduced over ranks under torchrun)
     token_loss          policy loss against the rollout logprobs (or, for a correction or an
                         IS-corrected stale sample, against the trainer's own with the detached
                         weight) x the sample's staleness weight, + kl_coef * KL(pi || ref) +
@@ -309,13 +309,15 @@ def _backward_micro_batch(
     acc: Accumulated,
 ) -> bool:
     """Loss and backward of one micro-batch into `acc`; False (and `acc.nonfinite`) when its
-    loss is not finite (then nothing is back-propagated)."""
-    lp = _logprobs(model, mb, cfg)
+    loss is not finite (then nothing is back-propagated). The reference is scored first, so
+    its forward is done (under FSDP2: its gathered parameters freed) before the policy's graph
+    and gathered root are held for the backward."""
     ref_logprobs_BT = None
     if cfg.algorithm.kl_coef > 0:
         with torch.no_grad():
             assert reference is not None  # accumulate checks: kl_coef > 0 needs one
             ref_logprobs_BT = _logprobs(reference, mb, cfg).logprobs_BT
+    lp = _logprobs(model, mb, cfg)
     student = None if is_sharded(model) else student_topk(model, mb, cfg)
     terms_BT, stats = token_loss(lp, mb, cfg, ref_logprobs_BT, student=student)
     aggregate = AGGREGATIONS[cfg.algorithm.loss_aggregation]

@@ -78,11 +78,14 @@ def check_served_vocab(
     """Ask the engine at `url` which text its tokenizer gives `probe_ids` (a prefill with
     `return_text_in_logprobs`) and refuse an engine whose texts differ from `tokenizer`'s: the
     configured tokenizer paths agreeing says nothing about the model the engine actually serves.
-    Waits up to `wait_s` seconds for an engine that does not answer yet.
+    Waits up to `wait_s` seconds for an engine that does not answer yet, or answers 503 while
+    it loads its model (a teacher started beside its engine, as containers are without health
+    gating, must not take "loading" for another vocabulary).
 
     Raises:
         VocabularyMismatchError: the served vocabulary differs (or lacks a probe id).
-        TimeoutError: the engine did not accept a connection within `wait_s`.
+        TimeoutError: the engine did not accept a connection, or still answered 503, within
+            `wait_s`.
         httpx.TimeoutException: it accepted one but did not answer within `timeout_s`.
     """
     ids = probe_ids(len(tokenizer))
@@ -97,13 +100,15 @@ def check_served_vocab(
     while True:
         try:
             resp = httpx.post(f"{url.rstrip('/')}/generate", json=body, timeout=timeout_s)
-            break
         except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:  # not up yet
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"teacher engine {url} did not answer within {wait_s} s: {exc!r}"
-                ) from exc
-            time.sleep(1.0)
+            last = repr(exc)
+        else:
+            if resp.status_code != 503:
+                break
+            last = f"HTTP 503 (loading): {resp.text[:200]}"
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"teacher engine {url} did not answer within {wait_s} s: {last}")
+        time.sleep(1.0)
     if resp.status_code != 200:
         raise VocabularyMismatchError(
             f"teacher engine {url} refused the vocabulary probe ids {ids[:3]}...{ids[-1]} "

@@ -19,12 +19,13 @@ Two strategies (`trainer.distributed.strategy`):
   different numbers of micro-batches (token budgets, empty shards), which DDP's per-backward
   hooks could not match.
 - `fsdp2`: `torch.distributed.fsdp.fully_shard` per decoder layer plus a root that runs the
-  chunked logprob head (fsdp.py); parameters, gradients and AdamW state are sharded, gradients
-  reduce-scattered (summed) in the last backward, ranks with fewer micro-batches run zero-loss
-  passes so FSDP's collectives match; every rank gathers the full weights (and AdamW state)
-  after a committed step for rank 0's checkpoint. FSDP2 runs on CPU with gloo in torch 2.13
-  (only SUM reductions: gloo has no PREMUL_SUM), so both strategies are tested at world
-  size 2 on CPU against one process.
+  chunked logprob head (fsdp.py), built on the meta device with each rank loading only its
+  shards, the KL reference sharded too (fsdp_load.py); parameters, gradients and AdamW state
+  are sharded, gradients reduce-scattered (summed) in the last backward, ranks with fewer
+  micro-batches run zero-loss passes so FSDP's collectives match; every rank gathers the full
+  weights (and AdamW state) after a committed step for rank 0's checkpoint. FSDP2 runs on CPU
+  with gloo in torch 2.13 (only SUM reductions: gloo has no PREMUL_SUM), so both strategies
+  are tested at world size 2 on CPU against one process.
 
 Every metric is global: loss terms, micro-batch counts and token statistics (sums, maxima,
 minima, token counts) are reduced over ranks; batch-level counts come from the whole batch,

@@ -15,6 +15,10 @@ FSDP2 issues collectives in every forward and backward, so all ranks must run th
 of passes: a rank with fewer micro-batches (or an empty one) runs `null_pass`es (a two-token
 forward with a zero loss) until the counts match, and only the last pass reduce-scatters.
 
+Loading: fsdp_load.py builds the model on the meta device, shards it with `shard_policy` and
+has each rank read only its shards from the safetensors; the KL reference is a second,
+frozen root sharded the same way (no rank holds a whole copy of either).
+
 Works on CPU with gloo (tested at world size 2 against one process) and on CUDA with NCCL.
 Not combined with LoRA, the distributed weight push, or algorithm parts that run their own
 forward through the model (token-weight scoring passes, top-k regularizers); the settings

@@ -48,14 +48,27 @@ BASE_TAG = "localhost/flywheel-base:bookworm"
 REDIS_IMAGE = "localhost/flywheel-redis:bookworm"
 HEALTH_DEADLINE_S = 900.0
 READ_SAMPLES = """
-import base64, json
+import base64, json, sys
 from flywheel.core.redis_client import connect
 from flywheel.core.settings import load_settings
 from flywheel.core.streams import FIELD
 s = load_settings()
-rows = connect(s.redis_url()).xrange(s.streams.key("rollouts"))
+rows = connect(s.redis_url()).xrange(s.streams.key(sys.argv[1]))
 print(json.dumps([base64.b64encode(f[FIELD]).decode() for _, f in rows]))
 """
+PROFILES = [("cpu",), ("cpu", "teacher")]
+HEALTH_CHECKED = {
+    ("cpu",): {"redis", "engine", "gateway", "trainer", "reward"},
+    ("cpu", "teacher"): {
+        "redis",
+        "engine",
+        "gateway",
+        "trainer",
+        "reward",
+        "teacher-engine",
+        "teacher",
+    },
+}
 
 
 def _run(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -98,6 +111,7 @@ class ComposeStack:
     project: str
     env: dict[str, str]
     port: int
+    profiles: tuple[str, ...]
 
     def containers(self) -> dict[str, str]:
         """compose service -> container name."""
@@ -133,14 +147,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def stack(images: str, tmp_path_factory) -> Iterator[ComposeStack]:
-    project = f"flywheel-ct{os.getpid()}"
+@pytest.fixture(scope="module", params=PROFILES, ids=lambda p: "+".join(p))
+def stack(request, images: str, tmp_path_factory) -> Iterator[ComposeStack]:
+    """The stack of one profile set, started (`cpu`; `cpu,teacher` with the teacher on), then
+    removed with its volumes."""
+    profiles = request.param
+    project = f"flywheel-ct{os.getpid()}-{len(profiles)}"
     port = _free_port()
     env = {
         "PATH": f"{ROOT / '.venv/bin'}:{os.environ['PATH']}",
         "HOME": str(tmp_path_factory.mktemp("compose_home")),
-        "COMPOSE_PROFILES": "cpu",
+        "COMPOSE_PROFILES": ",".join(profiles),
+        "FLYWHEEL_TEACHER_ENABLED": "true" if "teacher" in profiles else "false",
         "REDIS_PASSWORD": secrets.token_hex(16),
         "REDIS_IMAGE": REDIS_IMAGE,
         "GATEWAY_PORT": str(port),
@@ -148,7 +166,7 @@ def stack(images: str, tmp_path_factory) -> Iterator[ComposeStack]:
     }
     compose = [shutil.which("podman-compose", path=env["PATH"]) or "podman-compose"]
     base = [*compose, "-p", project, "-f", str(COMPOSE_FILE)]
-    running = ComposeStack(images, project, env, port)
+    running = ComposeStack(images, project, env, port, profiles)
     try:
         up = _run([*base, "up", "-d", "--no-build"], 1200, env=env, cwd=ROOT)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
@@ -159,13 +177,15 @@ def stack(images: str, tmp_path_factory) -> Iterator[ComposeStack]:
             print(down.stdout[-2000:], down.stderr[-2000:])
 
 
-def test_every_service_of_the_cpu_profile_passes_its_compose_health_check(stack):
+def test_every_service_passes_its_compose_health_check(stack):
     """Each long-running service of the profile is up and its own health check (the compose
-    `healthcheck.test`, run in the container) passes; model-init ran to completion."""
+    `healthcheck.test`, run in the container) passes; model-init ran to completion. With the
+    teacher, that means it started: its vocabulary check passed against the model the teacher
+    engine serves and the student's (the CPU engine's) tokenizer."""
     compose = yaml.safe_load(COMPOSE_FILE.read_text())
-    active = _active(compose, ("cpu",))
+    active = _active(compose, stack.profiles)
     waiting = {n for n, s in active.items() if "healthcheck" in s}
-    assert waiting == {"redis", "engine", "gateway", "trainer", "reward"}
+    assert waiting == HEALTH_CHECKED[stack.profiles]
     deadline = time.monotonic() + HEALTH_DEADLINE_S
     last: dict[str, str] = {}
     while waiting and time.monotonic() < deadline:
@@ -194,17 +214,33 @@ def test_every_service_of_the_cpu_profile_passes_its_compose_health_check(stack)
     assert init.stdout.split() == ["exited", "0"], init.stdout + init.stderr
 
 
+def _samples(stack: ComposeStack, stream: str, session_id: str, wait_s: float) -> list:
+    """The Samples of one session in a stream (read inside the network by the gateway image),
+    waiting up to `wait_s` for the first."""
+    from flywheel.core.codec import decode_sample  # noqa: PLC0415
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        read = stack.exec("gateway", "python", "-c", READ_SAMPLES, stream)
+        assert read.returncode == 0, read.stdout + read.stderr
+        found = [decode_sample(base64.b64decode(b)) for b in json.loads(read.stdout)]
+        found = [s for s in found if s.session_id == session_id]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(3)
+
+
 def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     """An API key minted inside the network, an episode (session, chat completion, finish)
     through the published gateway port with the openai SDK, and its Sample in the rollouts
-    stream: the sampled tokens, their logprobs and the reward are the ones served and posted."""
+    stream: the sampled tokens, their logprobs and the reward are the ones served and posted.
+    Downstream, the reward service (and with the teacher profile, the teacher) passes it on to
+    the train stream; the teacher scores exactly the sampled tokens."""
     import httpx  # noqa: PLC0415
     from openai import OpenAI  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from flywheel.core.codec import decode_sample  # noqa: PLC0415
-
-    test_every_service_of_the_cpu_profile_passes_its_compose_health_check(stack)
+    test_every_service_passes_its_compose_health_check(stack)
     minted = stack.exec("gateway", "flywheel", "keys", "create", "--role", "agent", "--name", "ct")
     assert minted.returncode == 0, minted.stdout + minted.stderr
     key = minted.stdout.strip().splitlines()[-1]
@@ -212,7 +248,10 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     auth = {"Authorization": f"Bearer {key}"}
     refused = httpx.post(f"{gateway}/v1/sessions", json={}, timeout=60)
     assert refused.status_code == 401, refused.text  # 0.0.0.0 in a container: keys required
-    session = httpx.post(f"{gateway}/v1/sessions", json={}, headers=auth, timeout=60).json()
+    task = {"hint": "Greet the container test warmly in one sentence."}
+    session = httpx.post(
+        f"{gateway}/v1/sessions", json={"task": task}, headers=auth, timeout=60
+    ).json()
     client = OpenAI(base_url=session["base_url"], api_key=key, timeout=300)
     model = client.models.list().data[0].id
     prompt = f"Say hello to container test {secrets.token_hex(3)}."
@@ -232,10 +271,7 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
         timeout=120,
     )
     assert finished.status_code == 200 and finished.json()["samples_published"] == 1, finished.text
-    read = stack.exec("gateway", "python", "-c", READ_SAMPLES)
-    assert read.returncode == 0, read.stdout + read.stderr
-    samples = [decode_sample(base64.b64decode(b)) for b in json.loads(read.stdout)]
-    samples = [s for s in samples if s.session_id == session["session_id"]]
+    samples = _samples(stack, "rollouts", session["session_id"], 0)
     assert len(samples) == 1, f"the rollouts stream lacks the episode\n{stack.logs()}"
     (sample,) = samples
     n = sample.prompt_length
@@ -250,3 +286,17 @@ def test_the_stack_answers_a_chat_request_and_records_it(stack, smollm2_dir):
     assert tok.decode(sampled, skip_special_tokens=True).strip() == text.strip()
     assert prompt in tok.decode(sample.token_ids[:n])
     assert sample.rewards["outcome"] == 0.75
+
+    trained = _samples(stack, "train", session["session_id"], 300)
+    assert len(trained) == 1, f"the train stream lacks the episode\n{stack.logs()}"
+    (scored,) = trained
+    assert list(scored.token_ids) == list(sample.token_ids) and scored.has_reward
+    if "teacher" in stack.profiles:
+        # teacher logprobs over exactly the sampled tokens, from the frozen SmolLM2 engine
+        assert scored.teacher_status == "scored", scored.teacher_status
+        assert list(scored.teacher_mask) == list(sample.loss_mask)
+        lps = [lp for lp, m in zip(scored.teacher_logprobs, scored.teacher_mask, strict=True) if m]
+        assert len(lps) == len(sampled) and all(lp <= 0.0 for lp in lps)
+        assert scored.teacher_model == "SmolLM2-135M-Instruct"
+    else:
+        assert scored.teacher_status == "" and not scored.teacher_logprobs

@@ -59,11 +59,11 @@ lint: setup
 
 # Containers for real (deploy/README.md, "Podman"): podman-setup installs podman, podman-compose
 # and debootstrap from Debian's archive and writes /etc/containers/containers.conf (root);
-# compose-images builds every image of the `cpu` profile from a debootstrap root and PyPI;
-# compose-test builds them, starts the profile with podman-compose, checks every health check
-# and a recorded chat request, then removes the containers and volumes. Not part of `make test`
-# (10+ minutes the first time on 2 cores); it skips, saying why, where podman cannot run.
-# compose-clean removes the images.
+# compose-images builds every image of the `cpu` and `teacher` profiles from a debootstrap root
+# and PyPI; compose-test builds them, starts `cpu`, then `cpu,teacher`, with podman-compose,
+# checks every health check and a recorded episode, then removes the containers and volumes.
+# Not part of `make test` (about 8 minutes with the images built, 30+ when it builds them on 2
+# cores); it skips, saying why, where podman cannot run. compose-clean removes the images.
 podman-setup:
 	deploy/podman/setup-host.sh
 

@@ -4,11 +4,13 @@ A delta turns the weights of `base_version` into those of `weight_version`, both
 dtype. It is one safetensors file, `delta.safetensors` in the pushed weights folder, holding for
 each tensor that changed either
 
-* `<name>:idx` (int32, or int64 for tensors of 2**31 elements or more: flat indices of the
-  changed elements, ascending) and `<name>:val` (their new values, the tensor's dtype), or
+* `<name>:gap` (uint8: the distances between successive changed flat indices, the first
+  counted from -1, so index_i = gap_0 + ... + gap_i - 1; a distance above 255 is split by
+  filler entries that carry the element's unchanged value) and `<name>:val` (the new values of
+  those elements, the tensor's dtype), or
 * `<name>:full` (the whole new tensor) when that is smaller: a sparse entry costs
-  (index bytes + element bytes) per changed element, a full one element bytes per element, so
-  fp32 with 4-byte indices goes full above half the elements changed, bf16 above a third.
+  (1 + element bytes) per changed element (and filler), a full one element bytes per element,
+  so fp32 goes full above 80% of the elements changed, bf16 above two thirds.
 
 Unchanged tensors are absent. Elements compare by their bits, so -0.0 vs 0.0 and NaN payloads
 count as changes. The file's metadata (safetensors' string map) holds `format` (= `FORMAT`),
@@ -30,13 +32,15 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
-FORMAT = "flywheel-weight-delta/1"
+FORMAT = "flywheel-weight-delta/2"
 CHECKSUM = "xxh3_128"
 DELTA_FILE = "delta.safetensors"
 ROUTE = "/update_weights_from_delta"
 """Engine route taking a delta (the embedded engine's extension of SGLang's weight routes)."""
 
-IDX, VAL, FULL = ":idx", ":val", ":full"
+GAP, VAL, FULL = ":gap", ":val", ":full"
+MAX_GAP = 255
+"""Largest distance one uint8 gap holds; longer ones get filler entries."""
 """Suffixes of the entries of one tensor in the delta file."""
 
 Reason = Literal["base_mismatch", "checksum_mismatch", "invalid", "unsupported", "error"]
@@ -73,13 +77,13 @@ def digest(data: Any) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def sparse_is_smaller(changed: int, numel: int, element_bytes: int, index_bytes: int) -> bool:
-    """Whether `changed` (index, value) pairs take fewer bytes than the whole tensor.
+def sparse_is_smaller(entries: int, numel: int, element_bytes: int) -> bool:
+    """Whether `entries` (gap, value) pairs take fewer bytes than the whole tensor.
 
-    Example (bf16, int32 indices): numel 1000, element 2 B: full = 2000 B; 300 changed = 300 x
-    (4 + 2) = 1800 B < 2000 -> sparse; 400 changed = 2400 B -> full.
+    Example (bf16): numel 1000, element 2 B: full = 2000 B; 600 entries = 600 x (1 + 2) =
+    1800 B < 2000 -> sparse; 700 entries = 2100 B -> full.
     """
-    return changed * (index_bytes + element_bytes) < numel * element_bytes
+    return entries * (1 + element_bytes) < numel * element_bytes
 
 
 def metadata(base_version: int | str, version: int | str, checksums: dict[str, str]) -> dict:
@@ -94,12 +98,12 @@ def metadata(base_version: int | str, version: int | str, checksums: dict[str, s
 
 
 def split_key(key: str) -> tuple[str, str]:
-    """(tensor name, suffix) of a delta file entry, e.g. ("a.weight", ":idx").
+    """(tensor name, suffix) of a delta file entry, e.g. ("a.weight", ":gap").
 
     Raises:
         ValueError: the key ends in none of the suffixes.
     """
-    for suffix in (IDX, VAL, FULL):
+    for suffix in (GAP, VAL, FULL):
         if key.endswith(suffix):
             return key[: -len(suffix)], suffix
-    raise ValueError(f"delta entry {key!r} ends in none of {IDX}, {VAL}, {FULL}")
+    raise ValueError(f"delta entry {key!r} ends in none of {GAP}, {VAL}, {FULL}")

@@ -40,7 +40,7 @@ from flywheel.core.weight_delta import (
     DELTA_FILE,
     FORMAT,
     FULL,
-    IDX,
+    GAP,
     ROUTE,
     VAL,
     DeltaUpdateRequest,
@@ -105,8 +105,8 @@ def build_result(
     number of changed elements.
 
     Raises:
-        DeltaRefused: unknown name, wrong dtype or shape, unpaired idx/val, index out of range
-            (invalid).
+        DeltaRefused: unknown name, wrong dtype or shape, unpaired gap/val, a zero gap, an
+            index out of range (invalid).
     """
     parts: dict[str, dict[str, Tensor]] = {}
     for key, tensor in entries.items():
@@ -132,19 +132,22 @@ def build_result(
             result[name] = new
             changed += new.numel()
             continue
-        if set(part) != {IDX, VAL}:
-            raise DeltaRefused("invalid", f"{name}: needs both {IDX} and {VAL} entries")
-        idx, val = part[IDX], part[VAL]
-        if idx.dtype not in (torch.int32, torch.int64) or idx.dim() != 1 or idx.shape != val.shape:
-            raise DeltaRefused("invalid", f"{name}: {IDX} must be 1-D integers shaped like {VAL}")
+        if set(part) != {GAP, VAL}:
+            raise DeltaRefused("invalid", f"{name}: needs both {GAP} and {VAL} entries")
+        gap, val = part[GAP], part[VAL]
+        if gap.dtype != torch.uint8 or gap.dim() != 1 or gap.shape != val.shape:
+            raise DeltaRefused("invalid", f"{name}: {GAP} must be 1-D uint8 shaped like {VAL}")
         if val.dtype != live.dtype:
             raise DeltaRefused(
                 "invalid", f"{name}: delta values are {val.dtype}, the engine serves {live.dtype}"
             )
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= live.numel()):
-            raise DeltaRefused("invalid", f"{name}: an index is outside 0..{live.numel() - 1}")
+        idx = torch.cumsum(gap.long(), 0) - 1
+        if gap.numel() and (int(gap.min()) == 0 or int(idx[-1]) >= live.numel()):
+            raise DeltaRefused(
+                "invalid", f"{name}: a gap is 0 or an index is outside 0..{live.numel() - 1}"
+            )
         new = live.detach().to("cpu", copy=True).contiguous()
-        new.view(-1)[idx.long()] = val
+        new.view(-1)[idx] = val
         result[name] = new
         changed += idx.numel()
     return result, changed

@@ -37,7 +37,8 @@ from flywheel.core.errors import ConfigurationError, UpstreamError
 from flywheel.core.weight_delta import (
     DELTA_FILE,
     FULL,
-    IDX,
+    GAP,
+    MAX_GAP,
     ROUTE,
     VAL,
     digest,
@@ -75,6 +76,24 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(ints[tensor.element_size()])
 
 
+def with_fillers(idx: torch.Tensor) -> torch.Tensor:
+    """Ascending flat indices (int64) with filler indices added wherever two successive ones
+    (the first counted from -1) are more than 255 apart, so every gap fits a uint8.
+
+    Example: [600] -> [254, 509, 600] (gaps from -1: 255, 255, 91); [3, 259] -> [3, 258, 259]
+    (gaps 4, 255, 1: 259 - 3 = 256 does not fit).
+    """
+    prev = torch.cat([idx.new_tensor([-1]), idx[:-1]])
+    fill = (idx - prev - 1) // MAX_GAP
+    if not bool(fill.any()):
+        return idx
+    starts = torch.repeat_interleave(prev, fill)
+    rank = torch.arange(int(fill.sum())) - torch.repeat_interleave(
+        torch.cumsum(fill, 0) - fill, fill
+    )
+    return torch.sort(torch.cat([idx, starts + MAX_GAP * (rank + 1)])).values
+
+
 @dataclass
 class DeltaStats:
     """What one delta holds."""
@@ -96,7 +115,7 @@ def encode_delta(
         base, new: name -> CPU tensor (tied aliases already removed).
 
     Returns:
-        (entries `<name>:idx`/`<name>:val` or `<name>:full`, stats).
+        (entries `<name>:gap`/`<name>:val` or `<name>:full`, stats).
 
     Raises:
         ValueError: the names, a shape or a dtype differ (the caller writes a full push).
@@ -116,10 +135,10 @@ def encode_delta(
             continue
         stats.changed_tensors += 1
         stats.changed_elements += idx.numel()
-        index_dtype = torch.int32 if numel < 2**31 else torch.int64
-        index_bytes = 4 if index_dtype == torch.int32 else 8
-        if sparse_is_smaller(idx.numel(), numel, tensor.element_size(), index_bytes):
-            entries[name + IDX] = idx.to(index_dtype)
+        idx = with_fillers(idx)
+        if sparse_is_smaller(idx.numel(), numel, tensor.element_size()):
+            prev = torch.cat([idx.new_tensor([-1]), idx[:-1]])
+            entries[name + GAP] = (idx - prev).to(torch.uint8)
             entries[name + VAL] = tensor.contiguous().view(-1)[idx]
         else:
             entries[name + FULL] = tensor.contiguous()

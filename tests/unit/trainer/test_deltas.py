@@ -6,19 +6,41 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flywheel.core.weight_delta import FULL, IDX, VAL, sparse_is_smaller
+from flywheel.core.weight_delta import FULL, GAP, VAL, sparse_is_smaller
 from flywheel.engine.deltas import DeltaRefused, build_result, check_digests
-from flywheel.trainer.deltas import DeltaWeightsStore, checksums_of, encode_delta, tensor_digest
+from flywheel.trainer.deltas import (
+    DeltaWeightsStore,
+    checksums_of,
+    encode_delta,
+    tensor_digest,
+    with_fillers,
+)
 from flywheel.trainer.weights import WeightsStore
 
 
 def test_sparse_or_full_by_bytes():
-    # fp32 with int32 indices: sparse costs 8 B per changed element, full 4 B per element
-    assert sparse_is_smaller(3, 8, 4, 4)  # 24 < 32
-    assert not sparse_is_smaller(4, 8, 4, 4)  # 32 = 32: full
-    # bf16: 6 B per changed element against 2 B per element; 300 of 1000 -> 1800 < 2000
-    assert sparse_is_smaller(300, 1000, 2, 4)
-    assert not sparse_is_smaller(400, 1000, 2, 4)  # 2400 > 2000
+    # fp32: sparse costs 1 + 4 B per entry, full 4 B per element: numel 10 -> 40 B
+    assert sparse_is_smaller(7, 10, 4)  # 35 < 40
+    assert not sparse_is_smaller(8, 10, 4)  # 40 = 40: full
+    # bf16: 3 B per entry against 2 B per element; 600 of 1000 -> 1800 < 2000
+    assert sparse_is_smaller(600, 1000, 2)
+    assert not sparse_is_smaller(700, 1000, 2)  # 2100 > 2000
+
+
+def test_gaps_over_255_get_fillers():
+    # 600 - (-1) = 601 > 255: fillers at 254 and 509, gaps 255, 255, 91
+    assert with_fillers(torch.tensor([600])).tolist() == [254, 509, 600]
+    # 259 - 3 = 256: one filler at 258 (gaps 4, 255, 1); 255 apart needs none
+    assert with_fillers(torch.tensor([3, 259])).tolist() == [3, 258, 259]
+    assert with_fillers(torch.tensor([254, 509])).tolist() == [254, 509]
+    # a whole delta over a long stretch: the engine gets the right values back
+    base = {"w": torch.zeros(2000, dtype=torch.bfloat16)}
+    new = {"w": base["w"].clone()}
+    new["w"][[0, 1999]] = 1.0
+    entries, stats = encode_delta(base, new)
+    assert entries["w" + GAP].tolist() == [1] + [255] * 7 + [214]  # 1 + 7 x 255 + 214 = 2000
+    result, _ = build_result(base, entries)
+    assert torch.equal(result["w"], new["w"]) and stats.changed_elements == 2
 
 
 def test_encode_then_apply_gives_the_new_weights_bit_for_bit():
@@ -28,13 +50,13 @@ def test_encode_then_apply_gives_the_new_weights_bit_for_bit():
         "c": torch.tensor([0.0, 1.0, 2.0, 3.0]),
     }
     new = {k: v.clone() for k, v in base.items()}
-    new["a"][5] = 6.5  # 1 of 8 changed: 8 B sparse < 32 B full
+    new["a"][5] = 6.5  # 1 of 8 changed: 5 B sparse < 32 B full
     new["b"] += 1.0  # 4 of 4 changed: full
-    new["c"][0] = -0.0  # bits differ though -0.0 == 0.0: a change (8 B < 16 B: sparse)
+    new["c"][0] = -0.0  # bits differ though -0.0 == 0.0: a change (5 B < 16 B: sparse)
     entries, stats = encode_delta(base, new)
-    assert entries["a" + IDX].tolist() == [5] and entries["a" + VAL].tolist() == [6.5]
+    assert entries["a" + GAP].tolist() == [6] and entries["a" + VAL].tolist() == [6.5]
     assert torch.equal(entries["b" + FULL], new["b"])
-    assert entries["c" + IDX].tolist() == [0]
+    assert entries["c" + GAP].tolist() == [1]
     assert (stats.changed_tensors, stats.full_tensors, stats.changed_elements) == (3, 1, 6)
 
     result, changed = build_result(base, entries)
@@ -63,7 +85,7 @@ def test_engine_refuses_a_wrong_result_dtype_or_index():
     assert err.value.reason == "invalid"
     with pytest.raises(DeltaRefused) as err:
         build_result(
-            base, {"a" + IDX: torch.tensor([4], dtype=torch.int32), "a" + VAL: new["a"][:1]}
+            base, {"a" + GAP: torch.tensor([5], dtype=torch.uint8), "a" + VAL: new["a"][:1]}
         )
     assert err.value.reason == "invalid"
 
@@ -81,7 +103,7 @@ def test_store_writes_full_first_then_deltas_and_full_on_demand(tmp_path):
     second = store.write(2, v2)
     assert not (second / "model.safetensors").exists()
     delta = load_file(second / "delta.safetensors")
-    assert delta["w" + IDX].tolist() == [3] and delta["w" + VAL].tolist() == [100.0]
+    assert delta["w" + GAP].tolist() == [4] and delta["w" + VAL].tolist() == [100.0]
     assert checksums_of(second / "delta.safetensors") == {"w": tensor_digest(v2["w"])}
     store.full_folder(second, 2)
     assert torch.equal(load_file(second / "model.safetensors")["w"], v2["w"])

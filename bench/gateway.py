@@ -13,7 +13,8 @@ Targets, each a real process on loopback, all answering the same chat request:
 - gateway-recorded: the same through a pre-created episode session (the turn is recorded in
   Redis: lock, stitch, save), i.e. the gateway's overhead with recording included;
 - responses, responses-recorded: the same turn through `POST /v1/responses` on the same
-  gateway (its CPU per request compared with the chat route's: target within 1.2x).
+  gateway (its CPU per request compared with the chat route's: target within 1.2x);
+  responses-unstored: the same with `store: false` (no stored response, no Redis).
 - messages, messages-recorded: the same turn through `POST /v1/messages` (Anthropic Messages)
   on the same gateway (target within 1.2x of the chat route's CPU per request, printed even
   when `--targets` picks only gateway, gateway-recorded, messages, messages-recorded).
@@ -59,6 +60,8 @@ CONTEXT_LENGTH = 131_072
 """The gateways' context window: the stub engine has none, long-session benches need room."""
 RESPONSES_BODY = {"model": "m", "input": "What is 7 + 1?", "max_output_tokens": 8}
 """The same turn as `BODY` through `POST /v1/responses` (stored, as by default)."""
+UNSTORED_BODY = {**RESPONSES_BODY, "store": False}
+"""The same, `store: false` (target responses-unstored: what the stored response costs)."""
 MESSAGES_BODY = {
     "model": "m",
     "max_tokens": 8,
@@ -77,6 +80,7 @@ TARGETS = [
     "gateway-recorded",
     "responses",
     "responses-recorded",
+    "responses-unstored",
     "messages",
     "messages-recorded",
 ]
@@ -191,7 +195,7 @@ def start(
     tokenizer = build_tiny_model(work / "tiny")
     gateway, proc = _gateway(procs, work, "gateway", redis.url, stub, tokenizer, {})
     urls = {"direct": stub, **proxies, "gateway": gateway, "gateway-recorded": gateway}
-    urls |= {"responses": gateway, "responses-recorded": gateway}
+    urls |= {"responses": gateway, "responses-recorded": gateway, "responses-unstored": gateway}
     urls |= {"messages": gateway, "messages-recorded": gateway}
     pids = {
         "direct": [procs[0].pid],
@@ -201,6 +205,7 @@ def start(
         "gateway-recorded": [proc.pid, redis.proc.pid],
         "responses": [proc.pid, redis.proc.pid],  # a stored response is one Redis SET
         "responses-recorded": [proc.pid, redis.proc.pid],
+        "responses-unstored": [proc.pid],  # store: false touches no Redis
         "messages": [proc.pid],
         "messages-recorded": [proc.pid, redis.proc.pid],
     }
@@ -237,6 +242,8 @@ async def cell(
     """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
     kind = target.split("-")[0]
     body = {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(kind, BODY)
+    if target == "responses-unstored":
+        body = UNSTORED_BODY
     async with Driver(base, concurrency) as client:
         await client.drain(await _paths(client, target, 2 * concurrency), body)  # warm-up
         timed = await _paths(client, target, n)
@@ -382,6 +389,10 @@ def _route_ratios(results: dict[tuple[str, int], dict[str, float]], route: str) 
             ]
             median = statistics.median(each) if each else float("nan")
             parts.append(f"{name} {a:.2f} / {b:.2f} ms = x{a / b:.2f} (median x{median:.2f})")
+        if (f"{route}-unstored", c) in results:
+            u = results[(f"{route}-unstored", c)]["cpu_ms"]
+            chat = results[("gateway", c)]["cpu_ms"]
+            parts.append(f"store: false {u:.2f} / {chat:.2f} ms = x{u / chat:.2f}")
         lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
     return lines
 

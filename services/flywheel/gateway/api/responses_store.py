@@ -9,11 +9,12 @@ with tool call ids and argument strings as sampled; never the instructions) and 
 object as it was answered (the very bytes of the HTTP body, not encoded again). The key expires
 `gateway.response_ttl_s` seconds after it was written.
 
-Writes go through one pipelined connection per event loop (`SetPipe`): each request's SET is
-written to the socket at once and its reply read in order by one reader task, so concurrent
-requests share socket reads and no request pays for the connection pool, per-command timeouts
-and retries of redis-py's command path (`bench/gateway.py`: the stored response was the
-difference between the Responses and chat routes' CPU per request). The request still waits for
+Writes go through one pipelined connection per event loop (`SetPipe`): the SETs of one
+event-loop iteration go out in one socket write and their replies are read in order by one
+reader task, so concurrent requests share socket writes and reads and no request pays for
+the connection pool, per-command timeouts and retries of redis-py's command path
+(`bench/gateway.py`: the stored response is the difference between the Responses and chat
+routes' CPU per request). The request still waits for
 Redis's reply before its answer is sent, so a `previous_response_id` sent right after the answer,
 to any replica, finds it.
 """
@@ -54,13 +55,15 @@ class _Link:
         self.conn = conn
         self.waiting: deque[asyncio.Future[Any]] = deque()
         self.reader: asyncio.Task[None] | None = None
+        self.outbox: list[bytes] = []
+        """Packed commands not yet written (flushed once per event-loop iteration)."""
 
 
 class SetPipe:
     """SET commands of one event loop on one dedicated Redis connection, pipelined: `set`
-    writes the command at once and waits for its reply, which one reader task reads in
-    order. A failed connection fails every command waiting on it (redis.ConnectionError) and
-    is replaced by a fresh one on the next `set`.
+    queues the command (written with the loop iteration's others) and waits for its reply,
+    which one reader task reads in order. A failed connection fails every command waiting on
+    it (redis.ConnectionError) and is replaced by a fresh one on the next `set`.
 
     Args:
         client: the loop's asyncio client (its pool makes the connection, which stays
@@ -96,15 +99,26 @@ class SetPipe:
             redis.RedisError: the write failed, Redis refused it or did not answer in time.
         """
         link = await self._current()
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        # redis-py's StreamWriter: written now, in order; the reader reads replies in order
-        link.conn._writer.writelines(link.conn.pack_command("SET", key, value, "EX", ex))
+        loop = asyncio.get_running_loop()
+        reply: asyncio.Future[Any] = loop.create_future()
+        if not link.outbox:  # one write for every SET of this loop iteration
+            loop.call_soon(self._flush, link)
+        link.outbox.extend(link.conn.pack_command("SET", key, value, "EX", ex))
         link.waiting.append(reply)
         if link.reader is None or link.reader.done():
             link.reader = asyncio.ensure_future(self._read(link))
         result = await reply
         if isinstance(result, BaseException):
             raise result
+
+    def _flush(self, link: _Link) -> None:
+        """Write the commands queued on `link` (redis-py's StreamWriter: one syscall for all of
+        them, in order; the reader reads their replies in the same order)."""
+        out, link.outbox = link.outbox, []
+        if out and link.conn._writer is not None and not link.conn._writer.is_closing():
+            link.conn._writer.writelines(out)
+        elif out:
+            self._drop(link, redis.ConnectionError("the Redis connection was closed"))
 
     async def _read(self, link: _Link) -> None:
         """Read replies while commands wait; each settles its command's future (a Redis error

@@ -66,8 +66,18 @@ def test_status_json_reports_health_streams_versions_and_trainer(ops_stack):  # 
         train_groups = {g["group"]: g for g in streams["train"]["groups"]}
         assert train_groups["trainer"]["lag"] == 0
         assert report["dead_letters"] == 1
-        # The engine serves the last step's checkpoint (weight version "3"), the trainer's.
-        assert list(report["engines"].values()) == [str(STEPS)]
+        # The engine serves the last step's checkpoint (weight version 3), the trainer's: in
+        # the fleet (configured: static), in service, at the fleet's version.
+        assert report["source"] == "flywheel up"  # the stack running from this state dir
+        assert report["engines"] == [
+            {
+                "url": s.urls["engine"],
+                "source": "static",
+                "state": "in_service",
+                "weight_version": STEPS,
+            }
+        ]
+        assert report["fleet_weight_version"] == STEPS
         trainer = report["trainer"]
         assert trainer["step"] == STEPS and trainer["weight_version"] == str(STEPS)
         last = json.loads(s.metrics_path.read_text().splitlines()[-1])
@@ -173,3 +183,63 @@ def test_lag_counts_only_entries_that_still_exist(redis_client, prefix):
     assert rollouts.length == 4
     assert (groups["reward"].lag, groups["reward"].pending) == (2, 2)
     assert (groups["late"].lag, groups["late"].pending) == (0, 0)
+
+
+def test_without_a_stack_here_reads_are_labelled_and_changes_refused(ops_stack, tmp_path):  # noqa: F811
+    """A folder with no `flywheel up` running, whose default addresses reach another stack (the
+    ops stack, its ports given as plain settings as a second user's defaults would be): status
+    and the lists say which deployment they read; keys and engines changes are refused and
+    change nothing until the deployment is named (FLYWHEEL_REDIS__URL)."""
+    s = ops_stack
+    client = connect(s.settings.redis_url())
+    port = s.settings.redis_url().rsplit(":", 1)[1].split("/")[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env |= {
+        "FLYWHEEL_REDIS__PORT": port,
+        "FLYWHEEL_STREAMS__PREFIX": "ops",
+        "FLYWHEEL_ENGINE__PORT": "31350",
+        "FLYWHEEL_GATEWAY__PORT": "8850",
+        "FLYWHEEL_REWARD__PORT": "50181",
+        "FLYWHEEL_TRAINER__PORT": "8950",
+    }
+
+    def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "flywheel.ops.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env | extra,
+            cwd=tmp_path,  # no .flywheel here: no stack of this folder's
+            timeout=60,
+        )
+
+    status = cli("status", "--json")
+    assert "no `flywheel up` is running from .flywheel" in status.stderr, status.stderr
+    assert f"Redis redis://127.0.0.1:{port}/0), which may be another stack's" in status.stderr
+    assert json.loads(status.stdout)["source"] == "configured addresses"
+    listing = cli("engines", "list")
+    assert listing.returncode == 0 and "which may be another stack's" in listing.stderr
+    assert "serves 3" in listing.stdout  # the other stack's engine, as status shows it
+
+    keys = client.keys("ops:apikey*")
+    fleet = client.hgetall("ops:fleet:engines")
+    for args in (
+        ("keys", "create", "--role", "admin"),
+        ("engines", "add", "http://127.0.0.1:9"),
+        ("engines", "remove", s.urls["engine"]),
+    ):
+        refused = cli(*args)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert "no `flywheel up` is running from .flywheel, so this would" in refused.stderr
+        assert "pass --config FILE, or set FLYWHEEL_REDIS__URL=" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert client.keys("ops:apikey*") == keys and client.hgetall("ops:fleet:engines") == fleet
+
+    # Named explicitly, the same change is made (and undone).
+    named = cli("engines", "add", "http://127.0.0.1:9/", FLYWHEEL_REDIS__URL=s.settings.redis_url())
+    assert named.returncode == 0, named.stderr
+    assert "added http://127.0.0.1:9, but it does not answer" in named.stdout
+    try:
+        assert client.hget("ops:fleet:engines", "http://127.0.0.1:9") == b"admin"
+    finally:
+        client.hdel("ops:fleet:engines", "http://127.0.0.1:9")

@@ -393,6 +393,17 @@ class TeacherSettings(Section):
     """Consumer name in the `teacher` group; empty = host-pid."""
 
 
+class SuperviseSettings(Section):
+    """`[supervise]`: how `flywheel up` restarts a service of the local stack whose process
+    exited (gateway, reward, teacher, trainer, engines; its own Redis always comes back)."""
+
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of one service within `window_s`; one more exit stops the stack with the end
+    of that service's log (0 = never restart: the first exit stops the stack)."""
+    window_s: float = Field(600.0, gt=0)
+    """Seconds over which `max_restarts` counts a service's restarts."""
+
+
 class FlywheelSettings(BaseSettings):
     """All settings of one deployment. Sections are read by the service they name."""
 
@@ -411,6 +422,8 @@ class FlywheelSettings(BaseSettings):
     reward: RewardSettings = Field(default_factory=RewardSettings)
     teacher: TeacherSettings = Field(default_factory=TeacherSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    supervise: SuperviseSettings = Field(default_factory=SuperviseSettings)
+    """How `flywheel up` restarts a crashed service of the local stack."""
     log_level: str = "INFO"
     state_dir: str = ".flywheel"
     """Local state (Redis data, checkpoints, logs) of `flywheel up`."""

@@ -83,9 +83,22 @@ def create_app(deps: GatewayDeps) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok", "instance": instance}
 
-    @app.get("/readyz")
-    async def readyz(d: Deps) -> dict[str, str]:
+    @app.get("/readyz", response_model=None)
+    async def readyz(d: Deps) -> dict[str, str] | JSONResponse:
+        """200 when Redis answers and an engine is in service; 503 while no engine is (the
+        fleet is empty, or its engines are pending: they do not serve its weights yet)."""
         await asyncio.to_thread(d.sessions.client.ping)  # never block the event loop
+        in_service = getattr(d.engines, "urls", None)  # an EnginePool; a test fake has none
+        if in_service is not None and not in_service:
+            return JSONResponse(
+                {
+                    "status": "no engine in service",
+                    "instance": instance,
+                    "detail": "the fleet is empty or its engines do not serve its weights yet "
+                    "(GET /v1/admin/engines, `flywheel engines list`)",
+                },
+                status_code=503,
+            )
         return {"status": "ready", "instance": instance}
 
     @app.get("/metrics")

@@ -13,8 +13,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,14 +20,11 @@ from typing import cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
+from flywheel.ops.up import START_FAILURES, cmd_up, start_failed
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
     return load_settings_or_exit(args.config)
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _positive_int(value: str) -> int:
@@ -63,105 +58,6 @@ def _positive_float(value: str) -> float:
     if not 0 < number < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number above 0, got {value}")
     return number
-
-
-def _start_failed(stack, exc: BaseException) -> None:  # noqa: ANN001
-    """Stop what `stack.start` left running and say why it failed, in place of a traceback."""
-    stack.stop()
-    message = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, subprocess.CalledProcessError):
-        message = f"{exc}; see the output above"
-    print(f"flywheel: {message}", file=sys.stderr)
-
-
-START_FAILURES = (RuntimeError, OSError, ValueError, subprocess.CalledProcessError)
-"""What `Stack.start` raises when the stack cannot start (busy state dir, a service that exits or
-never gets healthy, an unreachable Redis, a bad setting, a failed model conversion)."""
-
-
-REDIS_CHECK_S = 2.0
-TRAINER_RESTARTS = 3
-"""Times `flywheel up` starts an exited trainer again before it stops the stack instead."""
-"""Seconds between `flywheel up`'s checks that every service (and its Redis) still runs."""
-
-
-def cmd_up(args: argparse.Namespace) -> int:
-    from flywheel.ops.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
-
-    settings = _settings(args)
-    if running_stack(settings.state_dir):
-        print(
-            f"flywheel: a stack is already running from {settings.state_dir}; stop it first "
-            "or use another state_dir.",
-            file=sys.stderr,
-        )
-        return 1
-    stack = Stack(settings, config_file=args.config)
-    stop_at_end = True
-    """False once a failed start has stopped (or never started) the stack."""
-    # Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM stop everything,
-    # also while the services are still starting.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        try:
-            stack.start()
-        except StackBusyError as exc:
-            print(f"flywheel: {exc}.", file=sys.stderr)
-            stop_at_end = False
-            return 1
-        except START_FAILURES as exc:
-            _start_failed(stack, exc)
-            stop_at_end = False
-            return 1
-        gateway = next(s.url for s in stack.services if s.name == "gateway")
-        print(
-            f"flywheel is up. Point an OpenAI client at {gateway}/v1 (or a session's "
-            "base_url). Ctrl-C stops everything.",
-            flush=True,
-        )
-        trainer_restarts = 0
-        while True:
-            time.sleep(REDIS_CHECK_S)
-            try:
-                code = stack.revive_redis()
-            except START_FAILURES as exc:
-                print(
-                    f"flywheel: redis exited and did not start again ({exc}); stopping the stack.",
-                    file=sys.stderr,
-                )
-                return 1
-            if code is not None:
-                assert stack.redis is not None  # a code: the stack's own Redis, started again
-                print(
-                    f"flywheel: redis exited with {code}; started it again on "
-                    f"{stack.redis.url} with its data (AOF). The services wait out the gap.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if trainer_restarts < TRAINER_RESTARTS:
-                code = stack.revive("trainer")
-                if code is not None:
-                    trainer_restarts += 1
-                    print(
-                        f"flywheel: trainer exited with {code}; started it again "
-                        f"({trainer_restarts} of {TRAINER_RESTARTS}): it resumes from its newest "
-                        f"checkpoint and commit log. Log: {stack.state_dir}/logs/trainer.log",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            dead = stack.exited()
-            if dead:
-                reports = "\n".join(f"flywheel: {s.exit_report()}" for s in dead)
-                print(f"{reports}\nflywheel: stopping the stack.", file=sys.stderr, flush=True)
-                return 1
-    except KeyboardInterrupt:
-        print("\nstopping...")
-        return 0
-    finally:
-        if stop_at_end:
-            stack.stop()
-            print("stopped.", flush=True)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -222,7 +118,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             stack.start()
         except START_FAILURES as exc:
-            _start_failed(stack, exc)
+            start_failed(stack, exc)
             return 1
         urls = {s.name: s.url for s in stack.services}
         runner = DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline)
@@ -285,22 +181,20 @@ def learning_verdict(summary: dict) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from flywheel.ops.stack import running_stack  # noqa: PLC0415
     from flywheel.ops.status import collect_status, render  # noqa: PLC0415
+    from flywheel.ops.target import resolve  # noqa: PLC0415
 
     settings = _settings(args)
     # The local stack's actual addresses when `flywheel up` runs from this state dir; else the
-    # configured ones (compose, a port-forwarded cluster), said so on stderr.
-    state = running_stack(settings.state_dir)
-    if state is None:
-        print(
-            f"flywheel: no `flywheel up` is running from {settings.state_dir}; showing the "
-            "services at the configured addresses",
-            file=sys.stderr,
-        )
+    # configured ones (compose, a port-forwarded cluster, or another folder's stack), said so
+    # on stderr and in the JSON's `source` (ops/target.py).
+    target = resolve(settings, args.config)
+    state = target.state
+    if target.note():
+        print(target.note(), file=sys.stderr)
     report = collect_status(settings, state)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps({"source": target.source, **report.to_json()}, indent=2))
     else:
         Console().print(render(report))
     return 0 if report.healthy else 1
@@ -397,11 +291,23 @@ def cmd_keys(args: argparse.Namespace) -> int:
     hashed); `--not-for-training` keys are served and never recorded (docs/security.md)."""
     from flywheel.core.auth import KeyStore  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
-    from flywheel.ops.stack import running_stack  # noqa: PLC0415
+    from flywheel.ops.target import resolve  # noqa: PLC0415
 
     settings = _settings(args)
-    state = running_stack(settings.state_dir)
-    url = settings.redis.url or (state or {}).get("redis_url") or settings.redis_url()
+    target = resolve(settings, args.config)
+    if args.keys_command == "list":
+        if target.note():
+            print(target.note(), file=sys.stderr)
+    else:
+        target.refuse_change(
+            {
+                "create": "create an API key",
+                "mark": "change an API key",
+                "revoke": "revoke an API key",
+                "reopen": "stop requiring API keys",
+            }[args.keys_command]
+        )
+    url = target.redis_url
     store = KeyStore(connect(url), settings.streams.prefix)
     try:
         if args.keys_command == "create":

@@ -33,6 +33,8 @@ SGLANG_RELEASE = "0.5.23"
 `pip install 'flywheel[sglang]'` installs it."""
 SGLANG_MODULE = "sglang.launch_server"
 ENGINE_SERVICES = ("engine", "teacher-engine")
+WAIT_PROGRESS_S = 15.0
+"""Seconds between the progress lines of `flywheel up` waiting for an external engine."""
 SGLANG_FIX = (
     "SGLang runs from engine.sglang_launcher, else this Python: install it there with "
     f"pip install 'flywheel[sglang]' (sglang=={SGLANG_RELEASE}); check engine.sglang_args"
@@ -183,10 +185,16 @@ def teacher_engine(settings: FlywheelSettings, port: int) -> Service:
 
 
 def wait_attached(
-    urls: list[str], engine: EngineSettings, timeout_s: float, echo: Callable[[str], None]
+    urls: list[str],
+    engine: EngineSettings,
+    timeout_s: float,
+    echo: Callable[[str], None],
+    progress_s: float = WAIT_PROGRESS_S,
 ) -> None:
     """Wait until every engine `flywheel up` attaches to (backend "external") answers `/health`
-    with 200, then check its server arguments (`check_server`); it starts none of them.
+    with 200, then check its server arguments (`check_server`); it starts none of them. An
+    engine that does not answer at once gets a `waiting for <url>/health (up to N s)` line
+    through `echo`, then one line every `progress_s` seconds while the wait goes on.
 
     Raises:
         TimeoutError: one did not within `timeout_s` (the message names it and the setting).
@@ -195,8 +203,17 @@ def wait_attached(
     for url in urls:
         start = time.monotonic()
         check = http_ok(f"{url}/health")
+        said = 0.0  # seconds waited when the last progress line was printed
+        if not check():
+            echo(f"engine    waiting for {url}/health (up to {timeout_s:g} s)")
         while not check():
-            if time.monotonic() - start > timeout_s:
+            waited = time.monotonic() - start
+            if waited - said >= progress_s:
+                said = waited
+                echo(
+                    f"engine    still waiting for {url}/health ({waited:.0f} s of {timeout_s:g} s)"
+                )
+            if waited > timeout_s:
                 raise TimeoutError(
                     f"engine {url} did not answer /health with 200 within {timeout_s:g}s. "
                     'With engine.backend = "external" flywheel up starts no engine: start '

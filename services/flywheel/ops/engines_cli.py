@@ -27,6 +27,11 @@ def install(sub: Any, common: argparse.ArgumentParser) -> None:
         "remove", help="remove an engine (only its sessions move)", parents=[common]
     )
     remove.add_argument("url", help="engine base URL as `flywheel engines list` shows it")
+    remove.add_argument(
+        "--force",
+        action="store_true",
+        help="remove it even when no other engine answers (every request then fails)",
+    )
     engines.set_defaults(func=cmd_engines)
 
 
@@ -48,17 +53,33 @@ def served_version(url: str) -> int | None:
     return None
 
 
+def answers_health(url: str) -> bool:
+    """Whether the engine at `url` answers `GET /health` with 200 within 5 s."""
+    import httpx  # noqa: PLC0415
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def cmd_engines(args: argparse.Namespace) -> int:
-    """Run `flywheel engines <list|add|remove>`; a bad URL or an unreachable Redis ends with a
-    one-line message (exit 1)."""
-    from flywheel.core.fleet import Fleet, static_urls  # noqa: PLC0415
+    """Run `flywheel engines <list|add|remove>`; a bad URL, an unreachable Redis, removing the
+    last engine that answers (without `--force`), or a change to a deployment this folder did
+    not start and that was not named (ops/target.py) ends with a one-line message (exit 1)."""
+    from flywheel.core.fleet import Fleet, normalize_url, static_urls  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.settings import load_settings_or_exit  # noqa: PLC0415
-    from flywheel.ops.stack import running_stack  # noqa: PLC0415
+    from flywheel.ops.target import resolve  # noqa: PLC0415
 
     settings = load_settings_or_exit(args.config)
-    state = running_stack(settings.state_dir)
-    redis_url = settings.redis.url or (state or {}).get("redis_url") or settings.redis_url()
+    target = resolve(settings, args.config)
+    if args.engines_command == "list":
+        if target.note():
+            print(target.note(), file=sys.stderr)
+    else:
+        target.refuse_change(f"{args.engines_command} an engine")
+    redis_url = target.redis_url
     fleet = Fleet(connect(redis_url), settings.streams.prefix, static_urls(settings))
     try:
         if args.engines_command == "list":
@@ -76,18 +97,35 @@ def cmd_engines(args: argparse.Namespace) -> int:
                 print(f"{row['url']}  {row['source']:6}  serves {served}")
             if not rows:
                 print("no engines (a gateway or trainer adds the configured ones at start)")
-        elif args.engines_command == "add":
-            if fleet.add(args.url):
+            return 0
+        url = normalize_url(args.url)  # one spelling: no trailing slash (docs/fleet.md)
+        if args.engines_command == "add":
+            if not fleet.add(url):
+                print(f"{url} is already in the fleet")
+            elif answers_health(url):
                 print(
-                    f"added {args.url}; gateways route to it once it serves weight version "
+                    f"added {url}; gateways route to it once it serves weight version "
                     f"{fleet.version()} (the trainer pushes it within fleet.refresh_s)"
                 )
             else:
-                print(f"{args.url} is already in the fleet")
-        elif not fleet.remove(args.url):
-            sys.exit(f"flywheel: {args.url} is not in the fleet; `flywheel engines list` shows it")
-        else:
-            print(f"removed {args.url}; its sessions move to the other engines")
+                print(
+                    f"added {url}, but it does not answer {url}/health: it stays pending (no "
+                    f"request is routed to it) until it answers and serves weight version "
+                    f"{fleet.version()}. Check the address, or `flywheel engines remove {url}`"
+                )
+            return 0
+        members = fleet.members()
+        if url not in members:
+            sys.exit(f"flywheel: {url} is not in the fleet; `flywheel engines list` shows it")
+        others = [u for u in members if u != url]
+        if not args.force and answers_health(url) and not any(answers_health(u) for u in others):
+            sys.exit(
+                f"flywheel: {url} is the last engine that answers: removing it leaves no engine "
+                "to serve, and every request fails (502) until one is added. Add another first "
+                "(`flywheel engines add URL`), or pass --force to remove it anyway"
+            )
+        fleet.remove(url)
+        print(f"removed {url}; its sessions move to the other engines")
     except ValueError as exc:
         sys.exit(f"flywheel: {exc}")
     except Exception as exc:  # noqa: BLE001  (CLI edge: a message, not a traceback)

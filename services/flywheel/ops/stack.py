@@ -8,7 +8,8 @@ logs to `<state_dir>/logs/<service>.log` (appended; messages quote only the curr
 lines), and is stopped in reverse order (SIGTERM, then SIGKILL after a grace period). Start-up
 fails fast, with the reason, when an external Redis does not answer a ping or a service reports
 a state it cannot recover from (an engine whose model failed to load). The stack's own Redis is
-started again if it dies (`revive_redis`, called by `flywheel up`'s watch loop).
+started again if it dies (`revive_redis`), and a service whose process exits is started again
+(`revive`), both by `flywheel up`'s watch loop (ops/up.py, `[supervise]` limits the restarts).
 
 Two stacks started at the same instant never mix: a stack holds an exclusive lock on
 `<state_dir>/stack.lock` while it runs (a second stack on that state dir fails at once), holds
@@ -411,8 +412,10 @@ class Stack:
         if service is None or service.proc is None or service.proc.poll() is None:
             return None
         code = service.proc.returncode
+        index = self.services.index(service)
         self.services.remove(service)
         self._launch(service)
+        self.services.insert(index, self.services.pop())  # its place in the stop order
         return code
 
     def stop(self, grace_s: float = 15.0) -> None:

@@ -3,10 +3,11 @@
 `collect_status()` asks the live system, never a cache: each service's health endpoint, Redis
 for every stream's length and each consumer group's lag and pending entries (XINFO GROUPS), the
 dead-letter stream's length, what is kept (`streams.retention`, `gateway.session_ttl_s`, each
-stream's oldest entry age and entries trimmed), each engine's served weight version
-(`/model_info`, SGLang and the embedded engine alike) and the trainer's `/status` (step, last
-reward and loss). `render()` turns it into one rich screen. The stream numbers come from
-flywheel.core.stream_stats, which the gateway also exports as Prometheus gauges.
+stream's oldest entry age and entries trimmed), each fleet engine's source, state and served
+weight version (`/model_info`, SGLang and the embedded engine alike; "default" reads as 0) and
+the trainer's `/status` (step, last reward and loss). `render()` turns it into one rich screen.
+The stream numbers come from flywheel.core.stream_stats, which the gateway also exports as
+Prometheus gauges.
 
 To show another service: add it to `service_targets()` with its health URL.
 """
@@ -127,17 +128,32 @@ def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceH
     return ServiceHealth(name, target, r.status_code == 200, f"HTTP {r.status_code}")
 
 
-def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> str | None:
-    """The weight version an engine serves (`/model_info`, or `/get_model_info` on older
-    SGLang); None when the engine does not answer."""
+def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> int | None:
+    """The weight version an engine serves, in the trainer's numbering (`/model_info`, or
+    `/get_model_info` on older SGLang; SGLang's initial label "default" is 0, as `flywheel
+    engines list` shows it); None when the engine does not answer."""
+    from flywheel.core.versions import parse_weight_version  # noqa: PLC0415
+
     for path in ("/model_info", "/get_model_info"):
         try:
             r = httpx.get(base_url.rstrip("/") + path, timeout=timeout_s)
         except httpx.HTTPError:
             return None
         if r.status_code == 200:
-            return str(r.json().get("weight_version", "default"))
+            try:
+                return parse_weight_version(r.json().get("weight_version"))
+            except (ValueError, AttributeError):
+                return None
     return None
+
+
+def engine_state(version: int | None, fleet_version: int) -> str:
+    """An engine's state as the gateways see it: `down` (no answer), `pending` (serves an
+    older version than the fleet's: routed no request until the trainer pushes it the fleet's
+    weights) or `in_service`."""
+    if version is None:
+        return "down"
+    return "pending" if version < fleet_version else "in_service"
 
 
 def trainer_status(base_url: str, timeout_s: float = 3.0) -> dict[str, Any] | None:
@@ -158,13 +174,17 @@ class StatusReport:
     redis_ok: bool
     redis_error: str
     streams: list[StreamStat]
-    engines: dict[str, str | None]
-    """Engine URL -> served weight version (None = no answer)."""
+    engines: list[dict[str, Any]]
+    """Each engine of the fleet (and the configured ones): `url`, `source` (static, dns, admin;
+    "configured" when not in the fleet), `state` (`engine_state`) and `weight_version` (None =
+    no answer)."""
     trainer: dict[str, Any] | None
     retention: str = ""
     """`streams.retention` (consumed entries older than this are trimmed)."""
     session_ttl_s: int = 0
     """`gateway.session_ttl_s` (an idle session record expires after it)."""
+    fleet_version: int = 0
+    """The fleet's weight version (`{prefix}:fleet:version`, docs/fleet.md)."""
 
     @property
     def dead_letters(self) -> int:
@@ -172,7 +192,12 @@ class StatusReport:
 
     @property
     def healthy(self) -> bool:
-        return self.redis_ok and all(s.healthy for s in self.services)
+        """Redis and every service answer, and an engine is in service."""
+        return (
+            self.redis_ok
+            and all(s.healthy for s in self.services)
+            and any(e["state"] == "in_service" for e in self.engines)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -186,6 +211,7 @@ class StatusReport:
             "streams": [asdict(s) for s in self.streams],
             "dead_letters": self.dead_letters,
             "engines": self.engines,
+            "fleet_weight_version": self.fleet_version,
             "trainer": self.trainer,
             "retention": {"streams": self.retention, "session_ttl_s": self.session_ttl_s},
         }
@@ -201,15 +227,30 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
     services = [probe(*t) for t in service_targets(settings, state)]
     streams: list[StreamStat] = []
     redis_ok, redis_error = True, ""
-    engine_urls = [state["engine"]] if "engine" in state else settings.engine_urls()
+    configured = [state["engine"]] if "engine" in state else settings.engine_urls()
+    sources = {u.rstrip("/"): "configured" for u in configured}
+    fleet_version = 0
     try:
         client = connect(redis_url)
         streams = stream_stats(client, settings.streams)
-        fleet = Fleet(client, settings.streams.prefix, []).urls()  # docs/fleet.md
-        engine_urls = list(dict.fromkeys([u.rstrip("/") for u in engine_urls] + fleet))
+        fleet = Fleet(client, settings.streams.prefix, [])  # docs/fleet.md
+        members = fleet.members()
+        fleet_version = fleet.version()
+        if members:  # the fleet is what the gateways route over; configured ones not in it
+            sources = members  # were removed
     except redis.RedisError as exc:
         redis_ok, redis_error = False, str(exc)
-    engines = {u: engine_weight_version(u) for u in engine_urls}
+    engines = []
+    for url, source in sources.items():
+        version = engine_weight_version(url)
+        engines.append(
+            {
+                "url": url,
+                "source": source,
+                "state": engine_state(version, fleet_version),
+                "weight_version": version,
+            }
+        )
     trainer_host = settings.trainer.host
     if trainer_host in BIND_ALL:
         trainer_host = "trainer"
@@ -224,6 +265,7 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
         trainer_status(trainer_url),
         settings.streams.retention,
         settings.gateway.session_ttl_s,
+        fleet_version,
     )
 
 
@@ -294,11 +336,22 @@ def render(report: StatusReport) -> Any:
         f"dead letters: {report.dead_letters}", style="bold red" if report.dead_letters else "green"
     )
 
-    engines = Table(title="engines", title_justify="left")
-    engines.add_column("engine")
-    engines.add_column("weight version", justify="right")
-    for url, version in report.engines.items():
-        engines.add_row(url, Text(version) if version is not None else bad)
+    engines = Table(
+        title=f"engines (fleet weight version {report.fleet_version})", title_justify="left"
+    )
+    for col in ("engine", "source", "state", "weight version"):
+        engines.add_column(col, justify="right" if col == "weight version" else "left")
+    styles = {"in_service": "green", "pending": "yellow", "down": "bold red"}
+    for e in report.engines:
+        version = e["weight_version"]
+        engines.add_row(
+            e["url"],
+            e["source"],
+            Text(e["state"], style=styles.get(e["state"], "")),
+            "no answer" if version is None else str(version),
+        )
+    if not report.engines:
+        engines.add_row("-", "-", Text("no engine in the fleet", style="bold red"), "-")
 
     t = report.trainer
     if t is None:

@@ -1,6 +1,7 @@
 """Admin routes for the engine fleet (admin key): `GET /v1/admin/engines` lists the fleet,
 `POST /v1/admin/engines {"url": ...}` adds an engine (it serves once it has the fleet's
-weights), `DELETE /v1/admin/engines?url=...` removes one (only its sessions move). Every gateway
+weights), `DELETE /v1/admin/engines?url=...` removes one (only its sessions move; the last engine in
+service only with `&force=true`, else a 409). Every gateway
 and the trainer see the change within `fleet.refresh_s` (the fleet is in Redis)."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict
 
-from flywheel.core.errors import InvalidRequestError, NotFoundError
+from flywheel.core.errors import ConflictError, InvalidRequestError, NotFoundError
 from flywheel.core.fleet import normalize_url
 from flywheel.gateway.access.principal import require_role
 from flywheel.gateway.engines.fleet_watch import FleetWatch
@@ -60,9 +61,27 @@ async def add_engine(body: EngineAdd, request: Request) -> dict[str, Any]:
 
 
 @router.delete("/v1/admin/engines", dependencies=[Depends(require_role("admin"))])
-async def remove_engine(request: Request, url: str = Query(...)) -> dict[str, Any]:
+async def remove_engine(
+    request: Request, url: str = Query(...), force: bool = Query(False)
+) -> dict[str, Any]:
+    """Remove `url` from the fleet. Removing the last engine in service (this gateway's view)
+    is a 409 unless `force=true`: every request would then be a 502 until another one serves.
+
+    Raises:
+        InvalidRequestError: not an engine URL (400).
+        ConflictError: the last engine in service, without `force` (409).
+        NotFoundError: not in the fleet (404).
+    """
     watch = _watch(request)
     url = _url(url)
+    if not force and watch.pool.urls == [url]:
+        raise ConflictError(
+            f"engine {url} is the last engine in service: removing it leaves no engine to serve "
+            "any request (every request a 502) until another one serves the fleet's weights. "
+            "Add one first (POST /v1/admin/engines), or pass force=true to remove it anyway",
+            param="url",
+            code="last_engine",
+        )
     if not await asyncio.to_thread(watch.fleet.remove, url):
         raise NotFoundError(f"engine {url} is not in the fleet (GET /v1/admin/engines lists it)")
     await watch.refresh()

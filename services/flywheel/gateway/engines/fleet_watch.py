@@ -1,7 +1,9 @@
 """A gateway's view of the shared engine fleet (core/fleet.py): every `fleet.refresh_s` it reads
 the fleet from Redis (resolving DNS when discovery is on), lets the pool follow it, and puts a
 joined engine in service once its `/model_info` weight version reaches the fleet's current
-version, so no request is ever served by a joined engine's older weights."""
+version, so no request is ever served by a joined engine's older weights. An engine in service
+that later serves an older version than before (restarted on its initial weights) goes back to
+pending the same way (`EnginePool.check_version`)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ class FleetWatch:
                     "unknown (no answer)" if served is None else served,
                     version,
                 )
+        for url in list(self.pool.urls):  # an engine restarted on older weights: pending
+            self.pool.check_version(url, await self.pool.served_version(url))
         FLEET_ENGINES.labels("in_service").set(len(self.pool.urls))
         FLEET_ENGINES.labels("pending").set(len(self.pool.pending))
 

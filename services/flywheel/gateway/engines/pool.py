@@ -113,6 +113,9 @@ class EnginePool:
         self.pending: dict[str, float] = {}
         """Engines that joined the fleet and do not serve its weights yet -> monotonic time
         they joined (never routed to)."""
+        self.seen: dict[str, int] = {}
+        """Engine in service -> the newest weight version it was seen serving; an engine that
+        later serves an older one was restarted on its initial weights (`demote`)."""
         self._prober: asyncio.Task[None] | None = None
         for url in self.urls:
             ENGINE_UP.labels(url).set(1)
@@ -169,6 +172,7 @@ class EnginePool:
                 self.urls.remove(url)
             self.pending.pop(url, None)
             self.down.pop(url, None)
+            self.seen.pop(url, None)
             ENGINE_UP.labels(url).set(0)
             log.info("engine %s left the fleet; its sessions move to the others", url)
         joined = [u for u in wanted if u not in self.urls and u not in self.pending]
@@ -184,8 +188,34 @@ class EnginePool:
         """Put pending engine `url` (serving weight `version`) in service."""
         if self.pending.pop(url, None) is not None:
             self.urls.append(url)
+            self.seen[url] = version
             ENGINE_UP.labels(url).set(1)
             log.info("engine %s serves weight version %d: in service", url, version)
+
+    def check_version(self, url: str, served: int | None) -> bool:
+        """Record that engine `url` (in service) serves weight version `served` (None = no
+        answer: nothing changes). An engine that serves an older version than it did before was
+        restarted on its initial weights: it goes back to `pending` (routed no request) until it
+        serves the fleet's version again. Returns True when it was taken out so."""
+        if served is None or url not in self.urls:
+            return False
+        before = self.seen.get(url)
+        if before is None or served >= before:
+            self.seen[url] = served
+            return False
+        self.urls.remove(url)
+        self.down.pop(url, None)
+        self.seen.pop(url, None)
+        self.pending[url] = time.monotonic()
+        ENGINE_UP.labels(url).set(0)
+        log.warning(
+            "engine %s serves weight version %d after %d (restarted on its initial weights): "
+            "not routed to until it serves the fleet's weights",
+            url,
+            served,
+            before,
+        )
+        return True
 
     async def served_version(self, url: str) -> int | None:
         """The weight version `url` serves (`/model_info`, `/get_model_info` before SGLang
@@ -225,7 +255,8 @@ class EnginePool:
                 )
             except (aiohttp.ClientError, TimeoutError):
                 continue
-            if status == 200:
+            # Back on older weights (restarted): pending, not in service (`check_version`).
+            if status == 200 and not self.check_version(url, await self.served_version(url)):
                 self.mark_up(url)
 
     async def _probe_loop(self) -> None:

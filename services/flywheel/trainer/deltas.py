@@ -208,17 +208,14 @@ class DeltaWeightsStore:
     def _write_delta(
         self, version: int, base: int, entries: dict[str, torch.Tensor], checksums: dict[str, str]
     ) -> Path:
-        """The folder of `version` with the config/tokenizer files and delta.safetensors only
-        (atomic: a temporary sibling, then rename; pruned like full folders)."""
+        """The folder of `version` with delta.safetensors only (atomic: a temporary sibling,
+        then rename; pruned like full folders). The config and tokenizer files an engine needs
+        to load a folder come with the full weights (`full_folder`)."""
         final = self.store.root / f"v_{version:08d}"
         tmp = self.store.root / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(entries, str(tmp / DELTA_FILE), metadata=metadata(base, version, checksums))
-        source = self.store.source_dir
-        for src in source.iterdir() if source.is_dir() else []:
-            if src.is_file() and not _NOT_COPIED.search(src.name):
-                shutil.copy2(src, tmp / src.name)
         if final.exists():  # a version trained again after a crash
             shutil.rmtree(final)
         tmp.rename(final)
@@ -227,8 +224,9 @@ class DeltaWeightsStore:
         return final
 
     def full_folder(self, folder: Path, version: int) -> Path:
-        """`folder` with `model.safetensors` in it, written now from the held snapshot when
-        only the delta was written (atomic: a temporary file, then rename).
+        """`folder` with `model.safetensors` (and the config and tokenizer files) in it, written
+        now from the held snapshot when only the delta was written (the weights atomically: a
+        temporary file, then rename, last).
 
         Raises:
             UpstreamError: the folder has no full weights and `version` is not the snapshot
@@ -245,9 +243,13 @@ class DeltaWeightsStore:
                     f"{folder} holds a delta only and weight version {version} is no longer "
                     "held; the engine gets the next version in full"
                 )
+            source = self.store.source_dir
+            for src in source.iterdir() if source.is_dir() else []:
+                if src.is_file() and not _NOT_COPIED.search(src.name):
+                    shutil.copy2(src, Path(folder) / src.name)
             tmp = target.with_name(f".{WEIGHTS_FILE}.tmp-{os.getpid()}")
             save_file(held.state, str(tmp), metadata={"format": "pt"})
-            tmp.rename(target)
+            tmp.rename(target)  # last: a folder with model.safetensors is complete
         PUSH_BYTES.labels("full").inc(target.stat().st_size)
         return Path(folder)
 

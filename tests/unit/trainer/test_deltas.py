@@ -101,9 +101,10 @@ def test_store_writes_full_first_then_deltas_and_full_on_demand(tmp_path):
     first = store.write(1, v1)
     assert (first / "model.safetensors").is_file() and (first / "config.json").is_file()
     second = store.write(2, v2)
-    assert not (second / "model.safetensors").exists()
+    assert not (second / "model.safetensors").exists() and not (second / "config.json").exists()
     delta = load_file(second / "delta.safetensors")
     assert delta["w" + GAP].tolist() == [4] and delta["w" + VAL].tolist() == [100.0]
     assert checksums_of(second / "delta.safetensors") == {"w": tensor_digest(v2["w"])}
     store.full_folder(second, 2)
+    assert (second / "config.json").is_file()  # a folder an engine can load
     assert torch.equal(load_file(second / "model.safetensors")["w"], v2["w"])

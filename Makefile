@@ -63,7 +63,8 @@ lint: setup
 # and PyPI; compose-test builds them, starts `cpu`, then `cpu,teacher`, with podman-compose,
 # checks every health check and a recorded episode, then removes the containers and volumes.
 # Not part of `make test` (7 minutes with the images built; 14 minutes when services/ changed and
-# every image is rebuilt, on 2 shared cores); it skips, saying why, where podman cannot run. compose-clean removes the images.
+# every image is rebuilt, on 2 shared cores); it skips, saying why, where podman cannot run.
+# compose-clean removes the images.
 podman-setup:
 	deploy/podman/setup-host.sh
 

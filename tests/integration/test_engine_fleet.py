@@ -255,4 +255,50 @@ def test_joined_engine_gets_current_weights_before_its_first_request_and_removal
             chat(on_b)
             assert generated_rows(a) == rows_a and generated_rows(b) == 3
             assert trainer.parts.pusher.engine_urls == [b]  # the trainer sees the same fleet
+            _restarted_engine_is_pending_and_the_last_engine_stays(gw, b, as_admin, watcher)
         trainer.close()
+
+
+def _ready(gw: str) -> tuple[int, str]:
+    reply = httpx.get(f"{gw}/readyz", timeout=10)
+    return reply.status_code, reply.json()["status"]
+
+
+def _restarted_engine_is_pending_and_the_last_engine_stays(
+    gw: str, b: str, as_admin: dict[str, str], watcher
+) -> None:
+    """b is the only engine in service (version 1). It comes back on older weights (relabelled
+    0, as a restart on the initial weights reports): the gateway takes it out until the
+    trainer's watcher pushed it version 1 again, and /readyz is 503 meanwhile. Removing the
+    last engine in service is a 409 (OpenAI error JSON) unless forced; then /readyz is 503."""
+    assert _ready(gw) == (200, "ready")
+    last = httpx.delete(f"{gw}/v1/admin/engines", params={"url": b}, headers=as_admin)
+    assert last.status_code == 409, last.text
+    error = last.json()["error"]
+    assert error["code"] == "last_engine" and "force=true" in error["message"]
+    assert _ready(gw) == (200, "ready")
+
+    relabel = httpx.post(
+        f"{b}/update_weight_version",
+        json={"new_version": "0", "abort_all_requests": False},
+        timeout=30,
+    )
+    assert relabel.status_code == 200, relabel.text
+    deadline = time.monotonic() + 30
+    while _ready(gw)[0] != 503:
+        assert time.monotonic() < deadline, "the engine on older weights stayed in service"
+        time.sleep(0.2)
+    assert _ready(gw) == (503, "no engine in service")
+    listing = httpx.get(f"{gw}/v1/admin/engines", headers=as_admin).json()["data"]
+    assert [(e["url"], e["state"], e["weight_version"]) for e in listing] == [(b, "pending", 0)]
+    assert watcher.check() == {b: None}  # the trainer pushes the fleet's version 1 again
+    assert served(b) == "1"
+    while _ready(gw)[0] != 200:
+        assert time.monotonic() < deadline, "the engine never came back in service"
+        time.sleep(0.2)
+
+    forced = httpx.delete(
+        f"{gw}/v1/admin/engines", params={"url": b, "force": "true"}, headers=as_admin
+    )
+    assert forced.status_code == 200, forced.text
+    assert _ready(gw) == (503, "no engine in service")

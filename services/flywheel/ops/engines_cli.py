@@ -83,18 +83,23 @@ def cmd_engines(args: argparse.Namespace) -> int:
     fleet = Fleet(connect(redis_url), settings.streams.prefix, static_urls(settings))
     try:
         if args.engines_command == "list":
+            from flywheel.ops.status import engine_state  # noqa: PLC0415
+
             version = fleet.version()
-            rows = [
-                {"url": url, "source": source, "weight_version": served_version(url)}
-                for url, source in fleet.members().items()
-            ]
+            rows = []
+            for url, source in fleet.members().items():
+                served = served_version(url)
+                state = engine_state(served, version)
+                rows.append(
+                    {"url": url, "source": source, "state": state, "weight_version": served}
+                )
             if args.json:
                 print(json.dumps({"weight_version": version, "engines": rows}))
                 return 0
             print(f"fleet weight version {version}")
             for row in rows:
-                served = "no answer" if row["weight_version"] is None else row["weight_version"]
-                print(f"{row['url']}  {row['source']:6}  serves {served}")
+                shown = "no answer" if row["weight_version"] is None else row["weight_version"]
+                print(f"{row['url']}  {row['source']:6}  {row['state']:10}  serves {shown}")
             if not rows:
                 print("no engines (a gateway or trainer adds the configured ones at start)")
             return 0

@@ -57,6 +57,8 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         _redis_killed_is_started_again(proc, stack["gateway"], sid)
         _trainer_killed_is_started_again(proc, stack["trainer"])
+        _service_killed_is_started_again(proc, "flywheel.reward", stack, sid)
+        _service_killed_is_started_again(proc, "flywheel.gateway", stack, sid)
         second = subprocess.run(
             [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
             capture_output=True,
@@ -73,7 +75,10 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, rest
     assert "stopped." in rest
     assert "flywheel: redis exited with -9; started it again" in rest
-    assert "flywheel: trainer exited with -9; started it again (1 of 3)" in rest
+    assert "flywheel: trainer exited with -9; started it again (1 of 3 within 600 s)" in rest
+    for name in ("reward", "gateway"):
+        assert f"flywheel: {name} exited with -9; started it again (1 of 3 within 600 s)" in rest
+        assert f"flywheel: {name} is healthy again" in rest
     time.sleep(0.5)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"still running after Ctrl-C: {alive}"
@@ -136,6 +141,78 @@ def _trainer_killed_is_started_again(up: subprocess.Popen, trainer: str) -> None
     assert httpx.get(f"{trainer}/readyz", timeout=5).status_code == 200
     alive = {c.pid for c in psutil.Process(up.pid).children(recursive=True)}
     assert others <= alive, "another service was restarted"
+
+
+def _service_killed_is_started_again(
+    up: subprocess.Popen, module: str, stack: dict[str, str], sid: str
+) -> None:
+    """SIGKILL one service (`python -m <module>`): `flywheel up` starts it again and the other
+    services keep their processes; the finished session and every recorded rollout are still
+    there, and an episode finished afterwards is recorded and scored (the reward group reads
+    and acks it)."""
+    from flywheel.core.redis_client import connect  # noqa: PLC0415
+    from flywheel.core.settings import StreamSettings  # noqa: PLC0415
+
+    def is_it(p: psutil.Process) -> bool:
+        try:
+            return module in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    redis = connect(stack["redis_url"])
+    rollouts = StreamSettings().key("rollouts")
+    recorded = redis.xlen(rollouts)
+    children = psutil.Process(up.pid).children(recursive=True)
+    (old,) = [c for c in children if is_it(c)]
+    others = {c.pid for c in children if not is_it(c)}
+    old.kill()
+    gateway = stack["gateway"]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        new = [c for c in psutil.Process(up.pid).children(recursive=True) if is_it(c)]
+        with contextlib.suppress(httpx.HTTPError):
+            if new and new[0].pid != old.pid and _episode_scored(gateway, redis, rollouts):
+                break
+        time.sleep(1)
+    assert up.poll() is None, f"flywheel up stopped when {module} died"
+    assert new and new[0].pid != old.pid, f"{module} was not started again"
+    alive = {c.pid for c in psutil.Process(up.pid).children(recursive=True)}
+    assert others <= alive, "another service was restarted"
+    assert httpx.get(f"{gateway}/v1/sessions/{sid}", timeout=5).json()["status"] == "finished"
+    assert redis.xlen(rollouts) > recorded  # nothing lost, the new episode added
+    assert _reward_caught_up(redis)
+
+
+def _episode_scored(gateway: str, redis, rollouts: str) -> bool:  # noqa: ANN001
+    """Finish a one-turn episode through the gateway; True once the reward group has read and
+    acked every rollout (within 30 s)."""
+    with httpx.Client(base_url=gateway, timeout=120) as client:
+        if client.get("/readyz").status_code != 200:
+            return False
+        sid = client.post("/v1/sessions", json={"group_id": "after-kill"}).json()["session_id"]
+        reply = client.post(
+            f"/s/{sid}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4},
+        )
+        if reply.status_code != 200:
+            return False
+        client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).raise_for_status()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if _reward_caught_up(redis):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _reward_caught_up(redis) -> bool:  # noqa: ANN001
+    """The reward group has read and acked every rollout (lag 0, pending 0)."""
+    from flywheel.core.settings import StreamSettings  # noqa: PLC0415
+    from flywheel.core.stream_stats import stream_stats  # noqa: PLC0415
+
+    (stat,) = [s for s in stream_stats(redis, StreamSettings()) if s.name == "rollouts"]
+    groups = {g.group: g for g in stat.groups}
+    return "reward" in groups and (groups["reward"].lag, groups["reward"].pending) == (0, 0)
 
 
 def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]) -> str:

@@ -48,11 +48,7 @@ from flywheel.trainer.policy import TrainerParts, build_policy, build_pusher, tr
 from flywheel.trainer.redis_retry import retry_redis
 from flywheel.trainer.sources import FakeSource, build_source
 from flywheel.trainer.staleness import StalenessPolicy
-from flywheel.trainer.step import (
-    StepConfig,
-    prepare_batch,
-    train_step,
-)
+from flywheel.trainer.step import StepConfig, prepare_batch, train_step
 from flywheel.trainer.telemetry import (
     CHECKPOINT_SECONDS,
     REPLAY_MISSING,

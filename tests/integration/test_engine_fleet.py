@@ -203,6 +203,15 @@ def test_joined_engine_gets_current_weights_before_its_first_request_and_removal
                 headers={"Authorization": f"Bearer {agent}"},
             )
             assert refused.status_code == 403
+            nowhere = httpx.post(
+                f"{gw}/v1/admin/engines", json={"url": "http://127.0.0.1:9/"}, headers=as_admin
+            ).json()
+            assert nowhere["url"] == "http://127.0.0.1:9" and nowhere["state"] == "pending"
+            assert "does not answer /model_info: it stays pending" in nowhere["detail"]
+            gone = httpx.delete(
+                f"{gw}/v1/admin/engines", params={"url": "http://127.0.0.1:9"}, headers=as_admin
+            )
+            assert gone.status_code == 200, gone.text
             bad = httpx.post(f"{gw}/v1/admin/engines", json={"url": "b:1"}, headers=as_admin)
             assert bad.status_code == 400 and "engine URL" in bad.json()["error"]["message"]
             joined = httpx.post(f"{gw}/v1/admin/engines", json={"url": b}, headers=as_admin)

@@ -15,6 +15,11 @@ import httpx
 import psutil
 import pytest
 
+from flywheel.core.fleet import Fleet
+from flywheel.core.redis_client import connect
+from flywheel.core.versions import parse_weight_version
+from flywheel.ops.up import CHECK_S
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
@@ -59,6 +64,12 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         _trainer_killed_is_started_again(proc, stack["trainer"])
         _service_killed_is_started_again(proc, "flywheel.reward", stack, sid)
         _service_killed_is_started_again(proc, "flywheel.gateway", stack, sid)
+        _service_killed_is_started_again(proc, "flywheel.engine", stack, sid)
+        # Back on its initial weights, the engine serves again only at the fleet's version.
+        fleet = Fleet(connect(stack["redis_url"]), "flywheel", [])
+        served = httpx.get(f"{stack['engine']}/model_info", timeout=10).json()
+        assert parse_weight_version(served["weight_version"]) >= fleet.version()
+        time.sleep(2 * CHECK_S)  # the watch loop's next pass reports it healthy again
         second = subprocess.run(
             [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
             capture_output=True,
@@ -76,7 +87,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     assert "stopped." in rest
     assert "flywheel: redis exited with -9; started it again" in rest
     assert "flywheel: trainer exited with -9; started it again (1 of 3 within 600 s)" in rest
-    for name in ("reward", "gateway"):
+    for name in ("reward", "gateway", "engine"):
         assert f"flywheel: {name} exited with -9; started it again (1 of 3 within 600 s)" in rest
         assert f"flywheel: {name} is healthy again" in rest
     time.sleep(0.5)
@@ -150,7 +161,6 @@ def _service_killed_is_started_again(
     services keep their processes; the finished session and every recorded rollout are still
     there, and an episode finished afterwards is recorded and scored (the reward group reads
     and acks it)."""
-    from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.settings import StreamSettings  # noqa: PLC0415
 
     def is_it(p: psutil.Process) -> bool:

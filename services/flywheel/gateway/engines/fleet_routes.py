@@ -57,7 +57,13 @@ async def add_engine(body: EngineAdd, request: Request) -> dict[str, Any]:
     url = _url(body.url)
     added = await asyncio.to_thread(watch.fleet.add, url)
     await watch.refresh()  # this gateway sees it at once; the others within fleet.refresh_s
-    return {"url": url, "added": added, "state": _state(watch, url)}
+    answer: dict[str, Any] = {"url": url, "added": added, "state": _state(watch, url)}
+    if await watch.pool.served_version(url) is None:
+        answer["detail"] = (
+            f"{url} does not answer /model_info: it stays pending (routed no request) until it "
+            "answers and serves the fleet's weight version; check the address"
+        )
+    return answer
 
 
 @router.delete("/v1/admin/engines", dependencies=[Depends(require_role("admin"))])

@@ -148,9 +148,10 @@ def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> int | None:
 
 
 def engine_state(version: int | None, fleet_version: int) -> str:
-    """An engine's state as the gateways see it: `down` (no answer), `pending` (serves an
-    older version than the fleet's: routed no request until the trainer pushes it the fleet's
-    weights) or `in_service`."""
+    """An engine's state as far as the CLI can tell: `down` (no answer), `pending` (serves an
+    older version than the fleet's: a joined or restarted engine is routed no request until the
+    trainer pushes it the fleet's weights; one in service shows so briefly while a push reaches
+    it) or `in_service`."""
     if version is None:
         return "down"
     return "pending" if version < fleet_version else "in_service"

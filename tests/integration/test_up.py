@@ -250,3 +250,27 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
     )
     assert missing.returncode == 1 and "no recorded Sample of session nope" in missing.stdout
     return sid
+
+
+def test_up_says_at_once_what_external_engine_it_waits_for(tmp_path, tiny_model_dir):
+    """`engine.backend = "external"` with nothing at the URL: `flywheel up` prints the wait
+    (URL, limit) before it times out, then fails with the setting to change."""
+    state = tmp_path / "state"
+    cfg = tmp_path / "flywheel.toml"
+    cfg.write_text(
+        f'state_dir = "{state}"\n[redis]\nport = 16479\n'
+        f'[engine]\nbackend = "external"\nurls = ["http://127.0.0.1:9"]\n'
+        f'model_path = "{tiny_model_dir}"\nstartup_timeout_s = 3\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "engine    waiting for http://127.0.0.1:9/health (up to 3 s)" in done.stdout
+    assert "did not answer /health with 200 within 3s" in done.stderr
+    assert "engine.startup_timeout_s sets the wait" in done.stderr

@@ -89,9 +89,11 @@ async def create_message(
     """One Messages request end to end (see the module docstring).
 
     Raises:
-        PlatformError: as `chat.respond` and `messages_convert.chat_request`.
+        PlatformError: as `chat.respond`, `messages_convert.chat_request` and
+            `messages_convert.check_tool_results`.
     """
     turn = messages_convert.chat_request(body)
+    messages_convert.check_tool_results(turn)
     chat.check_chat(d, turn)
     create_owner = None
     if session_id is None:
@@ -131,11 +133,13 @@ async def count_tokens(d: GatewayDeps, body: CountTokensRequest) -> dict[str, in
     """`{"input_tokens": n}`: the length of the fresh prompt the turn would render.
 
     Raises:
-        InvalidRequestError: as `messages_convert.chat_request`, or the template refuses it.
+        InvalidRequestError: as `messages_convert.chat_request` and `check_tool_results`, or
+            the template refuses it.
         ModelNotFoundError: a model this gateway does not serve.
     """
     check_model(d.settings, body.model)
     turn = messages_convert.chat_request(body, sampling=False)
+    messages_convert.check_tool_results(turn)
     messages = [m.for_template() for m in turn.messages]
     ids = await render_call(
         text_size(messages, turn.tools), d.renderer.prompt_ids, messages, turn.tools

@@ -48,6 +48,7 @@ from flywheel.gateway.api.messages_schema import (
     ToolResultBlock,
     ToolUseBlock,
 )
+from flywheel.gateway.api.request_rules import stale_tool_result
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 
 ERROR_PREFIX = "Error: "
@@ -282,3 +283,20 @@ def message(completion: dict[str, Any], matched_stop: str | None) -> dict[str, A
             "output_tokens": usage["completion_tokens"],
         },
     }
+
+
+def check_tool_results(turn: ChatCompletionRequest) -> None:
+    """Refuse a `tool_result` whose `tool_use_id` answers no `tool_use` earlier in the messages
+    (`request_rules.stale_tool_result`; Anthropic's API answers such a request with a 400).
+
+    Raises:
+        InvalidRequestError: naming the `tool_use_id`, param `messages`.
+    """
+    stale = stale_tool_result([m.for_template() for m in turn.messages])
+    if stale is not None:
+        raise InvalidRequestError(
+            f"messages: unexpected `tool_use_id` found in `tool_result` blocks: {stale[1]}. "
+            "Each `tool_result` block must have a corresponding `tool_use` block earlier in "
+            "the messages.",
+            param="messages",
+        )

@@ -6,6 +6,9 @@ structured. Parsers are chosen per model family by name (`TOOL_PARSERS`).
 - `hermes`: Hermes/Qwen style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks.
 - `json`: the whole reply is one JSON object `{"name": ..., "arguments"|"parameters": {...}}`
   (or a list of them); used as the fallback when no hermes block is present.
+- Cut off by the token limit (`truncated`, finish `length`): an unterminated last `<tool_call>`
+  block is dropped from the text (never shown as content); the complete calls before it are
+  returned. The recorded ids keep the sampled markup (docs/token-path.md).
 - Reasoning: a leading `<think>...</think>` block becomes `reasoning_content` (an unclosed one,
   cut by the token limit, is all reasoning and leaves the content empty).
 """
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _THINK = re.compile(r"^\s*<think>(.*?)</think>\s*", re.DOTALL)
 
@@ -87,11 +91,24 @@ TOOL_PARSERS: dict[str, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
 }
 
 
-def parse_reply(text: str, *, tools_offered: bool, tool_parser: str = "hermes") -> ParsedReply:
+def drop_unterminated_call(text: str) -> str:
+    """`text` without a last `<tool_call>` block that has no closing `</tool_call>` (a call cut
+    off by the token limit), trailing whitespace before it removed; unchanged otherwise."""
+    start = text.rfind(TOOL_CALL_OPEN)
+    if start < 0 or TOOL_CALL_CLOSE in text[start:]:
+        return text
+    return text[:start].rstrip()
+
+
+def parse_reply(
+    text: str, *, tools_offered: bool, tool_parser: str = "hermes", truncated: bool = False
+) -> ParsedReply:
     """Split sampled text into reasoning, content and tool calls.
 
     Tool calls are parsed only when the request offered tools; the configured parser runs
-    first and `json` is the fallback.
+    first and `json` is the fallback. `truncated`: the reply was cut off by the token limit
+    (finish `length`); with tools offered, an unterminated last `<tool_call>` block is then
+    dropped (`drop_unterminated_call`), so the client never gets tool-call markup as text.
     """
     reasoning = None
     match = _THINK.match(text)
@@ -102,6 +119,8 @@ def parse_reply(text: str, *, tools_offered: bool, tool_parser: str = "hermes") 
         # Reasoning cut off by the token limit (BUG-11 a): all of it is reasoning, no content.
         reasoning, text = text.lstrip()[len("<think>") :].strip(), ""
     calls: list[dict[str, Any]] = []
+    if tools_offered and truncated:
+        text = drop_unterminated_call(text)
     if tools_offered:
         for name in dict.fromkeys([tool_parser, "json"]):
             text_out, calls = TOOL_PARSERS[name](text)

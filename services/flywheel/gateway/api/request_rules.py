@@ -3,11 +3,16 @@
 - Message content: `null` (or absent) content is accepted only on an assistant message that
   carries `tool_calls` (or a legacy `function_call`); anywhere else it is a 400 naming
   `messages[i].content`.
+- Tool results (`stale_tool_result`): on the Responses and Messages APIs a tool result whose id
+  answers no tool call earlier in the conversation is a 400, as OpenAI's Responses API and
+  Anthropic's API answer (each in its own words and error format).
 - Model names: with `gateway.served_model_names` set, a request for another model is a 404
   with code `model_not_found` (OpenAI's answer); empty = any name is served.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from flywheel.core.errors import InvalidRequestError, NotFoundError
 from flywheel.core.settings import GatewaySettings
@@ -60,3 +65,23 @@ def check_contents(messages: list[ChatMessage]) -> None:
             f"messages[{i}]: a {m.role} message needs {need}; got null",
             param=f"messages[{i}].content",
         )
+
+
+def stale_tool_result(messages: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """The first tool message whose `tool_call_id` matches no tool call of an earlier assistant
+    message, as (its index in `messages`, the id); None when every tool result answers a call.
+    Messages are chat dicts (`role`, `tool_calls[].id`, `tool_call_id`); a tool message without
+    an id is not checked.
+
+    Example: [{"role": "assistant", "tool_calls": [{"id": "c1", ...}]},
+    {"role": "tool", "tool_call_id": "c1"}, {"role": "tool", "tool_call_id": "c9"}] -> (2, "c9").
+    """
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            called.update(c.get("id") for c in message.get("tool_calls") or [] if c.get("id"))
+        elif message.get("role") == "tool":
+            call_id = message.get("tool_call_id")
+            if isinstance(call_id, str) and call_id not in called:
+                return i, call_id
+    return None

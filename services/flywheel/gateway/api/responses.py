@@ -18,6 +18,7 @@ chat result becomes a `response` object or its stream events (responses_stream.p
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ from flywheel.gateway.api import responses_stream as stream
 from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.disconnect import Receive, unless_disconnected
 from flywheel.gateway.api.json_text import dumps
-from flywheel.gateway.api.request_rules import served_models
+from flywheel.gateway.api.request_rules import served_models, stale_tool_result
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
 from flywheel.gateway.api.responses_translate import (
@@ -47,6 +48,7 @@ from flywheel.gateway.api.session_keys import session_id_of
 from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
 
 log = logging.getLogger(__name__)
+_MAX_TOKENS = re.compile(r"\bmax_(?:completion_)?tokens\b")
 
 
 def as_chat(d: GatewayDeps, data: dict[str, Any]) -> ChatCompletionRequest:
@@ -69,10 +71,22 @@ def as_chat(d: GatewayDeps, data: dict[str, Any]) -> ChatCompletionRequest:
         chat.check_chat(d, body)
         check_schemas(body, "text.format.schema", "tools[{i}].parameters")
     except InvalidRequestError as exc:
-        if exc.param and exc.param.startswith("messages"):
-            exc.param = "input"
-        raise
+        raise responses_error(exc) from None
     return body
+
+
+def responses_error(exc: InvalidRequestError) -> InvalidRequestError:
+    """A chat refusal in Responses terms: `messages...` -> `input`, `max_tokens` ->
+    `max_output_tokens` (param and message), e.g. the context-window refusal
+    "prompt (9 tokens) + max_tokens (99999) ..." param "messages" -> "prompt (9 tokens) +
+    max_output_tokens (99999) ..." param "input"."""
+    param = exc.param
+    if param and param.startswith("messages"):
+        param = "input"
+    elif param in ("max_tokens", "max_completion_tokens"):
+        param = "max_output_tokens"
+    message = _MAX_TOKENS.sub("max_output_tokens", exc.message)
+    return InvalidRequestError(message, param=param, code=exc.code)
 
 
 def started(body: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
@@ -202,6 +216,12 @@ async def respond(
         previous = await store.get(body.previous_response_id, owner)
         history = previous.conversation
     data, conversation = chat_request(body, history)
+    stale = stale_tool_result(data["messages"])
+    if stale is not None:
+        raise InvalidRequestError(
+            f"No tool call found for function call output with call_id {stale[1]}.",
+            param="input",
+        )
     chat_body = as_chat(d, data)
     create_owner = None
     session_id = url_session
@@ -214,16 +234,19 @@ async def respond(
         create_owner = None if session_id is None else owner
     turn = Turn(d, store, body, chat_body, conversation, owner, session_id)
     work = chat.serve(d, chat_body, session_id, turn_type, create_owner=create_owner)
-    if incremental.eligible(chat_body, d.settings.tool_parser):
-        feed = incremental.TextFeed(stop_list(chat_body.stop), chat_body.tools_offered)
-        streamed = await stream.respond(
-            work, receive, session_id, feed, turn.started, turn.message_id, turn.finish
-        )
-        if isinstance(streamed, StreamingResponse):
-            return streamed
-        completion = streamed  # the turn ended before its first text
-    else:
-        completion = await unless_disconnected(work, receive, session_id)
+    try:
+        if incremental.eligible(chat_body, d.settings.tool_parser):
+            feed = incremental.TextFeed(stop_list(chat_body.stop), chat_body.tools_offered)
+            streamed = await stream.respond(
+                work, receive, session_id, feed, turn.started, turn.message_id, turn.finish
+            )
+            if isinstance(streamed, StreamingResponse):
+                return streamed
+            completion = streamed  # the turn ended before its first text
+        else:
+            completion = await unless_disconnected(work, receive, session_id)
+    except InvalidRequestError as exc:
+        raise responses_error(exc) from None
     response = await turn.finish(completion, None)
     if body.stream:
         return stream.sse(stream.whole_events(turn.started, response))

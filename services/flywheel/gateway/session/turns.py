@@ -99,8 +99,13 @@ TURN_TYPES = ("main", "side")
 
 
 def parse_choice(d: GatewayDeps, body: ChatCompletionRequest, gen: Generation) -> ParsedReply:
+    """The client's message for one engine result (`parse_reply`; a reply cut off by the token
+    limit drops its unterminated tool-call markup)."""
     return parse_reply(
-        gen.text, tools_offered=body.tools_offered, tool_parser=d.settings.tool_parser
+        gen.text,
+        tools_offered=body.tools_offered,
+        tool_parser=d.settings.tool_parser,
+        truncated=gen.finish_type == "length",
     )
 
 

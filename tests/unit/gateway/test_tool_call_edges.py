@@ -203,3 +203,18 @@ def test_responses_context_refusal_names_max_output_tokens(gw):
         assert "max_output_tokens (99999)" in error["message"]
         assert "max_tokens" not in error["message"]
     assert engine.prompts == []
+
+
+def test_messages_context_refusal_names_anthropic_fields(gw):
+    client, engine = _chat_env(gw, ["never"], cut=[])
+    reply = client.post(
+        "/v1/messages",
+        json={"model": "m", "max_tokens": 99999, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"anthropic-version": "2023-06-01"},
+    )
+    assert reply.status_code == 400, reply.text
+    body = reply.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens (99999)" in body["error"]["message"]
+    assert "max_completion_tokens" not in body["error"]["message"]
+    assert engine.prompts == []

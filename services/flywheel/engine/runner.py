@@ -4,9 +4,11 @@ The decoder and the output projection are called separately, so logits are compu
 the positions that need them (the last position of each row, plus the scored prompt positions of
 requests that ask for input logprobs), never for a whole (B, T, V) block.
 
-Weight updates (`read_checkpoint` + `apply_weights`) validate every key and shape of a safetensors
-checkpoint against the live model before copying anything, so an incompatible checkpoint leaves
-the served weights untouched. Tied embeddings: a checkpoint may omit `lm_head.weight`.
+Weight updates (`read_checkpoint` + `prepare` + `apply_weights`) validate every key and shape of a
+safetensors checkpoint against the live model before anything changes, so an incompatible
+checkpoint leaves the served weights untouched; the new tensors are read and converted off the
+decode loop (`prepare`), and the swap between two decode steps only replaces references.
+Tied embeddings: a checkpoint may omit `lm_head.weight`.
 """
 
 from __future__ import annotations
@@ -150,11 +152,60 @@ class ModelRunner:
             raise CheckpointError(f"{path} does not fit the served model: " + "; ".join(problems))
 
     @torch.no_grad()
+    def prepare(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Fresh copies of a validated (possibly partial) state dict in the live tensors'
+        dtype, device and layout, ready for `apply_weights` (run it off the decode loop).
+
+        Copies always: a checkpoint's tensors are mapped from its file (reading them is the
+        slow part) and a caller's buffers must not become live weights it can still write.
+
+        Raises:
+            KeyError: a name the model does not have (call `validate` first).
+        """
+        live = self._live()
+        return {
+            name: torch.empty_like(live[name], memory_format=torch.contiguous_format).copy_(t)
+            for name, t in state.items()
+        }
+
+    @torch.no_grad()
     def apply_weights(self, state: dict[str, Tensor]) -> None:
-        """Copy a validated (possibly partial) state dict into the live parameters, dtype and
-        device converted. Tied embeddings share one tensor, so updating either name updates
-        both roles."""
-        self.model.load_state_dict(state, strict=False)
+        """Make the tensors of a validated (possibly partial) state dict the live weights.
+
+        Tensors already in the live dtype/device/layout (`prepare`'s output) are swapped in
+        by reference (`param.data = tensor`, no copy: the decode loop only waits for the
+        swap); others are converted first. The parameter objects stay, so tied embeddings
+        share one tensor and updating either name updates both roles (with both names given,
+        the model's later name wins, as in `load_state_dict`).
+
+        Raises:
+            KeyError: a name the model does not have (call `validate` first).
+        """
+        live = self._live()
+        owners = self._owners()
+        for name in [n for n in owners if n in state]:
+            module, attr = owners[name]
+            old, new = live[name], state[name]
+            if new.dtype != old.dtype or new.device != old.device or not new.is_contiguous():
+                new = new.to(device=old.device, dtype=old.dtype).contiguous()
+            if attr in module._parameters:
+                param = module._parameters[attr]
+                assert param is not None
+                param.data = new
+            else:
+                module._buffers[attr] = new
+
+    def _live(self) -> dict[str, Tensor]:
+        """State-dict name -> live tensor (tied aliases included)."""
+        return dict(self.model.state_dict(keep_vars=True))
+
+    def _owners(self) -> dict[str, tuple[torch.nn.Module, str]]:
+        """State-dict name -> (module, attribute), in the model's order (tied aliases too)."""
+        owners: dict[str, tuple[torch.nn.Module, str]] = {}
+        for prefix, module in self.model.named_modules(remove_duplicate=False):
+            for attr in [*module._parameters, *module._buffers]:
+                owners[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
+        return owners
 
     def parameter(self, name: str) -> Tensor:
         """A parameter or buffer by its state-dict name (tied aliases included).

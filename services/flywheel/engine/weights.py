@@ -1,7 +1,8 @@
 """Weight updates of a running engine: from disk and over torch.distributed (SGLang's routes).
 
-* Disk (`/update_weights_from_disk`): the safetensors checkpoint is read and validated in the
-  caller's thread; the swap runs on the worker between two decode steps.
+* Disk (`/update_weights_from_disk`): the safetensors checkpoint is read, validated, copied and
+  converted (`ModelRunner.prepare`) in the caller's thread while the worker keeps decoding; the
+  swap runs on the worker between two decode steps and only replaces references.
 * Distributed (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`): the engine joins a process group as rank
   `rank_offset` (the trainer is rank 0 and broadcasts); with `engine.emulate_tp_size = N` it
@@ -128,8 +129,10 @@ class WeightUpdater:
         if abort_all:
             self.worker.abort("", abort_all=True)
 
-        def swap() -> None:
-            runner.apply_weights(state)
+        prepared = runner.prepare(state)  # read and convert here, off the decode loop
+
+        def swap() -> None:  # between two decode steps: reference swaps only
+            runner.apply_weights(prepared)
             self.worker.after_swap(version)
 
         self.worker.control(swap, drain=self.worker.settings.weight_swap == "drain")

@@ -180,3 +180,35 @@ def _service_ports(docs) -> dict[str, set[int]]:
         s["metadata"]["name"]: {p["port"] for p in s["spec"]["ports"]}
         for s in _of_kind(docs, "Service")
     }
+
+
+def admits(docs, src_labels: dict | None, dst: dict, port: int) -> bool:
+    """Would ingress to `dst` pods on TCP `port` be allowed from a pod with `src_labels` in the
+    same namespace (None: a client outside the namespace)? Port ranges (`endPort`) count."""
+    policies = [
+        p
+        for p in _of_kind(docs, "NetworkPolicy")
+        if _matches(p["spec"]["podSelector"], _pod_labels(dst))
+        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+    ]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(
+                p.get("protocol", "TCP") == "TCP"
+                and p["port"] <= port <= p.get("endPort", p["port"])
+                for p in ports
+            ):
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                if (
+                    src_labels is not None
+                    and set(peer) == {"podSelector"}
+                    and _matches(peer["podSelector"], src_labels)
+                ):
+                    return True
+    return False

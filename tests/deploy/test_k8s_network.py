@@ -16,6 +16,7 @@ from .k8s_manifests import (
     _pod_spec,
     _settings_for,
     _workloads,
+    admits,
 )
 
 # ---------------------------------------------------------------- exposure and network policy
@@ -31,34 +32,6 @@ def test_only_the_gateway_is_exposed(docs):
         for rule in ingress["spec"].get("rules", []):
             exposed += [p["backend"]["service"]["name"] for p in rule["http"]["paths"]]
     assert sorted(set(exposed)) == ["gateway"]
-
-
-def _allowed(docs, src_labels: dict | None, dst: dict, port: int) -> bool:
-    """Would ingress to `dst` pods on `port` be allowed from a pod with `src_labels` in the same
-    namespace (None: a client outside the cluster / another namespace)?"""
-    labels = _pod_labels(dst)
-    policies = [
-        p
-        for p in _of_kind(docs, "NetworkPolicy")
-        if _matches(p["spec"]["podSelector"], labels)
-        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-    ]
-    if not policies:
-        return True
-    for policy in policies:
-        for rule in policy["spec"].get("ingress", []):
-            if rule.get("ports") and port not in {p["port"] for p in rule["ports"]}:
-                continue
-            if "from" not in rule:
-                return True
-            for peer in rule["from"]:
-                if (
-                    src_labels is not None
-                    and set(peer) == {"podSelector"}
-                    and _matches(peer["podSelector"], src_labels)
-                ):
-                    return True
-    return False
 
 
 def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
@@ -94,8 +67,8 @@ def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
         ("trainer", "reward", 50051),
     ]
     for src, dst, port in needed:
-        assert _allowed(docs, labels(src), w[dst], port), f"{src} cannot reach {dst}:{port}"
-    assert _allowed(docs, None, w["gateway"], 8000), "the gateway is not reachable"
+        assert admits(docs, labels(src), w[dst], port), f"{src} cannot reach {dst}:{port}"
+    assert admits(docs, None, w["gateway"], 8000), "the gateway is not reachable"
     for dst, port in [
         ("engine", 30000),
         ("redis", 6379),
@@ -104,7 +77,7 @@ def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
         ("teacher", 50052),
         ("teacher-engine", 30000),
     ]:
-        assert not _allowed(docs, None, w[dst], port), f"{dst}:{port} is open to outside"
+        assert not admits(docs, None, w[dst], port), f"{dst}:{port} is open to outside"
     forbidden = [
         ("gateway", "trainer", 8100),
         ("engine", "redis", 6379),
@@ -113,7 +86,7 @@ def test_network_policies_select_every_pod_and_allow_only_needed_traffic(docs):
         ("trainer", "teacher-engine", 30000),
     ]
     for src, dst, port in forbidden:
-        assert not _allowed(docs, labels(src), w[dst], port), f"{src} may reach {dst}:{port}"
+        assert not admits(docs, labels(src), w[dst], port), f"{src} may reach {dst}:{port}"
 
 
 # ---------------------------------------------------------------- secrets

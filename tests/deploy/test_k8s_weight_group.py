@@ -7,49 +7,17 @@ and engines) connect to each other on the rendezvous and the gloo / NCCL ports, 
 from __future__ import annotations
 
 from .k8s_manifests import (
-    _matches,
     _of_kind,
     _pod_labels,
     _pod_spec,
     _settings_for,
     _workloads,
+    admits,
 )
 
 GROUP_PORT = 29600
 EPHEMERAL = 45123
 """A port gloo / NCCL may pick for a rank's connections (Linux's ephemeral range)."""
-
-
-def _admits(docs, src_labels: dict | None, dst: dict, port: int) -> bool:
-    """Would ingress to `dst` pods on TCP `port` be allowed from a pod with `src_labels` in the
-    same namespace (None: a client outside the namespace)? Port ranges (`endPort`) count."""
-    policies = [
-        p
-        for p in _of_kind(docs, "NetworkPolicy")
-        if _matches(p["spec"]["podSelector"], _pod_labels(dst))
-        and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
-    ]
-    if not policies:
-        return True
-    for policy in policies:
-        for rule in policy["spec"].get("ingress", []):
-            ports = rule.get("ports")
-            if ports and not any(
-                p.get("protocol", "TCP") == "TCP"
-                and p["port"] <= port <= p.get("endPort", p["port"])
-                for p in ports
-            ):
-                continue
-            if "from" not in rule:
-                return True
-            for peer in rule["from"]:
-                if (
-                    src_labels is not None
-                    and set(peer) == {"podSelector"}
-                    and _matches(peer["podSelector"], src_labels)
-                ):
-                    return True
-    return False
 
 
 def _workload(docs, name: str) -> dict:
@@ -83,17 +51,17 @@ def test_only_the_group_ranks_reach_each_other_on_the_group_ports(docs):
         return _pod_labels(w[name])
 
     for port in (GROUP_PORT, EPHEMERAL):  # the rendezvous listens on the trainer only
-        assert _admits(docs, labels("engine"), w["trainer"], port), f"engine -> trainer:{port}"
-    assert _admits(docs, labels("trainer"), w["engine"], EPHEMERAL), "trainer -> engine"
-    assert _admits(docs, labels("engine"), w["engine"], EPHEMERAL), "engine -> engine"
-    assert not _admits(docs, labels("trainer"), w["engine"], GROUP_PORT)
+        assert admits(docs, labels("engine"), w["trainer"], port), f"engine -> trainer:{port}"
+    assert admits(docs, labels("trainer"), w["engine"], EPHEMERAL), "trainer -> engine"
+    assert admits(docs, labels("engine"), w["engine"], EPHEMERAL), "engine -> engine"
+    assert not admits(docs, labels("trainer"), w["engine"], GROUP_PORT)
     for port in (GROUP_PORT, EPHEMERAL):
-        assert not _admits(docs, None, w["trainer"], port), f"trainer:{port} open to outside"
-        assert not _admits(docs, None, w["engine"], port), f"engine:{port} open to outside"
+        assert not admits(docs, None, w["trainer"], port), f"trainer:{port} open to outside"
+        assert not admits(docs, None, w["engine"], port), f"engine:{port} open to outside"
         for other in ("gateway", "reward", "teacher", "teacher-engine", "redis"):
-            assert not _admits(docs, labels(other), w["trainer"], port), f"{other} -> trainer"
-            assert not _admits(docs, labels(other), w["engine"], port), f"{other} -> engine"
+            assert not admits(docs, labels(other), w["trainer"], port), f"{other} -> trainer"
+            assert not admits(docs, labels(other), w["engine"], port), f"{other} -> engine"
     # the group's rule does not open the trainer's control port to the engines, nor Redis
-    assert not _admits(docs, labels("engine"), w["trainer"], 8100)
-    assert not _admits(docs, labels("engine"), w["redis"], 6379)
-    assert not _admits(docs, labels("trainer"), w["teacher-engine"], EPHEMERAL)
+    assert not admits(docs, labels("engine"), w["trainer"], 8100)
+    assert not admits(docs, labels("engine"), w["redis"], 6379)
+    assert not admits(docs, labels("trainer"), w["teacher-engine"], EPHEMERAL)

@@ -18,12 +18,15 @@ SERVICES = Path(__file__).resolve().parents[1] / "services"
 
 
 @contextmanager
-def engine_process(model_dir: Path, *args: str, **env_overrides: str) -> Iterator[str]:
+def engine_process(
+    model_dir: Path, *args: str, log_path: Path | None = None, **env_overrides: str
+) -> Iterator[str]:
     """Serve `model_dir`; yields the engine's URL once `/health` is 200, stops it after.
 
     Args:
         model_dir: a Hugging Face model folder.
         *args: extra command-line arguments (e.g. "--weight-version", "7").
+        log_path: a file for the engine's output (default: a pipe, shown on failure).
         **env_overrides: engine settings as `FLYWHEEL_ENGINE__<NAME>` values (defaults:
             context_length 512, threads 1).
 
@@ -47,12 +50,19 @@ def engine_process(model_dir: Path, *args: str, **env_overrides: str) -> Iterato
         str(port),
         *args,
     ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = log_path.open("wb") if log_path is not None else None
+    proc = subprocess.Popen(cmd, env=env, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        if log_path is not None:
+            return log_path.read_text()[-3000:]
+        return proc.stdout.read().decode() if proc.stdout else ""
+
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert proc.poll() is None, output()
             assert time.monotonic() < deadline, "engine did not become healthy"
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -64,3 +74,5 @@ def engine_process(model_dir: Path, *args: str, **env_overrides: str) -> Iterato
     finally:
         proc.terminate()
         proc.wait(30)
+        if log is not None:
+            log.close()

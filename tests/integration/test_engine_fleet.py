@@ -12,14 +12,10 @@ gateway process and the trainer.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
 
@@ -36,7 +32,7 @@ from flywheel.ops.stack import Stack
 from flywheel.trainer.service import build_trainer
 from flywheel.trainer.weights import WeightPusher
 
-from ..engine_process import SERVICES, engine_process
+from ..engine_process import engine_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 UPDATE_LINE = re.compile(
@@ -45,37 +41,9 @@ UPDATE_LINE = re.compile(
 )
 
 
-@contextmanager
-def logged_engine(model_dir: Path, log_path: Path, **env: str) -> Iterator[str]:
+def logged_engine(model_dir: Path, log_path: Path, **env: str) -> AbstractContextManager[str]:
     """`python -m flywheel.engine` with its log in `log_path`; yields its URL."""
-    port = free_port()
-    settings = {"context_length": "512", "threads": "1"} | env
-    environ = {
-        **os.environ,
-        "PYTHONPATH": str(SERVICES),
-        **{f"FLYWHEEL_ENGINE__{k.upper()}": v for k, v in settings.items()},
-    }
-    cmd = [sys.executable, "-m", "flywheel.engine", "--model-path", str(model_dir)]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port)], env=environ, stdout=log, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "engine did not become healthy"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    return engine_process(model_dir, log_path=log_path, **env)
 
 
 def update_spans(log_path: Path) -> list[tuple[float, float, str]]:

@@ -6,8 +6,6 @@ during start-up or later, reported with its log tail; and attach mode, which sta
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +19,7 @@ from flywheel.ops.engine_launch import wait_attached
 from flywheel.ops.stack import Stack
 
 from ..engine_process import engine_process
+from .up_cli import run_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,14 +111,7 @@ def test_flywheel_up_says_why_a_launched_engine_did_not_start(tmp_path, tiny_mod
         f"[gateway]\nport = 8751\n[reward]\nport = 50751\nmetrics_port = 9751\n"
         f"[trainer]\nport = 8761\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    done = run_up(cfg, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "flywheel: engine exited with 2 during start-up" in done.stderr
     assert "argument --tp-size/--tensor-parallel-size: invalid int value: 'two'" in done.stderr

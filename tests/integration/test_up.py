@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from flywheel.core.fleet import Fleet
 from flywheel.core.redis_client import connect
 from flywheel.core.versions import parse_weight_version
 from flywheel.ops.up import CHECK_S
+
+from .up_cli import clean_env, run_up, up_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,9 +35,9 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         f'[trainer]\nport = 8600\n[trainer.checkpoint]\ndir = "{state}/ckpt"\n'
         f'[trainer.logging]\nmetrics_path = "{state}/m.jsonl"\n'
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env = clean_env()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
+        up_command(cfg),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
@@ -262,14 +263,7 @@ def test_up_says_at_once_what_external_engine_it_waits_for(tmp_path, tiny_model_
         f'[engine]\nbackend = "external"\nurls = ["http://127.0.0.1:9"]\n'
         f'model_path = "{tiny_model_dir}"\nstartup_timeout_s = 3\n'
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "flywheel.ops.cli", "up", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    done = run_up(cfg, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "engine    waiting for http://127.0.0.1:9/health (up to 3 s)" in done.stdout
     assert "did not answer /health with 200 within 3s" in done.stderr

@@ -1,6 +1,7 @@
 """EnginePool health: a failed engine is taken out (healthy engines serve first), probed, and
-put back once `/health` answers 200; an aborted generation continues from its tokens. Engines are two small
-aiohttp servers on loopback that answer /generate and /health, or 500 while broken."""
+put back once `/health` answers 200; an aborted generation continues from its tokens. Engines
+are two small aiohttp servers on loopback that answer /generate and /health, or 500 while
+broken."""
 
 import asyncio
 

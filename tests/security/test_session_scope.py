@@ -35,6 +35,11 @@ SESSION_ENDPOINTS = [
     ("POST", "/v1/sessions/{sid}/keys", {}, False),
     ("POST", "/v1/sessions/{sid}/finish", {"reward": 1.0}, False),
 ]
+# Stored responses under a session (tested by test_stored_responses_of_a_session_...).
+STORED_RESPONSE_ROUTES = {
+    ("GET", "/s/{sid}/v1/responses/{response_id}"),
+    ("DELETE", "/s/{sid}/v1/responses/{response_id}"),
+}
 
 
 def _call(gw, secret, method, path, body, header, sid):
@@ -88,6 +93,7 @@ def test_owner_and_admin_may_use_the_session(gateway, method, path, body, header
 def test_every_session_endpoint_is_listed(gateway):
     """A new session route must be added to SESSION_ENDPOINTS (and so get the foreign-key test)."""
     listed = {(m, p) for m, p, _, header in SESSION_ENDPOINTS if not header}
+    listed |= STORED_RESPONSE_ROUTES
     routes = {
         (m, r.path.replace("{session_id}", "{sid}"))
         for r in gateway.client.app.routes
@@ -95,6 +101,24 @@ def test_every_session_endpoint_is_listed(gateway):
         if "{session_id}" in getattr(r, "path", "")
     }
     assert routes <= listed, routes - listed
+
+
+def test_stored_responses_of_a_session_are_its_owners_only(gateway):
+    """GET/DELETE /s/<sid>/v1/responses/<id>: a foreign key gets the 404 of a missing session
+    and deletes nothing; the owner reads its stored response, then deletes it."""
+    owner, intruder = gateway.key("agent"), gateway.key("agent")
+    sid = _create(gateway, owner)
+    made = gateway.client.post(f"/s/{sid}/v1/responses", json=RESPONSE, headers=gateway.auth(owner))
+    assert made.status_code == 200, made.text
+    path = f"/s/{sid}/v1/responses/{made.json()['id']}"
+    for method in ("GET", "DELETE"):
+        foreign = gateway.client.request(method, path, headers=gateway.auth(intruder))
+        assert foreign.status_code == 404, foreign.text
+        assert foreign.json()["error"]["type"] == "not_found_error"
+    got = gateway.client.get(path, headers=gateway.auth(owner))
+    assert got.status_code == 200 and got.json()["id"] == made.json()["id"]
+    assert gateway.client.delete(path, headers=gateway.auth(owner)).status_code == 200
+    assert gateway.client.get(path, headers=gateway.auth(owner)).status_code == 404
 
 
 def test_turns_with_a_foreign_key_do_not_reach_the_engine_or_the_record(gateway):

@@ -14,7 +14,13 @@ A Messages body whose last message is the assistant's (a prefill) is refused by 
 gateway records whole turns: docs/token-path.md, "Anthropic Messages API"), and JSON Schema
 cannot say "the last item of `messages` has role user", so the document allows it. Such bodies
 are counted apart (`... positive prefill`): the majority assertion for `/v1/messages` counts
-only bodies that end with a user message."""
+only bodies that end with a user message.
+
+A tool result must answer a call made earlier in the same body (an Anthropic `tool_result`
+names an earlier `tool_use` id; a Responses `function_call_output` an earlier `function_call`
+`call_id`), which JSON Schema cannot say either. Before a body is sent, every generated result
+that answers no earlier call becomes plain text (a `text` block, a user message): the body stays
+one the document allows."""
 
 from __future__ import annotations
 
@@ -29,6 +35,9 @@ from schemathesis import GenerationMode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 POSITIVE_EXAMPLES = 45
+MESSAGES_POSITIVE_EXAMPLES = 90
+"""Messages bodies: about two thirds of those generated end with an assistant message (prefills,
+counted apart), so twice as many are drawn to leave 10 or more that end with a user message."""
 NEGATIVE_EXAMPLES = 14
 LONGEST_STRING = 48
 """Characters kept of each string in a generating route's body (its prompt's length; every enum
@@ -44,6 +53,7 @@ def cheap(path: str, body: Any) -> Any:
     if not isinstance(body, dict) or not path.endswith(GENERATING):
         return body
     body = _shorten(body)
+    _answer_only_earlier_calls(body)
     for cap in CAPS:
         if isinstance(body.get(cap), int) and not isinstance(body[cap], bool):
             body[cap] = min(body[cap], 2)
@@ -65,6 +75,33 @@ def is_prefill(path: str, body: Any) -> bool:
     if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
         return False
     return messages[-1].get("role") == "assistant"
+
+
+def _answer_only_earlier_calls(body: dict[str, Any]) -> None:
+    """In place: tool results that answer no earlier call become text (see the module doc)."""
+    calls: set[Any] = set()
+    messages = body.get("messages")
+    if isinstance(messages, list):  # Anthropic Messages
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for i, block in enumerate(content):
+                if not isinstance(block, dict):
+                    continue
+                if block.get("type") == "tool_use":
+                    calls.add(block.get("id"))
+                elif block.get("type") == "tool_result" and block.get("tool_use_id") not in calls:
+                    content[i] = {"type": "text", "text": "tool output"}
+    items = body.get("input")
+    if isinstance(items, list):  # Responses
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "function_call":
+                calls.add(item.get("call_id"))
+            elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+                items[i] = {"role": "user", "content": "tool output"}
 
 
 def _shorten(value: Any) -> Any:
@@ -93,7 +130,12 @@ def test_every_route_fuzzed_with_a_key_no_5xx_and_chat_bodies_mostly_served(keye
     statuses: dict[str, Counter[int]] = defaultdict(Counter)
     for op in operations:
         for mode, examples in (
-            (GenerationMode.POSITIVE, POSITIVE_EXAMPLES),
+            (
+                GenerationMode.POSITIVE,
+                MESSAGES_POSITIVE_EXAMPLES
+                if op.path.endswith("/v1/messages")
+                else POSITIVE_EXAMPLES,
+            ),
             (GenerationMode.NEGATIVE, NEGATIVE_EXAMPLES),
         ):
             try:

@@ -46,9 +46,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    from flywheel.core.redis_server import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
@@ -216,6 +220,20 @@ def start(
         urls["gateway-recorded-B"] = urls["gateway-B"]
         pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
     return urls, redis, pids
+
+
+def stop_all(procs: list[subprocess.Popen], redis: LocalRedis | None) -> None:
+    """Stop every started process group (SIGTERM, then SIGKILL after 15 s) and Redis (or None)."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    if redis is not None:
+        redis.stop()
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -463,16 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("\n".join(report(results, args.compare_rev)))
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            if redis is not None:
-                redis.stop()
+            stop_all(procs, redis)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -108,16 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 + f"; p99/p50 {a['p99'] / a['p50']:.2f} vs {b['p99'] / b['p50']:.2f}"
             )
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-            if redis is not None:
-                redis.stop()
+            bench.stop_all(procs, redis)
     return 0
 
 

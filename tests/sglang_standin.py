@@ -8,7 +8,9 @@ flags say: nothing comes from Flywheel's settings file (`FLYWHEEL_CONFIG` and
 `--tp-size N` becomes the embedded engine's `emulate_tp_size` (it joins a weight-update group
 as N ranks and reports `tp_size` N, computing on one device). SGLang's environment switches are
 read as SGLang reads them: `SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN` (honoured by the
-embedded engine) and `SGLANG_USE_CPU_ENGINE` (required with `--device cpu`).
+embedded engine) and `SGLANG_USE_CPU_ENGINE` (required with `--device cpu`). A grammar-constrained
+token is reported with its logprob renormalised over the grammar's allowed tokens, as SGLang
+0.5.23 reports it (`engine.grammar_logprobs = "renormalized"`).
 
 Run: `python tests/sglang_standin.py --model-path DIR --port N ...`
 (`engine.sglang_launcher = [python, "tests/sglang_standin.py"]`).
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "max_batch_size": args.max_running_requests,
         "emulate_tp_size": args.tp_size,  # joins weight-update groups as that many ranks
+        "grammar_logprobs": "renormalized",  # SGLang masks the logits before its log-softmax
     }
     for name, value in engine.items():
         if value is not None:

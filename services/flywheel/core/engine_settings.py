@@ -23,7 +23,7 @@ from flywheel.core.section import Section
 BACKENDS = ("embedded", "sglang", "external")
 """The values of `engine.backend`."""
 
-_EMBEDDED_ONLY = ("batch_wait_ms", "threads", "weight_swap", "emulate_tp_size")
+_EMBEDDED_ONLY = ("batch_wait_ms", "threads", "weight_swap", "emulate_tp_size", "grammar_logprobs")
 """Settings only the embedded engine reads (SGLang has its own flags: `sglang_args`)."""
 _LAUNCHED_ONLY = (
     "host",
@@ -93,6 +93,14 @@ class EngineSettings(Section):
     layout for TP engines can be exercised on CPU. The model is still computed once, on one
     device; the extra ranks receive every broadcast and must get the first rank's bytes, or
     the update fails."""
+    grammar_logprobs: Literal["unmasked", "renormalized"] = "unmasked"
+    """Embedded engine only: the logprob a grammar-constrained token (json_schema / regex /
+    ebnf / structural_tag) is reported with. "unmasked": the model's `log_softmax(logits /
+    T)[t]`, what the trainer recomputes, and the answer says so (`meta_info.grammar_logprobs`).
+    "renormalized": the logprob over the grammar's allowed tokens only, without that note, as
+    SGLang 0.5.23 reports it (its vocabulary mask is applied before its log-softmax), so the
+    SGLang path (the gateway's `Sample.logprob_renormalized` marks) can be exercised on CPU
+    (docs/token-path.md, "Constrained tokens")."""
     sglang_args: list[str] = Field(default_factory=list)
     """More SGLang flags, passed as given after the ones Flywheel sets, e.g.
     ["--mem-fraction-static", "0.85", "--tool-call-parser", "qwen25"]; backend "sglang" only."""

@@ -292,18 +292,23 @@ def _input_logprobs(runner: ModelRunner, seq: Sequence, hidden: Tensor) -> None:
 
 def _sample_step(runner: ModelRunner, seqs: list[Sequence], logits: Tensor) -> Tensor:
     """Sample one token per row; constrained rows draw from their grammar-masked distribution,
-    every reported logprob is the unmasked `log_softmax(logits / T)` (engine/grammar.py)."""
+    every reported logprob is the unmasked `log_softmax(logits / T)` (engine/grammar.py), or
+    the masked one for rows of `engine.grammar_logprobs = "renormalized"` (as SGLang)."""
     configs = [s.config for s in seqs]
     logprobs = tempered_logprobs(logits, configs)  # (B, V)
     draw = mask_logprobs(logprobs, [s.grammar for s in seqs])  # (B, V)
     tokens = sample_tokens(draw, configs, [s.generator for s in seqs])  # (B,)
-    picked = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+    index = tokens.unsqueeze(1)
+    picked = logprobs.gather(1, index).squeeze(1).tolist()
+    picked_masked = draw.gather(1, index).squeeze(1).tolist() if draw is not logprobs else picked
     for i, (seq, token) in enumerate(zip(seqs, tokens.tolist(), strict=True)):
+        reported = draw if seq.job.renormalized_logprobs else logprobs  # (B, V)
         if seq.job.spec.top_logprobs_num > 0:
-            seq.output_top.append(top_logprobs(logprobs[i], seq.job.spec.top_logprobs_num))
+            seq.output_top.append(top_logprobs(reported[i], seq.job.spec.top_logprobs_num))
         if seq.job.spec.token_ids_logprob:
-            seq.output_ids_lp.append(logprobs[i, seq.job.spec.token_ids_logprob].tolist())
-        seq.append(token, picked[i], runner.tokenizer)
+            seq.output_ids_lp.append(reported[i, seq.job.spec.token_ids_logprob].tolist())
+        value = picked_masked[i] if seq.job.renormalized_logprobs else picked[i]
+        seq.append(token, value, runner.tokenizer)
         if seq.job.listener is not None and not seq.finished:
             notify(seq, runner)
     return tokens

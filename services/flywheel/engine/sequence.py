@@ -49,6 +49,9 @@ class Job:
     object after every sampled token; the final object arrives through `future`."""
     grammar: Grammar | None = None
     """The compiled constraint of the request (json_schema / regex / ebnf / structural_tag)."""
+    renormalized_logprobs: bool = False
+    """Report the grammar-masked, renormalised logprobs (`engine.grammar_logprobs`
+    "renormalized", as SGLang does) instead of the unmasked ones."""
 
 
 class Sequence:
@@ -184,6 +187,11 @@ class Sequence:
             out_rows = _rows(self.output_logprobs, self.output_ids, tokenizer, with_text)
             meta["output_token_logprobs"] = out_rows
             meta["output_token_logprobs_length"] = len(out_rows)
+            if self.job.grammar is not None and not self.job.renormalized_logprobs:
+                # A constrained row's logprobs are the unmasked log_softmax(logits / T) (not
+                # renormalised over the grammar's tokens, as SGLang's are); the gateway reads
+                # this to know (docs/engine-protocol.md, "POST /generate").
+                meta["grammar_logprobs"] = "unmasked"
             start = spec.logprob_start_len
             in_ids = self.input_ids[start:] if start >= 0 else []
             meta["input_token_logprobs"] = _rows(self.input_logprobs, in_ids, tokenizer, with_text)

@@ -168,8 +168,10 @@ class EngineWorker:
         jobs = [Job(spec, probe=probe) for spec in specs]
         if any(spec.params.constrained for spec in specs):
             assert self._grammars is not None  # built before the engine turns ready
+            renormalized = self.settings.grammar_logprobs == "renormalized"
             for job in jobs:  # xgrammar caches by text: rows of one request compile once
                 job.grammar = self._grammars.compile(job.spec.params)
+                job.renormalized_logprobs = renormalized and job.grammar is not None
         unheard: list[Callable[[dict[str, Any]], None] | None] = [None] * len(jobs)
         for job, listener in zip(jobs, listeners or unheard, strict=True):
             job.listener = listener

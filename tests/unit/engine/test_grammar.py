@@ -157,37 +157,34 @@ def test_outputs_follow_the_grammar_and_a_bad_one_fails_at_submit(tiny_engine):
         tiny_engine.submit([_spec("g-bad", prompt, regex="[a-")])
 
 
-def test_reported_logprobs_are_the_unmasked_model_distribution(tiny_engine, runner):
-    """The documented rule, against a direct computation from the model's logits."""
-    prompt = tiny_engine.tokenizer.encode("Pick letters:")
-    temperature = 0.7
-    (job,) = tiny_engine.submit(
-        [
-            _spec(
-                "g-lp",
-                prompt,
-                max_new_tokens=12,
-                temperature=temperature,
-                sampling_seed=11,
-                regex=r"[xyz]{3,8}",
-            )
-        ]
+REGEX = r"[xyz]{3,8}"
+TEMPERATURE = 0.7
+
+
+def _constrained_row(engine, rid: str) -> dict:
+    """One regex-constrained row at T = 0.7, seed 11, answered by `engine`."""
+    prompt = engine.tokenizer.encode("Pick letters:")
+    spec = _spec(
+        rid, prompt, max_new_tokens=12, temperature=TEMPERATURE, sampling_seed=11, regex=REGEX
     )
+    (job,) = engine.submit([spec])
     result = job.future.result(timeout=120)
-    out_ids = result["output_ids"]
-    reported = [row[0] for row in result["meta_info"]["output_token_logprobs"]]
-    assert re.fullmatch(r"[xyz]{3,8}", result["text"]), result["text"]
+    assert re.fullmatch(REGEX, result["text"]), result["text"]
+    return {"prompt": prompt, **result}
+
+
+def _model_logprobs(runner, prompt: list[int], out_ids: list[int]) -> tuple[list, list]:
+    """(unmasked, masked) logprob of each output token, computed directly from the model:
+    `log_softmax(logits / T)[t]`, and the same renormalised over the tokens the regex allows."""
     with torch.inference_mode():
         ids = torch.tensor([prompt + out_ids])
         logits = runner.model(ids).logits[0].float()  # (T, V)
     # position len(prompt) - 1 + k predicts out_ids[k]
     rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(out_ids)]  # (K, V)
-    unmasked = torch.log_softmax(rows / temperature, dim=-1)
+    unmasked = torch.log_softmax(rows / TEMPERATURE, dim=-1)
     expected = unmasked.gather(1, torch.tensor(out_ids).unsqueeze(1)).squeeze(1).tolist()
-    assert reported == pytest.approx(expected, abs=1e-4)
-    # the masked (renormalised) logprob is another number: the rule is observable
     grammar = GrammarCompiler(runner.tokenizer, runner.vocab_size, runner.eos_ids).compile(
-        SamplingParams(regex=r"[xyz]{3,8}")
+        SamplingParams(regex=REGEX)
     )
     assert grammar is not None
     row = grammar.matcher()
@@ -195,5 +192,45 @@ def test_reported_logprobs_are_the_unmasked_model_distribution(tiny_engine, runn
     for k, token in enumerate(out_ids):
         masked.append(mask_logprobs(unmasked[k : k + 1], [row])[0, token].item())
         row.accept(token)
+    return expected, masked
+
+
+def test_reported_logprobs_are_the_unmasked_model_distribution(tiny_engine, runner):
+    """The documented rule, against a direct computation from the model's logits."""
+    result = _constrained_row(tiny_engine, "g-lp")
+    reported = [row[0] for row in result["meta_info"]["output_token_logprobs"]]
+    expected, masked = _model_logprobs(runner, result["prompt"], result["output_ids"])
+    assert reported == pytest.approx(expected, abs=1e-4)
+    assert result["meta_info"]["grammar_logprobs"] == "unmasked"  # what the gateway reads
+    # the masked (renormalised) logprob is another number: the rule is observable
     # a random model puts almost no mass on x/y/z, so renormalising raises every logprob
     assert all(m > e + 1.0 for m, e in zip(masked, expected, strict=True))
+
+
+def test_renormalized_mode_reports_the_masked_logprob_as_sglang(tiny_model_dir, runner):
+    """`engine.grammar_logprobs = "renormalized"`: the same draw (same seed), reported as SGLang
+    0.5.23 reports it, log_softmax over the allowed tokens, and without the "unmasked" note;
+    an unconstrained row is unaffected."""
+    from flywheel.core.settings import EngineSettings  # noqa: PLC0415
+    from flywheel.engine.worker import EngineWorker  # noqa: PLC0415
+
+    settings = EngineSettings(
+        model_path=str(tiny_model_dir),
+        batch_wait_ms=5,
+        context_length=256,
+        grammar_logprobs="renormalized",
+    )
+    worker = EngineWorker(settings, tiny_model_dir).start()
+    try:
+        assert worker.wait_ready(120), worker.error
+        result = _constrained_row(worker, "g-renorm")
+        (free,) = worker.submit([_spec("g-free", result["prompt"], max_new_tokens=3)])
+        free_meta = free.future.result(timeout=120)["meta_info"]
+    finally:
+        worker.close()
+    reported = [row[0] for row in result["meta_info"]["output_token_logprobs"]]
+    expected, masked = _model_logprobs(runner, result["prompt"], result["output_ids"])
+    assert reported == pytest.approx(masked, abs=1e-4)
+    assert all(r > e + 1.0 for r, e in zip(reported, expected, strict=True))
+    assert "grammar_logprobs" not in result["meta_info"]
+    assert "grammar_logprobs" not in free_meta

@@ -133,6 +133,8 @@ def test_a_misspelled_backend_is_refused_at_start_naming_the_choices(monkeypatch
         ({"tp_size": 2}, {}, "engine.tp_size > 1 needs"),
         ({"backend": "sglang", "threads": 4}, {}, "has no use for engine.threads"),
         ({"backend": "sglang", "weight_swap": "drain"}, {}, "engine.weight_swap"),
+        # SGLang reports renormalised grammar logprobs whatever this says (docs/token-path.md)
+        ({"backend": "sglang", "grammar_logprobs": "renormalized"}, {}, "grammar_logprobs"),
         ({"backend": "external", "urls": ["http://g:1"], "port": 31000}, {}, "engine.port"),
         ({"backend": "external", "urls": ["ftp://g:1"]}, {}, "not an http(s):// URL"),
         (

@@ -17,8 +17,6 @@ decoding their difference is the evaluation's noise from the draw of problems.
 
 from __future__ import annotations
 
-import threading
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -100,19 +98,12 @@ class AgentDemoRunner(DemoRunner):
         self.evals: list[tuple[int, EvalStats]] = []
         """(held-out draw seed, stats) of every evaluation, in order."""
         self.step_results: list[EpisodeResult] = []
-        self.lock = threading.Lock()
-        self.failed = 0
-        """Episodes of the current step (or evaluation) the gateway answered with an error."""
 
     def agent_episode(
         self, problem: AdditionProblem, group_id: str, *, evaluation: bool, temperature: float
     ) -> EpisodeResult:
         """One session: create, run the agent, score, finish with the reward."""
-        created = self.http.post(
-            f"{self.gateway}/v1/sessions",
-            json={"group_id": group_id, "task": problem.task, "eval": evaluation},
-        ).raise_for_status()
-        session = created.json()
+        session = self.open_session(group_id, problem.task, evaluation=evaluation)
         trace = run_episode(
             session["base_url"],
             problem.question,
@@ -130,9 +121,7 @@ class AgentDemoRunner(DemoRunner):
             with self.lock:
                 self.failed += 1
             self.echo(f"episode {session['session_id']} failed on the server: {trace.error}")
-        self.http.post(
-            f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={"reward": reward}
-        ).raise_for_status()
+        self.finish_session(session["session_id"], {"reward": reward})
         return EpisodeResult(reward, len(trace.tool_calls), malformed)
 
     def evaluate_draw(self, seed: int) -> EvalStats:
@@ -162,18 +151,11 @@ class AgentDemoRunner(DemoRunner):
         return stats.success
 
     def rollouts(self, problems: list[AdditionProblem]) -> list[float]:  # type: ignore[override]
-        self.failed = 0
-        jobs = []
-        for problem in problems:
-            group_id = f"g-{uuid.uuid4().hex[:12]}"
-            jobs += [(problem, group_id)] * self.cfg.group_size
-        self.step_results = list(
-            self.pool.map(
-                lambda job: self.agent_episode(
-                    job[0], job[1], evaluation=False, temperature=self.cfg.temperature
-                ),
-                jobs,
-            )
+        self.step_results = self.run_groups(
+            problems,
+            lambda problem, group_id: self.agent_episode(
+                problem, group_id, evaluation=False, temperature=self.cfg.temperature
+            ),
         )
         return [r.reward for r in self.step_results]
 

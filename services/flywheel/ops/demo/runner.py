@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import openai
@@ -44,6 +44,9 @@ from flywheel.ops.demo.plot import (
     read_timeline_lines,
 )
 from flywheel.ops.demo.tasks import Problem, split, training_batches
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 
 @dataclass
@@ -122,11 +125,7 @@ class DemoRunner:
         """
         session: dict[str, Any] | None = None
         try:
-            created = self.http.post(
-                f"{self.gateway}/v1/sessions",
-                json={"group_id": group_id, "task": problem.task, "eval": evaluation},
-            ).raise_for_status()
-            session = created.json()
+            session = self.open_session(group_id, problem.task, evaluation=evaluation)
             reply = answer(
                 session["base_url"],
                 problem.question,
@@ -134,9 +133,7 @@ class DemoRunner:
                 temperature=temperature,
                 max_tokens=self.cfg.max_tokens,
             )
-            self.http.post(
-                f"{self.gateway}/v1/sessions/{session['session_id']}/finish", json={}
-            ).raise_for_status()
+            self.finish_session(session["session_id"], {})
         except (openai.APIError, httpx.HTTPError) as exc:
             self._failed_episode(session, exc)
             return 0.0
@@ -150,9 +147,7 @@ class DemoRunner:
         self.echo(f"episode {sid} failed on the server, scored 0: {type(exc).__name__}: {exc}")
         if session is not None:
             try:
-                self.http.post(
-                    f"{self.gateway}/v1/sessions/{sid}/finish", json={"reward": 0.0}
-                ).raise_for_status()
+                self.finish_session(sid, {"reward": 0.0})
             except httpx.HTTPError as finish_exc:
                 self.echo(f"episode {sid}: finishing it failed too: {finish_exc}")
 
@@ -166,19 +161,49 @@ class DemoRunner:
         return sum(rewards) / len(rewards)
 
     def rollouts(self, problems: list[Problem]) -> list[float]:
+        """The step's training episodes (`run_groups`); returns their rewards."""
+        return self.run_groups(
+            problems,
+            lambda problem, group_id: self.episode(
+                problem, group_id, evaluation=False, temperature=self.cfg.temperature
+            ),
+        )
+
+    def run_groups(self, problems: list[P], episode: Callable[[P, str], R]) -> list[R]:
+        """`episode(problem, group_id)` `group_size` times per problem, all of a problem under
+        one new group id, run in the pool; returns the results in that order. Starts the step's
+        `failed` count at 0."""
         self.failed = 0
-        jobs = []
+        jobs: list[tuple[P, str]] = []
         for problem in problems:
             group_id = f"g-{uuid.uuid4().hex[:12]}"
             jobs += [(problem, group_id)] * self.cfg.group_size
-        return list(
-            self.pool.map(
-                lambda job: self.episode(
-                    job[0], job[1], evaluation=False, temperature=self.cfg.temperature
-                ),
-                jobs,
-            )
-        )
+        return list(self.pool.map(lambda job: episode(*job), jobs))
+
+    def open_session(
+        self, group_id: str, task: dict[str, Any], *, evaluation: bool
+    ) -> dict[str, Any]:
+        """Create a gateway session of `group_id` for `task` (`eval` = `evaluation`); returns
+        the gateway's reply (`session_id`, `base_url`).
+
+        Raises:
+            httpx.HTTPError: the gateway refused or could not be reached.
+        """
+        created = self.http.post(
+            f"{self.gateway}/v1/sessions",
+            json={"group_id": group_id, "task": task, "eval": evaluation},
+        ).raise_for_status()
+        return created.json()
+
+    def finish_session(self, session_id: str, body: dict[str, Any]) -> None:
+        """Finish a session with `body` (`{"reward": r}`, or `{}` to leave it to the verifier).
+
+        Raises:
+            httpx.HTTPError: the gateway refused or could not be reached.
+        """
+        self.http.post(
+            f"{self.gateway}/v1/sessions/{session_id}/finish", json=body
+        ).raise_for_status()
 
     def engine_version(self) -> int:
         """The weight version the engine serves: `/model_info`, or `/get_model_info` on an SGLang

@@ -19,7 +19,11 @@ SERVICES = Path(__file__).resolve().parents[1] / "services"
 
 @contextmanager
 def engine_process(
-    model_dir: Path, *args: str, log_path: Path | None = None, **env_overrides: str
+    model_dir: Path,
+    *args: str,
+    log_path: Path | None = None,
+    startup_s: float = 120,
+    **env_overrides: str,
 ) -> Iterator[str]:
     """Serve `model_dir`; yields the engine's URL once `/health` is 200, stops it after.
 
@@ -27,11 +31,13 @@ def engine_process(
         model_dir: a Hugging Face model folder.
         *args: extra command-line arguments (e.g. "--weight-version", "7").
         log_path: a file for the engine's output (default: a pipe, shown on failure).
+        startup_s: seconds the engine may take to become healthy.
         **env_overrides: engine settings as `FLYWHEEL_ENGINE__<NAME>` values (defaults:
             context_length 512, threads 1).
 
     Raises:
-        AssertionError: the process exited, or was not healthy within 120 s (its output shown).
+        AssertionError: the process exited, or was not healthy within `startup_s` (its output
+            shown).
     """
     port = free_port()
     settings = {"context_length": "512", "threads": "1"} | env_overrides
@@ -60,7 +66,7 @@ def engine_process(
 
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + startup_s
         while True:
             assert proc.poll() is None, output()
             assert time.monotonic() < deadline, "engine did not become healthy"

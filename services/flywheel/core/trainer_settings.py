@@ -274,10 +274,11 @@ class PushSettings(Section):
     """TCP port of that group's rendezvous on the trainer; 0 = a free port each time the group
     forms. Fix it where a firewall or NetworkPolicy must let it through (deploy/k8s: 29600)."""
     tp_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
-    """TP ranks of each engine, in the order of the engines pushed to (SGLang's `--tp-size`):
-    engine i joins the group at rank 1 + the sum of the sizes before it, and the group has
-    1 + their sum ranks. Empty = ask each engine's `/server_info` (`tp_size`) when the group
-    forms. Must have one entry per engine when given."""
+    """TP ranks of each configured engine (`engine_urls`, else the configured ones), in that
+    order (SGLang's `--tp-size`): engine i joins the group at rank 1 + the sum of the sizes
+    before it, and the group has 1 + their sum ranks. Empty = ask each engine's `/server_info`
+    (`tp_size`) before each push, as for every engine that joins the fleet (docs/fleet.md).
+    Must have one entry per configured engine when given."""
     bucket_mb: float = Field(512.0, gt=0)
     """MiB of tensors per `/update_weights_from_distributed` call: a push sends the weights in
     buckets of this size (one call and one series of broadcasts each)."""

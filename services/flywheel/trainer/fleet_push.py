@@ -8,7 +8,9 @@ watcher that gives an engine joining mid-run the current weights.
   engines that joined or left, and pushes the newest pushed weights to every member serving an
   older version (an engine that joined, or one restarted with its initial weights). Gateways
   route to a joined engine only once it serves the fleet's version (gateway/engines/
-  fleet_watch.py), so its first request already runs on the current weights.
+  fleet_watch.py), so its first request already runs on the current weights. Under
+  `trainer.push.mode = "distributed"` the newest weights are the last broadcast's snapshot,
+  written once as a folder when a member is behind it (`weights`, distributed_push.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import redis
 from prometheus_client import Counter
@@ -84,6 +87,15 @@ def push_each(
     return out
 
 
+class NewestWeights(Protocol):
+    """Where the newest pushed weights are when they are not the disk pusher's folder (the
+    distributed pusher's kept broadcast snapshot)."""
+
+    def latest_version(self) -> int | None: ...
+
+    def latest_folder(self) -> tuple[Path, int] | None: ...
+
+
 def shared_fleet(settings: FlywheelSettings, redis_client: Any = None) -> Fleet | None:
     """The shared fleet the trainer pushes to, or None for a fixed list: None when
     `trainer.push.engine_urls` is set (the workers behind an SGLang router, say), or when the
@@ -121,6 +133,8 @@ class FleetWatcher:
         self.fleet = fleet
         self.interval_s = interval_s
         self.known: set[str] = set()
+        self.weights: NewestWeights | None = None
+        """Set by the distributed pusher; None = the disk pusher's newest folder (`latest`)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -146,9 +160,11 @@ class FleetWatcher:
             log.info("engine %s left the fleet", url)
         self.known = set(urls)
         latest = self.pusher.latest
-        if latest is None:  # nothing pushed yet: every engine serves the initial weights
+        version = latest[1] if latest else None
+        if self.weights is not None:
+            version = self.weights.latest_version()
+        if version is None:  # nothing pushed yet: every engine serves the initial weights
             return {}
-        path, version = latest
         behind = []
         for url in urls:
             if self.pusher.busy(url):
@@ -158,6 +174,11 @@ class FleetWatcher:
                 behind.append(url)
         if not behind:
             return {}
+        if self.weights is not None:  # the broadcast snapshot, written once as a folder
+            latest = self.weights.latest_folder()
+        if latest is None:
+            return {}
+        path, version = latest
         log.info("engines %s serve a version older than %d; pushing it", behind, version)
         results = push_each(
             behind,

@@ -35,6 +35,7 @@ from flywheel.trainer.weights import (
     Checkpoint,
     CheckpointStore,
     WeightPusher,
+    WeightsStore,
     load_model,
     load_training_state,
     resolve_device,
@@ -212,13 +213,16 @@ def build_pusher(settings: FlywheelSettings) -> Any:
         attempts=s.push.attempts,
         pause=s.push.pause,
         engine_deadline_s=settings.fleet.push_deadline_s,
-        # the shared fleet (disk pushes; a distributed group's ranks are fixed when it forms)
-        fleet=shared_fleet(settings) if s.push.mode == "disk" else None,
+        fleet=shared_fleet(settings),  # the distributed group follows it too
         refresh_s=settings.fleet.refresh_s,
     )
     if s.push.mode == "disk":
         return disk
     from flywheel.trainer.distributed_push import DistributedPusher  # noqa: PLC0415
+
+    # the broadcast snapshot, written for an engine that joins between pushes
+    source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
+    joiners = WeightsStore(Path(s.checkpoint.dir) / "joiners", source_dir)
 
     return DistributedPusher(
         disk,
@@ -229,6 +233,7 @@ def build_pusher(settings: FlywheelSettings) -> Any:
         tp_sizes=s.push.tp_sizes,
         bucket_bytes=int(s.push.bucket_mb * 1024**2),
         pause=s.push.pause,
+        joiners=joiners,
     )
 
 

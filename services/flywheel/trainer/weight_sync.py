@@ -141,6 +141,7 @@ class DistributedWeightSync:
     timeout_s: float = 600.0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     _group: Any = field(default=None, init=False, repr=False)
+    _store: Any = field(default=None, init=False, repr=False)
     _http: httpx.Client = field(default_factory=lambda: httpx.Client(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -321,12 +322,17 @@ class DistributedWeightSync:
         if errors:
             raise WeightSyncError(str(errors[0])) from errors[0]
 
-    def close(self) -> None:
-        """Destroy the group on every engine and here (errors are logged, not raised)."""
-        for url in self.engine_urls:
+    def close(self, engines: Iterable[str] | None = None) -> None:
+        """Destroy the group on `engines` (default: every engine of the group) and here, and
+        release the rendezvous port (errors are logged, not raised). A group re-formed for a
+        changed fleet is destroyed on its surviving members only: an engine that left keeps
+        its stale group until a trainer forms one with it again (`/destroy_weights_update_group`
+        of left-over groups first)."""
+        for url in self.engine_urls if engines is None else engines:
             try:
                 self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name})
             except (WeightSyncError, httpx.HTTPError) as e:
                 log.warning("destroying the weight update group on %s: %s", url, e)
         self._group = None
+        self._store = None
         self._http.close()

@@ -27,6 +27,8 @@ import httpx
 import tenacity
 from prometheus_client import Counter, Gauge, Histogram
 
+from flywheel.core.retry import jittered_backoff
+
 log = logging.getLogger(__name__)
 
 INFRA_KINDS = ("timeout", "connection", "server_error", "client_error", "bad_response")
@@ -165,10 +167,7 @@ class AsyncJudgeClient:
         self._http = {}
         self.retrying = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(
-                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                + tenacity.wait_random(0, backoff_s)
-            ),
+            wait=jittered_backoff(backoff_s),
             retry=tenacity.retry_if_exception(
                 lambda exc: isinstance(exc, JudgeCallError) and exc.retryable
             ),
@@ -179,11 +178,10 @@ class AsyncJudgeClient:
     def _session(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if loop not in self._http:  # clients and semaphores belong to one event loop
-            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             limits = httpx.Limits(max_connections=self.max_concurrency)
             http = httpx.AsyncClient(
                 base_url=self.base_url,
-                headers=headers,
+                headers=_auth_headers(self.api_key),
                 limits=limits,
                 timeout=self.timeout_s,
                 transport=self.transport,
@@ -216,12 +214,7 @@ class AsyncJudgeClient:
                 (other 4xx, not retryable), bad_response (not a chat completion).
         """
         http, slots = self._session()
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
+        body = _chat_body(self.model, prompt, self.temperature, self.max_tokens)
         async with slots:
             start = time.perf_counter()
             try:
@@ -236,21 +229,7 @@ class AsyncJudgeClient:
                 raise
             finally:
                 self.metrics.call_seconds.labels(self.name).observe(time.perf_counter() - start)
-        if resp.status_code == 429 or resp.status_code >= 500:
-            self.metrics.up.labels(self.name).set(0)
-            raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
-        self.metrics.up.labels(self.name).set(1)
-        if resp.status_code != 200:
-            raise JudgeCallError(
-                "client_error", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False
-            )
-        try:
-            content = resp.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise JudgeCallError(
-                "bad_response", f"not an OpenAI chat completion: {resp.text[:200]!r}"
-            ) from exc
-        return content if isinstance(content, str) else ""
+        return _reply_text(resp, self.metrics, self.name)
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         _count_retry(self.metrics, self.name, state)
@@ -268,6 +247,46 @@ def _count_retry(metrics: JudgeMetrics, name: str, state: tenacity.RetryCallStat
     exc = state.outcome.exception() if state.outcome else None
     metrics.retries.labels(name, getattr(exc, "kind", "unknown")).inc()
     log.info("judge %s try %d failed (%s); retrying", name, state.attempt_number, exc)
+
+
+def _auth_headers(api_key: str | None) -> dict[str, str]:
+    """The bearer header of `api_key`; none when the key is None or empty."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _chat_body(model: str, prompt: str, temperature: float, max_tokens: int) -> dict:
+    """The /chat/completions request of one judge call: `prompt` as the only user message."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": temperature,
+        "max_tokens": max_tokens,
+    }
+
+
+def _reply_text(resp: httpx.Response, metrics: JudgeMetrics, name: str) -> str:
+    """The message text of one judge HTTP reply ("" when its content is not a string); sets
+    `up` to 0 on 429/5xx and to 1 on any other status.
+
+    Raises:
+        JudgeCallError: server_error (429/5xx), client_error (another non-200 status, not
+            retryable), bad_response (not a chat completion).
+    """
+    if resp.status_code == 429 or resp.status_code >= 500:
+        metrics.up.labels(name).set(0)
+        raise JudgeCallError("server_error", f"HTTP {resp.status_code}: {resp.text[:200]}")
+    metrics.up.labels(name).set(1)
+    if resp.status_code != 200:
+        raise JudgeCallError(
+            "client_error", f"HTTP {resp.status_code}: {resp.text[:200]}", retryable=False
+        )
+    try:
+        content = resp.json()["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise JudgeCallError(
+            "bad_response", f"not an OpenAI chat completion: {resp.text[:200]!r}"
+        ) from exc
+    return content if isinstance(content, str) else ""
 
 
 class JudgeInfraError(Exception):
@@ -308,9 +327,11 @@ class JudgeClient:
     ):
         self.metrics = metrics
         self.name = name
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(
-            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, transport=transport
+            base_url=base_url.rstrip("/"),
+            headers=_auth_headers(api_key),
+            timeout=timeout_s,
+            transport=transport,
         )
         self.model = model
         self.temperature = temperature
@@ -318,10 +339,7 @@ class JudgeClient:
         self.slots = threading.BoundedSemaphore(max_concurrency)
         self.retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(
-                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                + tenacity.wait_random(0, backoff_s)
-            ),
+            wait=jittered_backoff(backoff_s),
             retry=tenacity.retry_if_exception_type(JudgeInfraError),
             before_sleep=self._before_sleep,
             reraise=True,
@@ -332,12 +350,7 @@ class JudgeClient:
         return self.retrying(self._complete_once, prompt)
 
     def _complete_once(self, prompt: str) -> str:
-        body = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
+        body = _chat_body(self.model, prompt, self.temperature, self.max_tokens)
         with self.slots:
             start = time.perf_counter()
             try:
@@ -350,16 +363,12 @@ class JudgeClient:
                 raise JudgeInfraError("connection", f"{type(exc).__name__}: {exc}") from exc
             finally:
                 self.metrics.call_seconds.labels(self.name).observe(time.perf_counter() - start)
-        if resp.status_code == 429 or resp.status_code >= 500:
-            self.metrics.up.labels(self.name).set(0)
-            raise JudgeInfraError("server_error", f"HTTP {resp.status_code}")
-        self.metrics.up.labels(self.name).set(1)
-        if resp.status_code != 200:
-            raise ValueError(f"HTTP {resp.status_code}: {resp.text[:200]}")
         try:
-            return resp.json()["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise ValueError(f"not an OpenAI chat completion: {resp.text[:200]}") from exc
+            return _reply_text(resp, self.metrics, self.name)
+        except JudgeCallError as exc:
+            if exc.kind == "server_error":
+                raise JudgeInfraError(exc.kind, exc.detail) from exc
+            raise ValueError(exc.detail) from exc
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         _count_retry(self.metrics, self.name, state)

@@ -37,6 +37,7 @@ import httpx
 import tenacity
 
 from flywheel.core.errors import ContractError, InvalidRequestError, UpstreamError
+from flywheel.core.retry import jittered_backoff
 from flywheel.teacher import metrics
 
 log = logging.getLogger(__name__)
@@ -169,10 +170,7 @@ class TeacherScorer:
         self.http = httpx.Client(timeout=timeout_s, transport=transport)
         self.retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(max_attempts),
-            wait=(
-                tenacity.wait_exponential(multiplier=backoff_s, max=30 * backoff_s)
-                + tenacity.wait_random(0, backoff_s)
-            ),
+            wait=jittered_backoff(backoff_s),
             retry=tenacity.retry_if_exception_type(_Retryable),
             reraise=True,
         )

@@ -191,15 +191,18 @@ TOOL_CHOICE = WithJsonSchema(
 """`tool_choice`; "required" or a named function forces a call, which needs `tools` holding that
 function (constraints.py)."""
 
+PLAIN_FORMAT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"type": {"enum": ["text", "json_object"]}},
+    "required": ["type"],
+}
+"""A reply format without a schema: chat `response_format` and Responses `text.format`."""
+
 RESPONSE_FORMAT = WithJsonSchema(
     nullable(
         {
             "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {"type": {"enum": ["text", "json_object"]}},
-                    "required": ["type"],
-                },
+                PLAIN_FORMAT,
                 {
                     "type": "object",
                     "properties": {
@@ -333,11 +336,7 @@ RESPONSES_TEXT = WithJsonSchema(
             "properties": {
                 "format": {
                     "anyOf": [
-                        {
-                            "type": "object",
-                            "properties": {"type": {"enum": ["text", "json_object"]}},
-                            "required": ["type"],
-                        },
+                        PLAIN_FORMAT,
                         {
                             "type": "object",
                             "properties": {

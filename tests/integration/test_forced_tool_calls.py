@@ -53,6 +53,8 @@ def _faithful(stack, sid: str, turns: int) -> list:
     for sample in samples:
         report = check_fidelity(sample, stack.engine)
         assert report.ids_match and report.logprobs_compared and report.ok(1e-3), report
+        # the embedded engine says its constrained logprobs are unmasked: nothing is marked
+        assert not sample.logprob_renormalized and report.renormalized_tokens == 0
     return samples
 
 

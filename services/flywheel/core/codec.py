@@ -35,7 +35,8 @@ def validate_sample(sample: sample_pb2.Sample) -> None:
 
     Raises:
         ContractError: wrong schema major; per-token arrays of different lengths; a loss-mask
-            value other than 0/1; `prompt_length` beyond the tokens; teacher arrays misaligned.
+            or `logprob_renormalized` value other than 0/1; `prompt_length` beyond the tokens;
+            teacher arrays or `logprob_renormalized` misaligned.
     """
     if sample.schema_version != SCHEMA_MAJOR:
         raise ContractError(
@@ -60,12 +61,16 @@ def validate_sample(sample: sample_pb2.Sample) -> None:
         raise ContractError(
             f"Sample {sample.sample_id!r}: prompt_length {sample.prompt_length} > {n} tokens."
         )
-    for name in ("teacher_logprobs", "teacher_mask", "wrong_hint_logprobs"):
+    for name in ("teacher_logprobs", "teacher_mask", "wrong_hint_logprobs", "logprob_renormalized"):
         length = len(getattr(sample, name))
         if length not in (0, n):
             raise ContractError(
                 f"Sample {sample.sample_id!r}: {name} has {length} entries; expected 0 or {n}."
             )
+    if not set(sample.logprob_renormalized) <= {0, 1}:
+        raise ContractError(
+            f"Sample {sample.sample_id!r}: logprob_renormalized values must be 0 or 1."
+        )
     k = sample.teacher_topk
     for name in ("teacher_topk_ids", "teacher_topk_logprobs"):
         length = len(getattr(sample, name))

@@ -273,6 +273,12 @@ def cmd_check_fidelity(args: argparse.Namespace) -> int:
             f"{sample.turn_index}): ids_match={report.ids_match} "
             f"sampled_tokens={report.sampled_tokens} logprobs_compared="
             f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}"
+            + (
+                f" renormalized_tokens={report.renormalized_tokens} (grammar-renormalised "
+                "logprobs, ids compared only)"
+                if report.renormalized_tokens
+                else ""
+            )
         )
     return 0 if ok else 2
 

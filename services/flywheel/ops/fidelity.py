@@ -11,7 +11,9 @@ continued partial rollout) is checked one version at a time: `versions` restrict
 comparison to the sampled tokens of those versions, with the engine serving those weights.
 
 Prompt logprobs are untempered, so logprobs are compared only for Samples drawn at temperature
-1 or greedily (0); at other temperatures the check compares ids only and says so.
+1 or greedily (0); at other temperatures the check compares ids only and says so. Tokens marked
+in `logprob_renormalized` (an SGLang engine under a grammar recorded log q, not log p) are
+compared by id only and counted (`renormalized_tokens`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class FidelityReport:
     """Over sampled tokens; 0.0 when not compared."""
     sampled_tokens: int
     """Sampled tokens whose logprobs were compared (those of `versions` when given)."""
+    renormalized_tokens: int = 0
+    """Sampled tokens of `versions` left out of the comparison: their recorded logprob is
+    renormalised over a grammar's allowed tokens (`Sample.logprob_renormalized`)."""
 
     def ok(self, tol: float) -> bool:
         return self.ids_match and (not self.logprobs_compared or self.max_abs_logprob_diff <= tol)
@@ -71,11 +76,13 @@ def check_fidelity(
     )
     temperature = sample.sampling.temperature
     comparable = ids_match and temperature in (0.0, 1.0)
-    compared = [
+    renormalized = list(sample.logprob_renormalized) or [0] * len(ids)
+    sampled = [
         k
         for k in range(1, len(ids))
         if sample.loss_mask[k] and (versions is None or sample.weight_versions[k] in versions)
     ]
+    compared = [k for k in sampled if not renormalized[k]]
     diffs = [
         abs(float(rows[k][0]) - sample.rollout_logprobs[k])
         for k in compared
@@ -86,4 +93,5 @@ def check_fidelity(
         logprobs_compared=comparable,
         max_abs_logprob_diff=max(diffs, default=0.0) if comparable else 0.0,
         sampled_tokens=len(compared),
+        renormalized_tokens=len(sampled) - len(compared),
     )

@@ -17,7 +17,7 @@ the order never changes the gradient (BUG-14).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -44,6 +44,10 @@ class TrainBatch:
     """(B, T) bool, True on sampled tokens (Sample.loss_mask)."""
     old_logprobs_BT: Tensor
     """(B, T) float32 rollout logprobs (Sample.rollout_logprobs), 0 off the loss mask."""
+    renormalized_BT: Tensor
+    """(B, T) bool: a loss token whose rollout logprob is renormalised over a grammar's allowed
+    tokens (Sample.logprob_renormalized): not the distribution the trainer scores, so its ratio
+    is taken against the trainer's own logprob (step.token_loss)."""
     advantages_BT: Tensor
     """(B, T) float32 the sample's advantage on each loss token, 0 elsewhere."""
     temperature_B: Tensor
@@ -112,6 +116,35 @@ class TrainBatch:
         return TrainBatch(**parts)
 
 
+def anchor_renormalized(batch: TrainBatch, train_logprobs_BT: Tensor) -> TrainBatch:
+    """`batch` with the rollout logprob of every `renormalized_BT` token replaced by the
+    trainer's own detached logprob `train_logprobs_BT` (B, T) at the weights taking the step.
+
+    Such a token was drawn from the grammar-masked q(t) = p(t) allowed(t) / sum_allowed p and
+    its recorded logprob is log q (SGLang), while the trainer scores the unmasked log p: the
+    recorded value is not the behaviour logprob of the distribution the trainer differentiates.
+    It is treated as unknown and replaced by the old-policy logprob recomputed by the trainer,
+    as in recompute-style PPO (Hilton et al. 2021, arXiv:2110.00641; AReaL, arXiv:2505.24298,
+    proximal logprobs): its ratio exp(log p_theta - sg(log p_theta)) is 1 in value with the
+    gradient of log p_theta, a correction sees k = 1 on it, and it adds 0 to the
+    train-inference gap statistics. Every other token is unchanged. What is lost is only the
+    staleness correction of those tokens (their ratio is 1 even when the weights moved since
+    they were sampled).
+
+    Worked example (one token, T = 1): p(t) = 0.2 over the full vocabulary, the grammar allows
+    t and one other token of p 0.3, so q(t) = 0.2 / 0.5 = 0.4. SGLang records log 0.4 = -0.916;
+    the trainer at the same weights scores log 0.2 = -1.609, so the ratio against the recorded
+    value would be exp(-1.609 + 0.916) = 0.5: PPO (eps 0.2) would halve the token's gradient
+    for a positive advantage and give it none for a negative one (min(0.5 A, 0.8 A) = 0.8 A, the
+    clipped term). Anchored, the old logprob is -1.609 and the ratio is exactly 1.
+    """
+    if not bool(batch.renormalized_BT.any()):
+        return batch
+    own_BT = train_logprobs_BT.detach().to(batch.old_logprobs_BT.dtype)
+    old_BT = torch.where(batch.renormalized_BT, own_BT, batch.old_logprobs_BT)
+    return replace(batch, old_logprobs_BT=old_BT)
+
+
 def collate(
     samples_B: Sequence[sample_pb2.Sample],
     advantages_B: Tensor,
@@ -145,6 +178,7 @@ def collate(
     has_wrong_BT = torch.zeros(batch, seq, dtype=torch.bool)
     step_BT = torch.zeros(batch, seq, dtype=torch.float32)
     step_mask_BT = torch.zeros(batch, seq, dtype=torch.bool)
+    renormalized_BT = torch.zeros(batch, seq, dtype=torch.bool)
     for row, sample in enumerate(samples_B):
         check_trainable(sample)
         n = len(sample.token_ids)
@@ -152,6 +186,8 @@ def collate(
         attention_mask_BT[row, :n] = 1
         loss_mask_BT[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.bool)
         old_logprobs_BT[row, :n] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        if len(sample.logprob_renormalized) == n:
+            renormalized_BT[row, :n] = torch.tensor(list(sample.logprob_renormalized)) > 0
         if len(sample.teacher_logprobs):
             teacher_BT[row, :n] = torch.tensor(sample.teacher_logprobs, dtype=torch.float32)
             mask = sample.teacher_mask if len(sample.teacher_mask) else [1] * n
@@ -171,6 +207,7 @@ def collate(
         attention_mask_BT=attention_mask_BT,
         loss_mask_BT=loss_mask_BT,
         old_logprobs_BT=old_logprobs_BT,
+        renormalized_BT=renormalized_BT & loss_mask_BT,
         advantages_BT=advantages_BT,
         temperature_B=torch.tensor([sample_temperature(s) for s in samples_B]),
         rewards_B=torch.tensor([s.reward for s in samples_B], dtype=torch.float32),

@@ -57,7 +57,7 @@ from flywheel.trainer.algorithms.pipeline import (
     token_terms,
 )
 from flywheel.trainer.algorithms.regularizers import KL_ESTIMATORS
-from flywheel.trainer.batch import TrainBatch, micro_batches
+from flywheel.trainer.batch import TrainBatch, anchor_renormalized, micro_batches
 from flywheel.trainer.distributed import World
 from flywheel.trainer.fsdp import (
     ShardedPolicy,
@@ -371,7 +371,8 @@ def token_loss(
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The (B, T) loss terms of one micro-batch and its (B, T) token statistics.
 
-    pg: the policy loss. Its ratio is against the rollout logprobs; with a correction (all
+    pg: the policy loss. Its ratio is against the rollout logprobs (the trainer's own detached
+    ones on grammar-renormalised tokens, `batch.anchor_renormalized`); with a correction (all
     rows) or for IS-corrected stale rows (`mb.is_correct_B`, tis weights) it is against the
     trainer's own detached logprobs and each token is multiplied by the detached weight. Every
     row is multiplied by its staleness weight `mb.sample_weight_B`.
@@ -384,6 +385,7 @@ def token_loss(
     pass (its own top-k and its logprobs at the teacher's top-k ids) when a selected part reads
     them (`student_topk`), else None.
     """
+    mb = anchor_renormalized(mb, lp.logprobs_BT)  # grammar-renormalised rollout logprobs
     mask_BT = mb.loss_mask_BT
     old_BT = mb.old_logprobs_BT
     stats: dict[str, Tensor] = {}
@@ -435,6 +437,7 @@ def batch_metrics(batch: TrainBatch) -> dict[str, float]:
         "reward/max": float(rewards_B.max()),
         "samples/trained": float(batch.size),
         "tokens/trained": float(batch.loss_mask_BT.sum()),
+        "tokens/logprob_renormalized": float(batch.renormalized_BT.sum()),
         "tokens/total": float(batch.attention_mask_BT.sum()),
         "tokens/masked_frac": 1.0
         - float(batch.loss_mask_BT.sum()) / max(float(batch.attention_mask_BT.sum()), 1.0),

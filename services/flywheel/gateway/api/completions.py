@@ -216,6 +216,7 @@ async def _session_completion(
             sampled=True,
             logprobs=gen.output_logprobs,
             versions=gen.token_versions(),
+            renormalized=gen.renormalized,
         )
         prompt_text = prompt if isinstance(prompt, str) else d.renderer.decode(prompt)
         seg.text = prompt + _context_text(d, gen) if isinstance(prompt, str) else ""

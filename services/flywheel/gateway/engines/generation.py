@@ -46,6 +46,10 @@ class Generation:
     parts: int = 1
     """Engine calls that sampled it: > 1 when an aborted generation was continued (partial.py;
     its `text` is then the parts' texts joined, decoded again by `calls.generate_n`)."""
+    renormalized: bool = False
+    """Sampled under a grammar by an engine whose logprobs are renormalised over the grammar's
+    allowed tokens (log q, as SGLang reports them), not the model's unmasked log p: every output
+    logprob is then recorded as such (`Sample.logprob_renormalized`, docs/token-path.md)."""
 
     def token_versions(self) -> list[int]:
         """The weight version of each output token, shape [len(output_ids)]."""
@@ -80,8 +84,29 @@ def span_versions(spans: Any, n: int) -> list[int]:
     return versions
 
 
-def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generation:
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag")
+"""SGLang's grammar sampling params (constrained decoding)."""
+
+
+def renormalized_logprobs(meta: dict[str, Any], sampling_params: dict[str, Any]) -> bool:
+    """Whether an answer's output logprobs are renormalised over a grammar's allowed tokens:
+    the request had a grammar param and the engine did not say its logprobs are unmasked
+    (`meta_info.grammar_logprobs == "unmasked"`, which the embedded engine sends; SGLang 0.5.23
+    applies the grammar's vocabulary mask to the logits before its log-softmax and sends
+    nothing). Example: {"json_schema": "{...}"} answered by SGLang -> True; by the embedded
+    engine -> False; no grammar -> False."""
+    if not any(sampling_params.get(key) for key in GRAMMAR_PARAMS):
+        return False
+    return meta.get("grammar_logprobs") != "unmasked"
+
+
+def parse_generation(
+    body: dict[str, Any], stop_token_ids: set[int], sampling_params: dict[str, Any] | None = None
+) -> Generation:
     """Turn a `/generate` response into a `Generation`, checking ids against logprob rows.
+
+    `sampling_params` (those of the request) tell whether it had a grammar
+    (`renormalized_logprobs`); None = it had none.
 
     Raises:
         UpstreamError: the response lacks logprobs or they disagree with `output_ids`, or its
@@ -117,4 +142,5 @@ def parse_generation(body: dict[str, Any], stop_token_ids: set[int]) -> Generati
         weight_version=parse_weight_version(meta.get("weight_version")),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         output_versions=span_versions(meta.get("weight_versions"), len(ids)),
+        renormalized=renormalized_logprobs(meta, sampling_params or {}),
     )

@@ -345,7 +345,9 @@ class EnginePool:
                 self.mark_down(url, errors[-1])
                 continue
             try:
-                gen = parse_generation(orjson.loads(raw), self.stop_token_ids)
+                gen = parse_generation(
+                    orjson.loads(raw), self.stop_token_ids, body["sampling_params"]
+                )
             except (ValueError, TypeError, AttributeError, UpstreamError) as exc:
                 # a 200 that is not a /generate answer
                 errors.append(f"{url}: unusable response ({exc})")

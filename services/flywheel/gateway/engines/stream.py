@@ -139,7 +139,11 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
                 raise _Failed(f"HTTP {resp.status}")
             if resp.content_type != "text/event-stream":  # an engine that answers whole
                 try:
-                    gen = parse_generation(orjson.loads(await resp.read()), pool.stop_token_ids)
+                    gen = parse_generation(
+                        orjson.loads(await resp.read()),
+                        pool.stop_token_ids,
+                        body["sampling_params"],
+                    )
                 except (ValueError, TypeError, AttributeError, UpstreamError) as exc:
                     raise _Failed(f"unusable response ({exc})") from exc
                 on_text(gen.text)
@@ -164,7 +168,7 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
     if last is None:
         raise _Failed("the stream ended without a chunk")
     try:
-        return parse_generation(last, pool.stop_token_ids)
+        return parse_generation(last, pool.stop_token_ids, body["sampling_params"])
     except (ValueError, TypeError, AttributeError) as exc:
         raise UpstreamError(f"engine {url}: unusable final stream chunk ({exc})") from exc
 

@@ -192,6 +192,7 @@ def sampled_reply(gen: Generation, message: dict[str, Any]) -> SampledReply:
         logprobs=gen.output_logprobs,
         weight_version=gen.weight_version,
         versions=gen.output_versions,
+        renormalized=gen.renormalized,
         finish_reason=_finish(gen.finish_type, message),
         matched_eos=gen.matched_eos,
         message=message,
@@ -208,6 +209,7 @@ def record_reply(record: SessionRecord, reply: SampledReply, sampling: dict[str,
         sampled=True,
         logprobs=reply.logprobs,
         versions=reply.token_versions(),
+        renormalized=reply.renormalized,
     )
     seg.messages = [*seg.messages, reply.message]
     seg.turns += 1
@@ -221,7 +223,13 @@ def candidate_segment(seg: Segment, c: SampledReply) -> Segment:
     """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
     out = seg.model_copy(deep=True)
     out.turn_start = len(out.token_ids)
-    out.append(c.output_ids, sampled=True, logprobs=c.logprobs, versions=c.token_versions())
+    out.append(
+        c.output_ids,
+        sampled=True,
+        logprobs=c.logprobs,
+        versions=c.token_versions(),
+        renormalized=c.renormalized,
+    )
     out.messages = [*out.messages, c.message]
     out.turns += 1
     out.finish_reason = c.finish_reason

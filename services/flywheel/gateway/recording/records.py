@@ -58,6 +58,9 @@ class Segment(BaseModel):
     """Offset of the last turn's first sampled token (live mode masks everything before it)."""
     checkpoints: list[Checkpoint] = Field(default_factory=list)
     """One per turn, in order: where the segment ended right after that turn."""
+    renormalized: list[tuple[int, int]] = Field(default_factory=list)
+    """[start, end) token spans whose logprobs the engine renormalised over a grammar's allowed
+    tokens (`Generation.renormalized`); they become `Sample.logprob_renormalized`."""
 
     def append(
         self,
@@ -66,9 +69,13 @@ class Segment(BaseModel):
         sampled: bool,
         logprobs: list[float] | None = None,
         versions: list[int] | None = None,
+        renormalized: bool = False,
     ) -> None:
-        """Append template ids (`sampled=False`) or engine-sampled ids with logprobs/versions."""
+        """Append template ids (`sampled=False`) or engine-sampled ids with logprobs/versions;
+        `renormalized`: those logprobs are renormalised over a grammar (a span is kept)."""
         n = len(ids)
+        if sampled and renormalized and n:
+            self.renormalized.append((len(self.token_ids), len(self.token_ids) + n))
         self.token_ids.extend(ids)
         self.loss_mask.extend([1 if sampled else 0] * n)
         self.logprobs.extend(logprobs if sampled and logprobs is not None else [0.0] * n)
@@ -111,6 +118,7 @@ class Segment(BaseModel):
         out = self.model_copy(deep=True)
         for name in ("token_ids", "loss_mask", "logprobs", "versions"):
             setattr(out, name, getattr(out, name)[: cp.tokens])
+        out.renormalized = [(a, min(b, cp.tokens)) for a, b in out.renormalized if a < cp.tokens]
         out.messages = out.messages[: cp.messages]
         out.text = out.text[: cp.text] if cp.text >= 0 else ""
         out.ended_with_eos = cp.ended_with_eos
@@ -140,6 +148,8 @@ class SampledReply(BaseModel):
     versions: list[int] = []
     """Per output token, its weight version when they differ (see Generation.output_versions);
     empty when every token is `weight_version`'s."""
+    renormalized: bool = False
+    """The logprobs are renormalised over a grammar's allowed tokens (Generation.renormalized)."""
 
     def token_versions(self) -> list[int]:
         """The weight version of each output token, shape [len(output_ids)]."""

@@ -61,11 +61,21 @@ def add_conversation(
     sample: sample_pb2.Sample, seg: Segment, start: int, tokens: int, messages: int
 ) -> None:
     """Append `seg`'s first `tokens` tokens and first `messages` messages to `sample`; mask,
-    logprobs and weight versions only from token `start` on (0 / 0.0 / -1 before it)."""
+    logprobs, weight versions and renormalised-logprob marks only from token `start` on
+    (0 / 0.0 / -1 / 0 before it). `logprob_renormalized` stays empty when no token is marked.
+
+    Example: spans [(5, 9)], start 7, tokens 10 -> logprob_renormalized 1 at 7 and 8 only.
+    """
     sample.token_ids.extend(seg.token_ids[:tokens])
     sample.loss_mask.extend([0] * start + seg.loss_mask[start:tokens])
     sample.rollout_logprobs.extend([0.0] * start + seg.logprobs[start:tokens])
     sample.weight_versions.extend([-1] * start + seg.versions[start:tokens])
+    marks = [0] * tokens
+    for a, b in seg.renormalized:
+        for position in range(max(a, start), min(b, tokens)):
+            marks[position] = 1
+    if any(marks):
+        sample.logprob_renormalized.extend(marks)
     add_messages(sample, seg.messages[:messages])
 
 

@@ -69,27 +69,36 @@ class UpstreamError(PlatformError, ConnectionError):
     error_type = "upstream_error"
 
 
-class BackpressureError(PlatformError, RuntimeError):
-    """A stream is over its high-water mark; retry after `retry_after_s` seconds."""
+class RetryLaterError(PlatformError, RuntimeError):
+    """Refused for now: the client should retry after `retry_after_s` seconds (the service edge
+    answers with a Retry-After header). Subclasses set the error `code` and the default wait."""
+
+    retry_code: str | None = None
+    default_retry_after_s = 1.0
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None):
+        super().__init__(message, code=self.retry_code)
+        self.retry_after_s = self.default_retry_after_s if retry_after_s is None else retry_after_s
+
+
+class BackpressureError(RetryLaterError):
+    """A stream is over its high-water mark; retry after `retry_after_s` seconds (default 5)."""
 
     http_status = 429
     error_type = "rate_limit_error"
-
-    def __init__(self, message: str, *, retry_after_s: float = 5.0):
-        super().__init__(message, code="backpressure")
-        self.retry_after_s = retry_after_s
+    retry_code = "backpressure"
+    default_retry_after_s = 5.0
 
 
-class OverloadedError(PlatformError, RuntimeError):
+class OverloadedError(RetryLaterError):
     """Every engine's request queue is full (or an engine is not ready): answered at once with
-    503 and `Retry-After: retry_after_s` instead of waiting in a queue past the timeouts."""
+    503 and `Retry-After: retry_after_s` (default 1) instead of waiting in a queue past the
+    timeouts."""
 
     http_status = 503
     error_type = "service_unavailable"
-
-    def __init__(self, message: str, *, retry_after_s: float = 1.0):
-        super().__init__(message, code="engine_overloaded")
-        self.retry_after_s = retry_after_s
+    retry_code = "engine_overloaded"
+    default_retry_after_s = 1.0
 
 
 class ClientClosedError(PlatformError, ConnectionError):

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.core.errors import BackpressureError, OverloadedError, PlatformError
+from flywheel.core.errors import PlatformError, RetryLaterError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def platform_error(exc: PlatformError) -> JSONResponse:
     """The error response of a PlatformError (its status; Retry-After for backpressure and
     overload)."""
     headers = {}
-    if isinstance(exc, BackpressureError | OverloadedError):
+    if isinstance(exc, RetryLaterError):
         headers["Retry-After"] = str(int(round(exc.retry_after_s)))
     if exc.http_status >= 500:
         log.error("request failed: %s", exc.message)

@@ -6,6 +6,7 @@ import redis
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from flywheel.core.errors import BackpressureError, OverloadedError
 from flywheel.core.http_errors import install
 
 
@@ -39,3 +40,24 @@ def test_redis_down_is_503_with_retry_after_from_routes_and_middleware():
         assert r.json()["error"]["type"] == "service_unavailable_error"
     bug = client.get("/bug")
     assert bug.status_code == 500 and bug.json()["error"]["message"] == "internal error: KeyError"
+
+
+def test_retry_later_errors_answer_their_status_code_and_retry_after():
+    app = FastAPI()
+    install(app)
+
+    @app.get("/backlog")
+    async def _backlog():
+        raise BackpressureError("the train stream is full")  # default wait: 5 s
+
+    @app.get("/busy")
+    async def _busy():
+        raise OverloadedError("every engine queue is full", retry_after_s=2.4)
+
+    client = TestClient(app, raise_server_exceptions=False)
+    backlog, busy = client.get("/backlog"), client.get("/busy")
+    assert (backlog.status_code, backlog.headers["retry-after"]) == (429, "5")
+    assert backlog.json()["error"]["code"] == "backpressure"
+    assert (busy.status_code, busy.headers["retry-after"]) == (503, "2")  # round(2.4) = 2
+    assert busy.json()["error"]["code"] == "engine_overloaded"
+    assert OverloadedError("busy").retry_after_s == 1.0  # its own default

@@ -8,8 +8,9 @@ data, so the changed share depends on lr and the weights, not on the task). Afte
 weights are snapshot in each push dtype exactly as the trainer does (`cpu_snapshot`) and written
 by the trainer's `DeltaWeightsStore` (step 1 is full: no base); per step and dtype it prints the
 share of elements that changed, the delta file's bytes against the full `model.safetensors`,
-and the seconds of the write (compare + digests + file) and of the engine's checks
-(`build_result` + `check_digests`, no HTTP).
+how many changed tensors went whole (`:full`) and zlib-compressed (`:zsparse`; the rest are
+`:gap` + `:val`), and the seconds of the write (compare + compression + digests + file) and of
+the engine's checks (`build_result` + `check_digests`, no HTTP).
 
     .venv/bin/python bench/delta_push.py                       # 5 steps, fp32 and bf16
     .venv/bin/python bench/delta_push.py --steps 3 --dtypes bfloat16
@@ -67,7 +68,7 @@ def main() -> None:
     )
     print(
         f"{'step':>4} {'dtype':>9} {'changed %':>10} {'full MB':>9} {'push MB':>9} "
-        f"{'push/full':>9} {'whole':>6} {'write s':>8} {'engine s':>9}"
+        f"{'push/full':>9} {'whole':>7} {'zlib':>7} {'write s':>8} {'engine s':>9}"
     )
     for step in range(1, args.steps + 1):
         samples = [e.sample for e in source.read(args.groups * args.group, 0)]
@@ -83,7 +84,7 @@ def main() -> None:
             state = store._held.state if store._held else {}
             full_mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
             delta = folder / "delta.safetensors"
-            engine_s, changed, whole = 0.0, 100.0, "-"
+            engine_s, changed, whole, packed = 0.0, 100.0, "-", "-"
             if delta.is_file():
                 t0 = time.perf_counter()
                 with safe_open(str(delta), framework="pt") as f:
@@ -95,13 +96,15 @@ def main() -> None:
                 assert st is not None
                 changed = 100 * st.changed_elements / st.elements
                 whole = f"{st.full_tensors}/{st.tensors}"
+                packed = f"{st.compressed_tensors}/{st.tensors}"
                 push_mb = delta.stat().st_size / 1e6
             else:
                 push_mb = (folder / "model.safetensors").stat().st_size / 1e6
             served[dtype] = dict(state)  # the engine now serves this version
             print(
                 f"{step:>4} {dtype:>9} {changed:>10.2f} {full_mb:>9.1f} {push_mb:>9.1f} "
-                f"{push_mb / full_mb:>9.3f} {whole:>6} {write_s:>8.2f} {engine_s:>9.2f}",
+                f"{push_mb / full_mb:>9.3f} {whole:>7} {packed:>7} {write_s:>8.2f} "
+                f"{engine_s:>9.2f}",
                 flush=True,
             )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -21,9 +21,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+from flywheel.core.weight_delta import ROUTE as DELTA_ROUTE
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 ENGINE_DTYPES = ("float32", "bfloat16")
 """SGLang's `--dtype` values the embedded engine serves."""
+
+FLYWHEEL_ONLY_ROUTES = (DELTA_ROUTE,)
+"""Routes of the embedded engine that SGLang has not."""
+
+
+def without_flywheel_routes(app: FastAPI) -> FastAPI:
+    """`app` (the embedded engine's FastAPI app) less `FLYWHEEL_ONLY_ROUTES`.
+
+    Raises:
+        RuntimeError: a route to drop is not there (renamed: the list must follow).
+    """
+    missing = set(FLYWHEEL_ONLY_ROUTES) - {getattr(r, "path", None) for r in app.router.routes}
+    if missing:
+        raise RuntimeError(f"sglang stand-in: the engine has no {sorted(missing)} to drop")
+    app.router.routes = [
+        r for r in app.router.routes if getattr(r, "path", None) not in FLYWHEEL_ONLY_ROUTES
+    ]
+    return app
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in engine.items():
         if value is not None:
             os.environ[f"FLYWHEEL_ENGINE__{name.upper()}"] = str(value)
+    import flywheel.engine.app as engine_app  # noqa: PLC0415
     from flywheel.engine.main import main as serve  # noqa: PLC0415
+
+    build = engine_app.create_app
+    engine_app.create_app = lambda deps: without_flywheel_routes(build(deps))
 
     serve(
         [

@@ -2,15 +2,26 @@
 
 A delta turns the weights of `base_version` into those of `weight_version`, both in the engine's
 dtype. It is one safetensors file, `delta.safetensors` in the pushed weights folder, holding for
-each tensor that changed either
+each tensor that changed the cheapest (fewest bytes) of three entries:
 
-* `<name>:gap` (uint8: the distances between successive changed flat indices, the first
-  counted from -1, so index_i = gap_0 + ... + gap_i - 1; a distance above 255 is split by
-  filler entries that carry the element's unchanged value) and `<name>:val` (the new values of
-  those elements, the tensor's dtype), or
-* `<name>:full` (the whole new tensor) when that is smaller: a sparse entry costs
-  (1 + element bytes) per changed element (and filler), a full one element bytes per element,
-  so fp32 goes full above 80% of the elements changed, bf16 above two thirds.
+* `<name>:gap` + `<name>:val` ("sparse"): the distances between successive changed flat indices
+  (uint8, the first counted from -1, so index_i = gap_0 + ... + gap_i - 1; a distance above
+  255 is split by filler entries that carry the element's unchanged value) and the new values
+  of those elements (the tensor's dtype): (1 + element bytes) per changed element and filler.
+* `<name>:zsparse` ("compressed"): one uint8 entry, the zlib stream (RFC 1950) of the same
+  gaps followed by the XOR of the old and new bit patterns of those elements, byte planes
+  first (byte 0 of every element, then byte 1, ...; little-endian elements). An optimizer step
+  moves a bf16 element by one or two units in the last place, so its XOR is 0x0001, 0x0003
+  or similar: the planes are nearly constant and the gaps are small numbers, which zlib's
+  Huffman stage codes in fewer bits than the 3 bytes per element of the sparse entries
+  (bench/README.md, "Delta pushes"). Decompressed length = n x (1 + element bytes) for n
+  entries, so n needs no field of its own.
+* `<name>:full` (the whole new tensor, element bytes per element), when nothing else is smaller
+  (fp32 under Adam: nearly every element changes in its low mantissa bits).
+
+A bitmap of the changed elements (numel / 8 bytes) was left out: it beats one gap byte per
+changed element only above 12.5% changed, where the compressed gaps (all 1s) cost nearly
+nothing anyway.
 
 Unchanged tensors are absent. Elements compare by their bits, so -0.0 vs 0.0 and NaN payloads
 count as changes. The file's metadata (safetensors' string map) holds `format` (= `FORMAT`),
@@ -32,16 +43,18 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict
 
-FORMAT = "flywheel-weight-delta/2"
+FORMAT = "flywheel-weight-delta/3"
 CHECKSUM = "xxh3_128"
 DELTA_FILE = "delta.safetensors"
 ROUTE = "/update_weights_from_delta"
 """Engine route taking a delta (the embedded engine's extension of SGLang's weight routes)."""
 
-GAP, VAL, FULL = ":gap", ":val", ":full"
+GAP, VAL, FULL, ZSPARSE = ":gap", ":val", ":full", ":zsparse"
+"""Suffixes of the entries of one tensor in the delta file."""
 MAX_GAP = 255
 """Largest distance one uint8 gap holds; longer ones get filler entries."""
-"""Suffixes of the entries of one tensor in the delta file."""
+ZLIB_LEVEL = 6
+"""zlib's default level, for the `:zsparse` entries."""
 
 Reason = Literal["base_mismatch", "checksum_mismatch", "invalid", "unsupported", "error"]
 REASONS: tuple[str, ...] = (
@@ -86,6 +99,28 @@ def sparse_is_smaller(entries: int, numel: int, element_bytes: int) -> bool:
     return entries * (1 + element_bytes) < numel * element_bytes
 
 
+Encoding = Literal["sparse", "compressed", "full"]
+
+
+def cheapest(entries: int, numel: int, element_bytes: int, compressed_bytes: int) -> Encoding:
+    """The encoding of one changed tensor with the fewest bytes (ties: the simpler one).
+
+    Args:
+        entries: gap entries, fillers included; numel: the tensor's elements;
+        element_bytes: 2 (bf16) or 4 (fp32); compressed_bytes: length of the zlib stream.
+
+    Example (bf16, numel 1000 = 2000 B full): 35 entries = 35 x 3 = 105 B sparse; a 40 B
+    stream -> "compressed"; a 120 B stream -> "sparse"; 700 entries (2100 B) and a 2050 B
+    stream -> "full".
+    """
+    sizes: dict[Encoding, int] = {
+        "full": numel * element_bytes,
+        "sparse": entries * (1 + element_bytes),
+        "compressed": compressed_bytes,
+    }
+    return min(sizes, key=lambda k: sizes[k])
+
+
 def metadata(base_version: int | str, version: int | str, checksums: dict[str, str]) -> dict:
     """The safetensors metadata of a delta (all values are strings, as safetensors requires)."""
     return {
@@ -103,7 +138,7 @@ def split_key(key: str) -> tuple[str, str]:
     Raises:
         ValueError: the key ends in none of the suffixes.
     """
-    for suffix in (GAP, VAL, FULL):
+    for suffix in (GAP, VAL, FULL, ZSPARSE):
         if key.endswith(suffix):
             return key[: -len(suffix)], suffix
-    raise ValueError(f"delta entry {key!r} ends in none of {GAP}, {VAL}, {FULL}")
+    raise ValueError(f"delta entry {key!r} ends in none of {GAP}, {VAL}, {FULL}, {ZSPARSE}")

@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -43,6 +44,7 @@ from flywheel.core.weight_delta import (
     GAP,
     ROUTE,
     VAL,
+    ZSPARSE,
     DeltaUpdateRequest,
     digest,
     split_key,
@@ -98,15 +100,65 @@ def _unique_state(model: torch.nn.Module) -> dict[str, Tensor]:
     return out
 
 
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _indices(name: str, gap: Tensor, numel: int) -> Tensor:
+    """Flat indices (int64) from uint8 gaps (the first counted from -1).
+
+    Raises:
+        DeltaRefused: a gap is 0 or an index is >= numel (invalid).
+    """
+    idx = torch.cumsum(gap.long(), 0) - 1
+    if gap.numel() and (int(gap.min()) == 0 or int(idx[-1]) >= numel):
+        raise DeltaRefused("invalid", f"{name}: a gap is 0 or an index is outside 0..{numel - 1}")
+    return idx
+
+
+def inflate_sparse(name: str, blob: Tensor, live: Tensor) -> tuple[Tensor, Tensor]:
+    """(flat indices, XOR bit patterns of those elements) from a `:zsparse` entry of the
+    served tensor `live` (format: flywheel.core.weight_delta).
+
+    Example (bf16, 2 B elements): a stream inflating to 6 bytes = 2 entries x (1 + 2):
+    gaps 01 03 -> indices 0, 3; planes 01 01 00 00 -> XORs 0x0001, 0x0001.
+
+    Raises:
+        DeltaRefused: not a 1-D uint8 entry, not a zlib stream, or one that inflates to more
+            than numel x (1 + element bytes) or to a length that is no whole number of
+            entries (invalid).
+    """
+    size = live.element_size()
+    limit = live.numel() * (1 + size)
+    if blob.dtype != torch.uint8 or blob.dim() != 1:
+        raise DeltaRefused("invalid", f"{name}: {ZSPARSE} must be 1-D uint8")
+    stream = zlib.decompressobj()
+    try:
+        data = stream.decompress(blob.numpy().tobytes(), limit + 1)
+    except zlib.error as e:
+        raise DeltaRefused("invalid", f"{name}: {ZSPARSE} is no zlib stream: {e}") from e
+    count, rest = divmod(len(data), 1 + size)
+    if len(data) > limit or not stream.eof or stream.unused_data or rest or count == 0:
+        raise DeltaRefused(
+            "invalid",
+            f"{name}: {ZSPARSE} inflates to {len(data)}{'+' if not stream.eof else ''} bytes, "
+            f"not n x {1 + size} with n in 1..{live.numel()}",
+        )
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    idx = _indices(name, raw[:count], live.numel())
+    xor = torch.empty(count, dtype=_INTS[size])
+    xor.view(torch.uint8).view(count, size).copy_(raw[count:].view(size, count).t())
+    return idx, xor
+
+
 def build_result(
     served: dict[str, Tensor], entries: dict[str, Tensor]
 ) -> tuple[dict[str, Tensor], int]:
     """The new values of the changed tensors (CPU copies; `served` is not touched) and the
-    number of changed elements.
+    number of changed elements (fillers of sparse entries included).
 
     Raises:
         DeltaRefused: unknown name, wrong dtype or shape, unpaired gap/val, a zero gap, an
-            index out of range (invalid).
+            index out of range, an unreadable compressed entry (invalid).
     """
     parts: dict[str, dict[str, Tensor]] = {}
     for key, tensor in entries.items():
@@ -132,6 +184,16 @@ def build_result(
             result[name] = new
             changed += new.numel()
             continue
+        new = live.detach().to("cpu", copy=True).contiguous()
+        if ZSPARSE in part:
+            if set(part) != {ZSPARSE}:
+                raise DeltaRefused("invalid", f"{name}: {ZSPARSE} comes alone")
+            idx, xor = inflate_sparse(name, part[ZSPARSE], live)
+            bits = new.view(-1).view(_INTS[new.element_size()])
+            bits[idx] ^= xor
+            result[name] = new
+            changed += idx.numel()
+            continue
         if set(part) != {GAP, VAL}:
             raise DeltaRefused("invalid", f"{name}: needs both {GAP} and {VAL} entries")
         gap, val = part[GAP], part[VAL]
@@ -141,12 +203,7 @@ def build_result(
             raise DeltaRefused(
                 "invalid", f"{name}: delta values are {val.dtype}, the engine serves {live.dtype}"
             )
-        idx = torch.cumsum(gap.long(), 0) - 1
-        if gap.numel() and (int(gap.min()) == 0 or int(idx[-1]) >= live.numel()):
-            raise DeltaRefused(
-                "invalid", f"{name}: a gap is 0 or an index is outside 0..{live.numel() - 1}"
-            )
-        new = live.detach().to("cpu", copy=True).contiguous()
+        idx = _indices(name, gap, live.numel())
         new.view(-1)[idx] = val
         result[name] = new
         changed += idx.numel()

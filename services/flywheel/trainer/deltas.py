@@ -12,8 +12,8 @@ that engine gets the full weights by `/update_weights_from_disk` (`model.safeten
 into the folder then, once, from the held snapshot). The first push of a trainer process has no
 base and is full.
 
-In bf16 about 1-3% of the elements change per step and the delta is a few percent of the full
-bytes; in fp32 nearly every element changes, every tensor is stored whole and the delta is as
+In bf16 about 1-3% of the elements change per step and each changed tensor is stored as the
+cheapest of its sparse, zlib-compressed or whole encodings; in fp32 nearly every element changes, every tensor is stored whole and the delta is as
 large as the full weights (bench/README.md, "Delta pushes").
 """
 
@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,11 @@ from flywheel.core.weight_delta import (
     MAX_GAP,
     ROUTE,
     VAL,
+    ZLIB_LEVEL,
+    ZSPARSE,
+    cheapest,
     digest,
     metadata,
-    sparse_is_smaller,
 )
 from flywheel.trainer.weights import _NOT_COPIED, WEIGHTS_FILE, WeightsStore, unique_storage
 
@@ -94,6 +97,22 @@ def with_fillers(idx: torch.Tensor) -> torch.Tensor:
     return torch.sort(torch.cat([idx, starts + MAX_GAP * (rank + 1)])).values
 
 
+def byte_planes(bits: torch.Tensor) -> bytes:
+    """The bytes of a 1-D integer tensor grouped by byte position: byte 0 (the lowest, the
+    elements being little-endian) of every element, then byte 1, and so on.
+
+    Example: int16 [0x0102, 0x0304] (bytes 02 01 04 03) -> 02 04 01 03.
+    """
+    size = bits.element_size()
+    return bits.contiguous().view(torch.uint8).view(-1, size).t().contiguous().numpy().tobytes()
+
+
+def compress_sparse(gaps: torch.Tensor, xor: torch.Tensor, level: int = ZLIB_LEVEL) -> bytes:
+    """The `:zsparse` stream: zlib of the uint8 gaps followed by `byte_planes(xor)` (the XOR of
+    the old and new bits of the same elements; format in flywheel.core.weight_delta)."""
+    return zlib.compress(gaps.numpy().tobytes() + byte_planes(xor), level)
+
+
 @dataclass
 class DeltaStats:
     """What one delta holds."""
@@ -104,18 +123,22 @@ class DeltaStats:
     """Changed tensors stored whole (`:full`) because that is smaller."""
     elements: int
     changed_elements: int
+    compressed_tensors: int = 0
+    """Changed tensors stored as `:zsparse` (the others are `:gap` + `:val`)."""
 
 
 def encode_delta(
-    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], level: int = ZLIB_LEVEL
 ) -> tuple[dict[str, torch.Tensor], DeltaStats]:
-    """The delta file's tensors turning `base` into `new` (same names, shapes and dtypes).
+    """The delta file's tensors turning `base` into `new` (same names, shapes and dtypes), each
+    changed tensor in the cheapest encoding (`weight_delta.cheapest`).
 
     Args:
         base, new: name -> CPU tensor (tied aliases already removed).
+        level: zlib level of the compressed entries (1-9).
 
     Returns:
-        (entries `<name>:gap`/`<name>:val` or `<name>:full`, stats).
+        (entries `<name>:gap`/`<name>:val`, `<name>:zsparse` or `<name>:full`, stats).
 
     Raises:
         ValueError: the names, a shape or a dtype differ (the caller writes a full push).
@@ -130,15 +153,23 @@ def encode_delta(
             raise ValueError(f"{name} changed shape or dtype")
         numel = tensor.numel()
         stats.elements += numel
-        idx = (_bits(tensor) != _bits(old)).nonzero().view(-1)
+        xor = _bits(tensor) ^ _bits(old)
+        idx = xor.nonzero().view(-1)
         if idx.numel() == 0:
             continue
         stats.changed_tensors += 1
         stats.changed_elements += idx.numel()
         idx = with_fillers(idx)
-        if sparse_is_smaller(idx.numel(), numel, tensor.element_size()):
-            prev = torch.cat([idx.new_tensor([-1]), idx[:-1]])
-            entries[name + GAP] = (idx - prev).to(torch.uint8)
+        size = tensor.element_size()
+        prev = torch.cat([idx.new_tensor([-1]), idx[:-1]])
+        gaps = (idx - prev).to(torch.uint8)
+        packed = compress_sparse(gaps, xor[idx], level)
+        kind = cheapest(idx.numel(), numel, size, len(packed))
+        if kind == "compressed":
+            entries[name + ZSPARSE] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+            stats.compressed_tensors += 1
+        elif kind == "sparse":
+            entries[name + GAP] = gaps
             entries[name + VAL] = tensor.contiguous().view(-1)[idx]
         else:
             entries[name + FULL] = tensor.contiguous()

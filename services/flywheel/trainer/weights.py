@@ -521,15 +521,17 @@ class WeightPusher:
         return None
 
     def served_version(self, url: str) -> int | None:
-        """The weight version `url` serves (`/model_info`), or None when it cannot say."""
-        try:
-            reply = self.client.get(f"{url.rstrip('/')}/model_info", timeout=10.0)
-            if reply.status_code != 200:
+        """`url`'s weight version (`/model_info`, 404: `/get_model_info`), None if it cannot say."""
+        for path in ("/model_info", "/get_model_info"):  # the second: SGLang before 0.5.12
+            try:
+                reply = self.client.get(f"{url.rstrip('/')}{path}", timeout=10.0)
+                if reply.status_code != 404:
+                    ok = reply.status_code == 200
+                    return parse_weight_version(reply.json().get("weight_version")) if ok else None
+            except Exception as exc:  # noqa: BLE001 (best effort: the push itself reports errors)
+                log.debug("engine %s did not report its weight version: %s", url, exc)
                 return None
-            return parse_weight_version(reply.json().get("weight_version"))
-        except Exception as exc:  # noqa: BLE001 (best effort: the push itself reports errors)
-            log.debug("engine %s did not report its weight version: %s", url, exc)
-            return None
+        return None
 
     def _push_one(self, url: str, model_path: Path, version: int) -> None:
         paused = self.pause in ("in_place", "abort") and self._pause(url)

@@ -169,18 +169,13 @@ class NextStateJudge(VotingJudge):
     ) -> Judgment:
         """Judge one turn. `truncated`: the response hit the token limit (finish_reason
         "length"); the judge is told so, so a cut-off answer is not graded as complete."""
-        status = (
-            "cut off at the token limit (finish_reason=length): it is incomplete"
-            if truncated
-            else "complete"
-        )
         return await self.run(
             label,
-            context=context[-self.context_chars :] if self.context_chars else "",
+            context=_last_chars(context, self.context_chars),
             response=response,
             next_state=next_state,
             next_role=next_role,
-            response_status=status,
+            response_status=_response_status(truncated),
         )
 
 
@@ -216,17 +211,25 @@ class RubricJudge(VotingJudge):
         label: str = "rubric",
     ) -> Judgment:
         """Score one final response against `rubric`."""
-        status = (
-            "cut off at the token limit (finish_reason=length): it is incomplete"
-            if truncated
-            else "complete"
-        )
         return await self.run(
             label,
-            task=task[-self.context_chars :] if self.context_chars else "",
+            task=_last_chars(task, self.context_chars),
             response=response,
             rubric=rubric,
             low=f"{self.low:g}",
             high=f"{self.high:g}",
-            response_status=status,
+            response_status=_response_status(truncated),
         )
+
+
+def _response_status(truncated: bool) -> str:
+    """The prompt's `response_status`: whether the response hit the token limit
+    (finish_reason "length"), so a cut-off answer is not graded as complete."""
+    if truncated:
+        return "cut off at the token limit (finish_reason=length): it is incomplete"
+    return "complete"
+
+
+def _last_chars(text: str, chars: int) -> str:
+    """The last `chars` characters of `text`; "" when `chars` is 0 (the prompt shows none)."""
+    return text[-chars:] if chars else ""

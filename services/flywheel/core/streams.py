@@ -19,7 +19,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import redis
 from prometheus_client import Counter
@@ -28,6 +28,9 @@ from flywheel._proto import sample_pb2
 from flywheel.core.codec import decode_sample, encode_sample
 from flywheel.core.errors import BackpressureError, ContractError
 from flywheel.core.redis_client import LoopClients
+
+if TYPE_CHECKING:
+    from flywheel.core.settings import StreamSettings
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +181,24 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self.min_idle_ms = min_idle_ms
         self.ensure_group()
+
+    @classmethod
+    def in_deployment(
+        cls, client: redis.Redis, streams: StreamSettings, stream: str, group: str, consumer: str
+    ) -> StreamConsumer:
+        """A consumer of the deployment's stream `stream` ("rollouts", "scored", "train") in
+        `group`, with its dead-letter stream and delivery policy (`streams.max_deliveries`,
+        `streams.min_idle_ms`). `consumer`: this process's name; "" = `default_consumer_name()`.
+        """
+        return cls(
+            client,
+            streams.key(stream),
+            group,
+            consumer or default_consumer_name(),
+            dead_stream=streams.key("dead"),
+            max_deliveries=streams.max_deliveries,
+            min_idle_ms=streams.min_idle_ms,
+        )
 
     def ensure_group(self) -> None:
         """Create the group at the start of the stream if it does not exist yet."""

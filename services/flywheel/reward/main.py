@@ -35,7 +35,6 @@ async def serve(settings: FlywheelSettings) -> None:
     from flywheel.core.streams import (  # noqa: PLC0415
         StreamConsumer,
         StreamProducer,
-        default_consumer_name,
     )
     from flywheel.reward.factory import build_scorer  # noqa: PLC0415
     from flywheel.reward.grpc_api import start_server  # noqa: PLC0415
@@ -43,15 +42,7 @@ async def serve(settings: FlywheelSettings) -> None:
 
     rs, streams = settings.reward, settings.streams
     client = connect(settings.redis_url())
-    consumer = StreamConsumer(
-        client,
-        streams.key("rollouts"),
-        "reward",
-        rs.consumer_name or default_consumer_name(),
-        dead_stream=streams.key("dead"),
-        max_deliveries=streams.max_deliveries,
-        min_idle_ms=streams.min_idle_ms,
-    )
+    consumer = StreamConsumer.in_deployment(client, streams, "rollouts", "reward", rs.consumer_name)
     producer = StreamProducer(
         client,
         settings.next_stream_after_reward(),

@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.core.streams import (  # noqa: PLC0415
         StreamConsumer,
         StreamProducer,
-        default_consumer_name,
     )
     from flywheel.teacher.grpc_api import TeacherServicer, serve  # noqa: PLC0415
     from flywheel.teacher.hints import HintExtractor  # noqa: PLC0415
@@ -129,15 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     teacher = Teacher(scorer, renderer, config, hints)
 
     client = connect(settings.redis_url())
-    consumer = StreamConsumer(
-        client,
-        streams.key("scored"),
-        "teacher",
-        ts.consumer_name or default_consumer_name(),
-        dead_stream=streams.key("dead"),
-        max_deliveries=streams.max_deliveries,
-        min_idle_ms=streams.min_idle_ms,
-    )
+    consumer = StreamConsumer.in_deployment(client, streams, "scored", "teacher", ts.consumer_name)
     producer = StreamProducer(client, streams.key("train"))
     worker = TeacherWorker(
         consumer, producer, teacher, block_ms=streams.block_ms, concurrency=ts.concurrency

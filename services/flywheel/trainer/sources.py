@@ -422,14 +422,8 @@ def build_source(
         consumer_name = s.consumer_name or default_consumer_name()
         stream = settings.streams.key("train")
         source = RedisSource(
-            StreamConsumer(
-                client,
-                stream,
-                CONSUMER_GROUP,
-                consumer_name,
-                dead_stream=settings.streams.key("dead"),
-                max_deliveries=settings.streams.max_deliveries,
-                min_idle_ms=settings.streams.min_idle_ms,
+            StreamConsumer.in_deployment(
+                client, settings.streams, "train", CONSUMER_GROUP, consumer_name
             )
         )
         interval_s = max(settings.streams.min_idle_ms / 3000, 0.5)

@@ -19,23 +19,18 @@ import uuid
 from pathlib import Path
 
 import grpc
-import httpx
-import openai
 import pytest
 
 from flywheel._proto import sample_pb2, teacher_pb2, teacher_pb2_grpc
-from flywheel.core.codec import decode_sample
-from flywheel.core.redis_client import connect
 from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
-from flywheel.core.streams import FIELD
 from flywheel.ops.stack import Stack
 from flywheel.trainer.step import StepConfig, prepare_batch
 
+from .live_turns import CORRECTION, corrected_turn, train_samples
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HINT = "Answer with only the number 8."
-QUESTION = "What is 7 + 1?"
-CORRECTION = "No, that is wrong. 7 + 1 = 8. Reply with just the number."
 JUDGE = Path(__file__).with_name("scripted_judge.py")
 
 
@@ -90,41 +85,11 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir, judge):
         yield {s.name: s.url for s in running.services}, settings
 
 
-def _corrected_turn(gateway: str) -> str:
-    """Turn 0 answers QUESTION; the user's CORRECTION is its next state. Returns the session."""
-    session = httpx.post(f"{gateway}/v1/sessions", json={"mode": "live", "task": {}}).json()
-    client = openai.OpenAI(base_url=session["base_url"], api_key="test")
-    first = [{"role": "user", "content": QUESTION}]
-    reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=first, temperature=1.0, max_tokens=8
-    )
-    answer = {"role": "assistant", "content": reply.choices[0].message.content}
-    client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
-        temperature=1.0,
-        max_tokens=4,
-        messages=[*first, answer, {"role": "user", "content": CORRECTION}],
-    )
-    return session["session_id"]
-
-
-def _train_sample(settings, session_id: str, timeout_s: float = 120.0) -> sample_pb2.Sample:
-    client = connect(settings.redis_url())
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for _, fields in client.xrange(settings.streams.key("train")):
-            sample = decode_sample(fields[FIELD])
-            if sample.session_id == session_id and sample.turn_index == 0:
-                return sample
-        time.sleep(0.25)
-    raise AssertionError(f"no train sample; dead: {client.xrange(settings.streams.key('dead'))}")
-
-
 def test_a_corrected_turn_trains_on_the_judge_reward_and_the_hinted_teacher(stack, judge):
     urls, settings = stack
     _, judge_log = judge
-    session_id = _corrected_turn(urls["gateway"])
-    sample = _train_sample(settings, session_id)
+    session_id = corrected_turn(urls["gateway"], {}, correction_max_tokens=4)
+    sample = train_samples(settings, session_id, turn_index=0)[0]
 
     # the judge's verdict and hint, both read from the turn's next state
     assert sample.has_reward and sample.rewards["judge"] == -1.0 and sample.reward == -1.0

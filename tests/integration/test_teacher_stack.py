@@ -20,35 +20,25 @@ turn is recorded with `teacher_status` "no_hint" and no teacher logprobs, not dr
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 from pathlib import Path
 
 import grpc
 import httpx
-import openai
 import pytest
 import torch
 
 from flywheel._proto import teacher_pb2, teacher_pb2_grpc
-from flywheel.core.codec import decode_sample
-from flywheel.core.redis_client import connect
+from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
-from flywheel.core.streams import FIELD
 from flywheel.ops.stack import Stack
 from flywheel.trainer.algorithms.advantages import ADVANTAGES, AdvantageConfig, AdvantageInputs
 
+from .live_turns import CORRECTION, corrected_turn, train_samples
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HINT = "The user wants only the number 8, with no other words."
-QUESTION = "What is 7 + 1?"
-CORRECTION = "No, that is wrong. 7 + 1 = 8. Reply with just the number."
-
-
-def _os_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +46,7 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
     state = tmp_path_factory.mktemp("teacher_state")
     # Ports from the OS (not fixed numbers), so a concurrent run of this module cannot collide.
     port = {
-        name: _os_port()
+        name: free_port()
         for name in (
             "engine",
             "gateway",
@@ -100,43 +90,12 @@ def stack(tmp_path_factory, redis_server, tiny_model_dir):
         yield {s.name: s.url for s in running.services}, settings
 
 
-def _live_turns(gateway: str, task: dict) -> str:
-    """Turn 0 answers the question; the user's correction is its next state. Returns the id."""
-    session = httpx.post(f"{gateway}/v1/sessions", json={"mode": "live", "task": task}).json()
-    client = openai.OpenAI(base_url=session["base_url"], api_key="test")
-    first = [{"role": "user", "content": QUESTION}]
-    reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", messages=first, temperature=1.0, max_tokens=8
-    )
-    answer = {"role": "assistant", "content": reply.choices[0].message.content}
-    client.chat.completions.create(
-        model="SmolLM2-135M-Instruct",
-        temperature=1.0,
-        max_tokens=8,
-        messages=[*first, answer, {"role": "user", "content": CORRECTION}],
-    )
-    return session["session_id"]
-
-
-def _train_samples(settings, session_id: str, n: int = 1, timeout_s: float = 120.0) -> list:
-    client = connect(settings.redis_url())
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = [decode_sample(f[FIELD]) for _, f in client.xrange(settings.streams.key("train"))]
-        mine = [s for s in got if s.session_id == session_id]
-        if len(mine) >= n:
-            return mine
-        time.sleep(0.25)
-    dead = client.xrange(settings.streams.key("dead"))
-    raise AssertionError(f"no train sample for {session_id}; dead letters: {dead}")
-
-
 def test_a_corrected_live_turn_gets_a_hint_teacher_logprobs_and_an_opd_advantage(stack):
     urls, settings = stack
     teacher_engine = urls["teacher-engine"]
     assert teacher_engine not in settings.trainer_engine_urls()  # never gets weight pushes
-    session_id = _live_turns(urls["gateway"], {"hint": HINT})
-    (sample,) = _train_samples(settings, session_id)
+    session_id = corrected_turn(urls["gateway"], {"hint": HINT}, correction_max_tokens=8)
+    (sample,) = train_samples(settings, session_id)
 
     assert sample.turn_index == 0 and json.loads(sample.next_state.content_json) == CORRECTION
     assert (sample.teacher_status, sample.hint) == ("scored", HINT)
@@ -177,8 +136,8 @@ def test_a_corrected_live_turn_gets_a_hint_teacher_logprobs_and_an_opd_advantage
 
 def test_a_turn_without_a_valid_hint_is_recorded_as_no_hint(stack):
     urls, settings = stack
-    session_id = _live_turns(urls["gateway"], {})
-    (sample,) = _train_samples(settings, session_id)
+    session_id = corrected_turn(urls["gateway"], {}, correction_max_tokens=8)
+    (sample,) = train_samples(settings, session_id)
     assert sample.teacher_status == "no_hint" and sample.hint == ""
     assert set(sample.teacher_mask) == {0} and sum(sample.loss_mask) > 0
     metrics = httpx.get(f"http://127.0.0.1:{settings.teacher.metrics_port}/metrics").text
@@ -188,8 +147,10 @@ def test_a_turn_without_a_valid_hint_is_recorded_as_no_hint(stack):
 def test_the_trainer_steps_on_the_opd_gap_and_the_teacher_engine_keeps_its_weights(stack):
     urls, settings = stack
     # An answer makes the reward service score the turn: the trainer admits only rewarded Samples.
-    session_id = _live_turns(urls["gateway"], {"hint": HINT, "answer": 8})
-    (sample,) = _train_samples(settings, session_id)
+    session_id = corrected_turn(
+        urls["gateway"], {"hint": HINT, "answer": 8}, correction_max_tokens=8
+    )
+    (sample,) = train_samples(settings, session_id)
     assert sample.has_reward and sample.teacher_status == "scored"
     metrics_path = Path(settings.trainer.logging.metrics_path)
 

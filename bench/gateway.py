@@ -105,7 +105,13 @@ def _start(
     return proc
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
+    """Poll `url` until it answers 200 (a process started at low priority on a loaded machine
+    may take minutes to import).
+
+    Raises:
+        RuntimeError: `proc` exited first. TimeoutError: not ready within `timeout_s` s.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

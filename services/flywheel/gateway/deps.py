@@ -61,6 +61,15 @@ class GatewayDeps:
     """The engine fleet watch (engines/fleet_watch.py `FleetWatch`), refreshed by a background
     task; None = the engines stay as given (tests, embedded apps)."""
 
+    def with_engines(self, engines: Engines) -> GatewayDeps:
+        """These deps with other `engines` (every other field the same objects): a shallow
+        copy that, unlike `dataclasses.replace`, runs no `__init__` (per request on the
+        Messages route)."""
+        new = object.__new__(GatewayDeps)
+        new.__dict__.update(self.__dict__)
+        new.engines = engines
+        return new
+
 
 async def get_deps(request: Request) -> GatewayDeps:
     """The app's dependencies (async: FastAPI runs a sync dependency in a worker thread)."""

@@ -2,6 +2,7 @@
 real Redis, the real SmolLM2 tokenizer and chat template. Answers, stream events, sessions
 stitched from Anthropic histories, and Anthropic-format errors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -324,3 +325,15 @@ def test_a_rejected_content_names_the_real_problem(redis_client, prefix, rendere
     message = resp.json()["error"]["message"]
     assert words in message and "valid string" not in message, message
     assert engine.calls == []
+
+
+def test_deps_with_other_engines_leave_the_original_as_it_was(redis_client, prefix, renderer):
+    """`GatewayDeps.with_engines` (the Messages route's engine probe): a copy whose only
+    difference is the engines; the app's own deps keep theirs."""
+    _, deps, _ = gateway_app(redis_client, prefix, renderer, ScriptEngine(renderer, ["a"]))
+    probe = ScriptEngine(renderer, ["b"])
+    probed = deps.with_engines(probe)
+    assert probed.engines is probe and deps.engines is not probe
+    for f in dataclasses.fields(deps):
+        if f.name != "engines":
+            assert getattr(probed, f.name) is getattr(deps, f.name), f.name

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from flywheel.core.errors import NotFoundError
-from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
+from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse, pack_set
 
 
 def _stored(i: int) -> StoredResponse:
@@ -67,3 +67,41 @@ def test_a_connection_redis_closed_is_replaced(redis_client, prefix):
     outcomes = asyncio.run(run())
     assert outcomes[1:] == ["ok", "ok"], outcomes
     assert asyncio.run(store.get("resp_b2", "key-a")).session_id == "s2"
+
+
+def test_pack_set_writes_the_bytes_redis_py_would():
+    from redis.asyncio.connection import Connection
+
+    # header *5\r\n (4) + $3\r\nSET\r\n (9) + $1\r\nk\r\n (7) + $1\r\nv\r\n (7)
+    # + $2\r\nEX\r\n (8) + $2\r\n60\r\n (8) = 43 bytes
+    assert pack_set("k", b"v", 60) == (
+        b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\nEX\r\n$2\r\n60\r\n"
+    )
+    assert len(pack_set("k", b"v", 60)) == 43
+    value = b'{"conversation":"' + "é".encode() * 40_000 + b'"}'  # 80 KB, bytes as given
+    for key, ex in (("fw:response:resp_1", 3600), ("fw:réponse:ü", 1)):
+        expected = b"".join(Connection().pack_command("SET", key, value, "EX", ex))
+        assert pack_set(key, value, ex) == expected
+
+
+def test_replies_split_across_reads_settle_their_own_writes(redis_client, prefix):
+    """Three-byte reads cut every `+OK\r\n` reply in two, and an error reply (EX 0 is refused)
+    fails only its own write; the writes around it land."""
+    store = ResponseStore(redis_client, prefix, 120)
+
+    async def run() -> list[object]:
+        pipe = store._pipe()
+        pipe.read_bytes = 3
+        writes = [
+            pipe.set(f"{prefix}:split:{i}", b"v%d" % i, 0 if i == 5 else 60) for i in range(12)
+        ]
+        return await asyncio.gather(*writes, return_exceptions=True)
+
+    outcomes = asyncio.run(run())
+    assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 5 + ["ResponseError"] + [
+        "NoneType"
+    ] * 6
+    assert "expire" in str(outcomes[5])
+    assert redis_client.get(f"{prefix}:split:4") == b"v4"
+    assert redis_client.get(f"{prefix}:split:5") is None
+    assert 0 < redis_client.ttl(f"{prefix}:split:11") <= 60

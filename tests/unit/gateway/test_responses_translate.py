@@ -3,6 +3,8 @@ ways, and the bad inputs that are a 400 naming the offending parameter."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from flywheel.core.errors import InvalidRequestError
@@ -12,6 +14,7 @@ from flywheel.gateway.api.responses_translate import (
     chat_tool_choice,
     chat_tools,
     input_messages,
+    new_id,
     output_items,
     response_format,
 )
@@ -181,3 +184,10 @@ def test_built_in_tool_choice_is_refused():
     with pytest.raises(InvalidRequestError) as err:
         chat_tool_choice({"type": "web_search_preview"})
     assert err.value.param == "tool_choice"
+
+
+def test_new_ids_are_the_prefix_and_32_fresh_hex_digits():
+    ids = {new_id("resp") for _ in range(1000)}
+    assert len(ids) == 1000  # 128 random bits each: no repeats
+    assert all(re.fullmatch(r"resp_[0-9a-f]{32}", i) for i in ids)
+    assert re.fullmatch(r"fc_[0-9a-f]{32}", new_id("fc"))

@@ -15,7 +15,6 @@ prompt would be rendered (system, messages and tools) and answers `{"input_token
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from typing import Any
 
@@ -101,7 +100,7 @@ async def create_message(
         create_owner = None if session_id is None else owner
     probe = EngineProbe(d.engines)
     work = chat.serve(
-        dataclasses.replace(d, engines=probe),
+        d.with_engines(probe),
         turn,
         session_id,
         turn_type,

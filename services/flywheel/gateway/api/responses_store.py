@@ -10,13 +10,13 @@ object as it was answered (the very bytes of the HTTP body, not encoded again). 
 `gateway.response_ttl_s` seconds after it was written.
 
 Writes go through one pipelined connection per event loop (`SetPipe`): the SETs of one
-event-loop iteration go out in one socket write and their replies are read in order by one
-reader task, so concurrent requests share socket writes and reads and no request pays for
-the connection pool, per-command timeouts and retries of redis-py's command path
-(`bench/gateway.py`: the stored response is the difference between the Responses and chat
-routes' CPU per request). The request still waits for
-Redis's reply before its answer is sent, so a `previous_response_id` sent right after the answer,
-to any replica, finds it.
+event-loop iteration go out in one socket write, and one reader task settles every reply that
+one socket read brings, in order. The commands are packed and the replies parsed (hiredis) right
+there, so no request pays for the connection pool, per-command timeouts, retries, argument
+encoding or reply parsing of redis-py's command path (`bench/gateway.py`: the stored response is
+the difference between the Responses and chat routes' CPU per request). The request still waits
+for Redis's reply before its answer is sent, so a `previous_response_id` sent right after the
+answer, to any replica, finds it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import hiredis
 import orjson
 import redis
 import redis.asyncio as aioredis
@@ -37,6 +38,9 @@ from flywheel.core.redis_client import LoopClients
 from flywheel.gateway.api.json_text import dumps
 
 log = logging.getLogger(__name__)
+_READ_FAILURES = (TimeoutError, redis.RedisError, OSError, IndexError, hiredis.ProtocolError)
+"""What ends a SetPipe connection's reads: no reply in time, a closed or broken socket, a
+reply nobody waits for (IndexError) or bytes that are not RESP."""
 
 
 @dataclass
@@ -48,8 +52,28 @@ class StoredResponse:
     """The `response` object as answered (None: stored before retrieval was served)."""
 
 
+def pack_set(key: str, value: bytes, ex: int) -> bytes:
+    r"""`SET key value EX ex` as one RESP command: an array of 5 bulk strings, the same bytes
+    redis-py's `pack_command` writes, without its per-argument type dispatch.
+
+    Example: pack_set("k", b"v", 60) is these 43 bytes:
+    b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n$2\r\nEX\r\n$2\r\n60\r\n" (the header `*5\r\n`, 4;
+    then per part `$<length>\r\n<part>\r\n`: SET 9, k 7, v 7, EX 8, 60 8; 4 + 39 = 43).
+    """
+    k, t = key.encode(), str(ex).encode()
+    return b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$2\r\nEX\r\n$%d\r\n%b\r\n" % (
+        len(k),
+        k,
+        len(value),
+        value,
+        len(t),
+        t,
+    )
+
+
 class _Link:
-    """One connection of a SetPipe: the replies it still owes, oldest first, and its reader."""
+    """One connection of a SetPipe: the replies it still owes, oldest first, its reader task
+    and the RESP parser of what that task read."""
 
     def __init__(self, conn: Any):
         self.conn = conn
@@ -57,20 +81,31 @@ class _Link:
         self.reader: asyncio.Task[None] | None = None
         self.outbox: list[bytes] = []
         """Packed commands not yet written (flushed once per event-loop iteration)."""
+        self.replies = hiredis.Reader()
+        """Replies read but not yet settled (a socket read may end inside one)."""
 
 
 class SetPipe:
     """SET commands of one event loop on one dedicated Redis connection, pipelined: `set`
-    queues the command (written with the loop iteration's others) and waits for its reply,
-    which one reader task reads in order. A failed connection fails every command waiting on
-    it (redis.ConnectionError) and is replaced by a fresh one on the next `set`.
+    queues the command (written with the loop iteration's others) and waits for its reply;
+    one reader task reads whatever replies have arrived with one socket read and settles them
+    in order. A failed connection fails every command waiting on it (redis.ConnectionError)
+    and is replaced by a fresh one on the next `set`.
+
+    Only the connection's set-up (authentication, database, client name: redis-py's
+    `connect`) goes through redis-py; commands and replies are written and parsed here
+    (`pack_set`, hiredis), which per command costs a fraction of redis-py's `pack_command`
+    and `read_response` (one timeout scope per reply).
 
     Args:
         client: the loop's asyncio client (its pool makes the connection, which stays
             outside the pool, so the pool's connections serve everything else).
-        timeout_s: seconds to wait for one reply before the connection is dropped (None:
-            the client's socket timeout).
+        timeout_s: seconds without a reply while commands wait before the connection is
+            dropped (None: the client's socket timeout).
     """
+
+    read_bytes = 65536
+    """The most one socket read takes (replies are 5 bytes each, `+OK\\r\\n`)."""
 
     def __init__(self, client: aioredis.Redis, timeout_s: float | None = None):
         self.client = client
@@ -103,38 +138,44 @@ class SetPipe:
         reply: asyncio.Future[Any] = loop.create_future()
         if not link.outbox:  # one write for every SET of this loop iteration
             loop.call_soon(self._flush, link)
-        link.outbox.extend(link.conn.pack_command("SET", key, value, "EX", ex))
+        link.outbox.append(pack_set(key, value, ex))
         link.waiting.append(reply)
         if link.reader is None or link.reader.done():
-            link.reader = asyncio.ensure_future(self._read(link))
+            link.reader = loop.create_task(self._read(link))
         result = await reply
         if isinstance(result, BaseException):
             raise result
 
     def _flush(self, link: _Link) -> None:
-        """Write the commands queued on `link` (redis-py's StreamWriter: one syscall for all of
-        them, in order; the reader reads their replies in the same order)."""
+        """Write the commands queued on `link` (one syscall for all of them, in order; the
+        reader reads their replies in the same order)."""
         out, link.outbox = link.outbox, []
         if out and link.conn._writer is not None and not link.conn._writer.is_closing():
-            link.conn._writer.writelines(out)
+            link.conn._writer.write(b"".join(out))
         elif out:
             self._drop(link, redis.ConnectionError("the Redis connection was closed"))
 
     async def _read(self, link: _Link) -> None:
-        """Read replies while commands wait; each settles its command's future (a Redis error
-        reply is that command's exception)."""
+        """Read replies while commands wait: each socket read settles every complete reply in
+        it, oldest command first (a Redis error reply is that command's exception)."""
+        stream = link.conn._reader
         while link.waiting:
             try:
-                got: Any = await link.conn.read_response(timeout=self.timeout_s)
-            except redis.ResponseError as exc:
-                got = exc
-            except (TimeoutError, redis.RedisError, OSError) as exc:
+                async with asyncio.timeout(self.timeout_s):
+                    data = await stream.read(self.read_bytes)
+                if not data:
+                    raise redis.ConnectionError("Redis closed the connection")
+                link.replies.feed(data)
+                while (got := link.replies.gets()) is not False:
+                    if isinstance(got, hiredis.ReplyError):
+                        got = redis.ResponseError(str(got))
+                    waiter = link.waiting.popleft()  # IndexError: a reply nobody asked for
+                    if not waiter.done():
+                        waiter.set_result(got)
+            except _READ_FAILURES as exc:
                 failure = exc if isinstance(exc, redis.RedisError) else None
                 self._drop(link, failure or redis.ConnectionError(f"Redis read failed: {exc!r}"))
                 return
-            waiter = link.waiting.popleft()
-            if not waiter.done():
-                waiter.set_result(got)
 
     def _drop(self, link: _Link, exc: redis.RedisError) -> None:
         """Fail every command waiting on `link` and forget it (closed in the background)."""

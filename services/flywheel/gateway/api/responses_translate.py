@@ -30,7 +30,7 @@ or no tool call), one `function_call` item per tool call (`call_id` = the chat t
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Any
 
 from flywheel.core.errors import InvalidRequestError
@@ -42,8 +42,8 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def new_id(prefix: str) -> str:
-    """A fresh item or response id: `prefix` + "_" + 32 hex digits."""
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """A fresh item or response id: `prefix` + "_" + 32 hex digits (128 random bits)."""
+    return f"{prefix}_{os.urandom(16).hex()}"
 
 
 def _text(content: Any, where: str, *, refusal: bool) -> str:

@@ -160,3 +160,39 @@ def _complex_kind(model: Any, parts: list[str]) -> str | None:
         if hasattr(arg, "model_fields"):
             return "section"
     return None
+
+
+def unknown_env_sections(
+    model: Any,
+    environ: Mapping[str, str] | None = None,
+    prefix: str = "FLYWHEEL_",
+    delimiter: str = "__",
+) -> str:
+    """Why a `FLYWHEEL_<SECTION>__<FIELD>` variable would be ignored: one line per variable
+    whose SECTION is not a section of `model` (pydantic-settings reads only the names of known
+    fields, so `FLYWHEEL_GATWAY__PORT` would otherwise change nothing without a word). Only
+    names with the nested delimiter after the prefix are settings; other `FLYWHEEL_*`
+    variables (`FLYWHEEL_CONFIG`, `FLYWHEEL_PEERS_DIR`, ...) are not looked at.
+
+    Args:
+        model: the settings class (`FlywheelSettings`); its section fields are the known names.
+        environ: the environment (default `os.environ`).
+
+    Returns:
+        "" when every such variable names a known section, else the lines to show.
+    """
+    environ = os.environ if environ is None else environ
+    fields = getattr(model, "model_fields", {})
+    sections = sorted(name for name, f in fields.items() if hasattr(f.annotation, "model_fields"))
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(prefix) or delimiter not in upper[len(prefix) :]:
+            continue
+        section = upper[len(prefix) :].split(delimiter, 1)[0].lower()
+        if section in sections:
+            continue
+        lines.append(
+            f"  {name}: no settings section {section!r}; known sections: " + ", ".join(sections)
+        )
+    return "\n".join(lines)

@@ -28,6 +28,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     describe_validation_error,
     mask_secrets,
     read_config_file,
+    unknown_env_sections,
 )
 from flywheel.core.engine_settings import EngineSettings
 from flywheel.core.fleet import FleetSettings
@@ -188,7 +189,9 @@ class GatewaySettings(Section):
     """Completion tokens when the request sets neither max_tokens nor max_completion_tokens
     (lowered to what the context window leaves after the prompt)."""
     request_timeout_s: float = Field(300.0, gt=0)
-    """Seconds to wait for one engine call."""
+    """Seconds to wait for one engine call (past it: a 504 naming this setting). At most
+    `gateway.security.request_timeout_s`, the whole-request limit (refused at start
+    otherwise: raise both together)."""
     engine_health_interval_s: float = Field(2.0, ge=0)
     """Seconds between `/health` probes of an engine taken out after a failed call (it is put
     back once healthy); 0 = no probes."""
@@ -269,6 +272,19 @@ class GatewaySettings(Section):
                 f"gateway.session_idle_finish_s ({self.session_idle_finish_s}) must be below "
                 f"gateway.session_ttl_s ({self.session_ttl_s}): an idle session is finished "
                 "(its turns published) before its Redis key expires"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_call_within_request_limit(self) -> GatewaySettings:
+        whole = self.security.request_timeout_s
+        if whole and self.request_timeout_s > whole:
+            raise ValueError(
+                f"gateway.request_timeout_s ({self.request_timeout_s} s, one engine call) is "
+                f"above gateway.security.request_timeout_s ({whole} s, the whole request), "
+                "which would end the request first; raise gateway.security.request_timeout_s "
+                f"to at least {self.request_timeout_s} (or 0 = no whole-request limit), or "
+                "lower gateway.request_timeout_s"
             )
         return self
 
@@ -481,10 +497,17 @@ def load_settings(
 
     Raises:
         FileNotFoundError: the config file does not exist.
-        ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections.
+        ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections, or
+            a `FLYWHEEL_<SECTION>__...` variable names no known section.
         pydantic.ValidationError: a value is invalid or a key is unknown (its `loc` names the
             field; `describe_validation_error` formats it).
     """
+    unknown = unknown_env_sections(FlywheelSettings)
+    if unknown:
+        raise ConfigFileError(
+            "FLYWHEEL_<SECTION>__<FIELD> variables name no known settings section (a "
+            f"misspelling would otherwise be ignored); fix or unset these:\n{unknown}"
+        )
     path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
     data: dict[str, Any] = {}
     if path:

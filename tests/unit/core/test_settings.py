@@ -57,6 +57,50 @@ def test_misspelled_section_key_is_refused_in_file_and_environment(tmp_path, mon
         load_settings()
 
 
+@pytest.mark.parametrize("name", ["FLYWHEEL_GATWAY__PORT", "FLYWHEEL_TRIANER__OPTIM__LR"])
+def test_misspelled_section_in_environment_is_refused(monkeypatch, name):
+    """pydantic-settings reads only known names, so a misspelled SECTION would change nothing."""
+    from flywheel.core.settings import ConfigFileError
+
+    monkeypatch.setenv(name, "5")
+    with pytest.raises(ConfigFileError, match=name) as info:
+        load_settings()
+    assert "known sections: engine, fleet, gateway" in str(info.value)
+
+
+def test_non_setting_flywheel_variables_are_left_alone(monkeypatch):
+    """Only FLYWHEEL_<SECTION>__... names are settings; FLYWHEEL_CONFIG-like names are not."""
+    for name in ("FLYWHEEL_PEERS_DIR", "FLYWHEEL_CONTAINER_TESTS", "FLYWHEEL_TAG"):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("FLYWHEEL_GATEWAY__PORT", "8123")
+    assert load_settings().gateway.port == 8123
+
+
+def test_cli_names_a_misspelled_section_variable(monkeypatch):
+    from flywheel.ops.cli import main
+
+    monkeypatch.setenv("FLYWHEEL_GATWAY__PORT", "5")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "show"])
+    assert "FLYWHEEL_GATWAY__PORT" in str(exit_info.value) and "gateway" in str(exit_info.value)
+
+
+def test_engine_call_timeout_above_whole_request_limit_is_refused():
+    """An engine call may not outlast the request it serves (900 s whole-request default)."""
+    with pytest.raises(ValidationError) as info:
+        load_settings(gateway={"request_timeout_s": 1800})
+    text = str(info.value)
+    assert "gateway.request_timeout_s" in text and "gateway.security.request_timeout_s" in text
+    raised = load_settings(
+        gateway={"request_timeout_s": 1800, "security": {"request_timeout_s": 1800}}
+    )
+    assert raised.gateway.request_timeout_s == 1800
+    unbounded = load_settings(
+        gateway={"request_timeout_s": 1800, "security": {"request_timeout_s": 0}}
+    )
+    assert unbounded.gateway.request_timeout_s == 1800
+
+
 def test_enabling_the_teacher_puts_it_between_reward_and_trainer():
     s = load_settings(teacher={"enabled": True})
     assert s.next_stream_after_reward() == "flywheel:scored"

@@ -200,7 +200,7 @@ def test_requests_waiting_on_a_busy_session_leave_other_requests_served(
                 assert quick.get("/readyz").status_code == 200
                 other = quick.post("/v1/sessions", json={}).json()["session_id"]
                 assert quick.get(f"/v1/sessions/{other}").json()["status"] == "open"
-            assert turn.result().status_code == 502  # the hanging engine timed out
+            assert turn.result().status_code == 504  # the hanging engine timed out
             assert [p.result().status_code for p in posts] == [200] * waiters
     rewards = SessionStore(redis_client, prefix, 60).get(sid).rewards
     assert rewards == {f"r{i}": float(i) for i in range(waiters)}

@@ -69,6 +69,14 @@ class UpstreamError(PlatformError, ConnectionError):
     error_type = "upstream_error"
 
 
+class EngineTimeoutError(PlatformError, TimeoutError):
+    """An engine call took longer than `gateway.request_timeout_s` (HTTP 504). The engine is
+    slow or the request long, not broken: it stays in service."""
+
+    http_status = 504
+    error_type = "timeout_error"
+
+
 class RetryLaterError(PlatformError, RuntimeError):
     """Refused for now: the client should retry after `retry_after_s` seconds (the service edge
     answers with a Retry-After header). Subclasses set the error `code` and the default wait."""

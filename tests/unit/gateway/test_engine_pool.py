@@ -189,3 +189,46 @@ def test_a_streamed_call_asks_for_the_interval_retries_before_its_first_chunk_an
             await engines.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_timed_out_call_is_a_504_naming_the_setting_and_keeps_the_engine(streamed):
+    """Both engines answer after 1 s, the call's timeout is 0.2 s: each is tried once, neither
+    is taken out (slow is not broken) and the error is a 504 naming gateway.request_timeout_s.
+    A connection refused still takes its engine out."""
+    from flywheel.core.errors import EngineTimeoutError
+    from flywheel.gateway.engines.timeouts import ENGINE_TIMEOUTS
+
+    async def run():
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(1.0)
+            return web.json_response(GENERATE)
+
+        runners, urls = [], []
+        for _ in range(2):
+            app = web.Application()
+            app.router.add_route("*", "/{path:.*}", slow)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            runners.append(runner)
+        pool = EnginePool(urls, 0.2, {2}, health_interval_s=0)
+        before = ENGINE_TIMEOUTS.labels(urls[0])._value.get()
+        with pytest.raises(EngineTimeoutError) as info:
+            if streamed:
+                await pool.generate_stream([1], {"max_new_tokens": 2}, "x", on_text=print)
+            else:
+                await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
+        assert info.value.http_status == 504 and "gateway.request_timeout_s" in str(info.value)
+        assert pool.down == {}  # both still in service
+        assert ENGINE_TIMEOUTS.labels(urls[0])._value.get() == before + 1
+        for runner in runners:
+            await runner.cleanup()
+        with pytest.raises(UpstreamError):  # now nothing listens: connection refused
+            await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
+        assert set(pool.down) == set(urls)
+        await pool.aclose()
+
+    asyncio.run(run())

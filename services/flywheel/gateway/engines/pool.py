@@ -12,7 +12,9 @@ serves the fleet's weight version (`admit`).
 Health: an engine whose call fails (connection error, 5xx, unusable answer) is taken out: it
 goes to the end of every session's order, so healthy engines serve first. A background probe
 (`GET /health` every `health_interval_s`) puts it back once it answers 200; while every engine
-is out they are still tried, so one recovering engine serves at once.
+is out they are still tried, so one recovering engine serves at once. A call past `timeout_s`
+is tried elsewhere too but leaves its engine in service (slow is not broken), and is a 504
+when no engine served (timeouts.py).
 
 Speaks only `/generate` with `input_ids` (the gateway never asks an engine to render text).
 HTTP is aiohttp: per request it costs a fraction of httpx's CPU, and the engine call is the
@@ -40,6 +42,7 @@ from flywheel.gateway.engines.generation import Generation, parse_generation
 from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
 from flywheel.gateway.engines.stream import generate_stream
+from flywheel.gateway.engines.timeouts import is_timeout, note_timeout, timeout_error
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
@@ -317,9 +320,12 @@ class EnginePool:
 
         Raises:
             OverloadedError: an engine tried was full (429/503) and none served (overload.py).
+            EngineTimeoutError: an engine tried did not answer within `timeout_s` and none
+                served (timeouts.py).
         """
         errors: list[str] = []
         busy: list[str] = []
+        timeouts: list[str] = []
         if not self.urls:
             raise UpstreamError(
                 "no engine is in service: the fleet is empty or its engines do not serve the "
@@ -329,6 +335,10 @@ class EnginePool:
             try:
                 status, raw = await self._call("POST", f"{url}/generate", body)
             except (aiohttp.ClientError, TimeoutError) as exc:
+                if is_timeout(exc):  # slow, not broken: kept in service (timeouts.py)
+                    ENGINE_ERRORS.labels(url).inc()
+                    timeouts.append(note_timeout(url, self.timeout_s))
+                    continue
                 errors.append(f"{url}: {exc!r}")
                 self.mark_down(url, errors[-1])
                 continue
@@ -356,7 +366,9 @@ class EnginePool:
             self.mark_up(url)
             return url, gen
         if busy:
-            raise busy_error(busy + errors)
+            raise busy_error(busy + errors + timeouts)
+        if timeouts:
+            raise timeout_error(timeouts + errors, self.timeout_s)
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:

@@ -27,6 +27,7 @@ from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.gateway.engines.generation import Generation, parse_generation
 from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
+from flywheel.gateway.engines.timeouts import is_timeout, note_timeout, timeout_error
 
 OnText = Callable[[str], None]
 """Called with the cumulative text of each chunk, in order."""
@@ -39,6 +40,8 @@ class Engines(Protocol):
     """What a streamed call needs of the engine pool (pool.py `EnginePool`)."""
 
     stop_token_ids: set[int]
+    timeout_s: float
+    """Seconds per engine call (`gateway.request_timeout_s`)."""
 
     def order(self, affinity: str) -> list[str]:
         """Engine URLs to try for `affinity`, healthy ones first."""
@@ -59,6 +62,10 @@ class Engines(Protocol):
 
 class _Failed(Exception):
     """The call failed before its first chunk (another engine may serve it)."""
+
+
+class _TimedOut(Exception):
+    """No first chunk within the call's timeout: try another engine, keep this one in."""
 
 
 class _Busy(Exception):
@@ -102,12 +109,15 @@ async def _stream_once(
 ) -> tuple[str, Generation]:
     """One streamed call and the engine that answered (the next one on a failure before the
     first chunk)."""
-    errors, busy = [], []
+    errors, busy, timeouts = [], [], []
     for url in pool.order(affinity)[:2]:
         try:
             gen = await _one(pool, url, {**body, "stream": True}, on_text)
         except _Busy as exc:  # full or loading: busy, not broken (overload.py)
             busy.append(f"{url}: {exc}")
+            continue
+        except _TimedOut:  # slow, not broken: kept in service (timeouts.py)
+            timeouts.append(note_timeout(url, pool.timeout_s))
             continue
         except _Failed as exc:
             errors.append(f"{url}: {exc}")
@@ -116,7 +126,9 @@ async def _stream_once(
         pool.mark_up(url)
         return url, gen
     if busy:
-        raise busy_error(busy + errors)
+        raise busy_error(busy + errors + timeouts)
+    if timeouts:
+        raise timeout_error(timeouts + errors, pool.timeout_s)
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
 
@@ -164,6 +176,8 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
                 last = chunk
                 on_text(str(chunk.get("text", "")))
     except (aiohttp.ClientError, TimeoutError) as exc:
+        if last is None and is_timeout(exc):
+            raise _TimedOut(repr(exc)) from exc
         raise _fail(last, repr(exc)) from exc
     if last is None:
         raise _Failed("the stream ended without a chunk")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from prometheus_client import Counter
-from pydantic import ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, WithJsonSchema, field_validator
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway.api import json_shapes as shapes
@@ -93,12 +93,12 @@ class CompletionRequest(StreamOptionsNeedStream):
     )
     stop: str | list[str] | None = Field(None, max_length=32)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     """Alternatives per token in `choices[].logprobs.top_logprobs` (0 = chosen tokens only)."""
     user: str | None = None
-    echo: Annotated[bool | None, shapes.neutral(False)] = None
+    echo: Annotated[StrictBool | None, shapes.neutral(False)] = None
     suffix: Annotated[str | None, shapes.neutral("")] = None
     frequency_penalty: Annotated[float | None, shapes.neutral(0)] = None
     presence_penalty: Annotated[float | None, shapes.neutral(0)] = None

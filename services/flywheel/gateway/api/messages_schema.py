@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
 
 from flywheel.gateway.api import json_shapes as shapes
 
@@ -49,7 +49,7 @@ class ToolResultBlock(_Block):
     tool_use_id: str
     content: str | list[TextBlock] | None = None
     """The tool's output: a string or text blocks (the model reads text only)."""
-    is_error: bool = False
+    is_error: StrictBool = False
     toolset_name: str | None = None
 
 
@@ -144,10 +144,10 @@ class ToolParam(BaseModel):
     description: str | None = None
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
     """Accepted; `tool_choice` any/tool is what forces a call (constrained decoding)."""
-    eager_input_streaming: bool | None = None
-    defer_loading: bool | None = None
+    eager_input_streaming: StrictBool | None = None
+    defer_loading: StrictBool | None = None
     input_examples: list[dict[str, Any]] | None = None
     allowed_callers: list[Any] | None = None
 
@@ -167,7 +167,7 @@ class ToolChoice(BaseModel):
 
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
     """Accepted without effect: the model's reply holds the calls it wrote."""
 
     @field_validator("name")
@@ -234,7 +234,7 @@ class MessagesRequest(ConversationRequest):
     """Sampling fields of Anthropic's API before the SDK dropped them (send them with
     `extra_body`); unset: temperature 1, the whole vocabulary."""
     stop_sequences: list[str] | None = Field(None, max_length=32)
-    stream: bool = False
+    stream: StrictBool = False
     metadata: dict[str, Any] | None = None
     """Accepted without effect (`user_id`)."""
     service_tier: str | None = None

@@ -15,7 +15,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from flywheel.gateway.api import json_shapes as shapes
 
@@ -84,14 +92,14 @@ class ResponsesRequest(BaseModel):
         None, max_length=128
     )
     tool_choice: Annotated[str | dict[str, Any] | None, shapes.RESPONSES_TOOL_CHOICE] = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     """Keep the response for `previous_response_id` (default true, as in OpenAI's API)."""
     previous_response_id: str | None = Field(None, pattern=f"^{RESPONSE_ID_PATTERN.pattern}$")
     include: Annotated[
@@ -116,7 +124,7 @@ class ResponsesRequest(BaseModel):
     image: Any = None
     access_programs: Any = None
     # Services the gateway does not run: neutral values only (see _NEUTRAL).
-    background: Annotated[bool | None, shapes.neutral(False)] = None
+    background: Annotated[StrictBool | None, shapes.neutral(False)] = None
     conversation: Annotated[Any, shapes.ONLY_NULL] = None
     prompt: Annotated[Any, shapes.ONLY_NULL] = None
     max_tool_calls: Annotated[int | None, shapes.ONLY_NULL] = None

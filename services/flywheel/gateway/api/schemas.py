@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.constraints import grammar_params
@@ -182,20 +182,20 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
     """Choices per request; in a session each choice is recorded (turns.py)."""
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]] | None, shapes.TOOLS] = Field(None, max_length=128)
     tool_choice: Annotated[str | dict[str, Any] | None, shapes.TOOL_CHOICE] = None
     response_format: Annotated[dict[str, Any] | None, shapes.RESPONSE_FORMAT] = None
-    logprobs: bool | None = False
+    logprobs: StrictBool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     """Most likely alternatives per token (needs `logprobs: true`)."""
     # Accepted without effect on the sampled tokens.
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     prompt_cache_key: str | None = None
     prompt_cache_options: Any = None
     prompt_cache_retention: Any = None
@@ -218,14 +218,14 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: Annotated[float | None, shapes.neutral(1)] = None
     min_tokens: Annotated[int | None, shapes.neutral(0)] = None
-    ignore_eos: Annotated[bool | None, shapes.neutral(False)] = None
+    ignore_eos: Annotated[StrictBool | None, shapes.neutral(False)] = None
     stop_token_ids: Annotated[list[int] | None, shapes.neutral([])] = None
     regex: str | None = None
     json_schema: Any = None
     ebnf: str | None = None
     chat_template_kwargs: Annotated[dict[str, Any] | None, shapes.neutral({})] = None
-    separate_reasoning: bool | None = None
-    skip_special_tokens: bool | None = None
+    separate_reasoning: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
 
     @field_validator("n", "stream", mode="before")
     @classmethod
@@ -373,7 +373,7 @@ class SessionCreate(BaseModel):
     """Task metadata for the reward service, e.g. {"answer": "8", "verifier": "last_integer"}."""
     metadata: dict[str, Any] = Field(default_factory=dict)
     mode: Literal["episode", "live"] = "episode"
-    eval: bool = False
+    eval: StrictBool = False
     """Evaluation sessions are served normally but never published as training data."""
 
 

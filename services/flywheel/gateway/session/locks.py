@@ -1,8 +1,10 @@
 """The session lock as an async context: taken with the record read, released with it saved.
 
 A turn, a finish and a posted reward each hold their session's lock for their whole run
-(`locked`); the lease is renewed while they run, so a crashed gateway's lock expires after
-`LOCK_LEASE_S` and a long generation keeps it.
+(`locked`), so concurrent requests on one session run one after another; a request waits up to
+`LOCK_WAIT_S` (600 s) for the lock, then is a 409 `session <id> is busy`. The lease is renewed
+while they run, so a crashed gateway's lock expires after `LOCK_LEASE_S` and a long generation
+keeps it.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from flywheel.gateway.session.owner import check_request_owner
 from flywheel.gateway.session.store import LOCK_LEASE_S, SessionLease, SessionStore
 
 log = logging.getLogger(__name__)
+LOCK_WAIT_S = 600.0
+"""Seconds a request waits for its session's lock (another turn, reward or finish of the same
+session holding it) before a 409 `session <id> is busy` (docs/sessions.md)."""
 
 
 @asynccontextmanager
 async def locked(
-    store: SessionStore, session_id: str, timeout_s: float = 600.0
+    store: SessionStore, session_id: str, timeout_s: float = LOCK_WAIT_S
 ) -> AsyncIterator[SessionRecord]:
     """Async form of `SessionStore.locked`: saved on normal exit, untouched on error.
 

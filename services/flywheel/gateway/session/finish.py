@@ -35,6 +35,13 @@ FINISHED = labeled_counter(
     "reason",
     ("client", "idle"),
 )
+REWARDS_UNUSED = labeled_counter(
+    "flywheel_gateway_rewards_unused_total",
+    "Rewards (posted or the finish's) of a session finished with no Sample to carry them "
+    "(no_turns: the session had no turn)",
+    "reason",
+    ("no_turns",),
+)
 HELD_LOST = Counter(
     "flywheel_gateway_held_samples_lost_total",
     "Samples an episode held until its finish that were gone at the finish",
@@ -77,11 +84,25 @@ async def finish(
                 "different reward or following messages)"
             )
         record.finish_request = digest
+        unused = sorted({*record.rewards, *(["outcome"] if reward is not None else [])})
         # building a long episode's Sample takes milliseconds: off the event loop
         published = len(
             await asyncio.to_thread(finish_record, d, record, reward, following, "client")
         )
-    return {"session_id": session_id, "status": "finished", "samples_published": published}
+        no_turns = not record.turns
+    answer: dict[str, Any] = {
+        "session_id": session_id,
+        "status": "finished",
+        "samples_published": published,
+    }
+    if no_turns and unused:
+        answer["rewards_unused"] = {
+            "reason": "no_turns",
+            "names": unused,
+            "message": "the session had no turn, so no Sample carries these rewards; send its "
+            "requests through the session's base_url before finishing it",
+        }
+    return answer
 
 
 def _held(d: GatewayDeps, record: SessionRecord) -> list[SegmentSample]:
@@ -159,12 +180,28 @@ def finish_record(
     for sample in samples:
         for name, value in rewards.items():
             sample.rewards[name] = value
+    if rewards and not samples:
+        _count_unused(record, rewards)
     publish(d, record, list(samples))
     FINISHED.labels(by).inc()
     if record.eval:
         samples = []
     record.finish_published = len(samples)
     return samples
+
+
+def _count_unused(record: SessionRecord, rewards: dict[str, float]) -> None:
+    """Rewards of a session finished without a Sample to carry them: counted and logged, never
+    dropped without a word (`REWARDS_UNUSED`)."""
+    if record.turns:  # had turns, yet nothing to publish (all sent before): not this case
+        return
+    REWARDS_UNUSED.labels("no_turns").inc(len(rewards))
+    log.warning(
+        "session %s (%s) finished with no turn: rewards %s reach no Sample",
+        record.session_id,
+        record.mode,
+        sorted(rewards),
+    )
 
 
 async def post_reward(d: GatewayDeps, session_id: str, name: str, value: float) -> dict[str, Any]:

@@ -106,6 +106,16 @@ def time_to_reach(
     return None
 
 
+def reward_at(rewards: list[float], seconds: list[float], at_s: float) -> float | None:
+    """The moving-average reward of the last step scored by `at_s` seconds after launch; None
+    when no step was scored by then.
+
+    Example: rewards [0.2, 0.6, 0.9] scored at 10, 20, 30 s; at 25 s the last scored step is 2,
+    whose average is (0.2 + 0.6) / 2 = 0.4; at 5 s: None."""
+    scored = [i for i, t in enumerate(seconds) if t <= at_s]
+    return moving_average(rewards)[scored[-1]] if scored else None
+
+
 def flywheel_curve(folder: Path) -> tuple[list[float], list[float]]:
     """(mean reward of each step, unix time its rollouts ended) of a demo run, from
     metrics.jsonl and demo_timeline.jsonl."""
@@ -185,6 +195,18 @@ def report(results: list[dict[str, Any]]) -> None:
             f"flywheel/trl time {ratio(fw['time_to_target_s'], trl['time_to_target_s'])}, "
             f"peak RSS {ratio(fw['peak_rss_mib'], trl['peak_rss_mib'])}"
         )
+    print(
+        f"equal wall-clock: each side's {WINDOW}-step reward when the side that finished first "
+        "finished"
+    )
+    for r in results:
+        fw, trl = r["flywheel"], r["trl"]
+        at = min(fw["seconds"][-1], trl["seconds"][-1])
+        cells = [
+            reward_at(r[side]["rewards"], r[side]["seconds"], at) for side in ("flywheel", "trl")
+        ]
+        text = [f"{c:.3f}" if c is not None else "-" for c in cells]
+        print(f"{r['seed']:>4} at {at:.0f} s: flywheel {text[0]}, trl {text[1]}")
     med = {
         side: {
             key: median([r[side][key] for r in results])
@@ -240,7 +262,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--out", default="runs/peers")
+    parser.add_argument(
+        "--report", metavar="RESULTS_JSON", help="print the report of an earlier run and stop"
+    )
     args = parser.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return 0
     if args.steps < 1 or args.seeds < 1:
         raise SystemExit("learning_efficiency: --steps and --seeds must be at least 1")
     out = ROOT / args.out

@@ -34,6 +34,14 @@ def test_time_to_reach_is_the_first_step_whose_average_reaches_the_target():
     assert bench.time_to_reach(rewards, times, 100.0, 0.6) is None
 
 
+def test_reward_at_is_the_average_of_the_last_step_scored_by_then():
+    # steps scored at 10, 20, 30 s; at 25 s the last is step 2: (0.2 + 0.6) / 2 = 0.4
+    rewards, seconds = [0.2, 0.6, 0.9], [10.0, 20.0, 30.0]
+    assert bench.reward_at(rewards, seconds, 25.0) == pytest.approx(0.4)
+    assert bench.reward_at(rewards, seconds, 30.0) == pytest.approx((0.2 + 0.6 + 0.9) / 3)
+    assert bench.reward_at(rewards, seconds, 5.0) is None
+
+
 def test_median_counts_a_side_that_never_reached_as_late():
     assert bench.median([30.0, None, 10.0]) == 30.0  # sorted: 10, 30, inf
     assert bench.median([None, None, 10.0]) is None

@@ -14,7 +14,7 @@ AGENT_OUT   ?= runs/demo-agent
 PYTEST_ARGS ?=
 
 .PHONY: setup system-tools demo demo-agent test lint proto up clean podman-setup compose-images \
-	compose-test compose-clean
+	compose-test compose-clean pi
 
 setup: $(STAMP)
 
@@ -56,6 +56,13 @@ lint: setup
 	$(BIN)/ruff check services tests tools bench
 	$(BIN)/ruff format --check services tests tools bench
 	$(BIN)/mypy
+
+# The pi coding agent pinned in tools/pi (a real client in tests/integration/test_clients_pi.py,
+# whose fixture does the same when needed): `npm ci` from the lock file, no install scripts; the
+# stamp holds the lock file's sha256 so the fixture does not install it again.
+pi:
+	cd tools/pi && npm ci --ignore-scripts --no-audit --no-fund
+	sha256sum tools/pi/package-lock.json | cut -d' ' -f1 | tr -d '\n' > tools/pi/node_modules/.flywheel-lock-sha256
 
 # Containers for real (deploy/README.md, "Podman"): podman-setup installs podman, podman-compose
 # and debootstrap from Debian's archive and writes /etc/containers/containers.conf (root);

@@ -516,9 +516,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CLOSED_STDOUT_EXIT = 141
+"""Exit status when the reader of stdout went away (`flywheel status --json | head`): 128 +
+SIGPIPE, what a Unix tool killed by SIGPIPE reports."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `flywheel` command. A closed stdout ends it quietly with `CLOSED_STDOUT_EXIT`, never a
+    BrokenPipeError traceback."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe fails here at the latest
+    except BrokenPipeError:
+        # Python's own flush at exit would fail again (and print): point stdout at /dev/null.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # no real file descriptor (tests)
+            pass
+        return CLOSED_STDOUT_EXIT
+    return code
 
 
 if __name__ == "__main__":

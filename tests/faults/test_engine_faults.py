@@ -65,3 +65,25 @@ def test_every_engine_failing_is_a_clear_502_and_records_nothing(
         assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 0
     assert sum(procs.calls(e) for e in engines) == 2  # one try each: bounded
     assert redis_client.xlen(f"{prefix}:rollouts") == 0
+
+
+def test_every_engine_hanging_is_a_504_naming_the_timeout_and_keeps_them_in_service(
+    procs, inproc_gateway, redis_client, prefix
+):
+    """Slow is not broken: a call past gateway.request_timeout_s is a 504 that names the
+    setting, and the engines stay in service (flywheel_gateway_engine_up 1)."""
+    engines = [procs.stub("hang"), procs.stub("hang")]
+    gw = inproc_gateway(engines, request_timeout_s=1.0)
+    with httpx.Client(base_url=gw, timeout=30) as client:
+        sid = client.post("/v1/sessions", json={}).json()["session_id"]
+        reply = client.post(f"/s/{sid}/v1/chat/completions", json=CHAT)
+        assert reply.status_code == 504, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "timeout_error" and error["code"] == "engine_timeout"
+        assert "gateway.request_timeout_s" in error["message"]
+        assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 0
+        metrics = client.get("/metrics").text
+    for engine in engines:
+        assert f'flywheel_gateway_engine_up{{engine="{engine}"}} 0.0' not in metrics
+        assert f'flywheel_gateway_engine_timeouts_total{{engine="{engine}"}} 1.0' in metrics
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0

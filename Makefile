@@ -27,12 +27,14 @@ $(STAMP): pyproject.toml
 	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
 
-# Debian tools the deployment and dashboard tests use: chromium (headless screenshots) and
-# docker-compose v1 (`config` validates docker-compose.yml without an engine). Installed only
+# Debian tools the deployment and dashboard tests use: chromium (headless screenshots),
+# docker-compose v1 (`config` validates docker-compose.yml without an engine) and podman
+# (podman-compose's `config` asks `podman version` first; nothing is run). Installed only
 # when missing and when apt-get can run (root); otherwise those tests skip locally.
 system-tools:
 	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	command -v podman >/dev/null || missing="$$missing podman"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing$$missing (apt)"; \
 	  apt-get install -y -q $$missing >/dev/null 2>&1 || \

@@ -281,7 +281,8 @@ def _extras() -> dict[str, list[str]]:
 
 def _closure(extra: str) -> set[str]:
     """Distribution names an install of `.[extra]` pulls in, through flywheel's own extras and
-    the installed packages' metadata (markers evaluated for this interpreter)."""
+    the installed packages' metadata (markers evaluated for this interpreter and the extras a
+    requirement names)."""
     extras, seen, todo = _extras(), set(), []
     own = [extra, ""]
     while own:
@@ -291,18 +292,24 @@ def _closure(extra: str) -> set[str]:
                 own += list(req.extras)
             else:
                 todo.append(req)
+    visited: set[tuple[str, frozenset[str]]] = set()
     while todo:
         req = todo.pop()
         key = req.name.lower().replace("_", "-")
-        if key in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
+        if (key, frozenset(req.extras)) in visited or (
+            req.marker and not req.marker.evaluate({"extra": ""})
+        ):
             continue
+        visited.add((key, frozenset(req.extras)))
         seen.add(key)
         try:
             deps = metadata.requires(req.name) or []
         except metadata.PackageNotFoundError:
             continue
+        wanted = ["", *req.extras]  # redis[hiredis] also pulls redis's "hiredis" extra
         for dep in map(Requirement, deps):
-            if not dep.marker or dep.marker.evaluate({"extra": ""}):
+            if not dep.marker or any(dep.marker.evaluate({"extra": e}) for e in wanted):
+                dep.marker = None  # evaluated here, with the extras that pulled it in
                 todo.append(dep)
     return seen
 

@@ -218,13 +218,14 @@ class AsyncJudgeClient:
         async with slots:
             start = time.perf_counter()
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    resp = await http.post("/chat/completions", json=body)
-            except (TimeoutError, httpx.TimeoutException) as exc:
-                raise JudgeCallError("timeout", f"no reply in {self.timeout_s:g} s") from exc
-            except httpx.TransportError as exc:
-                raise JudgeCallError("connection", f"{type(exc).__name__}: {exc}") from exc
-            except BaseException:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        resp = await http.post("/chat/completions", json=body)
+                except (TimeoutError, httpx.TimeoutException) as exc:
+                    raise JudgeCallError("timeout", f"no reply in {self.timeout_s:g} s") from exc
+                except httpx.TransportError as exc:
+                    raise JudgeCallError("connection", f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:  # the judge did not answer: down until a call succeeds
                 self.metrics.up.labels(self.name).set(0)
                 raise
             finally:

@@ -4,9 +4,12 @@ stuck entries are reclaimed, poison entries are dead-lettered after N failures."
 
 import asyncio
 import json
+import socket
+
+import pytest
 
 from flywheel.core.codec import decode_sample, new_sample
-from flywheel.core.judge_client import AsyncJudgeClient, judge_metrics
+from flywheel.core.judge_client import AsyncJudgeClient, JudgeCallError, judge_metrics
 from flywheel.core.streams import FIELD, StreamConsumer, StreamProducer
 from flywheel.reward.judge import NextStateJudge
 from flywheel.reward.scoring import Scorer, is_unjudged
@@ -73,6 +76,27 @@ def test_slow_judge_does_not_block_the_stream(redis_client, prefix, fake_judge):
     assert sorted(fast_done) == [f"fast{i}" for i in range(4)]
     assert _out(redis_client, prefix)[-1].sample_id == "slow"
     assert redis_client.xpending(f"{prefix}:rollouts", "reward")["pending"] == 0
+
+
+def test_a_judge_that_does_not_answer_is_reported_down():
+    # nothing listens on the port: a connection error; the up gauge goes from 1 to 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = judge_metrics("reward")
+    metrics.up.labels("judge").set(1)
+    client = AsyncJudgeClient(f"http://127.0.0.1:{port}/v1", "m", timeout_s=2, metrics=metrics)
+
+    async def call():
+        try:
+            await client.complete("hi")
+        finally:
+            await client.aclose()
+
+    with pytest.raises(JudgeCallError) as caught:
+        asyncio.run(call())
+    assert caught.value.kind == "connection"
+    assert metrics.up.labels("judge")._value.get() == 0
 
 
 def test_500_and_garbage_are_forwarded_unjudged_with_reasons(redis_client, prefix, fake_judge):

@@ -277,8 +277,12 @@ class GatewaySettings(Section):
 
     @model_validator(mode="after")
     def _engine_call_within_request_limit(self) -> GatewaySettings:
+        """A `request_timeout_s` the user set above the whole-request limit is refused (it
+        would never take effect); the default engine timeout under a lower whole-request
+        limit is fine: the whole-request limit ends the request first, as asked."""
         whole = self.security.request_timeout_s
-        if whole and self.request_timeout_s > whole:
+        chosen = "request_timeout_s" in self.model_fields_set
+        if chosen and whole and self.request_timeout_s > whole:
             raise ValueError(
                 f"gateway.request_timeout_s ({self.request_timeout_s} s, one engine call) is "
                 f"above gateway.security.request_timeout_s ({whole} s, the whole request), "

@@ -99,6 +99,12 @@ def test_engine_call_timeout_above_whole_request_limit_is_refused():
         gateway={"request_timeout_s": 1800, "security": {"request_timeout_s": 0}}
     )
     assert unbounded.gateway.request_timeout_s == 1800
+    # a whole-request limit below the default engine timeout (300 s) is what the user asked
+    # for: it ends the request first, so it loads
+    tight = load_settings(gateway={"security": {"request_timeout_s": 0.2}})
+    assert tight.gateway.security.request_timeout_s == 0.2
+    with pytest.raises(ValidationError):  # but an engine timeout chosen above it is refused
+        load_settings(gateway={"request_timeout_s": 1, "security": {"request_timeout_s": 0.2}})
 
 
 def test_enabling_the_teacher_puts_it_between_reward_and_trainer():

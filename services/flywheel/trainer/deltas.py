@@ -13,8 +13,9 @@ into the folder then, once, from the held snapshot). The first push of a trainer
 base and is full.
 
 In bf16 about 1-3% of the elements change per step and each changed tensor is stored as the
-cheapest of its sparse, zlib-compressed or whole encodings; in fp32 nearly every element changes, every tensor is stored whole and the delta is as
-large as the full weights (bench/README.md, "Delta pushes").
+cheapest of its sparse, zlib-compressed or whole encodings; in fp32 nearly every element
+changes, every tensor is stored whole and the delta is as large as the full weights
+(bench/README.md, "Delta pushes").
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def cheap(path: str, body: Any) -> Any:
         return body
     body = _shorten(body)
     _answer_only_earlier_calls(body)
-    for cap in CAPS:
-        if isinstance(body.get(cap), int) and not isinstance(body[cap], bool):
+    for cap in CAPS:  # an integer may come as 1069.0 (JSON Schema's integer allows it)
+        if isinstance(body.get(cap), int | float) and not isinstance(body[cap], bool):
             body[cap] = min(body[cap], 2)
     if not any(cap in body for cap in CAPS):
         body["max_output_tokens" if path.endswith("/v1/responses") else "max_tokens"] = 2
@@ -114,11 +114,6 @@ def _shorten(value: Any) -> Any:
     return value
 
 
-@pytest.mark.skip(
-    reason="open defect: one generated /v1/messages body (max_tokens capped at 2) keeps the "
-    "engine generating thousands of tokens, past the client's 120 s read timeout; "
-    "tests/unit/gateway/test_openapi_fuzz.py still fuzzes every route in process"
-)
 @pytest.mark.timeout(1800)
 def test_every_route_fuzzed_with_a_key_no_5xx_and_chat_bodies_mostly_served(keyed_gateway):
     gw = keyed_gateway

@@ -203,6 +203,22 @@ def record_reply(record: SessionRecord, reply: SampledReply, sampling: dict[str,
     """Append a sampled reply to the session's segment as its next turn: the engine's ids with
     their logprobs and weight versions (loss mask 1), and the reply message."""
     seg = record.segment
+    _add_turn(seg, reply)
+    seg.ended_with_eos = reply.matched_eos
+    seg.mark_turn()
+    set_sampling(seg, sampling)
+
+
+def candidate_segment(seg: Segment, c: SampledReply) -> Segment:
+    """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
+    out = seg.model_copy(deep=True)
+    _add_turn(out, c)
+    return out
+
+
+def _add_turn(seg: Segment, reply: SampledReply) -> None:
+    """Append `reply` to `seg` as its next turn: sampled ids (loss mask 1) with their
+    logprobs, weight versions and renormalised marks, the message, the finish reason."""
     seg.turn_start = len(seg.token_ids)
     seg.append(
         reply.output_ids,
@@ -214,26 +230,6 @@ def record_reply(record: SessionRecord, reply: SampledReply, sampling: dict[str,
     seg.messages = [*seg.messages, reply.message]
     seg.turns += 1
     seg.finish_reason = reply.finish_reason
-    seg.ended_with_eos = reply.matched_eos
-    seg.mark_turn()
-    set_sampling(seg, sampling)
-
-
-def candidate_segment(seg: Segment, c: SampledReply) -> Segment:
-    """A copy of `seg` with choice `c` appended as the last turn (for its own Sample)."""
-    out = seg.model_copy(deep=True)
-    out.turn_start = len(out.token_ids)
-    out.append(
-        c.output_ids,
-        sampled=True,
-        logprobs=c.logprobs,
-        versions=c.token_versions(),
-        renormalized=c.renormalized,
-    )
-    out.messages = [*out.messages, c.message]
-    out.turns += 1
-    out.finish_reason = c.finish_reason
-    return out
 
 
 def chosen_candidate(record: SessionRecord, messages: list[dict[str, Any]]) -> int | None:

@@ -12,11 +12,15 @@
    length-sorted under a token budget (`micro_batch_tokens`), and packed (`batch_layout =
    "packed"`); padding share of the decoder positions and forward + backward seconds of the
    micro-batches (the AdamW step is the same for all three), ratios to padded.
+4. Shared prompts (a GRPO step: `--groups` x `--group-size` samples, one prompt per group):
+   forward + backward seconds of the micro-batches, padded against `layout =
+   "shared_prefix"` (each group's prompt run once), and the peak RSS of each.
 
     .venv/bin/python bench/trainer.py                     # both parts, T = 512 2048 8192
     .venv/bin/python bench/trainer.py --part logprobs --lengths 512 2048
     .venv/bin/python bench/trainer.py --part step --samples 8 --prompt 64 --completion 64
     .venv/bin/python bench/trainer.py --part layout --samples 8 --prompt 16 --completion 256
+    .venv/bin/python bench/trainer.py --part prefix --prompt 44 --completion 32 --spread 8
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ VOCAB, HIDDEN = 49152, 576
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--part", choices=["all", "logprobs", "step", "layout"], default="all")
+    p.add_argument(
+        "--part", choices=["all", "logprobs", "step", "layout", "prefix"], default="all"
+    )
     p.add_argument(
         "--lengths",
         type=int,
@@ -48,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion", type=int, default=64, help="sampled tokens per sample")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
     p.add_argument("--spread", type=int, default=16, help="part 3: longest / shortest completion")
+    p.add_argument("--groups", type=int, default=4, help="part 4: groups sharing a prompt")
+    p.add_argument("--group-size", type=int, default=8, help="part 4: samples per group")
     p.add_argument(
         "--precisions",
         nargs="+",
@@ -125,6 +133,7 @@ def step_child(args: argparse.Namespace, precision: str) -> dict:
     import torch
 
     from flywheel.core.paths import resolve_model_path
+    from flywheel.core.trainer_settings import BatchSettings
     from flywheel.trainer.sources import FakeSource
     from flywheel.trainer.step import StepConfig, prepare_batch, train_step
     from flywheel.trainer.weights import load_model
@@ -133,7 +142,9 @@ def step_child(args: argparse.Namespace, precision: str) -> dict:
     source = FakeSource(model.config.vocab_size, 4, args.prompt, args.completion)
     samples = [e.sample for e in source.read(args.samples, 0)]
     groups = [samples[i : i + 4] for i in range(0, len(samples), 4)]
-    cfg = StepConfig(micro_batch_size=4, bf16_autocast=precision == "bf16_autocast")
+    cfg = StepConfig(
+        batch=BatchSettings(micro_batch_size=4), bf16_autocast=precision == "bf16_autocast"
+    )
     batch, _ = prepare_batch(groups, cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     train_step(model, optimizer, batch, cfg)  # warm-up, allocates AdamW state
@@ -159,6 +170,7 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
     import torch
 
     from flywheel.core.paths import resolve_model_path
+    from flywheel.core.trainer_settings import BatchSettings
     from flywheel.trainer.algorithms.losses import normalizer_for
     from flywheel.trainer.sources import FakeSource
     from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, split_micro_batches
@@ -176,9 +188,13 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
     groups = [samples[i : i + 4] for i in range(0, len(samples), 4)]
     longest = args.prompt + args.completion
     cfg = StepConfig(
-        micro_batch_size=4,
-        micro_batch_tokens={"padded": 0, "sorted": 4 * longest // 2, "packed": 4 * longest}[layout],
-        packed=layout == "packed",
+        batch=BatchSettings(
+            micro_batch_size=4,
+            micro_batch_tokens={"padded": 0, "sorted": 4 * longest // 2, "packed": 4 * longest}[
+                layout
+            ],
+            layout="packed" if layout == "packed" else "padded",
+        )
     )
     batch, _ = prepare_batch(groups, cfg)
     parts = split_micro_batches(batch, cfg)
@@ -202,6 +218,80 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
         "loss": acc.loss,
         "skipped": "",
     }
+
+
+def prefix_child(args: argparse.Namespace, layout: str) -> dict:
+    """Forward + backward seconds of a GRPO step's micro-batches (`accumulate`) under `layout`:
+    `--groups` groups of `--group-size` samples, each group's samples sharing one `--prompt`
+    token prompt, completions spread from `--completion / --spread` to `--completion`."""
+    import torch
+
+    from flywheel.core.paths import resolve_model_path
+    from flywheel.core.trainer_settings import BatchSettings
+    from flywheel.trainer.algorithms.losses import normalizer_for
+    from flywheel.trainer.sources import FakeSource
+    from flywheel.trainer.step import StepConfig, accumulate, prepare_batch
+    from flywheel.trainer.weights import load_model
+
+    torch.manual_seed(0)
+    model = load_model(resolve_model_path(args.model))
+    vocab = model.config.vocab_size
+    shortest = max(args.completion // args.spread, 1)
+    groups = []
+    for g in range(args.groups):
+        prompt = torch.randint(1, vocab, (args.prompt,)).tolist()
+        members = []
+        for i in range(args.group_size):
+            completion = shortest + (args.completion - shortest) * i // max(args.group_size - 1, 1)
+            source = FakeSource(vocab, 1, args.prompt, completion, seed=100 * g + i)
+            sample = source.read(1, 0)[0].sample
+            sample.token_ids[: args.prompt] = prompt
+            members.append(sample)
+        groups.append(members)
+    cfg = StepConfig(batch=BatchSettings(micro_batch_size=args.group_size, layout=layout))
+    batch, _ = prepare_batch(groups, cfg)
+    norm = normalizer_for(batch.loss_mask_BT)
+    accumulate(model, batch.rows(0, 1), cfg, norm)  # warm-up: one sample
+    times = []
+    for _ in range(args.repeats):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        acc = accumulate(model, batch, cfg, norm)
+        times.append(time.perf_counter() - t0)
+    return {
+        "step_s": min(times),
+        "tokens": float(batch.attention_mask_BT.sum()),
+        "loss": acc.loss,
+        "peak_mib": max_rss_mib(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def bench_prefix(args: argparse.Namespace) -> None:
+    common = [
+        f"--groups={args.groups}",
+        f"--group-size={args.group_size}",
+        f"--prompt={args.prompt}",
+        f"--completion={args.completion}",
+        f"--repeats={args.repeats}",
+        f"--spread={args.spread}",
+    ]
+    if args.model:
+        common.append(f"--model={args.model}")
+    rows = {v: run_child(["--child", f"prefix:{v}", *common]) for v in ("padded", "shared_prefix")}
+    base = rows["padded"]
+    print(
+        f"\nshared prompts, {args.model or 'SmolLM2-135M-Instruct'}: {args.groups} groups x "
+        f"{args.group_size} samples, prompt {args.prompt} tokens shared in a group, completions "
+        f"{max(args.completion // args.spread, 1)}..{args.completion} tokens, micro-batch = "
+        f"group, fp32, {base['threads']} threads"
+    )
+    print(f"{'layout':>14}{'fwd+bwd s':>11}{'time ratio':>12}{'peak RSS MiB':>14}{'loss':>12}")
+    for name, row in rows.items():
+        print(
+            f"{name:>14}{row['step_s']:>11.2f}{row['step_s'] / base['step_s']:>11.2f}x"
+            f"{row['peak_mib']:>14.0f}{row['loss']:>12.6f}"
+        )
 
 
 def bench_layout(args: argparse.Namespace) -> None:
@@ -277,6 +367,8 @@ def main() -> None:
             print(json.dumps(step_child(args, rest)))
         elif kind == "layout":
             print(json.dumps(layout_child(args, rest)))
+        elif kind == "prefix":
+            print(json.dumps(prefix_child(args, rest)))
         else:
             length, chunk = (int(x) for x in rest.split(":"))
             print(json.dumps(logprob_child(kind, length, chunk)))
@@ -287,6 +379,8 @@ def main() -> None:
         bench_step(args)
     if args.part in ("all", "layout"):
         bench_layout(args)
+    if args.part in ("all", "prefix"):
+        bench_prefix(args)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ REPORTED = [
 first step, about lr * sign(g), would not show gradients averaged instead of summed."""
 
 
-def batch_and_config():
+def batch_and_config(shared_prompt: bool = False):
+    """The 5 samples and the step config; `shared_prompt`: every sample has the same
+    18-token prompt (so `layout = "shared_prefix"` runs it once per micro-batch)."""
     samples = [
         make_sample(
-            prompt_len=p,
+            prompt_len=18 if shared_prompt else p,
             completion_len=c,
             reward=float(i in (1, 3)),
             seed=i,
@@ -53,6 +55,9 @@ def batch_and_config():
         )
         for i, (p, c) in enumerate(LENGTHS)
     ]
+    if shared_prompt:
+        for sample in samples:
+            sample.token_ids[:18] = samples[0].token_ids[:18]
     cfg = StepConfig(batch=BatchSettings(micro_batch_size=2))
     batch, _ = prepare_batch([samples], cfg)
     return batch, cfg
@@ -60,15 +65,21 @@ def batch_and_config():
 
 def one_step(model_dir: Path, strategy: str, world: World | None):
     """One train_step; returns (the full state dict, the step metrics). `fsdp2_packed`:
-    FSDP2 with packed micro-batches (compared with one padded process)."""
+    FSDP2 with packed micro-batches (compared with one padded process); `fsdp2_shared`: FSDP2
+    with shared-prefix micro-batches on samples sharing their prompt (`none_shared`: one
+    process, same layout; tests/unit/trainer/test_shared_prefix.py compares it with padded)."""
     torch.manual_seed(0)
     model = load_model(model_dir)
-    packed = strategy == "fsdp2_packed"
-    strategy = "fsdp2" if packed else strategy
+    strategy, variant = strategy.split("_") if strategy.endswith(("_packed", "_shared")) else (
+        strategy,
+        "",
+    )
     trained = shard_policy(model) if strategy == "fsdp2" else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
-    batch, cfg = batch_and_config()
-    layout = "packed" if packed else "padded"
+    batch, cfg = batch_and_config(shared_prompt=variant == "shared")
+    layout = {"packed": "packed", "shared": "shared_prefix"}.get(variant, "padded")
+    if strategy == "none" and variant != "shared":
+        layout = "padded"
     cfg = dataclasses.replace(cfg, batch=BatchSettings(micro_batch_size=2, layout=layout))
     result = train_step(trained, optimizer, batch, cfg, world=world)
     assert not result.skipped, result
@@ -99,9 +110,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "all_reduce", "fsdp2_packed"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "all_reduce", "fsdp2_packed", "fsdp2_shared"])
 def test_two_ranks_take_the_one_process_step(tiny_model_dir, tmp_path, strategy):
-    single_state, single_metrics = one_step(tiny_model_dir, "none", None)
+    single = "none_shared" if strategy.endswith("_shared") else "none"
+    single_state, single_metrics = one_step(tiny_model_dir, single, None)
     out = tmp_path / "rank0.pt"
     mp.spawn(
         rank_main,

@@ -54,17 +54,20 @@ class BatchSettings(Section):
     """Samples per forward/backward pass (gradient accumulation over micro-batches)."""
     micro_batch_tokens: int = Field(0, ge=0)
     """Tokens per forward/backward pass: padded tokens (rows x longest row) under
-    `layout = "padded"`, real tokens under "packed"; 0 = only `micro_batch_size` limits a
-    micro-batch."""
-    layout: Literal["padded", "packed"] = "padded"
+    `layout = "padded"` and "shared_prefix", real tokens under "packed"; 0 = only
+    `micro_batch_size` limits a micro-batch."""
+    layout: Literal["shared_prefix", "padded", "packed"] = "shared_prefix"
     """Micro-batch layout of the forward/backward pass. padded = rows right-padded to the
-    longest row (B x T positions); packed = each micro-batch's samples end to end in one
-    sequence with per-sample position ids and a block-diagonal causal mask (padding-free, same
-    loss and gradients). Packed pays when sample lengths differ a lot and samples are short
-    enough that attention (N^2 over the packed N tokens) stays small next to the MLPs; bound N
-    with `micro_batch_tokens`, which counts real tokens under packed. Measured (bench/trainer.py
-    part 3, SmolLM2-135M on CPU, 8 samples of 28..112 tokens, micro-batches of 4): padding 34%
-    -> 0%, forward + backward 0.54x the padded time (length-sorted padded: 10%, 0.79x)."""
+    longest row (B x T positions); shared_prefix = padded, but rows that share a prompt (a
+    group's samples) run it once and only their own suffixes on its cache (same loss and
+    gradients; rows sharing fewer than 16 tokens with any other run padded); packed = each
+    micro-batch's samples end to end in one sequence with per-sample position ids and a
+    block-diagonal causal mask (padding-free, same loss and gradients). Packed pays when sample
+    lengths differ a lot and samples are short enough that attention (N^2 over the packed N
+    tokens) stays small next to the MLPs; bound N with `micro_batch_tokens`, which counts real
+    tokens under packed. Measured (bench/trainer.py part 3, SmolLM2-135M on CPU, 8 samples of
+    28..112 tokens, micro-batches of 4): padding 34% -> 0%, forward + backward 0.54x the padded
+    time (length-sorted padded: 10%, 0.79x). Shared prefix: bench/trainer.py part 4."""
     logprob_chunk_tokens: int = Field(1024, ge=1)
     """Scored tokens per chunk of the lm-head + log-softmax (bounds its memory)."""
 

@@ -61,6 +61,7 @@ class ShardedPolicy(torch.nn.Module):
         score_mask_BT: Tensor,
         chunk_tokens: int = 1024,
         packed: bool = False,
+        shared_prefix: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """(logprobs_BT, entropy_BT) as `selected_token_logprobs` (a tuple, so FSDP can hook
         the outputs)."""
@@ -72,6 +73,7 @@ class ShardedPolicy(torch.nn.Module):
             score_mask_BT,
             chunk_tokens=chunk_tokens,
             packed=packed,
+            shared_prefix=shared_prefix,
         )
         return out.logprobs_BT, out.entropy_BT
 

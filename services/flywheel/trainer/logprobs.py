@@ -37,6 +37,8 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 from transformers import PreTrainedModel
 
+from flywheel.trainer.shared_prefix import shared_prefix_hidden
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -126,12 +128,15 @@ def selected_token_logprobs(
     score_mask_BT: Tensor,
     chunk_tokens: int = 1024,
     packed: bool = False,
+    shared_prefix: bool = False,
 ) -> TokenLogprobs:
     """Logprobs of the tokens where `score_mask_BT` is set, under `model` at temperature T_b.
 
     `packed`: the decoder runs once over the B rows' real tokens laid end to end in one row
     of N = sum of lengths (`_packed_hidden`), instead of over B x T padded positions; the
     results are the same (up to float rounding) and come back in the padded (B, T) layout.
+    `shared_prefix`: rows sharing a prompt run it once (`shared_prefix.shared_prefix_hidden`);
+    same results up to float rounding, in the padded layout.
 
     Args:
         model: a causal LM whose logits are `get_output_embeddings()(base_model(...) hidden)`.
@@ -141,9 +146,11 @@ def selected_token_logprobs(
         score_mask_BT: (B, T) bool, positions to score; column 0 must be False (no context).
         chunk_tokens: scored positions per lm-head chunk.
         packed: run the decoder padding-free (see above).
+        shared_prefix: run each shared prompt once (see above).
 
     Raises:
-        ValueError: position 0 is scored; `packed` with a mask that is not right padding.
+        ValueError: position 0 is scored; `packed` or `shared_prefix` with a mask that is not
+            right padding; both `packed` and `shared_prefix`.
 
     Returns:
         `TokenLogprobs` with (B, T) tensors aligned with `input_ids_BT`.
@@ -153,9 +160,14 @@ def selected_token_logprobs(
         raise ValueError("position 0 has no context and cannot be scored; mask it out")
     batch, seq = input_ids_BT.shape
     select_BT1 = score_BT[:, 1:]  # (B, T-1): token t+1 is predicted from hidden t
+    if packed and shared_prefix:
+        raise ValueError("choose one layout: packed or shared_prefix")
     if packed:
         hidden_XH, source_BT = _packed_hidden(model, input_ids_BT, attention_mask_BT)
         hidden_NH = hidden_XH[source_BT[:, :-1][select_BT1]]
+    elif shared_prefix:
+        hidden_XH = shared_prefix_hidden(model, input_ids_BT, attention_mask_BT)
+        hidden_NH = hidden_XH[:, :-1][select_BT1]
     else:
         hidden_XH = model.base_model(
             input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False

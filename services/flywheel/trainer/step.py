@@ -121,6 +121,12 @@ class StepConfig:
         return self.batch.layout == "packed"
 
     @property
+    def shared_prefix(self) -> bool:
+        """Run each prompt shared by rows of a micro-batch once (shared_prefix.py); same loss
+        and gradients as padded."""
+        return self.batch.layout == "shared_prefix"
+
+    @property
     def clip(self) -> PPOClipConfig:
         """The policy loss' clip bounds and its own parameters."""
         a = self.algorithm
@@ -355,10 +361,18 @@ def _logprobs(
     with autocast:
         if isinstance(model, ShardedPolicy):
             return sharded_logprobs(
-                model, *args, chunk_tokens=cfg.batch.logprob_chunk_tokens, packed=cfg.packed
+                model,
+                *args,
+                chunk_tokens=cfg.batch.logprob_chunk_tokens,
+                packed=cfg.packed,
+                shared_prefix=cfg.shared_prefix,
             )
         return selected_token_logprobs(
-            model, *args, chunk_tokens=cfg.batch.logprob_chunk_tokens, packed=cfg.packed
+            model,
+            *args,
+            chunk_tokens=cfg.batch.logprob_chunk_tokens,
+            packed=cfg.packed,
+            shared_prefix=cfg.shared_prefix,
         )
 
 

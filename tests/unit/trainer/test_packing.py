@@ -87,7 +87,8 @@ def test_packing_without_the_block_mask_would_differ(tiny):
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_packed_step_has_the_padded_loss_and_gradients(tiny_model_dir, aggregation):
     padded_cfg = step_config(
-        algorithm={"loss_aggregation": aggregation}, batch={"micro_batch_size": 5}
+        algorithm={"loss_aggregation": aggregation},
+        batch={"micro_batch_size": 5, "layout": "padded"},
     )
     packed_cfg = step_config(padded_cfg, batch={"layout": "packed"})
     batch, _ = prepare_batch(groups(), padded_cfg)

@@ -407,6 +407,7 @@ def scoring_pass(model: Any, batch: Any, cfg: Any) -> Tensor:
                 mbd.loss_mask_BT,
                 chunk_tokens=cfg.batch.logprob_chunk_tokens,
                 packed=cfg.packed,
+                shared_prefix=cfg.shared_prefix,
             )
             width = lp.entropy_BT.shape[1]
             entropy_BT[rows_N, :width] = lp.entropy_BT.detach().float().cpu()

@@ -18,14 +18,25 @@ Targets, each a real process on loopback, all answering the same chat request:
 - messages, messages-recorded: the same turn through `POST /v1/messages` (Anthropic Messages)
   on the same gateway (target within 1.2x of the chat route's CPU per request, printed even
   when `--targets` picks only gateway, gateway-recorded, messages, messages-recorded).
-For each target and concurrency 1/16/64: requests/s and p50/p99 latency over `--requests`
-timed requests after a warm-up (best of `--rounds` interleaved rounds; the load comes from an
-aiohttp client, bench/peers/request_loop.py), the latency each adds
-over `direct` (p50/p99, ms), and the CPU time the target's own processes spend per request
-(the proxy or gateway process; plus Redis for the recorded target; the stub's share is the
-same for all and excluded), read from /proc. Ratios compare the gateway with the proxy (target:
-gateway-recorded within 1.5x of the proxy's overhead). On a loaded shared machine wall-clock
-latencies swing by several x between cells; CPU per request is the steadier overhead measure.
+For each target and concurrency 1/16/64 (`--concurrency`): requests/s and p50/p99 latency over
+`--requests` timed requests after a warm-up (best of `--rounds` rounds; the load comes from an
+aiohttp client, bench/peers/request_loop.py), the latency each adds over `direct` (p50/p99,
+ms), and the CPU time the target's own processes spend per request (the proxy or gateway
+process; plus Redis for the recorded target; the stub's share is the same for all and
+excluded): user + system time of all their threads, in nanoseconds from
+/proc/<pid>/task/<tid>/schedstat (in 10 ms ticks from /proc/<pid>/stat where the kernel lacks
+it). Ratios compare the gateway with the proxy (target: gateway-recorded within 1.5x of the
+proxy's overhead). On a loaded shared machine wall-clock latencies swing by several x between
+cells; CPU per request is the steadier overhead measure.
+
+Steadiness on a small shared machine: within a round, every target's timed requests go in
+`--slices` slices taken in turn (target 1's first slice, target 2's, ..., then the second
+slices), so a change in the machine's load meets every target alike; each round starts one
+target further along; and on 2+ CPUs the proxies and gateways run on the last CPU and the load
+(this driver, the stub engine, Redis) on the others (`--no-pin`: anywhere). Ratios between
+targets are printed per round: their median and lowest-highest, beside the best rounds' ratio.
+Keep a slice at several times the concurrency (e.g. `--requests 1600 --slices 4`): a slice
+shorter than that is mostly its ramp-up and drain.
 
 `--compare-rev REV` also runs the gateway of git revision REV (its `services/` tree exported to
 a temporary folder, same settings, same Redis and stub): target gateway-recorded-B, printed as
@@ -37,10 +48,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +67,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "peers"))
+from gateway_report import report  # noqa: E402  (bench/gateway_report.py)
 from request_loop import Driver  # noqa: E402  (bench/peers/request_loop.py)
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 8}
@@ -72,6 +84,8 @@ MESSAGES_BODY = {
     "messages": [{"role": "user", "content": "What is 7 + 1?"}],
 }
 """The same turn as `BODY` through `POST /v1/messages`."""
+SCHEDSTAT = os.path.exists("/proc/self/schedstat")
+"""Whether this kernel reports each thread's CPU time in nanoseconds (`_cpu_s`)."""
 ROUTES = {"responses": "/v1/responses", "messages": "/v1/messages"}
 """A target's route by its first word (any other target: /v1/chat/completions)."""
 ROUNDS: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -103,6 +117,27 @@ def _start(
     )
     procs.append(proc)
     return proc
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Keep every thread of process `pid` (and threads they start later) on the CPUs `cpus`.
+
+    Raises:
+        OSError: no such process, or `cpus` holds no CPU this machine has.
+    """
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def split_cpus() -> tuple[set[int], set[int]] | None:
+    """(the CPUs for the load: driver, stub, proxies, Redis; the CPUs for the gateways) on a
+    machine with 2 or more CPUs this process may use: the last CPU for the gateways, the rest
+    for the load. None on one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return set(cpus[:-1]), {cpus[-1]}
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 900) -> None:
@@ -167,10 +202,12 @@ def start(
     work: Path,
     ab: dict[str, object] | None = None,
     source_b: Path | None = None,
+    target_cpus: set[int] | None = None,
 ) -> tuple[dict[str, str], object, dict[str, list[int]]]:
     """Start the stub, the proxy, Redis and the gateway (and with `ab` or `source_b`, a second
     gateway with those gateway settings, from that `services/` folder: targets "gateway-B"
-    and "gateway-recorded-B").
+    and "gateway-recorded-B"). With `target_cpus`, the proxies and gateways run on those CPUs
+    (`pin`), the rest where this process runs.
 
     Returns:
         (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
@@ -225,6 +262,9 @@ def start(
         )
         urls["gateway-recorded-B"] = urls["gateway-B"]
         pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
+    if target_cpus is not None:
+        for p in procs[1:]:  # all but the stub: the proxies and gateways
+            pin(p.pid, target_cpus)
     return urls, redis, pids
 
 
@@ -243,11 +283,29 @@ def stop_all(procs: list[subprocess.Popen], redis: LocalRedis | None) -> None:
 
 
 def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes `pids` have used so far, all their threads.
+
+    Read from each thread's `/proc/<pid>/task/<tid>/schedstat` (nanoseconds on the CPU) where
+    the kernel has it; else from `/proc/<pid>/stat` (psutil: user + system in clock ticks,
+    10 ms each, about 5% of a 400-request cell at 0.5 ms per request).
+    """
     total = 0.0
     for pid in pids:
-        times = psutil.Process(pid).cpu_times()
-        total += times.user + times.system
+        if SCHEDSTAT:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            total += sum(_thread_ns(pid, tid) for tid in tasks) / 1e9
+        else:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
     return total
+
+
+def _thread_ns(pid: int, tid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except FileNotFoundError:  # the thread ended meanwhile
+        return 0
 
 
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
@@ -260,20 +318,13 @@ async def _paths(client: Driver, target: str, k: int) -> list[str]:
     return [f"/s/{body['session_id']}{route}" for _, body in made]
 
 
-async def cell(
-    base: str, target: str, concurrency: int, n: int, pids: list[int]
-) -> dict[str, float]:
-    """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
-    kind = target.split("-")[0]
-    body = {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(kind, BODY)
+def _body(target: str) -> dict[str, object]:
     if target == "responses-unstored":
-        body = UNSTORED_BODY
-    async with Driver(base, concurrency) as client:
-        await client.drain(await _paths(client, target, 2 * concurrency), body)  # warm-up
-        timed = await _paths(client, target, n)
-        cpu0, t0 = _cpu_s(pids), time.perf_counter()
-        latencies, errors = await client.drain(timed, body)
-        wall, cpu = time.perf_counter() - t0, _cpu_s(pids) - cpu0
+        return UNSTORED_BODY
+    return {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(target.split("-")[0], BODY)
+
+
+def _stats(latencies: list[float], errors: int, wall: float, cpu: float) -> dict[str, float]:
     lat = sorted(latencies) or [float("nan")]
 
     def pct(q: float) -> float:
@@ -286,6 +337,47 @@ async def cell(
         "errors": errors,
         "cpu_ms": cpu * 1000 / max(len(latencies), 1),
     }
+
+
+async def cell(
+    base: str, target: str, concurrency: int, n: int, pids: list[int]
+) -> dict[str, float]:
+    """Requests/s, latency percentiles (ms) and CPU ms per request of `pids` (n requests)."""
+    got = await level({target: base}, {target: pids}, [target], concurrency, n, 1)
+    return got[target]
+
+
+async def level(
+    urls: dict[str, str],
+    pids: dict[str, list[int]],
+    order: list[str],
+    concurrency: int,
+    n: int,
+    slices: int,
+) -> dict[str, dict[str, float]]:
+    """One round of the targets `order` at one concurrency: each target warmed up, then `n`
+    timed requests each, sent in `slices` slices taken in turn (target 1's first slice, target
+    2's, ..., target 1's second, ...), so a change in the machine's load meets every target
+    alike. Per target: requests/s, latency percentiles (ms), errors and CPU ms per request of
+    its `pids`, summed over its slices."""
+    sizes = [n // slices + (1 if i < n % slices else 0) for i in range(slices)]
+    acc = {t: ([], [0], [0.0], [0.0]) for t in order}  # latencies, errors, wall s, cpu s
+    async with contextlib.AsyncExitStack() as stack:
+        drivers = {t: await stack.enter_async_context(Driver(urls[t], concurrency)) for t in order}
+        for t in order:
+            warm = await _paths(drivers[t], t, 2 * concurrency)
+            await drivers[t].drain(warm, _body(t))
+        for size in sizes:
+            for t in order:
+                timed = await _paths(drivers[t], t, size)
+                cpu0, t0 = _cpu_s(pids[t]), time.perf_counter()
+                latencies, errors = await drivers[t].drain(timed, _body(t))
+                lat, err, wall, cpu = acc[t]
+                wall[0] += time.perf_counter() - t0
+                cpu[0] += _cpu_s(pids[t]) - cpu0
+                lat += latencies
+                err[0] += errors
+    return {t: _stats(lat, err[0], wall[0], cpu[0]) for t, (lat, err, wall, cpu) in acc.items()}
 
 
 def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
@@ -311,128 +403,34 @@ def export_rev(rev: str, work: Path) -> Path:
     return out / "services"
 
 
-def report(results: dict[tuple[str, int], dict[str, float]], rev: str = "") -> list[str]:
-    lines = [
-        f"{'target':<17}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'errors':>8}"
-    ]
-    for c in LEVELS:
-        for t in TARGETS:
-            r = results[(t, c)]
-            floor = results.get(("direct", c), r)
-            lines.append(
-                f"{t:<17}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
-                f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
-                f"{r['cpu_ms']:>11.2f}{r['errors']:>8.0f}"
-            )
-    if rev:
-        lines.append("")
-        lines.append(f"this tree / {rev} (recorded, cpu per request; target <= 1.0):")
-        for c in LEVELS:
-            a, b = results[("gateway-recorded", c)], results[("gateway-recorded-B", c)]
-            each = [
-                ra["cpu_ms"] / rb["cpu_ms"]
-                for ra, rb in zip(
-                    ROUNDS.get(("gateway-recorded", c), []),
-                    ROUNDS.get(("gateway-recorded-B", c), []),
-                    strict=True,
-                )
-            ]
-            lines.append(
-                f"  concurrency {c:>2}: {a['cpu_ms']:.2f} / {b['cpu_ms']:.2f} ms = "
-                f"x{a['cpu_ms'] / b['cpu_ms']:.2f}; req/s x{a['rps'] / b['rps']:.2f}; "
-                f"cpu per round {', '.join(f'x{r:.2f}' for r in each)} "
-                f"(median x{statistics.median(each or [float('nan')]):.2f})"
-            )
-    lines += _route_ratios(results, "responses") + _route_ratios(results, "messages")
-    if not {"direct", "proxy", "proxy-httpx", "gateway", "responses"} <= set(TARGETS):
-        return lines
-    lines.append("")
-    lines.append("gateway / pass-through proxy (overhead ratios; target <= 1.5):")
-
-    def ratio(num: float, den: float) -> str:
-        return f"x{num / den:.2f}" if den > 0 else "n/a (proxy added no latency: noise)"
-
-    for c in LEVELS:
-        floor, proxy = results[("direct", c)], results[("proxy", c)]
-        slow = results[("proxy-httpx", c)]
-        parts = []
-        for t in ("gateway", "gateway-recorded"):
-            r = results[(t, c)]
-            parts.append(
-                f"{t}: cpu/req {ratio(r['cpu_ms'], proxy['cpu_ms'])}, added p50 "
-                f"{ratio(r['p50'] - floor['p50'], proxy['p50'] - floor['p50'])}, added p99 "
-                f"{ratio(r['p99'] - floor['p99'], proxy['p99'] - floor['p99'])}, req/s "
-                f"{ratio(r['rps'], proxy['rps'])}"
-            )
-        lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
-        rec = results[("gateway-recorded", c)]
-        lines.append(
-            f"  {'':>14}  (gateway-recorded / proxy-httpx: cpu/req "
-            f"{ratio(rec['cpu_ms'], slow['cpu_ms'])}, added p50 "
-            f"{ratio(rec['p50'] - floor['p50'], slow['p50'] - floor['p50'])})"
-        )
-        resp, resp_rec = results[("responses", c)], results[("responses-recorded", c)]
-        lines.append(
-            f"  {'':>14}  (/v1/responses / chat: cpu/req unrecorded "
-            f"{ratio(resp['cpu_ms'], results[('gateway', c)]['cpu_ms'])}, recorded "
-            f"{ratio(resp_rec['cpu_ms'], rec['cpu_ms'])}; target <= 1.2)"
-        )
-        if ("gateway-recorded-B", c) in results:
-            b = results[("gateway-recorded-B", c)]
-            lines.append(
-                f"  {'':>14}  (gateway-recorded-B / gateway-recorded: cpu/req "
-                f"{ratio(b['cpu_ms'], rec['cpu_ms'])}, req/s "
-                f"{ratio(b['rps'], rec['rps'])})"
-            )
-    return lines
-
-
-def _route_ratios(results: dict[tuple[str, int], dict[str, float]], route: str) -> list[str]:
-    """`route`'s (responses, messages) CPU per request over the chat route's, unrecorded and
-    recorded (when all four targets ran): the best rounds' ratio and the median of the
-    per-round ratios (rounds are interleaved, so each round's pair met the same load)."""
-    need = ("gateway", "gateway-recorded", route, f"{route}-recorded")
-    if not all((t, c) in results for t in need for c in LEVELS):
-        return []
-    lines = [
-        "",
-        f"/v1/{route} / chat (cpu per request; target <= 1.2; best rounds, median of rounds):",
-    ]
-    for c in LEVELS:
-        parts = []
-        for name, mine, chat in (
-            ("unrecorded", route, "gateway"),
-            ("recorded", f"{route}-recorded", "gateway-recorded"),
-        ):
-            a, b = results[(mine, c)]["cpu_ms"], results[(chat, c)]["cpu_ms"]
-            each = [
-                ra["cpu_ms"] / rb["cpu_ms"]
-                for ra, rb in zip(ROUNDS.get((mine, c), []), ROUNDS.get((chat, c), []), strict=True)
-                if rb["cpu_ms"] > 0
-            ]
-            median = statistics.median(each) if each else float("nan")
-            parts.append(f"{name} {a:.2f} / {b:.2f} ms = x{a / b:.2f} (median x{median:.2f})")
-        if (f"{route}-unstored", c) in results:
-            u = results[(f"{route}-unstored", c)]["cpu_ms"]
-            chat = results[("gateway", c)]["cpu_ms"]
-            parts.append(f"store: false {u:.2f} / {chat:.2f} ms = x{u / chat:.2f}")
-        lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
-    return lines
-
-
 async def measure(
-    urls: dict[str, str], pids: dict[str, list[int]], n: int, rounds: int
+    urls: dict[str, str],
+    pids: dict[str, list[int]],
+    n: int,
+    rounds: int,
+    slices: int = 1,
+    levels: tuple[int, ...] = LEVELS,
 ) -> dict[tuple[str, int], dict[str, float]]:
+    """Every target at every concurrency, `rounds` times (`level`; each round starts the
+    targets one further along, so no target always follows the same one). Returns the best
+    round (highest requests/s) per (target, concurrency); every round is kept in `ROUNDS`."""
     results: dict[tuple[str, int], dict[str, float]] = {}
-    for _ in range(rounds):  # interleaved, so drifting machine load hits every target alike
-        for c in LEVELS:
+    for r in range(rounds):  # interleaved, so drifting machine load hits every target alike
+        shift = r % len(TARGETS)
+        order = TARGETS[shift:] + TARGETS[:shift]
+        for c in levels:
+            got = await level(urls, pids, order, c, n, slices)
             for t in TARGETS:
                 key = (t, c)
-                got = await cell(urls[t], t, c, n, pids[t])
-                ROUNDS.setdefault(key, []).append(got)
-                results[key] = best(results.get(key), got)
-                print(f"  {t} at {c}: {results[key]['rps']:.0f} req/s", file=sys.stderr, flush=True)
+                ROUNDS.setdefault(key, []).append(got[t])
+                results[key] = best(results.get(key), got[t])
+            print(
+                f"  round {r + 1} at {c}: "
+                + ", ".join(f"{t} {got[t]['cpu_ms']:.3f}" for t in TARGETS)
+                + " cpu ms/req",
+                file=sys.stderr,
+                flush=True,
+            )
     return results
 
 
@@ -442,6 +440,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--requests", type=int, default=300, help="timed requests per cell")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=4,
+        help="each cell's timed requests are sent in this many slices, the targets' slices "
+        "taken in turn within a round (1: each target's requests at once)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=",".join(map(str, LEVELS)),
+        help="comma-separated concurrency levels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave every process free to run on any CPU (default on 2+ CPUs: the proxies and "
+        "gateways on the last CPU, the load driver, stub engine and Redis on the others)",
+    )
     parser.add_argument(
         "--ab",
         metavar="KEY=JSON",
@@ -462,6 +478,14 @@ def main(argv: list[str] | None = None) -> int:
         "--targets", default="", help="comma-separated targets to run (default: all)"
     )
     args = parser.parse_args(argv)
+    if args.slices < 1 or args.slices > args.requests:
+        parser.error("--slices must be between 1 and --requests")
+    levels = tuple(int(c) for c in args.concurrency.split(","))
+    if min(levels) < 1:
+        parser.error("--concurrency levels must be 1 or more")
+    cpus = None if args.no_pin else split_cpus()
+    if cpus is not None:  # before any process starts: they inherit the load's CPUs
+        pin(os.getpid(), cpus[0])
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     if ab is not None or args.compare_rev:
         TARGETS.extend(["gateway-B", "gateway-recorded-B"])
@@ -476,16 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-gw-") as tmp:
         try:
             source_b = export_rev(args.compare_rev, Path(tmp)) if args.compare_rev else None
-            urls, redis, pids = start(procs, Path(tmp), ab, source_b)
+            urls, redis, pids = start(procs, Path(tmp), ab, source_b, cpus and cpus[1])
             load = os.getloadavg()[0]
-            results = asyncio.run(measure(urls, pids, args.requests, args.rounds))
+            started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            results = asyncio.run(
+                measure(urls, pids, args.requests, args.rounds, args.slices, levels)
+            )
             print(
-                f"{os.cpu_count()} CPUs, load average {load:.1f} at start; "
-                f"{args.requests} requests per cell, best of {args.rounds} rounds"
+                f"{started}: {os.cpu_count()} CPUs, load average {load:.1f} at start; "
+                f"{args.requests} requests per cell in {args.slices} slices, best of "
+                f"{args.rounds} rounds; "
+                + (f"gateways on CPU {cpus[1]}, load on {cpus[0]}" if cpus else "not pinned")
                 + (f"; gateway-recorded-B: {ab}" if ab else "")
                 + (f"; gateway-recorded-B: {args.compare_rev}" if args.compare_rev else "")
             )
-            print("\n".join(report(results, args.compare_rev)))
+            print("\n".join(report(results, ROUNDS, TARGETS, levels, args.compare_rev)))
         finally:
             stop_all(procs, redis)
     return 0

@@ -367,9 +367,10 @@ class TrainerSettings(Section):
     """torch device of the policy (`cpu`, `cuda`, `cuda:1`); auto = cuda when available."""
     precision: Literal["auto", "fp32", "bf16_autocast"] = "auto"
     """fp32 everywhere, or the decoder under bf16 autocast (fp32 master weights, fp32 AdamW
-    state; the lm head and logprobs stay fp32). auto = bf16_autocast on a device with native
-    bf16 (CUDA with bf16 support, a CPU with AVX512-BF16 or AMX), else fp32; the choice and
-    its reason are logged at start. On a CPU without native bf16 (e.g. AVX2 only) bf16 matmuls
+    state; the lm head and logprobs stay fp32). auto = bf16_autocast on CUDA with bf16
+    support, else fp32 (on a CPU fp32 keeps the trainer's logprobs equal to the fp32 engine's:
+    a mean abs diff about 1e-5 against about 0.02 nats under autocast); the choice and its
+    reason are logged at start. On a CPU without native bf16 (e.g. AVX2 only) bf16 matmuls
     are emulated: measured 4.7x slower than fp32 per matmul and 2.7x per trainer step, so an
     explicit bf16_autocast there logs a warning."""
     gradient_checkpointing: bool = False

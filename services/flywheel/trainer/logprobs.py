@@ -120,6 +120,14 @@ class TemperedHeadLogprob(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+def decoder_of(model: Any) -> Any:
+    """The decoder stack of a causal LM (`model.base_model`: embeddings and layers, no head),
+    also through a peft LoRA wrapper, whose own `base_model` is the adapter model that returns
+    the whole LM's output (the adapters live inside the decoder's layers)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.base_model
+
+
 def selected_token_logprobs(
     model: PreTrainedModel,
     input_ids_BT: Tensor,
@@ -166,10 +174,10 @@ def selected_token_logprobs(
         hidden_XH, source_BT = _packed_hidden(model, input_ids_BT, attention_mask_BT)
         hidden_NH = hidden_XH[source_BT[:, :-1][select_BT1]]
     elif shared_prefix:
-        hidden_XH = shared_prefix_hidden(model, input_ids_BT, attention_mask_BT)
+        hidden_XH = shared_prefix_hidden(decoder_of(model), input_ids_BT, attention_mask_BT)
         hidden_NH = hidden_XH[:, :-1][select_BT1]
     else:
-        hidden_XH = model.base_model(
+        hidden_XH = decoder_of(model)(
             input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
         ).last_hidden_state
         hidden_NH = hidden_XH[:, :-1][select_BT1]
@@ -228,7 +236,7 @@ def _packed_hidden(
     if not bool((position_BT[real_BT] == columns_BT[real_BT]).all()):
         raise ValueError("packed logprobs need right-padded rows (real tokens first)")
     source_BT = (real_BT.flatten().long().cumsum(dim=0) - 1).view_as(position_BT)
-    hidden_1NH = model.base_model(
+    hidden_1NH = decoder_of(model)(
         input_ids=input_ids_BT[real_BT][None],
         position_ids=position_BT[real_BT][None],
         attention_mask=None,

@@ -19,10 +19,11 @@ padded pass, so a batch without shared prompts costs what the padded layout cost
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import transformers
 from torch import Tensor
-from transformers import PreTrainedModel
 
 CACHE_KEYWORD = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 """The decoder's key/value cache argument and output field (renamed in transformers 5)."""
@@ -78,7 +79,7 @@ def prefix_clusters(
 
 
 def shared_prefix_hidden(
-    model: PreTrainedModel,
+    decoder: Any,
     input_ids_BT: Tensor,
     attention_mask_BT: Tensor,
     min_prefix: int = MIN_PREFIX,
@@ -86,11 +87,12 @@ def shared_prefix_hidden(
     """(B, T, H) last hidden states of the decoder, each cluster's shared prefix run once.
 
     Positions are those of the padded pass (0..L_b - 1 per row, right padding), so the
-    hidden states at real tokens equal `model.base_model(input_ids_BT, attention_mask_BT)`'s up
+    hidden states at real tokens equal the decoder's (`logprobs.decoder_of`) padded ones up
     to float rounding; padded positions hold unspecified values (callers read real ones only).
 
     Args:
-        model: a causal LM whose `base_model` keeps a key/value cache (`DynamicCache`).
+        decoder: a causal LM's decoder stack (`logprobs.decoder_of`), with a key/value cache
+            (`DynamicCache`).
         input_ids_BT: (B, T) int64 token ids, right-padded.
         attention_mask_BT: (B, T) int64/bool, 1 on real tokens, right padding only.
 
@@ -113,7 +115,7 @@ def shared_prefix_hidden(
         width = max(lengths[i] for i in member)
         parts.append(
             _cluster_hidden(
-                model, input_ids_BT[index, :width], attention_mask_BT[index, :width], shared
+                decoder, input_ids_BT[index, :width], attention_mask_BT[index, :width], shared
             )
         )
         order.extend(member)
@@ -121,7 +123,7 @@ def shared_prefix_hidden(
         index = torch.tensor(alone, device=input_ids_BT.device)
         width = max(max(lengths[i] for i in alone), 1)
         parts.append(
-            model.base_model(
+            decoder(
                 input_ids=input_ids_BT[index, :width],
                 attention_mask=attention_mask_BT[index, :width],
                 use_cache=False,
@@ -138,15 +140,15 @@ def shared_prefix_hidden(
 
 
 def _cluster_hidden(
-    model: PreTrainedModel, input_ids_BT: Tensor, attention_mask_BT: Tensor, shared: int
+    decoder: Any, input_ids_BT: Tensor, attention_mask_BT: Tensor, shared: int
 ) -> Tensor:
     """(B_c, T_c, H) hidden states of one cluster: the prefix of `shared` tokens once, then the
     rows' suffixes on its repeated cache (positions continue at `shared`)."""
     rows = input_ids_BT.shape[0]
-    prefix = model.base_model(input_ids=input_ids_BT[:1, :shared], use_cache=True)
+    prefix = decoder(input_ids=input_ids_BT[:1, :shared], use_cache=True)
     cache = getattr(prefix, CACHE_KEYWORD)
     cache.batch_repeat_interleave(rows)
-    suffix = model.base_model(
+    suffix = decoder(
         input_ids=input_ids_BT[:, shared:],
         attention_mask=attention_mask_BT,
         use_cache=True,

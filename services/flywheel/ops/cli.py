@@ -21,7 +21,7 @@ from typing import cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
-from flywheel.ops.up import START_FAILURES, cmd_up, start_failed
+from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
@@ -112,7 +112,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     timeline = Path(settings.trainer.logging.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
     runner = None
-    try:  # stopped however the demo ends, also on Ctrl-C during start-up
+    stop_on_signals()
+    try:  # stopped however the demo ends, also on Ctrl-C or SIGTERM during start-up
         try:
             stack.start()
         except START_FAILURES as exc:
@@ -121,6 +122,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         urls = {s.name: s.url for s in stack.services}
         runner = DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline)
         return _run_demo(runner, started)
+    except KeyboardInterrupt:
+        print("flywheel: demo interrupted; stopping its stack", file=sys.stderr)
+        return 130
     finally:
         stack.stop()
         if runner is not None:  # the trainer's stop checkpoint and last push are drawn too

@@ -108,6 +108,18 @@ class Supervisor:
         return ""
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM raise
+    KeyboardInterrupt in the main thread, so a command's `finally` stops the stack it started,
+    also while the services are still starting."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Run `flywheel up`: start the stack, supervise it, stop it on Ctrl-C or SIGTERM (exit 0),
     or when it cannot start or a service keeps exiting (exit 1, the reason on stderr)."""
@@ -125,13 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     stop_at_end = True
     """False once a failed start has stopped (or never started) the stack."""
 
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    # Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM stop everything,
-    # also while the services are still starting.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    stop_on_signals()
     try:
         try:
             stack.start()

@@ -37,9 +37,7 @@ VOCAB, HIDDEN = 49152, 576
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--part", choices=["all", "logprobs", "step", "layout", "prefix"], default="all"
-    )
+    p.add_argument("--part", choices=["all", "logprobs", "step", "layout", "prefix"], default="all")
     p.add_argument(
         "--lengths",
         type=int,
@@ -267,17 +265,14 @@ def prefix_child(args: argparse.Namespace, layout: str) -> dict:
     }
 
 
+def child_args(args: argparse.Namespace, *names: str) -> list[str]:
+    """`--name=value` of each of `names` (attribute names of `args`), plus `--model` if set."""
+    out = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in names]
+    return out + ([f"--model={args.model}"] if args.model else [])
+
+
 def bench_prefix(args: argparse.Namespace) -> None:
-    common = [
-        f"--groups={args.groups}",
-        f"--group-size={args.group_size}",
-        f"--prompt={args.prompt}",
-        f"--completion={args.completion}",
-        f"--repeats={args.repeats}",
-        f"--spread={args.spread}",
-    ]
-    if args.model:
-        common.append(f"--model={args.model}")
+    common = child_args(args, "groups", "group_size", "prompt", "completion", "repeats", "spread")
     rows = {v: run_child(["--child", f"prefix:{v}", *common]) for v in ("padded", "shared_prefix")}
     base = rows["padded"]
     print(
@@ -295,15 +290,7 @@ def bench_prefix(args: argparse.Namespace) -> None:
 
 
 def bench_layout(args: argparse.Namespace) -> None:
-    common = [
-        f"--samples={args.samples}",
-        f"--prompt={args.prompt}",
-        f"--completion={args.completion}",
-        f"--repeats={args.repeats}",
-        f"--spread={args.spread}",
-    ]
-    if args.model:
-        common.append(f"--model={args.model}")
+    common = child_args(args, "samples", "prompt", "completion", "repeats", "spread")
     rows = {
         v: run_child(["--child", f"layout:{v}", *common]) for v in ("padded", "sorted", "packed")
     }
@@ -328,14 +315,7 @@ def bench_layout(args: argparse.Namespace) -> None:
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    common = [
-        f"--samples={args.samples}",
-        f"--prompt={args.prompt}",
-        f"--completion={args.completion}",
-        f"--repeats={args.repeats}",
-    ]
-    if args.model:
-        common.append(f"--model={args.model}")
+    common = child_args(args, "samples", "prompt", "completion", "repeats")
     rows = {p: run_child(["--child", f"step:{p}", *common]) for p in args.precisions}
     fp32 = rows["fp32"]
     print(

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from flywheel.trainer.algorithms.losses import normalizer_for
 from flywheel.trainer.logprobs import selected_token_logprobs
-from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, split_micro_batches
+from flywheel.trainer.step import StepConfig, prepare_batch, split_micro_batches
 from flywheel.trainer.weights import load_model
 
 from .factories import make_sample, step_config
+from .step_checks import assert_same_step
 
 LENGTHS = [(3, 2), (40, 60), (5, 9), (2, 1), (12, 30)]
 """(prompt, completion) tokens: totals 5, 100, 14, 3, 42, so padded micro-batches of 5 rows
@@ -91,20 +91,7 @@ def test_packed_step_has_the_padded_loss_and_gradients(tiny_model_dir, aggregati
         batch={"micro_batch_size": 5, "layout": "padded"},
     )
     packed_cfg = step_config(padded_cfg, batch={"layout": "packed"})
-    batch, _ = prepare_batch(groups(), padded_cfg)
-    norm = normalizer_for(batch.loss_mask_BT)
-    results = {}
-    for name, cfg in (("padded", padded_cfg), ("packed", packed_cfg)):
-        model = load_model(tiny_model_dir)
-        acc = accumulate(model, batch, cfg, norm)
-        results[name] = (acc.loss, grads(model), acc.stats.result())
-    (loss_a, grads_a, stats_a), (loss_b, grads_b, stats_b) = results["padded"], results["packed"]
-    assert loss_a != 0.0
-    assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7)
-    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
-    for name, grad in grads_a.items():
-        assert_close(grads_b[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert stats_b == pytest.approx(stats_a, rel=1e-4, abs=1e-6)
+    assert_same_step(tiny_model_dir, groups(), padded_cfg, packed_cfg)
 
 
 def test_packed_micro_batches_count_real_tokens():

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from flywheel.trainer.algorithms.losses import normalizer_for
 from flywheel.trainer.logprobs import selected_token_logprobs
 from flywheel.trainer.shared_prefix import prefix_clusters
-from flywheel.trainer.step import accumulate, prepare_batch
+from flywheel.trainer.step import prepare_batch
 from flywheel.trainer.weights import load_model
 
 from .factories import make_sample, step_config
+from .step_checks import assert_same_step
 
 GROUPS = [(20, [5, 9, 2]), (30, [7, 1, 12])]
 """(prompt tokens, completion tokens of each member) of two groups sharing their prompts."""
@@ -60,13 +60,22 @@ def test_prefix_clusters_worked_example():
     assert prefix_clusters([[1, 2, 3], [1, 2, 4]], min_prefix=3) == ([], [0, 1])
 
 
+def logprobs(model, batch, shared_prefix: bool):
+    with torch.no_grad():
+        return selected_token_logprobs(
+            model,
+            batch.input_ids_BT,
+            batch.attention_mask_BT,
+            batch.temperature_B,
+            batch.loss_mask_BT,
+            shared_prefix=shared_prefix,
+        )
+
+
 def test_shared_prefix_logprobs_equal_padded_ones(tiny):
     batch, _ = prepare_batch(samples(), step_config(batch={"layout": "padded"}))
-    args = (tiny, batch.input_ids_BT, batch.attention_mask_BT, batch.temperature_B)
-    args = (*args, batch.loss_mask_BT)
-    with torch.no_grad():
-        padded = selected_token_logprobs(*args)
-        shared = selected_token_logprobs(*args, shared_prefix=True)
+    padded = logprobs(tiny, batch, shared_prefix=False)
+    shared = logprobs(tiny, batch, shared_prefix=True)
     assert int(batch.loss_mask_BT.sum()) == 5 + 9 + 2 + 7 + 1 + 12 + 4
     assert_close(shared.logprobs_BT, padded.logprobs_BT, atol=2e-5, rtol=1e-5)
     assert_close(shared.entropy_BT, padded.entropy_BT, atol=2e-5, rtol=1e-5)
@@ -84,25 +93,10 @@ def test_shared_prefix_runs_each_prompt_once(tiny):
 
     handle = tiny.base_model.register_forward_pre_hook(count, with_kwargs=True)
     try:
-        with torch.no_grad():
-            selected_token_logprobs(
-                tiny,
-                batch.input_ids_BT,
-                batch.attention_mask_BT,
-                batch.temperature_B,
-                batch.loss_mask_BT,
-                shared_prefix=True,
-            )
+        logprobs(tiny, batch, shared_prefix=True)
         assert sum(positions) == 123 and len(positions) == 5
         positions.clear()
-        with torch.no_grad():
-            selected_token_logprobs(
-                tiny,
-                batch.input_ids_BT,
-                batch.attention_mask_BT,
-                batch.temperature_B,
-                batch.loss_mask_BT,
-            )
+        logprobs(tiny, batch, shared_prefix=False)
         assert positions == [7 * 42]
     finally:
         handle.remove()
@@ -115,20 +109,7 @@ def test_shared_prefix_step_has_the_padded_loss_and_gradients(tiny_model_dir, ag
         batch={"micro_batch_size": 7, "layout": "padded"},
     )
     shared_cfg = step_config(padded_cfg, batch={"layout": "shared_prefix"})
-    batch, _ = prepare_batch(samples(), padded_cfg)
-    norm = normalizer_for(batch.loss_mask_BT)
-    results = {}
-    for name, cfg in (("padded", padded_cfg), ("shared", shared_cfg)):
-        model = load_model(tiny_model_dir)
-        acc = accumulate(model, batch, cfg, norm)
-        results[name] = (acc.loss, grads(model), acc.stats.result())
-    (loss_a, grads_a, stats_a), (loss_b, grads_b, stats_b) = results["padded"], results["shared"]
-    assert loss_a != 0.0
-    assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7)
-    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
-    for name, grad in grads_a.items():
-        assert_close(grads_b[name], grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert stats_b == pytest.approx(stats_a, rel=1e-4, abs=1e-6)
+    assert_same_step(tiny_model_dir, samples(), padded_cfg, shared_cfg)
 
 
 def test_a_layout_is_one_of_them(tiny):

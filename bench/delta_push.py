@@ -47,9 +47,10 @@ def main() -> None:
     from flywheel.core.settings import load_settings
     from flywheel.engine.deltas import build_result, check_digests
     from flywheel.trainer.deltas import DeltaWeightsStore, checksums_of
+    from flywheel.trainer.snapshots import cpu_snapshot
     from flywheel.trainer.sources import FakeSource
     from flywheel.trainer.step import StepConfig, build_optimizer, prepare_batch, train_step
-    from flywheel.trainer.weights import WeightsStore, cpu_snapshot, load_model
+    from flywheel.trainer.weights import WeightsStore, load_model
 
     optim = {"lr": args.lr} if args.lr else {}
     settings = load_settings(trainer={"optim": optim, "precision": "fp32"})

@@ -4,6 +4,8 @@ each of `--seeds` seeds.
 
     bench/peers/setup_trl.sh
     .venv/bin/python bench/peers/learning_efficiency.py --steps 30 --seeds 3
+    .venv/bin/python bench/peers/learning_efficiency.py --steps 30 --flywheel-steps 45 \
+        --trl-from bench/results/learning_efficiency_30x3.json    # Flywheel only, TRL as before
 
 Per seed s: `flywheel demo --new-stack --steps N --seed s` (the settings a user gets by default),
 then the TRL script with the same settings and seed; both use 4 problems x 8 samples per step =
@@ -19,6 +21,11 @@ Printed per seed and as the median over seeds, for each side:
 - wall-clock minutes, reward first5/last5 and held-out accuracy before/after;
 and the ratios Flywheel / TRL. `<out>/reward_curves.png` has both sides' per-step reward curves
 (by step and by wall-clock minute, every seed); `<out>/results.json` keeps every number.
+
+`--flywheel-steps M` runs Flywheel for M steps (same rollouts per step): its time to TRL's final
+reward is read off its own curve, so a faster loop may use the time TRL takes for its N steps.
+`--trl-from` takes TRL's side from an earlier run's results on the same machine (TRL's side is
+unchanged by Flywheel's code) instead of running it again; the report marks it `trl*`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +52,30 @@ WINDOW = 5
 """Steps of the moving average that decides when a reward is reached."""
 
 
-def run_sampled(cmd: list[str], interval_s: float = 0.5) -> tuple[float, float]:
+@dataclass
+class RolePeaks:
+    """Per role of a process tree (`run_sampled`'s `role_of`), in MiB: `peak` = the highest
+    summed RSS of the role's processes in any sample; `at_peak` = their summed RSS in the sample
+    where the whole tree's sum peaked."""
+
+    peak: dict[str, float] = field(default_factory=dict)
+    at_peak: dict[str, float] = field(default_factory=dict)
+
+
+def run_sampled(
+    cmd: list[str],
+    interval_s: float = 0.5,
+    *,
+    env: dict[str, str] | None = None,
+    role_of: Callable[[psutil.Process], str] | None = None,
+    role_peaks: RolePeaks | None = None,
+) -> tuple[float, float]:
     """Run `cmd` to the end while sampling the summed RSS of its process tree.
+
+    Args:
+        env: the command's environment (None = this process's).
+        role_of: names the role of a process of the tree (e.g. "engine"); with `role_peaks`,
+            filled with each role's peak and what it held when the whole tree peaked.
 
     Returns:
         (launch time in unix seconds, peak RSS in MiB of the process and all its descendants).
@@ -53,7 +84,7 @@ def run_sampled(cmd: list[str], interval_s: float = 0.5) -> tuple[float, float]:
         subprocess.CalledProcessError: the command failed.
     """
     launched = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     peak = 0
     done = threading.Event()
 
@@ -65,10 +96,19 @@ def run_sampled(cmd: list[str], interval_s: float = 0.5) -> tuple[float, float]:
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            total = 0
+            total, roles = 0, {}
             for p in tree:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                    total += p.memory_info().rss
+                    rss = p.memory_info().rss
+                    total += rss
+                    if role_of is not None:
+                        role = role_of(p)
+                        roles[role] = roles.get(role, 0) + rss
+            if role_peaks is not None:
+                for role, rss in roles.items():
+                    role_peaks.peak[role] = max(role_peaks.peak.get(role, 0.0), rss / 2**20)
+                if total > peak:
+                    role_peaks.at_peak = {r: rss / 2**20 for r, rss in roles.items()}
             peak = max(peak, total)
             done.wait(interval_s)
 
@@ -128,26 +168,47 @@ def flywheel_curve(folder: Path) -> tuple[list[float], list[float]]:
     return [float(r["reward_mean"]) for r in rows], [ends[int(r["step"])] for r in rows]
 
 
-def run_seed(seed: int, steps: int, out: Path, trl_python: Path) -> dict[str, Any]:
-    """Both sides with `seed`; their curves, times to TRL's final reward and peak RSS."""
+def flywheel_demo_cmd(steps: int, seed: int, out: Path) -> list[str]:
+    """The Flywheel side's command: `flywheel demo` on a stack of its own, default settings."""
+    return [sys.executable, "-m", "flywheel.ops.cli", "demo", "--new-stack"] + [
+        *("--steps", str(steps), "--seed", str(seed), "--out", str(out))
+    ]
+
+
+def run_seed(
+    seed: int,
+    steps: int,
+    out: Path,
+    trl_python: Path,
+    flywheel_steps: int | None = None,
+    trl_earlier: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Both sides with `seed`; their curves, times to TRL's final reward and peak RSS.
+
+    `flywheel_steps`: Flywheel's steps (default `steps`; the same rollouts per step, so more
+    steps only give it longer to reach TRL's reward). `trl_earlier`: this seed's entry of an
+    earlier run's results, whose TRL side is taken instead of running TRL again."""
     fw_dir, trl_dir = out / f"seed{seed}" / "flywheel", out / f"seed{seed}" / "trl"
     common = ["--steps", str(steps), "--seed", str(seed)]
-    fw_launch, fw_rss = run_sampled(
-        [sys.executable, "-m", "flywheel.ops.cli", "demo", "--new-stack", *common]
-        + ["--out", str(fw_dir)]
-    )
-    trl_launch, trl_rss = run_sampled(
-        [str(trl_python), str(ROOT / "bench/peers/trl_grpo.py"), *common, "--out", str(trl_dir)]
-    )
+    fw_launch, fw_rss = run_sampled(flywheel_demo_cmd(flywheel_steps or steps, seed, fw_dir))
     fw_rewards, fw_times = flywheel_curve(fw_dir)
-    trl = json.loads((trl_dir / "summary.json").read_text())
-    trl_rewards, trl_times = trl["rewards"], trl["reward_times"][: len(trl["rewards"])]
-    target = moving_average(trl_rewards)[-1]
     sides = {}
-    for name, launched, rewards, times, rss, folder in (
-        ("flywheel", fw_launch, fw_rewards, fw_times, fw_rss, fw_dir),
-        ("trl", trl_launch, trl_rewards, trl_times, trl_rss, trl_dir),
-    ):
+    if trl_earlier is None:
+        trl_launch, trl_rss = run_sampled(
+            [str(trl_python), str(ROOT / "bench/peers/trl_grpo.py"), *common, "--out", str(trl_dir)]
+        )
+        trl = json.loads((trl_dir / "summary.json").read_text())
+        trl_rewards, trl_times = trl["rewards"], trl["reward_times"][: len(trl["rewards"])]
+        runs = [
+            ("flywheel", fw_launch, fw_rewards, fw_times, fw_rss, fw_dir),
+            ("trl", trl_launch, trl_rewards, trl_times, trl_rss, trl_dir),
+        ]
+    else:
+        sides["trl"] = dict(trl_earlier["trl"], earlier=True)
+        trl_rewards = sides["trl"]["rewards"]
+        runs = [("flywheel", fw_launch, fw_rewards, fw_times, fw_rss, fw_dir)]
+    target = moving_average(trl_rewards)[-1]
+    for name, launched, rewards, times, rss, folder in runs:
         summary = json.loads((folder / "summary.json").read_text())
         sides[name] = {
             "rewards": rewards,
@@ -184,8 +245,9 @@ def report(results: list[dict[str, Any]]) -> None:
     for r in results:
         for side in ("flywheel", "trl"):
             s = r[side]
+            name = "trl*" if s.get("earlier") else side
             print(
-                f"{r['seed']:>4} {side:9} {seconds(s['time_to_target_s']):>15} "
+                f"{r['seed']:>4} {name:9} {seconds(s['time_to_target_s']):>15} "
                 f"{s['peak_rss_mib']:>12.0f} {s['minutes']:>8.1f} {s['first5']:>6.3f} "
                 f"{s['last5']:>6.3f} {s['eval_before']:>8.3f} {s['eval_after']:>8.3f}"
             )
@@ -226,6 +288,8 @@ def report(results: list[dict[str, Any]]) -> None:
         f"{ratio(med['flywheel']['peak_rss_mib'], med['trl']['peak_rss_mib'])}, wall-clock "
         f"{ratio(med['flywheel']['minutes'], med['trl']['minutes'])} ({len(results)} seeds)"
     )
+    if any(r["trl"].get("earlier") for r in results):
+        print("trl*: TRL's side taken from an earlier run (--trl-from), not run again")
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -260,6 +324,19 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument(
+        "--flywheel-steps",
+        type=int,
+        default=0,
+        help="Flywheel's steps (default: --steps); its time to TRL's final reward is read off "
+        "its own curve, so more steps give it longer to get there",
+    )
+    parser.add_argument(
+        "--trl-from",
+        metavar="RESULTS_JSON",
+        help="take each seed's TRL side from an earlier run's results (same machine) instead "
+        "of running TRL again; the report marks it",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--out", default="runs/peers")
     parser.add_argument(
@@ -273,9 +350,18 @@ def main() -> int:
         raise SystemExit("learning_efficiency: --steps and --seeds must be at least 1")
     out = ROOT / args.out
     trl_python = PEERS / "trl" / "bin" / "python"
-    if not trl_python.exists():
+    earlier: dict[int, dict[str, Any]] = {}
+    if args.trl_from:
+        earlier = {r["seed"]: r for r in json.loads(Path(args.trl_from).read_text())}
+        missing = [s for s in range(args.seeds) if s not in earlier]
+        if missing:
+            raise SystemExit(f"learning_efficiency: {args.trl_from} has no seed {missing}")
+    elif not trl_python.exists():
         raise SystemExit("TRL is not installed: run bench/peers/setup_trl.sh first")
-    results = [run_seed(seed, args.steps, out, trl_python) for seed in range(args.seeds)]
+    results = [
+        run_seed(seed, args.steps, out, trl_python, args.flywheel_steps or None, earlier.get(seed))
+        for seed in range(args.seeds)
+    ]
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "reward_curves.png")
     report(results)

@@ -26,8 +26,9 @@ from flywheel.core.redis_server import free_port
 from flywheel.core.settings import load_settings
 from flywheel.trainer.distributed_push import DistributedPusher
 from flywheel.trainer.service import build_trainer
+from flywheel.trainer.snapshots import cpu_snapshot
 from flywheel.trainer.weight_sync import DistributedWeightSync
-from flywheel.trainer.weights import WeightPusher, WeightsStore, cpu_snapshot, unique_storage
+from flywheel.trainer.weights import WeightPusher, WeightsStore, unique_storage
 
 from ..engine_process import engine_process
 

@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log.info("engine settings %s", settings.model_dump_json())
 
+    from flywheel.core.heap import return_freed_tensors
+
+    return_freed_tensors()  # before the model loads: a swapped-out version is given back
     import uvicorn  # heavy imports only after the settings parsed
     from transformers import AutoConfig
 

@@ -113,7 +113,7 @@ class ModelRunner:
         state: dict[str, Tensor] = {}
         for f in files:
             try:
-                state.update(load_file(f))
+                state.update(_read_tensors(f))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"cannot read {f}: {e}") from e
         self.validate(state, f"checkpoint {path}")
@@ -152,21 +152,29 @@ class ModelRunner:
             raise CheckpointError(f"{path} does not fit the served model: " + "; ".join(problems))
 
     @torch.no_grad()
-    def prepare(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Fresh copies of a validated (possibly partial) state dict in the live tensors'
-        dtype, device and layout, ready for `apply_weights` (run it off the decode loop).
+    def prepare(self, state: dict[str, Tensor], *, owned: bool = False) -> dict[str, Tensor]:
+        """A validated (possibly partial) state dict in the live tensors' dtype, device and
+        layout, ready for `apply_weights` (run it off the decode loop).
 
-        Copies always: a checkpoint's tensors are mapped from its file (reading them is the
-        slow part) and a caller's buffers must not become live weights it can still write.
+        Args:
+            owned: the tensors are private buffers handed over to the engine (`read_checkpoint`'s
+                reads): one already in the live dtype, device and layout is taken as it is, so
+                a swap holds two copies of the weights (served and new), not three. False (a
+                caller's buffers, which it could still write): fresh copies of every tensor.
 
         Raises:
             KeyError: a name the model does not have (call `validate` first).
         """
         live = self._live()
-        return {
-            name: torch.empty_like(live[name], memory_format=torch.contiguous_format).copy_(t)
-            for name, t in state.items()
-        }
+        out = {}
+        for name, t in state.items():
+            old = live[name]
+            if owned and t.dtype == old.dtype and t.device == old.device and t.is_contiguous():
+                out[name] = t
+            else:
+                fresh = torch.empty_like(old, memory_format=torch.contiguous_format)
+                out[name] = fresh.copy_(t)
+        return out
 
     @torch.no_grad()
     def apply_weights(self, state: dict[str, Tensor]) -> None:
@@ -233,6 +241,21 @@ def pick_device(device: str = "auto") -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("engine.device is cuda but no CUDA device is visible; use auto or cpu")
     return torch.device(device)
+
+
+def _read_tensors(file: Path) -> dict[str, Tensor]:
+    """Every tensor of one safetensors file, read into private buffers (safetensors' `pread`
+    backend) rather than mapped from the file, so they can become live weights (`prepare`
+    with `owned`) and the file's pages are not held as well. A safetensors without the
+    backend (before 0.8) maps the file; `prepare` then copies what it maps.
+
+    Raises:
+        SafetensorError, OSError: unreadable file.
+    """
+    try:
+        return load_file(file, backend="pread")
+    except TypeError:  # safetensors < 0.8: no `backend`
+        return {name: t.clone() for name, t in load_file(file).items()}
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -1,8 +1,9 @@
 """Weight updates of a running engine: from disk and over torch.distributed (SGLang's routes).
 
-* Disk (`/update_weights_from_disk`): the safetensors checkpoint is read, validated, copied and
-  converted (`ModelRunner.prepare`) in the caller's thread while the worker keeps decoding; the
-  swap runs on the worker between two decode steps and only replaces references.
+* Disk (`/update_weights_from_disk`): the safetensors checkpoint is read into private buffers,
+  validated and converted where its dtype differs (`ModelRunner.prepare`) in the caller's thread
+  while the worker keeps decoding; the swap runs on the worker between two decode steps and only
+  replaces references (the engine holds the served and the new weights, no third copy).
 * Distributed (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`): the engine joins a process group as rank
   `rank_offset` (the trainer is rank 0 and broadcasts); with `engine.emulate_tp_size = N` it
@@ -114,7 +115,7 @@ class WeightUpdater:
             except CheckpointError as e:
                 self.worker.metrics.weight_updates.labels("failed").inc()
                 return False, str(e)
-            self._swap(state, weight_version, abort_all_requests)
+            self._swap(state, weight_version, abort_all_requests, owned=True)
             log.info(
                 "weights from %s loaded in %.2f s, version %s",
                 model_path,
@@ -123,13 +124,17 @@ class WeightUpdater:
             )
         return True, "Succeeded to update model weights."
 
-    def _swap(self, state: dict[str, Tensor], version: str | None, abort_all: bool) -> None:
+    def _swap(
+        self, state: dict[str, Tensor], version: str | None, abort_all: bool, *, owned: bool = False
+    ) -> None:
+        """Swap `state` in between two decode steps; `owned`: its tensors are the engine's own
+        reads (`ModelRunner.prepare`), not buffers a caller may still write."""
         runner = self.worker.runner
         assert runner is not None
         if abort_all:
             self.worker.abort("", abort_all=True)
 
-        prepared = runner.prepare(state)  # read and convert here, off the decode loop
+        prepared = runner.prepare(state, owned=owned)  # converted here, off the decode loop
 
         def swap() -> None:  # between two decode steps: reference swaps only
             runner.apply_weights(prepared)

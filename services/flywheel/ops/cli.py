@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -377,9 +378,8 @@ def _share_the_machine(settings: FlywheelSettings) -> None:
     synchronous loop and splitting them 1.35x: `bench/async_loop.py`)."""
     if "pause" not in settings.trainer.push.model_fields_set:
         settings.trainer.push.pause = "in_place"
-    import torch  # noqa: PLC0415  (only to ask for CUDA)
-
-    cuda = torch.cuda.is_available()
+    auto = "auto" in (settings.engine.device, settings.trainer.device)
+    cuda = auto and _cuda_available()
     on_cpu = settings.engine.device == "cpu" or (settings.engine.device == "auto" and not cuda)
     trainer_cpu = settings.trainer.device == "cpu" or (
         settings.trainer.device == "auto" and not cuda
@@ -389,6 +389,18 @@ def _share_the_machine(settings: FlywheelSettings) -> None:
     if on_cpu and trainer_cpu and not settings.engine.threads and not settings.trainer.threads:
         settings.engine.threads = half
         settings.trainer.threads = half
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device, asked in a child process, so the demo's own process
+    (alive for the whole run) never imports torch (about 220 MiB); False where the child
+    cannot tell (no torch installed)."""
+    probe = [sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()))"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=300, check=True)
+    except (subprocess.SubprocessError, OSError):
+        return False
+    return done.stdout.strip() == "1"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,8 @@
 """Checkpoint writes and weight pushes off the training step's critical path.
 
-Both take CPU snapshots made by the training thread between steps (`weights.cpu_snapshot`), so
-the next step can update the live tensors while a background thread writes or pushes:
+Both take snapshots made by the training thread between steps (snapshots.py: CPU tensors are
+referenced until the next optimizer step would change them, and copied only then), so the next
+step can update the live tensors while a background thread writes or pushes:
 
 - `CheckpointWriter`: one checkpoint at a time. A checkpoint due while the previous one is still
   being written waits for it (the wait is returned and reported as `time/checkpoint_wait_s`).
@@ -38,13 +39,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CheckpointJob:
-    """A checkpoint to write: the CPU snapshot of one committed step and what it covers."""
+    """A checkpoint to write: the snapshot of one committed step and what it covers."""
 
     step: int
     model: Any
     """The policy whose config `save_pretrained` writes (its tensors are not read)."""
-    state_dict: dict[str, torch.Tensor]
-    training: dict[str, Any]
+    snapshot: Any
+    """The step's weights and training state: a `snapshots.DeferredSnapshot` of
+    {"weights": state dict, "training": AdamW, scheduler and RNG state}."""
     state: dict[str, Any]
     """trainer_state.json: entry ids and sample ids of every step since the last checkpoint."""
     entry_ids: list[str]
@@ -132,7 +134,7 @@ class PushOutcome:
 @dataclass
 class _Offer:
     version: int
-    snapshot: dict[str, torch.Tensor] = field(repr=False)
+    snapshot: Any = field(repr=False)
 
 
 def folder_bytes(path: Path) -> int:
@@ -160,7 +162,7 @@ class BackgroundPusher:
 
     def __init__(
         self,
-        write: Callable[[int, dict[str, torch.Tensor]], Path],
+        write: Callable[[int, Any], Path],
         push: Callable[[Path, int], PushReport],
         *,
         enabled: bool = True,
@@ -177,9 +179,10 @@ class BackgroundPusher:
         self._closed = False
         self._thread: threading.Thread | None = None
 
-    def offer(self, version: int, snapshot: dict[str, torch.Tensor]) -> None:
-        """Push `snapshot` as `version` after the push in progress; replaces an offer that has
-        not started (reported as coalesced)."""
+    def offer(self, version: int, snapshot: Any) -> None:
+        """Push `snapshot` (what `write` and `broadcast` take: a CPU snapshot dict or a
+        `snapshots.DeferredSnapshot`) as `version` after the push in progress; replaces an
+        offer that has not started (reported as coalesced)."""
         if not self.enabled:
             self._do(_Offer(version, snapshot))
             return

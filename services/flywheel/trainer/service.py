@@ -46,6 +46,7 @@ from flywheel.trainer.fsdp import full_state_dict
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.policy import TrainerParts, build_policy, build_pusher, training_state
 from flywheel.trainer.redis_retry import retry_redis
+from flywheel.trainer.snapshots import SnapshotGuard, cpu_snapshot, deferred_write, write_snapshot
 from flywheel.trainer.sources import FakeSource, build_source
 from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import StepConfig, prepare_batch, train_step
@@ -60,14 +61,7 @@ from flywheel.trainer.telemetry import (
     lag_metrics,
     report_push,
 )
-from flywheel.trainer.weights import (
-    Checkpoint,
-    WeightsStore,
-    cpu_snapshot,
-    cpu_tree,
-    load_training_state,
-    servable_state,
-)
+from flywheel.trainer.weights import Checkpoint, WeightsStore, load_training_state, servable_state
 
 log = logging.getLogger(__name__)
 
@@ -172,11 +166,13 @@ class Trainer:
         background = self.s.background_io
         self.writer = CheckpointWriter(self._save_checkpoint, enabled=background)
         self.weights = WeightsStore(root, parts.store.source_dir)
+        self.guard = SnapshotGuard(parts.optimizer)  # snapshots copied before a step only
+        write = attach_deltas(settings, self.weights, parts.pusher)  # trainer.push.delta
+        broadcast = getattr(parts.pusher, "broadcast", None)  # push.mode = "distributed"
+        self.defer_push = write == self.weights.write and broadcast is None
+        """Pushes written from deferred snapshots (not deltas, which keep theirs as a base)."""
         self.pusher = BackgroundPusher(
-            attach_deltas(settings, self.weights, parts.pusher),  # trainer.push.delta
-            parts.pusher.push,
-            enabled=background,
-            broadcast=getattr(parts.pusher, "broadcast", None),  # push.mode = "distributed"
+            deferred_write(write), parts.pusher.push, enabled=background, broadcast=broadcast
         )
         self.timeline = Timeline(Path(self.s.logging.metrics_path).parent / "timeline.jsonl")
         dtype = self.s.push.dtype if self.s.push.dtype != "auto" else settings.engine.dtype
@@ -464,9 +460,9 @@ class Trainer:
         return merged if merged is not None else base.state_dict()
 
     def _offer_push(self) -> None:
-        """Hand a CPU copy of the current weights (engine dtype) to the background pusher."""
-        snapshot = cpu_snapshot(self._model_state(), self.push_dtype)
-        self.pusher.offer(self.version, snapshot)
+        """Hand a snapshot of the current weights (engine dtype) to the background pusher."""
+        take = self.guard.take if self.defer_push else cpu_snapshot
+        self.pusher.offer(self.version, take(self._model_state(), self.push_dtype))
 
     def _checkpoint(self) -> float:
         """Snapshot the model, AdamW, scheduler and RNG at this version and write them as a
@@ -483,14 +479,16 @@ class Trainer:
         job = CheckpointJob(
             step=self.version,
             model=base,
-            state_dict=cpu_snapshot(self._model_state()),
-            training=cpu_tree(
-                training_state(
-                    self.parts.optimizer,
-                    self.parts.scheduler,
-                    self.s.checkpoint.save_optimizer,
-                    sharded=self.parts.sharded is not None,
-                )
+            snapshot=self.guard.take(
+                {
+                    "weights": self._model_state(),
+                    "training": training_state(
+                        self.parts.optimizer,
+                        self.parts.scheduler,
+                        self.s.checkpoint.save_optimizer,
+                        sharded=self.parts.sharded is not None,
+                    ),
+                }
             ),
             state=state,
             entry_ids=state["entry_ids"],
@@ -501,8 +499,11 @@ class Trainer:
         return self.writer.submit(job)
 
     def _save_checkpoint(self, job: CheckpointJob) -> Path:
-        path = self.parts.store.save(
-            job.model, job.step, job.state, job.training, state_dict=job.state_dict
+        path = write_snapshot(
+            job.snapshot,
+            lambda tree, intact: self.parts.store.save(
+                job.model, job.step, job.state, tree["training"], tree["weights"], intact
+            ),
         )
         if job.sharded is not None:  # durable once every rank's shards are written too
             job.sharded.result()

@@ -33,6 +33,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from flywheel.core.errors import ContractError, UpstreamError
 from flywheel.core.versions import parse_weight_version
 from flywheel.trainer.fleet_push import FleetWatcher, push_each
+from flywheel.trainer.snapshots import SnapshotChanged
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class CheckpointStore:
         state: dict[str, Any],
         training: dict[str, Any] | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
+        intact: Callable[[], bool] = lambda: True,
     ) -> Path:
         """Write, verify and atomically publish the checkpoint of `step`; prune old ones.
 
@@ -136,6 +139,11 @@ class CheckpointStore:
                 scheduler, rng); None = none.
             state_dict: the full weights to save instead of the model's own (FSDP2 gathers
                 them from the shards); None = the model's.
+            intact: asked once the files are written, before they are published: False (the
+                tensors may have changed meanwhile, snapshots.py) publishes nothing.
+
+        Raises:
+            SnapshotChanged: `intact()` was False.
         """
         final = self.path_for(step)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
@@ -151,6 +159,7 @@ class CheckpointStore:
             torch.save(value, tmp / TRAINING_DIR / f"{name}.pt")
         full_state = {"step": step, "weight_version": str(step), "saved_at": time.time()} | state
         (tmp / STATE_FILE).write_text(json.dumps(full_state))
+        _publishable(tmp, intact)
         if final.exists():  # a step re-run after a crash before its ack: replace it whole
             shutil.rmtree(final)
         tmp.rename(final)
@@ -187,37 +196,11 @@ class CheckpointStore:
                 shutil.copy2(src, target)
 
 
-def cpu_snapshot(
-    state: dict[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """Copies of `state`'s tensors on the CPU (optionally cast to `dtype`) that later updates
-    of the live tensors do not change. Tensors sharing storage (tied weights) stay shared.
-
-    Args:
-        state: name -> tensor (any device), e.g. `model.state_dict()`.
-        dtype: cast floating-point tensors to this dtype; None keeps each tensor's dtype.
-    """
-    copies: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-    out = {}
-    for name, tensor in state.items():
-        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
-        if key not in copies:
-            cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            copies[key] = tensor.detach().to("cpu", dtype=cast, copy=True)
-        out[name] = copies[key]
-    return out
-
-
-def cpu_tree(value: Any) -> Any:
-    """`value` with every tensor inside dicts, lists and tuples copied to the CPU (so the
-    optimizer's live state can change while the copy is written)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: cpu_tree(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(cpu_tree(v) for v in value)
-    return value
+def _publishable(tmp: Path, intact: Callable[[], bool]) -> None:
+    """Delete the written folder `tmp` and raise SnapshotChanged unless `intact()`."""
+    if not intact():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise SnapshotChanged(f"the tensors changed while {tmp.name} was written")
 
 
 def unique_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -247,11 +230,18 @@ class WeightsStore:
         self.source_dir = Path(source_dir)
         self.keep = keep
 
-    def write(self, version: int, state: dict[str, torch.Tensor]) -> Path:
+    def write(
+        self,
+        version: int,
+        state: dict[str, torch.Tensor],
+        intact: Callable[[], bool] = lambda: True,
+    ) -> Path:
         """Write `state` (a CPU snapshot) as the weights of `version`; returns the folder.
+        `intact`: as in `CheckpointStore.save`.
 
         Raises:
             OSError: the disk refused the write (nothing is published).
+            SnapshotChanged: `intact()` was False (nothing is published).
         """
         final = self.root / f"v_{version:08d}"
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
@@ -262,6 +252,7 @@ class WeightsStore:
             for src in self.source_dir.iterdir():
                 if src.is_file() and not _NOT_COPIED.search(src.name):
                     shutil.copy2(src, tmp / src.name)
+        _publishable(tmp, intact)
         if final.exists():  # a version trained again after a crash
             shutil.rmtree(final)
         tmp.rename(final)

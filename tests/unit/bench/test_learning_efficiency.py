@@ -15,6 +15,7 @@ _spec = importlib.util.spec_from_file_location(
 )
 assert _spec and _spec.loader
 bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench  # dataclasses look their module up
 _spec.loader.exec_module(bench)
 
 
@@ -70,3 +71,27 @@ def test_peak_rss_sums_the_whole_process_tree():
     launched, peak_mib = bench.run_sampled([sys.executable, "-c", parent], interval_s=0.1)
     assert launched > 0
     assert peak_mib > 120
+
+
+def test_role_peaks_split_the_tree_by_role():
+    # the same parent (40 MiB) and child (80 MiB): each role's own peak, and what each held in
+    # the sample where the whole tree peaked (their sum is that peak)
+    child = "b = bytearray(80 * 2**20); import time; time.sleep(2)"
+    parent = (
+        "import subprocess, sys; b = bytearray(40 * 2**20); "
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    )
+    roots: list[int] = []
+
+    def role_of(process):
+        if not roots:
+            roots.append(process.pid)  # the first process sampled is the command itself
+        return "parent" if process.pid == roots[0] else "child"
+
+    roles = bench.RolePeaks()
+    _, peak_mib = bench.run_sampled(
+        [sys.executable, "-c", parent], interval_s=0.1, role_of=role_of, role_peaks=roles
+    )
+    assert roles.peak["parent"] > 40 and roles.peak["child"] > 80
+    assert roles.peak["child"] < peak_mib
+    assert sum(roles.at_peak.values()) == pytest.approx(peak_mib, rel=1e-6)

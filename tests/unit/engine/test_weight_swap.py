@@ -77,7 +77,7 @@ def test_the_decode_loop_keeps_stepping_while_a_checkpoint_is_prepared(tiny_mode
         seen: dict[str, object] = {}
         prepare = runner.prepare
 
-        def watched_prepare(state):
+        def watched_prepare(state, **kwargs):
             seen["thread"] = threading.current_thread()
             start = len(steps)
             for _ in range(3000):
@@ -85,7 +85,7 @@ def test_the_decode_loop_keeps_stepping_while_a_checkpoint_is_prepared(tiny_mode
                     break
                 threading.Event().wait(0.01)
             seen["steps"] = len(steps) - start
-            return prepare(state)
+            return prepare(state, **kwargs)
 
         runner.prepare = watched_prepare  # type: ignore[method-assign]
         state = load_file(tiny_model_dir / "model.safetensors")
@@ -114,3 +114,30 @@ def test_the_decode_loop_keeps_stepping_while_a_checkpoint_is_prepared(tiny_mode
         torch.testing.assert_close(live.detach(), state["model.norm.weight"])
     finally:
         worker.close()
+
+
+def test_a_disk_swap_takes_its_private_reads_as_the_new_weights(tiny_model_dir, tmp_path):
+    # read_checkpoint reads into buffers of its own (not pages mapped from the file): changing
+    # the file's bytes afterwards does not reach them, so `prepare(owned=True)` can take them as
+    # the live weights without a third copy; a tensor in another dtype is still converted
+    runner = ModelRunner(tiny_model_dir, device="cpu")
+    state = load_file(tiny_model_dir / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"] * 3.0
+    file = tmp_path / "model.safetensors"
+    save_file(state, file)
+    read = runner.read_checkpoint(tmp_path)
+    norm = read["model.norm.weight"].clone()
+    data = bytearray(file.read_bytes())
+    data[-4096:] = bytes(4096)  # the tail of the data section, in place
+    with file.open("r+b") as f:
+        f.write(data)
+    torch.testing.assert_close(read["model.norm.weight"], norm, rtol=0, atol=0)
+    read["model.layers.0.mlp.up_proj.weight"] = read["model.layers.0.mlp.up_proj.weight"].half()
+    prepared = runner.prepare(read, owned=True)
+    assert prepared["model.norm.weight"] is read["model.norm.weight"]  # taken, not copied
+    up = prepared["model.layers.0.mlp.up_proj.weight"]
+    assert up.dtype == torch.float32  # converted to the live dtype
+    copied = runner.prepare(read)  # a caller's buffers: always copies
+    assert copied["model.norm.weight"].data_ptr() != read["model.norm.weight"].data_ptr()
+    runner.apply_weights(prepared)
+    torch.testing.assert_close(runner.parameter("model.norm.weight").detach(), norm)

@@ -4,6 +4,8 @@ stack the demo starts (the stack and the run are fakes)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,13 +93,11 @@ def test_on_a_running_stack_the_resolved_trainer_settings_name_the_timeline(
 
 
 def test_async_demo_splits_a_shared_cpu_and_pauses_engines_in_place(monkeypatch):
-    import torch
-
     from flywheel.core.settings import load_settings
     from flywheel.ops import cli as cli_module
 
     monkeypatch.setattr(cli_module.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli_module, "_cuda_available", lambda: False)
     settings = load_settings()
     cli_module._share_the_machine(settings)
     assert (settings.engine.threads, settings.trainer.threads) == (2, 2)  # 4 cores, half each
@@ -107,3 +107,16 @@ def test_async_demo_splits_a_shared_cpu_and_pauses_engines_in_place(monkeypatch)
     cli_module._share_the_machine(chosen)
     assert (chosen.engine.threads, chosen.trainer.threads) == (3, 0)
     assert chosen.trainer.push.pause == "none"
+
+
+def test_the_demo_process_asks_for_cuda_without_importing_torch():
+    # a fresh interpreter runs the demo's settings step: torch answers in a child process, so
+    # the demo's own process (alive for the whole run) never holds torch's ~220 MiB; this
+    # machine has no GPU, so the child's answer splits the cores as on a CPU
+    code = (
+        "import sys; from flywheel.core.settings import load_settings; "
+        "from flywheel.ops import cli; s = load_settings(); cli._share_the_machine(s); "
+        "print('torch' in sys.modules, s.engine.threads > 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

@@ -12,11 +12,12 @@ import torch
 
 from flywheel.core.errors import UpstreamError
 from flywheel.trainer.background import BackgroundPusher, CheckpointJob, CheckpointWriter
-from flywheel.trainer.weights import PushReport, cpu_snapshot
+from flywheel.trainer.snapshots import cpu_snapshot
+from flywheel.trainer.weights import PushReport
 
 
 def _job(step: int) -> CheckpointJob:
-    return CheckpointJob(step, None, {}, {}, {}, [f"{step}-0"])
+    return CheckpointJob(step, None, None, {}, [f"{step}-0"])
 
 
 def test_a_checkpoint_is_written_while_the_caller_goes_on():

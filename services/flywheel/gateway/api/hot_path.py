@@ -40,8 +40,14 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 TAIL = "/v1/chat/completions"
-RESPONSES_TAIL = "/v1/responses"
-MESSAGES_TAIL = "/v1/messages"
+MODELS: dict[str, type[ChatCompletionRequest | ResponsesRequest | MessagesRequest]] = {
+    "chat/completions": ChatCompletionRequest,
+    "responses": ResponsesRequest,
+    "messages": MessagesRequest,
+}
+"""A hot route's request model by what follows the path's last `/v1/`."""
+TAILS = {model: "/v1/" + last for last, model in MODELS.items()}
+"""A hot route's path tail by its request model."""
 
 
 def route(scope: Scope, tail: str = TAIL) -> tuple[bool, str | None]:
@@ -75,15 +81,8 @@ class HotPath:
         self.responses = responses.store_for(deps)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hot, session_id = route(scope)
-        model: type[ChatCompletionRequest | ResponsesRequest | MessagesRequest]
-        model = ChatCompletionRequest
-        if not hot:
-            hot, session_id = route(scope, RESPONSES_TAIL)
-            model = ResponsesRequest
-        if not hot:
-            hot, session_id = route(scope, MESSAGES_TAIL)
-            model = MessagesRequest
+        model = MODELS.get(scope.get("path", "")[-20:].rpartition("/v1/")[2])  # by its tail
+        hot, session_id = (False, None) if model is None else route(scope, TAILS[model])
         if not hot:
             await self.app(scope, receive, send)
             return

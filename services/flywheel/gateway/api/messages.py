@@ -19,12 +19,13 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, messages_convert, messages_stream
 from flywheel.gateway.api.disconnect import unless_disconnected
 from flywheel.gateway.api.incremental import TextFeed
+from flywheel.gateway.api.json_text import dumps
 from flywheel.gateway.api.messages_schema import CountTokensRequest, MessagesRequest
 from flywheel.gateway.api.request_rules import check_model
 from flywheel.gateway.deps import Deps, GatewayDeps, SessionHeader, TurnHeader
@@ -84,8 +85,9 @@ async def create_message(
     turn_type: str | None,
     owner: str,
     receive: Any,
-) -> JSONResponse | StreamingResponse:
-    """One Messages request end to end (see the module docstring).
+) -> Response:
+    """One Messages request end to end (see the module docstring): the `message` as JSON, or
+    its events (`stream`).
 
     Raises:
         PlatformError: as `chat.respond`, `messages_convert.chat_request` and
@@ -98,24 +100,23 @@ async def create_message(
     if session_id is None:
         session_id = chat.session_header(header_id)
         create_owner = None if session_id is None else owner
-    probe = EngineProbe(d.engines)
-    work = chat.serve(
-        d.with_engines(probe),
-        turn,
-        session_id,
-        turn_type,
-        create_owner=create_owner,
-    )
-    msg_id = f"msg_{uuid.uuid4().hex}"
     stops = body.stop_sequences or []
+    probe = EngineProbe(d.engines)
+    # The probe's notes serve the stream's `message_start` and a stop sequence's
+    # `stop_sequence`; a whole reply without stop sequences needs neither.
+    served = d.with_engines(probe) if body.stream or stops else d
+    work = chat.serve(served, turn, session_id, turn_type, create_owner=create_owner)
+    if not body.stream:  # the message's id: "msg_" + the completion's 32 random hex digits
+        completion = await unless_disconnected(work, receive, session_id)
+        out = messages_convert.message(completion, matched_stop(d, probe, stops))
+        return Response(dumps(out), media_type="application/json")
+    msg_id = f"msg_{uuid.uuid4().hex}"  # sent in `message_start`, before the completion
 
     def finish(completion: dict[str, Any]) -> dict[str, Any]:
         out = messages_convert.message(completion, matched_stop(d, probe, stops))
         out["id"] = msg_id
         return out
 
-    if not body.stream:
-        return JSONResponse(finish(await unless_disconnected(work, receive, session_id)))
     model = body.model
 
     def head() -> str:
@@ -152,7 +153,7 @@ async def messages(
     d: Deps,
     x_session_id: SessionHeader = None,
     x_turn_type: TurnHeader = None,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     return await create_message(
         d, body, None, x_session_id, x_turn_type, owner_of(request), request.receive
     )
@@ -164,7 +165,7 @@ async def session_messages(
     request: Request,
     d: Deps,
     x_turn_type: TurnHeader = None,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     return await create_message(d, body, session_id, None, x_turn_type, "", request.receive)
 
 

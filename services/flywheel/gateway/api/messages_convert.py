@@ -292,6 +292,8 @@ def check_tool_results(turn: ChatCompletionRequest) -> None:
     Raises:
         InvalidRequestError: naming the `tool_use_id`, param `messages`.
     """
+    if not any(m.role == "tool" for m in turn.messages):  # no tool_result: nothing to refuse
+        return
     stale = stale_tool_result([m.for_template() for m in turn.messages])
     if stale is not None:
         raise InvalidRequestError(

@@ -4,6 +4,7 @@ are two small aiohttp servers on loopback that answer /generate and /health, or 
 broken."""
 
 import asyncio
+import json
 
 import pytest
 from aiohttp import web
@@ -230,5 +231,52 @@ def test_a_timed_out_call_is_a_504_naming_the_setting_and_keeps_the_engine(strea
             await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
         assert set(pool.down) == set(urls)
         await pool.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_stream_past_the_timeout_after_its_first_chunk_is_a_504_naming_the_setting():
+    """The engine sends one SSE chunk, then nothing for 1 s; the call's timeout is 0.3 s. The
+    text had gone out, so no other engine is tried: the error is a 504 `engine_timeout` naming
+    gateway.request_timeout_s, counted and logged as a timeout, and the engine stays in
+    service (slow is not broken)."""
+    from flywheel.core.errors import EngineTimeoutError
+    from flywheel.gateway.engines.timeouts import ENGINE_TIMEOUTS
+
+    async def run():
+        calls: list[str] = []
+
+        async def stalls(request: web.Request) -> web.StreamResponse:
+            calls.append(request.path)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            first = {**GENERATE, "text": "8", "meta_info": {"weight_version": "3"}}
+            await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
+            await asyncio.sleep(1.0)
+            return resp
+
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", stalls)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        pool = EnginePool([url], 0.3, {2}, health_interval_s=0)
+        texts: list[str] = []
+        before = ENGINE_TIMEOUTS.labels(url)._value.get()
+        try:
+            with pytest.raises(EngineTimeoutError) as info:
+                await pool.generate_stream([1], {"max_new_tokens": 2}, "x", on_text=texts.append)
+            assert texts == ["8"] and calls == ["/generate"]  # the text went out; not retried
+            err = info.value
+            assert (err.http_status, err.code) == (504, "engine_timeout")
+            assert "gateway.request_timeout_s (0.3 s)" in str(err)
+            assert "nothing was recorded" in str(err)
+            assert ENGINE_TIMEOUTS.labels(url)._value.get() == before + 1
+            assert pool.down == {}
+        finally:
+            await pool.aclose()
+            await runner.cleanup()
 
     asyncio.run(run())

@@ -9,8 +9,9 @@ parsed from the final chunk alone (`parse_generation`, the same checks as a plai
 nothing is concatenated from the chunks.
 
 A failure before the first chunk tries the next engine once, as a plain call does; after the
-first chunk the text is already on its way to the client, so a failure is an UpstreamError and
-nothing is recorded. A generation the engine aborts (a weight update) continues from its tokens
+first chunk the text is already on its way to the client, so a failure is an UpstreamError (a
+stream past `gateway.request_timeout_s`: a 504 `engine_timeout` naming it) and nothing is
+recorded. A generation the engine aborts (a weight update) continues from its tokens
 (partial.py) and its text runs on.
 """
 
@@ -27,7 +28,12 @@ from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.gateway.engines.generation import Generation, parse_generation
 from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
-from flywheel.gateway.engines.timeouts import is_timeout, note_timeout, timeout_error
+from flywheel.gateway.engines.timeouts import (
+    is_timeout,
+    note_timeout,
+    stream_timeout_error,
+    timeout_error,
+)
 
 OnText = Callable[[str], None]
 """Called with the cumulative text of each chunk, in order."""
@@ -85,6 +91,8 @@ async def generate_stream(
         UpstreamError: every tried engine failed, the stream broke or reported an error after
             its first chunk, or the engine aborted the generation more than
             `partial.MAX_ABORTS` times (or once, when it has a grammar or output penalty).
+        EngineTimeoutError: no engine sent a first chunk within `gateway.request_timeout_s`,
+            or the stream ran past it after its first chunk (504 `engine_timeout`).
     """
     shown = ""
 
@@ -176,8 +184,10 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
                 last = chunk
                 on_text(str(chunk.get("text", "")))
     except (aiohttp.ClientError, TimeoutError) as exc:
-        if last is None and is_timeout(exc):
-            raise _TimedOut(repr(exc)) from exc
+        if is_timeout(exc):
+            if last is None:
+                raise _TimedOut(repr(exc)) from exc
+            raise stream_timeout_error(url, pool.timeout_s) from exc
         raise _fail(last, repr(exc)) from exc
     if last is None:
         raise _Failed("the stream ended without a chunk")

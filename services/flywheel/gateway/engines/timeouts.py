@@ -45,3 +45,16 @@ def timeout_error(failures: list[str], timeout_s: float) -> EngineTimeoutError:
         f"gateway.security.request_timeout_s) ({'; '.join(failures)})",
         code="engine_timeout",
     )
+
+
+def stream_timeout_error(url: str, timeout_s: float) -> EngineTimeoutError:
+    """The client's 504 when a streamed call ran past `gateway.request_timeout_s` after its
+    first chunk (its text already sent, so no other engine is tried): counted and logged as
+    any timed-out call, the message naming the setting."""
+    failure = note_timeout(url, timeout_s)
+    return EngineTimeoutError(
+        f"the engine's stream ran past gateway.request_timeout_s ({timeout_s:g} s) after it "
+        "started; nothing was recorded: ask for fewer tokens, send the request again, or raise "
+        f"gateway.request_timeout_s (with gateway.security.request_timeout_s) ({failure})",
+        code="engine_timeout",
+    )

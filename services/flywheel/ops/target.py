@@ -6,7 +6,8 @@ the configured addresses, which may be another stack's (one started from another
 default ports, a compose stack, a port-forwarded cluster). Then:
 
 - read-only commands (`status`, `engines list`, `keys list`) say so on stderr, naming the
-  addresses, and `status --json` carries `"source": "configured addresses"`;
+  addresses and where a `flywheel demo` stack runs from (`<out>/stack`), and `status --json`
+  carries `"source": "configured addresses"`;
 - commands that change the deployment (`engines add|remove`, `keys create|mark|revoke|reopen`)
   refuse, unless the deployment was named explicitly: `--config FILE` (or `FLYWHEEL_CONFIG`),
   or a Redis address (`redis.url`, e.g. `FLYWHEEL_REDIS__URL`).
@@ -24,6 +25,11 @@ RUNNING_STACK = "flywheel up"
 """`Target.source` of the `flywheel up` running from the state dir."""
 CONFIGURED = "configured addresses"
 """`Target.source` when no `flywheel up` runs from the state dir."""
+DEMO_HINT = (
+    "A stack that `flywheel demo` started runs from its `--out` folder's `stack/`: for "
+    "`make demo`, prefix the command with FLYWHEEL_STATE_DIR=runs/demo/stack."
+)
+"""Where to look instead: the demo's own stack is not in the default state dir."""
 
 
 @dataclass
@@ -51,7 +57,8 @@ class Target:
         named = "as configured" if self.explicit else "at the default addresses"
         return (
             f"flywheel: no `flywheel up` is running from {self.state_dir}; reading the deployment "
-            f"{named} (Redis {mask_secrets(self.redis_url)}), which may be another stack's"
+            f"{named} (Redis {mask_secrets(self.redis_url)}), which may be another stack's. "
+            + DEMO_HINT
         )
 
     def refuse_change(self, what: str) -> None:
@@ -68,7 +75,7 @@ class Target:
             f"{what} in the deployment at the default addresses (Redis "
             f"{mask_secrets(self.redis_url)}), which may be another stack's. Start this folder's "
             "stack with `flywheel up`, or name the deployment: pass --config FILE, or set "
-            f"FLYWHEEL_REDIS__URL={mask_secrets(self.redis_url)} to act on that one."
+            f"FLYWHEEL_REDIS__URL={mask_secrets(self.redis_url)} to act on that one. " + DEMO_HINT
         )
 
 

@@ -6,9 +6,8 @@ when freed; smaller ones come from the heap, which keeps what is freed for later
 The threshold starts at 128 KiB but glibc raises it (up to 32 MiB) each time such a mapping is
 freed, so after the first weight swap or optimizer step most tensors of a model land in the heap,
 and a freed copy of the weights (a swapped-out version, a written checkpoint snapshot, last
-step's gradients) stays in the process's RSS. Measured on the engine's disk swap of
-SmolLM2-135M (fp32, 538 MB): two swaps left the RSS at 1868 MiB with the dynamic threshold and at
-1031 MiB with a fixed 1 MiB one (`bench/demo_memory.py` measures the whole stack).
+step's gradients) stays in the process's RSS (`tests/unit/core/test_heap.py` shows both;
+`bench/demo_memory.py` measures the whole stack).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class HotPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = MODELS.get(scope.get("path", "")[-20:].rpartition("/v1/")[2])  # by its tail
         hot, session_id = (False, None) if model is None else route(scope, TAILS[model])
-        if not hot:
+        if model is None or not hot:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []

@@ -312,9 +312,14 @@ async def _paths(client: Driver, target: str, k: int) -> list[str]:
     route = ROUTES.get(target.split("-")[0], "/v1/chat/completions")
     if "recorded" not in target:
         return [route] * k
-    made = await asyncio.gather(
-        *[client.post("/v1/sessions", {"group_id": "bench"}) for _ in range(k)]
-    )
+    made: list[tuple[int, dict[str, str]]] = []
+    for start in range(0, k, client.concurrency):  # no POST waits long for a connection
+        made += await asyncio.gather(
+            *[
+                client.post("/v1/sessions", {"group_id": "bench"})
+                for _ in range(min(client.concurrency, k - start))
+            ]
+        )
     return [f"/s/{body['session_id']}{route}" for _, body in made]
 
 

@@ -352,6 +352,21 @@ async def cell(
     return got[target]
 
 
+async def settle(pids: list[int], quiet_s: float = 0.001, timeout_s: float = 2.0) -> None:
+    """Wait until the processes `pids` are quiet: under `quiet_s` CPU seconds over 20 ms (or
+    `timeout_s` passed). A target's processes may still be busy with a slice's last requests
+    when their answers are in (Redis applying the last writes, work the gateway does after
+    answering); without this, that work would be counted in the next target's slice."""
+    deadline = time.monotonic() + timeout_s
+    before = _cpu_s(pids)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        now = _cpu_s(pids)
+        if now - before < quiet_s:
+            return
+        before = now
+
+
 async def level(
     urls: dict[str, str],
     pids: dict[str, list[int]],
@@ -372,13 +387,16 @@ async def level(
         for t in order:
             warm = await _paths(drivers[t], t, 2 * concurrency)
             await drivers[t].drain(warm, _body(t))
+        everyone = sorted({pid for t in order for pid in pids[t]})
         for size in sizes:
             for t in order:
                 timed = await _paths(drivers[t], t, size)
+                await settle(everyone)  # the previous slice's leftover work counted there
                 cpu0, t0 = _cpu_s(pids[t]), time.perf_counter()
                 latencies, errors = await drivers[t].drain(timed, _body(t))
                 lat, err, wall, cpu = acc[t]
                 wall[0] += time.perf_counter() - t0
+                await settle(everyone)  # work a request leaves after its answer: this slice's
                 cpu[0] += _cpu_s(pids[t]) - cpu0
                 lat += latencies
                 err[0] += errors

@@ -337,3 +337,18 @@ def test_deps_with_other_engines_leave_the_original_as_it_was(redis_client, pref
     for f in dataclasses.fields(deps):
         if f.name != "engines":
             assert getattr(probed, f.name) is getattr(deps, f.name), f.name
+
+
+def test_a_missing_key_names_both_headers_the_gateway_reads(redis_client, prefix, renderer):
+    """An Anthropic client sends its key as `x-api-key`, an OpenAI one as a bearer token: the
+    refusal of a request with neither names both, so either reader knows what to send."""
+    client, engine, _ = _env(redis_client, prefix, renderer, ["Hi."])
+    KeyStore(redis_client, prefix).create("agent", name="t")  # keys are now required
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+    for path, data in (("/v1/messages", body), ("/v1/chat/completions", body)):
+        resp = client.post(path, json=data)
+        assert resp.status_code == 401, resp.text
+        err = resp.json()
+        message = err["error"]["message"]
+        assert "`Authorization: Bearer <key>`" in message and "`x-api-key: <key>`" in message
+    assert engine.calls == []

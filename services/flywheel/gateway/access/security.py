@@ -216,8 +216,8 @@ class SecurityMiddleware:
             return ANONYMOUS
         REJECTED.labels("unauthenticated").inc()
         raise AuthenticationError(
-            "missing API key: send `Authorization: Bearer <key>` (create keys with `flywheel "
-            "keys create`)"
+            "missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>` (create "
+            "keys with `flywheel keys create`)"
             if not secret
             else "invalid or revoked API key",
             code="invalid_api_key",

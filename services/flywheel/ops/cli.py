@@ -22,6 +22,7 @@ from typing import cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
+from flywheel.ops.down import cmd_down
 from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
 
 
@@ -411,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(func=cmd_up)
+    sub.add_parser(
+        "down",
+        help="stop the stack that runs from the state dir (flywheel up, or a demo's own)",
+        parents=[common],
+    ).set_defaults(func=cmd_down)
     demo = sub.add_parser("demo", help="run the training demo", parents=[common])
     demo.add_argument("--steps", type=_positive_int, default=30, help="trainer steps (default 30)")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")

@@ -282,9 +282,11 @@ class DemoRunner:
             f"eval before training: held-out greedy accuracy {eval_before:.3f} "
             f"(weight version {version0})"
         )
+        lead = 1 + self.staleness
+        start = f"{version0} + s - {lead}" if version0 else f"s - {lead}"
         self.echo(
             f"mode {self.cfg.mode}: rollouts of step s begin once the engine serves weight "
-            f"version {version0} + s - 1 - {self.staleness}"
+            f"version {start} (or later)"
         )
         batches = self.batches()
         steps, rewards = [], []

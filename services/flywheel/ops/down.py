@@ -1,0 +1,82 @@
+"""`flywheel down`: stop the stack that runs from the state dir, from another shell.
+
+The stack's state file (`<state_dir>/stack.json`) names the process that supervises it:
+`flywheel up`, or `flywheel demo` on a stack of its own. That process gets SIGTERM, which stops
+its services in reverse order as Ctrl-C does, and `down` waits for it to exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flywheel.core.settings import load_settings_or_exit
+from flywheel.ops.stack import STATE_FILE
+
+WAIT_S = 180.0
+"""Seconds `flywheel down` waits for the stack's process to exit (its services stop first)."""
+
+
+def stack_pid(state_dir: str) -> int | None:
+    """The pid of the live process that supervises the stack of `state_dir`, else None (no
+    state file, an unreadable one, or a process that has exited)."""
+    try:
+        state = json.loads((Path(state_dir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = state.get("pid") if isinstance(state, dict) else None
+    return pid if isinstance(pid, int) and pid > 0 and not exited(pid) else None
+
+
+def exited(pid: int) -> bool:
+    """Whether process `pid` is gone or a zombie (exited, not yet reaped by its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Run `flywheel down`: SIGTERM to the stack's process, then wait for it to exit.
+
+    Returns 0 once it exited, 1 when no stack runs from the state dir or it did not exit within
+    `WAIT_S` seconds (with a line on stderr saying what to do).
+    """
+    settings = load_settings_or_exit(args.config)
+    pid = stack_pid(settings.state_dir)
+    if pid is None:
+        print(
+            f"flywheel: no stack runs from state dir {settings.state_dir} (no live "
+            f"{Path(settings.state_dir) / STATE_FILE}). A demo's own stack runs from "
+            "<out>/stack: FLYWHEEL_STATE_DIR=runs/demo/stack flywheel down",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"stopping the stack of {settings.state_dir} (process {pid})...", flush=True)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if exited(pid):
+            print("stopped.")
+            return 0
+        time.sleep(0.5)
+    print(
+        f"flywheel: process {pid} did not exit within {WAIT_S:.0f} s; its services may still be "
+        f"stopping. Check again, or `kill -9 {pid}` and then its services' processes.",
+        file=sys.stderr,
+    )
+    return 1

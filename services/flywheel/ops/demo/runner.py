@@ -283,10 +283,10 @@ class DemoRunner:
             f"(weight version {version0})"
         )
         lead = 1 + self.staleness
-        start = f"{version0} + s - {lead}" if version0 else f"s - {lead}"
+        first = f"{version0} + s - {lead}" if version0 else f"s - {lead}"
         self.echo(
             f"mode {self.cfg.mode}: rollouts of step s begin once the engine serves weight "
-            f"version {start} (or later)"
+            f"version {first} (or later)"
         )
         batches = self.batches()
         steps, rewards = [], []

@@ -70,10 +70,9 @@ def one_step(model_dir: Path, strategy: str, world: World | None):
     process, same layout; tests/unit/trainer/test_shared_prefix.py compares it with padded)."""
     torch.manual_seed(0)
     model = load_model(model_dir)
-    strategy, variant = strategy.split("_") if strategy.endswith(("_packed", "_shared")) else (
-        strategy,
-        "",
-    )
+    variant = ""
+    if strategy.endswith(("_packed", "_shared")):
+        strategy, variant = strategy.rsplit("_", 1)
     trained = shard_policy(model) if strategy == "fsdp2" else model
     optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2)
     batch, cfg = batch_and_config(shared_prompt=variant == "shared")

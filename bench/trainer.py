@@ -162,6 +162,23 @@ def step_child(args: argparse.Namespace, precision: str) -> dict:
     }
 
 
+def timed_accumulate(model, batch, cfg, repeats: int):  # noqa: ANN001, ANN201
+    """(fastest of `repeats` timed seconds, its `Accumulated`) of forward + backward of every
+    micro-batch of `batch` (`accumulate`), after a one-sample warm-up."""
+    from flywheel.trainer.algorithms.losses import normalizer_for
+    from flywheel.trainer.step import accumulate
+
+    norm = normalizer_for(batch.loss_mask_BT)
+    accumulate(model, batch.rows(0, 1), cfg, norm)  # warm-up: one sample
+    times = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        acc = accumulate(model, batch, cfg, norm)
+        times.append(time.perf_counter() - t0)
+    return min(times), acc
+
+
 def layout_child(args: argparse.Namespace, layout: str) -> dict:
     """Forward + backward seconds of all micro-batches (`accumulate`; the AdamW step does not
     depend on the layout) and the decoder padding share of one layout on spread lengths."""
@@ -169,9 +186,8 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
 
     from flywheel.core.paths import resolve_model_path
     from flywheel.core.trainer_settings import BatchSettings
-    from flywheel.trainer.algorithms.losses import normalizer_for
     from flywheel.trainer.sources import FakeSource
-    from flywheel.trainer.step import StepConfig, accumulate, prepare_batch, split_micro_batches
+    from flywheel.trainer.step import StepConfig, prepare_batch, split_micro_batches
     from flywheel.trainer.weights import load_model
 
     model = load_model(resolve_model_path(args.model))
@@ -200,16 +216,9 @@ def layout_child(args: argparse.Namespace, layout: str) -> dict:
     positions = (
         real if cfg.packed else float(sum(mb.size * mb.input_ids_BT.shape[1] for mb in parts))
     )
-    norm = normalizer_for(batch.loss_mask_BT)
-    accumulate(model, batch.rows(0, 1), cfg, norm)  # warm-up: one short sample
-    times = []
-    for _ in range(args.repeats):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        acc = accumulate(model, batch, cfg, norm)
-        times.append(time.perf_counter() - t0)
+    seconds, acc = timed_accumulate(model, batch, cfg, args.repeats)
     return {
-        "step_s": min(times),
+        "step_s": seconds,
         "tokens": real,
         "positions": positions,
         "micro_batches": len(parts),
@@ -226,9 +235,8 @@ def prefix_child(args: argparse.Namespace, layout: str) -> dict:
 
     from flywheel.core.paths import resolve_model_path
     from flywheel.core.trainer_settings import BatchSettings
-    from flywheel.trainer.algorithms.losses import normalizer_for
     from flywheel.trainer.sources import FakeSource
-    from flywheel.trainer.step import StepConfig, accumulate, prepare_batch
+    from flywheel.trainer.step import StepConfig, prepare_batch
     from flywheel.trainer.weights import load_model
 
     torch.manual_seed(0)
@@ -248,16 +256,9 @@ def prefix_child(args: argparse.Namespace, layout: str) -> dict:
         groups.append(members)
     cfg = StepConfig(batch=BatchSettings(micro_batch_size=args.group_size, layout=layout))
     batch, _ = prepare_batch(groups, cfg)
-    norm = normalizer_for(batch.loss_mask_BT)
-    accumulate(model, batch.rows(0, 1), cfg, norm)  # warm-up: one sample
-    times = []
-    for _ in range(args.repeats):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        acc = accumulate(model, batch, cfg, norm)
-        times.append(time.perf_counter() - t0)
+    seconds, acc = timed_accumulate(model, batch, cfg, args.repeats)
     return {
-        "step_s": min(times),
+        "step_s": seconds,
         "tokens": float(batch.attention_mask_BT.sum()),
         "loss": acc.loss,
         "peak_mib": max_rss_mib(),

@@ -258,6 +258,11 @@ def test_auth_errors_are_anthropic_errors_and_x_api_key_is_accepted(redis_client
     assert client.post("/v1/messages", json=body, headers={"x-api-key": key}).status_code == 200
     bearer = {"Authorization": f"Bearer {key}"}
     assert client.post("/v1/messages", json=body, headers=bearer).status_code == 200
+    # a Messages path the gateway does not serve is Anthropic's 404 (Message Batches)
+    batches = client.post("/v1/messages/batches", json={"requests": []}, headers=bearer)
+    assert batches.status_code == 404
+    assert batches.json()["type"] == "error"
+    assert batches.json()["error"]["type"] == "not_found_error"
     # other routes keep OpenAI's error format
     chat = client.post("/v1/chat/completions", json={"messages": []}, headers=bearer)
     assert set(chat.json()) == {"error"} and chat.json()["error"]["type"] == "invalid_request_error"

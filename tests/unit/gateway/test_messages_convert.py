@@ -286,4 +286,6 @@ def test_error_mapping_and_paths():
         "error": {"type": "authentication_error", "message": "bad key"},
     }
     assert is_messages_path("/v1/messages") and is_messages_path("/s/x/v1/messages/count_tokens")
+    assert is_messages_path("/v1/messages/batches")
     assert not is_messages_path("/v1/chat/completions") and not is_messages_path("/s/x")
+    assert not is_messages_path("/v1/messagesx")

@@ -3,7 +3,7 @@
 The rest of the gateway answers errors in OpenAI's format (core/http_errors.py), from the
 routes, FastAPI's validation and the security middleware (keys, limits, body checks) alike.
 `AnthropicErrors`, the outermost middleware, rewrites those answers on the Messages paths
-(`/v1/messages`, `/v1/messages/count_tokens`, and their `/s/<id>/` forms): same status, same
+(`/v1/messages` and every path under it, and their `/s/<id>/` forms): same status, same
 message, Anthropic's error type for the status (`error_type`). Every other path and every
 successful answer passes through untouched (a stream's body is never read).
 """
@@ -50,10 +50,12 @@ def anthropic_error(status: int, message: str) -> dict[str, Any]:
 
 
 def is_messages_path(path: str) -> bool:
-    """`/v1/messages`, `/v1/messages/count_tokens`, or either under `/s/<session id>`."""
+    """`/v1/messages` or any path under it (`/v1/messages/count_tokens`; one the gateway does
+    not serve, such as `/v1/messages/batches`, gets Anthropic's 404), also under
+    `/s/<session id>`."""
     if path.startswith("/s/"):
         path = path[path.find("/", 3) :] if path.find("/", 3) > 0 else ""
-    return path in PATHS
+    return path in PATHS or path.startswith("/v1/messages/")
 
 
 def _message_of(body: bytes) -> str:

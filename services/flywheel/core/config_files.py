@@ -162,6 +162,32 @@ def _complex_kind(model: Any, parts: list[str]) -> str | None:
     return None
 
 
+def known_sections(model: Any) -> list[str]:
+    """The names of `model`'s settings sections (its fields that are settings classes)."""
+    fields = getattr(model, "model_fields", {})
+    return sorted(name for name, f in fields.items() if hasattr(f.annotation, "model_fields"))
+
+
+def unknown_file_sections(model: Any, data: Mapping[str, Any], path: str) -> str:
+    """Why a config file's top-level key would be refused, naming what it may be: "" when every
+    key is a setting of `model` (a section such as `gateway`, or a top-level one such as
+    `state_dir`), else one message listing the unknown keys, the known sections and the
+    top-level settings.
+
+    Example: `[gatway]` -> "config file f.toml: no settings section 'gatway'; known sections:
+    engine, fleet, gateway, ...; top-level settings: log_level, state_dir"."""
+    fields = getattr(model, "model_fields", {})
+    unknown = [repr(key) for key in data if key not in fields]
+    if not unknown:
+        return ""
+    sections = known_sections(model)
+    top = sorted(name for name in fields if name not in sections)
+    return (
+        f"config file {path}: no settings section {', '.join(unknown)}; known sections: "
+        f"{', '.join(sections)}; top-level settings: {', '.join(top)}"
+    )
+
+
 def unknown_env_sections(
     model: Any,
     environ: Mapping[str, str] | None = None,
@@ -182,8 +208,7 @@ def unknown_env_sections(
         "" when every such variable names a known section, else the lines to show.
     """
     environ = os.environ if environ is None else environ
-    fields = getattr(model, "model_fields", {})
-    sections = sorted(name for name, f in fields.items() if hasattr(f.annotation, "model_fields"))
+    sections = known_sections(model)
     lines = []
     for name in sorted(environ):
         upper = name.upper()

@@ -29,6 +29,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     mask_secrets,
     read_config_file,
     unknown_env_sections,
+    unknown_file_sections,
 )
 from flywheel.core.engine_settings import EngineSettings
 from flywheel.core.fleet import FleetSettings
@@ -501,8 +502,9 @@ def load_settings(
 
     Raises:
         FileNotFoundError: the config file does not exist.
-        ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections, or
-            a `FLYWHEEL_<SECTION>__...` variable names no known section.
+        ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections, has
+            a top-level key that is no setting, or a `FLYWHEEL_<SECTION>__...` variable names no
+            known section.
         pydantic.ValidationError: a value is invalid or a key is unknown (its `loc` names the
             field; `describe_validation_error` formats it).
     """
@@ -516,6 +518,9 @@ def load_settings(
     data: dict[str, Any] = {}
     if path:
         data = read_config_file(path)
+        unknown_in_file = unknown_file_sections(FlywheelSettings, data, str(path))
+        if unknown_in_file:
+            raise ConfigFileError(unknown_in_file)
     for section, values in overrides.items():
         if isinstance(values, dict):
             data.setdefault(section, {}).update(values)

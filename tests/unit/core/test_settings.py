@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from flywheel.core.settings import load_settings
+from flywheel.core.settings import ConfigFileError, load_settings
 
 
 def test_defaults_follow_the_port_conventions():
@@ -38,7 +38,7 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path):
     with pytest.raises(ValidationError, match="learning_rate"):
         load_settings(cfg)
     cfg.write_text("[nonsense]\nx = 1\n")
-    with pytest.raises(ValidationError, match="nonsense"):
+    with pytest.raises(ConfigFileError, match="nonsense"):
         load_settings(cfg)
 
 
@@ -66,6 +66,20 @@ def test_misspelled_section_in_environment_is_refused(monkeypatch, name):
     with pytest.raises(ConfigFileError, match=name) as info:
         load_settings()
     assert "known sections: engine, fleet, gateway" in str(info.value)
+
+
+def test_misspelled_section_in_a_config_file_names_the_known_ones(tmp_path):
+    from flywheel.core.settings import ConfigFileError
+
+    path = tmp_path / "flywheel.toml"
+    path.write_text("state_dir = '.flywheel'\n[gatway]\nport = 8001\n")
+    with pytest.raises(ConfigFileError) as info:
+        load_settings(path)
+    text = str(info.value)
+    assert f"config file {path}: no settings section 'gatway'" in text
+    assert "known sections: engine, fleet, gateway" in text and "state_dir" in text
+    path.write_text("state_dir = '.flywheel'\n[gateway]\nport = 8001\n")
+    assert load_settings(path).gateway.port == 8001
 
 
 def test_non_setting_flywheel_variables_are_left_alone(monkeypatch):

@@ -20,14 +20,13 @@ from flywheel.trainer.distributed import World
 from flywheel.trainer.fleet_push import shared_fleet
 from flywheel.trainer.fsdp import ShardedPolicy
 from flywheel.trainer.leases import LeaseKeeper, NullLeases
+from flywheel.trainer.precision import native_bf16, resolve_precision
 from flywheel.trainer.sources import SampleSource
 from flywheel.trainer.step import (
     StepConfig,
     build_optimizer,
     build_scheduler,
-    native_bf16,
     prepare_batch,
-    resolve_precision,
     train_step,
 )
 from flywheel.trainer.telemetry import MetricsSink, TrainerStatus

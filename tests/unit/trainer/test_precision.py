@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from flywheel.core.trainer_settings import TrainerSettings
-from flywheel.trainer import step
-from flywheel.trainer.step import StepConfig, resolve_precision
+from flywheel.trainer import precision as precision_module
+from flywheel.trainer.precision import resolve_precision
+from flywheel.trainer.step import StepConfig
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,7 @@ from flywheel.trainer.step import StepConfig, resolve_precision
     ],
 )
 def test_precision_resolution(monkeypatch, precision, native, device, bf16, says):
-    monkeypatch.setattr(step, "native_bf16", lambda device: native)
+    monkeypatch.setattr(precision_module, "native_bf16", lambda device: native)
     on, why = resolve_precision(precision, torch.device(device))
     assert on is bf16
     assert says in why

@@ -8,7 +8,6 @@ its services in reverse order as Ctrl-C does, and `down` waits for it to exit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -16,38 +15,10 @@ import time
 from pathlib import Path
 
 from flywheel.core.settings import load_settings_or_exit
-from flywheel.ops.stack import STATE_FILE
+from flywheel.ops.stack import STATE_FILE, process_alive, stack_state
 
 WAIT_S = 180.0
 """Seconds `flywheel down` waits for the stack's process to exit (its services stop first)."""
-
-
-def stack_pid(state_dir: str) -> int | None:
-    """The pid of the live process that supervises the stack of `state_dir`, else None (no
-    state file, an unreadable one, or a process that has exited)."""
-    try:
-        state = json.loads((Path(state_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    pid = state.get("pid") if isinstance(state, dict) else None
-    return pid if isinstance(pid, int) and pid > 0 and not exited(pid) else None
-
-
-def exited(pid: int) -> bool:
-    """Whether process `pid` is gone or a zombie (exited, not yet reaped by its parent)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    except OSError:  # no procfs: ask the kernel whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -57,8 +28,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     `WAIT_S` seconds (with a line on stderr saying what to do).
     """
     settings = load_settings_or_exit(args.config)
-    pid = stack_pid(settings.state_dir)
-    if pid is None:
+    state = stack_state(settings.state_dir)
+    if state is None:
         print(
             f"flywheel: no stack runs from state dir {settings.state_dir} (no live "
             f"{Path(settings.state_dir) / STATE_FILE}). A demo's own stack runs from "
@@ -66,11 +37,12 @@ def cmd_down(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    pid = int(state["pid"])
     print(f"stopping the stack of {settings.state_dir} (process {pid})...", flush=True)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        if exited(pid):
+        if not process_alive(pid):
             print("stopped.")
             return 0
         time.sleep(0.5)

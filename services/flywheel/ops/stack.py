@@ -453,8 +453,9 @@ def _warn(message: str) -> None:
     print(f"flywheel: {message}", file=sys.stderr)
 
 
-def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str, str] | None:
-    """URLs of a stack started by `flywheel up` that is still alive, else None.
+def stack_state(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str, str] | None:
+    """The state file of the stack of `state_dir` (`flywheel up`'s, or a demo's own) when the
+    process it names is alive, else None.
 
     A state file that cannot be read as a JSON object (truncated, edited) is no running stack:
     `warn` gets one line naming it.
@@ -472,7 +473,14 @@ def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[s
             "stack. Delete it if no `flywheel up` runs from that state dir."
         )
         return None
-    if not _alive(state.get("pid")) or not http_ok(f"{state.get('gateway', '')}/healthz")():
+    return state if process_alive(state.get("pid")) else None
+
+
+def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str, str] | None:
+    """URLs of a stack started by `flywheel up` that is still alive and serving, else None
+    (`stack_state`, and the gateway answers /healthz)."""
+    state = stack_state(state_dir, warn)
+    if state is None or not http_ok(f"{state.get('gateway', '')}/healthz")():
         return None
     return state
 
@@ -487,14 +495,21 @@ def _last_error_line(log: str) -> str:
     return ""
 
 
-def _alive(pid: object) -> bool:
-    """Whether process `pid` exists (a stale state file names a dead `flywheel up`)."""
+def process_alive(pid: object) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie, exited but not yet reaped by
+    its parent, counts as exited; a stale state file names a dead process)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"

@@ -17,6 +17,22 @@ from .up_cli import clean_env, up_command
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+def read_until(proc: subprocess.Popen, marker: str, timeout_s: float = 300) -> str:
+    """`proc`'s output up to and including the first line containing `marker` (a leading "\n"
+    in `marker` matches a line's start), or all of it if it ends or `timeout_s` passes first;
+    lines joined with a newline in front of each."""
+    lines = [""]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in "\n" + line:
+            break
+    return "\n".join(x.rstrip("\n") for x in lines)
+
+
 def test_sigterm_stops_the_demos_own_stack(tmp_path, tiny_model_dir):
     cfg = tmp_path / "flywheel.toml"
     cfg.write_text(
@@ -34,17 +50,9 @@ def test_sigterm_stops_the_demos_own_stack(tmp_path, tiny_model_dir):
         text=True,
     )
     children: list[psutil.Process] = []
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # the first step's line: the whole stack is up
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("step "):
-                break
-        assert any(ln.startswith("step ") for ln in lines), "".join(lines)
+        out = read_until(proc, "\nstep ")  # the first step's line: the whole stack is up
+        assert "\nstep " in out, out
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         for service in ("redis-server", "flywheel.engine", "flywheel.gateway", "flywheel.trainer"):
@@ -83,16 +91,8 @@ def test_flywheel_down_stops_the_stack_of_the_state_dir(tmp_path, tiny_model_dir
     )
     children: list[psutil.Process] = []
     try:
-        lines: list[str] = []
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "flywheel is up" in line:
-                break
-        assert "flywheel is up" in "".join(lines), "".join(lines)
+        out = read_until(up, "flywheel is up")
+        assert "flywheel is up" in out, out
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 5  # redis-server, engine, gateway, reward, trainer
         stopped = subprocess.run(down, capture_output=True, text=True, env=clean_env(), timeout=240)

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(settings.log_level, service="gateway")
     log.info("settings %s", settings.dump())
 
+    from flywheel.core.tokenizer_only import without_torch  # noqa: PLC0415
+
+    without_torch()  # the gateway only tokenizes: transformers without torch's 240 MiB
     import uvicorn  # noqa: PLC0415  (heavy imports after settings parse)
 
     from flywheel.core.fleet import Fleet, static_urls  # noqa: PLC0415

@@ -352,9 +352,21 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
+    """Print the resolved settings; exit 1 with the trainer's message when it would refuse them.
+    A `[trainer.algorithm]` other than the default is checked by the trainer's own code, as
+    `flywheel up` does before it starts a service (parts' parameters, the inputs they need), so
+    what `config show` prints is what `up` accepts; the default needs no check (and no torch)."""
     from flywheel.core.settings import mask_secrets  # noqa: PLC0415
+    from flywheel.ops.stack import trainer_settings_problem  # noqa: PLC0415
 
-    data = mask_secrets(_settings(args).model_dump(mode="json"))
+    settings = _settings(args)
+    algorithm = settings.trainer.algorithm
+    default = algorithm == type(algorithm)()
+    problem = None if default else trainer_settings_problem(os.environ, args.config)
+    if problem is not None:
+        print(f"flywheel: {problem}", file=sys.stderr)
+        return 1
+    data = mask_secrets(settings.model_dump(mode="json"))
     if args.format == "yaml":
         import yaml  # noqa: PLC0415
 
@@ -404,11 +416,30 @@ def _cuda_available() -> bool:
     return done.stdout.strip() == "1"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose subcommands refuse arguments they do not know with their own
+    usage (`flywheel up --bogus` shows `usage: flywheel up ...`), not the top-level one that
+    argparse shows for whatever a subcommand leaves over."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse `args`; the innermost parser that is left arguments it does not know exits.
+
+        Raises:
+            SystemExit: exit status 2, this parser's usage and `unrecognized arguments: ...`.
+        """
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(func=cmd_up)

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -387,16 +387,9 @@ class Stack:
         Raises:
             ConfigurationError: the trainer's check failed (its message).
         """
-        done = subprocess.run(
-            [sys.executable, "-m", "flywheel.trainer", "--check-settings"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
-            message = lines[-1] if lines else f"exit code {done.returncode}"
-            raise ConfigurationError(message.removeprefix("flywheel-trainer: "))
+        problem = trainer_settings_problem(self.env)
+        if problem is not None:
+            raise ConfigurationError(problem)
 
     def exited(self) -> list[Service]:
         """The services whose process has exited (`Service.exit_report` says how, with the
@@ -513,3 +506,26 @@ def process_alive(pid: object) -> bool:
             return True
         return True
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def trainer_settings_problem(
+    env: Mapping[str, str], config_file: str | os.PathLike[str] | None = None
+) -> str | None:
+    """Why the trainer would refuse its algorithm settings (unknown or dropped
+    `trainer.algorithm.params`, parts whose inputs are missing), or None: the trainer's own
+    check, `python -m flywheel.trainer --check-settings`, run with `env` (and `--config
+    config_file` when given), so torch is imported in that process only.
+
+    Returns:
+        The trainer's message without its program prefix, e.g. "invalid [trainer] settings:
+        algorithm part 'ppo_clip' takes no parameters; ...", or None when it accepts them.
+    """
+    command = [sys.executable, "-m", "flywheel.trainer", "--check-settings"]
+    if config_file is not None:
+        command += ["--config", os.fspath(config_file)]
+    done = subprocess.run(command, env=dict(env), capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    message = lines[-1] if lines else f"exit code {done.returncode}"
+    return message.removeprefix("flywheel-trainer: ")

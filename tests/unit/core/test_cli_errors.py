@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from http.server import HTTPServer, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,43 @@ def test_demo_rejects_sizes_below_one_before_anything_starts(tmp_path, capsys, f
     assert exc.value.code == 2
     assert f"argument {flag}: must be at least 1, got {value}" in capsys.readouterr().err
     assert not out.exists()  # no stack (or its state dir) was started
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["up", "--bogus"], "usage: flywheel up "),
+        (["config", "show", "--bogus"], "usage: flywheel config show "),
+        (["engines", "list", "--bogus"], "usage: flywheel engines list "),
+    ],
+)
+def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys, argv, usage):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err  # not the top-level `usage: flywheel [-h] {up,...}`
+    assert f"{usage.removeprefix('usage: ').strip()}: error: unrecognized arguments: --bogus" in err
+
+
+def test_config_show_refuses_algorithm_params_that_up_refuses(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        '[trainer.algorithm]\npolicy_loss = "ppo_clip"\n'
+        "[trainer.algorithm.params.ppo_clip]\nclip_epsilon_typo = 0.2\n"
+    )
+    assert cli.main(["config", "show", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing printed as if it were the resolved settings
+    assert "algorithm part 'ppo_clip' takes no parameters" in captured.err
+    assert "clip_epsilon_typo" in captured.err
+
+
+def test_config_show_accepts_a_recipe_the_trainer_accepts(capsys):
+    recipe = Path(__file__).parents[3] / "recipes" / "dapo.toml"
+    assert cli.main(["config", "show", "--config", str(recipe)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["trainer"]["algorithm"]["loss_aggregation"] == "token_mean"  # the file's
 
 
 def _sample(session: str):

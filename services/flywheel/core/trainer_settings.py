@@ -374,7 +374,9 @@ class TrainerSettings(Section):
     are emulated: measured 4.7x slower than fp32 per matmul and 2.7x per trainer step, so an
     explicit bf16_autocast there logs a warning."""
     gradient_checkpointing: bool = False
-    """Recompute decoder activations in backward (less memory, about 30% slower)."""
+    """Recompute decoder activations in backward (less memory, about 30% slower). It turns the
+    KV cache off in training, so the default `batch.layout` (shared_prefix) becomes padded, and
+    an explicit shared_prefix is refused."""
     threads: int = Field(0, ge=0)
     """torch CPU threads of the trainer; 0 = torch's default (every core). On a CPU machine that
     also runs the engine, giving each its share of the cores (`engine.threads`) keeps them from
@@ -430,4 +432,21 @@ class TrainerSettings(Section):
                 "trainer.batch.group_size >= 2, or an advantage that needs no group "
                 '(trainer.algorithm.advantage = "opd")'
             )
+        return self
+
+    @model_validator(mode="after")
+    def _layout_with_checkpointing(self) -> TrainerSettings:
+        """Gradient checkpointing turns the decoder's KV cache off in training (transformers
+        drops it per layer: a recomputed layer would append to it twice), and the shared-prefix
+        layout runs each suffix on its prompt's cache. The default layout gives way to padded
+        (same loss and gradients); an explicit shared_prefix is refused."""
+        if not self.gradient_checkpointing or self.batch.layout != "shared_prefix":
+            return self
+        if "layout" in self.batch.model_fields_set:
+            raise ValueError(
+                'trainer.batch.layout = "shared_prefix" runs each suffix on its prompt\'s KV '
+                "cache, which trainer.gradient_checkpointing = true turns off: set "
+                'trainer.batch.layout = "padded" or "packed", or gradient_checkpointing = false'
+            )
+        self.batch.layout = "padded"
         return self

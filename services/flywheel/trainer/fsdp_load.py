@@ -38,6 +38,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from flywheel.trainer.fsdp import ShardedPolicy, shard_policy
+from flywheel.trainer.weights import recompute_activations
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ def load_sharded_policy(
     """
     model = empty_model(path)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        recompute_activations(model)
     if frozen:
         model.requires_grad_(False).eval()
     root = shard_policy(model, reshard_root_after_forward=frozen)

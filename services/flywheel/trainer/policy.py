@@ -37,6 +37,7 @@ from flywheel.trainer.weights import (
     WeightsStore,
     load_model,
     load_training_state,
+    recompute_activations,
     resolve_device,
 )
 
@@ -126,7 +127,7 @@ def build_policy(settings: FlywheelSettings, world: World | None = None) -> Poli
     else:
         model = load_model(weights_path, s.device)
         if s.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            recompute_activations(model)
     if s.lora.rank > 0:
         from flywheel.trainer.lora import add_lora  # noqa: PLC0415 (peft is optional)
 

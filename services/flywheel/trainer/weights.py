@@ -93,6 +93,15 @@ def load_model(path: Path, device: str = "cpu") -> PreTrainedModel:
     return model
 
 
+def recompute_activations(model: PreTrainedModel) -> None:
+    """Turn on per-layer activation checkpointing (transformers' `activation_checkpointing_enable`,
+    `gradient_checkpointing_enable` before 5.x): decoder activations are recomputed in backward
+    instead of kept. It also turns the KV cache off in training (see
+    `TrainerSettings._layout_with_checkpointing`)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+
+
 class CheckpointStore:
     """Atomic step checkpoints in one folder.
 

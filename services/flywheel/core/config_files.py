@@ -221,3 +221,50 @@ def unknown_env_sections(
             f"  {name}: no settings section {section!r}; known sections: " + ", ".join(sections)
         )
     return "\n".join(lines)
+
+
+COMPOSE_VARIABLES = frozenset(
+    {"FLYWHEEL_TEACHER_ENABLED", "FLYWHEEL_TEACHER_ENGINE_URLS", "FLYWHEEL_TEACHER_MODEL"}
+)
+"""Variables docker-compose.yml reads itself (and passes on as `FLYWHEEL_TEACHER__ENABLED`,
+...): a shell may export them for `docker compose up`, so they are not taken for misspelled
+settings."""
+
+
+def single_underscore_settings(
+    model: Any, environ: Mapping[str, str] | None = None, prefix: str = "FLYWHEEL_"
+) -> str:
+    """Why a `FLYWHEEL_<SECTION>_<FIELD>` variable (one underscore after the section) would be
+    ignored: pydantic-settings reads only `FLYWHEEL_<SECTION>__<FIELD>`, so
+    `FLYWHEEL_GATEWAY_PORT=9000` would change nothing without a word. One line per variable
+    whose name is a known section, one underscore and a field of that section (the start of a
+    nested one too: `FLYWHEEL_TRAINER_OPTIM__LR`), naming the spelling that works; other
+    `FLYWHEEL_*` names (`FLYWHEEL_CONFIG`, `FLYWHEEL_STATE_DIR`, `COMPOSE_VARIABLES`) are not
+    looked at.
+
+    Example: FLYWHEEL_GATEWAY_PORT -> "  FLYWHEEL_GATEWAY_PORT: not read; the setting
+    gateway.port is FLYWHEEL_GATEWAY__PORT (two underscores after the section)".
+
+    Returns:
+        "" when there is none, else the lines to show.
+    """
+    environ = os.environ if environ is None else environ
+    fields = getattr(model, "model_fields", {})
+    lines = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith(prefix) or upper in COMPOSE_VARIABLES:
+            continue
+        rest = upper[len(prefix) :]
+        for section in known_sections(model):
+            head = f"{section.upper()}_"
+            if not rest.startswith(head) or rest.startswith(f"{head}_"):
+                continue
+            field = rest[len(head) :].split("__", 1)[0].lower()
+            if field in getattr(fields[section].annotation, "model_fields", {}):
+                fixed = f"{prefix}{section.upper()}__{rest[len(head) :]}"
+                lines.append(
+                    f"  {name}: not read; the setting {section}.{field} is {fixed} (two "
+                    "underscores after the section)"
+                )
+    return "\n".join(lines)

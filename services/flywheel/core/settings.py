@@ -28,6 +28,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     describe_validation_error,
     mask_secrets,
     read_config_file,
+    single_underscore_settings,
     unknown_env_sections,
     unknown_file_sections,
 )
@@ -503,11 +504,18 @@ def load_settings(
     Raises:
         FileNotFoundError: the config file does not exist.
         ConfigFileError: the file is not valid YAML/JSON/TOML or not a mapping of sections, has
-            a top-level key that is no setting, or a `FLYWHEEL_<SECTION>__...` variable names no
-            known section.
+            a top-level key that is no setting, a `FLYWHEEL_<SECTION>__...` variable names no
+            known section, or a `FLYWHEEL_<SECTION>_<FIELD>` variable (one underscore) names a
+            setting.
         pydantic.ValidationError: a value is invalid or a key is unknown (its `loc` names the
             field; `describe_validation_error` formats it).
     """
+    misspelled = single_underscore_settings(FlywheelSettings)
+    if misspelled:
+        raise ConfigFileError(
+            "FLYWHEEL_ variables with one underscore after the section are not settings (a "
+            f"misspelling would otherwise be ignored); rename or unset these:\n{misspelled}"
+        )
     unknown = unknown_env_sections(FlywheelSettings)
     if unknown:
         raise ConfigFileError(

@@ -90,6 +90,39 @@ def test_non_setting_flywheel_variables_are_left_alone(monkeypatch):
     assert load_settings().gateway.port == 8123
 
 
+@pytest.mark.parametrize(
+    ("name", "setting", "fixed"),
+    [
+        ("FLYWHEEL_GATEWAY_PORT", "gateway.port", "FLYWHEEL_GATEWAY__PORT"),
+        ("FLYWHEEL_TRAINER_OPTIM__LR", "trainer.optim", "FLYWHEEL_TRAINER__OPTIM__LR"),
+        ("flywheel_engine_threads", "engine.threads", "FLYWHEEL_ENGINE__THREADS"),
+    ],
+)
+def test_one_underscore_after_the_section_is_refused_naming_the_spelling(
+    monkeypatch, name, setting, fixed
+):
+    """pydantic-settings reads FLYWHEEL_GATEWAY__PORT only: FLYWHEEL_GATEWAY_PORT would change
+    nothing without a word."""
+    monkeypatch.setenv(name, "5")
+    with pytest.raises(ConfigFileError) as info:
+        load_settings()
+    assert f"{name}: not read; the setting {setting} is {fixed}" in str(info.value)
+
+
+def test_compose_variables_and_top_level_settings_are_not_taken_for_misspellings(monkeypatch):
+    """docker-compose.yml reads FLYWHEEL_TEACHER_ENABLED itself; FLYWHEEL_STATE_DIR is the
+    top-level setting state_dir; FLYWHEEL_STREAM_PREFIX (compose's) names no section."""
+    for name in (
+        "FLYWHEEL_TEACHER_ENABLED",
+        "FLYWHEEL_TEACHER_ENGINE_URLS",
+        "FLYWHEEL_STREAM_PREFIX",
+    ):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("FLYWHEEL_STATE_DIR", "/tmp/elsewhere")
+    settings = load_settings()
+    assert settings.state_dir == "/tmp/elsewhere" and settings.teacher.enabled is False
+
+
 def test_cli_names_a_misspelled_section_variable(monkeypatch):
     from flywheel.ops.cli import main
 

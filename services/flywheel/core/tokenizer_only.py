@@ -1,4 +1,4 @@
-"""Processes that only tokenize (the gateway) load `transformers` without torch.
+"""Processes that only tokenize (the gateway, the teacher) load `transformers` without torch.
 
 transformers 5 imports torch at `import transformers` whenever torch is installed, although
 its tokenizers and chat templates never use it: in the gateway that import alone held about

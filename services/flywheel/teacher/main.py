@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(settings.log_level, service="teacher")
     log.info("settings %s", settings.dump())
 
+    from flywheel.core.tokenizer_only import without_torch  # noqa: PLC0415
+
+    without_torch()  # the teacher only tokenizes (its model runs on an engine)
     from prometheus_client import start_http_server  # noqa: PLC0415
 
     from flywheel.core.judge_client import JudgeClient  # noqa: PLC0415

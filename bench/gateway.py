@@ -23,7 +23,8 @@ For each target and concurrency 1/16/64 (`--concurrency`): requests/s and p50/p9
 aiohttp client, bench/peers/request_loop.py), the latency each adds over `direct` (p50/p99,
 ms), and the CPU time the target's own processes spend per request (the proxy or gateway
 process; plus Redis for the recorded target; the stub's share is the same for all and
-excluded): user + system time of all their threads, in nanoseconds from
+excluded; the Redis share is also printed on its own, column `redis`): user + system time of
+all their threads, in nanoseconds from
 /proc/<pid>/task/<tid>/schedstat (in 10 ms ticks from /proc/<pid>/stat where the kernel lacks
 it). Ratios compare the gateway with the proxy (target: gateway-recorded within 1.5x of the
 proxy's overhead). On a loaded shared machine wall-clock latencies swing by several x between
@@ -40,8 +41,10 @@ shorter than that is mostly its ramp-up and drain.
 
 `--compare-rev REV` also runs the gateway of git revision REV (its `services/` tree exported to
 a temporary folder, same settings, same Redis and stub): target gateway-recorded-B, printed as
-the ratio of this tree's recorded CPU per request to REV's. `--targets` limits the run to some
-targets (e.g. `--targets gateway-recorded,gateway-recorded-B`).
+the ratio of this tree's recorded CPU per request to REV's; and target responses-B (REV's stored
+`/v1/responses`), whose ratio to gateway-B (REV's chat route) is printed beside this tree's
+responses / gateway. `--targets` limits the run to some targets (e.g. `--targets
+gateway-recorded,gateway-recorded-B` or `--targets gateway,responses,gateway-B,responses-B`).
 """
 
 from __future__ import annotations
@@ -260,8 +263,9 @@ def start(
         urls["gateway-B"], proc = _gateway(
             procs, work, "gateway-b", redis.url, stub, tokenizer, ab or {}, source_b
         )
-        urls["gateway-recorded-B"] = urls["gateway-B"]
+        urls["gateway-recorded-B"] = urls["responses-B"] = urls["gateway-B"]
         pids["gateway-B"], pids["gateway-recorded-B"] = [proc.pid], [proc.pid, redis.proc.pid]
+        pids["responses-B"] = [proc.pid, redis.proc.pid]
     if target_cpus is not None:
         for p in procs[1:]:  # all but the stub: the proxies and gateways
             pin(p.pid, target_cpus)
@@ -329,7 +333,9 @@ def _body(target: str) -> dict[str, object]:
     return {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(target.split("-")[0], BODY)
 
 
-def _stats(latencies: list[float], errors: int, wall: float, cpu: float) -> dict[str, float]:
+def _stats(
+    latencies: list[float], errors: int, wall: float, cpu: float, redis_cpu: float = 0.0
+) -> dict[str, float]:
     lat = sorted(latencies) or [float("nan")]
 
     def pct(q: float) -> float:
@@ -341,6 +347,7 @@ def _stats(latencies: list[float], errors: int, wall: float, cpu: float) -> dict
         "p99": pct(0.99),
         "errors": errors,
         "cpu_ms": cpu * 1000 / max(len(latencies), 1),
+        "redis_ms": redis_cpu * 1000 / max(len(latencies), 1),
     }
 
 
@@ -381,7 +388,8 @@ async def level(
     alike. Per target: requests/s, latency percentiles (ms), errors and CPU ms per request of
     its `pids`, summed over its slices."""
     sizes = [n // slices + (1 if i < n % slices else 0) for i in range(slices)]
-    acc = {t: ([], [0], [0.0], [0.0]) for t in order}  # latencies, errors, wall s, cpu s
+    # latencies, errors, wall s, cpu s, the part of it in Redis (a target's pids after the first)
+    acc = {t: ([], [0], [0.0], [0.0], [0.0]) for t in order}
     async with contextlib.AsyncExitStack() as stack:
         drivers = {t: await stack.enter_async_context(Driver(urls[t], concurrency)) for t in order}
         for t in order:
@@ -393,14 +401,19 @@ async def level(
                 timed = await _paths(drivers[t], t, size)
                 await settle(everyone)  # the previous slice's leftover work counted there
                 cpu0, t0 = _cpu_s(pids[t]), time.perf_counter()
+                redis0 = _cpu_s(pids[t][1:])
                 latencies, errors = await drivers[t].drain(timed, _body(t))
-                lat, err, wall, cpu = acc[t]
+                lat, err, wall, cpu, redis_cpu = acc[t]
                 wall[0] += time.perf_counter() - t0
                 await settle(everyone)  # work a request leaves after its answer: this slice's
                 cpu[0] += _cpu_s(pids[t]) - cpu0
+                redis_cpu[0] += _cpu_s(pids[t][1:]) - redis0
                 lat += latencies
                 err[0] += errors
-    return {t: _stats(lat, err[0], wall[0], cpu[0]) for t, (lat, err, wall, cpu) in acc.items()}
+    return {
+        t: _stats(lat, err[0], wall[0], cpu[0], redis_cpu[0])
+        for t, (lat, err, wall, cpu, redis_cpu) in acc.items()
+    }
 
 
 def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
@@ -511,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         pin(os.getpid(), cpus[0])
     ab = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.ab)} or None
     if ab is not None or args.compare_rev:
-        TARGETS.extend(["gateway-B", "gateway-recorded-B"])
+        TARGETS.extend(["gateway-B", "gateway-recorded-B", "responses-B"])
     if args.targets:
         wanted = args.targets.split(",")
         unknown = set(wanted) - set(TARGETS)

@@ -50,7 +50,7 @@ def report(
     revision of target gateway-recorded-B, if any."""
     lines = [
         f"{'target':<19}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'median':>8}{'errors':>8}"
+        f"{'+p50 ms':>9}{'+p99 ms':>9}{'cpu ms/req':>11}{'median':>8}{'redis':>7}{'errors':>8}"
     ]
     for c in levels:
         for t in targets:
@@ -59,9 +59,10 @@ def report(
             lines.append(
                 f"{t:<19}{c:>5}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
                 f"{r['p50'] - floor['p50']:>9.2f}{r['p99'] - floor['p99']:>9.2f}"
-                f"{r['cpu_ms']:>11.3f}{median_cpu(rounds, (t, c)):>8.3f}{r['errors']:>8.0f}"
+                f"{r['cpu_ms']:>11.3f}{median_cpu(rounds, (t, c)):>8.3f}"
+                f"{r.get('redis_ms', 0.0):>7.3f}{r['errors']:>8.0f}"
             )
-    if rev:
+    if rev and all(("gateway-recorded-B", c) in results for c in levels):
         lines.append("")
         lines.append(f"this tree / {rev} (recorded, cpu per request; target <= 1.0):")
         for c in levels:
@@ -160,8 +161,10 @@ ROUTE_COLUMNS = (
     ("store: false", "responses-unstored", "gateway"),
     ("messages", "messages", "gateway"),
     ("recorded", "messages-recorded", "gateway-recorded"),
+    ("responses at --compare-rev", "responses-B", "gateway-B"),
 )
-"""The columns of `route_table`: (heading, target, the chat target it is compared with)."""
+"""The columns of `route_table`: (heading, target, the chat target it is compared with; the
+last: the --compare-rev gateway's Responses over its own chat route)."""
 
 
 def route_table(rounds: Rounds, levels: tuple[int, ...]) -> list[str]:

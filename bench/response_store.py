@@ -5,9 +5,10 @@ against another git revision's, side by side in one run on one real Redis.
 
 Each round runs both stores, in alternating order, through `--puts` `ResponseStore.put` calls
 (a 1.5 KB stored value, the size of a short chat turn's) from `--concurrency` tasks on one
-event loop, as the gateway's concurrent requests make them. Reported: this process's CPU
-microseconds per put (packing, the pipelined write, reading and settling the reply) and the
-Redis server's, best of the rounds and the median of the per-round ratios.
+event loop (uvloop, as in the gateway), as the gateway's concurrent requests make them.
+Reported: this process's CPU microseconds per put (packing, the pipelined write, reading and
+settling the reply) and the Redis server's, best of the rounds and the median of the per-round
+ratios.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 
 import psutil
+import uvloop
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = "services/flywheel/gateway/api/responses_store.py"
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(mods) if r % 2 == 0 else list(mods)[::-1]
                 for name in order:
                     s0 = sum(server.cpu_times()[:2])
-                    own = asyncio.run(one_round(mods[name], client, args.puts, args.concurrency))
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                        own = runner.run(one_round(mods[name], client, args.puts, args.concurrency))
                     red = sum(server.cpu_times()[:2]) - s0
                     cpu[name].append((own * 1e6 / args.puts, red * 1e6 / args.puts))
         finally:

@@ -194,6 +194,44 @@ def test_retrieve_and_delete_through_the_sdk_against_the_stack(smol_stack):
     assert err.value.body["param"] == "previous_response_id"
 
 
+def test_concurrent_chains_send_each_next_turn_the_moment_a_reply_arrives(smol_stack):
+    """Eight conversations at once through `openai.AsyncOpenAI`, each turn sent with the
+    previous reply's `previous_response_id` as soon as that reply is read (no pause between
+    them): every lookup finds the stored response (no 404), and each turn's prompt holds the
+    whole chain: its input tokens exceed the previous turn's input plus output tokens (the
+    earlier turns, then the new user message), and `retrieve` gives the last reply as sent."""
+    client = openai.AsyncOpenAI(base_url=f"{smol_stack.gateway}/v1", api_key="local")
+
+    async def chain(i: int) -> list:
+        made, previous = [], None
+        for turn in range(3):
+            r = await client.responses.create(
+                model=MODEL,
+                input=f"Chain {i}, turn {turn}: name a number.",
+                max_output_tokens=4,
+                temperature=0,
+                previous_response_id=previous,
+            )
+            made.append(r)
+            previous = r.id
+        return made
+
+    async def run() -> list[list]:
+        try:
+            return await asyncio.gather(*(chain(i) for i in range(8)))
+        finally:
+            await client.close()
+
+    for made in asyncio.run(run()):
+        for before, after in zip(made, made[1:], strict=False):
+            assert after.previous_response_id == before.id
+            grown = before.usage.input_tokens + before.usage.output_tokens
+            assert after.usage.input_tokens > grown, (before.usage, after.usage)
+        last = openai.OpenAI(base_url=f"{smol_stack.gateway}/v1", api_key="local")
+        got = last.responses.retrieve(made[-1].id)
+        assert got.output_text == made[-1].output_text
+
+
 def _abandoned(gateway: str) -> float:
     text = httpx.get(f"{gateway}/metrics").text
     found = re.search(r'flywheel_gateway_requests_abandoned_total{kind="session"} (\S+)', text)

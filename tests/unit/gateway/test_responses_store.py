@@ -10,7 +10,13 @@ import pytest
 import redis
 
 from flywheel.core.errors import NotFoundError
-from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse, pack_set
+from flywheel.core.redis_client import async_twin
+from flywheel.gateway.api.responses_store import (
+    ResponseStore,
+    SetPipe,
+    StoredResponse,
+    pack_set,
+)
 
 
 def _stored(i: int) -> StoredResponse:
@@ -84,6 +90,20 @@ def test_pack_set_writes_the_bytes_redis_py_would():
         assert pack_set(key, value, ex) == expected
 
 
+class _ThreeByteReads(asyncio.Protocol):
+    """Hands a connection's bytes to its SetPipe protocol three bytes at a time."""
+
+    def __init__(self, link: asyncio.Protocol):
+        self.link = link
+
+    def data_received(self, data: bytes) -> None:
+        for i in range(0, len(data), 3):
+            self.link.data_received(data[i : i + 3])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link.connection_lost(exc)
+
+
 def test_replies_split_across_reads_settle_their_own_writes(redis_client, prefix):
     """Three-byte reads cut every `+OK\r\n` reply in two, and an error reply (EX 0 is refused)
     fails only its own write; the writes around it land."""
@@ -91,7 +111,10 @@ def test_replies_split_across_reads_settle_their_own_writes(redis_client, prefix
 
     async def run() -> list[object]:
         pipe = store._pipe()
-        pipe.read_bytes = 3
+        await pipe.set(f"{prefix}:split:warm", b"w", 60)  # opens the connection
+        link = pipe._link
+        assert link is not None
+        link.transport.set_protocol(_ThreeByteReads(link))
         writes = [
             pipe.set(f"{prefix}:split:{i}", b"v%d" % i, 0 if i == 5 else 60) for i in range(12)
         ]
@@ -105,3 +128,33 @@ def test_replies_split_across_reads_settle_their_own_writes(redis_client, prefix
     assert redis_client.get(f"{prefix}:split:4") == b"v4"
     assert redis_client.get(f"{prefix}:split:5") is None
     assert 0 < redis_client.ttl(f"{prefix}:split:11") <= 60
+
+
+def test_writes_redis_does_not_answer_fail_with_a_timeout_and_the_next_reconnects(
+    redis_client, prefix
+):
+    """While Redis holds write commands (CLIENT PAUSE WRITE), the pipe's one connection timer
+    fails the waiting SET with redis.TimeoutError and drops the connection; after the pause
+    the next SET lands on a fresh connection."""
+    pipe = SetPipe(async_twin(redis_client), timeout_s=0.2)
+
+    async def run() -> tuple[BaseException | None, object, object]:
+        await pipe.set(f"{prefix}:before", b"1", 60)
+        first = pipe._link
+        redis_client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+        try:
+            held: BaseException | None = None
+            try:
+                await pipe.set(f"{prefix}:held", b"2", 60)
+            except redis.RedisError as exc:
+                held = exc
+        finally:
+            redis_client.execute_command("CLIENT", "UNPAUSE")
+        await pipe.set(f"{prefix}:after", b"3", 60)
+        return held, first, pipe._link
+
+    held, first, second = asyncio.run(run())
+    assert isinstance(held, redis.TimeoutError), held
+    assert first is not second and second is not None
+    assert redis_client.get(f"{prefix}:before") == b"1"
+    assert redis_client.get(f"{prefix}:after") == b"3"

@@ -10,13 +10,13 @@ object as it was answered (the very bytes of the HTTP body, not encoded again). 
 `gateway.response_ttl_s` seconds after it was written.
 
 Writes go through one pipelined connection per event loop (`SetPipe`): the SETs of one
-event-loop iteration go out in one socket write, and one reader task settles every reply that
-one socket read brings, in order. The commands are packed and the replies parsed (hiredis) right
-there, so no request pays for the connection pool, per-command timeouts, retries, argument
-encoding or reply parsing of redis-py's command path (`bench/gateway.py`: the stored response is
-the difference between the Responses and chat routes' CPU per request). The request still waits
-for Redis's reply before its answer is sent, so a `previous_response_id` sent right after the
-answer, to any replica, finds it.
+event-loop iteration go out in one socket write, and the connection's protocol settles every
+reply as its bytes arrive, in order, with no task, stream read or timer per response. The
+commands are packed and the replies parsed (hiredis) right there, so no request pays for the
+connection pool, per-command timeouts, retries, argument encoding or reply parsing of redis-py's
+command path (`bench/gateway.py`: the stored response is the difference between the Responses
+and chat routes' CPU per request). The request still waits for Redis's reply before its answer
+is sent, so a `previous_response_id` sent right after the answer, to any replica, finds it.
 """
 
 from __future__ import annotations
@@ -38,9 +38,6 @@ from flywheel.core.redis_client import LoopClients
 from flywheel.gateway.api.json_text import dumps
 
 log = logging.getLogger(__name__)
-_READ_FAILURES = (TimeoutError, redis.RedisError, OSError, IndexError, hiredis.ProtocolError)
-"""What ends a SetPipe connection's reads: no reply in time, a closed or broken socket, a
-reply nobody waits for (IndexError) or bytes that are not RESP."""
 
 
 @dataclass
@@ -71,41 +68,67 @@ def pack_set(key: str, value: bytes, ex: int) -> bytes:
     )
 
 
-class _Link:
-    """One connection of a SetPipe: the replies it still owes, oldest first, its reader task
-    and the RESP parser of what that task read."""
+class _Link(asyncio.Protocol):
+    """One connection of a SetPipe, as the protocol of its socket: the replies it still owes,
+    oldest first, settled right where the socket's bytes arrive (`data_received`: no reader
+    task, no stream read, no timeout scope per read), and the RESP parser of those bytes."""
 
-    def __init__(self, conn: Any):
-        self.conn = conn
+    def __init__(self, pipe: SetPipe, conn: Any, transport: asyncio.Transport):
+        self.pipe, self.conn, self.transport = pipe, conn, transport
         self.waiting: deque[asyncio.Future[Any]] = deque()
-        self.reader: asyncio.Task[None] | None = None
         self.outbox: list[bytes] = []
         """Packed commands not yet written (flushed once per event-loop iteration)."""
         self.replies = hiredis.Reader()
         """Replies read but not yet settled (a socket read may end inside one)."""
+        self.settled = 0
+        """Replies settled so far (the read timeout's sign of progress)."""
+        self.timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def data_received(self, data: bytes) -> None:
+        """Settle every complete reply in `data`, oldest command first (a Redis error reply
+        is that command's exception); a reply nobody waits for, or bytes that are not RESP,
+        end the connection."""
+        self.replies.feed(data)
+        try:
+            while (got := self.replies.gets()) is not False:
+                if isinstance(got, hiredis.ReplyError):
+                    got = redis.ResponseError(str(got))
+                waiter = self.waiting.popleft()  # IndexError: a reply nobody asked for
+                if not waiter.done():
+                    waiter.set_result(got)
+                self.settled += 1
+        except (IndexError, hiredis.ProtocolError) as exc:
+            self.pipe._drop(self, redis.ConnectionError(f"Redis read failed: {exc!r}"))
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pipe._drop(self, redis.ConnectionError(f"Redis closed the connection ({exc!r})"))
 
 
 class SetPipe:
     """SET commands of one event loop on one dedicated Redis connection, pipelined: `set`
-    queues the command (written with the loop iteration's others) and waits for its reply;
-    one reader task reads whatever replies have arrived with one socket read and settles them
-    in order. A failed connection fails every command waiting on it (redis.ConnectionError)
-    and is replaced by a fresh one on the next `set`.
+    queues the command (written with the loop iteration's others, in one socket write) and
+    waits for its reply; the connection's protocol (`_Link`) settles the replies in order as
+    their bytes arrive. A failed connection fails every command waiting on it
+    (redis.ConnectionError, redis.TimeoutError) and is replaced by a fresh one on the next
+    `set`.
 
-    Only the connection's set-up (authentication, database, client name: redis-py's
-    `connect`) goes through redis-py; commands and replies are written and parsed here
-    (`pack_set`, hiredis), which per command costs a fraction of redis-py's `pack_command`
-    and `read_response` (one timeout scope per reply).
+    Only the connection's set-up (authentication, database, client name, TLS: redis-py's
+    `connect`) goes through redis-py; then its socket's transport is handed to `_Link`, and
+    commands and replies are written and parsed here (`pack_set`, hiredis). Per command that
+    costs a fraction of redis-py's `pack_command`, `read_response` and stream reads, and no
+    task or timer: one timer per connection watches for replies that stop coming.
 
     Args:
         client: the loop's asyncio client (its pool makes the connection, which stays
             outside the pool, so the pool's connections serve everything else).
-        timeout_s: seconds without a reply while commands wait before the connection is
-            dropped (None: the client's socket timeout).
+        timeout_s: seconds without any reply while commands wait before the connection is
+            dropped (checked every `timeout_s`, so a stalled connection fails its commands
+            after between 1 and 2 times `timeout_s`; None: never).
     """
-
-    read_bytes = 65536
-    """The most one socket read takes (replies are 5 bytes each, `+OK\\r\\n`)."""
 
     def __init__(self, client: aioredis.Redis, timeout_s: float | None = None):
         self.client = client
@@ -113,17 +136,16 @@ class SetPipe:
         self._link: _Link | None = None
         self._connecting = asyncio.Lock()
 
-    async def _current(self) -> _Link:
-        link = self._link
-        if link is not None and link.conn.is_connected and not link.conn._writer.is_closing():
-            return link
+    async def _connect(self, link: _Link | None) -> _Link:
         async with self._connecting:
             if self._link is link:  # nobody replaced it meanwhile
                 if link is not None:
                     self._drop(link, redis.ConnectionError("the Redis connection was closed"))
                 conn = self.client.connection_pool.make_connection()
                 await conn.connect()
-                self._link = _Link(conn)
+                transport = conn._writer.transport
+                self._link = _Link(self, conn, transport)
+                transport.set_protocol(self._link)
             assert self._link is not None
             return self._link
 
@@ -133,59 +155,58 @@ class SetPipe:
         Raises:
             redis.RedisError: the write failed, Redis refused it or did not answer in time.
         """
-        link = await self._current()
+        link = self._link
+        if link is None or link.closed:
+            link = await self._connect(link)
         loop = asyncio.get_running_loop()
         reply: asyncio.Future[Any] = loop.create_future()
         if not link.outbox:  # one write for every SET of this loop iteration
             loop.call_soon(self._flush, link)
         link.outbox.append(pack_set(key, value, ex))
         link.waiting.append(reply)
-        if link.reader is None or link.reader.done():
-            link.reader = loop.create_task(self._read(link))
+        if link.timer is None and self.timeout_s is not None:
+            link.timer = loop.call_later(self.timeout_s, self._check, link, link.settled)
         result = await reply
         if isinstance(result, BaseException):
             raise result
 
     def _flush(self, link: _Link) -> None:
-        """Write the commands queued on `link` (one syscall for all of them, in order; the
-        reader reads their replies in the same order)."""
+        """Write the commands queued on `link` (one syscall for all of them, in order; their
+        replies come back in the same order)."""
         out, link.outbox = link.outbox, []
-        if out and link.conn._writer is not None and not link.conn._writer.is_closing():
-            link.conn._writer.write(b"".join(out))
+        if out and not link.closed and not link.transport.is_closing():
+            link.transport.write(b"".join(out))
         elif out:
             self._drop(link, redis.ConnectionError("the Redis connection was closed"))
 
-    async def _read(self, link: _Link) -> None:
-        """Read replies while commands wait: each socket read settles every complete reply in
-        it, oldest command first (a Redis error reply is that command's exception)."""
-        stream = link.conn._reader
-        while link.waiting:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    data = await stream.read(self.read_bytes)
-                if not data:
-                    raise redis.ConnectionError("Redis closed the connection")
-                link.replies.feed(data)
-                while (got := link.replies.gets()) is not False:
-                    if isinstance(got, hiredis.ReplyError):
-                        got = redis.ResponseError(str(got))
-                    waiter = link.waiting.popleft()  # IndexError: a reply nobody asked for
-                    if not waiter.done():
-                        waiter.set_result(got)
-            except _READ_FAILURES as exc:
-                failure = exc if isinstance(exc, redis.RedisError) else None
-                self._drop(link, failure or redis.ConnectionError(f"Redis read failed: {exc!r}"))
-                return
+    def _check(self, link: _Link, settled: int) -> None:
+        """The read timeout: drop `link` if commands wait and no reply came in the
+        `timeout_s` since `settled` replies had been settled; else look again later."""
+        link.timer = None
+        if link.closed or not link.waiting:
+            return
+        if link.settled == settled:
+            self._drop(link, redis.TimeoutError(f"no reply from Redis in {self.timeout_s} s"))
+            return
+        loop = asyncio.get_running_loop()
+        link.timer = loop.call_later(self.timeout_s or 0.0, self._check, link, link.settled)
 
     def _drop(self, link: _Link, exc: redis.RedisError) -> None:
         """Fail every command waiting on `link` and forget it (closed in the background)."""
         if self._link is link:
             self._link = None
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
         while link.waiting:
             waiter = link.waiting.popleft()
             if not waiter.done():
                 waiter.set_result(exc)
+        if link.closed:
+            return
+        link.closed = True
         log.warning("stored-response Redis connection dropped: %s", exc)
+        link.transport.close()
         with contextlib.suppress(Exception):
             asyncio.ensure_future(link.conn.disconnect(nowait=True))
 

@@ -35,7 +35,6 @@ import httpx
 import openai
 
 from flywheel.core.answers import last_integer
-from flywheel.core.heap import share_malloc_arenas
 from flywheel.core.versions import parse_weight_version
 from flywheel.ops.demo.agent import answer
 from flywheel.ops.demo.plot import (
@@ -110,7 +109,6 @@ class DemoRunner:
         self.timeline: list[TimelineEvent] = []
         """The demo's own spans of this run (also in `out/demo_timeline.jsonl`)."""
         self.http = httpx.Client(timeout=600)
-        share_malloc_arenas()  # the episode threads' freed bodies go back to one heap
         self.pool = ThreadPoolExecutor(max_workers=cfg.problems_per_step * cfg.group_size)
         self.lock = threading.Lock()
         self.failed = 0

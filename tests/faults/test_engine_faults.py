@@ -4,6 +4,8 @@ fails the client gets a clear 502 and the session is left exactly as it was."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
@@ -60,6 +62,7 @@ def test_every_engine_failing_is_a_clear_502_and_records_nothing(
         assert reply.status_code == 502, reply.text
         error = reply.json()["error"]
         assert error["type"] == "upstream_error" and "no engine could serve" in error["message"]
+        assert "Error(" not in error["message"]  # in words, not aiohttp's exception repr
         state = client.get(f"/v1/sessions/{sid}").json()
         assert state["turns"] == 0 and state["token_ids"] == []
         assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 0
@@ -86,4 +89,33 @@ def test_every_engine_hanging_is_a_504_naming_the_timeout_and_keeps_them_in_serv
     for engine in engines:
         assert f'flywheel_gateway_engine_up{{engine="{engine}"}} 0.0' not in metrics
         assert f'flywheel_gateway_engine_timeouts_total{{engine="{engine}"}} 1.0' in metrics
+    assert redis_client.xlen(f"{prefix}:rollouts") == 0
+
+
+def _closed_port_url() -> str:
+    """An engine URL nothing listens on (a port bound, then closed): connection refused, as
+    while `flywheel up` starts a killed engine again."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_engine_running_is_a_503_with_retry_after_in_plain_words(
+    inproc_gateway, redis_client, prefix, stream
+):
+    """Every engine refusing the connection (not running: stopped, or starting again) is a 503
+    `engine_unavailable` with Retry-After, which SDK clients wait for and retry, not a 502 with
+    aiohttp's repr of the connection key."""
+    gw = inproc_gateway([_closed_port_url(), _closed_port_url()])
+    with httpx.Client(base_url=gw, timeout=30) as client:
+        sid = client.post("/v1/sessions", json={}).json()["session_id"]
+        reply = client.post(f"/s/{sid}/v1/chat/completions", json={**CHAT, "stream": stream})
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["retry-after"] == "5"
+        error = reply.json()["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "engine_unavailable")
+        assert "connection refused: the engine is not running" in error["message"].lower()
+        assert "ConnectionKey" not in error["message"] and "Error(" not in error["message"]
+        assert client.get(f"/v1/sessions/{sid}").json()["turns"] == 0
     assert redis_client.xlen(f"{prefix}:rollouts") == 0

@@ -109,6 +109,17 @@ class OverloadedError(RetryLaterError):
     default_retry_after_s = 1.0
 
 
+class EngineUnavailableError(RetryLaterError):
+    """No engine runs to serve the request (every engine tried refused the connection, or none
+    is in service, as while the only one starts again): answered with 503 and `Retry-After:
+    retry_after_s` (default 5), since an engine that starts again takes seconds to load."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+    retry_code = "engine_unavailable"
+    default_retry_after_s = 5.0
+
+
 class ClientClosedError(PlatformError, ConnectionError):
     """The client closed its connection before the answer was ready; the request was stopped
     and nothing of it recorded (HTTP 499, nginx's "client closed request": nobody reads it)."""

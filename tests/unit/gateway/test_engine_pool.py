@@ -9,7 +9,7 @@ import json
 import pytest
 from aiohttp import web
 
-from flywheel.core.errors import UpstreamError
+from flywheel.core.errors import EngineUnavailableError, UpstreamError
 from flywheel.gateway.engines.generation import ENGINE_ABORTS
 from flywheel.gateway.engines.pool import ENGINE_UP, EnginePool
 
@@ -227,7 +227,8 @@ def test_a_timed_out_call_is_a_504_naming_the_setting_and_keeps_the_engine(strea
         assert ENGINE_TIMEOUTS.labels(urls[0])._value.get() == before + 1
         for runner in runners:
             await runner.cleanup()
-        with pytest.raises(UpstreamError):  # now nothing listens: connection refused
+        # now nothing listens: connection refused, a 503 to retry (call_errors.py)
+        with pytest.raises(EngineUnavailableError, match="connection refused"):
             await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
         assert set(pool.down) == set(urls)
         await pool.aclose()

@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.core.versions import parse_weight_version
+from flywheel.gateway.engines.call_errors import describe, is_refused, unavailable_error
 from flywheel.gateway.engines.generation import Generation, parse_generation
 from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
@@ -322,14 +323,20 @@ class EnginePool:
             OverloadedError: an engine tried was full (429/503) and none served (overload.py).
             EngineTimeoutError: an engine tried did not answer within `timeout_s` and none
                 served (timeouts.py).
+            EngineUnavailableError: none is in service, or every engine tried refused the
+                connection (not running, e.g. starting again): 503 with Retry-After.
+            UpstreamError: every engine tried failed otherwise (call_errors.describe says how).
         """
         errors: list[str] = []
         busy: list[str] = []
         timeouts: list[str] = []
+        refused: list[str] = []
         if not self.urls:
-            raise UpstreamError(
-                "no engine is in service: the fleet is empty or its engines do not serve the "
-                "current weights yet (GET /v1/admin/engines shows them)"
+            raise unavailable_error(
+                [
+                    "none is in service: the fleet is empty or its engines do not serve the "
+                    "current weights yet (GET /v1/admin/engines shows them)"
+                ]
             )
         for url in self.order(affinity)[:2]:
             try:
@@ -339,7 +346,9 @@ class EnginePool:
                     ENGINE_ERRORS.labels(url).inc()
                     timeouts.append(note_timeout(url, self.timeout_s))
                     continue
-                errors.append(f"{url}: {exc!r}")
+                errors.append(f"{url}: {describe(exc)}")
+                if is_refused(exc):
+                    refused.append(errors[-1])
                 self.mark_down(url, errors[-1])
                 continue
             if status in BUSY_STATUSES:  # full or loading: busy, not broken (overload.py)
@@ -369,6 +378,8 @@ class EnginePool:
             raise busy_error(busy + errors + timeouts)
         if timeouts:
             raise timeout_error(timeouts + errors, self.timeout_s)
+        if refused and len(refused) == len(errors):
+            raise unavailable_error(refused)
         raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
     async def aclose(self) -> None:

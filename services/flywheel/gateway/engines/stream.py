@@ -25,6 +25,7 @@ import aiohttp
 import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
+from flywheel.gateway.engines.call_errors import describe, is_refused, unavailable_error
 from flywheel.gateway.engines.generation import Generation, parse_generation
 from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
 from flywheel.gateway.engines.partial import generate_partial
@@ -67,7 +68,12 @@ class Engines(Protocol):
 
 
 class _Failed(Exception):
-    """The call failed before its first chunk (another engine may serve it)."""
+    """The call failed before its first chunk (another engine may serve it); `refused`: the
+    connection was refused (no engine process runs there)."""
+
+    def __init__(self, why: str, *, refused: bool = False):
+        super().__init__(why)
+        self.refused = refused
 
 
 class _TimedOut(Exception):
@@ -117,7 +123,7 @@ async def _stream_once(
 ) -> tuple[str, Generation]:
     """One streamed call and the engine that answered (the next one on a failure before the
     first chunk)."""
-    errors, busy, timeouts = [], [], []
+    errors, busy, timeouts, refused = [], [], [], []
     for url in pool.order(affinity)[:2]:
         try:
             gen = await _one(pool, url, {**body, "stream": True}, on_text)
@@ -129,6 +135,8 @@ async def _stream_once(
             continue
         except _Failed as exc:
             errors.append(f"{url}: {exc}")
+            if exc.refused:
+                refused.append(errors[-1])
             pool.mark_down(url, errors[-1])
             continue
         pool.mark_up(url)
@@ -137,6 +145,8 @@ async def _stream_once(
         raise busy_error(busy + errors + timeouts)
     if timeouts:
         raise timeout_error(timeouts + errors, pool.timeout_s)
+    if len(refused) == len(errors):  # every engine tried refused, or none is in service
+        raise unavailable_error(refused or ["none is in service (GET /v1/admin/engines)"])
     raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
 
 
@@ -188,7 +198,9 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
             if last is None:
                 raise _TimedOut(repr(exc)) from exc
             raise stream_timeout_error(url, pool.timeout_s) from exc
-        raise _fail(last, repr(exc)) from exc
+        if last is None and is_refused(exc):
+            raise _Failed(describe(exc), refused=True) from exc
+        raise _fail(last, describe(exc)) from exc
     if last is None:
         raise _Failed("the stream ended without a chunk")
     try:

@@ -1,0 +1,51 @@
+"""An engine call that failed, in words a client can act on, and the client's error when every
+engine tried failed that way.
+
+aiohttp's exception reprs (`ClientConnectorError(ConnectionKey(host=..., ...), ...)`) say
+little to a client; `describe` names what happened. An engine that refuses the connection is
+not running (stopped, or `flywheel up` is starting it again); when every engine tried refused,
+the client gets `EngineUnavailableError`, a 503 with `Retry-After` in its API's error format,
+instead of a 502, so SDK clients that retry a 503 after Retry-After wait for it.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from flywheel.core.errors import EngineUnavailableError
+
+RETRY_AFTER_S = 5.0
+"""Seconds the client is told to wait: an engine that starts again loads in seconds."""
+
+
+def is_refused(exc: BaseException) -> bool:
+    """True when the call never reached an engine process (connection refused, no route)."""
+    return isinstance(exc, aiohttp.ClientConnectorError)
+
+
+def describe(exc: BaseException) -> str:
+    """One phrase for a failed engine call, e.g. "connection refused: the engine is not running
+    (stopped, or starting again)" for `ClientConnectorError(..., ConnectionRefusedError(111,
+    ...))`; an exception of another kind as `Type: message`."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            reason = "connection refused"
+        else:
+            reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+        return f"{reason}: the engine is not running (stopped, or starting again)"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the engine closed the connection before answering (did it exit?)"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the engine's answer broke off before its end (did it exit?)"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def unavailable_error(refusals: list[str]) -> EngineUnavailableError:
+    """The client's 503 when every engine tried refused the connection (`refusals`: one line per
+    engine) or none is in service."""
+    return EngineUnavailableError(
+        f"no engine is running to serve the request; retry after {RETRY_AFTER_S:g} s "
+        f"({'; '.join(refusals)})",
+        retry_after_s=RETRY_AFTER_S,
+    )

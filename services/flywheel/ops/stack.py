@@ -57,6 +57,9 @@ STATE_FILE = "stack.json"
 LOCK_FILE = "stack.lock"
 """File in the state dir a running (or starting) stack holds an exclusive lock on."""
 SERVICES = ("engine", "teacher-engine", "gateway", "reward", "teacher", "trainer")
+STARTING_PROGRESS_S = 15.0
+"""Seconds between the `<service> still starting (N s ...)` lines while one loads (a trainer or
+engine loading its model takes tens of seconds on a busy CPU)."""
 
 
 class StackBusyError(ConflictError):
@@ -311,9 +314,23 @@ class Stack:
         self.services.append(service)
 
     def _wait_healthy(self, service: Service, timeout_s: float) -> None:
+        """Wait until `service` answers its health check from its own process, echoing a
+        `still starting` line every `STARTING_PROGRESS_S` meanwhile.
+
+        Raises:
+            RuntimeError: it exited, or says it can never become healthy.
+            TimeoutError: not healthy within `timeout_s` seconds.
+        """
         start = time.monotonic()
         port = port_of(service.url)
+        progress_at = start + STARTING_PROGRESS_S
         while time.monotonic() - start < timeout_s:
+            if time.monotonic() >= progress_at:
+                progress_at += STARTING_PROGRESS_S
+                self.echo(
+                    f"{service.name:<9} still starting ({time.monotonic() - start:.0f} s of "
+                    f"{timeout_s:g} s; log {service.log_path})"
+                )
             assert service.proc is not None
             if service.proc.poll() is not None:
                 tail = service.log_tail()

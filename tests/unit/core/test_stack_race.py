@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
@@ -168,3 +170,36 @@ def test_a_port_answered_by_another_process_is_not_the_service(tmp_path):
             p.stdin.close()
             p.wait(timeout=30)
         other.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_service_that_loads_for_a_while_gets_progress_lines(tmp_path, monkeypatch):
+    """A trainer loading its model for tens of seconds is not silent: `flywheel up` echoes a
+    `still starting` line every STARTING_PROGRESS_S (here 0.3 s) until it is healthy."""
+    from flywheel.ops import stack as stack_module  # noqa: PLC0415
+    from flywheel.ops.stack import Service  # noqa: PLC0415
+
+    monkeypatch.setattr(stack_module, "STARTING_PROGRESS_S", 0.3)
+    lines: list[str] = []
+    stack = Stack(load_settings(state_dir=str(tmp_path)), echo=lines.append)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(proc.stdout.readline())
+        ready_at = time.monotonic() + 1.2  # healthy after 1.2 s: about 4 progress lines
+        service = Service(
+            "trainer", f"http://127.0.0.1:{port}", "x", lambda: time.monotonic() >= ready_at
+        )
+        service.proc = proc
+        service.log_path = tmp_path / "trainer.log"
+        stack._wait_healthy(service, timeout_s=30)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    progress = [line for line in lines if "still starting" in line]
+    assert 2 <= len(progress) <= 5, lines
+    assert re.fullmatch(
+        r"trainer   still starting \(\d s of 30 s; log \S+trainer\.log\)", progress[0]
+    )
+    assert lines[-1].startswith(f"trainer   http://127.0.0.1:{port}  healthy (")

@@ -107,7 +107,8 @@ def test_create_with_a_tool_over_several_turns(smol_stack):
     assert third.content
     turn0, turn1, turn2 = _finish_and_check(smol_stack, sid, 3)
     recorded = _reply(turn0)["tool_calls"][0]
-    assert recorded["id"] == call.id  # the tool_use id is the recorded call id
+    assert call.id.startswith("toolu_")  # Anthropic's form of the recorded call id
+    assert recorded["id"] == "call_" + call.id.removeprefix("toolu_")
     assert json.loads(recorded["function"]["arguments"]) == call.input
     assert turn0.next_state.role == "tool"
     assert _reply(turn1)["content"] == second.content[0].text

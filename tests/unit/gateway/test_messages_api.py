@@ -4,6 +4,7 @@ stitched from Anthropic histories, and Anthropic-format errors."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -91,7 +92,8 @@ def test_tool_use_round_trip_stays_one_segment(redis_client, prefix, renderer):
     assert first["stop_reason"] == "tool_use"
     (block,) = first["content"]
     assert block["type"] == "tool_use" and block["name"] == "get_weather"
-    assert block["input"] == {"city": "Paris"} and block["id"].startswith("call_")
+    assert block["input"] == {"city": "Paris"}
+    assert re.fullmatch(r"toolu_[0-9a-f]{24}", block["id"]), block["id"]  # Anthropic's form
     history = [
         user,
         {"role": "assistant", "content": first["content"]},
@@ -111,7 +113,7 @@ def test_tool_use_round_trip_stays_one_segment(redis_client, prefix, renderer):
     (turn0,) = samples()  # live: turn 0 published when its next state (the tool result) came
     assert turn0.next_state.role == "tool"
     recorded = json.loads(turn0.messages[-1].extra_json)["tool_calls"][0]
-    assert recorded["id"] == block["id"]
+    assert recorded["id"] == "call_" + block["id"].removeprefix("toolu_")  # the gateway's form
     assert recorded["function"]["arguments"] == json.dumps(block["input"])
 
 

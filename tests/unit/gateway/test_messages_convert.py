@@ -127,7 +127,8 @@ def test_the_reply_becomes_blocks_and_sent_back_is_the_recorded_message():
         "usage": {"prompt_tokens": 30, "completion_tokens": 12, "total_tokens": 42},
     }
     msg = mc.message(completion, None)
-    call_id = recorded["tool_calls"][0]["id"]
+    call_id = recorded["tool_calls"][0]["id"]  # call_<24 hex>, parsers.py
+    tool_id = "toolu_" + call_id.removeprefix("call_")  # what an Anthropic client sees
     assert msg == {
         "id": "msg_abc",
         "type": "message",
@@ -142,7 +143,7 @@ def test_the_reply_becomes_blocks_and_sent_back_is_the_recorded_message():
             {"type": "text", "text": "Let me look."},
             {
                 "type": "tool_use",
-                "id": call_id,
+                "id": tool_id,
                 "name": "get_weather",
                 "input": {"city": "Nice", "when": [1, 2.5]},
             },
@@ -160,12 +161,15 @@ def test_the_reply_becomes_blocks_and_sent_back_is_the_recorded_message():
             {"role": "assistant", "content": sent},
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": call_id, "content": "wet"}],
+                "content": [{"type": "tool_result", "tool_use_id": tool_id, "content": "wet"}],
             },
         ]
     )
     back = [m.for_template() for m in mc.chat_request(body).messages]
     assert back[1] == recorded  # the same message: text, reasoning, call id, arguments string
+    assert back[2]["tool_call_id"] == call_id
+    assert mc.anthropic_tool_id("toolu_01A09q90qw90lq917835lq9") == "toolu_01A09q90qw90lq917835lq9"
+    assert mc.chat_call_id("toolu_01A09q90qw90lq917835lq9") == "toolu_01A09q90qw90lq917835lq9"
     assert extends([user, recorded], back)
 
 

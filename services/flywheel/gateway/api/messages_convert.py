@@ -20,8 +20,9 @@ Request, block by block (worked examples in tests/unit/gateway/test_messages_con
 
 Answer: `reasoning_content` -> a `thinking` block (`signature`: `signature(text)`, a digest of
 its text, since nothing here is encrypted), `content` -> a `text` block (none when empty),
-each tool call -> a `tool_use` block (`id` = the recorded call id, `input` = its arguments as an
-object; arguments that are not a JSON object come back as `{"arguments": <value>}`, which a
+each tool call -> a `tool_use` block (`id` = the recorded call id in Anthropic's form,
+`toolu_<hex>` for the gateway's `call_<hex>`, and back again in requests; `input` = its arguments
+as an object; arguments that are not a JSON object come back as `{"arguments": <value>}`, which a
 session then sees as an edited turn). `stop_reason`: length -> max_tokens, tool_calls ->
 tool_use, stop -> stop_sequence when a stop sequence ended it (`stop_sequence` set), else
 end_turn.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,6 +52,24 @@ from flywheel.gateway.api.messages_schema import (
 )
 from flywheel.gateway.api.request_rules import stale_tool_result
 from flywheel.gateway.api.schemas import ChatCompletionRequest
+
+_GATEWAY_CALL_ID = re.compile(r"call_([0-9a-f]{24})")
+_ANTHROPIC_CALL_ID = re.compile(r"toolu_([0-9a-f]{24})")
+
+
+def anthropic_tool_id(call_id: str) -> str:
+    """The `tool_use` id for a recorded call id: `call_<24 hex>` (the gateway's, parsers.py) ->
+    `toolu_<24 hex>`, as Anthropic's ids read; any other id as it is."""
+    found = _GATEWAY_CALL_ID.fullmatch(call_id)
+    return f"toolu_{found.group(1)}" if found else call_id
+
+
+def chat_call_id(tool_use_id: str) -> str:
+    """The recorded call id for a `tool_use` id the gateway answered (`anthropic_tool_id`
+    undone), so a turn sent back as answered matches its record; any other id as it is."""
+    found = _ANTHROPIC_CALL_ID.fullmatch(tool_use_id)
+    return f"call_{found.group(1)}" if found else tool_use_id
+
 
 ERROR_PREFIX = "Error: "
 """Put before a `tool_result` with `is_error: true` (chat messages have no error flag)."""
@@ -79,7 +99,7 @@ def _user(i: int, content: str | list[Any]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "role": "tool",
-                    "tool_call_id": block.tool_use_id,
+                    "tool_call_id": chat_call_id(block.tool_use_id),
                     "content": ERROR_PREFIX + result if block.is_error else result,
                 }
             )
@@ -104,7 +124,7 @@ def _assistant(i: int, content: str | list[Any]) -> dict[str, Any]:
         elif isinstance(block, ToolUseBlock):
             calls.append(
                 {
-                    "id": block.id,
+                    "id": chat_call_id(block.id),
                     "type": "function",
                     "function": {"name": block.name, "arguments": json.dumps(block.input)},
                 }
@@ -246,7 +266,7 @@ def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
         blocks.append(
             {
                 "type": "tool_use",
-                "id": call["id"],
+                "id": anthropic_tool_id(call["id"]),
                 "name": fn["name"],
                 "input": tool_input(fn["arguments"]),
             }
@@ -297,7 +317,8 @@ def check_tool_results(turn: ChatCompletionRequest) -> None:
     stale = stale_tool_result([m.for_template() for m in turn.messages])
     if stale is not None:
         raise InvalidRequestError(
-            f"messages: unexpected `tool_use_id` found in `tool_result` blocks: {stale[1]}. "
+            "messages: unexpected `tool_use_id` found in `tool_result` blocks: "
+            f"{anthropic_tool_id(stale[1])}. "
             "Each `tool_result` block must have a corresponding `tool_use` block earlier in "
             "the messages.",
             param="messages",

@@ -281,3 +281,38 @@ def test_a_stream_past_the_timeout_after_its_first_chunk_is_a_504_naming_the_set
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_an_engine_still_loading_is_a_503_that_says_so(streamed):
+    """The only engine answers 503 "the engine is loading" (as a restarted embedded engine does
+    until its model is in): the client's 503 says busy or loading with the engine's reason, not
+    that a queue is full, and the engine stays in service."""
+    from flywheel.core.errors import OverloadedError
+
+    async def run():
+        async def loading(request: web.Request) -> web.Response:
+            return web.json_response({"error": {"message": "the engine is loading"}}, status=503)
+
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", loading)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        pool = EnginePool([url], 5.0, {2}, health_interval_s=0)
+        with pytest.raises(OverloadedError) as info:
+            if streamed:
+                await pool.generate_stream([1], {"max_new_tokens": 2}, "x", on_text=print)
+            else:
+                await pool.generate([1], {"max_new_tokens": 2}, affinity="x")
+        message = str(info.value)
+        assert message.startswith("the engine is busy (its request queue is full, or it is")
+        assert "the engine is loading" in message  # the engine's own reason
+        assert info.value.http_status == 503 and info.value.retry_after_s == 1.0
+        assert pool.down == {}
+        await pool.aclose()
+        await runner.cleanup()
+
+    asyncio.run(run())

@@ -26,9 +26,12 @@ ENGINE_BUSY = Counter(
 
 
 def busy_error(refusals: list[str]) -> OverloadedError:
-    """The client's 503 after every engine tried refused (`refusals`: one line per engine)."""
+    """The client's 503 after every engine tried refused (`refusals`: one line per engine,
+    with the engine's own reason): "the engine is busy (its request queue is full, or it is
+    still loading); retry after 1 s (<refusals>)", never claiming a full queue for an engine
+    that is loading."""
     return OverloadedError(
-        "the engine is overloaded (its request queue is full); retry after "
+        "the engine is busy (its request queue is full, or it is still loading); retry after "
         f"{RETRY_AFTER_S:g} s ({'; '.join(refusals)})",
         retry_after_s=RETRY_AFTER_S,
     )

@@ -33,6 +33,17 @@ ABORTED = {
 }
 
 
+async def serve(handler) -> tuple[web.AppRunner, str]:
+    """`handler` answering every path on a free local port: (its runner, its base URL)."""
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 class Engines:
     """Two engines on real sockets; `calls` lists (engine URL, path) in arrival order."""
 
@@ -48,14 +59,8 @@ class Engines:
 
     async def start(self) -> tuple[str, str]:
         for _ in range(2):
-            app = web.Application()
-            app.router.add_route("*", "/{path:.*}", self._handler(len(self.urls)))
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]
-            self.urls.append(f"http://127.0.0.1:{port}")
+            runner, url = await serve(self._handler(len(self.urls)))
+            self.urls.append(url)
             self._runners.append(runner)
         return self.urls[0], self.urls[1]
 
@@ -207,13 +212,8 @@ def test_a_timed_out_call_is_a_504_naming_the_setting_and_keeps_the_engine(strea
 
         runners, urls = [], []
         for _ in range(2):
-            app = web.Application()
-            app.router.add_route("*", "/{path:.*}", slow)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            runner, url = await serve(slow)
+            urls.append(url)
             runners.append(runner)
         pool = EnginePool(urls, 0.2, {2}, health_interval_s=0)
         before = ENGINE_TIMEOUTS.labels(urls[0])._value.get()
@@ -256,13 +256,7 @@ def test_a_stream_past_the_timeout_after_its_first_chunk_is_a_504_naming_the_set
             await asyncio.sleep(1.0)
             return resp
 
-        app = web.Application()
-        app.router.add_route("*", "/{path:.*}", stalls)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve(stalls)
         pool = EnginePool([url], 0.3, {2}, health_interval_s=0)
         texts: list[str] = []
         before = ENGINE_TIMEOUTS.labels(url)._value.get()
@@ -294,13 +288,7 @@ def test_an_engine_still_loading_is_a_503_that_says_so(streamed):
         async def loading(request: web.Request) -> web.Response:
             return web.json_response({"error": {"message": "the engine is loading"}}, status=503)
 
-        app = web.Application()
-        app.router.add_route("*", "/{path:.*}", loading)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await serve(loading)
         pool = EnginePool([url], 5.0, {2}, health_interval_s=0)
         with pytest.raises(OverloadedError) as info:
             if streamed:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import aiohttp
 
-from flywheel.core.errors import EngineUnavailableError
+from flywheel.core.errors import EngineUnavailableError, PlatformError, UpstreamError
+from flywheel.gateway.engines.overload import busy_error
+from flywheel.gateway.engines.timeouts import timeout_error
 
 RETRY_AFTER_S = 5.0
 """Seconds the client is told to wait: an engine that starts again loads in seconds."""
@@ -49,3 +51,19 @@ def unavailable_error(refusals: list[str]) -> EngineUnavailableError:
         f"({'; '.join(refusals)})",
         retry_after_s=RETRY_AFTER_S,
     )
+
+
+def no_engine_served(
+    busy: list[str], timeouts: list[str], refused: list[str], errors: list[str], timeout_s: float
+) -> PlatformError:
+    """The client's error when no engine tried served a call (plain or streamed), each list one
+    line per engine: any busy -> 503 busy (overload.py); else any timeout -> 504
+    (timeouts.py); else every failure a refused connection, or no engine tried at all -> 503
+    unavailable with Retry-After; else 502 naming each failure (`errors` holds `refused` too)."""
+    if busy:
+        return busy_error(busy + errors + timeouts)
+    if timeouts:
+        return timeout_error(timeouts + errors, timeout_s)
+    if len(refused) == len(errors):
+        return unavailable_error(refused or ["none is in service (GET /v1/admin/engines)"])
+    return UpstreamError("no engine could serve the request: " + "; ".join(errors))

@@ -38,12 +38,17 @@ from prometheus_client import Counter, Gauge
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
 from flywheel.core.versions import parse_weight_version
-from flywheel.gateway.engines.call_errors import describe, is_refused, unavailable_error
+from flywheel.gateway.engines.call_errors import (
+    describe,
+    is_refused,
+    no_engine_served,
+    unavailable_error,
+)
 from flywheel.gateway.engines.generation import Generation, parse_generation
-from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
+from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY
 from flywheel.gateway.engines.partial import generate_partial
 from flywheel.gateway.engines.stream import generate_stream
-from flywheel.gateway.engines.timeouts import is_timeout, note_timeout, timeout_error
+from flywheel.gateway.engines.timeouts import is_timeout, note_timeout
 
 log = logging.getLogger(__name__)
 ENGINE_ERRORS = Counter("flywheel_gateway_engine_errors_total", "Failed engine calls", ["engine"])
@@ -374,13 +379,7 @@ class EnginePool:
                 continue
             self.mark_up(url)
             return url, gen
-        if busy:
-            raise busy_error(busy + errors + timeouts)
-        if timeouts:
-            raise timeout_error(timeouts + errors, self.timeout_s)
-        if refused and len(refused) == len(errors):
-            raise unavailable_error(refused)
-        raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
+        raise no_engine_served(busy, timeouts, refused, errors, self.timeout_s)
 
     async def aclose(self) -> None:
         if self._prober is not None:

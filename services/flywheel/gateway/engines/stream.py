@@ -25,15 +25,14 @@ import aiohttp
 import orjson
 
 from flywheel.core.errors import InvalidRequestError, UpstreamError
-from flywheel.gateway.engines.call_errors import describe, is_refused, unavailable_error
+from flywheel.gateway.engines.call_errors import describe, is_refused, no_engine_served
 from flywheel.gateway.engines.generation import Generation, parse_generation
-from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY, busy_error
+from flywheel.gateway.engines.overload import BUSY_STATUSES, ENGINE_BUSY
 from flywheel.gateway.engines.partial import generate_partial
 from flywheel.gateway.engines.timeouts import (
     is_timeout,
     note_timeout,
     stream_timeout_error,
-    timeout_error,
 )
 
 OnText = Callable[[str], None]
@@ -141,13 +140,7 @@ async def _stream_once(
             continue
         pool.mark_up(url)
         return url, gen
-    if busy:
-        raise busy_error(busy + errors + timeouts)
-    if timeouts:
-        raise timeout_error(timeouts + errors, pool.timeout_s)
-    if len(refused) == len(errors):  # every engine tried refused, or none is in service
-        raise unavailable_error(refused or ["none is in service (GET /v1/admin/engines)"])
-    raise UpstreamError("no engine could serve the request: " + "; ".join(errors))
+    raise no_engine_served(busy, timeouts, refused, errors, pool.timeout_s)
 
 
 async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -> Generation:

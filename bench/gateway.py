@@ -312,7 +312,14 @@ def _thread_ns(pid: int, tid: str) -> int:
         return 0
 
 
+def base(target: str) -> str:
+    """The target a name stands for: "gateway#2" (the A/A copy `--targets gateway,gateway`
+    makes) -> "gateway"; any other name -> itself."""
+    return target.split("#")[0]
+
+
 async def _paths(client: Driver, target: str, k: int) -> list[str]:
+    target = base(target)
     route = ROUTES.get(target.split("-")[0], "/v1/chat/completions")
     if "recorded" not in target:
         return [route] * k
@@ -328,6 +335,7 @@ async def _paths(client: Driver, target: str, k: int) -> list[str]:
 
 
 def _body(target: str) -> dict[str, object]:
+    target = base(target)
     if target == "responses-unstored":
         return UNSTORED_BODY
     return {"responses": RESPONSES_BODY, "messages": MESSAGES_BODY}.get(target.split("-")[0], BODY)
@@ -381,13 +389,17 @@ async def level(
     concurrency: int,
     n: int,
     slices: int,
+    slice_min: int = 0,
 ) -> dict[str, dict[str, float]]:
     """One round of the targets `order` at one concurrency: each target warmed up, then `n`
     timed requests each, sent in `slices` slices taken in turn (target 1's first slice, target
     2's, ..., target 1's second, ...), so a change in the machine's load meets every target
     alike. Per target: requests/s, latency percentiles (ms), errors and CPU ms per request of
-    its `pids`, summed over its slices."""
-    sizes = [n // slices + (1 if i < n % slices else 0) for i in range(slices)]
+    its `pids`, summed over its slices. Each slice is at least `slice_min` times
+    `concurrency` requests (`slice_sizes`) and follows `concurrency` untimed requests of its
+    own target, so the connections it uses are open and every worker is busy when its clock
+    starts."""
+    sizes = slice_sizes(n, slices, concurrency, slice_min)
     # latencies, errors, wall s, cpu s, the part of it in Redis (a target's pids after the first)
     acc = {t: ([], [0], [0.0], [0.0], [0.0]) for t in order}
     async with contextlib.AsyncExitStack() as stack:
@@ -399,6 +411,8 @@ async def level(
         for size in sizes:
             for t in order:
                 timed = await _paths(drivers[t], t, size)
+                if slice_min:  # 0: the method before, for an A/A check of it
+                    await drivers[t].drain(await _paths(drivers[t], t, concurrency), _body(t))
                 await settle(everyone)  # the previous slice's leftover work counted there
                 cpu0, t0 = _cpu_s(pids[t]), time.perf_counter()
                 redis0 = _cpu_s(pids[t][1:])
@@ -414,6 +428,17 @@ async def level(
         t: _stats(lat, err[0], wall[0], cpu[0], redis_cpu[0])
         for t, (lat, err, wall, cpu, redis_cpu) in acc.items()
     }
+
+
+def slice_sizes(n: int, slices: int, concurrency: int, slice_min: int = 0) -> list[int]:
+    """The timed requests of each of a cell's `slices` slices: `n` split evenly, each raised to
+    at least `slice_min` x `concurrency` (a slice shorter than that is mostly its ramp-up and
+    drain, and at high concurrency so short in time that a collector pass or a timer's work in
+    the target lands whole in one target's slice). Example: n 600, 2 slices, concurrency 64,
+    slice_min 16 -> [1024, 1024] (600 / 2 = 300 < 16 x 64 = 1024); concurrency 1 -> [300, 300].
+    """
+    sizes = [n // slices + (1 if i < n % slices else 0) for i in range(slices)]
+    return [max(size, slice_min * concurrency) for size in sizes]
 
 
 def best(a: dict[str, float] | None, b: dict[str, float]) -> dict[str, float]:
@@ -446,6 +471,7 @@ async def measure(
     rounds: int,
     slices: int = 1,
     levels: tuple[int, ...] = LEVELS,
+    slice_min: int = 0,
 ) -> dict[tuple[str, int], dict[str, float]]:
     """Every target at every concurrency, `rounds` times (`level`; each round starts the
     targets one further along, so no target always follows the same one). Returns the best
@@ -455,7 +481,7 @@ async def measure(
         shift = r % len(TARGETS)
         order = TARGETS[shift:] + TARGETS[:shift]
         for c in levels:
-            got = await level(urls, pids, order, c, n, slices)
+            got = await level(urls, pids, order, c, n, slices, slice_min)
             for t in TARGETS:
                 key = (t, c)
                 ROUNDS.setdefault(key, []).append(got[t])
@@ -470,6 +496,18 @@ async def measure(
     return results
 
 
+def copies(wanted: list[str]) -> list[str]:
+    """The A/A copies among `wanted` targets: each repeat of a name, numbered ("gateway#2",
+    "gateway#3"). Example: ["gateway", "messages", "gateway"] -> ["gateway#2"]."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in wanted:
+        seen[t] = seen.get(t, 0) + 1
+        if seen[t] > 1:
+            out.append(f"{t}#{seen[t]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -482,6 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="each cell's timed requests are sent in this many slices, the targets' slices "
         "taken in turn within a round (1: each target's requests at once)",
+    )
+    parser.add_argument(
+        "--slice-min",
+        type=int,
+        default=16,
+        help="each slice holds at least this many times the concurrency in requests and "
+        "follows as many untimed requests as the concurrency (default %(default)s: 1024 per "
+        "slice at 64; 0: just --requests / --slices, no untimed requests before a slice)",
     )
     parser.add_argument(
         "--concurrency",
@@ -516,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.slices < 1 or args.slices > args.requests:
         parser.error("--slices must be between 1 and --requests")
+    if args.slice_min < 0:
+        parser.error("--slice-min must be 0 or more")
     levels = tuple(int(c) for c in args.concurrency.split(","))
     if min(levels) < 1:
         parser.error("--concurrency levels must be 1 or more")
@@ -530,21 +578,24 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(wanted) - set(TARGETS)
         if unknown:
             parser.error(f"unknown targets {sorted(unknown)}; known: {TARGETS}")
-        TARGETS[:] = [t for t in TARGETS if t in wanted]
+        TARGETS[:] = [t for t in TARGETS if t in wanted] + copies(wanted)
     procs: list[subprocess.Popen] = []
     redis = None
     with tempfile.TemporaryDirectory(prefix="flywheel-bench-gw-") as tmp:
         try:
             source_b = export_rev(args.compare_rev, Path(tmp)) if args.compare_rev else None
             urls, redis, pids = start(procs, Path(tmp), ab, source_b, cpus and cpus[1])
+            for t in TARGETS:  # A/A copies: the same server and processes, their own client
+                urls[t], pids[t] = urls[base(t)], pids[base(t)]
             load = os.getloadavg()[0]
             started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             results = asyncio.run(
-                measure(urls, pids, args.requests, args.rounds, args.slices, levels)
+                measure(urls, pids, args.requests, args.rounds, args.slices, levels, args.slice_min)
             )
             print(
                 f"{started}: {os.cpu_count()} CPUs, load average {load:.1f} at start; "
-                f"{args.requests} requests per cell in {args.slices} slices, best of "
+                f"{args.requests} requests per cell in {args.slices} slices (each at least "
+                f"{args.slice_min} x the concurrency), best of "
                 f"{args.rounds} rounds; "
                 + (f"gateways on CPU {cpus[1]}, load on {cpus[0]}" if cpus else "not pinned")
                 + (f"; gateway-recorded-B: {ab}" if ab else "")

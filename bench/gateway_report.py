@@ -76,11 +76,27 @@ def report(
             )
     for route in ("responses", "messages"):
         lines += route_ratios(results, rounds, levels, route)
+    lines += aa_lines(rounds, targets, levels)
     lines += route_table(rounds, levels)
     if {"direct", "proxy", "proxy-httpx", "gateway", "gateway-recorded", "responses"} <= set(
         targets
     ) and "responses-recorded" in targets:
         lines += _proxy_ratios(results, levels)
+    return lines
+
+
+def aa_lines(rounds: Rounds, targets: list[str], levels: tuple[int, ...]) -> list[str]:
+    """The A/A check: each copy of a target ("gateway#2", from `--targets gateway,gateway`)
+    over the target itself, CPU per request, per round: identical work, so every round's
+    ratio should be x1.00 and the spread is the method's own noise. Example: a copy at 0.52,
+    0.50 ms over 0.50, 0.50 -> "x1.02 [x1.00-x1.04]"."""
+    pairs = [(t, t.split("#")[0]) for t in targets if "#" in t]
+    if not pairs:
+        return []
+    lines = ["", "A/A (a copy of a target over the target; identical work, ideally x1.00):"]
+    for c in levels:
+        parts = [f"{t} / {b} {spread(per_round(rounds, (t, c), (b, c)))}" for t, b in pairs]
+        lines.append(f"  concurrency {c:>2}: " + "; ".join(parts))
     return lines
 
 

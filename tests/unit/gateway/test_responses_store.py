@@ -16,6 +16,7 @@ from flywheel.gateway.api.responses_store import (
     SetPipe,
     StoredResponse,
     pack_set,
+    record_json,
 )
 
 
@@ -52,6 +53,23 @@ def test_the_response_bytes_given_are_stored_as_they_are(redis_client, prefix):
     assert raw.endswith(b',"response":' + body + b"}")
     asyncio.run(store.delete("resp_x", ""))
     assert redis_client.get(f"{prefix}:response:resp_x") is None
+
+
+def test_the_record_embeds_the_response_bytes_in_one_json_value():
+    body = b'{"id":"resp_1","output":[]}'
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "3"}]
+    got = record_json(StoredResponse("k", "s1", conversation), body)
+    assert got == (
+        b'{"owner":"k","session_id":"s1","conversation":[{"role":"user","content":"Hi"},'
+        b'{"role":"assistant","content":"3"}],"response":{"id":"resp_1","output":[]}}'
+    )
+    # A tool call's sampled arguments with an integer wider than 64 bits (orjson refuses it):
+    # the same layout, the integer written exactly.
+    wide = [{"role": "assistant", "content": None, "n": 2**70}]
+    assert record_json(StoredResponse("k", "", wide), body) == (
+        b'{"owner":"k","session_id":"","conversation":[{"role":"assistant","content":null,'
+        b'"n":1180591620717411303424}],"response":{"id":"resp_1","output":[]}}'
+    )
 
 
 def test_a_connection_redis_closed_is_replaced(redis_client, prefix):

@@ -15,6 +15,7 @@ from flywheel.gateway.api.responses_translate import (
     chat_tools,
     input_messages,
     new_id,
+    new_ids,
     output_items,
     response_format,
 )
@@ -191,3 +192,10 @@ def test_new_ids_are_the_prefix_and_32_fresh_hex_digits():
     assert len(ids) == 1000  # 128 random bits each: no repeats
     assert all(re.fullmatch(r"resp_[0-9a-f]{32}", i) for i in ids)
     assert re.fullmatch(r"fc_[0-9a-f]{32}", new_id("fc"))
+
+
+def test_new_ids_are_distinct_ids_of_128_random_bits_each():
+    resp, msg = new_ids("resp", "msg")
+    assert re.fullmatch(r"resp_[0-9a-f]{32}", resp) and re.fullmatch(r"msg_[0-9a-f]{32}", msg)
+    assert resp[5:] != msg[4:]  # two halves of 32 random bytes: equal with chance 2**-128
+    assert len({new_ids("a")[0] for _ in range(100)}) == 100

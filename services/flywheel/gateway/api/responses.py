@@ -40,7 +40,7 @@ from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
 from flywheel.gateway.api.responses_translate import (
     CHAT_PARAMS,
     chat_request,
-    new_id,
+    new_ids,
     output_items,
 )
 from flywheel.gateway.api.schemas import ChatCompletionRequest, stop_list
@@ -147,8 +147,7 @@ class Turn:
     ):
         self.d, self.store, self.body, self.chat_body = d, store, body, chat_body
         self.conversation, self.owner, self.session_id = conversation, owner, session_id
-        self.response_id = new_id("resp")
-        self.message_id = new_id("msg")
+        self.response_id, self.message_id = new_ids("resp", "msg")
         model = body.model or served_models(d.settings)[0]
         self.started = started(body, self.response_id, model)
         self.response_json = b""

@@ -211,6 +211,29 @@ class SetPipe:
             asyncio.ensure_future(link.conn.disconnect(nowait=True))
 
 
+def record_json(stored: StoredResponse, response_json: bytes | None = None) -> bytes:
+    """The stored value of `stored`: JSON `{"owner", "session_id", "conversation",
+    "response"}`, the response as the bytes `response_json` when given (the HTTP body as
+    answered, embedded without being parsed or encoded again), else `stored.response` encoded.
+
+    Example: StoredResponse("k", "", [{"role": "user", "content": "Hi"}]) with response_json
+    b'{"id":"resp_1"}' -> b'{"owner":"k","session_id":"","conversation":[{"role":"user",
+    "content":"Hi"}],"response":{"id":"resp_1"}}' (one line).
+
+    Raises:
+        TypeError: the conversation or response holds something JSON cannot express.
+    """
+    body = response_json if response_json is not None else dumps(stored.response)
+    record = {"owner": stored.owner, "session_id": stored.session_id}
+    try:  # one encoding pass, the response's bytes copied in as they are
+        return orjson.dumps(
+            {**record, "conversation": stored.conversation, "response": orjson.Fragment(body)}
+        )
+    except TypeError:  # an integer wider than 64 bits: `dumps` writes it exactly
+        head = dumps({**record, "conversation": stored.conversation})
+        return head[:-1] + b',"response":' + body + b"}"
+
+
 class ResponseStore:
     """Args: client: the gateway's Redis client; prefix: the deployment's key prefix; ttl_s:
     seconds a stored response is kept."""
@@ -241,16 +264,9 @@ class ResponseStore:
         Raises:
             redis.RedisError: Redis failed or did not answer within the client's timeout.
         """
-        head = dumps(
-            {
-                "owner": stored.owner,
-                "session_id": stored.session_id,
-                "conversation": stored.conversation,
-            }
+        await self._pipe().set(
+            self._key(response_id), record_json(stored, response_json), self.ttl_s
         )
-        body = response_json if response_json is not None else dumps(stored.response)
-        value = head[:-1] + b',"response":' + body + b"}"
-        await self._pipe().set(self._key(response_id), value, self.ttl_s)
 
     async def get(
         self, response_id: str, owner: str, param: str | None = "previous_response_id"

@@ -46,6 +46,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(16).hex()}"
 
 
+def new_ids(*prefixes: str) -> list[str]:
+    """One fresh id per prefix, as `new_id` makes them, from one read of the system's random
+    source (128 random bits each). Example: new_ids("resp", "msg") -> ["resp_<32 hex>",
+    "msg_<32 hex>"], the two hex strings the two halves of 32 random bytes."""
+    bits = os.urandom(16 * len(prefixes)).hex()
+    return [f"{p}_{bits[32 * i : 32 * i + 32]}" for i, p in enumerate(prefixes)]
+
+
 def _text(content: Any, where: str, *, refusal: bool) -> str:
     """The text of a string or of a list of text parts.
 

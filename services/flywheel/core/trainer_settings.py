@@ -23,6 +23,12 @@ class OptimSettings(Section):
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
+    state_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of AdamW's two moments. bfloat16 halves the optimizer's memory (the math, the
+    weights and each update stay fp32; the moments are stochastically rounded:
+    flywheel/trainer/adamw_bf16.py). auto = bfloat16 for plain fp32 parameters on a CPU (where
+    the trainer shares the machine's memory with the engine), float32 on CUDA, for FSDP2 shards
+    and for bf16 parameters."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradients are clipped to this global L2 norm before each optimizer step."""
     lr_schedule: Literal["constant", "linear_warmup", "cosine"] = "constant"

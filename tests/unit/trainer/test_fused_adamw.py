@@ -12,7 +12,7 @@ from .factories import tiny_model
 
 
 def test_fused_adamw_takes_the_default_step():
-    settings = OptimSettings(lr=1e-2, weight_decay=0.1)
+    settings = OptimSettings(lr=1e-2, weight_decay=0.1, state_dtype="float32")
     fused_model, plain_model = tiny_model(seed=3), tiny_model(seed=3)
     fused = build_optimizer(fused_model, settings)
     plain = torch.optim.AdamW(

@@ -36,8 +36,15 @@ slices), so a change in the machine's load meets every target alike; each round 
 target further along; and on 2+ CPUs the proxies and gateways run on the last CPU and the load
 (this driver, the stub engine, Redis) on the others (`--no-pin`: anywhere). Ratios between
 targets are printed per round: their median and lowest-highest, beside the best rounds' ratio.
-Keep a slice at several times the concurrency (e.g. `--requests 1600 --slices 4`): a slice
-shorter than that is mostly its ramp-up and drain.
+Each slice holds at least `--slice-min` (16) times the concurrency in requests (1024 at 64,
+however small `--requests / --slices`) and follows as many untimed requests of its own target
+as the concurrency: a slice shorter than that is mostly its ramp-up and drain, and lasts so
+little (a fifth of a second at 64) that one collector pass or timer in the target lands whole
+in one target's slice (`--slice-min 0`: the method before, for comparison).
+
+A/A check of the method: a target named twice (`--targets gateway,gateway`) runs twice, the
+copy ("gateway#2") with its own client and slices on the same processes, and its CPU per
+request over the target's is printed per round (ideally x1.00; the spread is the method's).
 
 `--compare-rev REV` also runs the gateway of git revision REV (its `services/` tree exported to
 a temporary folder, same settings, same Redis and stub): target gateway-recorded-B, printed as

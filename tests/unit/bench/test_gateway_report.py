@@ -45,3 +45,32 @@ def test_route_table_has_a_row_per_level_with_chat_medians_and_the_ratios_that_r
     assert lines[3] == "| concurrency | chat ms | chat recorded ms | messages |"
     # chat's median of 0.50, 0.60, 0.40 is 0.50; chat recorded did not run: "-"
     assert lines[-1] == "| 16 | 0.500 | - | x1.20 [x1.10-x1.50] |"
+
+
+def test_aa_lines_print_each_copy_over_its_target_per_round():
+    # The copy ran 0.52, 0.50, 0.36 ms where chat ran 0.50, 0.60, 0.40: ratios 1.04, 0.833,
+    # 0.90 -> median 0.90, lowest 0.83, highest 1.04.
+    rounds = {**ROUNDS, ("gateway#2", 16): [{"cpu_ms": 0.52}, {"cpu_ms": 0.50}, {"cpu_ms": 0.36}]}
+    got = report.aa_lines(rounds, ["gateway", "messages", "gateway#2"], (16,))
+    assert got[-1] == "  concurrency 16: gateway#2 / gateway x0.90 [x0.83-x1.04]"
+    assert report.aa_lines(ROUNDS, ["gateway", "messages"], (16,)) == []  # no copy: no check
+
+
+def test_a_target_named_twice_gets_a_numbered_copy():
+    import gateway as bench  # noqa: PLC0415  (bench/gateway.py)
+
+    assert bench.copies(["gateway", "messages", "gateway", "gateway"]) == [
+        "gateway#2",
+        "gateway#3",
+    ]
+    assert bench.base("responses-unstored#2") == "responses-unstored"
+    assert bench._body("responses-unstored#2") == bench.UNSTORED_BODY
+
+
+def test_slices_are_at_least_slice_min_times_the_concurrency():
+    import gateway as bench  # noqa: PLC0415  (bench/gateway.py)
+
+    # 600 requests in 2 slices: 300 each; at 64 raised to 16 x 64 = 1024; at 16 to 256 < 300.
+    assert bench.slice_sizes(600, 2, 64, 16) == [1024, 1024]
+    assert bench.slice_sizes(600, 2, 16, 16) == [300, 300]
+    assert bench.slice_sizes(601, 2, 64, 0) == [301, 300]  # 0: the split alone

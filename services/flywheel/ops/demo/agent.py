@@ -18,11 +18,13 @@ def answer(
     api_key: str = "flywheel-local",
 ) -> str:
     """Ask the model one question through `base_url`; returns the reply text."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=600)
-    completion = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": question}],
-        temperature=temperature,
-        max_tokens=max_tokens,
-    )
+    # closed on return: its connection pool and TLS context go at once, not at the next
+    # garbage collection (the demo runs 32 of these at a time)
+    with OpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=600) as client:
+        completion = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            temperature=temperature,
+            max_tokens=max_tokens,
+        )
     return completion.choices[0].message.content or ""

@@ -25,8 +25,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
     "learning_efficiency", ROOT / "bench/peers/learning_efficiency.py"
@@ -36,46 +34,7 @@ peers = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = peers  # dataclasses look their module up
 _spec.loader.exec_module(peers)
 
-MODULE_ROLES = {
-    "flywheel.engine.convert": "model conversion",
-    "flywheel.engine": "engine",
-    "flywheel.gateway": "gateway",
-    "flywheel.reward": "reward",
-    "flywheel.teacher": "teacher",
-    "flywheel.trainer": "trainer",
-    "flywheel.ops.cli": "demo driver",
-}
-
-
-def role_of(process: psutil.Process) -> str:
-    """The role of one process of the demo's tree, from its command line: `-m flywheel.<x>`
-    names a service ("trainer --check-settings" is the stack's settings check), redis-server is
-    "redis"; any other process (a worker a service spawned) takes its nearest named ancestor's
-    role with " (child)"."""
-    own = _named_role(process)
-    if own is not None:
-        return own
-    for parent in process.parents():
-        role = _named_role(parent)
-        if role is not None:
-            return f"{role} (child)"
-    return process.name()
-
-
-def _named_role(process: psutil.Process) -> str | None:
-    try:
-        cmdline = process.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    if cmdline and "redis-server" in Path(cmdline[0]).name:
-        return "redis"
-    if "-m" in cmdline[:-1]:
-        module = cmdline[cmdline.index("-m") + 1]
-        role = MODULE_ROLES.get(module)
-        if role == "trainer" and "--check-settings" in cmdline:
-            return "trainer settings check"
-        return role
-    return None
+role_of = peers.role_of
 
 
 def measure(steps: int, seed: int, out: Path, services: Path | None) -> tuple[float, Any]:

@@ -52,6 +52,48 @@ WINDOW = 5
 """Steps of the moving average that decides when a reward is reached."""
 
 
+MODULE_ROLES = {
+    "flywheel.engine.convert": "model conversion",
+    "flywheel.engine": "engine",
+    "flywheel.gateway": "gateway",
+    "flywheel.reward": "reward",
+    "flywheel.teacher": "teacher",
+    "flywheel.trainer": "trainer",
+    "flywheel.ops.cli": "demo driver",
+}
+
+
+def role_of(process: psutil.Process) -> str:
+    """The role of one process of the demo's tree, from its command line: `-m flywheel.<x>`
+    names a service ("trainer --check-settings" is the stack's settings check), redis-server is
+    "redis"; any other process (a worker a service spawned) takes its nearest named ancestor's
+    role with " (child)"."""
+    own = _named_role(process)
+    if own is not None:
+        return own
+    for parent in process.parents():
+        role = _named_role(parent)
+        if role is not None:
+            return f"{role} (child)"
+    return process.name()
+
+
+def _named_role(process: psutil.Process) -> str | None:
+    try:
+        cmdline = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    if cmdline and "redis-server" in Path(cmdline[0]).name:
+        return "redis"
+    if "-m" in cmdline[:-1]:
+        module = cmdline[cmdline.index("-m") + 1]
+        role = MODULE_ROLES.get(module)
+        if role == "trainer" and "--check-settings" in cmdline:
+            return "trainer settings check"
+        return role
+    return None
+
+
 @dataclass
 class RolePeaks:
     """Per role of a process tree (`run_sampled`'s `role_of`), in MiB: `peak` = the highest
@@ -96,7 +138,7 @@ def run_sampled(
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
-            total, roles = 0, {}
+            total, roles = 0, dict[str, int]()
             for p in tree:
                 with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
                     rss = p.memory_info().rss
@@ -190,7 +232,12 @@ def run_seed(
     earlier run's results, whose TRL side is taken instead of running TRL again."""
     fw_dir, trl_dir = out / f"seed{seed}" / "flywheel", out / f"seed{seed}" / "trl"
     common = ["--steps", str(steps), "--seed", str(seed)]
-    fw_launch, fw_rss = run_sampled(flywheel_demo_cmd(flywheel_steps or steps, seed, fw_dir))
+    fw_roles = RolePeaks()
+    fw_launch, fw_rss = run_sampled(
+        flywheel_demo_cmd(flywheel_steps or steps, seed, fw_dir),
+        role_of=role_of,
+        role_peaks=fw_roles,
+    )
     fw_rewards, fw_times = flywheel_curve(fw_dir)
     sides = {}
     if trl_earlier is None:
@@ -217,6 +264,9 @@ def run_seed(
             "peak_rss_mib": rss,
             **{k: summary[k] for k in ("minutes", "first5", "last5", "eval_before", "eval_after")},
         }
+    sides["flywheel"]["rss_at_peak_by_role_mib"] = {
+        role: round(mib) for role, mib in sorted(fw_roles.at_peak.items(), key=lambda x: -x[1])
+    }
     return {"seed": seed, "target": target, **sides}
 
 
@@ -257,6 +307,9 @@ def report(results: list[dict[str, Any]]) -> None:
             f"flywheel/trl time {ratio(fw['time_to_target_s'], trl['time_to_target_s'])}, "
             f"peak RSS {ratio(fw['peak_rss_mib'], trl['peak_rss_mib'])}"
         )
+        if fw.get("rss_at_peak_by_role_mib"):
+            roles = ", ".join(f"{k} {v}" for k, v in fw["rss_at_peak_by_role_mib"].items())
+            print(f"{r['seed']:>4} flywheel RSS MiB at its peak by process role: {roles}")
     print(
         f"equal wall-clock: each side's {WINDOW}-step reward when the side that finished first "
         "finished"

@@ -86,6 +86,7 @@ class TemperedHeadLogprob(torch.autograd.Function):
         logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: the full log-softmax
         entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
         ctx.save_for_backward(hidden_CH, weight_VH, targets_C, temperature_C, lse_C, entropy_C)
+        ctx.weight_param = weight_VH  # type: ignore[attr-defined]  # the Parameter, see _adds_into_grad
         ctx.set_materialize_grads(False)
         return logprobs_C, entropy_C
 
@@ -115,9 +116,31 @@ class TemperedHeadLogprob(torch.autograd.Function):
         with torch.autocast(device_type=hidden_CH.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad_CV @ _at_least_fp32(weight_VH)).to(hidden_CH.dtype)
-            if ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1] and _adds_into_grad(ctx.weight_param):
+                ctx.weight_param.grad.addmm_(grad_CV.T, _at_least_fp32(hidden_CH))
+            elif ctx.needs_input_grad[1]:
                 grad_weight = (grad_CV.T @ _at_least_fp32(hidden_CH)).to(weight_VH.dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _adds_into_grad(weight: Tensor) -> bool:
+    """Whether the head's weight gradient may be added straight into `weight.grad` (returning
+    None to autograd) instead of being returned as a new (V, H) tensor: a plain fp32 leaf whose
+    `.grad` already exists (every micro-batch after a step's first) and that has no hooks. The
+    sum is the same; what goes is a (V, H) fp32 temporary (113 MB for SmolLM2's tied
+    embedding) at the start of the backward pass, when the micro-batch's activations are all
+    still held, i.e. at the step's memory peak. FSDP2's DTensor parameters, bf16 weights and
+    hooked parameters keep autograd's own accumulation."""
+    grad = weight.grad if weight.is_leaf else None
+    return (
+        type(grad) is torch.Tensor
+        and type(weight.data) is torch.Tensor
+        and weight.dtype == torch.float32
+        and grad.dtype == torch.float32
+        and grad.is_contiguous()
+        and not weight._backward_hooks
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+    )
 
 
 def decoder_of(model: Any) -> Any:

@@ -188,3 +188,37 @@ def test_fused_head_entropy_backward_passes_gradcheck():
 
     assert torch.autograd.gradcheck(both, (hidden_CH, weight_VH))
     assert torch.autograd.gradcheck(entropy_only, (hidden_CH, weight_VH))
+
+
+def test_second_micro_batch_adds_the_head_gradient_into_grad():
+    # Two backward passes (two micro-batches) through the tied head of the tiny model: the
+    # second adds its head gradient straight into `.grad` (no (V, H) temporary returned to
+    # autograd); the accumulated gradients must equal autograd's own accumulation of the same
+    # two passes through the naive log-softmax.
+    model = tiny_model(seed=2)
+    ids, attn, score = padded_batch()
+    temperature_B = torch.tensor([1.0, 0.6, 1.3])
+    weights = torch.linspace(0.5, 1.5, ids.shape[1])
+    head = model.get_output_embeddings().weight
+    assert head is model.get_input_embeddings().weight  # tied: the embedding adds into it too
+    calls = []
+    original = torch.Tensor.addmm_
+
+    def spy(self, *args, **kwargs):
+        calls.append(self is head.grad)
+        return original(self, *args, **kwargs)
+
+    for k in range(2):
+        out = selected_token_logprobs(model, ids, attn, temperature_B, score, chunk_tokens=8)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "addmm_", spy)
+            ((k + 1) * out.logprobs_BT * weights).sum().backward()
+    assert calls and all(calls)  # only the second pass, into the existing gradient
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad(set_to_none=True)
+    for k in range(2):
+        naive_BT = torch.where(score, naive_token_logprobs(model, ids, attn, temperature_B), 0.0)
+        ((k + 1) * naive_BT * weights).sum().backward()
+    for name, param in model.named_parameters():
+        assert_close(grads[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)

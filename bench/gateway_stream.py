@@ -41,6 +41,7 @@ def _one(
     """(seconds to the first content, seconds to the end, gateway CPU seconds, tokens)."""
     session = httpx.post(f"{gateway}/v1/sessions", json={"group_id": f"bench-{seed}"}).json()
     body = {
+        "model": "m",
         "messages": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 1.0,

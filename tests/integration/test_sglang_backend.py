@@ -164,7 +164,7 @@ def test_attach_mode_waits_for_the_engines_and_never_starts_one(
             )
             reply = httpx.post(
                 f"{stack.services[0].url}/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "Hi"}]},
+                json={"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
                 timeout=120,
             )
             assert reply.status_code == 200, reply.text

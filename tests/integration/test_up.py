@@ -203,7 +203,11 @@ def _episode_scored(gateway: str, redis, rollouts: str) -> bool:  # noqa: ANN001
         sid = client.post("/v1/sessions", json={"group_id": "after-kill"}).json()["session_id"]
         reply = client.post(
             f"/s/{sid}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4},
+            json={
+                "model": "m",
+                "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 4,
+            },
         )
         if reply.status_code != 200:
             return False
@@ -234,7 +238,8 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
         messages = [{"role": "user", "content": "Say hi"}]
         for _ in range(2):
             reply = client.post(
-                f"/s/{sid}/v1/chat/completions", json={"messages": messages, "max_tokens": 4}
+                f"/s/{sid}/v1/chat/completions",
+                json={"model": "m", "messages": messages, "max_tokens": 4},
             ).json()
             messages += [reply["choices"][0]["message"], {"role": "user", "content": "again"}]
         assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200

@@ -25,6 +25,9 @@ connection the server is closing at that instant (a POST then fails with ECONNRE
 retried); uvicorn's own default is also 5 s."""
 
 
+MISSING_MODEL = "you must provide a model parameter"
+"""OpenAI's message for a request body without `model` (400, param `model`)."""
+
 _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
@@ -84,7 +87,7 @@ def install(app: FastAPI) -> None:
         return platform_error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             where = first.get("loc", ("body", "?"))[-1]
@@ -97,6 +100,12 @@ def install(app: FastAPI) -> None:
             )
         param = param_of(first.get("loc", ()))
         message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        if (
+            param == "model"
+            and first.get("type") == "missing"
+            and "/v1/messages" not in request.url.path  # Anthropic's words stay there
+        ):
+            message = MISSING_MODEL
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(redis.RedisError)

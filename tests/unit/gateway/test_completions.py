@@ -48,7 +48,7 @@ def env(redis_client, prefix, renderer):
 def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
     client, engine, _ = env
     body = client.post(
-        "/v1/completions", json={"prompt": "7 + 1 =", "max_tokens": 3, "logprobs": 1}
+        "/v1/completions", json={"model": "m", "prompt": "7 + 1 =", "max_tokens": 3, "logprobs": 1}
     ).json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == " 8"
     assert engine.calls[0][0] == renderer.encode("7 + 1 =")  # no template, no special tokens
@@ -62,7 +62,9 @@ def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
         "total_tokens": len(engine.calls[0][0]) + len(engine.ids),
     }
     ids = [1, 2, 3]
-    batch = client.post("/v1/completions", json={"prompt": [ids, [4, 5]], "n": 2}).json()
+    batch = client.post(
+        "/v1/completions", json={"model": "m", "prompt": [ids, [4, 5]], "n": 2}
+    ).json()
     assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
     assert engine.calls[1][0] == ids and engine.calls[3][0] == [4, 5]
     assert engine.calls[1][1]["max_new_tokens"] == 16  # OpenAI's default for completions
@@ -71,14 +73,14 @@ def test_text_and_id_prompts_batches_and_logprobs(env, renderer):
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": [1, 10**9]}, "prompt"),
-        ({"prompt": ""}, "prompt"),
-        ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "foo": 1}, "foo"),
-        ({"prompt": []}, "prompt"),
-        ({"prompt": [[]]}, "prompt"),
-        ({"prompt": [5] * 2100}, "prompt"),
+        ({"model": "m", "prompt": [1, 10**9]}, "prompt"),
+        ({"model": "m", "prompt": ""}, "prompt"),
+        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+        ({"model": "m", "prompt": "x", "foo": 1}, "foo"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [[]]}, "prompt"),
+        ({"model": "m", "prompt": [5] * 2100}, "prompt"),
     ],
 )  # the last: longer than the 2048-token window
 def test_invalid_completion_requests_are_400_naming_the_field(env, body, param):
@@ -92,7 +94,12 @@ def test_streamed_completion_ends_with_done(env):
     client, _, _ = env
     resp = client.post(
         "/v1/completions",
-        json={"prompt": "7 + 1 =", "stream": True, "stream_options": {"include_usage": True}},
+        json={
+            "model": "m",
+            "prompt": "7 + 1 =",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     )
     events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
@@ -103,9 +110,9 @@ def test_streamed_completion_ends_with_done(env):
 def test_session_completions_extend_the_recorded_ids(env, renderer):
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    first = client.post(f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 ="}).json()
+    first = client.post(f"/s/{sid}/v1/completions", json={"model": "m", "prompt": "7 + 1 ="}).json()
     text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
-    client.post(f"/s/{sid}/v1/completions", json={"prompt": text})
+    client.post(f"/s/{sid}/v1/completions", json={"model": "m", "prompt": text})
     p1 = engine.calls[0][0]
     assert engine.calls[1][0][: len(p1) + len(engine.ids)] == p1 + engine.ids
     assert engine.calls[1][0][len(p1) + len(engine.ids) :] == renderer.encode("\n2 + 2 =")
@@ -122,10 +129,10 @@ def test_session_completion_at_another_temperature_starts_a_new_sample(env, rend
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     first = client.post(
-        f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 =", "temperature": 0.5}
+        f"/s/{sid}/v1/completions", json={"model": "m", "prompt": "7 + 1 =", "temperature": 0.5}
     ).json()
     text = "7 + 1 =" + first["choices"][0]["text"] + "\n2 + 2 ="
-    client.post(f"/s/{sid}/v1/completions", json={"prompt": text, "temperature": 1.0})
+    client.post(f"/s/{sid}/v1/completions", json={"model": "m", "prompt": text, "temperature": 1.0})
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["fork_reasons"] == {"sampling_changed": 1}
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
@@ -140,12 +147,14 @@ def test_session_completion_at_another_temperature_starts_a_new_sample(env, rend
 def test_live_session_completions_are_one_sample_per_turn(env, renderer):
     client, engine, samples = env
     headers = {"X-Session-Id": "raw-live"}
-    first = client.post("/v1/completions", headers=headers, json={"prompt": "7 + 1 ="})
+    first = client.post(
+        "/v1/completions", headers=headers, json={"model": "m", "prompt": "7 + 1 ="}
+    )
     assert first.status_code == 200, first.text
     assert client.get("/v1/sessions/raw-live").json()["mode"] == "live"
     assert samples() == []  # turn 0 waits for its next state
     text = "7 + 1 =" + first.json()["choices"][0]["text"] + "\n2 + 2 ="
-    second = client.post("/v1/completions", headers=headers, json={"prompt": text})
+    second = client.post("/v1/completions", headers=headers, json={"model": "m", "prompt": text})
     assert second.status_code == 200, second.text
     (turn0,) = samples()
     p1, n = engine.calls[0][0], len(engine.ids)
@@ -160,7 +169,7 @@ def test_live_session_completions_are_one_sample_per_turn(env, renderer):
     assert p2 == p1 + engine.ids + renderer.encode("\n2 + 2 =")
     # A prompt on turn 0's history again is a branch: it continues turn 0's ids as well.
     again = "7 + 1 =" + first.json()["choices"][0]["text"] + "\n3 + 5 ="
-    client.post("/s/raw-live/v1/completions", json={"prompt": again})
+    client.post("/s/raw-live/v1/completions", json={"model": "m", "prompt": again})
     assert engine.calls[2][0] == p1 + engine.ids + renderer.encode("\n3 + 5 =")
     assert len(samples()) == 1  # turn 1 did not get this request as its next state
     done = client.post("/v1/sessions/raw-live/finish", json={}).json()
@@ -202,7 +211,12 @@ def test_bug02_art883_a_sampled_token_under_a_changed_prefix_is_never_trained_ag
     client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     for prompt in ([101], [101, 103, 104]):
-        assert client.post(f"/s/{sid}/v1/completions", json={"prompt": prompt}).status_code == 200
+        assert (
+            client.post(
+                f"/s/{sid}/v1/completions", json={"model": "m", "prompt": prompt}
+            ).status_code
+            == 200
+        )
     assert engine.calls == [[101], [101, 103, 104]]  # the client's prompt, not a spliced one
     assert client.get(f"/v1/sessions/{sid}").json()["fork_reasons"] == {"history_edited": 1}
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
@@ -219,7 +233,13 @@ def test_session_sample_records_the_stop_strings_and_seed_the_engine_got(env):
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     client.post(
         f"/s/{sid}/v1/completions",
-        json={"prompt": "7 + 1 =", "temperature": 0.5, "stop": ["\n\n", "###"], "seed": -1},
+        json={
+            "model": "m",
+            "prompt": "7 + 1 =",
+            "temperature": 0.5,
+            "stop": ["\n\n", "###"],
+            "seed": -1,
+        },
     )
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     (sample,) = samples()
@@ -233,7 +253,7 @@ def test_session_sample_records_the_stop_strings_and_seed_the_engine_got(env):
 def test_session_sample_without_seed_or_stop_says_so(env):
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    client.post(f"/s/{sid}/v1/completions", json={"prompt": "7 + 1 ="})
+    client.post(f"/s/{sid}/v1/completions", json={"model": "m", "prompt": "7 + 1 ="})
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     (sample,) = samples()
     assert not sample.sampling.has_seed and sample.sampling.seed == 0
@@ -275,9 +295,11 @@ def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
     client, _, samples = gateway_app(redis_client, prefix, renderer, engine)
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     first = "Once upon a time,"
-    reply = client.post(f"/s/{sid}/v1/completions", json={"prompt": first, "stop": ["he"]})
+    reply = client.post(
+        f"/s/{sid}/v1/completions", json={"model": "m", "prompt": first, "stop": ["he"]}
+    )
     assert reply.json()["choices"][0]["text"] == " t"
-    client.post(f"/s/{sid}/v1/completions", json={"prompt": first + follow_up})
+    client.post(f"/s/{sid}/v1/completions", json={"model": "m", "prompt": first + follow_up})
     sent = engine.calls[1][0]
     info = client.get(f"/v1/sessions/{sid}").json()
     if stitched:
@@ -295,7 +317,8 @@ def test_a_stop_string_inside_a_token_is_compared_with_the_text_the_ids_hold(
 def test_stream_options_without_stream_is_refused_as_in_chat(env):
     client, engine, _ = env
     reply = client.post(
-        "/v1/completions", json={"prompt": "7 + 1 =", "stream_options": {"include_usage": True}}
+        "/v1/completions",
+        json={"model": "m", "prompt": "7 + 1 =", "stream_options": {"include_usage": True}},
     )
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
     assert engine.calls == []

@@ -40,7 +40,9 @@ def compiler(tiny_model_dir) -> xgr.GrammarCompiler:
 
 
 def _params(**body) -> dict[str, str]:
-    return grammar_params(ChatCompletionRequest.model_validate({"messages": U, **body}), "hermes")
+    return grammar_params(
+        ChatCompletionRequest.model_validate({"model": "m", "messages": U, **body}), "hermes"
+    )
 
 
 def _accepts(compiler: xgr.GrammarCompiler, params: dict[str, str], text: str) -> bool:
@@ -106,7 +108,7 @@ def test_response_format_becomes_a_json_schema_param(compiler):
 
 def test_json_parser_forces_a_bare_call_object(compiler):
     body = ChatCompletionRequest.model_validate(
-        {"messages": U, "tools": [ADD, NOW], "tool_choice": "required"}
+        {"model": "m", "messages": U, "tools": [ADD, NOW], "tool_choice": "required"}
     )
     params = grammar_params(body, "json")
     assert _accepts(compiler, params, '{"name": "add", "arguments": {"a": 1, "b": 2}}')

@@ -48,9 +48,13 @@ def _openai_error(resp) -> dict:
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, "messages"),
-        ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, "prompt"),
-        ("/v1/responses", {"input": LONG}, None),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": LONG}]},
+            "messages",
+        ),
+        ("/v1/completions", {"model": "m", "prompt": LONG, "max_tokens": 4}, "prompt"),
+        ("/v1/responses", {"model": "m", "input": LONG}, None),
     ],
 )
 def test_openai_apis_refuse_an_over_long_prompt_in_openai_format(app, path, body, param):

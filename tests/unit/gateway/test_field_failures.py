@@ -214,6 +214,7 @@ def test_bug06_streamed_tool_call_records_the_same_ids_as_non_streamed(app, rend
     ids = renderer.encode(TWO_CALLS) + [EOS]
     use(_gen(ids, TWO_CALLS))
     body = {
+        "model": "m",
         "messages": [{"role": "user", "content": "weather and time?"}],
         "tools": TOOLS,
         "logprobs": True,
@@ -274,6 +275,7 @@ def test_bug07_08_sampling_params_are_stored_with_the_sample(app, renderer):
     client, use, samples = app
     engine = use(_gen(renderer.encode("8") + [EOS], "8"))
     body = {
+        "model": "m",
         "messages": [{"role": "user", "content": "7+1?"}],
         "temperature": 0.6,
         "top_p": 0.75,
@@ -307,6 +309,7 @@ def test_bug10_tokens_after_a_stop_string_are_cut_off(app, renderer):
     resp = client.post(
         f"/s/{sid}/v1/chat/completions",
         json={
+            "model": "m",
             "messages": [{"role": "user", "content": "count"}],
             "stop": [" ha ha ha"],
             "logprobs": True,
@@ -324,7 +327,9 @@ def test_bug10_stop_token_inside_a_length_finish_is_cut_there(app, renderer):
     # The case's example: one accepted block [10, 11, STOP, 20, 21] crossed the 5-token cap.
     use(_gen([10, 11, EOS, 20, 21], "x", finish="length", matched=None))
     resp, sample = _episode(
-        client, {"messages": [{"role": "user", "content": "go"}], "max_tokens": 5}, samples
+        client,
+        {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 5},
+        samples,
     )
     assert resp.json()["choices"][0]["finish_reason"] == "stop"
     n = sample.prompt_length
@@ -342,6 +347,7 @@ def test_bug10_length_on_the_token_that_completes_a_stop_is_stop(app, renderer):
     resp, sample = _episode(
         client,
         {
+            "model": "m",
             "messages": [{"role": "user", "content": "count"}],
             "stop": " ha ha ha",
             "max_tokens": len(ids),
@@ -381,7 +387,9 @@ def test_bug11_finish_reason_length_vs_stop(app, renderer, text, finish, content
     ids = renderer.encode(text)[:5]
     use(_gen(ids, text, finish=finish, matched=None))
     resp, sample = _episode(
-        client, {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 5}, samples
+        client,
+        {"model": "m", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 5},
+        samples,
     )
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == finish and sample.finish_reason == finish
@@ -433,7 +441,12 @@ def test_top_logprobs_are_asked_of_the_engine_and_returned(app, renderer):
     engine = use(Generation(**{**gen.__dict__, "output_top_logprobs": tops}))
     resp = client.post(
         "/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
     )
     assert engine.calls[-1][2] == 2
     content = resp.json()["choices"][0]["logprobs"]["content"]
@@ -481,11 +494,12 @@ def test_bug10_eos_as_the_last_allowed_token_is_a_stop_and_stitches_once(app, re
     sid = client.post("/v1/sessions", json={}).json()["session_id"]
     first = [{"role": "user", "content": "7 + 1?"}]
     resp = client.post(
-        f"/s/{sid}/v1/chat/completions", json={"messages": first, "max_tokens": len(ids)}
+        f"/s/{sid}/v1/chat/completions",
+        json={"model": "m", "messages": first, "max_tokens": len(ids)},
     )
     assert resp.json()["choices"][0]["finish_reason"] == "stop"
     then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
-    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then})
+    client.post(f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": then})
     info = client.get(f"/v1/sessions/{sid}").json()
     assert info["forks"] == 0
     assert info["token_ids"][: -len(ids)] == renderer.prompt_ids(then)

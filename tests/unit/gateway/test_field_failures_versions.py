@@ -47,7 +47,9 @@ def test_bug19_per_token_weight_versions_come_from_the_engine_spans(app, rendere
     gen = parse_generation(_straddling_body(ids, spans), {EOS})
     assert gen.token_versions() == [3, 3, 4, 4, 4]
     use(gen)
-    resp, sample = _episode(client, {"messages": [{"role": "user", "content": "go"}]}, samples)
+    resp, sample = _episode(
+        client, {"model": "m", "messages": [{"role": "user", "content": "go"}]}, samples
+    )
     assert resp.json()["metadata"]["weight_version"] == "4"
     n = sample.prompt_length
     assert list(sample.weight_versions[n:]) == [3, 3, 4, 4, 4]
@@ -110,13 +112,16 @@ def test_bug07_episode_turn_with_other_sampling_is_its_own_sample(
     first = [{"role": "user", "content": "7 + 1?"}]
     assert (
         client.post(
-            f"/s/{sid}/v1/chat/completions", json={"messages": first, "temperature": first_t}
+            f"/s/{sid}/v1/chat/completions",
+            json={"model": "m", "messages": first, "temperature": first_t},
         ).status_code
         == 200
     )
     then = [*first, {"role": "assistant", "content": "8"}, {"role": "user", "content": "+1?"}]
     assert (
-        client.post(f"/s/{sid}/v1/chat/completions", json={"messages": then, **second}).status_code
+        client.post(
+            f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": then, **second}
+        ).status_code
         == 200
     )
     info = client.get(f"/v1/sessions/{sid}").json()

@@ -39,7 +39,9 @@ def _forked_episode(client):
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
     for messages in (ASK, EDITED):
         assert (
-            client.post(f"/s/{sid}/v1/chat/completions", json={"messages": messages}).status_code
+            client.post(
+                f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": messages}
+            ).status_code
             == 200
         )
     return sid
@@ -85,7 +87,9 @@ def test_held_samples_gone_at_the_finish_are_counted(app):
 def test_an_unreadable_held_entry_is_counted_and_the_others_published(app):
     client, samples, redis_client, prefix = app
     sid = _forked_episode(client)
-    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": ASK})  # fork 2: 2 held
+    client.post(
+        f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": ASK}
+    )  # fork 2: 2 held
     assert client.get(f"/v1/sessions/{sid}").json()["samples_held"] == 2
     redis_client.lset(f"{prefix}:session-held:{sid}", 0, b"not a Sample")  # segment 0 spoilt
     before = REGISTRY.get_sample_value("flywheel_gateway_held_samples_lost_total") or 0
@@ -101,7 +105,12 @@ def test_a_new_session_with_a_used_id_starts_without_held_samples(app):
     redis_client.rpush(f"{prefix}:session-held:{sid}", b"left by an earlier session")
     assert client.post("/v1/sessions", json={"session_id": sid}).status_code == 200
     assert not redis_client.exists(f"{prefix}:session-held:{sid}")
-    assert client.post(f"/s/{sid}/v1/chat/completions", json={"messages": ASK}).status_code == 200
+    assert (
+        client.post(
+            f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": ASK}
+        ).status_code
+        == 200
+    )
     assert client.post(f"/v1/sessions/{sid}/finish", json={}).json()["samples_published"] == 1
 
 
@@ -119,11 +128,11 @@ def test_a_turn_that_would_hold_too_many_samples_is_refused_and_nothing_is_lost(
     chat = f"/s/{sid}/v1/chat/completions"
     # ASK, EDITED, ASK: two forks close segments 0 and 1 -> 2 held, the limit.
     for messages in (ASK, EDITED, ASK):
-        assert client.post(chat, json={"messages": messages}).status_code == 200
+        assert client.post(chat, json={"model": "m", "messages": messages}).status_code == 200
     assert client.get(f"/v1/sessions/{sid}").json()["samples_held"] == 2
     before = REGISTRY.get_sample_value("flywheel_gateway_held_refused_total") or 0
     generated = len(engine.prompts)
-    refused = client.post(chat, json={"messages": EDITED})  # a third fork: 3 > 2
+    refused = client.post(chat, json={"model": "m", "messages": EDITED})  # a third fork: 3 > 2
     assert refused.status_code == 409
     error = refused.json()["error"]
     assert (error["code"], error["param"]) == ("too_many_held_samples", "session_id")
@@ -134,7 +143,7 @@ def test_a_turn_that_would_hold_too_many_samples_is_refused_and_nothing_is_lost(
     assert (info["samples_held"], info["forks"], info["turns"]) == (2, 2, 3)
     # A turn that extends the open segment sets nothing aside and is served.
     reply = [*ASK, {"role": "assistant", "content": "8"}, {"role": "user", "content": "And 2+2?"}]
-    assert client.post(chat, json={"messages": reply}).status_code == 200
+    assert client.post(chat, json={"model": "m", "messages": reply}).status_code == 200
     finished = client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).json()
     assert finished["samples_published"] == 3
     assert [s.segment_index for s in samples()] == [0, 1, 2]

@@ -75,7 +75,7 @@ def test_sweep_publishes_what_idle_sessions_hold_once(redis_client, prefix, rend
     _post(client, "live-idle", [U1, r0, U2])  # turn 0 published; turn 1 waits
     _post(client, "live-idle", [U1, r0, {"role": "user", "content": "Other branch"}])
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": [U1]})
+    client.post(f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": [U1]})
     empty = client.post("/v1/sessions", json={}).json()["session_id"]
     assert len(_samples(redis_client, prefix)) == 1
     before = _metric("flywheel_gateway_sessions_finished_total", reason="idle")
@@ -100,7 +100,9 @@ def test_sweep_publishes_what_idle_sessions_hold_once(redis_client, prefix, rend
     assert sweep_idle(deps, now=time.time() + 2 * IDLE_S) == 0
     assert len(_samples(redis_client, prefix)) == len(published)
     late = client.post(
-        "/v1/chat/completions", headers={"X-Session-Id": "live-idle"}, json={"messages": [U1]}
+        "/v1/chat/completions",
+        headers={"X-Session-Id": "live-idle"},
+        json={"model": "m", "messages": [U1]},
     )
     assert late.status_code == 409 and "idle" in late.json()["error"]["message"]
     assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1}).status_code == 409

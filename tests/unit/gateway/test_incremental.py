@@ -114,7 +114,9 @@ def _app(redis_client, prefix, renderer, engine):
 
 def _events(client, sid, **body):
     with client.stream(
-        "POST", f"/s/{sid}/v1/chat/completions", json={"messages": ASK, "stream": True, **body}
+        "POST",
+        f"/s/{sid}/v1/chat/completions",
+        json={"model": "m", "messages": ASK, "stream": True, **body},
     ) as reply:
         assert reply.status_code == 200
         return [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
@@ -198,7 +200,9 @@ def test_a_refused_stream_keeps_its_http_status(redis_client, prefix, renderer):
     engine = StreamingEngine(renderer, "Eight.")
     client, _, sid = _app(redis_client, prefix, renderer, engine)
     client.post(f"/v1/sessions/{sid}/finish", json={})
-    reply = client.post(f"/s/{sid}/v1/chat/completions", json={"messages": ASK, "stream": True})
+    reply = client.post(
+        f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": ASK, "stream": True}
+    )
     assert reply.status_code == 409 and reply.json()["error"]["type"] == "conflict_error"
     assert engine.streamed == 0
 

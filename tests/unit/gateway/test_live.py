@@ -135,11 +135,15 @@ def test_side_turns_are_served_but_not_recorded(env):
     info = client.get("/v1/sessions/s-side").json()
     assert info["turns"] == 2 and info["forks"] == 0
     bad = client.post(
-        "/v1/chat/completions", headers={"X-Turn-Type": "bogus"}, json={"messages": [U1]}
+        "/v1/chat/completions",
+        headers={"X-Turn-Type": "bogus"},
+        json={"model": "m", "messages": [U1]},
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Turn-Type"
     bad_id = client.post(
-        "/v1/chat/completions", headers={"X-Session-Id": "no spaces"}, json={"messages": [U1]}
+        "/v1/chat/completions",
+        headers={"X-Session-Id": "no spaces"},
+        json={"model": "m", "messages": [U1]},
     )
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Session-Id"
 
@@ -174,13 +178,13 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
     client, engine, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g7", "mode": mode}).json()["session_id"]
     body = client.post(
-        f"/s/{sid}/v1/chat/completions", json={"messages": [U1], "n": 3, "seed": 5}
+        f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": [U1], "n": 3, "seed": 5}
     ).json()
     contents = [c["message"]["content"] for c in body["choices"]]
     assert contents == ["Paris.", "Lyon.", "Nice."] and samples() == []
     prompt = engine.calls[0][0]
     chosen = body["choices"][1]["message"]
-    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": [U1, chosen, U2]})
+    client.post(f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": [U1, chosen, U2]})
     published = samples()
     if mode == "episode":  # the others are held until the finish, which publishes them first
         assert published == []
@@ -220,7 +224,7 @@ def test_n_choices_in_a_session_the_one_sent_back_continues(env, mode):
 def test_n_choices_never_sent_back_are_all_published_at_finish(env):
     client, _, samples = env
     sid = client.post("/v1/sessions", json={"group_id": "g"}).json()["session_id"]
-    client.post(f"/s/{sid}/v1/chat/completions", json={"messages": [U1], "n": 2})
+    client.post(f"/s/{sid}/v1/chat/completions", json={"model": "m", "messages": [U1], "n": 2})
     client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     published = samples()
     assert [json.loads(s.messages[-1].content_json) for s in published] == ["Paris.", "Lyon."]

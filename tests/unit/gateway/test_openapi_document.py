@@ -17,46 +17,58 @@ USER = {"role": "user", "content": "7 + 1?"}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT = [
-    ({"messages": [USER]}, True),
-    ({"messages": []}, False),
-    ({"messages": [{"role": "tool", "content": "3"}]}, False),  # no tool_call_id
-    ({"messages": [USER, {"role": "assistant", "content": None}, USER]}, False),
+    ({"model": "m", "messages": [USER]}, True),
+    ({"messages": [USER]}, False),  # OpenAI requires `model`
+    ({"model": "m", "messages": []}, False),
+    ({"model": "m", "messages": [{"role": "tool", "content": "3"}]}, False),  # no tool_call_id
+    ({"model": "m", "messages": [USER, {"role": "assistant", "content": None}, USER]}, False),
     (
         {
+            "model": "m",
             "messages": [
                 USER,
                 {"role": "assistant", "content": None, "tool_calls": [CALL]},
                 {"role": "tool", "tool_call_id": "c1", "content": "3"},
-            ]
+            ],
         },
         True,
     ),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, False),
-    ({"messages": [USER], "frequency_penalty": 0}, True),
-    ({"messages": [USER], "frequency_penalty": 0.5}, False),
-    ({"messages": [USER], "logit_bias": {"5": 1.0}}, False),
-    ({"messages": [USER], "stream_options": {"include_usage": True}}, False),
-    ({"messages": [USER], "top_k": 0}, False),
-    ({"messages": [USER], "top_k": -1}, True),
-    ({"messages": [USER], "top_k": 2**31 - 1}, True),
-    ({"messages": [USER], "top_k": 2**31}, False),  # recorded as int32
-    ({"messages": [USER], "tool_choice": "required"}, False),  # no tools to call
-    ({"messages": [USER], "tools": [{"type": "function"}]}, False),
-    ({"messages": [USER], "tools": [TOOL], "tool_choice": "auto"}, True),
-    ({"messages": [USER], "top_logprobs": 3}, False),  # needs logprobs: true
-    ({"messages": [USER], "response_format": {"type": "xml"}}, False),
-    ({"messages": [USER], "max_tokens": 2000}, True),
-    ({"messages": [USER], "max_tokens": 2048}, False),  # the window is 2048 tokens
+    (
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+        True,
+    ),
+    (
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+        },
+        False,
+    ),
+    ({"model": "m", "messages": [USER], "frequency_penalty": 0}, True),
+    ({"model": "m", "messages": [USER], "frequency_penalty": 0.5}, False),
+    ({"model": "m", "messages": [USER], "logit_bias": {"5": 1.0}}, False),
+    ({"model": "m", "messages": [USER], "stream_options": {"include_usage": True}}, False),
+    ({"model": "m", "messages": [USER], "top_k": 0}, False),
+    ({"model": "m", "messages": [USER], "top_k": -1}, True),
+    ({"model": "m", "messages": [USER], "top_k": 2**31 - 1}, True),
+    ({"model": "m", "messages": [USER], "top_k": 2**31}, False),  # recorded as int32
+    ({"model": "m", "messages": [USER], "tool_choice": "required"}, False),  # no tools to call
+    ({"model": "m", "messages": [USER], "tools": [{"type": "function"}]}, False),
+    ({"model": "m", "messages": [USER], "tools": [TOOL], "tool_choice": "auto"}, True),
+    ({"model": "m", "messages": [USER], "top_logprobs": 3}, False),  # needs logprobs: true
+    ({"model": "m", "messages": [USER], "response_format": {"type": "xml"}}, False),
+    ({"model": "m", "messages": [USER], "max_tokens": 2000}, True),
+    ({"model": "m", "messages": [USER], "max_tokens": 2048}, False),  # the window is 2048 tokens
 ]
 COMPLETIONS = [
-    ({"prompt": "7 + 1 ="}, True),
-    ({"prompt": []}, False),
-    ({"prompt": [[]]}, False),
-    ({"prompt": [1, 2, 3]}, True),
-    ({"prompt": [1, 2, 10**6]}, False),  # beyond the vocabulary
-    ({"prompt": "a", "best_of": 2}, False),
-    ({"prompt": "a", "echo": True}, False),
+    ({"model": "m", "prompt": "7 + 1 ="}, True),
+    ({"prompt": "7 + 1 ="}, False),
+    ({"model": "m", "prompt": []}, False),
+    ({"model": "m", "prompt": [[]]}, False),
+    ({"model": "m", "prompt": [1, 2, 3]}, True),
+    ({"model": "m", "prompt": [1, 2, 10**6]}, False),  # beyond the vocabulary
+    ({"model": "m", "prompt": "a", "best_of": 2}, False),
+    ({"model": "m", "prompt": "a", "echo": True}, False),
 ]
 
 
@@ -91,6 +103,16 @@ def test_completion_schema_and_route_agree(app_and_doc, body, valid):
     assert _validator(doc, "CompletionRequest").is_valid(body) is valid
     status = client.post("/v1/completions", json={"max_tokens": 4, **body}).status_code
     assert status == (200 if valid else 400), body
+
+
+def test_model_is_required_on_the_openai_routes(app_and_doc):
+    _, doc = app_and_doc
+    schemas = doc["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
+        assert "model" in schemas[name]["required"], name
+    assert set(schemas["ResponsesRequest"]["required"]) == {"model", "input"}
+    body = doc["paths"]["/v1/responses"]["post"]["requestBody"]["content"]["application/json"]
+    assert "#/components/schemas/ResponsesRequest" in str(body["schema"])
 
 
 def test_document_declares_every_path_parameter_and_the_limits(app_and_doc):

@@ -115,6 +115,38 @@ def test_served_model_names_are_listed_and_others_are_404(redis_client, prefix, 
     )
 
 
+def test_a_body_without_model_is_refused_as_openai_and_anthropic_refuse_it(
+    redis_client, prefix, renderer
+):
+    client, engine = _client(redis_client, prefix, renderer)
+    user = [{"role": "user", "content": "x"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": user}),
+        ("/s/abc/v1/chat/completions", {"messages": user, "stream": True}),
+        ("/v1/responses", {"input": "x"}),
+        ("/v1/completions", {"prompt": "1"}),
+    ]:
+        resp = client.post(path, json=body)
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json() == {
+            "error": {
+                "message": "you must provide a model parameter",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": None,
+            }
+        }
+    anthropic = client.post(
+        "/v1/messages", json={"max_tokens": 5, "messages": user}, headers={"anthropic-version": "1"}
+    )
+    assert anthropic.status_code == 400
+    assert anthropic.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": "model: Field required",
+    }
+    assert engine.prompts == []  # nothing was sampled
+
+
 U = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
@@ -130,23 +162,35 @@ def _then(assistant: dict) -> list[dict]:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": _then({"tool_calls": "oops"})}, "messages[1].tool_calls"),
-        ({"messages": _then({"tool_calls": [1]})}, "messages[1].tool_calls[0]"),
-        ({"messages": _then({"tool_calls": {"a": 1}})}, "messages[1].tool_calls"),
+        ({"model": "m", "messages": _then({"tool_calls": "oops"})}, "messages[1].tool_calls"),
+        ({"model": "m", "messages": _then({"tool_calls": [1]})}, "messages[1].tool_calls[0]"),
+        ({"model": "m", "messages": _then({"tool_calls": {"a": 1}})}, "messages[1].tool_calls"),
         (
-            {"messages": _then({"tool_calls": [{"id": "a", "type": "function", "function": "f"}]})},
+            {
+                "model": "m",
+                "messages": _then(
+                    {"tool_calls": [{"id": "a", "type": "function", "function": "f"}]}
+                ),
+            },
             "messages[1].tool_calls",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
-            "messages[0].content",
-        ),
-        (
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}],
+            },
             "messages[0].content",
         ),
         (
             {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            },
+            "messages[0].content",
+        ),
+        (
+            {
+                "model": "m",
                 "messages": [
                     {
                         "role": "user",
@@ -157,25 +201,37 @@ def _then(assistant: dict) -> list[dict]:
                             }
                         ],
                     }
-                ]
+                ],
             },
             "messages[0].content",
         ),
         (
             {
+                "model": "m",
                 "messages": [
                     *U,
                     {"role": "assistant", "content": None, "tool_calls": [CALL]},
                     {"role": "tool", "content": "2"},
-                ]
+                ],
             },
             "messages[2].tool_call_id",
         ),
-        ({"messages": U, "tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools"),
-        ({"messages": U, "tools": [TOOL], "tool_choice": "bogus"}, "tool_choice"),
-        ({"messages": U, "tool_choice": "required"}, "tool_choice"),  # no tools to call
         (
             {
+                "model": "m",
+                "messages": U,
+                "tools": [{"type": "function", "function": {"parameters": {}}}],
+            },
+            "tools",
+        ),
+        ({"model": "m", "messages": U, "tools": [TOOL], "tool_choice": "bogus"}, "tool_choice"),
+        (
+            {"model": "m", "messages": U, "tool_choice": "required"},
+            "tool_choice",
+        ),  # no tools to call
+        (
+            {
+                "model": "m",
                 "messages": U,
                 "tools": [TOOL],
                 "tool_choice": {"type": "function", "function": {"name": "not_a_tool"}},
@@ -183,12 +239,24 @@ def _then(assistant: dict) -> list[dict]:
             "tool_choice",
         ),
         (
-            {"messages": U, "tools": [TOOL], "tool_choice": "required", "regex": "a+"},
+            {
+                "model": "m",
+                "messages": U,
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "regex": "a+",
+            },
             "regex",
         ),
-        ({"messages": U, "stream_options": {"include_usage": True}}, "stream_options"),
-        ({"messages": U, "top_logprobs": 2}, "top_logprobs"),
-        ({"messages": U, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+        (
+            {"model": "m", "messages": U, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        ({"model": "m", "messages": U, "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"model": "m", "messages": U, "max_tokens": 5, "max_completion_tokens": 6},
+            "max_completion_tokens",
+        ),
     ],
 )
 def test_malformed_or_unsupported_fields_are_a_400_naming_them(

@@ -292,12 +292,14 @@ def test_session_header_setting_and_prompt_cache_key_name_live_sessions(gw):
     make, _, _ = gw
     client, _ = make(["a", "b", "c"], session_headers=["X-Conversation-Id"])
     client.post(
-        "/v1/responses", json={"input": "x"}, headers={"x-conversation-id": "conv one"}
+        "/v1/responses",
+        json={"model": "m", "input": "x"},
+        headers={"x-conversation-id": "conv one"},
     )  # not a valid id: hashed
-    client.post("/v1/responses", json={"input": "y", "prompt_cache_key": "pck-1"})
+    client.post("/v1/responses", json={"model": "m", "input": "y", "prompt_cache_key": "pck-1"})
     client.post(
         "/v1/responses",
-        json={"input": "z", "prompt_cache_key": "pck-2"},
+        json={"model": "m", "input": "z", "prompt_cache_key": "pck-2"},
         headers={"X-Conversation-Id": "conv-2"},  # the header wins over the body's key
     )
     hashed = "k-" + hashlib.sha256(b"conv one").hexdigest()[:40]
@@ -321,7 +323,12 @@ def test_logprobs_are_included_on_request(gw):
     client, _ = make(["Eight."])
     r = client.post(
         "/v1/responses",
-        json={"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 1},
+        json={
+            "model": "m",
+            "input": "x",
+            "include": ["message.output_text.logprobs"],
+            "top_logprobs": 1,
+        },
     ).json()
     part = r["output"][0]["content"][0]
     assert [p["logprob"] for p in part["logprobs"]] == [-0.5, -0.5, -0.5]
@@ -334,18 +341,19 @@ NONSENSE = {"type": "nonsense"}  # not a JSON Schema: xgrammar could not compile
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
-        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
-        ({"input": "x", "background": True}, "background"),
-        ({"input": "x", "include": ["bogus"]}, "include"),
-        ({"input": "x", "max_ouput_tokens": 5}, "max_ouput_tokens"),
-        ({"input": "x", "temperature": 3}, "temperature"),
-        ({"input": []}, "input"),
-        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+        ({"model": "m", "input": [{"type": "web_search_call", "id": "w"}]}, "input[0].type"),
+        ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"model": "m", "input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"model": "m", "input": "x", "background": True}, "background"),
+        ({"model": "m", "input": "x", "include": ["bogus"]}, "include"),
+        ({"model": "m", "input": "x", "max_ouput_tokens": 5}, "max_ouput_tokens"),
+        ({"model": "m", "input": "x", "temperature": 3}, "temperature"),
+        ({"model": "m", "input": []}, "input"),
+        ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
         (
             {
+                "model": "m",
                 "input": "x",
                 "text": {"format": {"type": "json_schema", "name": "s", "schema": NONSENSE}},
             },
@@ -353,6 +361,7 @@ NONSENSE = {"type": "nonsense"}  # not a JSON Schema: xgrammar could not compile
         ),
         (
             {
+                "model": "m",
                 "input": "x",
                 "tools": [{"type": "function", "name": "f", "parameters": NONSENSE}],
                 "tool_choice": "required",

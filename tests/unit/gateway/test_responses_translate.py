@@ -24,7 +24,7 @@ CALL = {"id": "call_abc", "type": "function", "function": {"name": "f", "argumen
 
 
 def test_a_string_input_is_one_user_message_and_instructions_a_system_message():
-    body = ResponsesRequest(input="Hi", instructions="Be brief.", max_output_tokens=7)
+    body = ResponsesRequest(model="m", input="Hi", instructions="Be brief.", max_output_tokens=7)
     chat, conversation = chat_request(body, [])
     assert chat["messages"] == [
         {"role": "system", "content": "Be brief."},
@@ -142,6 +142,7 @@ def test_previous_conversation_goes_before_the_new_input():
         {"role": "assistant", "content": None, "tool_calls": [CALL]},
     ]
     body = ResponsesRequest(
+        model="m",
         input=[{"type": "function_call_output", "call_id": "call_abc", "output": "1"}],
         instructions="sys",
     )

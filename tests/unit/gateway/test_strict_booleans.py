@@ -10,20 +10,24 @@ U = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
 
 OPENAI = [
-    ("/v1/chat/completions", {"messages": U, "stream": "yes"}, "stream"),
-    ("/v1/chat/completions", {"messages": U, "stream": 1}, "stream"),
-    ("/v1/chat/completions", {"messages": U, "logprobs": "true"}, "logprobs"),
-    ("/v1/chat/completions", {"messages": U, "store": "false"}, "store"),
+    ("/v1/chat/completions", {"model": "m", "messages": U, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"model": "m", "messages": U, "stream": 1}, "stream"),
+    ("/v1/chat/completions", {"model": "m", "messages": U, "logprobs": "true"}, "logprobs"),
+    ("/v1/chat/completions", {"model": "m", "messages": U, "store": "false"}, "store"),
     (
         "/v1/chat/completions",
-        {"messages": U, "tools": [TOOL], "parallel_tool_calls": "no"},
+        {"model": "m", "messages": U, "tools": [TOOL], "parallel_tool_calls": "no"},
         "parallel_tool_calls",
     ),
-    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-    ("/v1/completions", {"prompt": "hi", "echo": 0}, "echo"),
-    ("/v1/responses", {"input": "hi", "stream": "yes"}, "stream"),
-    ("/v1/responses", {"input": "hi", "store": "true"}, "store"),
-    ("/v1/responses", {"input": "hi", "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "echo": 0}, "echo"),
+    ("/v1/responses", {"model": "m", "input": "hi", "stream": "yes"}, "stream"),
+    ("/v1/responses", {"model": "m", "input": "hi", "store": "true"}, "store"),
+    (
+        "/v1/responses",
+        {"model": "m", "input": "hi", "parallel_tool_calls": 1},
+        "parallel_tool_calls",
+    ),
 ]
 
 
@@ -56,8 +60,8 @@ def test_a_non_boolean_stream_is_an_anthropic_400_naming_the_field(
 def test_real_booleans_are_still_accepted(redis_client, prefix, renderer):
     client, engine = _client(redis_client, prefix, renderer)
     for path, body in [
-        ("/v1/chat/completions", {"messages": U, "stream": False, "logprobs": True}),
-        ("/v1/completions", {"prompt": "hi", "echo": False}),
+        ("/v1/chat/completions", {"model": "m", "messages": U, "stream": False, "logprobs": True}),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "echo": False}),
     ]:
         resp = client.post(path, json={"model": "m", **body})
         assert resp.status_code == 200, resp.text

@@ -81,7 +81,8 @@ class CompletionRequest(StreamOptionsNeedStream):
         },
     )
 
-    model: str = ""
+    model: str
+    """Required, as in OpenAI's API (a body without it is a 400 naming `model`)."""
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT]
     max_tokens: int | None = Field(None, ge=1)
     """Completion tokens; OpenAI's default is 16."""

@@ -71,7 +71,7 @@ class ResponsesRequest(BaseModel):
         extra="forbid",
         allow_inf_nan=False,
         json_schema_extra={
-            "required": ["input"],
+            "required": ["model", "input"],
             "dependentSchemas": {
                 **shapes.STREAM_OPTIONS_NEED_STREAM,
                 **shapes.FORCED_CALL_NEEDS_TOOLS,
@@ -79,7 +79,8 @@ class ResponsesRequest(BaseModel):
         },
     )
 
-    model: str = ""
+    model: str
+    """Required, as in OpenAI's API (a body without it is a 400 naming `model`)."""
     input: Annotated[str | list[dict[str, Any]], shapes.RESPONSES_INPUT] = Field(
         default_factory=list
     )

@@ -172,7 +172,9 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         },
     )
 
-    model: str = ""
+    model: str
+    """Required, as in OpenAI's API (a body without it is a 400 naming `model`); with
+    `gateway.served_model_names` set it must be one of them."""
     messages: Annotated[list[ChatMessage], shapes.CHAT_MESSAGES] = Field(min_length=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)

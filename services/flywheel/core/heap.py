@@ -22,13 +22,6 @@ M_MMAP_THRESHOLD = -3
 """glibc's mallopt parameter number (malloc.h)."""
 MMAP_THRESHOLD_BYTES = 1 << 20
 """Allocations of at least this many bytes get their own mapping, returned when freed."""
-TRAINER_MMAP_THRESHOLD_BYTES = 128 << 10
-"""The trainer's threshold, lower: a micro-batch's activations are many tensors of a few hundred
-KiB (the demo's 300 tokens x 576 fp32 values = 675 KiB each), which under 1 MiB came from the
-heap and stayed there, fragmented, between micro-batches and steps. A one-process probe of the
-demo's step shape (4 groups x 8 samples, 44 + 32 tokens) peaked at 2760 MiB with this value
-against 3092 MiB with 1 MiB, and held 1431 against 2045 MiB between steps (bench/README.md,
-"Memory of the demo stack")."""
 
 
 def return_freed_tensors(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:

@@ -64,13 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_settings:
         return 0
 
-    from flywheel.core.heap import (  # noqa: PLC0415
-        TRAINER_MMAP_THRESHOLD_BYTES,
-        return_freed_tensors,
-    )
+    from flywheel.core.heap import return_freed_tensors  # noqa: PLC0415
 
-    # before the model loads: freed snapshots, gradients and activations go back
-    return_freed_tensors(TRAINER_MMAP_THRESHOLD_BYTES)
+    return_freed_tensors()  # before the model loads: freed snapshots and gradients go back
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 (after settings)
 
     from flywheel.trainer.http import create_app, serve_in_thread  # noqa: PLC0415

@@ -22,7 +22,8 @@ generator seeded by (seed, step): a replayed step rounds the same way.
 
 torchao's `AdamW8bit` (a well-kept alternative with 8-bit moments) compiles its step with
 torch.compile: on this project's 2-core CPU the first step took 28 s and each later one 1.3 s
-for 67 M parameters, against about 0.2 s here, so the trainer keeps this small fp32-math step.
+for 67 M parameters. This step takes 0.25-0.31 s for 134 M parameters against 0.065 s for
+torch's fused fp32 AdamW (SmolLM2-135M-shaped tensors, quiet machine).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ _TABLE = 1 << 21
 _LOW16 = -(1 << 16)  # int32 mask 0xFFFF0000: keeps sign, exponent and bf16's 7 mantissa bits
 
 
-def stochastic_round_bf16(x: Tensor, noise: Tensor) -> Tensor:
+def stochastic_round_bf16(x: Tensor, noise: Tensor, out: Tensor | None = None) -> Tensor:
     """`x` (fp32, any shape, finite) rounded to bfloat16, up or down at random.
 
     Adds `noise` (int32 in [0, 65536), same number of elements) to the low 16 bits of each
@@ -54,13 +55,17 @@ def stochastic_round_bf16(x: Tensor, noise: Tensor) -> Tensor:
     Args:
         x: float32 tensor; overwritten (its bits are the scratch space).
         noise: int32 tensor of `x.numel()` values in [0, 65536).
+        out: a bfloat16 tensor of `x`'s shape to write into (a view of the optimizer's state);
+            a new one when None.
 
     Returns:
-        A bfloat16 tensor of `x`'s shape.
+        `out` (or the new bfloat16 tensor).
     """
     bits = x.view(torch.int32)
     bits.add_(noise.view_as(bits)).bitwise_and_(_LOW16)
-    return x.to(torch.bfloat16)
+    if out is None:
+        return x.to(torch.bfloat16)
+    return out.copy_(x)  # exact: the dropped bits are zero
 
 
 class AdamWBf16State(torch.optim.Optimizer):
@@ -151,11 +156,13 @@ class AdamWBf16State(torch.optim.Optimizer):
             v32 = flat_v[rows].float().mul_(beta2).addcmul_(g_c, g_c, value=1 - beta2)
             if wd:
                 p_c.mul_(1 - lr * wd)
-            p_c.addcdiv_(m32, v32.sqrt().div_(sqrt_bc2).add_(eps), value=-step_size)
+            # m / (sqrt(v) / c + eps) = c m / (sqrt(v) + eps c), c = sqrt(1 - b2^t): one pass less
+            denom = v32.sqrt().add_(eps * sqrt_bc2)
+            p_c.addcdiv_(m32, denom, value=-step_size * sqrt_bc2)
             n = p_c.numel()
             for buf, value in ((flat_m, m32), (flat_v, v32)):
                 at = int(torch.randint(0, _TABLE - n + 1, (1,), generator=offsets))
-                buf[rows] = stochastic_round_bf16(value, self._noise[at : at + n])
+                stochastic_round_bf16(value, self._noise[at : at + n], out=buf[rows])
 
 
 def optimizer_state_dtype(setting: str, params: list[Tensor]) -> tuple[str, str]:

@@ -18,12 +18,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
 from flywheel.ops.down import cmd_down
 from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
+
+if TYPE_CHECKING:
+    from flywheel.ops.demo.runner import DemoConfig
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
@@ -92,6 +95,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 f"({staleness.get('policy')}) to the older samples",
                 file=sys.stderr,
             )
+        if refusal := _batch_mismatch(trainer.get("batch", {}), cfg, args.task):
+            print(refusal, file=sys.stderr)
+            return 2
         timeline = Path(trainer["logging"]["metrics_path"]).parent / "timeline.jsonl"
         return _run_demo(
             DemoRunner(state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline),
@@ -138,6 +144,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 AGENT_GROUP_WAIT_S = 3600.0
 """`trainer.batch.group_wait_s` on a stack `flywheel demo --task agent` starts (unless set)."""
+
+
+def _batch_mismatch(batch: dict, cfg: DemoConfig, task: str) -> str | None:
+    """The CLI message refusing a demo whose groups do not fill the running trainer's steps
+    (`trainer.batch.group_size` rollouts per group, `groups_per_step` groups per step); None
+    when they match. Such a demo would only fail after `step_timeout_s`: its steps never come.
+
+    Example: batch {"group_size": 8, "groups_per_step": 4}, `--group-size 1` -> a message
+    asking for `--group-size 8 --problems-per-step 4`, or a stack of the demo's own.
+    """
+    size, groups = batch.get("group_size"), batch.get("groups_per_step")
+    if (size, groups) == (cfg.group_size, cfg.problems_per_step) or None in (size, groups):
+        return None
+    agent = " --task agent" if task == "agent" else ""
+    return (
+        "flywheel: the running trainer trains steps of trainer.batch.groups_per_step = "
+        f"{groups} groups of trainer.batch.group_size = {size} rollouts, but this demo samples "
+        f"{cfg.problems_per_step} groups (--problems-per-step) of {cfg.group_size} rollouts "
+        "(--group-size) per step, so its steps would never be trained. Run "
+        f"`flywheel demo{agent} --problems-per-step {groups} --group-size {size} ...` on this "
+        "stack; or stop it (`flywheel down`) and start it again with [trainer.batch] "
+        f"groups_per_step = {cfg.problems_per_step} and group_size = {cfg.group_size}; or add "
+        "--new-stack to run the demo on a stack of its own"
+    )
 
 
 def _running_trainer_settings(settings: FlywheelSettings) -> dict:

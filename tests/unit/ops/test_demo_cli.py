@@ -92,6 +92,38 @@ def test_on_a_running_stack_the_resolved_trainer_settings_name_the_timeline(
     assert "may lag 1 weight versions" in err and "max_staleness is 0" in err
 
 
+@pytest.mark.parametrize(
+    ("flags", "asks"),
+    [
+        (["--group-size", "1"], "--problems-per-step 4 --group-size 8"),
+        (["--problems-per-step", "2"], "--problems-per-step 4 --group-size 8"),
+        (["--task", "agent"], "flywheel demo --task agent --problems-per-step 4 --group-size 8"),
+    ],
+)
+def test_on_a_running_stack_groups_that_do_not_fill_its_trainer_steps_are_refused_at_start(
+    monkeypatch, tmp_path, capsys, flags, asks
+):
+    state = tmp_path / "state"
+    state.mkdir()
+    batch = {"group_size": 8, "groups_per_step": 4}  # the agent task's default group is 6
+    (state / "settings.json").write_text(json.dumps({"trainer": {"batch": batch}}))
+    monkeypatch.setenv("FLYWHEEL_STATE_DIR", str(state))
+    monkeypatch.setattr(
+        stack_module,
+        "running_stack",
+        lambda _: {"gateway": "http://gateway.invalid", "engine": "http://engine.invalid"},
+    )
+    ran = []
+    monkeypatch.setattr(runner_module.DemoRunner, "run", lambda *a, **k: ran.append(a))
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--out", str(out), "--steps", "2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flywheel: the running trainer trains steps of ")
+    assert "trainer.batch.groups_per_step = 4" in err and "trainer.batch.group_size = 8" in err
+    assert asks in err and "--new-stack" in err
+    assert ran == [] and not (out / "metrics.jsonl").exists()
+
+
 def test_async_demo_splits_a_shared_cpu_and_pauses_engines_in_place(monkeypatch):
     from flywheel.core.settings import load_settings
     from flywheel.ops import cli as cli_module

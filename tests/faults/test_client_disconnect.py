@@ -4,6 +4,8 @@ is the one turn recorded, not a second branch beside a reply nobody received."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import re
 import time
 
@@ -33,6 +35,18 @@ def _dropped_by_engine(stub: str, want: int) -> int:
     ) < want and time.monotonic() < deadline:
         time.sleep(0.05)
     return dropped
+
+
+def _waiting_for_text() -> set[int]:
+    """ids of the tasks in this process (the in-process gateway's loop included) still waiting
+    on an `asyncio.Queue.get`: a streamed answer's wait for its next text."""
+    return {
+        id(obj)
+        for obj in gc.get_objects()
+        if isinstance(obj, asyncio.Task)
+        and not obj.done()
+        and getattr(obj.get_coro(), "__qualname__", "") == "Queue.get"
+    }
 
 
 @pytest.mark.parametrize("mode", ["episode", "live-stream", "episode-routed"])
@@ -89,6 +103,7 @@ def test_a_client_leaving_mid_stream_stops_the_turn_unrecorded(
         else:
             sid = client.post("/v1/sessions", json={}).json()["session_id"]
             path, headers = f"/s/{sid}/v1/chat/completions", HOT
+        waiting = _waiting_for_text()
         with client.stream("POST", path, json={**CHAT, "stream": True}, headers=headers) as reply:
             assert reply.status_code == 200
             for line in reply.iter_lines():  # the first token's text arrives while sampling
@@ -101,6 +116,9 @@ def test_a_client_leaving_mid_stream_stops_the_turn_unrecorded(
         while _abandoned(client, "session") < before + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _abandoned(client, "session") == before + 1
+        # The stream's wait for its next text was cancelled, not left for the garbage
+        # collector ("Task was destroyed but it is pending!" some 30 s later).
+        assert _waiting_for_text() - waiting == set()
         assert client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0}).status_code == 200
     record = SessionStore(redis_client, prefix, 60).get(sid)
     assert record.turns == 0 and record.forks == 0

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from flywheel.core.errors import UpstreamError
-from flywheel.gateway.api.incremental import streamable
+from flywheel.gateway.api.incremental import TextFeed, TurnStream, streamable
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.render.tokenization import ChatRenderer
 
@@ -213,3 +213,33 @@ def test_n_above_one_and_logprobs_are_answered_whole(redis_client, prefix, rende
     for extra in ({"n": 2}, {"logprobs": True}):
         assert _events(client, sid, **extra)[-1] == "[DONE]"
     assert engine.streamed == 0
+
+
+def test_a_stream_cancelled_before_its_first_event_still_stops_its_turn_and_its_wait():
+    """A client gone before the answer's first event was produced (the events' own `finally`
+    never runs): `TurnStream` stops the turn and cancels the wait for the first text, so no
+    task is left pending (they would be destroyed pending when collected)."""
+
+    async def scenario() -> tuple[bool, bool, list[bool]]:
+        feed = TextFeed([], False)
+        turn = asyncio.ensure_future(asyncio.Event().wait())  # a turn still sampling
+        first = asyncio.ensure_future(feed.queue.get())
+        began: list[bool] = []
+
+        async def events():
+            began.append(True)
+            yield "data: x\n\n"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.Event().wait()  # the client never takes the response's start
+
+        await TurnStream(events(), turn, first, None)({"type": "http"}, receive, send)
+        await asyncio.sleep(0)  # the cancelled wait unwinds
+        return turn.cancelled(), first.cancelled(), began
+
+    turn_stopped, wait_cancelled, began = asyncio.run(scenario())
+    assert began == []  # the events never began: their `finally` had nothing to run
+    assert turn_stopped and wait_cancelled

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
 import redis
@@ -120,6 +120,37 @@ class TextFeed:
 Turn = asyncio.Future[dict[str, Any]]
 
 
+class TurnStream(StreamingResponse):
+    """The SSE answer of a turn streamed while it samples (chat, Responses, Messages).
+
+    However the answer ends (sent whole, the client gone mid-stream, or cancelled before its
+    first event was produced, when the events' own `finally` never runs), its events are
+    closed, the wait for the first text is cancelled and a turn still running is stopped
+    (`stop_abandoned`: nothing recorded): no task of the request outlives it.
+    """
+
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        turn: Turn,
+        first: asyncio.Future[str],
+        session_id: str | None,
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.events, self.turn, self.first, self.session_id = events, turn, first, session_id
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.events.aclose()  # its own `finally` runs if it had begun
+            self.first.cancel()
+            if not self.turn.done():
+                with contextlib.suppress(BaseException):
+                    await stop_abandoned(self.turn, self.session_id)
+
+
 async def start(
     work: Coroutine[Any, Any, dict[str, Any]],
     feed: TextFeed,
@@ -161,19 +192,26 @@ async def start(
     return turn, first
 
 
-async def text_deltas(turn: Turn, first: asyncio.Future[str], feed: TextFeed) -> AsyncIterator[str]:
+async def text_deltas(
+    turn: Turn, first: asyncio.Future[str], feed: TextFeed
+) -> AsyncGenerator[str, None]:
     """The sampled text as it is fed, one delta per wake-up (text queued meanwhile joined),
     until the turn ends; then what was queued last. The caller formats each delta as its
-    API's event and reads `turn.result()` afterwards."""
+    API's event and reads `turn.result()` afterwards.
+
+    However it ends (also closed or cancelled because the client left mid-stream), the wait
+    for the next text is cancelled: no `Queue.get` task outlives the stream."""
     pending = first
-    while True:
-        either: set[asyncio.Future[Any]] = {pending, turn}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not pending.done():
-            pending.cancel()
-            break
-        yield pending.result() + drain(feed.queue)
-        pending = asyncio.ensure_future(feed.queue.get())
+    try:
+        while True:
+            either: set[asyncio.Future[Any]] = {pending, turn}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                break
+            yield pending.result() + drain(feed.queue)
+            pending = asyncio.ensure_future(feed.queue.get())
+    finally:
+        pending.cancel()  # a no-op when it is done
     if rest := drain(feed.queue):
         yield rest
 
@@ -201,8 +239,8 @@ async def respond(
     turn, first = started
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(
-        _events(turn, first, feed, base, include_usage, session_id), media_type="text/event-stream"
+    return TurnStream(
+        _events(turn, first, feed, base, include_usage, session_id), turn, first, session_id
     )
 
 
@@ -213,12 +251,13 @@ async def _events(
     base: dict[str, Any],
     include_usage: bool,
     session_id: str | None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The SSE events: role, content deltas while sampling, then the closing events."""
     try:
         yield chunk_event(base, {"role": "assistant", "content": ""})
-        async for delta in text_deltas(turn, first, feed):
-            yield chunk_event(base, {"content": delta})
+        async with contextlib.aclosing(text_deltas(turn, first, feed)) as deltas:
+            async for delta in deltas:
+                yield chunk_event(base, {"content": delta})
         try:
             completion = turn.result()
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
@@ -228,6 +267,7 @@ async def _events(
         for event in closing_events(base, completion, feed.sent, include_usage):
             yield event
     finally:
+        first.cancel()  # closed before the deltas began: their first wait is not left pending
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator
 from typing import Any
 
 import redis
@@ -154,8 +154,8 @@ async def respond(
     if isinstance(started, dict):
         return finish(started)
     turn, first = started
-    return StreamingResponse(
-        _events(turn, first, feed, head(), finish, session_id), media_type="text/event-stream"
+    return incremental.TurnStream(
+        _events(turn, first, feed, head(), finish, session_id), turn, first, session_id
     )
 
 
@@ -178,13 +178,14 @@ async def _events(
     head: str,
     finish: Finish,
     session_id: str | None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     try:
         yield head
         yield PING
         yield _start(0, {"type": "text", "text": ""})
-        async for text in incremental.text_deltas(turn, first, feed):
-            yield _delta(0, {"type": "text_delta", "text": text})
+        async with contextlib.aclosing(incremental.text_deltas(turn, first, feed)) as deltas:
+            async for text in deltas:
+                yield _delta(0, {"type": "text_delta", "text": text})
         try:
             message = finish(turn.result())
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
@@ -201,6 +202,7 @@ async def _events(
         for event in end_events(message):
             yield event
     finally:
+        first.cancel()  # closed before the deltas began: their first wait is not left pending
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)

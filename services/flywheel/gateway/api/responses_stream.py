@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any
 
 import redis
@@ -178,11 +178,8 @@ async def respond(
     if isinstance(begun, dict):
         return begun
     turn, first = begun
-    return sse_async(_events(turn, first, feed, started, message_id, finish, session_id))
-
-
-def sse_async(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+    events = _events(turn, first, feed, started, message_id, finish, session_id)
+    return incremental.TurnStream(events, turn, first, session_id)
 
 
 async def _events(
@@ -193,14 +190,15 @@ async def _events(
     message_id: str,
     finish: Finish,
     session_id: str | None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """The events: the opening ones, text deltas while sampling, then the closing ones."""
     ev = Events()
     try:
         for event in [*opening(ev, started), *message_start(ev, 0, message_id)]:
             yield event
-        async for delta in incremental.text_deltas(turn, first, feed):
-            yield text_delta(ev, 0, message_id, delta)
+        async with contextlib.aclosing(incremental.text_deltas(turn, first, feed)) as deltas:
+            async for delta in deltas:
+                yield text_delta(ev, 0, message_id, delta)
         try:
             response = await finish(turn.result(), feed.sent)
         except Exception as exc:  # noqa: BLE001  (every failure ends the stream well-formed)
@@ -224,6 +222,7 @@ async def _events(
                 yield event
         yield closing(ev, response)
     finally:
+        first.cancel()  # closed before the deltas began: their first wait is not left pending
         if not turn.done():  # the client left mid-stream
             with contextlib.suppress(BaseException):
                 await stop_abandoned(turn, session_id)

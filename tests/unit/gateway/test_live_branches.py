@@ -182,3 +182,21 @@ def test_branches_beyond_the_cap_are_published_without_a_next_state(env, caplog)
     done = client.post("/v1/sessions/many/finish", json={}).json()
     assert done["samples_published"] == MAX_BRANCHES + 1
     assert len({s.sample_id for s in samples()}) == MAX_BRANCHES + 3 == len(samples())
+
+
+def test_unrelated_conversations_start_segments_and_only_a_rewrite_is_a_fork(env):
+    """docs/sessions.md "Forks and segments": in a live session a new conversation rewrites
+    nothing (a fresh branch: `segment_index` grows, `forks` does not); a request whose history
+    changes a recorded reply is a fork."""
+    client, _, _ = env
+    sid = "three-conversations"
+    _post(client, sid, [U1])  # segment 0: "Paris."
+    _post(client, sid, [UA])  # segment 1: "Lyon."
+    third = _post(client, sid, [UB])  # segment 2: "May."
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert (info["segment_index"], info["forks"], info["fork_reasons"]) == (2, 0, {})
+    edited = {**third, "content": "April."}  # "May." as the client rewrote it
+    _post(client, sid, [UB, edited, {"role": "user", "content": "Why?"}])
+    info = client.get(f"/v1/sessions/{sid}").json()
+    assert info["segment_index"] == 3
+    assert (info["forks"], info["fork_reasons"]) == (1, {"assistant_edited": 1})

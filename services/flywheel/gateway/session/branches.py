@@ -16,8 +16,9 @@ recorded, `select` makes the segment it continues the current one:
    turn: its history stops at that earlier turn): the request continues a copy of that tip cut
    right after that turn (`Segment.upto`), so the earlier turns' sampled ids stay exact; no
    turn gets a next state;
-3. else a fresh rendering (a new conversation in the session, or a history that rewrites a
-   recorded reply, counted as a fork by reason).
+3. else a fresh rendering in a new segment: a history that rewrites a recorded reply is a
+   fork (counted by reason); a new conversation in the session, a parallel request or a
+   regenerated turn rewrites nothing and is not a fork (a `fresh` branch only).
 
 In cases 2 and 3 the current tip, if its turn waits, becomes a branch: it is published when a
 later request extends it, at the session's finish (without a next state) or when it is pushed

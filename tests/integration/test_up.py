@@ -254,7 +254,8 @@ def _check_fidelity_of_a_recorded_session(gateway: str, cfg, env: dict[str, str]
     missing = subprocess.run(
         [*cli, "--session", "nope"], capture_output=True, text=True, env=env, timeout=120
     )
-    assert missing.returncode == 1 and "no recorded Sample of session nope" in missing.stdout
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.startswith("flywheel: no recorded Sample of session nope"), missing.stderr
     return sid
 
 

@@ -1,7 +1,9 @@
-"""The `flywheel` command: `up`, `demo`, `status`, `check-fidelity`, `config show`, `keys`,
-`algorithms list`.
+"""The `flywheel` command: `up`, `down`, `demo`, `status`, `check-fidelity`, `config show`,
+`keys`, `engines`, `algorithms list`.
 
-`flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C.
+`flywheel up [--config FILE]` starts the local stack and waits for Ctrl-C; `flywheel down`
+stops it. Both use the settings' state dir (`state_dir`, env FLYWHEEL_STATE_DIR; default
+.flywheel).
 `flywheel demo --steps N --out DIR [--task addition|agent] [--mode async|sync] [--max-staleness N]`
 runs the training demo (agent: the tool-using one) on a running stack (started by `flywheel up`
 in the same state dir), or on a new one that it starts and stops itself.
@@ -18,11 +20,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
 from flywheel.ops.down import cmd_down
+from flywheel.ops.fidelity_cli import cmd_check_fidelity
 from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
 
 if TYPE_CHECKING:
@@ -234,91 +237,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if report.healthy else 1
 
 
-def cmd_check_fidelity(args: argparse.Namespace) -> int:
-    import httpx  # noqa: PLC0415
-    import redis  # noqa: PLC0415
-
-    from flywheel.core.codec import decode_sample  # noqa: PLC0415
-    from flywheel.core.config_files import mask_secrets  # noqa: PLC0415
-    from flywheel.core.errors import ContractError  # noqa: PLC0415
-    from flywheel.core.redis_client import connect  # noqa: PLC0415
-    from flywheel.core.streams import FIELD  # noqa: PLC0415
-    from flywheel.ops.fidelity import check_fidelity  # noqa: PLC0415
-    from flywheel.ops.stack import running_stack  # noqa: PLC0415
-
-    settings = _settings(args)
-    state = running_stack(settings.state_dir)
-    if not state:
-        print("no running stack (start one with `flywheel up`).")
-        return 1
-    client = connect(state["redis_url"])
-    stream = settings.streams.key("rollouts")
-    try:
-        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", client.xrange(stream))
-    except redis.RedisError as exc:
-        print(
-            f"flywheel: cannot read {stream} from Redis at "
-            f"{mask_secrets(state['redis_url'])}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    samples, skipped = [], 0
-    for _, fields in entries:
-        # An entry that is not a Sample (the reward service dead-letters it but never removes
-        # it from this stream) is skipped, not fatal: the session's own Samples still count.
-        try:
-            sample = decode_sample(fields[FIELD])
-        except (KeyError, ContractError):
-            skipped += 1
-            continue
-        if sample.session_id == args.session:
-            samples.append(sample)
-    if skipped:
-        print(
-            f"flywheel: skipped {skipped} undecodable entr{'y' if skipped == 1 else 'ies'} "
-            f"of {stream} (no `sample` field, or not a valid Sample).",
-            file=sys.stderr,
-        )
-    if not samples:
-        print(
-            f"no recorded Sample of session {args.session} in {stream}; finish the session first."
-        )
-        return 1
-    ok = True
-    for sample in samples:
-        try:
-            report = check_fidelity(sample, state["engine"], timeout_s=args.timeout)
-        except httpx.TimeoutException:
-            print(
-                f"flywheel: the engine at {state['engine']} did not re-score sample "
-                f"{sample.sample_id} within {args.timeout:g} s (busy?); retry when it is idle "
-                "or give a longer --timeout.",
-                file=sys.stderr,
-            )
-            return 1
-        except httpx.HTTPError as exc:
-            print(
-                f"flywheel: the engine at {state['engine']} failed to re-score sample "
-                f"{sample.sample_id}: {exc!r}; check `flywheel status`.",
-                file=sys.stderr,
-            )
-            return 1
-        ok &= report.ok(args.tol)
-        print(
-            f"sample {sample.sample_id} (segment {sample.segment_index}, turn "
-            f"{sample.turn_index}): ids_match={report.ids_match} "
-            f"sampled_tokens={report.sampled_tokens} logprobs_compared="
-            f"{report.logprobs_compared} max_abs_diff={report.max_abs_logprob_diff:.2e}"
-            + (
-                f" renormalized_tokens={report.renormalized_tokens} (grammar-renormalised "
-                "logprobs, ids compared only)"
-                if report.renormalized_tokens
-                else ""
-            )
-        )
-    return 0 if ok else 2
-
-
 NO_KEYS_LEFT = (
     "no agent or admin keys are left: the gateway keeps requiring keys, so it now refuses "
     "every request (401). Create one with `flywheel keys create --role admin`, or run "
@@ -465,6 +383,14 @@ class _Parser(argparse.ArgumentParser):
         return parsed, extras
 
 
+STATE_DIR_HELP = (
+    "The stack's state (Redis data, checkpoints, logs, its running-stack file) is in the "
+    "state dir: `state_dir` in the settings file, or env FLYWHEEL_STATE_DIR (default "
+    ".flywheel, relative to the current directory)."
+)
+"""The state dir's line in `flywheel up --help` and `flywheel down --help`."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -472,10 +398,18 @@ def build_parser() -> argparse.ArgumentParser:
     common = _Parser(add_help=False)
     common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start the local stack", parents=[common]).set_defaults(func=cmd_up)
+    sub.add_parser(
+        "up",
+        help="start the local stack",
+        description="Start the local stack (Redis, engine, gateway, reward, trainer) and wait "
+        f"for Ctrl-C. {STATE_DIR_HELP}",
+        parents=[common],
+    ).set_defaults(func=cmd_up)
     sub.add_parser(
         "down",
         help="stop the stack that runs from the state dir (flywheel up, or a demo's own)",
+        description="Stop the stack that runs from the state dir (`flywheel up`'s, or the one "
+        f"a demo started: its state dir is <demo --out>/stack). {STATE_DIR_HELP}",
         parents=[common],
     ).set_defaults(func=cmd_down)
     demo = sub.add_parser("demo", help="run the training demo", parents=[common])
@@ -501,7 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollouts per problem (default 8 for addition, 6 for agent); the trainer's "
         "group-relative advantage needs 2 or more",
     )
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the training problems' draw and order (default 0)",
+    )
     demo.add_argument(
         "--eval-seed",
         type=int,
@@ -546,7 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-score a session's recorded Samples on the engine",
     )
     fidelity.add_argument("--session", required=True, help="session id")
-    fidelity.add_argument("--tol", type=float, default=1e-4, help="max |logprob diff|")
+    fidelity.add_argument(
+        "--tol",
+        type=float,
+        default=1e-4,
+        help="largest |recorded - re-scored logprob| per token that passes (default 1e-4)",
+    )
     fidelity.add_argument(
         "--timeout",
         type=_positive_float,
@@ -559,13 +503,21 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser(
         "show", parents=[common], help="print the resolved settings (secrets masked)"
     )
-    show.add_argument("--format", choices=["json", "yaml"], default="json")
+    show.add_argument(
+        "--format", choices=["json", "yaml"], default="json", help="output format (default json)"
+    )
     show.set_defaults(func=cmd_config_show)
     keys = sub.add_parser("keys", help="gateway API keys (agent, admin)")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)
     create = keys_sub.add_parser("create", help="mint a key (printed once)", parents=[common])
-    create.add_argument("--role", choices=["agent", "admin"], default="agent")
-    create.add_argument("--name", default="", help="a label shown by `keys list`")
+    create.add_argument(
+        "--role",
+        choices=["agent", "admin"],
+        default="agent",
+        help="agent: the model and session routes; admin: also the control routes "
+        "(/v1/admin/..., the dashboard) (default agent)",
+    )
+    create.add_argument("--name", default="", help="a label shown by `keys list` (default none)")
     create.add_argument(
         "--not-for-training",
         action="store_true",
@@ -575,14 +527,14 @@ def build_parser() -> argparse.ArgumentParser:
     mark = keys_sub.add_parser(
         "mark", help="mark a key for training or not (by id)", parents=[common]
     )
-    mark.add_argument("key_id")
+    mark.add_argument("key_id", help="the key's id (`flywheel keys list`)")
     use = mark.add_mutually_exclusive_group(required=True)
     use.add_argument("--train", dest="train", action="store_true", help="record its turns")
     use.add_argument(
         "--not-for-training", dest="train", action="store_false", help="never record its turns"
     )
     revoke = keys_sub.add_parser("revoke", help="delete a key by id", parents=[common])
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", help="the key's id (`flywheel keys list`)")
     keys_sub.add_parser(
         "reopen",
         help="after the last key was revoked: serve loopback clients without keys again "

@@ -304,7 +304,8 @@ def test_invalid_sampling_values_are_400_before_the_engine(env, field, value):
         bad = client.post(
             "/v1/chat/completions",
             headers={"content-type": "application/json"},
-            content=b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}',
+            content=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+            b'"temperature": Infinity}',
         )
     else:
         bad = _chat(client, "/v1", **{field: value})

@@ -29,7 +29,7 @@ torch's fused fp32 AdamW (SmolLM2-135M-shaped tensors, quiet machine).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -165,7 +165,7 @@ class AdamWBf16State(torch.optim.Optimizer):
                 stochastic_round_bf16(value, self._noise[at : at + n], out=buf[rows])
 
 
-def optimizer_state_dtype(setting: str, params: list[Tensor]) -> tuple[str, str]:
+def optimizer_state_dtype(setting: str, params: Sequence[Tensor]) -> tuple[str, str]:
     """("float32" | "bfloat16", why) for `trainer.optim.state_dtype` over `params`.
 
     auto: bfloat16 when every parameter is a plain float32 CPU tensor (the laptop and CPU

@@ -234,3 +234,62 @@ def test_renormalized_mode_reports_the_masked_logprob_as_sglang(tiny_model_dir, 
     assert all(r > e + 1.0 for r, e in zip(reported, expected, strict=True))
     assert "grammar_logprobs" not in result["meta_info"]
     assert "grammar_logprobs" not in free_meta
+
+
+TEMP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "temp",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "temp"}}])
+def test_a_forced_call_ends_the_row_with_eos_well_before_max_new_tokens(tiny_engine, choice):
+    """The gateway's forced-call grammar (one call: parallel calls off, or a named function)
+    on the random-weight model, which writes whitespace wherever JSON allows it: the call must
+    complete and the row end with the EOS the mask leaves as the only token, recorded like any
+    sampled token. Bound: the call is `<tool_call>\\n{"name": "temp", "arguments": ` (42
+    characters) + `{"unit": "c"}` (12 non-whitespace characters) + `}\\n</tool_call>` (14),
+    with at most 7 whitespace gaps of <= 10 characters each (70), so <= 42 + 12 + 14 + 70 = 138
+    tokens (a token has >= 1 character) + 1 EOS = 139 < 200. Without the bound on whitespace
+    runs the model pads a gap until max_new_tokens (finish `length`)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from flywheel.gateway.api.constraints import tool_call_constraint  # noqa: PLC0415
+    from flywheel.gateway.api.parsers import parse_reply  # noqa: PLC0415
+
+    body = SimpleNamespace(tool_choice=choice, tools=[TEMP_TOOL], parallel_tool_calls=False)
+    params = tool_call_constraint(body, "hermes")
+    eos = tiny_engine.tokenizer.eos_token_id
+    prompt = tiny_engine.tokenizer.encode("Call:")
+    specs = [
+        _spec(
+            f"g-call-{seed}",
+            prompt,
+            max_new_tokens=200,
+            temperature=1.0,
+            sampling_seed=seed,
+            **params,
+        )
+        for seed in (1, 2, 3)
+    ]
+    for job in tiny_engine.submit(specs):
+        result = job.future.result(timeout=120)
+        meta = result["meta_info"]
+        assert meta["finish_reason"] == {"type": "stop", "matched": eos}, result["text"]
+        ids = result["output_ids"]
+        assert ids[-1] == eos and eos not in ids[:-1]
+        assert meta["completion_tokens"] == len(ids) <= 139
+        # the EOS is recorded like every other sampled token: its unmasked logprob, finite
+        rows = meta["output_token_logprobs"]
+        assert [r[1] for r in rows] == ids and math.isfinite(rows[-1][0]) and rows[-1][0] < 0
+        (call,) = parse_reply(result["text"], tools_offered=True).tool_calls
+        assert call["function"]["name"] == "temp"
+        assert json.loads(call["function"]["arguments"]) in ({"unit": "c"}, {"unit": "f"})

@@ -14,7 +14,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from flywheel.core.errors import InvalidRequestError
-from flywheel.gateway.api.constraints import grammar_params
+from flywheel.gateway.api.constraints import MAX_WHITESPACE, grammar_params
 from flywheel.gateway.api.parsers import parse_reply
 from flywheel.gateway.api.schemas import ChatCompletionRequest
 
@@ -163,3 +163,39 @@ def test_a_forced_call_may_end_right_after_it_even_after_a_newline(tiny_model_di
         # what such a row reads back as: only the calls, no text around them
         parsed = parse_reply(text, tools_offered=True)
         assert not parsed.content and len(parsed.tool_calls) == text.count("<tool_call>")
+
+
+def _pretty_call(name: str, args: dict) -> str:
+    """A call whose arguments are `json.dumps(args, indent=4)`, as models tend to write them."""
+    return _call(name, args).replace(json.dumps(args), json.dumps(args, indent=4))
+
+
+def test_whitespace_inside_a_forced_calls_arguments_comes_in_bounded_runs(compiler):
+    """A run of more than MAX_WHITESPACE (10) whitespace characters between the arguments' JSON
+    tokens is refused, so a model that starts writing newlines there must go on with the call
+    (unbounded, such a run went on until max_tokens); pretty-printed JSON stays allowed."""
+    assert MAX_WHITESPACE == 10
+    head = '<tool_call>\n{"name": "add", "arguments": {'
+    tail = '"a": 1, "b": 2}}\n</tool_call>'
+    for body in (
+        {"tools": [ADD, NOW], "tool_choice": "required"},
+        {"tools": [ADD], "tool_choice": "required", "parallel_tool_calls": False},
+        {"tools": [ADD, NOW], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+    ):
+        params = _params(**body)
+        assert _accepts(compiler, params, head + "\n" * 10 + tail), body
+        assert not _accepts(compiler, params, head + "\n" * 11 + tail), body
+        assert not _accepts(compiler, params, head + " " * 6 + "\n" * 5 + tail), body  # 11
+        assert _accepts(compiler, params, _pretty_call("add", {"a": 1, "b": 2})), body
+    # indent=4 at depth 2: runs of a newline and 8 spaces (9 characters) are allowed
+    params = _params(tools=[ADD, NOW], tool_choice="required")
+    assert _accepts(compiler, params, _pretty_call("now", {"when": {"day": 1}}))
+    # the json parser's bare call object: the same bound
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": U, "tools": [ADD], "tool_choice": "required"}
+    )
+    params = grammar_params(body, "json")
+    assert list(params) == ["structural_tag"]
+    bare = '{"name": "add", "arguments": {WS"a": 1, "b": 2}}'
+    assert _accepts(compiler, params, bare.replace("WS", " " * 10))
+    assert not _accepts(compiler, params, bare.replace("WS", " " * 11))

@@ -10,9 +10,15 @@ this module turns that turn's `tool_choice`, `response_format` and SGLang's `reg
   function (`{"type": "function", "function": {"name"}}`) -> exactly one call of it. With the
   `hermes` parser a call is `<tool_call>\\n{"name": "<name>", "arguments": <JSON valid for the
   tool's parameters>}\\n</tool_call>` (what the chat template teaches and `parsers.parse_hermes`
-  reads); with the `json` parser a bare `{"name", "arguments"}` object (`json_schema`).
+  reads); with the `json` parser a bare `{"name", "arguments"}` object (a structural tag of
+  one `json_schema` content).
   After a complete call the row may always end (EOS): parallel calls are separated by one
   newline, and one trailing newline is allowed, so a newline never forces a further call.
+  Whitespace between the JSON tokens of the arguments comes in runs of at most
+  `MAX_WHITESPACE` characters: unbounded, a small model that starts writing newlines inside
+  the arguments may keep writing them until max_tokens, and the call never completes. With
+  `parallel_tool_calls: false` or a named function, a complete call leaves only EOS allowed,
+  so the row ends right after it (the engine samples the EOS from the masked distribution).
 - `response_format` `json_schema` -> `json_schema` (its `schema`); `json_object` ->
   `json_schema` `{"type": "object"}`; `text` -> nothing.
 - a schema that is not a valid JSON Schema (`{"type": "nonsense"}`) is a 400 naming where it
@@ -37,10 +43,20 @@ from flywheel.core.errors import InvalidRequestError
 ANY_OBJECT = {"type": "object"}
 """Arguments schema of a tool that declares no parameters, and json_object's schema."""
 
+MAX_WHITESPACE = 10
+"""Longest run of whitespace characters between the JSON tokens of a forced call's arguments:
+a newline and two levels of 4-space indentation (9 characters) fit, so the pretty-printed JSON
+models write is allowed; a run of newlines ends after 10 (xgrammar's `max_whitespace_cnt`)."""
+
 
 def _params_schema(tool: dict[str, Any]) -> dict[str, Any]:
     params = tool["function"].get("parameters")
     return params if isinstance(params, dict) and params else dict(ANY_OBJECT)
+
+
+def _json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    """xgrammar structural-tag content: JSON valid for `schema`, whitespace runs bounded."""
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def _hermes_tag(tool: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +65,7 @@ def _hermes_tag(tool: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": f'<tool_call>\n{{"name": {name}, "arguments": ',
-        "content": {"type": "json_schema", "json_schema": _params_schema(tool)},
+        "content": _json_content(_params_schema(tool)),
         "end": "}\n</tool_call>",
     }
 
@@ -144,15 +160,18 @@ def forced_tools(body: Any) -> list[dict[str, Any]] | None:
 
 
 def tool_call_constraint(body: Any, tool_parser: str) -> dict[str, str]:
-    """The grammar param that forces a well-formed tool call, or {} when none is forced."""
+    """The grammar param that forces a well-formed tool call, or {} when none is forced:
+    always `structural_tag` (xgrammar's format), whose JSON contents bound whitespace runs to
+    `MAX_WHITESPACE` characters, e.g. `{"a":` + 11 newlines is refused at the 11th."""
     tools = forced_tools(body)
     if tools is None:
         return {}
+    fmt: dict[str, Any]
     if tool_parser == "json":
-        return {"json_schema": json.dumps(_json_call_schema(tools))}
+        fmt = _json_content(_json_call_schema(tools))
+        return {"structural_tag": json.dumps({"type": "structural_tag", "format": fmt})}
     tags = [_hermes_tag(t) for t in tools]
     single = body.tool_choice != "required" or body.parallel_tool_calls is False
-    fmt: dict[str, Any]
     if single:
         fmt = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     else:

@@ -102,10 +102,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(refusal, file=sys.stderr)
             return 2
         timeline = Path(trainer["logging"]["metrics_path"]).parent / "timeline.jsonl"
-        return _run_demo(
-            DemoRunner(state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline),
-            started,
+        on_running = DemoRunner(
+            state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline
         )
+        try:
+            return _run_demo(on_running, started)
+        except KeyboardInterrupt:  # the running stack is not the demo's: it goes on
+            print("flywheel: demo interrupted; the running stack goes on", file=sys.stderr)
+            return INTERRUPTED_EXIT
     stack_dir = out / "stack"
     shutil.rmtree(stack_dir, ignore_errors=True)
     settings.state_dir = str(stack_dir)
@@ -135,7 +139,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _run_demo(runner, started)
     except KeyboardInterrupt:
         print("flywheel: demo interrupted; stopping its stack", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     finally:
         stack.stop()
         if runner is not None:  # the trainer's stop checkpoint and last push are drawn too
@@ -185,8 +189,24 @@ def _running_trainer_settings(settings: FlywheelSettings) -> dict:
     return trainer
 
 
+INTERRUPTED_EXIT = 130
+"""Exit status of a demo stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it."""
+
+
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
-    summary = runner.run(started_at=started)
+    """Run the demo and print where its files are. Interrupted: prints the step it reached
+    and the files written so far (`DemoRunner.write_interrupted`), then raises again."""
+    try:
+        summary = runner.run(started_at=started)
+    except KeyboardInterrupt:
+        partial = runner.interrupted
+        if partial is not None:
+            print(
+                f"\ninterrupted after step {partial['step_reached']} of {runner.cfg.steps}; "
+                f"wrote {', '.join(partial['files'])}",
+                flush=True,
+            )
+        raise
     print(
         f"wrote {runner.out / 'metrics.jsonl'}, {runner.out / 'reward_curve.png'} and "
         f"{runner.out / 'timeline.png'}"

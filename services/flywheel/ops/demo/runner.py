@@ -113,6 +113,13 @@ class DemoRunner:
         self.lock = threading.Lock()
         self.failed = 0
         """Episodes of the current step the gateway failed (scored 0; `failed_episodes`)."""
+        self.steps: list[int] = []
+        self.rewards: list[float] = []
+        """The steps whose rollouts ended and their mean training reward."""
+        self.eval_points: dict[int, float] = {}
+        """Held-out accuracy by the step it followed (0 = before training)."""
+        self.interrupted: dict[str, object] | None = None
+        """The summary `write_interrupted` wrote when the run was interrupted."""
 
     def episode(
         self, problem: Problem, group_id: str, *, evaluation: bool, temperature: float
@@ -267,16 +274,30 @@ class DemoRunner:
         """Run the whole demo; writes metrics.jsonl, demo_timeline.jsonl, reward_curve.png,
         timeline.png and summary.json into `out`.
 
+        On KeyboardInterrupt (Ctrl-C, or SIGTERM under `stop_on_signals`) it writes what the
+        steps done so far give (`write_interrupted`: summary.json marked `interrupted` with
+        `step_reached`, reward_curve.png, timeline.png), cancels the episodes not yet begun and
+        raises the KeyboardInterrupt again; `interrupted` then holds that summary.
+
         Args:
             started_at: `time.monotonic()` when the demo command began (stack start-up
                 included in `minutes`); None = now.
         """
         self.out.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic() if started_at is None else started_at
-        origin = time.time() - (time.monotonic() - t0)  # the demo's start in unix seconds
+        self.timeline_origin = time.time() - (time.monotonic() - t0)  # unix seconds
         self.timeline = []
+        self.steps, self.rewards, self.eval_points = [], [], {}
         (self.out / "demo_timeline.jsonl").write_text("")
-        eval_before = self._timed_evaluate(0)
+        try:
+            return self._run(t0)
+        except KeyboardInterrupt:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.interrupted = self.write_interrupted(t0)
+            raise
+
+    def _run(self, t0: float) -> dict[str, object]:
+        eval_before = self.eval_points[0] = self._timed_evaluate(0)
         version0 = self.engine_version()
         self.echo(
             f"eval before training: held-out greedy accuracy {eval_before:.3f} "
@@ -289,7 +310,7 @@ class DemoRunner:
             f"version {first} (or later)"
         )
         batches = self.batches()
-        steps, rewards = [], []
+        steps, rewards = self.steps, self.rewards
         metrics_path = self.out / "metrics.jsonl"
         with metrics_path.open("w") as f:
             for step in range(1, self.cfg.steps + 1):
@@ -324,34 +345,69 @@ class DemoRunner:
         self.wait_for_version(
             version0 + self.cfg.steps, self.cfg.step_timeout_s * (1 + self.staleness)
         )
-        eval_after = self._timed_evaluate(len(steps))
-        minutes = (time.monotonic() - t0) / 60
+        eval_after = self.eval_points[len(steps)] = self._timed_evaluate(len(steps))
+        self._draw()
+        summary = {
+            **self._reward_windows(),
+            "eval_before": eval_before,
+            "eval_after": eval_after,
+            "steps": len(steps),
+            "minutes": (time.monotonic() - t0) / 60,
+            **self.summary_extra(),
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.echo(summary_line(summary))
+        return summary
+
+    def _reward_windows(self) -> dict[str, float | None]:
+        """`first5`/`last5`: the mean training reward of the first and last 5 steps done
+        (None before the first step ended)."""
+        first, last = self.rewards[:5], self.rewards[-5:]
+        return {
+            "first5": sum(first) / len(first) if first else None,
+            "last5": sum(last) / len(last) if last else None,
+        }
+
+    def _draw(self) -> None:
+        """reward_curve.png of the steps done and the evaluations ended; timeline.png."""
         plot_rewards(
-            steps,
-            rewards,
-            {0: eval_before, len(steps): eval_after},
+            self.steps,
+            self.rewards,
+            self.eval_points,
             self.out / "reward_curve.png",
-            title=self.plot_title,
+            self.plot_title,
         )
-        self.timeline_origin = origin
         malformed = self.draw_timeline()
         if malformed:
             self.echo(
                 f"timeline.png: skipped {malformed} malformed line(s) of {self.trainer_timeline}"
             )
-        first5 = sum(rewards[:5]) / max(len(rewards[:5]), 1)
-        last5 = sum(rewards[-5:]) / max(len(rewards[-5:]), 1)
-        summary = {
-            "first5": first5,
-            "last5": last5,
-            "eval_before": eval_before,
-            "eval_after": eval_after,
-            "steps": len(steps),
-            "minutes": minutes,
-            **self.summary_extra(),
+
+    def write_interrupted(self, t0: float) -> dict[str, object]:
+        """After an interrupt: summary.json with what the run reached, marked `interrupted`
+        (`step_reached`: the last step whose rollouts ended, 0 = none; `eval_after` None),
+        reward_curve.png and timeline.png of those steps. metrics.jsonl already holds their
+        rows. Returns the summary; it also names the files in `files`."""
+        summary: dict[str, object] = {
+            "interrupted": True,
+            "step_reached": len(self.steps),
+            **self._reward_windows(),
+            "eval_before": self.eval_points.get(0),
+            "eval_after": None,
+            "steps": len(self.steps),
+            "minutes": (time.monotonic() - t0) / 60,
         }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        self.echo(summary_line(summary))
+        path = self.out / "summary.json"
+        path.write_text(json.dumps(summary, indent=2))
+        files = [path]
+        try:
+            self._draw()
+            files += [self.out / "reward_curve.png", self.out / "timeline.png"]
+        except Exception as exc:  # noqa: BLE001 (the summary is written; say why no plot)
+            self.echo(f"reward_curve.png / timeline.png not drawn: {type(exc).__name__}: {exc}")
+        if (self.out / "metrics.jsonl").exists():
+            files.append(self.out / "metrics.jsonl")
+        summary["files"] = [str(f) for f in files]
         return summary
 
     plot_title = "Flywheel demo: single-digit addition, SmolLM2-135M-Instruct"

@@ -289,3 +289,38 @@ def test_reading_or_keying_a_session_created_by_another_key_meanwhile_is_refused
         f"/v1/sessions/victim2{suffix}", headers={**gateway.auth(second), "X-Session-Id": "victim2"}
     )
     assert late.status_code == 404, late.text
+
+
+def test_a_session_created_before_the_first_key_is_refused_with_the_reason_and_no_leak(
+    make_gateway,
+):
+    """A session created while authentication was off (no owner) is an admin's only once keys
+    exist: an agent key gets a 404 whose message says a session may be missing, another key's
+    or created without a key, in the API's own error format; a missing session and another
+    key's session get the very same words, so nothing tells which one it is."""
+    gw = make_gateway(auth="auto")  # loopback, no key yet: served without a key
+    unowned = _create(gw, None)
+    agent, other, admin = gw.key("agent"), gw.key("agent"), gw.key("admin")  # keys now required
+    foreign = _create(gw, other)
+    assert gw.client.get(f"/v1/sessions/{unowned}").status_code == 401
+    assert gw.client.get(f"/v1/sessions/{unowned}", headers=gw.auth(admin)).status_code == 200
+
+    def refusal(sid: str) -> dict:
+        resp = gw.client.get(f"/v1/sessions/{sid}", headers=gw.auth(agent))
+        assert resp.status_code == 404, resp.text
+        return resp.json()["error"]
+
+    error = refusal(unowned)
+    assert error["type"] == "not_found_error" and error["param"] == "session_id"
+    assert "created without a key" in error["message"]
+    assert "belongs to another key" in error["message"]
+    assert "admin key" in error["message"]
+    for sid in (foreign, "no-such-session"):
+        assert refusal(sid) == {**error, "message": error["message"].replace(unowned, sid)}
+    anthropic = gw.client.post(f"/s/{unowned}/v1/messages", json=MESSAGE, headers=gw.auth(agent))
+    assert anthropic.status_code == 404
+    assert anthropic.json() == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": error["message"]},
+    }
+    assert gw.engine.calls == []

@@ -15,9 +15,11 @@ the middleware, before any route runs:
    tools, tool-schema bytes), answering in OpenAI error JSON;
 5. bounds the whole request in time (504).
 
-A session owned by another key is answered exactly like a missing one (404), so keys cannot
-probe which session ids exist. Routes use `require_role("admin")` as a dependency for their own
-checks (e.g. the dashboard): `dependencies=[Depends(require_role("admin"))]`.
+A session owned by another key, or created without a key (no owner: only admin keys use it), is
+answered exactly like a missing one (404, `not_for_this_key`, whose message names all three
+cases), so keys cannot probe which session ids exist. Routes use `require_role("admin")` as a
+dependency for their own checks (e.g. the dashboard):
+`dependencies=[Depends(require_role("admin"))]`.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from flywheel.core.settings import SecuritySettings, is_loopback
 from flywheel.gateway.access.keys import router as key_routes
 from flywheel.gateway.access.limits import Lease, RedisLimiter
 from flywheel.gateway.access.principal import ANONYMOUS, LOCAL_ADMIN, Principal
-from flywheel.gateway.session.owner import REQUEST_OWNER, REQUEST_TRAIN
+from flywheel.gateway.session.owner import REQUEST_OWNER, REQUEST_TRAIN, not_for_this_key
 from flywheel.gateway.session.store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -256,9 +258,10 @@ class SecurityMiddleware:
                 "a session key can only chat in its own session; "
                 "use an agent key to create, read or finish sessions"
             )
-        if any(sid != who.session_id for sid in _named_sessions(scope)):
+        foreign = [sid for sid in _named_sessions(scope) if sid != who.session_id]
+        if foreign:
             REJECTED.labels("foreign_session").inc()
-            raise NotFoundError("session not found", param="session_id")
+            raise not_for_this_key(foreign[0])
         if path.startswith("/v1/"):
             scope = dict(scope)
             scope["path"] = f"/s/{who.session_id}{path}"
@@ -276,13 +279,16 @@ class SecurityMiddleware:
         except NotFoundError:
             if may_create:
                 return
-            raise
+            raise not_for_this_key(session_id) from None
         if owner != who.key_id:
             REJECTED.labels("foreign_session").inc()
             log.warning(
-                "key %s refused access to session %s of another key", who.key_id, session_id
+                "key %s refused access to session %s of %s",
+                who.key_id,
+                session_id,
+                "another key" if owner else "no key (created without authentication)",
             )
-            raise NotFoundError(f"session {session_id} not found", param="session_id")
+            raise not_for_this_key(session_id)
 
     # -- body limits ----------------------------------------------------------------------
 

@@ -35,11 +35,25 @@ X-Session-Id at once) is refused there; routes that read a record without the lo
 `check_request_owner`."""
 
 
+def not_for_this_key(session_id: str) -> NotFoundError:
+    """The 404 a key gets for a session it may not use: the same words whether the session is
+    missing, another key's, or was created without a key (while authentication was off, so it
+    has no owner), so a key cannot tell which session ids exist; the message names every case,
+    so a client whose sessions predate the first key knows why. Only admin keys use sessions
+    that are not their own."""
+    return NotFoundError(
+        f"session {session_id} not found for this key: no such session, or it belongs to "
+        "another key, or it was created without a key (before API keys were required); only an "
+        "admin key can use a session it did not create",
+        param="session_id",
+    )
+
+
 def check_request_owner(record: SessionRecord) -> None:
     """Refuse `record` when the current request's key may not use it (`REQUEST_OWNER`).
 
     Raises:
-        NotFoundError: the session belongs to another key (answered like a missing one).
+        NotFoundError: the session belongs to another key or to none (`not_for_this_key`).
     """
     owner = REQUEST_OWNER.get()
     if owner is not None and record.owner != owner:
@@ -48,4 +62,4 @@ def check_request_owner(record: SessionRecord) -> None:
             owner,
             record.session_id,
         )
-        raise NotFoundError(f"session {record.session_id} not found", param="session_id")
+        raise not_for_this_key(record.session_id)

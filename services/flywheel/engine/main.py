@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     log.info("engine settings %s", settings.model_dump_json())
 
+    from flywheel.core.cpu_libs import without_triton
     from flywheel.core.heap import return_freed_tensors
 
     return_freed_tensors()  # before the model loads: a swapped-out version is given back
+    without_triton()  # on a CPU: torch._dynamo's probe would load libtriton (75 MiB)
     import uvicorn  # heavy imports only after the settings parsed
     from transformers import AutoConfig
 

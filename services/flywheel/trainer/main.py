@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_settings:
         return 0
 
+    from flywheel.core.cpu_libs import without_triton  # noqa: PLC0415
     from flywheel.core.heap import return_freed_tensors  # noqa: PLC0415
 
     return_freed_tensors()  # before the model loads: freed snapshots and gradients go back
+    without_triton()  # on a CPU: torch._dynamo's probe would load libtriton (75 MiB)
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 (after settings)
 
     from flywheel.trainer.http import create_app, serve_in_thread  # noqa: PLC0415

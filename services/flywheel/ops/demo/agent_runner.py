@@ -128,10 +128,8 @@ class AgentDemoRunner(DemoRunner):
         """Greedy evaluation on the held-out draw `seed`."""
         problems = held_out(seed, self.cfg.eval_size)
         self.echo(f"evaluating {len(problems)} held-out problems (draw {seed}, greedy)...")
-        results = list(
-            self.pool.map(
-                lambda p: self.agent_episode(p, "", evaluation=True, temperature=0.0), problems
-            )
+        results = self.in_pool(
+            lambda p: self.agent_episode(p, "", evaluation=True, temperature=0.0), problems
         )
         stats = EvalStats.of(results)
         self.evals.append((seed, stats))

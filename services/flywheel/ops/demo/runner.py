@@ -21,6 +21,7 @@ Writes `metrics.jsonl` (a row per step), `demo_timeline.jsonl` (its rollout and 
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -162,8 +163,8 @@ class DemoRunner:
         """Greedy accuracy on the held-out problems (evaluation sessions)."""
         _, held_out = split()
         self.echo(f"evaluating {len(held_out)} held-out problems (greedy)...")
-        rewards = list(
-            self.pool.map(lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out)
+        rewards = self.in_pool(
+            lambda p: self.episode(p, "", evaluation=True, temperature=0.0), held_out
         )
         return sum(rewards) / len(rewards)
 
@@ -185,7 +186,17 @@ class DemoRunner:
         for problem in problems:
             group_id = f"g-{uuid.uuid4().hex[:12]}"
             jobs += [(problem, group_id)] * self.cfg.group_size
-        return list(self.pool.map(lambda job: episode(*job), jobs))
+        return self.in_pool(lambda job: episode(*job), jobs)
+
+    def in_pool(self, fn: Callable[[P], R], items: list[P]) -> list[R]:
+        """`fn` of each item, run in the pool; the results in order. Then a full garbage
+        collection: each episode's `OpenAI` client (its httpx client, SSL context, connection
+        pool) ends in reference cycles that only the cyclic collector frees, and its rare
+        full passes let them pile up (the driver grew by about 5 MiB per 32 episodes, to 0.33
+        GiB over a 45-step run); collected after every batch it stays near 0.11 GiB."""
+        results = list(self.pool.map(fn, items))
+        gc.collect()
+        return results
 
     def open_session(
         self, group_id: str, task: dict[str, Any], *, evaluation: bool

@@ -1,7 +1,9 @@
 """OpenAI-style error JSON for every FastAPI service: one handler set, installed by `install`.
 
 Body: `{"error": {"message", "type", "param", "code"}}`; status from the PlatformError class,
-400 for validation errors (as OpenAI and SGLang answer them).
+400 for validation errors (as OpenAI and SGLang answer them), worded as OpenAI words them
+(core/validation_messages.py; on the Messages routes as Anthropic does: "max_tokens: Field
+required").
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.core.errors import PlatformError, RetryLaterError
+from flywheel.core.validation_messages import openai_message
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +102,14 @@ def install(app: FastAPI) -> None:
                 status_code=400,
             )
         param = param_of(first.get("loc", ()))
-        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
         if (
-            param == "model"
-            and first.get("type") == "missing"
-            and "/v1/messages" not in request.url.path  # Anthropic's words stay there
-        ):
+            "/v1/messages" in request.url.path
+        ):  # Anthropic's own words: "max_tokens: Field required"
+            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        elif param == "model" and first.get("type") == "missing":
             message = MISSING_MODEL
+        else:
+            message = openai_message(first, param)
         return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(redis.RedisError)

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError, NotFoundError
 from flywheel.core.http_errors import param_of
+from flywheel.core.validation_messages import openai_message
 from flywheel.gateway.access.principal import owner_of
 from flywheel.gateway.api import chat, incremental
 from flywheel.gateway.api import responses_stream as stream
@@ -66,7 +67,7 @@ def as_chat(d: GatewayDeps, data: dict[str, Any]) -> ChatCompletionRequest:
         head = head.split("[")[0]
         if head in CHAT_PARAMS:
             param = CHAT_PARAMS[head] + param[len(head) :]
-        raise InvalidRequestError(f"{param or 'body'}: {first.get('msg')}", param=param) from None
+        raise InvalidRequestError(openai_message(first, param or None), param=param) from None
     try:
         chat.check_chat(d, body)
         check_schemas(body, "text.format.schema", "tools[{i}].parameters")

@@ -76,6 +76,33 @@ def http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+def auth_off_warning(gateway_url: str, auth: str) -> str | None:
+    """One console line when the gateway at `gateway_url` serves clients without an API key
+    (authentication off: `gateway.security.auth` = `auth`), naming how to turn it on; None when
+    it refuses a request without a key (401), or cannot be asked.
+
+    Asked as a client would: a request with no key for a session id that never exists is
+    answered 404 by a gateway that serves it, 401 by one that requires keys.
+    """
+    try:
+        reply = httpx.get(f"{gateway_url}/v1/sessions/auth-probe-0", timeout=5)
+    except (httpx.HTTPError, httpx.InvalidURL):
+        return None
+    if reply.status_code == 401:
+        return None
+    how = (
+        'set gateway.security.auth = "auto" or "on" and create a key: `flywheel keys create '
+        "--role admin`"
+        if auth == "off"
+        else "create a key with `flywheel keys create --role admin` (keys are then required), "
+        'or set gateway.security.auth = "on"'
+    )
+    return (
+        f"WARNING: authentication is off: the gateway at {gateway_url} serves every client "
+        f"without an API key, as admin (gateway.security.auth = {auth!r}). To turn it on, {how}."
+    )
+
+
 def engine_failed(url: str, what: str) -> Callable[[], str | None]:
     """`what` (e.g. "loading the model X failed") once the engine at `url` reports on /healthz
     (503, `{"status": "failed"}`) that loading its model failed: it stays up then, but never

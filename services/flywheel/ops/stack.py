@@ -45,6 +45,7 @@ from flywheel.ops.engine_launch import (
 )
 from flywheel.ops.service import (  # noqa: F401  (`listens` re-exported for callers)
     Service,
+    auth_off_warning,
     grpc_ok,
     http_ok,
     instance_ok,
@@ -182,6 +183,10 @@ class Stack:
             )
             if service.command:  # a launched SGLang: sglang_args may change what it runs
                 self._check_server(service)
+            if service.name == "gateway" and (
+                warning := auth_off_warning(gateway_url, s.gateway.security.auth)
+            ):
+                self.echo(warning)
         self._write_state()
         return self
 

@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     log.info("resolved settings: %s", settings.dump())
+    from flywheel.core.cpu_libs import without_triton  # noqa: PLC0415
+
+    # before settings_problem, whose imports (trainer.policy, trainer.step) reach torch._dynamo:
+    # on a CPU its probe would load libtriton (75 MiB)
+    without_triton()
     problem = settings_problem(settings)
     if problem is not None:
         print(f"flywheel-trainer: invalid [trainer] settings: {problem}", file=sys.stderr)
@@ -64,11 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_settings:
         return 0
 
-    from flywheel.core.cpu_libs import without_triton  # noqa: PLC0415
     from flywheel.core.heap import return_freed_tensors  # noqa: PLC0415
 
     return_freed_tensors()  # before the model loads: freed snapshots and gradients go back
-    without_triton()  # on a CPU: torch._dynamo's probe would load libtriton (75 MiB)
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 (after settings)
 
     from flywheel.trainer.http import create_app, serve_in_thread  # noqa: PLC0415

@@ -71,3 +71,28 @@ def test_without_triton_leaves_an_imported_triton_alone():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_trainer_start_marks_triton_absent_before_its_settings_check(tmp_path):
+    """The trainer's settings check already imports torch._dynamo (trainer.policy,
+    trainer.step): Triton must be marked absent before it, or libtriton is loaded anyway."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: without_triton leaves Triton alone")
+    code = (
+        f"import sys; sys.path.insert(0, {str(SERVICES)!r})\n"
+        "from flywheel.trainer.main import main\n"
+        "rc = main(['--check-settings'])\n"
+        "print(rc, 'torch._dynamo' in sys.modules, 'libtriton' in open('/proc/self/maps').read())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert out.stdout.split()[-3:] == ["0", "True", "False"]

@@ -16,6 +16,7 @@ import pytest
 
 from flywheel.core.fleet import Fleet
 from flywheel.core.redis_client import connect
+from flywheel.core.redis_server import free_port
 from flywheel.core.versions import parse_weight_version
 from flywheel.ops.up import CHECK_S
 
@@ -28,11 +29,16 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
     tiny = tiny_model_dir
     state = tmp_path / "state"
     cfg = tmp_path / "flywheel.toml"
+    # free ports, so a stack already running on this machine (defaults 8000...) moves nothing
+    redis_port, engine_port, gw_port, reward_port, metrics_port, trainer_port = (
+        free_port() for _ in range(6)
+    )
     cfg.write_text(
         f'state_dir = "{state}"\n'
-        f'[redis]\nport = 16379\n[engine]\nmodel_path = "{tiny}"\nport = 31500\n'
-        f"[gateway]\nport = 8500\n[reward]\nport = 50551\nmetrics_port = 9501\n"
-        f'[trainer]\nport = 8600\n[trainer.checkpoint]\ndir = "{state}/ckpt"\n'
+        f'[redis]\nport = {redis_port}\n[engine]\nmodel_path = "{tiny}"\nport = {engine_port}\n'
+        f"[gateway]\nport = {gw_port}\n[reward]\nport = {reward_port}\n"
+        f"metrics_port = {metrics_port}\n"
+        f'[trainer]\nport = {trainer_port}\n[trainer.checkpoint]\ndir = "{state}/ckpt"\n'
         f'[trainer.logging]\nmetrics_path = "{state}/m.jsonl"\n'
     )
     env = clean_env()
@@ -58,7 +64,7 @@ def test_up_prints_urls_and_ctrl_c_stops_everything(tmp_path, tiny_model_dir):
         for name in ("redis", "engine", "gateway", "reward", "trainer"):
             assert any(ln.startswith(name) for ln in lines), out
         stack = json.loads((state / "stack.json").read_text())
-        assert stack["gateway"] == "http://127.0.0.1:8500"
+        assert stack["gateway"] == f"http://127.0.0.1:{gw_port}"
         assert httpx.get(f"{stack['gateway']}/readyz").status_code == 200
         sid = _check_fidelity_of_a_recorded_session(stack["gateway"], cfg, env)
         _redis_killed_is_started_again(proc, stack["gateway"], sid)

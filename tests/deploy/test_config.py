@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from flywheel.core.settings import (
     ConfigFileError,
+    FlywheelSettings,
     describe_validation_error,
     load_settings,
     mask_secrets,
@@ -88,17 +89,22 @@ def test_invalid_values_are_reported_by_field_and_variable(tmp_path, monkeypatch
     cfg.write_text("trainer:\n  optim:\n    lr: -1\ngateway:\n  prot: 8000\n")
     with pytest.raises(ValidationError) as info:
         load_settings(cfg)
-    text = describe_validation_error(info.value)
+    text = describe_validation_error(info.value)  # not told the file: names the variables
     assert (
         "trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR): Input should be greater than 0 (got -1)"
         in text
     )
-    assert "gateway.prot (FLYWHEEL_GATEWAY__PROT): Extra inputs are not permitted" in text
+    assert "unknown setting gateway.prot (FLYWHEEL_GATEWAY__PROT)" in text
+    text = describe_validation_error(
+        info.value, FlywheelSettings, cfg.name, yaml.safe_load(cfg.read_text())
+    )
+    assert "trainer.optim.lr in flywheel.yaml: Input should be greater than 0 (got -1)" in text
+    assert "unknown setting gateway.prot in flywheel.yaml; did you mean gateway.port?" in text
     monkeypatch.setenv("FLYWHEEL_REWARD__JUDGE__API_KEY", "{}")
     monkeypatch.setenv("FLYWHEEL_REWARD__JUDGE__VOTES", "99")
     with pytest.raises(ValidationError) as info:
         load_settings()
-    assert "reward.judge.votes (FLYWHEEL_REWARD__JUDGE__VOTES)" in describe_validation_error(
+    assert "reward.judge.votes in FLYWHEEL_REWARD__JUDGE__VOTES: " in describe_validation_error(
         info.value
     )
 
@@ -177,7 +183,7 @@ def test_cli_names_the_invalid_field_without_a_traceback(tmp_path):
         timeout=60,
     )
     assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert "trainer.batch.group_size (FLYWHEEL_TRAINER__BATCH__GROUP_SIZE)" in run.stderr
+    assert f"trainer.batch.group_size in {cfg}: " in run.stderr
     assert "greater than or equal to 1" in run.stderr
 
 

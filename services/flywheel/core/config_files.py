@@ -88,22 +88,128 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def describe_validation_error(exc: Any) -> str:
-    """One line per invalid setting, named by its dotted path and its environment variable:
-    `trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR): Input should be greater than 0 (got -1)`."""
+def describe_validation_error(
+    exc: Any,
+    model: Any = None,
+    path: str | os.PathLike[str] | None = None,
+    file_data: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> str:
+    """One line per invalid setting, named by its dotted path and where its value came from:
+    the `FLYWHEEL_...` variable when the environment set it, else the config file when the
+    file set it (`trainer.optim.lr in a.toml: Input should be greater than 0 (got -1)`), else
+    (an override, or no file given) the variable that would set it. An unknown key is named
+    with the closest known settings of its section (`unknown setting gateway.prot in a.toml;
+    did you mean gateway.port?`), or with all of them when none is close.
+
+    Args:
+        exc: the `pydantic.ValidationError` of the settings.
+        model: the settings class (`FlywheelSettings`), for the known keys; None = no
+            suggestions.
+        path: the config file read, and `file_data` its sections (`read_config_file`).
+        environ: the environment (default `os.environ`).
+    """
+    environ = os.environ if environ is None else environ
+    env_names = {name.upper(): name for name in environ}
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        env = "FLYWHEEL_" + "__".join(str(p) for p in err["loc"]).upper()
-        got = (
-            f" (got {err['input']!r})"
-            if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict)
-            else ""
+        parts = [str(p) for p in err["loc"]]
+        if not parts:
+            lines.append(f"  {err['msg']}")
+            continue
+        loc = ".".join(parts)
+        env = _env_name(parts)
+        source_var = next(
+            (
+                env_names[_env_name(parts[:n])]
+                for n in range(len(parts), 0, -1)
+                if _env_name(parts[:n]) in env_names
+            ),
+            None,
         )
-        if SECRET_KEY.search(str(err["loc"][-1]) if err["loc"] else ""):
+        if source_var is not None:
+            where = f"in {source_var}"
+        elif path is not None and _in_data(file_data, parts):
+            where = f"in {path}"
+        else:
+            where = f"({env})"
+        if err["type"] == "extra_forbidden":
+            hint = _known_keys_hint(model, parts, with_env=source_var == env)
+            lines.append(f"  unknown setting {loc} {where}{hint}")
+            continue
+        got = "" if isinstance(err.get("input"), dict) else f" (got {err['input']!r})"
+        if SECRET_KEY.search(parts[-1]):
             got = ""
-        lines.append(f"  {loc} ({env}): {err['msg']}{got}")
+        lines.append(f"  {loc} {where}: {err['msg']}{got}")
     return "\n".join(lines)
+
+
+def _env_name(parts: list[str]) -> str:
+    return "FLYWHEEL_" + "__".join(parts).upper()
+
+
+def _in_data(data: Mapping[str, Any] | None, parts: list[str]) -> bool:
+    """Whether the nested mapping `data` has a value at `parts`."""
+    node: Any = data
+    for part in parts:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _section_fields(model: Any, parts: list[str]) -> list[str] | None:
+    """The setting names of the section at `parts` under `model` (a settings class); None when
+    `parts` is no section (a list item, a dict setting, an unknown name)."""
+    import typing  # noqa: PLC0415
+
+    node: Any = model
+    for part in parts:
+        fields = getattr(node, "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        node = next(
+            (a for a in (annotation, *typing.get_args(annotation)) if hasattr(a, "model_fields")),
+            None,
+        )
+    fields = getattr(node, "model_fields", None)
+    return sorted(fields) if isinstance(fields, dict) else None
+
+
+def _known_keys_hint(model: Any, parts: list[str], with_env: bool) -> str:
+    """`; did you mean gateway.port?` (the closest known names, by `difflib`), else `; the
+    settings of gateway are: ...`; "" when the section is not known."""
+    import difflib  # noqa: PLC0415
+
+    names = _section_fields(model, parts[:-1]) if model is not None else None
+    if not names:
+        return ""
+    head = parts[:-1]
+    close = difflib.get_close_matches(parts[-1], names, n=3, cutoff=0.6)
+    if close:
+        guesses = [
+            ".".join([*head, name]) + (f" ({_env_name([*head, name])})" if with_env else "")
+            for name in close
+        ]
+        return f"; did you mean {' or '.join(guesses)}?"
+    section = ".".join(head) or "the top level"
+    return f"; the settings of {section} are: {', '.join(names)}"
+
+
+def describe_settings_error(
+    exc: Any, model: Any, config_file: str | os.PathLike[str] | None = None
+) -> str:
+    """`describe_validation_error` for settings loaded from `config_file` (None =
+    `$FLYWHEEL_CONFIG`) and the environment, as `load_settings` reads them."""
+    path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
+    data: dict[str, Any] | None = None
+    if path:
+        try:
+            data = read_config_file(path)
+        except (OSError, ConfigFileError):
+            data = None
+    return describe_validation_error(exc, model, path, data)
 
 
 def describe_env_parse_error(

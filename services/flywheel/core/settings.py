@@ -508,7 +508,7 @@ def load_settings(
             known section, or a `FLYWHEEL_<SECTION>_<FIELD>` variable (one underscore) names a
             setting.
         pydantic.ValidationError: a value is invalid or a key is unknown (its `loc` names the
-            field; `describe_validation_error` formats it).
+            field; `describe_settings_error` formats it).
     """
     misspelled = single_underscore_settings(FlywheelSettings)
     if misspelled:
@@ -552,7 +552,10 @@ def load_settings_or_exit(
     from pydantic import ValidationError  # noqa: PLC0415
     from pydantic_settings import SettingsError  # noqa: PLC0415
 
-    from flywheel.core.config_files import describe_env_parse_error  # noqa: PLC0415
+    from flywheel.core.config_files import (  # noqa: PLC0415
+        describe_env_parse_error,
+        describe_settings_error,
+    )
     from flywheel.core.errors import ConfigurationError  # noqa: PLC0415
 
     try:
@@ -574,7 +577,5 @@ def load_settings_or_exit(
             "'{\"key\": 1.0}'."
         )
     except ValidationError as exc:
-        sys.exit(
-            f"{prog}: invalid settings (config file or FLYWHEEL_<SECTION>__<FIELD> "
-            f"variables); fix these fields:\n{describe_validation_error(exc)}"
-        )
+        lines = describe_settings_error(exc, FlywheelSettings, config_file)
+        sys.exit(f"{prog}: invalid settings; fix these:\n{lines}")

@@ -30,12 +30,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     settings = load_settings_or_exit(args.config)
     state = stack_state(settings.state_dir)
     if state is None:
-        print(
-            f"flywheel: no stack runs from state dir {settings.state_dir} (no live "
-            f"{Path(settings.state_dir) / STATE_FILE}). A demo's own stack runs from "
-            "<out>/stack: FLYWHEEL_STATE_DIR=runs/demo/stack flywheel down",
-            file=sys.stderr,
-        )
+        print(nothing_runs(settings.state_dir), file=sys.stderr)
         return 1
     pid = int(state["pid"])
     print(f"stopping the stack of {settings.state_dir} (process {pid})...", flush=True)
@@ -52,3 +47,23 @@ def cmd_down(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+DEMO_STACK_HINT = (
+    " A demo's own stack runs from <out>/stack: FLYWHEEL_STATE_DIR=runs/demo/stack flywheel down"
+)
+
+
+def nothing_runs(state_dir: str) -> str:
+    """`flywheel down`'s line when no stack runs from `state_dir`. It points at a demo's own
+    stack (`<out>/stack`) unless `state_dir` already is one (a folder named `stack`): the hint
+    would repeat the command just run.
+
+    Example: ".flywheel" -> "... no stack runs from state dir .flywheel (...). A demo's own
+    stack runs from <out>/stack: ..."; "runs/demo/stack" -> the same without the hint.
+    """
+    line = (
+        f"flywheel: no stack runs from state dir {state_dir} (no live "
+        f"{Path(state_dir) / STATE_FILE})."
+    )
+    return line if Path(state_dir).resolve().name == "stack" else line + DEMO_STACK_HINT

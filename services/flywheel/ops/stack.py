@@ -217,7 +217,8 @@ class Stack:
             os.close(fd)
             raise StackBusyError(
                 f"a stack is already running or starting from {self.state_dir}; stop it first "
-                "or use another state_dir"
+                f"(`{down_command(str(self.settings.state_dir))}` once it is up, or Ctrl-C where "
+                "it runs) or use another state_dir"
             ) from None
         self._lock_fd = fd
 
@@ -489,6 +490,19 @@ def stack_state(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str
         )
         return None
     return state if process_alive(state.get("pid")) else None
+
+
+def down_command(state_dir: str) -> str:
+    """The command that stops the stack of `state_dir`: `flywheel down`, prefixed with
+    `FLYWHEEL_STATE_DIR=...` unless `state_dir` is the default one (`.flywheel`).
+
+    Example: "runs/demo/stack" -> "FLYWHEEL_STATE_DIR=runs/demo/stack flywheel down"."""
+    import shlex  # noqa: PLC0415
+
+    default = FlywheelSettings.model_fields["state_dir"].default
+    if Path(state_dir).resolve() == Path(default).resolve():
+        return "flywheel down"
+    return f"FLYWHEEL_STATE_DIR={shlex.quote(state_dir)} flywheel down"
 
 
 def running_stack(state_dir: str, warn: Callable[[str], None] = _warn) -> dict[str, str] | None:

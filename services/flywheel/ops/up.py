@@ -123,13 +123,18 @@ def stop_on_signals() -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     """Run `flywheel up`: start the stack, supervise it, stop it on Ctrl-C or SIGTERM (exit 0),
     or when it cannot start or a service keeps exiting (exit 1, the reason on stderr)."""
-    from flywheel.ops.stack import Stack, StackBusyError, running_stack  # noqa: PLC0415
+    from flywheel.ops.stack import (  # noqa: PLC0415
+        Stack,
+        StackBusyError,
+        down_command,
+        running_stack,
+    )
 
     settings = load_settings_or_exit(args.config)
     if running_stack(settings.state_dir):
         print(
             f"flywheel: a stack is already running from {settings.state_dir}; stop it first "
-            "or use another state_dir.",
+            f"with `{down_command(settings.state_dir)}`, or use another state_dir.",
             file=sys.stderr,
         )
         return 1

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from flywheel.ops.stack import LOCK_FILE
+import pytest
+
+from flywheel.ops.cli import main
+from flywheel.ops.stack import LOCK_FILE, STATE_FILE
 
 
 def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
@@ -31,5 +37,45 @@ def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
         os.close(fd)
     assert run.returncode == 1
     assert "already running or starting" in run.stderr and "stop it first" in run.stderr
+    assert f"(`FLYWHEEL_STATE_DIR={state} flywheel down` once it is up" in run.stderr
     assert "Traceback" not in run.stderr
     assert "flywheel is up" not in run.stdout and "stopped." not in run.stdout
+
+
+class _Healthy(BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("state_dir", [None, "runs/exp1/state"])
+def test_up_beside_a_running_stack_names_the_command_that_stops_it(
+    tmp_path, monkeypatch, capsys, state_dir
+):
+    """The running stack's gateway answers and its process (this one) is alive: a second `up`
+    from the same state dir says how to stop it, with FLYWHEEL_STATE_DIR only when it is not
+    the default one."""
+    for key in [k for k in os.environ if k.startswith("FLYWHEEL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    args = ["up"]
+    if state_dir:
+        (tmp_path / "f.toml").write_text(f'state_dir = "{state_dir}"\n')
+        args += ["--config", "f.toml"]
+    state = tmp_path / (state_dir or ".flywheel")
+    state.mkdir(parents=True)
+    server = HTTPServer(("127.0.0.1", 0), _Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gateway = f"http://127.0.0.1:{server.server_port}"
+    (state / STATE_FILE).write_text(json.dumps({"pid": os.getpid(), "gateway": gateway}))
+    try:
+        assert main(args) == 1
+    finally:
+        server.shutdown()
+    command = f"FLYWHEEL_STATE_DIR={state_dir} flywheel down" if state_dir else "flywheel down"
+    err = capsys.readouterr().err
+    assert f"already running from {state_dir or '.flywheel'}; stop it first with `{command}`" in err

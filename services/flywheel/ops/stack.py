@@ -88,6 +88,8 @@ class Stack:
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)
     """This stack's nonce, given to every child as `FLYWHEEL_INSTANCE`."""
     ports: list[PortReservation] = field(default_factory=list)
+    moved: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """(configured port, port it got) of each service whose configured port was taken."""
     _lock_fd: int | None = None
 
     @property
@@ -122,7 +124,9 @@ class Stack:
         }
         self.env["FLYWHEEL_INSTANCE"] = self.instance
         if not s.redis.url:
-            self.redis = LocalRedis(self.state_dir / "redis", port=self._port(s.redis.port))
+            self.redis = LocalRedis(
+                self.state_dir / "redis", port=self._port(s.redis.port, "redis")
+            )
             self.redis.start()
             s.redis.url = self.redis.url
             self.echo(f"redis     {self.redis.url}  (local redis-server, AOF on)")
@@ -132,9 +136,9 @@ class Stack:
         attach = s.engine.backend == "external"  # no engine of its own: no engine port
         for section in ("gateway", "trainer") if attach else ("engine", "gateway", "trainer"):
             sec = getattr(s, section)
-            sec.port = self._port(sec.port)
-        s.reward.port = self._port(s.reward.port)
-        s.reward.metrics_port = self._port(s.reward.metrics_port)
+            sec.port = self._port(sec.port, section)
+        s.reward.port = self._port(s.reward.port, "reward")
+        s.reward.metrics_port = self._port(s.reward.metrics_port, "reward metrics")
         teacher_engines = self._teacher_ports()
         # Left at their defaults, the trainer's files live in this stack's state dir, so two
         # stacks with different state dirs never share (or resume from) each other's checkpoints.
@@ -222,10 +226,13 @@ class Stack:
             ) from None
         self._lock_fd = fd
 
-    def _port(self, preferred: int) -> int:
-        """`preferred` or the next port above it that no other stack holds; held until stop."""
+    def _port(self, preferred: int, name: str = "") -> int:
+        """`preferred` or the next port above it that no other stack holds; held until stop.
+        A move of `name`'s port is recorded in `moved`."""
         reservation = reserve_port(preferred)
         self.ports.append(reservation)
+        if name and preferred and reservation.port != preferred:
+            self.moved[name] = (preferred, reservation.port)
         return reservation.port
 
     def _ping_redis(self, url: str) -> None:
@@ -262,19 +269,21 @@ class Stack:
         # Ports given to services that have not bound them yet are not free for the teacher.
         taken = {e.port, s.gateway.port, s.trainer.port, s.reward.port, s.reward.metrics_port}
 
-        def pick(port: int) -> int:
-            port = self._port(port)
+        def pick(configured: int, name: str) -> int:
+            port = self._port(configured)
             while port in taken:
                 port = self._port(port + 1)
             taken.add(port)
+            if port != configured:
+                self.moved[name] = (configured, port)
             return port
 
-        t.port = pick(t.port)
+        t.port = pick(t.port, "teacher")
         if t.metrics_port:
-            t.metrics_port = pick(t.metrics_port)
+            t.metrics_port = pick(t.metrics_port, "teacher metrics")
         if t.engine_urls or t.self_teacher:
             return []
-        t.engine_port = pick(t.engine_port)
+        t.engine_port = pick(t.engine_port, "teacher-engine")
         return [teacher_engine(s, t.engine_port)]
 
     def _teacher_service(self) -> list[Service]:
@@ -378,6 +387,10 @@ class Stack:
             **({"engine": s.engine.urls[0]} if s.engine.backend == "external" else {}),
             **{svc.name: svc.url for svc in self.services},
             "metrics_path": s.trainer.logging.metrics_path,
+            "moved_ports": {
+                name: {"configured": configured, "port": port}
+                for name, (configured, port) in self.moved.items()
+            },
         }
         # Atomically: a reader (or a crash mid-write) never sees a truncated file.
         path = self.state_dir / STATE_FILE

@@ -15,8 +15,8 @@ To show another service: add it to `service_targets()` with its health URL.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import httpx
 import redis
@@ -186,6 +186,9 @@ class StatusReport:
     """`gateway.session_ttl_s` (an idle session record expires after it)."""
     fleet_version: int = 0
     """The fleet's weight version (`{prefix}:fleet:version`, docs/fleet.md)."""
+    moved_ports: dict[str, Any] = field(default_factory=dict)
+    """Services of the running `flywheel up` that did not get their configured port:
+    `{name: {"configured": 8000, "port": 8001}}` (`stack.json`)."""
 
     @property
     def dead_letters(self) -> int:
@@ -215,6 +218,7 @@ class StatusReport:
             "fleet_weight_version": self.fleet_version,
             "trainer": self.trainer,
             "retention": {"streams": self.retention, "session_ttl_s": self.session_ttl_s},
+            "moved_ports": self.moved_ports,
         }
 
 
@@ -267,6 +271,7 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
         settings.streams.retention,
         settings.gateway.session_ttl_s,
         fleet_version,
+        moved if isinstance(moved := cast(Any, state.get("moved_ports")), dict) else {},
     )
 
 
@@ -365,4 +370,14 @@ def render(report: StatusReport) -> Any:
             f"{_fmt(m.get('reward/mean'))}  loss {_fmt(m.get('loss/pg'))}  "
             f"steps skipped {t.get('steps_skipped')}  dropped {t.get('samples_dropped') or {}}"
         )
-    return Group(services, streams, retention, kept, dead, engines, trainer)
+    moved = [
+        Text(
+            f"WARNING: {name} runs on port {p.get('port')}, not its configured port "
+            f"{p.get('configured')} (taken when the stack started); clients must use the "
+            "address above.",
+            style="bold yellow",
+        )
+        for name, p in report.moved_ports.items()
+        if isinstance(p, dict)
+    ]
+    return Group(services, *moved, streams, retention, kept, dead, engines, trainer)

@@ -20,9 +20,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flywheel.core.settings import load_settings_or_exit
+
+if TYPE_CHECKING:
+    from flywheel.ops.stack import Stack
 
 START_FAILURES = (RuntimeError, OSError, ValueError, subprocess.CalledProcessError)
 """What `Stack.start` raises when the stack cannot start (busy state dir, a service that exits or
@@ -120,6 +123,21 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
+def moved_port_warnings(stack: Stack) -> list[str]:
+    """One console line per service of `stack` that did not get its configured port
+    (`Stack.moved`), naming the port it got and the address clients must use."""
+    urls = {svc.name: svc.url for svc in stack.services}
+    if stack.redis is not None:
+        urls["redis"] = stack.redis.url
+    return [
+        f"WARNING: {name} is on port {port}, not its configured port {configured} (that one "
+        f"is taken). Clients must use {urls.get(name, f'port {port}')} as printed; a client "
+        "config that keeps this port may reach another deployment once a later `flywheel up` "
+        f"gets {configured} again. `flywheel status` shows the addresses in use."
+        for name, (configured, port) in stack.moved.items()
+    ]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Run `flywheel up`: start the stack, supervise it, stop it on Ctrl-C or SIGTERM (exit 0),
     or when it cannot start or a service keeps exiting (exit 1, the reason on stderr)."""
@@ -160,6 +178,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "base_url). Ctrl-C stops everything.",
             flush=True,
         )
+        for line in moved_port_warnings(stack):
+            print(line, flush=True)
         sup = settings.supervise
         supervisor = Supervisor(stack, sup.max_restarts, sup.window_s)
         while True:

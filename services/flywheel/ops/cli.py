@@ -18,12 +18,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
+from flywheel.ops.demo_cli import add_demo_arguments, demo_options
 from flywheel.ops.down import cmd_down
 from flywheel.ops.fidelity_cli import cmd_check_fidelity
 from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
@@ -34,25 +34,6 @@ if TYPE_CHECKING:
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
     return load_settings_or_exit(args.config)
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """argparse type: an integer >= `low`."""
-
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {number}")
-        return number
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(value: str) -> float:
@@ -103,8 +84,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 2
         timeline = Path(trainer["logging"]["metrics_path"]).parent / "timeline.jsonl"
         on_running = DemoRunner(
-            state["gateway"], state["engine"], cfg, out, trainer_timeline=timeline
+            state["gateway"], state["engine"], cfg, out, **demo_options(args, timeline)
         )
+        if refusal := on_running.access_refusal():
+            print(refusal, file=sys.stderr)
+            return 2
         try:
             return _run_demo(on_running, started)
         except KeyboardInterrupt:  # the running stack is not the demo's: it goes on
@@ -135,7 +119,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             start_failed(stack, exc)
             return 1
         urls = {s.name: s.url for s in stack.services}
-        runner = DemoRunner(urls["gateway"], urls["engine"], cfg, out, trainer_timeline=timeline)
+        runner = DemoRunner(
+            urls["gateway"], urls["engine"], cfg, out, **demo_options(args, timeline)
+        )
+        if refusal := runner.access_refusal():
+            print(refusal, file=sys.stderr)
+            return 2
         return _run_demo(runner, started)
     except KeyboardInterrupt:
         print("flywheel: demo interrupted; stopping its stack", file=sys.stderr)
@@ -433,64 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
     ).set_defaults(func=cmd_down)
     demo = sub.add_parser("demo", help="run the training demo", parents=[common])
-    demo.add_argument("--steps", type=_positive_int, default=30, help="trainer steps (default 30)")
-    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    demo.add_argument(
-        "--task",
-        choices=["addition", "agent"],
-        default="addition",
-        help="addition (default): single-digit sums, one reply; agent: an openai-agents "
-        "program adds 6-digit numbers with a calculator tool over several turns",
-    )
-    demo.add_argument(
-        "--problems-per-step",
-        type=_positive_int,
-        default=None,
-        help="problems (groups) per trainer step, at least 1 (default 4)",
-    )
-    demo.add_argument(
-        "--group-size",
-        type=_positive_int,
-        default=None,
-        help="rollouts per problem (default 8 for addition, 6 for agent); the trainer's "
-        "group-relative advantage needs 2 or more",
-    )
-    demo.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the training problems' draw and order (default 0)",
-    )
-    demo.add_argument(
-        "--eval-seed",
-        type=int,
-        default=0,
-        help="agent task: the held-out draw evaluated (default 0); the untrained model is also "
-        "evaluated on draw eval-seed + 1 to show the evaluation's noise",
-    )
-    demo.add_argument(
-        "--eval-size",
-        type=_positive_int,
-        default=None,
-        help="agent task: held-out problems per evaluation (default 30)",
-    )
-    demo.add_argument(
-        "--mode",
-        choices=["async", "sync"],
-        default="async",
-        help="async (default): rollouts run up to --max-staleness steps ahead of the served "
-        "weights; sync: each step waits for the previous step's weights",
-    )
-    demo.add_argument(
-        "--max-staleness",
-        type=_non_negative_int,
-        default=1,
-        help="steps the rollouts may run ahead of the served weights in async mode, and the "
-        "trainer's max_staleness on a stack the demo starts (default 1; 0 = sync)",
-    )
-    demo.add_argument(
-        "--new-stack", action="store_true", help="start a fresh stack even if one is running"
-    )
+    add_demo_arguments(demo)
     demo.set_defaults(func=cmd_demo)
     status = sub.add_parser(
         "status",

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from flywheel.ops.demo.agent_tasks import (
     EVAL_SIZE,
     AdditionProblem,
@@ -102,26 +104,36 @@ class AgentDemoRunner(DemoRunner):
     def agent_episode(
         self, problem: AdditionProblem, group_id: str, *, evaluation: bool, temperature: float
     ) -> EpisodeResult:
-        """One session: create, run the agent, score, finish with the reward."""
-        session = self.open_session(group_id, problem.task, evaluation=evaluation)
+        """One session: create, run the agent, score, finish with the reward. A session the
+        gateway refuses or fails to create or finish is scored 0, counted and logged
+        (`DemoRunner._failed_episode`)."""
+        try:
+            session = self.open_session(group_id, problem.task, evaluation=evaluation)
+        except httpx.HTTPError as exc:
+            self._failed_episode(None, exc)
+            return EpisodeResult(0.0, 0, 0)
         trace = run_episode(
             session["base_url"],
             problem.question,
             model=self.cfg.model,
             temperature=temperature,
             max_tokens=self.cfg.max_tokens,
+            api_key=self.agent_key,
             max_turns=self.cfg.max_turns,
             example=self.cfg.example,
         )
         malformed = trace.malformed_calls + (1 if has_call_markup(trace.final_output) else 0)
         reward = episode_reward(trace.final_output, problem.answer, malformed_calls=malformed)
-        if trace.error.startswith("api"):
+        if trace.api_error is not None:
             # Finished with reward 0 like any failed episode, so its group still fills; counted
             # in the step's `failed_episodes` and said here.
-            with self.lock:
-                self.failed += 1
-            self.echo(f"episode {session['session_id']} failed on the server: {trace.error}")
-        self.finish_session(session["session_id"], {"reward": reward})
+            self._failed_episode(session, trace.api_error)
+            return EpisodeResult(0.0, len(trace.tool_calls), malformed)
+        try:
+            self.finish_session(session["session_id"], {"reward": reward})
+        except httpx.HTTPError as exc:
+            self._failed_episode(session, exc)
+            return EpisodeResult(0.0, len(trace.tool_calls), malformed)
         return EpisodeResult(reward, len(trace.tool_calls), malformed)
 
     def evaluate_draw(self, seed: int) -> EvalStats:

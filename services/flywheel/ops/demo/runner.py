@@ -38,6 +38,7 @@ import openai
 from flywheel.core.answers import last_integer
 from flywheel.core.versions import parse_weight_version
 from flywheel.ops.demo.agent import answer
+from flywheel.ops.demo.failures import access_refusal, describe_failure
 from flywheel.ops.demo.plot import (
     TimelineEvent,
     plot_rewards,
@@ -96,9 +97,12 @@ class DemoRunner:
         out: Path,
         echo: Callable[[str], None] = print,
         trainer_timeline: Path | None = None,
+        api_key: str | None = None,
     ):
         """`trainer_timeline`: the trainer's `timeline.jsonl` (in its metrics file's folder);
-        None = `out/timeline.jsonl`. Drawn into timeline.png when present."""
+        None = `out/timeline.jsonl`. Drawn into timeline.png when present. `api_key`: the key
+        the runner's session requests and every agent send (None: none, for a gateway that
+        requires no key)."""
         self.gateway = gateway_url.rstrip("/")
         self.engine = engine_url.rstrip("/")
         self.cfg = cfg
@@ -109,7 +113,9 @@ class DemoRunner:
         """The demo's start in unix seconds, once `run` began."""
         self.timeline: list[TimelineEvent] = []
         """The demo's own spans of this run (also in `out/demo_timeline.jsonl`)."""
-        self.http = httpx.Client(timeout=600)
+        self.api_key = api_key
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(timeout=600, headers=auth)
         self.pool = ThreadPoolExecutor(max_workers=cfg.problems_per_step * cfg.group_size)
         self.lock = threading.Lock()
         self.failed = 0
@@ -140,6 +146,7 @@ class DemoRunner:
                 model=self.cfg.model,
                 temperature=temperature,
                 max_tokens=self.cfg.max_tokens,
+                api_key=self.agent_key,
             )
             self.finish_session(session["session_id"], {})
         except (openai.APIError, httpx.HTTPError) as exc:
@@ -148,16 +155,28 @@ class DemoRunner:
         return last_integer(reply, problem.task)
 
     def _failed_episode(self, session: dict[str, Any] | None, exc: Exception) -> None:
-        """Count and log an episode the gateway failed; finish its session with reward 0."""
+        """Count and log an episode the gateway failed or refused (`describe_failure`: a 401 or
+        403 is the demo's key, not the server); finish its session with reward 0."""
         with self.lock:
             self.failed += 1
         sid = session["session_id"] if session else "(not created)"
-        self.echo(f"episode {sid} failed on the server, scored 0: {type(exc).__name__}: {exc}")
+        self.echo(f"episode {sid} {describe_failure(exc)}")
         if session is not None:
             try:
                 self.finish_session(sid, {"reward": 0.0})
             except httpx.HTTPError as finish_exc:
                 self.echo(f"episode {sid}: finishing it failed too: {finish_exc}")
+
+    @property
+    def agent_key(self) -> str:
+        """The API key the agents' OpenAI clients send: the demo's, else a placeholder (the SDK
+        needs one; a gateway that requires no key ignores it)."""
+        return self.api_key or "flywheel-local"
+
+    def access_refusal(self) -> str | None:
+        """Why the gateway will refuse this demo's requests (401/403 to its key, or to no key),
+        as the CLI says it before the first step; None when it serves them."""
+        return access_refusal(self.http, self.gateway, self.api_key)
 
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out problems (evaluation sessions)."""

@@ -58,6 +58,8 @@ class AgentTrace:
     error: str = ""
     """"" or why the run stopped early: "max_turns", "model_behavior: ..." (counted as a
     malformed call) or "api: ..." (the gateway answered with an error)."""
+    api_error: openai.APIError | None = None
+    """The gateway's error that ended the episode ("api: ..."), else None."""
 
 
 def _build_agent(trace: AgentTrace, client: AsyncOpenAI, model: str, settings: Any) -> Any:
@@ -109,6 +111,7 @@ async def run_episode_async(
         trace.error = f"model_behavior: {exc}"
     except openai.APIError as exc:  # the gateway or engine failed: no verdict on the model
         trace.error = f"api: {type(exc).__name__}: {exc}"
+        trace.api_error = exc
     finally:
         await client.close()
     return trace

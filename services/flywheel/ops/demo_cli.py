@@ -1,0 +1,110 @@
+"""`flywheel demo`'s command line: its options (`add_demo_arguments`) and the API key its
+requests carry (`--api-key`, env FLYWHEEL_API_KEY), checked against the gateway before the
+first step (`access_refusal`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+API_KEY_ENV = "FLYWHEEL_API_KEY"
+"""Environment variable holding the demo's API key when `--api-key` is not given."""
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an integer >= `low`."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {number}")
+        return number
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    """The options of `flywheel demo`."""
+    demo.add_argument("--steps", type=positive_int, default=30, help="trainer steps (default 30)")
+    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    demo.add_argument(
+        "--task",
+        choices=["addition", "agent"],
+        default="addition",
+        help="addition (default): single-digit sums, one reply; agent: an openai-agents "
+        "program adds 6-digit numbers with a calculator tool over several turns",
+    )
+    demo.add_argument(
+        "--problems-per-step",
+        type=positive_int,
+        default=None,
+        help="problems (groups) per trainer step, at least 1 (default 4)",
+    )
+    demo.add_argument(
+        "--group-size",
+        type=positive_int,
+        default=None,
+        help="rollouts per problem (default 8 for addition, 6 for agent); the trainer's "
+        "group-relative advantage needs 2 or more",
+    )
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the training problems' draw and order (default 0)",
+    )
+    demo.add_argument(
+        "--eval-seed",
+        type=int,
+        default=0,
+        help="agent task: the held-out draw evaluated (default 0); the untrained model is also "
+        "evaluated on draw eval-seed + 1 to show the evaluation's noise",
+    )
+    demo.add_argument(
+        "--eval-size",
+        type=positive_int,
+        default=None,
+        help="agent task: held-out problems per evaluation (default 30)",
+    )
+    demo.add_argument(
+        "--mode",
+        choices=["async", "sync"],
+        default="async",
+        help="async (default): rollouts run up to --max-staleness steps ahead of the served "
+        "weights; sync: each step waits for the previous step's weights",
+    )
+    demo.add_argument(
+        "--max-staleness",
+        type=non_negative_int,
+        default=1,
+        help="steps the rollouts may run ahead of the served weights in async mode, and the "
+        "trainer's max_staleness on a stack the demo starts (default 1; 0 = sync)",
+    )
+    demo.add_argument(
+        "--new-stack", action="store_true", help="start a fresh stack even if one is running"
+    )
+    demo.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        metavar="KEY",
+        help="API key sent by every agent and by the demo's own session requests, for a "
+        "gateway that requires keys (create one with `flywheel keys create --role agent`); "
+        f"default: env {API_KEY_ENV}, else none (a local gateway with no keys serves "
+        "clients without one)",
+    )
+
+
+def demo_options(args: argparse.Namespace, trainer_timeline: Path) -> dict[str, Any]:
+    """The `DemoRunner` keywords the command line gives: the trainer's timeline file and the
+    API key (`--api-key`, env FLYWHEEL_API_KEY)."""
+    return {"trainer_timeline": trainer_timeline, "api_key": args.api_key}

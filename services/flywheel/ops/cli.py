@@ -84,7 +84,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 2
         timeline = Path(trainer["logging"]["metrics_path"]).parent / "timeline.jsonl"
         on_running = DemoRunner(
-            state["gateway"], state["engine"], cfg, out, **demo_options(args, timeline)
+            state["gateway"],
+            state["engine"],
+            cfg,
+            out,
+            **demo_options(args, timeline, settings.state_dir),
         )
         if refusal := on_running.access_refusal():
             print(refusal, file=sys.stderr)
@@ -120,7 +124,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 1
         urls = {s.name: s.url for s in stack.services}
         runner = DemoRunner(
-            urls["gateway"], urls["engine"], cfg, out, **demo_options(args, timeline)
+            urls["gateway"], urls["engine"], cfg, out, **demo_options(args, timeline, stack_dir)
         )
         if refusal := runner.access_refusal():
             print(refusal, file=sys.stderr)
@@ -184,7 +188,10 @@ INTERRUPTED_EXIT = 130
 
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
     """Run the demo and print where its files are. Interrupted: prints the step it reached
-    and the files written so far (`DemoRunner.write_interrupted`), then raises again."""
+    and the files written so far (`DemoRunner.write_interrupted`), then raises again. A step
+    whose every episode failed (`StepFailed`): says so and where its files are; returns 1."""
+    from flywheel.ops.demo.runner import StepFailed  # noqa: PLC0415
+
     try:
         summary = runner.run(started_at=started)
     except KeyboardInterrupt:
@@ -196,6 +203,10 @@ def _run_demo(runner, started: float) -> int:  # noqa: ANN001
                 flush=True,
             )
         raise
+    except StepFailed as exc:  # every episode of a step failed: no version can come
+        print(f"flywheel: {exc}", file=sys.stderr)
+        print(f"wrote {', '.join(runner.interrupted['files'])}")
+        return 1
     print(
         f"wrote {runner.out / 'metrics.jsonl'}, {runner.out / 'reward_curve.png'} and "
         f"{runner.out / 'timeline.png'}"

@@ -104,7 +104,13 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     )
 
 
-def demo_options(args: argparse.Namespace, trainer_timeline: Path) -> dict[str, Any]:
-    """The `DemoRunner` keywords the command line gives: the trainer's timeline file and the
-    API key (`--api-key`, env FLYWHEEL_API_KEY)."""
-    return {"trainer_timeline": trainer_timeline, "api_key": args.api_key}
+def demo_options(
+    args: argparse.Namespace, trainer_timeline: Path, state_dir: str | Path
+) -> dict[str, Any]:
+    """The `DemoRunner` keywords the command line gives: the trainer's timeline file, the API
+    key (`--api-key`, env FLYWHEEL_API_KEY) and the stack's log folder (`<state_dir>/logs`)."""
+    return {
+        "trainer_timeline": trainer_timeline,
+        "api_key": args.api_key,
+        "logs": Path(state_dir) / "logs",
+    }

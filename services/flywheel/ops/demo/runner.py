@@ -86,6 +86,21 @@ def may_start(step: int, version: int, max_staleness: int) -> bool:
     return version >= min_version_to_start(step, max_staleness)
 
 
+class StepFailed(RuntimeError):
+    """Every episode of a step failed: no Sample reached the trainer, so the weight version the
+    run waits for cannot come. The message says how many, the first error and where the logs
+    are."""
+
+    def __init__(self, step: int, episodes: int, first_error: str, logs: Path | None):
+        where = f"; the stack's logs are in {logs}" if logs is not None else ""
+        super().__init__(
+            f"all {episodes} episodes of step {step} failed, so no sample reached the trainer "
+            f"and no new weight version can come; the demo stops instead of waiting. First: "
+            f"episode {first_error}{where}"
+        )
+        self.step = step
+
+
 class DemoRunner:
     """Drives a running stack. URLs are the gateway's and the engine's base URLs."""
 
@@ -98,11 +113,13 @@ class DemoRunner:
         echo: Callable[[str], None] = print,
         trainer_timeline: Path | None = None,
         api_key: str | None = None,
+        logs: Path | None = None,
     ):
         """`trainer_timeline`: the trainer's `timeline.jsonl` (in its metrics file's folder);
         None = `out/timeline.jsonl`. Drawn into timeline.png when present. `api_key`: the key
         the runner's session requests and every agent send (None: none, for a gateway that
-        requires no key)."""
+        requires no key). `logs`: the stack's log folder, named when a step fails."""
+        self.logs = logs
         self.gateway = gateway_url.rstrip("/")
         self.engine = engine_url.rstrip("/")
         self.cfg = cfg
@@ -120,6 +137,8 @@ class DemoRunner:
         self.lock = threading.Lock()
         self.failed = 0
         """Episodes of the current step the gateway failed (scored 0; `failed_episodes`)."""
+        self.first_error = ""
+        """The first failed episode of the current step, as logged."""
         self.steps: list[int] = []
         self.rewards: list[float] = []
         """The steps whose rollouts ended and their mean training reward."""
@@ -160,7 +179,10 @@ class DemoRunner:
         with self.lock:
             self.failed += 1
         sid = session["session_id"] if session else "(not created)"
-        self.echo(f"episode {sid} {describe_failure(exc)}")
+        said = f"{sid} {describe_failure(exc)}"
+        with self.lock:
+            self.first_error = self.first_error or said
+        self.echo(f"episode {said}")
         if session is not None:
             try:
                 self.finish_session(sid, {"reward": 0.0})
@@ -200,7 +222,7 @@ class DemoRunner:
         """`episode(problem, group_id)` `group_size` times per problem, all of a problem under
         one new group id, run in the pool; returns the results in that order. Starts the step's
         `failed` count at 0."""
-        self.failed = 0
+        self.failed, self.first_error = 0, ""
         jobs: list[tuple[P, str]] = []
         for problem in problems:
             group_id = f"g-{uuid.uuid4().hex[:12]}"
@@ -325,6 +347,9 @@ class DemoRunner:
             self.pool.shutdown(wait=False, cancel_futures=True)
             self.interrupted = self.write_interrupted(t0)
             raise
+        except StepFailed as exc:
+            self.interrupted = self.write_interrupted(t0, stopped=str(exc))
+            raise
 
     def _run(self, t0: float) -> dict[str, object]:
         eval_before = self.eval_points[0] = self._timed_evaluate(0)
@@ -367,6 +392,9 @@ class DemoRunner:
                 }
                 f.write(json.dumps(row) + "\n")
                 f.flush()
+                if self.failed == len(step_rewards):
+                    steps.pop(), rewards.pop()  # no Sample: not a step the trainer can train
+                    raise StepFailed(step, self.failed, self.first_error, self.logs)
                 self.echo(
                     f"step {step:3d}  reward {mean:.3f}  weight_version {version0 + step}  "
                     f"rollouts on version {served}  {seconds:.1f}s"
@@ -413,13 +441,15 @@ class DemoRunner:
                 f"timeline.png: skipped {malformed} malformed line(s) of {self.trainer_timeline}"
             )
 
-    def write_interrupted(self, t0: float) -> dict[str, object]:
+    def write_interrupted(self, t0: float, stopped: str | None = None) -> dict[str, object]:
         """After an interrupt: summary.json with what the run reached, marked `interrupted`
         (`step_reached`: the last step whose rollouts ended, 0 = none; `eval_after` None),
         reward_curve.png and timeline.png of those steps. metrics.jsonl already holds their
-        rows. Returns the summary; it also names the files in `files`."""
+        rows. Returns the summary; it also names the files in `files`. `stopped`: why the run
+        stopped itself (`StepFailed`), then `interrupted` is false and `stopped` says why."""
         summary: dict[str, object] = {
-            "interrupted": True,
+            "interrupted": stopped is None,
+            **({"stopped": stopped} if stopped else {}),
             "step_reached": len(self.steps),
             **self._reward_windows(),
             "eval_before": self.eval_points.get(0),

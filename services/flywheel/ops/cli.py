@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
-from flywheel.ops.demo_cli import add_demo_arguments, demo_options
+from flywheel.ops.demo_cli import add_demo_arguments, demo_options, stack_folder_note
 from flywheel.ops.down import cmd_down
 from flywheel.ops.fidelity_cli import cmd_check_fidelity
 from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
@@ -114,7 +114,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         _share_the_machine(settings)
     timeline = Path(settings.trainer.logging.metrics_path).parent / "timeline.jsonl"
     stack = Stack(settings, config_file=args.config)
-    runner = None
+    runner, interrupted = None, False
     stop_on_signals()
     try:  # stopped however the demo ends, also on Ctrl-C or SIGTERM during start-up
         try:
@@ -132,9 +132,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _run_demo(runner, started)
     except KeyboardInterrupt:
         print("flywheel: demo interrupted; stopping its stack", file=sys.stderr)
+        interrupted = True
         return INTERRUPTED_EXIT
     finally:
         stack.stop()
+        if interrupted:  # what the stopped stack leaves on disk
+            print(stack_folder_note(stack_dir), file=sys.stderr)
         if runner is not None:  # the trainer's stop checkpoint and last push are drawn too
             try:
                 runner.draw_timeline()

@@ -5,7 +5,9 @@ first step (`access_refusal`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,3 +116,31 @@ def demo_options(
         "api_key": args.api_key,
         "logs": Path(state_dir) / "logs",
     }
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under `folder` (links not followed; 0 when it is not there)."""
+    total = 0
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def size_text(size: int) -> str:
+    """`size` bytes in decimal units: 1_100_000_000 -> "1.1 GB", 3_000_000 -> "3.0 MB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def stack_folder_note(stack_dir: Path) -> str:
+    """The interrupted demo's line on the folder its own stack ran from: where, its size, and
+    the command that deletes it (the next demo with the same --out replaces it too)."""
+    return (
+        f"flywheel: the demo's stack folder {stack_dir} holds {size_text(folder_bytes(stack_dir))} "
+        "(Redis data, checkpoints, logs); delete it with: "
+        f"rm -rf {shlex.quote(str(stack_dir))}"
+    )

@@ -119,6 +119,7 @@ class AgentDemoRunner(DemoRunner):
             temperature=temperature,
             max_tokens=self.cfg.max_tokens,
             api_key=self.agent_key,
+            stopping=self.stopping,
             max_turns=self.cfg.max_turns,
             example=self.cfg.example,
         )

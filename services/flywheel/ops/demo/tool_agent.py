@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import agents
 import openai
 from openai import AsyncOpenAI
+
+from flywheel.ops.demo.cancel import openai_async_http_client
 
 INSTRUCTIONS = (
     "You are a calculator assistant. You cannot add large numbers in your head. To add two "
@@ -92,12 +95,17 @@ async def run_episode_async(
     api_key: str = "flywheel-local",
     max_turns: int = MAX_TURNS,
     example: bool = True,
+    stopping: threading.Event | None = None,
 ) -> AgentTrace:
     """Run the agent on `question` through `base_url`; returns its trace. Never raises for the
     model's behavior or the server's errors: too many turns, an unknown tool or an error
-    answer from the gateway end the episode with `error` set."""
+    answer from the gateway end the episode with `error` set. Once `stopping` is set its
+    requests raise `EpisodeCancelled` (`cancel.py`), which ends the run."""
     trace = AgentTrace()
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=5, timeout=600)
+    http = openai_async_http_client(stopping)
+    client = AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=5, timeout=600, http_client=http
+    )
     settings = agents.ModelSettings(temperature=temperature, max_tokens=max_tokens)
     agent = _build_agent(trace, client, model, settings)
     items = [*(worked_example() if example else []), {"role": "user", "content": question}]

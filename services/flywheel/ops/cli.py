@@ -53,17 +53,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     out = Path(args.out)
-    DemoRunner, cfg = demo_runner(  # noqa: N806 (a class)
-        args.task,
-        steps=args.steps,
-        problems_per_step=args.problems_per_step,
-        group_size=args.group_size,
-        seed=args.seed,
-        mode=args.mode,
-        max_staleness=args.max_staleness,
-        eval_seed=args.eval_seed,
-        eval_size=args.eval_size,
-    )
+    try:
+        DemoRunner, cfg = demo_runner(  # noqa: N806 (a class)
+            args.task,
+            steps=args.steps,
+            problems_per_step=args.problems_per_step,
+            group_size=args.group_size,
+            seed=args.seed,
+            mode=args.mode,
+            max_staleness=args.max_staleness,
+            eval_seed=args.eval_seed,
+            eval_size=args.eval_size,
+        )
+    except ValueError as exc:  # a flag the task would not use
+        print(f"flywheel demo: {exc}", file=sys.stderr)
+        return 2
     settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:

@@ -68,7 +68,7 @@ def add_demo_arguments(demo: argparse.ArgumentParser) -> None:
     demo.add_argument(
         "--eval-seed",
         type=int,
-        default=0,
+        default=None,
         help="agent task: the held-out draw evaluated (default 0); the untrained model is also "
         "evaluated on draw eval-seed + 1 to show the evaluation's noise",
     )

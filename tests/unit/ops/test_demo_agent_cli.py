@@ -50,8 +50,10 @@ def test_task_agent_keeps_a_group_wait_the_user_set(monkeypatch, tmp_path):
 def test_demo_runner_choice():
     cls, cfg = demo_runner("agent", steps=3, group_size=None, eval_seed=2)
     assert cls is AgentDemoRunner and cfg.group_size == 6 and cfg.steps == 3
-    cls, cfg = demo_runner("addition", steps=3, eval_seed=2, eval_size=None)  # agent only
+    cls, cfg = demo_runner("addition", steps=3, eval_seed=None, eval_size=None)
     assert cls is DemoRunner and cfg.group_size == 8
+    with pytest.raises(ValueError, match="--eval-seed apply to --task agent only"):
+        demo_runner("addition", steps=3, eval_seed=2, eval_size=None)  # agent only
     with pytest.raises(ValueError, match="unknown demo task 'chess'"):
         demo_runner("chess")
 

@@ -152,3 +152,21 @@ def test_the_demo_process_asks_for_cuda_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--eval-size", "7"], "--eval-size apply to --task agent only"),
+        (["--eval-seed", "3", "--eval-size", "7"], "--eval-seed and --eval-size apply"),
+    ],
+)
+def test_agent_only_eval_flags_are_refused_for_the_addition_task(tmp_path, capsys, flags, named):
+    """The addition task evaluates its fixed held-out set: an --eval-* flag would not take
+    effect, so it is refused before anything starts (exit 2), not silently ignored."""
+    out = tmp_path / "demo"
+    code = cli.main(["demo", "--new-stack", "--out", str(out), *flags])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"flywheel demo: {named}" in err and "--task agent" in err
+    assert not out.exists()

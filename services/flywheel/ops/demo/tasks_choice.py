@@ -19,15 +19,20 @@ def demo_runner(task: str, **settings: Any) -> tuple[type[DemoRunner], DemoConfi
     the task's default (`DEFAULTS`); `eval_seed` and `eval_size` apply to the agent task only.
 
     Raises:
-        ValueError: an unknown task.
+        ValueError: an unknown task, or `eval_seed` / `eval_size` given for the addition task
+            (it evaluates its fixed 30 held-out problems: the setting would not take effect).
     """
     if task not in DEFAULTS:
         raise ValueError(f"unknown demo task {task!r}; known: {sorted(DEFAULTS)}")
     given = {k: v for k, v in settings.items() if v is not None}
     merged = DEFAULTS[task] | given
     if task == "addition":
-        for key in ("eval_seed", "eval_size"):  # the agent task's only
-            merged.pop(key, None)
+        if agent_only := [k for k in ("eval_seed", "eval_size") if k in given]:
+            flags = " and ".join("--" + k.replace("_", "-") for k in agent_only)
+            raise ValueError(
+                f"{flags} apply to --task agent only; the addition task always evaluates its "
+                "30 held-out problems: leave them out, or add --task agent"
+            )
         return DemoRunner, DemoConfig(**merged)
     from flywheel.ops.demo.agent_runner import AgentDemoConfig, AgentDemoRunner  # noqa: PLC0415
 

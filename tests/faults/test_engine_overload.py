@@ -1,6 +1,8 @@
 """A full engine queue seen through real processes: an embedded engine (`python -m
 flywheel.engine`, the tiny model) running one row with room for one more
 (`max_batch_size = 1`, `max_queued_requests = 1`), and a real gateway process in front of it.
+The two rows could run for minutes (a 65536-token window), so neither ends before the checks;
+they are aborted after.
 
 While the engine is full, a request is answered at once (seconds, not the engine call's 300 s
 timeout) with 503 and Retry-After, in each API's error format (OpenAI JSON for chat, streamed
@@ -21,7 +23,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "What is 7 + 1?"}], "max_tokens": 4}
 LONG_ROW = {
     "input_ids": [1, 2, 3, 4],
-    "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True, "temperature": 1.0},
+    "sampling_params": {"max_new_tokens": 65000, "ignore_eos": True, "temperature": 1.0},
 }
 
 
@@ -38,16 +40,20 @@ def test_a_full_engine_queue_is_a_fast_503_with_retry_after_on_every_api(
     procs, redis_server, prefix, tiny_model_dir
 ):
     with engine_process(
-        tiny_model_dir, max_batch_size="1", max_queued_requests="1", context_length="2048"
+        tiny_model_dir,
+        max_batch_size="1",
+        max_queued_requests="1",
+        context_length="65536",
+        allow_longer_context="true",
     ) as engine:
         gw = procs.gateway(redis_server.url, prefix, [engine], tiny_model_dir)
         rows = [
             threading.Thread(
                 target=httpx.post,
                 args=(f"{engine}/generate",),
-                kwargs={"json": LONG_ROW, "timeout": 600},
+                kwargs={"json": {**LONG_ROW, "rid": f"long-{i}"}, "timeout": 600},
             )
-            for _ in range(2)
+            for i in range(2)
         ]
         deadline = time.monotonic() + 60
         rows[0].start()  # runs
@@ -97,7 +103,11 @@ def test_a_full_engine_queue_is_a_fast_503_with_retry_after_on_every_api(
             assert _metric(gw, "flywheel_gateway_engine_busy_total") >= 4
             assert _metric(gw, "flywheel_gateway_engine_up") == 1  # busy, not taken out
 
+            # a 2-layer model needs minutes for 65000 tokens: the rows are still there to abort
+            assert rows[0].is_alive() and rows[1].is_alive()
+            httpx.post(f"{engine}/abort_request", json={"rid": "long-"}, timeout=30)
             for row in rows:
-                row.join(600)
+                row.join(60)
+                assert not row.is_alive()
             served = client.post("/v1/chat/completions", json=CHAT)
             assert served.status_code == 200, served.text

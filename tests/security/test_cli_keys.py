@@ -13,7 +13,12 @@ def test_create_list_revoke(redis_server, redis_client, prefix, monkeypatch, cap
     record = KeyStore(redis_client, prefix).verify(secret)
     assert record is not None and record.role == "admin" and record.name == "ops"
     assert main(["keys", "list"]) == 0
-    assert capsys.readouterr().out.split() == [record.key_id, "admin", "train", "ops"]
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split() == ["KEY_ID", "ROLE", "TRAIN", "NAME"]
+    assert row.split() == [record.key_id, "admin", "train", "ops"]
+    for column in ("ROLE", "TRAIN", "NAME"):  # each value starts under its header
+        assert row[header.index(column) - 2 : header.index(column)] == "  ", (header, row)
+        assert row[header.index(column)] != " ", (header, row)
     assert main(["keys", "create", "--name", "ci"]) == 0
     agent = KeyStore(redis_client, prefix).verify(capsys.readouterr().out.split()[-1])
     assert main(["keys", "revoke", record.key_id]) == 0
@@ -27,6 +32,9 @@ def test_create_list_revoke(redis_server, redis_client, prefix, monkeypatch, cap
     assert store.any_keys()  # still closed
     assert main(["keys", "reopen"]) == 0
     assert not store.any_keys()
+    capsys.readouterr()
+    assert main(["keys", "list"]) == 0
+    assert capsys.readouterr().out == "no API keys\n"  # no header over no rows
     store.create("agent")
     assert store.any_keys()
     try:  # refused while a key exists: a CLI message, not a traceback
@@ -50,7 +58,10 @@ def test_not_for_training_create_and_mark(
     record = store.verify(out.strip().splitlines()[-1])
     assert record is not None and record.train is False
     assert main(["keys", "list"]) == 0
-    assert capsys.readouterr().out.split() == [record.key_id, "agent", "no-train", "private"]
+    assert capsys.readouterr().out.split() == [
+        *("KEY_ID", "ROLE", "TRAIN", "NAME"),
+        *(record.key_id, "agent", "no-train", "private"),
+    ]
     assert main(["keys", "mark", record.key_id, "--train"]) == 0
     assert store.list()[0].train is True
     assert main(["keys", "mark", record.key_id, "--not-for-training"]) == 0

@@ -39,6 +39,8 @@ SESSION_ENDPOINTS = [
 STORED_RESPONSE_ROUTES = {
     ("GET", "/s/{sid}/v1/responses/{response_id}"),
     ("DELETE", "/s/{sid}/v1/responses/{response_id}"),
+    ("GET", "/s/{sid}/v1/responses/{response_id}/input_items"),
+    ("POST", "/s/{sid}/v1/responses/{response_id}/cancel"),
 }
 
 
@@ -104,17 +106,28 @@ def test_every_session_endpoint_is_listed(gateway):
 
 
 def test_stored_responses_of_a_session_are_its_owners_only(gateway):
-    """GET/DELETE /s/<sid>/v1/responses/<id>: a foreign key gets the 404 of a missing session
-    and deletes nothing; the owner reads its stored response, then deletes it."""
+    """GET/DELETE /s/<sid>/v1/responses/<id> (and its input_items and cancel): a foreign key
+    gets the 404 of a missing session and deletes nothing; the owner reads its stored response
+    and its input items (cancel: OpenAI's 400 for a response not made in background), then
+    deletes it."""
     owner, intruder = gateway.key("agent"), gateway.key("agent")
     sid = _create(gateway, owner)
     made = gateway.client.post(f"/s/{sid}/v1/responses", json=RESPONSE, headers=gateway.auth(owner))
     assert made.status_code == 200, made.text
     path = f"/s/{sid}/v1/responses/{made.json()['id']}"
-    for method in ("GET", "DELETE"):
-        foreign = gateway.client.request(method, path, headers=gateway.auth(intruder))
+    for method, where in [
+        ("GET", path),
+        ("DELETE", path),
+        ("GET", f"{path}/input_items"),
+        ("POST", f"{path}/cancel"),
+    ]:
+        foreign = gateway.client.request(method, where, headers=gateway.auth(intruder))
         assert foreign.status_code == 404, foreign.text
         assert foreign.json()["error"]["type"] == "not_found_error"
+    items = gateway.client.get(f"{path}/input_items", headers=gateway.auth(owner))
+    assert items.status_code == 200 and items.json()["object"] == "list", items.text
+    cancel = gateway.client.post(f"{path}/cancel", headers=gateway.auth(owner))
+    assert cancel.status_code == 400, cancel.text
     got = gateway.client.get(path, headers=gateway.auth(owner))
     assert got.status_code == 200 and got.json()["id"] == made.json()["id"]
     assert gateway.client.delete(path, headers=gateway.auth(owner)).status_code == 200

@@ -31,18 +31,34 @@ retried); uvicorn's own default is also 5 s."""
 MISSING_MODEL = "you must provide a model parameter"
 """OpenAI's message for a request body without `model` (400, param `model`)."""
 
+
+def not_json(content_type: str) -> str:
+    """The message for a body the route did not read as JSON because its `Content-Type` is not
+    JSON (`curl -d` sends `application/x-www-form-urlencoded`): OpenAI's and Anthropic's APIs
+    take JSON bodies only, sent as `application/json`."""
+    given = f"'{content_type}'" if content_type else "missing"
+    return (
+        "the request body must be JSON, sent with the header `Content-Type: application/json` "
+        f"(this request's Content-Type is {given})"
+    )
+
+
 _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+_WHERE = frozenset({"body", "query", "path"})
+"""The part of the request FastAPI's error locations start with; OpenAI's `param` names the
+parameter alone ("limit", not "query.limit")."""
 
 
 def param_of(loc: tuple | list) -> str | None:
     """OpenAI's `param` for a pydantic error location: ("body", "messages", 0, "content",
-    "str") -> "messages[0].content" (list indexes in brackets; the union-branch labels pydantic
-    adds, such as "str" or "list[dict[str,any]]", left out); None for the body as a whole."""
+    "str") -> "messages[0].content", ("query", "limit") -> "limit" (list indexes in brackets;
+    the union-branch labels pydantic adds, such as "str" or "list[dict[str,any]]", left out);
+    None for the body as a whole."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif (part == "body" and not out) or "[" in str(part) or str(part).lower() in _TYPE_LABELS:
+        elif (part in _WHERE and not out) or "[" in str(part) or str(part).lower() in _TYPE_LABELS:
             continue
         else:
             out += f".{part}" if out else str(part)
@@ -53,6 +69,12 @@ def error_body(
     message: str, type_: str, param: str | None = None, code: str | int | None = None
 ) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json(body: dict) -> bytes:
+    """An error body as bytes, written as every `JSONResponse` here writes it (compact UTF-8
+    JSON), for an ASGI middleware that answers without one."""
+    return bytes(JSONResponse(body).body)
 
 
 def redis_unavailable(exc: redis.RedisError) -> JSONResponse:
@@ -100,6 +122,12 @@ def install(app: FastAPI) -> None:
                     "invalid_request_error",
                 ),
                 status_code=400,
+            )
+        if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), bytes):
+            # FastAPI hands the raw bytes to the model when the media type is not JSON
+            ctype = request.headers.get("content-type", "")
+            return JSONResponse(
+                error_body(not_json(ctype), "invalid_request_error"), status_code=400
             )
         param = param_of(first.get("loc", ()))
         if (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, TypedDict
 
+import hiredis
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -87,6 +88,49 @@ def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
     )
 
 
+def pack_command(*args: Any) -> list[bytes]:
+    """One command in the Redis protocol, packed by hiredis in C (what redis-py's sync client
+    does; its asyncio connections pack in Python, about 0.5 us per argument): the same bytes
+    as redis-py's packer (RESP: `*<count>`, then `$<length>` and the bytes of each argument,
+    floats as their repr; ("SET", "k", 0.1) -> SET, k, 0.1). A first argument with spaces
+    ("CONFIG GET") is split into its words, as redis-py does.
+
+    Raises:
+        redis.DataError: an argument that is not str, bytes, int or float (None, bool, ...).
+    """
+    head = args[0]
+    if isinstance(head, str):
+        args = (*head.encode().split(), *args[1:])
+    elif b" " in head:
+        args = (*bytes(head).split(), *args[1:])
+    packed: tuple[Any, ...] = tuple(
+        bytes(a) if isinstance(a, bytearray | memoryview) else a for a in args
+    )
+    try:
+        return [hiredis.pack_command(packed)]
+    except TypeError as exc:
+        raise redis.DataError(str(exc)) from None
+
+
+class _HiredisPacking:
+    """Mixin: an asyncio connection whose commands are packed by `pack_command`."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return pack_command(*args)
+
+
+class _Connection(_HiredisPacking, aioredis.Connection):
+    pass
+
+
+class _UnixConnection(_HiredisPacking, aioredis.UnixDomainSocketConnection):
+    pass
+
+
+class _SSLConnection(_HiredisPacking, aioredis.SSLConnection):
+    pass
+
+
 def async_twin(client: redis.Redis) -> aioredis.Redis:
     """An asyncio client for the same server, database and credentials as `client` (TCP, TLS
     or a Unix socket), with the same bounded retries. Bound to the event loop that first uses
@@ -99,13 +143,13 @@ def async_twin(client: redis.Redis) -> aioredis.Redis:
     settings = {k: kwargs[k] for k in _COPIED if k in kwargs}
     cls = client.connection_pool.connection_class
     if issubclass(cls, redis.UnixDomainSocketConnection):
-        conn_cls: type[aioredis.connection.AbstractConnection] = aioredis.UnixDomainSocketConnection
+        conn_cls: type[aioredis.connection.AbstractConnection] = _UnixConnection
         settings["path"] = kwargs["path"]
     else:
         settings.update(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379))
-        conn_cls = aioredis.Connection
+        conn_cls = _Connection
         if issubclass(cls, redis.SSLConnection):
-            conn_cls = aioredis.SSLConnection
+            conn_cls = _SSLConnection
             settings.update({k: kwargs[k] for k in _SSL if k in kwargs})
     pool = aioredis.BlockingConnectionPool(
         max_connections=ASYNC_POOL_SIZE,

@@ -13,7 +13,6 @@ import logging
 import sys
 
 from flywheel.core.errors import ConfigurationError
-from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.settings import EngineSettings, load_settings_or_exit
 
 log = logging.getLogger("flywheel.engine")
@@ -62,10 +61,10 @@ def main(argv: list[str] | None = None) -> None:
 
     return_freed_tensors()  # before the model loads: a swapped-out version is given back
     without_triton()  # on a CPU: torch._dynamo's probe would load libtriton (75 MiB)
-    import uvicorn  # heavy imports only after the settings parsed
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy imports only after the settings parsed
 
     from flywheel.core.paths import resolve_model_path
+    from flywheel.core.serving import serve
     from flywheel.engine.app import EngineDeps, create_app
     from flywheel.engine.context import check_context_length
     from flywheel.engine.convert import ensure_default_model
@@ -84,14 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     worker = EngineWorker(settings, model_path).start()
     app = create_app(EngineDeps(engine=worker, settings=settings, model_path=model_path))
     try:
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=log_level.lower(),
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
+        # Generations still running 5 s after SIGTERM are answered 503, counted in one line.
+        serve(app, host=settings.host, port=settings.port, log_level=log_level)
     finally:
         worker.close()
 

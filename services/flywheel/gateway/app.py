@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from flywheel.core import http_errors
@@ -178,7 +178,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         d: Deps,
         x_session_id: SessionHeader = None,
         x_turn_type: TurnHeader = None,
-    ) -> JSONResponse | StreamingResponse:
+    ) -> Response:
         return await chat.respond(
             d, body, None, x_session_id, x_turn_type, owner_of(request), request.receive
         )
@@ -190,7 +190,7 @@ def create_app(deps: GatewayDeps) -> FastAPI:
         request: Request,
         d: Deps,
         x_turn_type: TurnHeader = None,
-    ) -> JSONResponse | StreamingResponse:
+    ) -> Response:
         return await chat.respond(d, body, session_id, None, x_turn_type, "", request.receive)
 
     @app.post("/v1/completions", response_model=None)

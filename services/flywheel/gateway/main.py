@@ -10,7 +10,6 @@ import argparse
 import gc
 import logging
 
-from flywheel.core.http_errors import KEEP_ALIVE_S
 from flywheel.core.logs import setup_logging
 from flywheel.core.settings import load_settings_or_exit
 
@@ -31,12 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     from flywheel.core.tokenizer_only import without_torch  # noqa: PLC0415
 
     without_torch()  # the gateway only tokenizes: transformers without torch's 240 MiB
-    import uvicorn  # noqa: PLC0415  (heavy imports after settings parse)
-
     from flywheel.core.fleet import Fleet, static_urls  # noqa: PLC0415
     from flywheel.core.paths import resolve_model_path  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.retention import StreamRetention  # noqa: PLC0415
+    from flywheel.core.serving import serve  # noqa: PLC0415  (uvicorn: after settings parse)
     from flywheel.core.streams import StreamProducer  # noqa: PLC0415
     from flywheel.gateway.app import create_app  # noqa: PLC0415
     from flywheel.gateway.deps import GatewayDeps  # noqa: PLC0415
@@ -93,14 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     # what requests made. Unfrozen, each one took 400-600 ms every second or two at concurrency
     # 64, the p99 tail of bench/peers/gateway_overhead.py.
     gc.freeze()
-    uvicorn.run(
-        app,
-        host=gw.host,
-        port=gw.port,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=KEEP_ALIVE_S,
-    )
+    # Requests still in flight 5 s after SIGTERM are answered 503 and counted in one line.
+    serve(app, host=gw.host, port=gw.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -110,3 +110,58 @@ def test_more_concurrent_commands_than_connections_wait_for_one(redis_client, pr
             await twin.aclose()
 
     assert asyncio.run(burst()) == [b"v"] * n
+
+
+PACKED_ARGS = [
+    ("SET", "k", "v"),
+    ("SET", b"k", b"\x00\xff bytes"),
+    ("EVALSHA", "a" * 40, 2, "key:1", "key:2", 7, -3, 0.1, 1e20, 2.5e-7, "é"),
+    ("CONFIG GET", "maxmemory"),  # a command with a space is split into its words
+    (b"CLIENT SETNAME", "n"),
+    ("SET", "k", bytearray(b"ba"), memoryview(b"mv")),
+    ("HSET", "h", "f", 2**62),
+]
+
+
+@pytest.mark.parametrize("args", PACKED_ARGS)
+def test_the_twins_packer_writes_the_same_bytes_as_redis_pys(args):
+    """The twin's connections pack with hiredis; redis-py's asyncio connection packs in Python.
+    Worked example: ("SET", "k", "v") -> *3 $3 SET $1 k $1 v, each followed by CRLF."""
+    from redis.asyncio.connection import Connection
+
+    from flywheel.core.redis_client import pack_command
+
+    python_packed = b"".join(bytes(c) for c in Connection().pack_command(*args))
+    assert b"".join(pack_command(*args)) == python_packed
+    if args == ("SET", "k", "v"):
+        assert python_packed == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\nv\r\n"
+
+
+@pytest.mark.parametrize("bad", [None, True, ["x"], {"a": 1}])
+def test_the_twins_packer_refuses_what_redis_py_refuses(bad):
+    from flywheel.core.redis_client import pack_command
+
+    with pytest.raises(redis.DataError):
+        pack_command("SET", "k", bad)
+
+
+def test_twin_commands_and_scripts_round_trip_through_the_hiredis_packer(redis_client, prefix):
+    """Floats, bytes, text and a Lua script's keys and arguments reach the server as the sync
+    client reads them back."""
+    loops = LoopClients(redis_client)
+    source = "return {KEYS[1], ARGV[1], ARGV[2], tostring(tonumber(ARGV[3]) * 2)}"
+
+    async def run() -> list[bytes]:
+        twin = loops.get()
+        packer = twin.connection_pool.connection_class.pack_command
+        assert packer is not redis.asyncio.Connection.pack_command  # the twin's own packer
+        await twin.set(f"{prefix}:f", 0.1)
+        await twin.hset(f"{prefix}:h", mapping={"é": b"\x00\xff", "n": 2**40})
+        return await loops.script(source)(keys=[f"{prefix}:k"], args=["a b", b"\x01", 1.25])
+
+    assert asyncio.run(run()) == [f"{prefix}:k".encode(), b"a b", b"\x01", b"2.5"]
+    assert redis_client.get(f"{prefix}:f") == b"0.1"
+    assert redis_client.hgetall(f"{prefix}:h") == {
+        "é".encode(): b"\x00\xff",
+        b"n": b"1099511627776",
+    }

@@ -108,5 +108,6 @@ def test_a_forced_call_of_a_missing_tool_is_refused_in_each_format(app):
     )
     assert messages.status_code == 400, messages.text
     body = messages.json()
-    assert body["type"] == "error" and "'mul', which is not in tools" in body["error"]["message"]
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"] == "tool_choice: tool 'mul' is not in tools ('add')"
     assert engine.calls == []

@@ -59,6 +59,12 @@ CHAT = [
     ({"model": "m", "messages": [USER], "response_format": {"type": "xml"}}, False),
     ({"model": "m", "messages": [USER], "max_tokens": 2000}, True),
     ({"model": "m", "messages": [USER], "max_tokens": 2048}, False),  # the window is 2048 tokens
+    ({"model": "m", "messages": [USER], "max_tokens": "10"}, False),  # integers are strict
+    ({"model": "m", "messages": [USER], "max_tokens": True}, False),
+    ({"model": "m", "messages": [USER], "n": "1"}, False),
+    ({"model": "m", "messages": [USER], "min_tokens": False}, False),  # neutral 0, not false
+    ({"model": "m", "messages": [USER], "stop": ["a", "b", "c", "d"]}, True),
+    ({"model": "m", "messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, False),  # OpenAI: 4
 ]
 COMPLETIONS = [
     ({"model": "m", "prompt": "7 + 1 ="}, True),
@@ -69,6 +75,8 @@ COMPLETIONS = [
     ({"model": "m", "prompt": [1, 2, 10**6]}, False),  # beyond the vocabulary
     ({"model": "m", "prompt": "a", "best_of": 2}, False),
     ({"model": "m", "prompt": "a", "echo": True}, False),
+    ({"model": "m", "prompt": "a", "max_tokens": "4"}, False),
+    ({"model": "m", "prompt": [1, True]}, False),
 ]
 
 

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import redis
 from fastapi import FastAPI
@@ -45,11 +46,12 @@ from flywheel.core.errors import (
     PermissionDeniedError,
     PlatformError,
 )
-from flywheel.core.http_errors import error_body, redis_unavailable
+from flywheel.core.http_errors import error_body, error_json, redis_unavailable
 from flywheel.core.settings import SecuritySettings, is_loopback
 from flywheel.gateway.access.keys import router as key_routes
 from flywheel.gateway.access.limits import Lease, RedisLimiter
 from flywheel.gateway.access.principal import ANONYMOUS, LOCAL_ADMIN, Principal
+from flywheel.gateway.api.schemas import SESSION_ID_PATTERN
 from flywheel.gateway.session.owner import REQUEST_OWNER, REQUEST_TRAIN, not_for_this_key
 from flywheel.gateway.session.store import SessionStore
 
@@ -112,6 +114,7 @@ class SecurityMiddleware:
         try:
             try:
                 who = await self._authenticate(scope)
+                _check_path_session(scope)
                 scope = await self._authorize(scope, who)
                 if self.limiter.enabled and scope["path"] not in PUBLIC_PATHS:
                     lease = await self._admit(who)
@@ -452,6 +455,35 @@ def _bearer(scope: dict) -> str:
     return _header(scope, b"x-api-key").strip()
 
 
+def _check_path_session(scope: dict) -> None:
+    """Refuse a session id in the URL (`/s/<id>/...`, `/v1/sessions/<id>...`) that is not one:
+    read from the raw path, so `a%2Fb` is the id "a/b" (refused), not the session "a" with
+    "/b" after it, as the decoded path would have it.
+
+    Raises:
+        InvalidRequestError: 400 (param `session_id`): not 1-128 letters, digits and `_ . : -`.
+    """
+    raw = scope.get("raw_path")
+    if not raw or b"%" not in raw:
+        return  # the decoded path is the raw one: its segments are what the routes see
+    parts = raw.split(b"?", 1)[0].split(b"/")
+    if len(parts) > 2 and parts[1] == b"s":
+        segment = parts[2]
+    elif len(parts) > 3 and parts[1:3] == [b"v1", b"sessions"]:
+        segment = parts[3]
+    else:
+        return
+    session_id = unquote(segment.decode("latin-1"))
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        REJECTED.labels("bad_session_id").inc()
+        raise InvalidRequestError(
+            f"invalid session id {session_id!r}: a session id is 1-128 characters of letters, "
+            "digits and _ . : -",
+            param="session_id",
+            code="invalid_session_id",
+        )
+
+
 def _named_sessions(scope: dict) -> list[str]:
     """Session ids a request names: URL `/s/<id>/...`, `/v1/sessions/<id>...`, `X-Session-Id`."""
     parts = scope["path"].split("/")
@@ -467,7 +499,7 @@ def _named_sessions(scope: dict) -> list[str]:
 
 
 async def _send_error(send: Callable, exc: PlatformError) -> None:
-    body = json.dumps(error_body(exc.message, exc.error_type, exc.param, exc.code)).encode()
+    body = error_json(error_body(exc.message, exc.error_type, exc.param, exc.code))
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if isinstance(exc, BackpressureError):
         headers.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))

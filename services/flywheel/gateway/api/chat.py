@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, cast
 
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import Counter
 
 from flywheel.core.errors import (
@@ -20,6 +20,7 @@ from flywheel.core.errors import (
 )
 from flywheel.gateway.api import incremental
 from flywheel.gateway.api.disconnect import Receive, unless_disconnected
+from flywheel.gateway.api.json_text import dumps
 from flywheel.gateway.api.parsers import ParsedReply
 from flywheel.gateway.api.request_rules import check_contents, check_model, served_models
 from flywheel.gateway.api.schemas import SESSION_ID_PATTERN, ChatCompletionRequest, stop_list
@@ -43,12 +44,11 @@ def check_chat(d: GatewayDeps, body: ChatCompletionRequest) -> None:
     check_contents(body.messages)
 
 
-def answer(
-    body: ChatCompletionRequest, completion: dict[str, Any]
-) -> JSONResponse | StreamingResponse:
-    """The HTTP response: the completion as JSON, or as SSE chunks when `stream` is set."""
+def answer(body: ChatCompletionRequest, completion: dict[str, Any]) -> Response:
+    """The HTTP response: the completion as JSON (orjson, json_text.py), or as SSE chunks when
+    `stream` is set."""
     if not body.stream:
-        return JSONResponse(completion)  # plain JSON types: no jsonable_encoder pass
+        return Response(dumps(completion), media_type="application/json")
     include_usage = bool((body.stream_options or {}).get("include_usage"))
     return StreamingResponse(sse_chunks(completion, include_usage), media_type="text/event-stream")
 
@@ -103,7 +103,7 @@ async def respond(
     turn_type: str | None,
     owner: str,
     receive: Receive | None = None,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     """One chat request end to end, as the routes and the hot path serve it: OpenAI's rules,
     the session (the URL's `session_id`, else the `X-Session-Id` value `header_id`, created in
     live mode for `owner` on first use), the turn and the HTTP answer. With the ASGI `receive`

@@ -27,7 +27,7 @@ from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, WithJsonSche
 from flywheel.core.errors import InvalidRequestError
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.request_rules import served_models
-from flywheel.gateway.api.schemas import StreamOptionsNeedStream, sglang_sampling
+from flywheel.gateway.api.schemas import Stop, StreamOptionsNeedStream, sglang_sampling
 from flywheel.gateway.engines import calls
 from flywheel.gateway.engines.generation import Generation
 from flywheel.gateway.recording.history import count_fork, sampling_changed, set_sampling
@@ -83,7 +83,7 @@ class CompletionRequest(StreamOptionsNeedStream):
 
     model: str
     """Required, as in OpenAI's API (a body without it is a 400 naming `model`)."""
-    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PROMPT]
+    prompt: Annotated[str | list[str] | list[shapes.Int] | list[list[shapes.Int]], PROMPT]
     max_tokens: int | None = Field(None, ge=1)
     """Completion tokens; OpenAI's default is 16."""
     temperature: float | None = Field(None, ge=0, le=2)
@@ -92,7 +92,8 @@ class CompletionRequest(StreamOptionsNeedStream):
     best_of: Annotated[int | None, WithJsonSchema(shapes.nullable({"const": 1}))] = Field(
         None, ge=1, le=16
     )
-    stop: str | list[str] | None = Field(None, max_length=32)
+    stop: Stop | None = None
+    """Up to 4 stop strings, as in OpenAI's API."""
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
@@ -106,6 +107,11 @@ class CompletionRequest(StreamOptionsNeedStream):
     logit_bias: Annotated[dict[str, float] | None, shapes.neutral({})] = None
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
+
+    @field_validator("max_tokens", "n", "best_of", "seed", "logprobs", "top_k", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return shapes.integer(v)  # no "10" or true as an integer
 
     @field_validator(*_NEUTRAL, mode="after")
     @classmethod

@@ -33,6 +33,7 @@ What a constrained token means for training is in docs/token-path.md ("Constrain
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from jsonschema import Draft202012Validator
@@ -130,33 +131,43 @@ def check_schemas(
             check_schema(params, tool_param.format(i=i))
 
 
+def check_choice_tools(choice: Any, names: Sequence[str | None], name: str | None) -> None:
+    """A forced call needs tools, and a named function must be one of them: `choice` is the
+    `tool_choice` as the client wrote it (chat's or Responses' shape, shown in the message),
+    `names` the offered functions' names, `name` the function it names (None: "required").
+
+    Raises:
+        InvalidRequestError (param `tool_choice`): no tools, or `name` not among `names`.
+    """
+    if not names:
+        raise InvalidRequestError(
+            f"tool_choice {choice!r} needs tools: give the functions the model must call",
+            param="tool_choice",
+        )
+    if name is not None and name not in names:
+        raise InvalidRequestError(
+            f"tool_choice names function {name!r}, which is not in tools "
+            f"({', '.join(map(repr, names))})",
+            param="tool_choice",
+        )
+
+
 def forced_tools(body: Any) -> list[dict[str, Any]] | None:
     """The tools a call is forced among (`tool_choice` required or named), else None.
 
     Raises:
         InvalidRequestError (param `tool_choice`): a forced call without tools, or a named
-            function that is not in `tools`.
+            function that is not in `tools` (`check_choice_tools`).
     """
     choice = body.tool_choice
     if choice is None or choice in ("auto", "none"):
         return None
     tools = list(body.tools or [])
-    if not tools:
-        raise InvalidRequestError(
-            f"tool_choice {choice!r} needs tools: give the functions the model must call",
-            param="tool_choice",
-        )
-    if choice == "required":
+    name = None if choice == "required" else (choice.get("function") or {}).get("name")
+    check_choice_tools(choice, [t["function"]["name"] for t in tools], name)
+    if name is None:
         return tools
-    name = (choice.get("function") or {}).get("name")
-    named = [t for t in tools if t["function"]["name"] == name]
-    if not named:
-        offered = ", ".join(repr(t["function"]["name"]) for t in tools)
-        raise InvalidRequestError(
-            f"tool_choice names function {name!r}, which is not in tools ({offered})",
-            param="tool_choice",
-        )
-    return named[:1]
+    return [t for t in tools if t["function"]["name"] == name][:1]
 
 
 def tool_call_constraint(body: Any, tool_parser: str) -> dict[str, str]:

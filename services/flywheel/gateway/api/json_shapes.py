@@ -15,11 +15,34 @@ vocabulary, the security limits, the served model names) to the generated docume
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import WithJsonSchema
+from pydantic import BeforeValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 NULL: dict[str, Any] = {"type": "null"}
+
+
+def integer(value: Any) -> Any:
+    """A JSON integer as is; a string ("10") or a boolean is refused as the wrong type, where
+    pydantic's lax mode would read them as 10 and 1 (the document says `integer`, as OpenAI's
+    and Anthropic's APIs do). A decimal with no fraction (10.0) is a JSON Schema integer and
+    passes.
+
+    Raises:
+        PydanticCustomError: `int_type` (worded "expected an integer, but got a string instead"
+            by core/validation_messages.py).
+    """
+    if isinstance(value, str | bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(integer)]
+"""An integer without bounds (a list's item): JSON integers only (see `integer`). A field with
+bounds (`Field(ge=1)`) stays `int` and names itself in its model's `mode="before"` validator
+that calls `integer`: bounds after a `BeforeValidator` would not reach the document as
+`minimum`/`maximum`."""
 
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:

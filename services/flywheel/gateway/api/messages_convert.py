@@ -191,6 +191,30 @@ def chat_tool_choice(choice: ToolChoice | None) -> str | dict[str, Any] | None:
     return {"auto": "auto", "none": "none", "any": "required"}[choice.type]
 
 
+def check_tool_choice(body: MessagesRequest) -> None:
+    """`tool_choice` any/tool needs tools, and a named tool must be one of them; refused in
+    Anthropic's shapes (chat's own check would show the translated chat `tool_choice`).
+
+    Raises:
+        InvalidRequestError (param `tool_choice`): no tools, or a name not among them.
+    """
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return
+    shown = {"type": "tool", "name": choice.name} if choice.type == "tool" else {"type": "any"}
+    names = [tool.name for tool in body.tools or []]
+    if not names:
+        raise InvalidRequestError(
+            f"tool_choice: {shown} needs tools: give the tools the model must call",
+            param="tool_choice",
+        )
+    if choice.type == "tool" and choice.name not in names:
+        raise InvalidRequestError(
+            f"tool_choice: tool {choice.name!r} is not in tools ({', '.join(map(repr, names))})",
+            param="tool_choice",
+        )
+
+
 def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCompletionRequest:
     """The one chat request a Messages (`sampling`) or count_tokens request is served as.
 
@@ -206,12 +230,12 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
     }
     if sampling:
         assert isinstance(body, MessagesRequest)  # count_tokens samples nothing
+        check_tool_choice(body)
         data.update(
             max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
-            stop=body.stop_sequences or None,
             tool_choice=chat_tool_choice(body.tool_choice),
         )
         if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
@@ -227,11 +251,12 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_of(("body", *first["loc"]))
-        if param == "stop":
-            param = "stop_sequences"
         message = str(first["msg"]).removeprefix("Value error, ")
         raise InvalidRequestError(f"{param or 'body'}: {message}", param=param) from None
     if sampling:
+        assert isinstance(body, MessagesRequest)
+        if body.stop_sequences:  # Anthropic's own bound (32), not chat's 4 stop strings
+            turn = turn.model_copy(update={"stop": list(body.stop_sequences)})
         check_schemas(turn, "output_config.format.schema", "tools[{i}].input_schema")
     return turn
 

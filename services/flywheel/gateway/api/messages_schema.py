@@ -17,7 +17,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from flywheel.gateway.api import json_shapes as shapes
 
@@ -151,13 +161,20 @@ class ToolParam(BaseModel):
     input_examples: list[dict[str, Any]] | None = None
     allowed_callers: list[Any] | None = None
 
-    @field_validator("type", mode="before")
+    @model_validator(mode="before")
     @classmethod
     def _custom_only(cls, v: Any) -> Any:
-        if v not in (None, "custom"):
-            raise ValueError(
-                f"tool type {v!r} is a server tool; this gateway runs no tools: declare it as a "
-                "custom tool (name, description, input_schema) and run it in the client"
+        """A server tool (`{"type": "web_search_20250305", "name": "web_search"}`) is refused
+        for what it is, before its fields are checked as a custom tool's (it has no
+        `input_schema`)."""
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind not in (None, "custom"):
+            raise PydanticCustomError(
+                "server_tool",
+                "server tools are not supported: tool type {kind} is a server tool and this "
+                "gateway runs no tools; declare it as a custom tool (name, description, "
+                "input_schema) and run it in the client",
+                {"kind": repr(kind)},
             )
         return v
 
@@ -178,6 +195,49 @@ class ToolChoice(BaseModel):
         return v
 
 
+class Metadata(BaseModel):
+    """Anthropic's `metadata`: an opaque `user_id` (a string or null), accepted without
+    effect."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: str | None = Field(None, max_length=256)
+
+
+class ThinkingEnabled(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024)
+    display: Literal["summarized", "omitted"] | None = None
+
+    @field_validator("budget_tokens", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return shapes.integer(v)  # no "2048" or true as an integer
+
+
+class ThinkingAdaptive(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["adaptive"]
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingPlain(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["disabled", "between_tools"]
+
+
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingAdaptive | ThinkingPlain, Field(discriminator="type")
+]
+"""Anthropic's `thinking` (the SDK's `ThinkingConfigParam`): `{"type": "enabled",
+"budget_tokens" >= 1024}`, `adaptive`, `disabled` or `between_tools`; any other shape is a
+400."""
+
+
 class ConversationRequest(BaseModel):
     """Fields `messages` and `count_tokens` share."""
 
@@ -188,9 +248,9 @@ class ConversationRequest(BaseModel):
     system: str | list[TextBlock] | None = None
     tools: list[ToolParam] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
-    """Accepted without effect: reasoning the model writes (`<think>`) always comes back as
-    `thinking` blocks; the served model decides whether it reasons."""
+    thinking: Thinking | None = None
+    """Checked, then accepted without effect: reasoning the model writes (`<think>`) always
+    comes back as `thinking` blocks; the served model decides whether it reasons."""
 
     cache_control: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
@@ -235,9 +295,14 @@ class MessagesRequest(ConversationRequest):
     `extra_body`); unset: temperature 1, the whole vocabulary."""
     stop_sequences: list[str] | None = Field(None, max_length=32)
     stream: StrictBool = False
-    metadata: dict[str, Any] | None = None
-    """Accepted without effect (`user_id`)."""
+    metadata: Metadata | None = None
+    """Accepted without effect."""
     service_tier: str | None = None
     inference_geo: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+
+    @field_validator("max_tokens", "top_k", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return shapes.integer(v)  # no "10" or true as an integer

@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -41,6 +41,7 @@ from flywheel.gateway.api.responses_store import ResponseStore, StoredResponse
 from flywheel.gateway.api.responses_translate import (
     CHAT_PARAMS,
     chat_request,
+    conversation_items,
     new_ids,
     output_items,
 )
@@ -263,8 +264,50 @@ def deleted(response_id: str) -> dict[str, Any]:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
+def item_list(
+    response_id: str,
+    stored: StoredResponse,
+    order: str = "desc",
+    limit: int = 20,
+    after: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's answer to `GET /v1/responses/{id}/input_items`: the items of the conversation
+    the response answered (every input of its `previous_response_id` chain with the replies in
+    between, then its own input; not its output), `order` "desc" (OpenAI's default: newest
+    first) or "asc", `limit` of them after the item `after`.
+
+    Raises:
+        InvalidRequestError: `after` names no item of this response (param `after`).
+    """
+    items = conversation_items(response_id, stored.conversation[:-1])  # [-1]: its reply
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise InvalidRequestError(
+                f"No input item with id '{after}' in response '{response_id}'.", param="after"
+            )
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+NOT_BACKGROUND = "Cannot cancel a synchronous response."
+"""OpenAI's 400 for `POST /v1/responses/{id}/cancel` on a response not created with
+`background: true` (the only kind OpenAI cancels; this gateway serves no other)."""
+
+
 def install(app: FastAPI, deps: GatewayDeps) -> None:
-    """Add `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}` and their
+    """Add `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}`, `GET
+    /v1/responses/{response_id}/input_items`, `POST /v1/responses/{response_id}/cancel` (a 400:
+    only background responses are cancelled, and none is served) and their
     `/s/<session_id>/v1/...` forms to the gateway app. A response id the key did not create
     (never stored, `store: false`, expired, deleted, another key's) is a 404
     `not_found_error` in OpenAI's error JSON."""
@@ -281,6 +324,42 @@ def install(app: FastAPI, deps: GatewayDeps) -> None:
     async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
         await store.delete(response_id, owner_of(request))
         return deleted(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None)
+    async def list_input_items(
+        response_id: str,
+        request: Request,
+        order: Literal["asc", "desc"] = "desc",
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+        include: Annotated[list[str] | None, Query()] = None,  # nothing to add to text items
+    ) -> Response:
+        stored = await store.get(response_id, owner_of(request), param=None)
+        listed = item_list(response_id, stored, order, limit, after)
+        return Response(dumps(listed), media_type="application/json")
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=None)
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        await store.get(response_id, owner_of(request), param=None)  # 404 for an unknown id
+        raise InvalidRequestError(NOT_BACKGROUND)
+
+    @app.get("/s/{session_id}/v1/responses/{response_id}/input_items", response_model=None)
+    async def session_list_input_items(
+        session_id: str,
+        response_id: str,
+        request: Request,
+        order: Literal["asc", "desc"] = "desc",
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        after: str | None = None,
+        include: Annotated[list[str] | None, Query()] = None,
+    ) -> Response:
+        return await list_input_items(response_id, request, order, limit, after, include)
+
+    @app.post("/s/{session_id}/v1/responses/{response_id}/cancel", response_model=None)
+    async def session_cancel_response(
+        session_id: str, response_id: str, request: Request
+    ) -> Response:
+        return await cancel_response(response_id, request)
 
     @app.get("/s/{session_id}/v1/responses/{response_id}", response_model=None)
     async def session_retrieve_response(

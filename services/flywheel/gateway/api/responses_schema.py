@@ -81,9 +81,7 @@ class ResponsesRequest(BaseModel):
 
     model: str
     """Required, as in OpenAI's API (a body without it is a 400 naming `model`)."""
-    input: Annotated[str | list[dict[str, Any]], shapes.RESPONSES_INPUT] = Field(
-        default_factory=list
-    )
+    input: Annotated[str | list[dict[str, Any]], shapes.RESPONSES_INPUT]
     """A user message's text, or items: messages, function_call, function_call_output,
     reasoning (responses_translate.py)."""
     instructions: str | None = None
@@ -128,12 +126,17 @@ class ResponsesRequest(BaseModel):
     background: Annotated[StrictBool | None, shapes.neutral(False)] = None
     conversation: Annotated[Any, shapes.ONLY_NULL] = None
     prompt: Annotated[Any, shapes.ONLY_NULL] = None
-    max_tool_calls: Annotated[int | None, shapes.ONLY_NULL] = None
+    max_tool_calls: Annotated[shapes.Int | None, shapes.ONLY_NULL] = None
     context_management: Annotated[Any, shapes.neutral([])] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body), as for chat.
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+
+    @field_validator("max_output_tokens", "top_logprobs", "top_k", "seed", mode="before")
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return shapes.integer(v)  # no "10" or true as an integer
 
     @field_validator("stream", mode="before")
     @classmethod

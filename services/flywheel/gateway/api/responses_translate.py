@@ -30,10 +30,12 @@ or no tool call), one `function_call` item per tool call (`call_id` = the chat t
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.gateway.api.constraints import check_choice_tools
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -230,6 +232,20 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     )
 
 
+def check_tool_choice(choice: str | dict[str, Any] | None, tools: list[Any] | None) -> None:
+    """A forced call (`"required"`, `{"type": "function", "name"}`) needs tools, and a named
+    function must be one of them; refused in the Responses shapes the request used (chat's
+    own check would show the translated chat `tool_choice`).
+
+    Raises:
+        InvalidRequestError (param `tool_choice`): no tools, or a name not among them.
+    """
+    if choice is None or choice in ("auto", "none"):
+        return
+    names = [t.get("name") for t in tools or [] if isinstance(t, dict)]
+    check_choice_tools(choice, names, choice.get("name") if isinstance(choice, dict) else None)
+
+
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """Chat's `response_format` for Responses `text.format` (None when unset)."""
     fmt = (text or {}).get("format")
@@ -252,13 +268,16 @@ def chat_request(
         InvalidRequestError: see `input_messages`, `chat_tools` and `chat_tool_choice`.
     """
     conversation = [*history, *input_messages(body.input)]
+    tools = chat_tools(body.tools)
+    choice = chat_tool_choice(body.tool_choice)
+    check_tool_choice(body.tool_choice, body.tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     logprobs = body.includes("message.output_text.logprobs") or bool(body.top_logprobs)
     chat: dict[str, Any] = {
         "model": body.model,
         "messages": [*system, *conversation],
-        "tools": chat_tools(body.tools),
-        "tool_choice": chat_tool_choice(body.tool_choice),
+        "tools": tools,
+        "tool_choice": choice,
         "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
@@ -340,4 +359,70 @@ def output_items(
                 "status": "completed",
             }
         )
+    return items
+
+
+def _item_id(prefix: str, response_id: str, index: int) -> str:
+    """A stable id for input item `index` of a stored response (the same on every listing, so
+    `after` pages through them): `prefix` + "_" + 40 hex digits of SHA-256."""
+    return f"{prefix}_{hashlib.sha256(f'{response_id}:{index}'.encode()).hexdigest()[:40]}"
+
+
+def conversation_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Responses items of a stored conversation's chat `messages` (what `input_messages`
+    made of the chain's inputs, with the replies as recorded), oldest first, for
+    `GET /v1/responses/{id}/input_items`: user/system/assistant text as `message` items,
+    tool calls as `function_call`, tool results as `function_call_output`, reasoning as
+    `reasoning` items.
+
+    Example: [{"role": "user", "content": "Hi"}] -> [{"id": "msg_<40 hex>", "type": "message",
+    "role": "user", "status": "completed", "content": [{"type": "input_text", "text": "Hi"}]}].
+    """
+    items: list[dict[str, Any]] = []
+
+    def add(prefix: str, item: dict[str, Any]) -> None:
+        items.append({"id": _item_id(prefix, response_id, len(items)), **item})
+
+    for m in messages:
+        role, content = m.get("role"), m.get("content")
+        text = (
+            content
+            if isinstance(content, str)
+            else "".join(p.get("text", "") for p in content or [] if isinstance(p, dict))
+        )
+        if role == "tool":
+            add(
+                "fco",
+                {
+                    "type": "function_call_output",
+                    "call_id": m.get("tool_call_id", ""),
+                    "output": text,
+                    "status": "completed",
+                },
+            )
+            continue
+        if role == "assistant" and m.get("reasoning_content") is not None:
+            reasoning = [{"type": "reasoning_text", "text": m["reasoning_content"]}]
+            add("rs", {"type": "reasoning", "summary": [], "content": reasoning})
+        calls = (m.get("tool_calls") or []) if role == "assistant" else []
+        if text or not calls:
+            part: dict[str, Any] = {"type": "input_text", "text": text}
+            if role == "assistant":
+                part = {"type": "output_text", "text": text, "annotations": []}
+            add(
+                "msg",
+                {"type": "message", "role": role, "status": "completed", "content": [part]},
+            )
+        for call in calls:
+            fn = call.get("function") or {}
+            add(
+                "fc",
+                {
+                    "type": "function_call",
+                    "call_id": call.get("id", ""),
+                    "name": fn.get("name", ""),
+                    "arguments": fn.get("arguments", ""),
+                    "status": "completed",
+                },
+            )
     return items

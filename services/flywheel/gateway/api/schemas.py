@@ -9,13 +9,38 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictBool,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.constraints import grammar_params
 
 SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 """Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
+
+
+def _str_or_list(v: Any) -> str | None:
+    return "str" if isinstance(v, str) else "list" if isinstance(v, list) else None
+
+
+Stop = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[str], Tag("list"), Field(max_length=4)],
+    Discriminator(
+        _str_or_list,
+        custom_error_type="stop_type",
+        custom_error_message="stop must be a string or an array of up to 4 strings",
+    ),
+]
+"""OpenAI's `stop`: a string, or an array of up to 4 strings (a refused array's error is the
+array's, never the string branch's "expected a string")."""
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")
@@ -180,7 +205,8 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     top_p: float | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = Field(None, max_length=32)
+    stop: Stop | None = None
+    """Up to 4 stop strings, as in OpenAI's API."""
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
     """Choices per request; in a session each choice is recorded (turns.py)."""
@@ -219,15 +245,22 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: Annotated[float | None, shapes.neutral(1)] = None
-    min_tokens: Annotated[int | None, shapes.neutral(0)] = None
+    min_tokens: Annotated[shapes.Int | None, shapes.neutral(0)] = None
     ignore_eos: Annotated[StrictBool | None, shapes.neutral(False)] = None
-    stop_token_ids: Annotated[list[int] | None, shapes.neutral([])] = None
+    stop_token_ids: Annotated[list[shapes.Int] | None, shapes.neutral([])] = None
     regex: str | None = None
     json_schema: Any = None
     ebnf: str | None = None
     chat_template_kwargs: Annotated[dict[str, Any] | None, shapes.neutral({})] = None
     separate_reasoning: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
+
+    @field_validator(
+        "max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs", "top_k", mode="before"
+    )
+    @classmethod
+    def _integers(cls, v: Any) -> Any:
+        return shapes.integer(v)  # no "10" or true as an integer
 
     @field_validator("n", "stream", mode="before")
     @classmethod

@@ -10,12 +10,16 @@ instead of a 502, so SDK clients that retry a 503 after Retry-After wait for it.
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 
 from flywheel.core.errors import EngineUnavailableError, PlatformError, UpstreamError
+from flywheel.gateway.engines.client_text import without_urls
 from flywheel.gateway.engines.overload import busy_error
 from flywheel.gateway.engines.timeouts import timeout_error
 
+log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
 """Seconds the client is told to wait: an engine that starts again loads in seconds."""
 
@@ -59,7 +63,15 @@ def no_engine_served(
     """The client's error when no engine tried served a call (plain or streamed), each list one
     line per engine: any busy -> 503 busy (overload.py); else any timeout -> 504
     (timeouts.py); else every failure a refused connection, or no engine tried at all -> 503
-    unavailable with Retry-After; else 502 naming each failure (`errors` holds `refused` too)."""
+    unavailable with Retry-After; else 502 naming each failure (`errors` holds `refused` too).
+    The lines name the engines by URL: they are logged as they are, and the client's message
+    names them "engine 1", "engine 2" (client_text.py)."""
+    failures = [*busy, *timeouts, *errors]
+    if failures:
+        log.warning("no engine served the call: %s", "; ".join(failures))
+    shown = without_urls([*busy, *timeouts, *refused, *errors])
+    b, t, r = len(busy), len(busy) + len(timeouts), len(busy) + len(timeouts) + len(refused)
+    busy, timeouts, refused, errors = shown[:b], shown[b:t], shown[t:r], shown[r:]
     if busy:
         return busy_error(busy + errors + timeouts)
     if timeouts:

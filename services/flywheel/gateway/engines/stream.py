@@ -17,6 +17,7 @@ recorded. A generation the engine aborts (a weight update) continues from its to
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -40,6 +41,8 @@ OnText = Callable[[str], None]
 TEXT_SINK: ContextVar[OnText | None] = ContextVar("flywheel_text_sink", default=None)
 """Set by a request answered as the text is sampled (incremental.py): its engine call is
 streamed into this sink (`calls.generate_n`, one choice only)."""
+
+log = logging.getLogger(__name__)
 
 
 class Engines(Protocol):
@@ -199,7 +202,8 @@ async def _one(pool: Engines, url: str, body: dict[str, Any], on_text: OnText) -
     try:
         return parse_generation(last, pool.stop_token_ids, body["sampling_params"])
     except (ValueError, TypeError, AttributeError) as exc:
-        raise UpstreamError(f"engine {url}: unusable final stream chunk ({exc})") from exc
+        log.warning("engine %s: unusable final stream chunk (%s)", url, exc)
+        raise UpstreamError(f"the engine's final stream chunk is unusable ({exc})") from exc
 
 
 def _fail(last: dict[str, Any] | None, why: str) -> Exception:

@@ -14,6 +14,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from flywheel.core.errors import EngineTimeoutError
+from flywheel.gateway.engines.client_text import without_urls
 
 log = logging.getLogger(__name__)
 ENGINE_TIMEOUTS = Counter(
@@ -51,7 +52,7 @@ def stream_timeout_error(url: str, timeout_s: float) -> EngineTimeoutError:
     """The client's 504 when a streamed call ran past `gateway.request_timeout_s` after its
     first chunk (its text already sent, so no other engine is tried): counted and logged as
     any timed-out call, the message naming the setting."""
-    failure = note_timeout(url, timeout_s)
+    (failure,) = without_urls([note_timeout(url, timeout_s)])  # the URL is in the log line
     return EngineTimeoutError(
         f"the engine's stream ran past gateway.request_timeout_s ({timeout_s:g} s) after it "
         "started; nothing was recorded: ask for fewer tokens, send the request again, or raise "

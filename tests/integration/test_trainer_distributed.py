@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flywheel.core.redis_server import free_port
 from flywheel.trainer.service import build_trainer
 from flywheel.trainer.sources import SampleDump
 
@@ -56,7 +57,7 @@ def test_two_ranks_take_the_same_step_as_one_process(
         config.write_text(
             f'[redis]\nurl = "{redis_server.url}"\n[streams]\nprefix = "{prefix}"\n'
             f'[trainer]\nmodel_path = "{model_dir}"\nmax_steps = 1\nprecision = "fp32"\n'
-            f"port = {single.trainer.port + 1}\n"
+            f"port = {free_port()}\n"  # a free port, not a neighbour of one
             f'[trainer.checkpoint]\ndir = "{tmp_path / "ddp"}"\n'
             f'[trainer.logging]\nmetrics_path = "{tmp_path / "ddp.jsonl"}"\ntensorboard = false\n'
             f"[trainer.batch]\ngroup_size = 4\ngroups_per_step = 2\nmicro_batch_size = 3\n"
@@ -84,7 +85,9 @@ def test_two_ranks_take_the_same_step_as_one_process(
             text=True,
             timeout=240,
         )
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        text = out.stdout + out.stderr
+        first = [line for line in text.splitlines() if "rank0" in line or "Error" in line]
+        assert out.returncode == 0, "\n".join(first[:40]) + "\n...\n" + text[-3000:]
     finally:
         engine.close()
     assert "rank 1 stopped after 1 steps" in out.stdout + out.stderr

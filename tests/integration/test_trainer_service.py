@@ -2,13 +2,15 @@
 
 Covers: one step end to end (stream -> step -> checkpoint -> push -> ack -> metrics line), drops
 (dead-lettered unscored samples), crash between checkpoint and ack (resume acks and re-pushes
-instead of training twice), the stream-lease refresh, and `python -m flywheel.trainer`.
+instead of training twice), the stream-lease refresh, `python -m flywheel.trainer`, pushed
+weights left from a lost run, and a resume whose pushes fail.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -290,3 +292,90 @@ def test_cli_runs_one_step_and_serves_http(tmp_path, redis_server, prefix, engin
     assert b"resolved settings" in output
     assert [c["weight_version"] for c in engine.calls] == ["1"]
     assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 1
+
+
+class FolderEngine(FakeEngine):
+    """Refuses a push whose folder does not exist, as SGLang does."""
+
+    def on_push(self, path: str, body: dict) -> tuple[int, dict]:
+        if not Path(body["model_path"]).is_dir():
+            message = f"{body['model_path']} is neither a folder nor a .safetensors file"
+            return 400, {"success": False, "message": message}
+        return super().on_push(path, body)
+
+
+def test_pushed_weights_left_from_a_lost_run_do_not_outrank_new_ones(
+    tmp_path, redis_server, prefix, model_dir
+):
+    engine = FolderEngine()
+    settings = trainer_settings(tmp_path, redis_server, prefix, engine.url, model_dir=model_dir)
+    for version in (6, 7):  # pushed by a run stopped without a checkpoint covering them
+        (tmp_path / "ckpt" / "weights" / f"v_0000000{version}").mkdir(parents=True)
+    trainer = build_trainer(settings)
+    assert not list((tmp_path / "ckpt" / "weights").glob("v_*"))  # deleted at the start
+    publish(settings, make_group(model_dir, "g1"))
+    assert run_steps(trainer) == 1  # the push of version 1 found its folder
+    assert [c["weight_version"] for c in engine.calls] == ["1"]
+    trainer.close()
+    engine.close()
+
+
+def test_a_resume_that_fails_leaves_no_push_thread_running(
+    tmp_path, redis_server, prefix, engine, model_dir
+):
+    settings = trainer_settings(
+        tmp_path, redis_server, prefix, engine.url, model_dir=model_dir, checkpoint={"every": 100}
+    )
+    first = build_trainer(settings)
+    publish(settings, make_group(model_dir, "g1") + make_group(model_dir, "g2"))
+    first.finish = lambda checkpoint=True: None  # killed: no checkpoint at the stop
+    assert run_steps(first, steps=2) == 2
+    first.close()
+    engine.fail = True  # the recorded steps are trained again; their pushes fail
+    before = set(threading.enumerate())
+    with pytest.raises(UpstreamError):
+        build_trainer(with_trainer(settings, consumer_name="trainer-b"))
+    # a background thread left running in torch code aborts the interpreter at exit
+    left = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+    assert not [name for name in left if name == "push" or name.startswith("checkpoint")]
+
+
+def test_sigterm_during_a_step_abandons_it_and_checkpoints_the_last_committed_step(
+    tmp_path, redis_server, prefix, engine, model_dir
+):
+    settings = trainer_settings(
+        tmp_path, redis_server, prefix, engine.url, model_dir=model_dir, checkpoint={"every": 100}
+    )
+    stop = threading.Event()
+    trainer = build_trainer(settings)
+    g1, g2 = make_group(model_dir, "g1"), make_group(model_dir, "g2")
+    publish(settings, g1 + g2)
+
+    def sigterm_in_step_2(*_) -> None:  # the second step's forward pass has begun
+        if trainer.version == 1 and not stop.is_set():
+            signal.raise_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())  # as main() sets it
+    hook = trainer.parts.model.model.layers[0].register_forward_pre_hook(sigterm_in_step_2)
+    timer = threading.Timer(120, stop.set)  # a bound only: the test ends by SIGTERM
+    timer.start()
+    try:
+        assert trainer.run(stop) == 1
+    finally:
+        timer.cancel()
+        hook.remove()
+        signal.signal(signal.SIGTERM, previous)
+    trainer.close()
+    assert trainer.version == 1
+    ckpt = tmp_path / "ckpt"
+    state = json.loads((ckpt / "step_00000001" / "trainer_state.json").read_text())
+    assert len(state["entry_ids"]) == 4 and not (ckpt / "step_00000002").exists()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1]  # step 2 was never committed
+    assert pending_count(settings) == 4  # g2's entries: not acked, read again after a restart
+
+    resumed = build_trainer(settings)  # the same consumer name takes back its pending entries
+    assert resumed.version == 1
+    assert run_steps(resumed) == 1 and resumed.version == 2
+    assert pending_count(settings) == 0
+    resumed.close()

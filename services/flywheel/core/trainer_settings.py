@@ -64,9 +64,11 @@ class BatchSettings(Section):
     `micro_batch_size` limits a micro-batch."""
     layout: Literal["shared_prefix", "padded", "packed"] = "shared_prefix"
     """Micro-batch layout of the forward/backward pass. padded = rows right-padded to the
-    longest row (B x T positions); shared_prefix = padded, but rows that share a prompt (a
-    group's samples) run it once and only their own suffixes on its cache (same loss and
-    gradients; rows sharing fewer than 16 tokens with any other run padded); packed = each
+    longest row (B x T positions); shared_prefix = rows that share a prompt (a group's samples)
+    run it once: a micro-batch of up to 1024 positions is one packed pass (each prompt, then its
+    rows' suffixes, under a prompt-sharing mask; no padding), a larger one runs the suffixes on
+    the prompt's cache (same loss and gradients; rows sharing fewer than 16 tokens with any
+    other run on their own); packed = each
     micro-batch's samples end to end in one sequence with per-sample position ids and a
     block-diagonal causal mask (padding-free, same loss and gradients). Packed pays when sample
     lengths differ a lot and samples are short enough that attention (N^2 over the packed N

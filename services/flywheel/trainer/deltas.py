@@ -251,7 +251,7 @@ class DeltaWeightsStore:
         if final.exists():  # a version trained again after a crash
             shutil.rmtree(final)
         tmp.rename(final)
-        self.store.prune()
+        self.store.prune(written=version)
         PUSH_BYTES.labels("delta").inc((final / DELTA_FILE).stat().st_size)
         return final
 

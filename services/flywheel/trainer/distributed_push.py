@@ -30,7 +30,8 @@ An engine that joins between pushes gets the current weights from the fleet watc
 gateway routes to it, by disk: the snapshot of the newest broadcast is kept (the background
 pusher's own copy, not a second one: one CPU copy of the servable weights in the push dtype
 stays alive between pushes), and when the watcher finds a member behind it the snapshot is
-written once as a weights folder under `checkpoint_dir/joiners/` and loaded by
+written once as a weights folder under `checkpoint_dir/joiners/` (emptied when the trainer
+starts: nothing there is this run's) and loaded by
 `/update_weights_from_disk` on that engine only (`latest_folder`). A broadcast to a joiner
 alone cannot be done in the group without sending the weights to every member again, and the
 disk path leaves the engines already serving the version untouched; the next push then

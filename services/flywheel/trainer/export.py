@@ -9,10 +9,36 @@ config, `model.safetensors` (LoRA merged), tokenizer and generation config, whic
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from flywheel.trainer.weights import CheckpointStore, export_hf
+from flywheel.trainer.weights import STATE_FILE, WEIGHTS_FILE, CheckpointStore
+
+
+def export_hf(checkpoint: Path, out: Path) -> Path:
+    """Copy checkpoint `checkpoint` to `out` as a plain Hugging Face folder (config, weights,
+    tokenizer, generation config) without the trainer's state; atomic (temporary sibling, then
+    rename). Returns `out`.
+
+    Raises:
+        FileNotFoundError: `checkpoint` has no model.safetensors.
+        FileExistsError: `out` exists.
+    """
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{checkpoint} has no {WEIGHTS_FILE}; pass a step_* folder")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for src in checkpoint.iterdir():
+        if src.is_file() and src.name != STATE_FILE:
+            shutil.copy2(src, tmp / src.name)
+    tmp.rename(out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

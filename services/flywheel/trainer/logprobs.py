@@ -37,7 +37,9 @@ from torch import Tensor
 from torch.autograd.function import FunctionCtx
 from transformers import PreTrainedModel
 
-from flywheel.trainer.shared_prefix import shared_prefix_hidden
+from flywheel.trainer.grad_sinks import adds_into_grad, input_embeddings
+from flywheel.trainer.shared_prefix import right_padded_lengths, shared_prefix_hidden
+from flywheel.trainer.shared_prefix_packed import shared_prefix_packed_hidden
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class TemperedHeadLogprob(torch.autograd.Function):
         logp_CV = logits_CV.sub_(lse_C[:, None])  # in place: the full log-softmax
         entropy_C = -(logp_CV.exp() * logp_CV).sum(dim=-1)
         ctx.save_for_backward(hidden_CH, weight_VH, targets_C, temperature_C, lse_C, entropy_C)
-        ctx.weight_param = weight_VH  # type: ignore[attr-defined]  # the Parameter, see _adds_into_grad
+        ctx.weight_param = weight_VH  # type: ignore[attr-defined]  # the Parameter: adds_into_grad
         ctx.set_materialize_grads(False)
         return logprobs_C, entropy_C
 
@@ -116,31 +118,11 @@ class TemperedHeadLogprob(torch.autograd.Function):
         with torch.autocast(device_type=hidden_CH.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 grad_hidden = (grad_CV @ _at_least_fp32(weight_VH)).to(hidden_CH.dtype)
-            if ctx.needs_input_grad[1] and _adds_into_grad(ctx.weight_param):
+            if ctx.needs_input_grad[1] and adds_into_grad(ctx.weight_param):
                 ctx.weight_param.grad.addmm_(grad_CV.T, _at_least_fp32(hidden_CH))
             elif ctx.needs_input_grad[1]:
                 grad_weight = (grad_CV.T @ _at_least_fp32(hidden_CH)).to(weight_VH.dtype)
         return grad_hidden, grad_weight, None, None
-
-
-def _adds_into_grad(weight: Tensor) -> bool:
-    """Whether the head's weight gradient may be added straight into `weight.grad` (returning
-    None to autograd) instead of being returned as a new (V, H) tensor: a plain fp32 leaf whose
-    `.grad` already exists (every micro-batch after a step's first) and that has no hooks. The
-    sum is the same; what goes is a (V, H) fp32 temporary (113 MB for SmolLM2's tied
-    embedding) at the start of the backward pass, when the micro-batch's activations are all
-    still held, i.e. at the step's memory peak. FSDP2's DTensor parameters, bf16 weights and
-    hooked parameters keep autograd's own accumulation."""
-    grad = weight.grad if weight.is_leaf else None
-    return (
-        type(grad) is torch.Tensor
-        and type(weight.data) is torch.Tensor
-        and weight.dtype == torch.float32
-        and grad.dtype == torch.float32
-        and grad.is_contiguous()
-        and not weight._backward_hooks
-        and not getattr(weight, "_post_accumulate_grad_hooks", None)
-    )
 
 
 def decoder_of(model: Any) -> Any:
@@ -166,8 +148,10 @@ def selected_token_logprobs(
     `packed`: the decoder runs once over the B rows' real tokens laid end to end in one row
     of N = sum of lengths (`_packed_hidden`), instead of over B x T padded positions; the
     results are the same (up to float rounding) and come back in the padded (B, T) layout.
-    `shared_prefix`: rows sharing a prompt run it once (`shared_prefix.shared_prefix_hidden`);
-    same results up to float rounding, in the padded layout.
+    `shared_prefix`: rows sharing a prompt run it once, in one packed pass with a prompt-sharing
+    mask (`shared_prefix_packed.shared_prefix_packed_hidden`) where the micro-batch is small
+    enough, else on the prompt's key/value cache (`shared_prefix.shared_prefix_hidden`); same
+    results up to float rounding, in the padded layout.
 
     Args:
         model: a causal LM whose logits are `get_output_embeddings()(base_model(...) hidden)`.
@@ -196,12 +180,20 @@ def selected_token_logprobs(
     if packed:
         hidden_XH, source_BT = _packed_hidden(model, input_ids_BT, attention_mask_BT)
         hidden_NH = hidden_XH[source_BT[:, :-1][select_BT1]]
+    elif shared_prefix and (
+        one_pass := shared_prefix_packed_hidden(decoder_of(model), input_ids_BT, attention_mask_BT)
+    ):
+        hidden_XH, source_BT = one_pass
+        hidden_NH = hidden_XH[source_BT[:, :-1][select_BT1]]
     elif shared_prefix:
         hidden_XH = shared_prefix_hidden(decoder_of(model), input_ids_BT, attention_mask_BT)
         hidden_NH = hidden_XH[:, :-1][select_BT1]
     else:
-        hidden_XH = decoder_of(model)(
-            input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False
+        decoder = decoder_of(model)
+        hidden_XH = decoder(
+            inputs_embeds=input_embeddings(decoder, input_ids_BT),
+            attention_mask=attention_mask_BT,
+            use_cache=False,
         ).last_hidden_state
         hidden_NH = hidden_XH[:, :-1][select_BT1]
     targets_N = input_ids_BT[:, 1:][select_BT1]
@@ -253,14 +245,13 @@ def _packed_hidden(
     Raises:
         ValueError: the attention mask is not right padding (real tokens first in every row).
     """
+    right_padded_lengths(attention_mask_BT, "packed")
     real_BT = attention_mask_BT.bool()
     position_BT = real_BT.long().cumsum(dim=1) - 1
-    columns_BT = torch.arange(real_BT.shape[1], device=real_BT.device).expand_as(position_BT)
-    if not bool((position_BT[real_BT] == columns_BT[real_BT]).all()):
-        raise ValueError("packed logprobs need right-padded rows (real tokens first)")
     source_BT = (real_BT.flatten().long().cumsum(dim=0) - 1).view_as(position_BT)
-    hidden_1NH = decoder_of(model)(
-        input_ids=input_ids_BT[real_BT][None],
+    decoder = decoder_of(model)
+    hidden_1NH = decoder(
+        inputs_embeds=input_embeddings(decoder, input_ids_BT[real_BT][None]),
         position_ids=position_BT[real_BT][None],
         attention_mask=None,
         use_cache=False,

@@ -3,7 +3,9 @@
 Parses settings (TOML file and/or `FLYWHEEL_TRAINER__*` environment variables), logs them
 resolved, serves /healthz, /readyz, /status and /metrics on `trainer.host:trainer.port`, loads
 or resumes the policy, then runs the loop in `service.py` until SIGTERM/SIGINT or
-`trainer.max_steps` steps. torch and transformers are imported only after the settings parse.
+`trainer.max_steps` steps. A signal abandons the step in progress (abandon.py) and the
+checkpoint of the last committed step is written at once. torch and transformers are imported
+only after the settings parse.
 
 Under `torchrun --nproc_per_node N -m flywheel.trainer`, rank 0 does all of the above and the
 other ranks only train the batches it broadcasts (distributed.py).
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     status = TrainerStatus()
     server = serve_in_thread(create_app(status), settings.trainer.host, settings.trainer.port)
     log.info("trainer HTTP on http://%s:%d", settings.trainer.host, settings.trainer.port)
-    trainer = build_trainer(settings, status=status, world=world)
+    trainer = build_trainer(settings, status=status, world=world, stop=stop)
     try:
         steps = trainer.run(stop)
         log.info("trainer stopped after %d steps at weight version %d", steps, trainer.version)

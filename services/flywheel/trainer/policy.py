@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -223,6 +224,11 @@ def build_pusher(settings: FlywheelSettings) -> Any:
     # the broadcast snapshot, written for an engine that joins between pushes
     source_dir = resolve_model_path(s.model_path or settings.engine.model_path)
     joiners = WeightsStore(Path(s.checkpoint.dir) / "joiners", source_dir)
+    # Only a cache of the snapshot kept in memory, which a starting trainer has not: folders an
+    # earlier run left would outrank this run's versions, and pruning would delete those first.
+    if joiners.root.exists():
+        shutil.rmtree(joiners.root)
+        log.info("deleted the weight folders an earlier run left in %s", joiners.root)
 
     return DistributedPusher(
         disk,

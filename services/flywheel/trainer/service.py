@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 
 from flywheel.core.settings import FlywheelSettings
 from flywheel.core.streams import StreamEntry
+from flywheel.trainer.abandon import abandon_on_stop
 from flywheel.trainer.background import (
     BackgroundPusher,
     CheckpointJob,
@@ -39,21 +40,20 @@ from flywheel.trainer.background import (
     PushOutcome,
     folder_bytes,
 )
-from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng, restore_rng
+from flywheel.trainer.commits import CommitLog, CommitRecord, GroupRecord, capture_rng
 from flywheel.trainer.deltas import attach_deltas
 from flywheel.trainer.distributed import World
 from flywheel.trainer.fsdp import full_state_dict
 from flywheel.trainer.groups import Drop, DropReason, Group, GroupAssembler
 from flywheel.trainer.policy import TrainerParts, build_policy, build_pusher, training_state
 from flywheel.trainer.redis_retry import retry_redis
+from flywheel.trainer.replay import replay
 from flywheel.trainer.snapshots import SnapshotGuard, cpu_snapshot, deferred_write, write_snapshot
 from flywheel.trainer.sources import FakeSource, build_source
 from flywheel.trainer.staleness import StalenessPolicy
 from flywheel.trainer.step import StepConfig, prepare_batch, train_step
 from flywheel.trainer.telemetry import (
     CHECKPOINT_SECONDS,
-    REPLAY_MISSING,
-    REPLAYED_STEPS,
     SAMPLE_LAG,
     Timeline,
     TrainerStatus,
@@ -72,6 +72,7 @@ def build_trainer(
     status: TrainerStatus | None = None,
     redis_client: redis.Redis | None = None,
     world: World | None = None,
+    stop: threading.Event | None = None,
 ) -> Trainer:
     """Load (or resume) the policy, connect to the source, and return a resumed `Trainer`.
 
@@ -80,6 +81,8 @@ def build_trainer(
         status: the status the HTTP server shows (made here when None).
         redis_client: a client to use instead of connecting to `settings.redis_url()`.
         world: data-parallel ranks when run under torchrun (this is rank 0).
+        stop: the event `run` is given (SIGTERM sets it): set during the resume, it abandons
+            the recorded step being trained again (abandon.py).
     """
     s = settings.trainer
     policy = build_policy(settings, world)
@@ -116,7 +119,12 @@ def build_trainer(
         source.kind,
     )
     trainer = Trainer(settings, parts)
-    trainer.resume(latest)
+    trainer._stop = stop or trainer._stop
+    try:
+        trainer.resume(latest)
+    except BaseException:  # a push or checkpoint thread left running aborts the interpreter's exit
+        trainer.close()
+        raise
     return trainer
 
 
@@ -182,7 +190,10 @@ class Trainer:
 
     def resume(self, latest: Checkpoint | None) -> None:
         """Ack what the newest checkpoint covers, train the recorded steps after it again,
-        push the current weights to engines that serve an older version, become ready."""
+        push the current weights to engines that serve an older version, become ready. Folders
+        of steps above the resumed one, left from a lost lineage, are deleted first (folders.py)."""
+        self.parts.store.drop_after(self.version)
+        self.weights.drop_after(self.version)
         if latest is not None:
             entry_ids = list(latest.state.get("entry_ids", []))
             acked = self._redis(
@@ -192,57 +203,12 @@ class Trainer:
             log.info("resumed at step %d; acked %d entries it had trained on", latest.step, acked)
         records = self.commits.after(self.version)
         if records:
-            self.replay(records)
-        if latest is not None or records:
+            replay(self, records)
+        if (latest is not None or records) and not self._stop.is_set():
             self._offer_push()
             self.pusher.wait()
             self._settle()
         self.parts.status.set_ready(self.version)
-
-    def replay(self, records: Sequence[CommitRecord]) -> None:
-        """Train recorded steps again, in order, with their recorded groups, treatments and
-        RNG states (the steps after the newest checkpoint of a trainer that crashed)."""
-        first = records[0].step
-        if first != self.version + 1:
-            log.error(
-                "commit log starts at step %d after checkpoint %d: steps in between are lost",
-                first,
-                self.version,
-            )
-        for record in records:
-            entries = self._redis(
-                lambda r=record: self.parts.consumer.claim(r.entry_ids),
-                f"claiming the entries of step {record.step}",
-            )
-            if entries is None:
-                log.warning(
-                    "source %s cannot give entries back; recorded steps %d-%d are not trained "
-                    "again",
-                    self.parts.consumer.kind,
-                    record.step,
-                    records[-1].step,
-                )
-                return
-            groups, missing = record.groups_of(entries)
-            if missing:
-                REPLAY_MISSING.inc(len(missing))
-                log.error(
-                    "step %d: %d recorded entries are no longer pending (acked or deleted) and "
-                    "are left out: %s",
-                    record.step,
-                    len(missing),
-                    missing[:5],
-                )
-            self.parts.leases.hold([e.entry_id for e in entries])
-            log.info("training recorded step %d again (%d groups)", record.step, len(groups))
-            REPLAYED_STEPS.inc()
-            restore_rng(record.rng)
-            if groups:
-                self._replaying = True
-                try:
-                    self._train(groups, [], time.perf_counter())
-                finally:
-                    self._replaying = False
 
     # ---------------------------------------------------------------- loop
 
@@ -364,15 +330,25 @@ class Trainer:
         t1 = time.perf_counter()
         log.info("step %d: training on %d samples", self.version + 1, batch.size)
         train_start = time.time()
-        result = train_step(
-            cast(PreTrainedModel, self.parts.trained or self.parts.model),
-            self.parts.optimizer,
-            batch,
-            self.step_cfg,
-            reference=self.parts.reference,
-            scheduler=self.parts.scheduler,
-            world=self.parts.world,
-        )
+        optimizer, alone = self.parts.optimizer, self.parts.world is None
+        with abandon_on_stop(self._stop, self.parts.model, optimizer, alone) as step:
+            result = train_step(
+                cast(PreTrainedModel, self.parts.trained or self.parts.model),
+                optimizer,
+                batch,
+                self.step_cfg,
+                reference=self.parts.reference,
+                scheduler=self.parts.scheduler,
+                world=self.parts.world,
+            )
+        if step.abandoned:  # stopped before optimizer.step(): its entries stay pending
+            log.warning(
+                "step %d abandoned at the stop (%d samples, gradients discarded): its entries "
+                "stay pending and are trained after a restart",
+                self.version + 1,
+                batch.size,
+            )
+            return
         metrics = (
             result.metrics
             | adv_metrics
@@ -594,6 +570,7 @@ class Trainer:
 
     def close(self) -> None:
         self.parts.leases.stop()
+        self.writer.wait()
         self.pusher.close()
         self.parts.pusher.close()
         self.parts.sink.close()

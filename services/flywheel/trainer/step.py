@@ -68,6 +68,7 @@ from flywheel.trainer.fsdp import (
     set_gradient_sync,
     sharded_logprobs,
 )
+from flywheel.trainer.grad_sinks import ensure_grad_sinks
 from flywheel.trainer.logprobs import TokenLogprobs, selected_token_logprobs
 from flywheel.trainer.precision import resolve_precision
 from flywheel.trainer.prepare import prepare_batch
@@ -238,6 +239,7 @@ def accumulate(
         if not bool(mb.loss_mask_BT.any()):
             acc.empty_micro_batches += 1
             continue
+        ensure_grad_sinks(model)  # vocabulary-matrix gradients added in place (grad_sinks.py)
         if not _backward_micro_batch(model, mb.to(device), cfg, norm, reference, acc):
             return acc
     return acc

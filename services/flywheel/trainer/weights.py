@@ -7,15 +7,16 @@ in), the tokenizer files copied from the initial model folder, `trainer_state.js
 weight_version, the stream entries and sample_ids the step trained on, the source position) and
 `training/` (AdamW state, LR scheduler state and RNG states, `torch.save` files; only the newest
 checkpoint keeps `optimizer.pt`, the largest). Engines read the top-level safetensors only;
-`export_hf` copies a plain folder without the trainer's files. Each checkpoint is written to a
-hidden temporary sibling, verified (every parameter present with its shape and dtype, BUG-17),
-then renamed into place, so an engine or a resuming trainer never sees a partial folder. The
-newest `keep` folders are kept.
+`export.export_hf` copies a plain folder without the trainer's files. Each checkpoint is written
+to a hidden temporary sibling, verified (every parameter present with its shape and dtype,
+BUG-17), then renamed into place, so an engine or a resuming trainer never sees a partial
+folder. The newest `keep` folders are kept, and always the one just saved.
 
 Pushed weights are separate from checkpoints (`WeightsStore`): `checkpoint_dir/weights/
 v_00000012/` holds `model.safetensors` in the engine's dtype (no AdamW state), `config.json` and
 the tokenizer files, written from a CPU snapshot of step 12's weights, atomically (temporary
-sibling, then rename).
+sibling, then rename); the newest `keep` versions are kept, and always the one just written.
+Folders numbered above the step a trainer resumes from are deleted when it starts (folders.py).
 
 Weight version = the number of committed optimizer steps: the initial model is version 0, the
 weights of step k are pushed as weight_version "k". Versions never go backwards on an engine:
@@ -55,6 +56,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from flywheel.core.errors import ContractError, UpstreamError
 from flywheel.core.versions import parse_weight_version
 from flywheel.trainer.fleet_push import FleetWatcher, push_each
+from flywheel.trainer.folders import drop_above
 from flywheel.trainer.snapshots import SnapshotChanged
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ WEIGHTS_FILE = "model.safetensors"
 TRAINING_DIR = "training"
 """Subfolder with optimizer.pt, scheduler.pt and rng.pt (resume state, not served)."""
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_VERSION_DIR = re.compile(r"^v_(\d{8,})$")
 _NOT_COPIED = re.compile(r"(\.safetensors|\.bin|\.pt|\.gguf|\.index\.json|\.lock)$")
 """Files of the initial folder not copied into checkpoints (weights, indexes, locks)."""
 
@@ -172,13 +175,14 @@ class CheckpointStore:
         if final.exists():  # a step re-run after a crash before its ack: replace it whole
             shutil.rmtree(final)
         tmp.rename(final)
-        self.prune()
+        self.prune(saved=step)
         return final
 
-    def prune(self) -> None:
+    def prune(self, saved: int | None = None) -> None:
         """Delete all but the newest `keep` checkpoints, and leftover temporary folders; only
-        the newest keeps its optimizer state."""
-        steps = sorted(self._steps(), reverse=True)
+        the newest keeps its optimizer state. `saved`, the step just saved, ranks first: it is
+        never deleted, nor stripped of its optimizer state, by a higher step's folder."""
+        steps = sorted(self._steps(), key=lambda s: (s == saved, s), reverse=True)
         for step in steps[self.keep :]:
             shutil.rmtree(self.path_for(step), ignore_errors=True)
         for step in steps[1 : self.keep]:
@@ -190,6 +194,11 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         """Steps with a published checkpoint (after pruning: the newest `keep`)."""
         return self._steps()
+
+    def drop_after(self, step: int) -> int:
+        """Delete the folders of steps above `step`, the one resumed from (incomplete: `latest`
+        skipped them) so they never outrank the steps trained again; returns how many."""
+        return drop_above(self.root, {s: self.path_for(s) for s in self._steps()}, step)
 
     def _steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -239,6 +248,9 @@ class WeightsStore:
         self.source_dir = Path(source_dir)
         self.keep = keep
 
+    def path(self, version: int) -> Path:
+        return self.root / f"v_{version:08d}"
+
     def write(
         self,
         version: int,
@@ -252,7 +264,7 @@ class WeightsStore:
             OSError: the disk refused the write (nothing is published).
             SnapshotChanged: `intact()` was False (nothing is published).
         """
-        final = self.root / f"v_{version:08d}"
+        final = self.path(version)
         tmp = self.root / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -265,14 +277,26 @@ class WeightsStore:
         if final.exists():  # a version trained again after a crash
             shutil.rmtree(final)
         tmp.rename(final)
-        self.prune()
+        self.prune(written=version)
         return final
 
-    def prune(self) -> None:
-        """Delete all but the newest `keep` folders."""
-        folders = sorted(p for p in self.root.glob("v_*") if p.is_dir())
-        for old in folders[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    def prune(self, written: int | None = None) -> None:
+        """Delete all but the newest `keep` folders by version number; never `written`, the
+        version just written (it is pushed next)."""
+        versions = sorted(self._versions(), key=lambda v: (v == written, v), reverse=True)
+        for version in versions[self.keep :]:
+            shutil.rmtree(self.path(version), ignore_errors=True)
+
+    def drop_after(self, version: int) -> int:
+        """Delete the folders of versions above `version`, the one the trainer resumes from;
+        returns how many. They are left from steps no checkpoint covers (a stop without its
+        checkpoint); kept, they would outrank the versions trained again from `version`."""
+        return drop_above(self.root, {v: self.path(v) for v in self._versions()}, version)
+
+    def _versions(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return [int(m.group(1)) for p in self.root.iterdir() if (m := _VERSION_DIR.match(p.name))]
 
 
 def load_training_state(path: Path, name: str) -> Any | None:
@@ -299,30 +323,6 @@ def servable_state(model: Any) -> tuple[PreTrainedModel, dict[str, torch.Tensor]
             tensor = tensor + owner.get_delta_weight("default").to(tensor.dtype)
         merged[clean] = tensor.detach()  # unmerged tensors keep their storage (tied aliases)
     return base, merged
-
-
-def export_hf(checkpoint: Path, out: Path) -> Path:
-    """Copy checkpoint `checkpoint` to `out` as a plain Hugging Face folder (config, weights,
-    tokenizer, generation config) without the trainer's state; atomic (temporary sibling, then
-    rename). Returns `out`.
-
-    Raises:
-        FileNotFoundError: `checkpoint` has no model.safetensors.
-        FileExistsError: `out` exists.
-    """
-    checkpoint, out = Path(checkpoint), Path(out)
-    if not (checkpoint / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{checkpoint} has no {WEIGHTS_FILE}; pass a step_* folder")
-    if out.exists():
-        raise FileExistsError(f"{out} exists; choose a new folder")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for src in checkpoint.iterdir():
-        if src.is_file() and src.name != STATE_FILE:
-            shutil.copy2(src, tmp / src.name)
-    tmp.rename(out)
-    return out
 
 
 def verify_checkpoint(

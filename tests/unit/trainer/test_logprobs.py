@@ -28,6 +28,20 @@ def padded_batch():
     return input_ids_BT, attention_mask_BT, score_BT
 
 
+class OnesDecoder(torch.nn.Module):
+    """A stub decoder whose hidden state is 1 at every position (hidden size 1)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 1)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, inputs_embeds, attention_mask, use_cache):
+        return SimpleNamespace(last_hidden_state=torch.ones(*inputs_embeds.shape[:2], 1))
+
+
 class FixedLogitsLM(torch.nn.Module):
     """A stub causal LM whose logits are `logits_V` at every position (hidden size 1)."""
 
@@ -37,8 +51,7 @@ class FixedLogitsLM(torch.nn.Module):
         with torch.no_grad():
             self.head.weight.copy_(logits_V[:, None])
 
-    def base_model(self, input_ids, attention_mask, use_cache):
-        return SimpleNamespace(last_hidden_state=torch.ones(*input_ids.shape, 1))
+        self.base_model = OnesDecoder(logits_V.numel())
 
     def get_output_embeddings(self):
         return self.head

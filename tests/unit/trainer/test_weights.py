@@ -11,12 +11,13 @@ import torch
 from safetensors import safe_open
 
 from flywheel.core.errors import ContractError, UpstreamError
+from flywheel.trainer.export import export_hf
 from flywheel.trainer.export import main as export_main
 from flywheel.trainer.weights import (
     STATE_FILE,
     CheckpointStore,
     WeightPusher,
-    export_hf,
+    WeightsStore,
     load_model,
     load_training_state,
     verify_checkpoint,
@@ -307,3 +308,25 @@ def test_lora_checkpoint_holds_the_merged_weights(tmp_path, source_dir):
     torch.testing.assert_close(served, adapted, atol=1e-5, rtol=1e-5)
     initial = load_model(source_dir)(input_ids=ids).logits.detach()
     assert float((served - initial).abs().max()) > 1e-4  # the update is in the saved weights
+
+
+def test_pushed_weights_of_a_lost_lineage_never_outrank_the_new_ones(tmp_path, source_dir):
+    store = WeightsStore(tmp_path / "ckpt", source_dir, keep=2)
+    state = {"w": torch.zeros(2)}
+    for version in (6, 7):  # pushed by a run whose steps 1-7 no checkpoint covers
+        store.write(version, state)
+    # the version just written is kept although two higher leftovers outrank it by number
+    assert store.write(1, state).is_dir()
+    assert store.drop_after(0) == 2  # at the start of the trainer resumed at step 0
+    store.write(2, state)
+    store.write(3, state)
+    assert sorted(p.name for p in store.root.iterdir()) == ["v_00000002", "v_00000003"]
+
+
+def test_a_checkpoint_above_the_one_saved_never_outranks_it(tmp_path, source_dir):
+    model = load_model(source_dir)
+    store = CheckpointStore(tmp_path / "ckpt", keep=2, source_dir=source_dir)
+    (store.path_for(9) / "training").mkdir(parents=True)  # left by a prune cut short
+    saved = store.save(model, 1, {}, {"optimizer": {"state": {}}})
+    assert (saved / "training" / "optimizer.pt").is_file()
+    assert store.drop_after(1) == 1 and store.steps() == [1]

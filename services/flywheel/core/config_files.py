@@ -10,6 +10,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,11 @@ def describe_validation_error(
     environ: Mapping[str, str] | None = None,
 ) -> str:
     """One line per invalid setting, named by its dotted path and where its value came from:
-    the `FLYWHEEL_...` variable when the environment set it, else the config file when the
-    file set it (`trainer.optim.lr in a.toml: Input should be greater than 0 (got -1)`), else
-    (an override, or no file given) the variable that would set it. An unknown key is named
+    the `FLYWHEEL_...` variable when the environment set it (for an error of a whole section,
+    raised by its own check, the variables set inside it: `trainer in FLYWHEEL_TRAINER__LR`),
+    else the config file when the file set it (`trainer.optim.lr in a.toml: Input should be
+    greater than 0 (got -1)`), else (an override, or no file given) the variable that would
+    set it. An unknown key is named
     with the closest known settings of its section (`unknown setting gateway.prot in a.toml;
     did you mean gateway.port?`), or with all of them when none is close.
 
@@ -127,8 +130,12 @@ def describe_validation_error(
             ),
             None,
         )
+        under = _env_set_under(parts, env_names)
+        unknown = _unknown_env(model, under)
         if source_var is not None:
             where = f"in {source_var}"
+        elif unknown or (under and not (path is not None and _in_data(file_data, parts))):
+            where = f"in {', '.join(unknown or under)}"
         elif path is not None and _in_data(file_data, parts):
             where = f"in {path}"
         else:
@@ -142,6 +149,26 @@ def describe_validation_error(
             got = ""
         lines.append(f"  {loc} {where}: {err['msg']}{got}")
     return "\n".join(lines)
+
+
+def _env_set_under(parts: list[str], env_names: Mapping[str, str]) -> list[str]:
+    """The variables set (as spelled in the environment) for settings inside the section at
+    `parts`: `FLYWHEEL_TRAINER__LR` and `FLYWHEEL_TRAINER__OPTIM__LR` under `trainer`."""
+    head = _env_name(parts) + "__"
+    return [env_names[upper] for upper in sorted(env_names) if upper.startswith(head)]
+
+
+def _unknown_env(model: Any, names: list[str]) -> list[str]:
+    """Those of the `FLYWHEEL_...` variables `names` that name no setting of `model` (none
+    when `model` is None): what a section's own check refuses (`trainer.lr moved to ...`), so
+    an error of the whole section names them rather than its other variables."""
+    if model is None:
+        return []
+    return [
+        name
+        for name in names
+        if _annotation_at(model, name[len("FLYWHEEL_") :].lower().split("__")) is _NOWHERE
+    ]
 
 
 def _env_name(parts: list[str]) -> str:
@@ -158,22 +185,35 @@ def _in_data(data: Mapping[str, Any] | None, parts: list[str]) -> bool:
     return True
 
 
+_NOWHERE = object()
+"""`_annotation_at` of a path that names no setting."""
+
+
+def _settings_class(annotation: Any) -> Any:
+    """The settings class `annotation` is or holds (`Section`, `Section | None`), else None."""
+    return next(
+        (a for a in (annotation, *typing.get_args(annotation)) if hasattr(a, "model_fields")),
+        None,
+    )
+
+
+def _annotation_at(model: Any, parts: list[str]) -> Any:
+    """The type annotation of the setting at `parts` under `model` (a settings class; `model`
+    itself for no parts), through the sections on the way; `_NOWHERE` when no setting is there
+    (a list item, a key of a dict setting, an unknown name)."""
+    annotation: Any = model
+    for part in parts:
+        fields = getattr(_settings_class(annotation), "model_fields", None)
+        if not isinstance(fields, dict) or part not in fields:
+            return _NOWHERE
+        annotation = fields[part].annotation
+    return annotation
+
+
 def _section_fields(model: Any, parts: list[str]) -> list[str] | None:
     """The setting names of the section at `parts` under `model` (a settings class); None when
     `parts` is no section (a list item, a dict setting, an unknown name)."""
-    import typing  # noqa: PLC0415
-
-    node: Any = model
-    for part in parts:
-        fields = getattr(node, "model_fields", None)
-        if not isinstance(fields, dict) or part not in fields:
-            return None
-        annotation = fields[part].annotation
-        node = next(
-            (a for a in (annotation, *typing.get_args(annotation)) if hasattr(a, "model_fields")),
-            None,
-        )
-    fields = getattr(node, "model_fields", None)
+    fields = getattr(_settings_class(_annotation_at(model, parts)), "model_fields", None)
     return sorted(fields) if isinstance(fields, dict) else None
 
 
@@ -249,14 +289,9 @@ def describe_env_parse_error(
 def _complex_kind(model: Any, parts: list[str]) -> str | None:
     """ "list", "dict" or "section" when the field at `parts` under `model` is read from the
     environment as JSON; None for a plain value or an unknown name."""
-    import typing  # noqa: PLC0415
-
-    annotation: Any = model
-    for part in parts:
-        fields = getattr(annotation, "model_fields", None)
-        if not isinstance(fields, dict) or part not in fields:
-            return None
-        annotation = fields[part].annotation
+    annotation = _annotation_at(model, parts)
+    if annotation is _NOWHERE:
+        return None
     for arg in (annotation, *typing.get_args(annotation)):  # Optional[...] and unions too
         origin = typing.get_origin(arg) or arg
         if origin in (list, tuple, set, frozenset):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis
 
+from flywheel.core.children import own_session
 from flywheel.core.errors import ConfigurationError
 
 
@@ -215,7 +216,8 @@ class LocalRedis:
         if self.password:
             args += ["--requirepass", self.password]
         log = open(self.data_dir / "redis.log", "ab")  # noqa: SIM115  (owned by the child)
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        # A session of its own: a terminal's Ctrl-C never stops Redis before the services.
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, **own_session())
         deadline = time.monotonic() + timeout_s
         client = redis.Redis.from_url(self.url)
         while time.monotonic() < deadline:

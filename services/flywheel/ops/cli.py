@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,13 +22,28 @@ from typing import TYPE_CHECKING
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
-from flywheel.ops.demo_cli import add_demo_arguments, demo_options, stack_folder_note
+from flywheel.ops.demo_cli import (
+    add_demo_arguments,
+    demo_folder,
+    demo_options,
+    out_problem,
+    replace_stack_folder,
+    stack_folder_note,
+)
 from flywheel.ops.down import cmd_down
 from flywheel.ops.fidelity_cli import cmd_check_fidelity
-from flywheel.ops.up import START_FAILURES, cmd_up, start_failed, stop_on_signals
+from flywheel.ops.up import (
+    START_FAILURES,
+    cmd_up,
+    interrupted_exit,
+    moved_port_warnings,
+    start_failed,
+    stop_on_signals,
+)
 
 if TYPE_CHECKING:
     from flywheel.ops.demo.runner import DemoConfig
+    from flywheel.ops.demo.runner import DemoRunner as DemoRunnerT
 
 
 def _settings(args: argparse.Namespace) -> FlywheelSettings:
@@ -49,7 +63,6 @@ def _positive_float(value: str) -> float:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from flywheel.ops.demo.tasks_choice import demo_runner  # noqa: PLC0415
-    from flywheel.ops.stack import Stack, running_stack  # noqa: PLC0415
 
     started = time.monotonic()
     out = Path(args.out)
@@ -68,6 +81,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a flag the task would not use
         print(f"flywheel demo: {exc}", file=sys.stderr)
         return 2
+    if problem := out_problem(out):
+        print(f"flywheel demo: --out {out} {problem}; pass another folder", file=sys.stderr)
+        return 2
+    with demo_folder(out) as refusal:  # held until the demo's stack has stopped
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 2
+        return _demo_in(args, out, DemoRunner, cfg, started)
+
+
+def _demo_in(
+    args: argparse.Namespace,
+    out: Path,
+    DemoRunner: type[DemoRunnerT],  # noqa: N803 (a class)
+    cfg: DemoConfig,
+    started: float,
+) -> int:
+    """`flywheel demo` in its `--out` folder, which it holds: on the running stack, or on a
+    stack of its own that it starts in `<out>/stack` and stops."""
+    from flywheel.ops.stack import Stack, running_stack  # noqa: PLC0415
+
     settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:
@@ -97,13 +131,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if refusal := on_running.access_refusal():
             print(refusal, file=sys.stderr)
             return 2
+        stop_on_signals()  # SIGTERM too ends the run with its summary
         try:
             return _run_demo(on_running, started)
-        except KeyboardInterrupt:  # the running stack is not the demo's: it goes on
+        except KeyboardInterrupt as exc:  # the running stack is not the demo's: it goes on
             print("flywheel: demo interrupted; the running stack goes on", file=sys.stderr)
-            return INTERRUPTED_EXIT
+            return interrupted_exit(exc)
     stack_dir = out / "stack"
-    shutil.rmtree(stack_dir, ignore_errors=True)
+    replace_stack_folder(stack_dir)
     settings.state_dir = str(stack_dir)
     settings.trainer.checkpoint.dir = str(stack_dir / "checkpoints")
     settings.trainer.logging.metrics_path = str(out / "trainer_metrics.jsonl")
@@ -126,6 +161,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except START_FAILURES as exc:
             start_failed(stack, exc)
             return 1
+        for line in moved_port_warnings(stack):  # as `flywheel up` warns
+            print(line, flush=True)
         urls = {s.name: s.url for s in stack.services}
         runner = DemoRunner(
             urls["gateway"], urls["engine"], cfg, out, **demo_options(args, timeline, stack_dir)
@@ -134,10 +171,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print(refusal, file=sys.stderr)
             return 2
         return _run_demo(runner, started)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         print("flywheel: demo interrupted; stopping its stack", file=sys.stderr)
         interrupted = True
-        return INTERRUPTED_EXIT
+        return interrupted_exit(exc)
     finally:
         stack.stop()
         if interrupted:  # what the stopped stack leaves on disk
@@ -189,10 +226,6 @@ def _running_trainer_settings(settings: FlywheelSettings) -> dict:
     return trainer
 
 
-INTERRUPTED_EXIT = 130
-"""Exit status of a demo stopped by Ctrl-C or SIGTERM: 128 + SIGINT, as a shell reports it."""
-
-
 def _run_demo(runner, started: float) -> int:  # noqa: ANN001
     """Run the demo and print where its files are. Interrupted: prints the step it reached
     and the files written so far (`DemoRunner.write_interrupted`), then raises again. A step
@@ -225,15 +258,18 @@ def _run_demo(runner, started: float) -> int:  # noqa: ANN001
 def learning_verdict(summary: dict) -> str:
     """One line on whether the demo run learned: the training reward of the last 5 steps
     against the first 5 (only with 10+ steps: fewer share steps between the windows) and the
-    held-out accuracy before against after."""
-    held_out = f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}"
+    held-out accuracy before against after ("n/a" for one not measured: every episode of that
+    evaluation failed)."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    shown = ["n/a" if v is None else f"{v:.3f}" for v in (before, after)]
+    held_out = f"held-out accuracy {shown[0]} -> {shown[1]}"
     if summary.get("steps", 0) < 10:
         return (
             f"{held_out}; too few steps ({summary.get('steps', 0)}) to compare the first "
             "and last 5 steps' rewards: run 10 or more for that."
         )
     learned = (
-        summary["last5"] > summary["first5"] and summary["eval_after"] > summary["eval_before"]
+        summary["last5"] > summary["first5"] and None not in (before, after) and after > before
     )
     return (
         f"the policy learned ({held_out})."
@@ -302,9 +338,11 @@ def cmd_keys(args: argparse.Namespace) -> int:
             print(secret)
         elif args.keys_command == "list":
             records = store.list()
+            if records:  # the TRAIN column: whether the key's turns become training data
+                print(f"{'KEY_ID':12}  {'ROLE':6}  {'TRAIN':8}  NAME")
             for r in records:
                 use = "train" if r.train else "no-train"
-                print(f"{r.key_id}  {r.role:6}  {use:8}  {r.name}")
+                print(f"{r.key_id:12}  {r.role:6}  {use:8}  {r.name}")
             if not records:
                 print("no API keys")
         elif args.keys_command == "mark":

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import shlex
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,11 +112,13 @@ def demo_options(
     args: argparse.Namespace, trainer_timeline: Path, state_dir: str | Path
 ) -> dict[str, Any]:
     """The `DemoRunner` keywords the command line gives: the trainer's timeline file, the API
-    key (`--api-key`, env FLYWHEEL_API_KEY) and the stack's log folder (`<state_dir>/logs`)."""
+    key (`--api-key`, env FLYWHEEL_API_KEY), the stack's log folder (`<state_dir>/logs`) and
+    the `--config` file (repeated in the commands its hints print)."""
     return {
         "trainer_timeline": trainer_timeline,
         "api_key": args.api_key,
         "logs": Path(state_dir) / "logs",
+        "config_file": args.config,
     }
 
 
@@ -143,4 +147,99 @@ def stack_folder_note(stack_dir: Path) -> str:
         f"flywheel: the demo's stack folder {stack_dir} holds {size_text(folder_bytes(stack_dir))} "
         "(Redis data, checkpoints, logs); delete it with: "
         f"rm -rf {shlex.quote(str(stack_dir))}"
+    )
+
+
+def replace_stack_folder(stack_dir: Path, echo: Callable[[str], None] = print) -> None:
+    """Delete the stack folder an earlier demo with the same `--out` left (its Redis data,
+    checkpoints and logs), first saying so in one line with its size; nothing when there is
+    none. The caller holds the folder (`demo_folder`): no stack runs from it."""
+    if not stack_dir.exists():
+        return
+    echo(
+        f"flywheel demo: deleting the previous run's stack folder {stack_dir} "
+        f"({size_text(folder_bytes(stack_dir))}: Redis data, checkpoints, logs)"
+    )
+    shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+def out_problem(out: Path) -> str | None:
+    """What is wrong with `--out` as the demo's folder, creating it (and its parents) when it
+    is missing; None when the demo can write its files there.
+
+    Examples: an existing file -> "exists and is not a folder"; "/proc/nope" -> "cannot be
+    created (No such file or directory)".
+    """
+    if out.exists() and not out.is_dir():
+        return "exists and is not a folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file (or a link to one) somewhere on its path
+        return "cannot be created (a file is in its path)"
+    except OSError as exc:
+        return f"cannot be created ({exc.strerror or exc})"
+    if not os.access(out, os.W_OK | os.X_OK):
+        return "is a folder the demo cannot write to"
+    return None
+
+
+DEMO_LOCK = "demo.lock"
+"""File in `--out` that a running demo holds an exclusive lock on (its process id inside)."""
+
+
+@contextlib.contextmanager
+def demo_folder(out: Path) -> Iterator[str | None]:
+    """Hold `out`'s demo lock (`<out>/demo.lock`, released by the OS when the process dies)
+    while the block runs, so a second demo with the same `--out` neither deletes this one's
+    stack folder nor truncates its files. Yields None; or, holding nothing, the line refusing
+    the demo when another demo holds the lock or a stack runs from `<out>/stack` (its
+    `stack.lock` held, as `Stack` holds it from its start to its stop)."""
+    fd = os.open(out / DEMO_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        yield _busy_refusal(out, f"a demo (process {holder}) is running with --out {out}")
+        return
+    try:
+        if _stack_running(out / "stack"):
+            yield _busy_refusal(out, f"a stack is running from {out / 'stack'}")
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield None
+    finally:
+        os.close(fd)
+
+
+def _stack_running(stack_dir: Path) -> bool:
+    """Whether a process holds `<stack_dir>/stack.lock` (a stack runs or starts there)."""
+    from flywheel.ops.stack import LOCK_FILE  # noqa: PLC0415  (not for demo/failures.py's import)
+
+    try:
+        fd = os.open(stack_dir / LOCK_FILE, os.O_RDWR)
+    except OSError:  # no lock file: no stack ever started there
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also releases the lock taken just now
+    return False
+
+
+def _busy_refusal(out: Path, what: str) -> str:
+    """The line refusing a demo whose `--out` is in use by `what` (a running demo or stack):
+    how to stop it (its stack with `flywheel down` when one runs from `<out>/stack`)."""
+    from flywheel.ops.stack import down_command  # noqa: PLC0415
+
+    stack = out / "stack"
+    stop = "Ctrl-C where it runs"
+    if _stack_running(stack):
+        stop += f", or `{down_command(str(stack))}`"
+    return (
+        f"flywheel demo: {what}; this demo would delete its stack folder and overwrite its "
+        f"files. Stop it first ({stop}), or pass another --out"
     )

@@ -5,7 +5,8 @@ engine -> (teacher engine) -> gateway -> reward -> (teacher, when enabled) -> tr
 reads the resolved settings (ports moved to free ones, the Redis URL, the model path) from
 `<state_dir>/settings.json` via `FLYWHEEL_CONFIG`,
 logs to `<state_dir>/logs/<service>.log` (appended; messages quote only the current run's
-lines), and is stopped in reverse order (SIGTERM, then SIGKILL after a grace period). Start-up
+lines), and is stopped in reverse order (SIGTERM, then SIGKILL after a grace period; the trainer
+first, waited for, so its last push still finds the engines serving). Start-up
 fails fast, with the reason, when an external Redis does not answer a ping or a service reports
 a state it cannot recover from (an engine whose model failed to load). The stack's own Redis is
 started again if it dies (`revive_redis`), and a service whose process exits is started again
@@ -32,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flywheel.core.children import own_session
 from flywheel.core.config_files import mask_secrets
 from flywheel.core.errors import ConfigurationError, ConflictError, UpstreamError
 from flywheel.core.redis_server import LocalRedis, PortReservation, reserve_port
@@ -319,6 +321,7 @@ class Stack:
                 env={**self.env, **service.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                **own_session(),  # Ctrl-C reaches the command only; it stops this child
             )
         except OSError as exc:  # e.g. an `engine.sglang_launcher` that is not there
             log.close()
@@ -448,17 +451,24 @@ class Stack:
         return code
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """Stop every child in reverse start order, then Redis."""
-        for service in reversed(self.services):
-            if service.proc and service.proc.poll() is None:
-                service.proc.terminate()
-        for service in reversed(self.services):
-            if service.proc:
-                try:
-                    service.proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    service.proc.kill()
-                    service.proc.wait()
+        """Stop every child in reverse start order, then Redis. The trainer is stopped, and
+        waited for, first: on its way out it finishes its checkpoint and its push in progress,
+        which must find the engines still serving (stopped together, the push failed on
+        engines already gone and was logged as errors). The others are then stopped together.
+        """
+        first = [s for s in self.services if s.name == "trainer"]
+        rest = [s for s in self.services if s.name != "trainer"]
+        for group in (first, rest):
+            for service in reversed(group):
+                if service.proc and service.proc.poll() is None:
+                    service.proc.terminate()
+            for service in reversed(group):
+                if service.proc:
+                    try:
+                        service.proc.wait(timeout=grace_s)
+                    except subprocess.TimeoutExpired:
+                        service.proc.kill()
+                        service.proc.wait()
         self.services.clear()
         if self.redis:
             self.redis.stop()

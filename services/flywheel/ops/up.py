@@ -13,6 +13,8 @@ which the trainer's fleet watcher pushes to it (docs/fleet.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -111,14 +113,48 @@ class Supervisor:
         return ""
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+class Interrupted(KeyboardInterrupt):
+    """The KeyboardInterrupt `stop_on_signals` raises; `signum`: the signal that stopped the
+    command (SIGINT or SIGTERM)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_stopping = False
+"""True once `_interrupt` raised: the command is stopping (writing its summary, stopping its
+stack)."""
+ALREADY_STOPPING = b"flywheel: already stopping; the files and the stack's stop are on their way\n"
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    """Raise `Interrupted` for the first signal only. A later one (a second Ctrl-C while the
+    demo writes its summary and plots, or while the stack stops) must not cut that short: it
+    gets one line on stderr, written with `os.write` (a signal handler that `print`s into a
+    stream the main thread is writing raises a reentrant-call error)."""
+    global _stopping
+    if not _stopping:
+        _stopping = True
+        raise Interrupted(signum)
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), ALREADY_STOPPING)
+
+
+def interrupted_exit(exc: KeyboardInterrupt) -> int:
+    """The exit status of a command stopped by `exc`: 128 + its signal's number, as a shell
+    reports a process the signal ended (130 for Ctrl-C, 143 for SIGTERM); 130 for a plain
+    KeyboardInterrupt."""
+    return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 def stop_on_signals() -> None:
     """Ctrl-C (even when started from a script with SIGINT ignored) and SIGTERM raise
-    KeyboardInterrupt in the main thread, so a command's `finally` stops the stack it started,
-    also while the services are still starting."""
+    KeyboardInterrupt (`Interrupted`, naming the signal) in the main thread, so a command's
+    `finally` stops the stack it started, also while the services are still starting. Only the
+    first signal interrupts; later ones print one line (`_interrupt`)."""
+    global _stopping
+    _stopping = False
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
 

@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
 from flywheel.ops.cli import main
 from flywheel.ops.stack import LOCK_FILE, STATE_FILE
+
+from .http_stub import healthy_gateway
 
 
 def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
@@ -42,16 +42,6 @@ def test_up_on_a_busy_state_dir_is_one_clear_line(tmp_path):
     assert "flywheel is up" not in run.stdout and "stopped." not in run.stdout
 
 
-class _Healthy(BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.mark.parametrize("state_dir", [None, "runs/exp1/state"])
 def test_up_beside_a_running_stack_names_the_command_that_stops_it(
     tmp_path, monkeypatch, capsys, state_dir
@@ -68,14 +58,9 @@ def test_up_beside_a_running_stack_names_the_command_that_stops_it(
         args += ["--config", "f.toml"]
     state = tmp_path / (state_dir or ".flywheel")
     state.mkdir(parents=True)
-    server = HTTPServer(("127.0.0.1", 0), _Healthy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    gateway = f"http://127.0.0.1:{server.server_port}"
-    (state / STATE_FILE).write_text(json.dumps({"pid": os.getpid(), "gateway": gateway}))
-    try:
+    with healthy_gateway() as gateway:
+        (state / STATE_FILE).write_text(json.dumps({"pid": os.getpid(), "gateway": gateway}))
         assert main(args) == 1
-    finally:
-        server.shutdown()
     command = f"FLYWHEEL_STATE_DIR={state_dir} flywheel down" if state_dir else "flywheel down"
     err = capsys.readouterr().err
     assert f"already running from {state_dir or '.flywheel'}; stop it first with `{command}`" in err

@@ -78,3 +78,22 @@ def test_a_bad_value_in_the_file_from_flywheel_config_names_the_file(tmp_path, m
     monkeypatch.setenv("FLYWHEEL_CONFIG", str(cfg))
     message = _refusal("config", "show")
     assert f"trainer.optim.lr in {cfg}: Input should be greater than 0 (got -1)" in message
+
+
+def test_a_moved_setting_set_in_a_variable_names_that_variable(tmp_path, monkeypatch):
+    """The [trainer] section's own check refuses `trainer.lr` (moved to trainer.optim.lr): the
+    error is the whole section's, and names the variable set, not FLYWHEEL_TRAINER."""
+    monkeypatch.setenv("FLYWHEEL_TRAINER__LR", "1e-5")
+    monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__WEIGHT_DECAY", "0.1")  # valid: not named
+    message = _refusal("config", "show")
+    assert "  trainer in FLYWHEEL_TRAINER__LR: " in message, message
+    assert "trainer.lr moved to trainer.optim.lr (FLYWHEEL_TRAINER__OPTIM__LR)" in message
+    assert "(FLYWHEEL_TRAINER)" not in message and "WEIGHT_DECAY" not in message, message
+
+
+def test_a_moved_setting_in_the_file_still_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.toml").write_text("[trainer]\nlr = 1e-5\n")
+    monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__WEIGHT_DECAY", "0.1")  # valid: not the cause
+    message = _refusal("config", "show", "--config", "a.toml")
+    assert "  trainer in a.toml: " in message, message

@@ -25,6 +25,7 @@ def run_demo_cli(monkeypatch, tmp_path, *flags: str):  # noqa: ANN201
         def __init__(self, settings, config_file=None):  # noqa: ANN001
             seen["settings"] = settings
             self.services = [FakeService("gateway"), FakeService("engine")]
+            self.redis, self.moved = None, {}  # every configured port was free
 
         def start(self) -> None: ...
 

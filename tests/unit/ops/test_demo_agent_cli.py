@@ -52,7 +52,7 @@ def test_demo_runner_choice():
     assert cls is AgentDemoRunner and cfg.group_size == 6 and cfg.steps == 3
     cls, cfg = demo_runner("addition", steps=3, eval_seed=None, eval_size=None)
     assert cls is DemoRunner and cfg.group_size == 8
-    with pytest.raises(ValueError, match="--eval-seed apply to --task agent only"):
+    with pytest.raises(ValueError, match="--eval-seed applies to --task agent only.*leave it out"):
         demo_runner("addition", steps=3, eval_seed=2, eval_size=None)  # agent only
     with pytest.raises(ValueError, match="unknown demo task 'chess'"):
         demo_runner("chess")

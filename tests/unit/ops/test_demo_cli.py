@@ -157,8 +157,8 @@ def test_the_demo_process_asks_for_cuda_without_importing_torch():
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--eval-size", "7"], "--eval-size apply to --task agent only"),
-        (["--eval-seed", "3", "--eval-size", "7"], "--eval-seed and --eval-size apply"),
+        (["--eval-size", "7"], "--eval-size applies to --task agent only"),
+        (["--eval-seed", "3", "--eval-size", "7"], "--eval-seed and --eval-size apply to"),
     ],
 )
 def test_agent_only_eval_flags_are_refused_for_the_addition_task(tmp_path, capsys, flags, named):
@@ -169,4 +169,5 @@ def test_agent_only_eval_flags_are_refused_for_the_addition_task(tmp_path, capsy
     assert code == 2
     err = capsys.readouterr().err
     assert f"flywheel demo: {named}" in err and "--task agent" in err
+    assert ("leave them out" if len(flags) > 2 else "leave it out") in err, err
     assert not out.exists()

@@ -6,29 +6,21 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 from flywheel.ops.demo.runner import DemoConfig, DemoRunner
 from flywheel.ops.demo.tasks import Problem
 
+from ..core.http_stub import JsonHandler
 
-class _Gateway(BaseHTTPRequestHandler):
+
+class _Gateway(JsonHandler):
     """Creates sessions, answers every chat turn 502 (as an overloaded engine pool does) and
     records each finish body."""
 
     chat_calls = 0
     finished: list[tuple[str, dict]] = []
     lock = threading.Lock()
-
-    def _json(self, status: int, body: dict, headers: dict[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_POST(self) -> None:  # noqa: N802
         length = int(self.headers.get("content-length") or 0)
@@ -50,9 +42,6 @@ class _Gateway(BaseHTTPRequestHandler):
             self._json(200, {})
         else:
             self._json(404, {})
-
-    def log_message(self, *args) -> None:  # noqa: ANN002
-        pass
 
 
 def test_a_502_episode_is_retried_then_scored_0_and_counted(tmp_path):

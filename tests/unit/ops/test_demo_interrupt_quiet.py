@@ -19,7 +19,7 @@ from flywheel.ops.demo.agent import answer
 from flywheel.ops.demo.cancel import EpisodeCancelled
 from flywheel.ops.demo.tool_agent import run_episode
 
-from .test_demo_interrupt import _Stub, stub  # noqa: F401 (stub: restores the signal handlers)
+from .test_demo_interrupt import _Stub, stub  # noqa: F401 (the stub gateway fixture)
 
 
 class _SlowStub(_Stub):
@@ -49,6 +49,7 @@ def test_ctrl_c_cancels_in_flight_episodes_quietly_and_names_the_stack_folder(
         def __init__(self, settings, config_file=None):  # noqa: ANN001
             self.services = [Service("gateway"), Service("engine")]
             self.state_dir = settings.state_dir
+            self.redis, self.moved = None, {}  # every configured port was free
 
         def start(self) -> None:
             (tmp_path / "demo" / "stack").mkdir(parents=True, exist_ok=True)
@@ -64,7 +65,7 @@ def test_ctrl_c_cancels_in_flight_episodes_quietly_and_names_the_stack_folder(
     argv = ["demo", "--new-stack", "--out", str(out), "--steps", "5"]
     assert cli.main([*argv, "--problems-per-step", "1", "--group-size", "4"]) == 130
     for thread in threading.enumerate():  # the episodes' workers end (the interpreter waits)
-        if thread.name.startswith("ThreadPoolExecutor"):
+        if thread.name.startswith("demo-episode"):
             thread.join(30)
             assert not thread.is_alive(), "an in-flight episode did not end"
     printed = capsys.readouterr()

@@ -185,3 +185,21 @@ def test_the_trainers_timeline_is_drawn_and_its_malformed_lines_are_reported(tmp
     _, _, _, lines = _run(tmp_path, "async")
     assert any("skipped 1 malformed line(s)" in line for line in lines)
     assert (tmp_path / "timeline.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_run_under_10_steps_reports_no_reward_windows(tmp_path):
+    """first5 and last5 of 4 steps would share 4 of their 5 steps: null in summary.json and n/a
+    in the summary line, as the README says (a short run reports held-out accuracy only)."""
+    _, rows, summary, lines = _run(tmp_path, "async", steps=9)
+    assert len(rows) == 9
+    assert summary["first5"] is None and summary["last5"] is None
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["first5"] is None and saved["last5"] is None
+    assert lines[-1].startswith("reward first5=n/a last5=n/a eval_before="), lines[-1]
+
+
+def test_a_run_of_10_steps_compares_two_windows_with_no_step_in_common(tmp_path):
+    _, rows, summary, _ = _run(tmp_path, "async", steps=10)
+    rewards = [r["reward_mean"] for r in rows]
+    assert summary["first5"] == pytest.approx(sum(rewards[:5]) / 5)
+    assert summary["last5"] == pytest.approx(sum(rewards[5:]) / 5)

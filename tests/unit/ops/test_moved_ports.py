@@ -97,3 +97,35 @@ def test_up_warns_with_the_address_to_use_and_status_shows_it(tmp_path, taken_po
         f"WARNING: gateway runs on port {got}, not its configured port {taken_port} (taken "
         "when the stack started); clients must use the address above." in screen
     )
+
+
+def test_the_demo_warns_of_a_moved_port_as_flywheel_up_does(tmp_path, monkeypatch, capsys):
+    """`flywheel demo` on a stack of its own whose gateway's configured port was taken prints
+    the same WARNING line `flywheel up` does, with the address it got."""
+    import flywheel.ops.stack as stack_module  # noqa: PLC0415
+    from flywheel.ops import cli  # noqa: PLC0415
+    from flywheel.ops.demo import runner as runner_module  # noqa: PLC0415
+
+    class MovedStack:
+        def __init__(self, settings, config_file=None):  # noqa: ANN001
+            self.redis = None
+            self.moved = {"gateway": (8000, 8001)}
+            self.services = [
+                Service("gateway", "http://127.0.0.1:8001", "", lambda: True),
+                Service("engine", "http://127.0.0.1:30000", "", lambda: True),
+            ]
+
+        def start(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    summary = {"first5": 0.2, "last5": 0.8, "eval_before": 0.5, "eval_after": 0.9, "steps": 2}
+    monkeypatch.setattr(stack_module, "Stack", MovedStack)
+    monkeypatch.setattr(runner_module.DemoRunner, "run", lambda self, started_at=None: summary)
+    monkeypatch.setattr(runner_module.DemoRunner, "access_refusal", lambda self: None)
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--new-stack", "--out", str(out), "--steps", "2"]) == 0
+    console = capsys.readouterr()
+    expected = moved_port_warnings(MovedStack(None))  # type: ignore[arg-type]
+    assert expected and expected[0].startswith("WARNING: gateway is on port 8001")
+    assert expected[0] in console.out + console.err, console

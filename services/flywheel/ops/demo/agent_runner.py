@@ -12,7 +12,9 @@ Evaluation (greedy, evaluation sessions) reports task success, the fraction of e
 ran the tool (`tool_use`) and the fraction of tool-call attempts that were well formed
 (`well_formed`: calls the tool ran over those plus malformed ones; None when no episode tried).
 Before training it evaluates two held-out draws (`eval_seed`, `eval_seed + 1`): with greedy
-decoding their difference is the evaluation's noise from the draw of problems.
+decoding their difference is the evaluation's noise from the draw of problems. A draw whose every
+episode failed measured nothing: its stats are None (null in summary.json, n/a in the lines) and
+the line says how many failed.
 """
 
 from __future__ import annotations
@@ -48,19 +50,25 @@ class EpisodeResult:
 
 @dataclass
 class EvalStats:
-    """Aggregate of a list of episodes (fractions in [0, 1])."""
+    """Aggregate of a list of episodes (fractions in [0, 1]; None when every episode failed:
+    nothing was measured)."""
 
-    success: float
-    tool_use: float
+    success: float | None
+    tool_use: float | None
     """Episodes with at least one tool call the tool ran."""
     well_formed: float | None
     """Well-formed calls over all call attempts; None when no episode tried a call."""
     episodes: int
+    failed: int = 0
+    """Episodes the gateway failed or refused (scored 0)."""
 
     @classmethod
-    def of(cls, results: list[EpisodeResult]) -> EvalStats:
+    def of(cls, results: list[EpisodeResult], failed: int = 0) -> EvalStats:
         """Example: rewards [1, 0, 0], tool_calls [1, 1, 0], malformed [0, 1, 0] ->
-        success 1/3, tool_use 2/3, well_formed 2 / (2 + 1) = 2/3."""
+        success 1/3, tool_use 2/3, well_formed 2 / (2 + 1) = 2/3. With `failed` episodes
+        covering all of `results`, every fraction is None."""
+        if results and failed >= len(results):
+            return cls(None, None, None, episodes=len(results), failed=failed)
         n = max(len(results), 1)
         ran = sum(r.tool_calls for r in results)
         attempts = ran + sum(r.malformed_calls for r in results)
@@ -69,6 +77,7 @@ class EvalStats:
             tool_use=sum(1 for r in results if r.tool_calls) / n,
             well_formed=ran / attempts if attempts else None,
             episodes=len(results),
+            failed=failed,
         )
 
 
@@ -138,23 +147,29 @@ class AgentDemoRunner(DemoRunner):
         return EpisodeResult(reward, len(trace.tool_calls), malformed)
 
     def evaluate_draw(self, seed: int) -> EvalStats:
-        """Greedy evaluation on the held-out draw `seed`."""
+        """Greedy evaluation on the held-out draw `seed`; its failed episodes are counted in
+        its line (every one failed: not measured, stats None)."""
         problems = held_out(seed, self.cfg.eval_size)
         self.echo(f"evaluating {len(problems)} held-out problems (draw {seed}, greedy)...")
+        failed_before = self.failed
         results = self.in_pool(
             lambda p: self.agent_episode(p, "", evaluation=True, temperature=0.0), problems
         )
-        stats = EvalStats.of(results)
+        stats = EvalStats.of(results, failed=self.failed - failed_before)
         self.evals.append((seed, stats))
+        if stats.success is None:
+            self.echo(f"  not measured: all {stats.failed} episodes of draw {seed} failed")
+            return stats
+        failed = f"  ({stats.failed} failed, scored 0)" if stats.failed else ""
         self.echo(
-            f"  success {stats.success:.3f}  tool_use {stats.tool_use:.3f}  well_formed "
-            f"{_fmt(stats.well_formed)}"
+            f"  success {stats.success:.3f}  tool_use {_fmt(stats.tool_use)}  well_formed "
+            f"{_fmt(stats.well_formed)}{failed}"
         )
         return stats
 
-    def evaluate(self) -> float:
-        """Task success on the held-out draw `eval_seed`; before training (no evaluation yet)
-        also on draw `eval_seed + 1`, the noise check."""
+    def evaluate(self) -> float | None:
+        """Task success on the held-out draw `eval_seed` (None: not measured); before training
+        (no evaluation yet) also on draw `eval_seed + 1`, the noise check."""
         first = not self.evals
         stats = self.evaluate_draw(self.cfg.eval_seed)
         if first:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -46,10 +46,13 @@ from flywheel.ops.demo.plot import (
     plot_timeline,
     read_timeline_lines,
 )
+from flywheel.ops.demo.pool import EpisodePool
 from flywheel.ops.demo.tasks import Problem, split, training_batches
 
 P = TypeVar("P")
 R = TypeVar("R")
+REWARD_WINDOW = 5
+"""Steps in each of summary.json's reward windows (`first5`, `last5`): given from 10 steps."""
 
 
 @dataclass
@@ -111,21 +114,25 @@ class DemoRunner:
         engine_url: str,
         cfg: DemoConfig,
         out: Path,
-        echo: Callable[[str], None] = print,
+        echo: Callable[[str], None] | None = None,
         trainer_timeline: Path | None = None,
         api_key: str | None = None,
         logs: Path | None = None,
+        config_file: str | None = None,
     ):
         """`trainer_timeline`: the trainer's `timeline.jsonl` (in its metrics file's folder);
         None = `out/timeline.jsonl`. Drawn into timeline.png when present. `api_key`: the key
         the runner's session requests and every agent send (None: none, for a gateway that
-        requires no key). `logs`: the stack's log folder, named when a step fails."""
+        requires no key). `logs`: the stack's log folder, named when a step fails.
+        `config_file`: the demo's `--config` file, repeated in the commands its API key hints
+        print."""
         self.logs = logs
+        self.config_file = config_file
         self.gateway = gateway_url.rstrip("/")
         self.engine = engine_url.rstrip("/")
         self.cfg = cfg
         self.out = out
-        self.echo = echo
+        self.echo = echo or echo_line
         self.trainer_timeline = trainer_timeline or out / "timeline.jsonl"
         self.timeline_origin: float | None = None
         """The demo's start in unix seconds, once `run` began."""
@@ -140,7 +147,8 @@ class DemoRunner:
         """Episodes begun and not yet ended."""
         hooks = {"request": [request_check(self.stopping)]}
         self.http = httpx.Client(timeout=600, headers=auth, event_hooks=hooks)
-        self.pool = ThreadPoolExecutor(max_workers=cfg.problems_per_step * cfg.group_size)
+        self.pool = EpisodePool(max_workers=cfg.problems_per_step * cfg.group_size)
+        """Its workers never hold the process's exit (`pool.py`)."""
         self.lock = threading.Lock()
         self.failed = 0
         """Episodes of the current step the gateway failed (scored 0; `failed_episodes`)."""
@@ -150,7 +158,10 @@ class DemoRunner:
         self.rewards: list[float] = []
         """The steps whose rollouts ended and their mean training reward."""
         self.eval_points: dict[int, float] = {}
-        """Held-out accuracy by the step it followed (0 = before training)."""
+        """Held-out accuracy by the step it followed (0 = before training); an evaluation whose
+        every episode failed measured nothing and has none."""
+        self.episodes_run = 0
+        """Episodes `in_pool` ran (begun) in this run, training and evaluation."""
         self.interrupted: dict[str, object] | None = None
         """The summary `write_interrupted` wrote when the run was interrupted."""
 
@@ -190,7 +201,7 @@ class DemoRunner:
         with self.lock:
             self.failed += 1
         sid = session["session_id"] if session else "(not created)"
-        said = f"{sid} {describe_failure(exc)}"
+        said = f"{sid} {describe_failure(exc, self.config_file)}"
         with self.lock:
             self.first_error = self.first_error or said
         self.echo(f"episode {said}")
@@ -207,12 +218,15 @@ class DemoRunner:
         return self.api_key or "flywheel-local"
 
     def access_refusal(self) -> str | None:
-        """Why the gateway will refuse this demo's requests (401/403 to its key, or to no key),
-        as the CLI says it before the first step; None when it serves them."""
-        return access_refusal(self.http, self.gateway, self.api_key)
+        """Why the gateway will refuse this demo's requests (401/403 to its key, or to no key;
+        404 to its model), as the CLI says it before the first step; None when it serves them."""
+        return access_refusal(
+            self.http, self.gateway, self.api_key, self.config_file, model=self.cfg.model
+        )
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out problems (evaluation sessions)."""
+    def evaluate(self) -> float | None:
+        """Greedy accuracy on the held-out problems (evaluation sessions); a subclass returns
+        None for one that measured nothing (and says why)."""
         _, held_out = split()
         self.echo(f"evaluating {len(held_out)} held-out problems (greedy)...")
         rewards = self.in_pool(
@@ -256,6 +270,7 @@ class DemoRunner:
                 with self.lock:
                     self.in_flight -= 1
 
+        self.episodes_run += len(items)
         results = list(self.pool.map(tracked, items))
         gc.collect()
         return results
@@ -324,10 +339,20 @@ class DemoRunner:
         with (self.out / "demo_timeline.jsonl").open("a") as f:
             f.write(event.to_json() + "\n")
 
-    def _timed_evaluate(self, step: int) -> float:
+    def _timed_evaluate(self, step: int) -> float | None:
+        """`evaluate`, recorded in the timeline and in `eval_points`; None (and no point) when
+        every episode of it failed, or `evaluate` gave None: that measured nothing, and 0.0
+        would read as a result."""
         start = time.time()
+        self.failed, begun = 0, self.episodes_run
         accuracy = self.evaluate()
         self._record("eval", step, start, time.time())
+        if self.failed >= self.episodes_run - begun:
+            self.echo(f"evaluation not measured: all {self.failed} held-out episodes failed")
+            return None
+        if accuracy is None:  # its draw measured nothing; `evaluate` said why
+            return None
+        self.eval_points[step] = accuracy
         return accuracy
 
     def draw_timeline(self) -> int:
@@ -366,7 +391,7 @@ class DemoRunner:
             return self._run(t0)
         except KeyboardInterrupt:
             self.stopping.set()  # in-flight episodes end at their next request, quietly
-            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool.shutdown()
             if self.in_flight:
                 self.echo(f"{self.in_flight} in-flight episodes cancelled")
             self.interrupted = self.write_interrupted(t0)
@@ -376,10 +401,10 @@ class DemoRunner:
             raise
 
     def _run(self, t0: float) -> dict[str, object]:
-        eval_before = self.eval_points[0] = self._timed_evaluate(0)
+        eval_before = self._timed_evaluate(0)
         version0 = self.engine_version()
         self.echo(
-            f"eval before training: held-out greedy accuracy {eval_before:.3f} "
+            f"eval before training: held-out greedy accuracy {_score(eval_before)} "
             f"(weight version {version0})"
         )
         lead = 1 + self.staleness
@@ -427,7 +452,7 @@ class DemoRunner:
         self.wait_for_version(
             version0 + self.cfg.steps, self.cfg.step_timeout_s * (1 + self.staleness)
         )
-        eval_after = self.eval_points[len(steps)] = self._timed_evaluate(len(steps))
+        eval_after = self._timed_evaluate(len(steps))
         self._draw()
         summary = {
             **self._reward_windows(),
@@ -442,13 +467,13 @@ class DemoRunner:
         return summary
 
     def _reward_windows(self) -> dict[str, float | None]:
-        """`first5`/`last5`: the mean training reward of the first and last 5 steps done
-        (None before the first step ended)."""
-        first, last = self.rewards[:5], self.rewards[-5:]
-        return {
-            "first5": sum(first) / len(first) if first else None,
-            "last5": sum(last) / len(last) if last else None,
-        }
+        """`first5`/`last5`: the mean training reward of the first and last 5 steps done; both
+        None with fewer than 10 steps done, where the windows would share steps (one step:
+        the same reward twice), so a short run reports its held-out accuracy only."""
+        if len(self.rewards) < 2 * REWARD_WINDOW:
+            return {"first5": None, "last5": None}
+        first, last = self.rewards[:REWARD_WINDOW], self.rewards[-REWARD_WINDOW:]
+        return {"first5": sum(first) / len(first), "last5": sum(last) / len(last)}
 
     def _draw(self) -> None:
         """reward_curve.png of the steps done and the evaluations ended; timeline.png."""
@@ -508,6 +533,23 @@ class DemoRunner:
     def summary_extra(self) -> dict[str, object]:
         """More fields for summary.json and the summary line (after the last evaluation)."""
         return {}
+
+
+def _score(value: float | None) -> str:
+    """An accuracy with 3 decimals; None (not measured) as "n/a"."""
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+_echo_lock = threading.Lock()
+
+
+def echo_line(line: str) -> None:
+    """The runner's default `echo`: `line` and its newline in one write, under a lock, so the
+    lines of episodes that fail at once on pool threads never run together (`print` writes
+    the text and the newline separately)."""
+    with _echo_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 SUMMARY_KEYS = ("first5", "last5", "eval_before", "eval_after", "steps", "minutes")

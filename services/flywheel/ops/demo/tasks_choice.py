@@ -29,9 +29,10 @@ def demo_runner(task: str, **settings: Any) -> tuple[type[DemoRunner], DemoConfi
     if task == "addition":
         if agent_only := [k for k in ("eval_seed", "eval_size") if k in given]:
             flags = " and ".join("--" + k.replace("_", "-") for k in agent_only)
+            verb, them = ("apply", "them") if len(agent_only) > 1 else ("applies", "it")
             raise ValueError(
-                f"{flags} apply to --task agent only; the addition task always evaluates its "
-                "30 held-out problems: leave them out, or add --task agent"
+                f"{flags} {verb} to --task agent only; the addition task always evaluates its "
+                f"30 held-out problems: leave {them} out, or add --task agent"
             )
         return DemoRunner, DemoConfig(**merged)
     from flywheel.ops.demo.agent_runner import AgentDemoConfig, AgentDemoRunner  # noqa: PLC0415

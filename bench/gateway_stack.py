@@ -134,9 +134,11 @@ def start(
     Returns:
         (target -> URL, the Redis server, target -> pids whose CPU time is its overhead).
     """
+    from flywheel.core.cpu_libs import without_triton  # noqa: PLC0415
     from flywheel.core.redis_server import LocalRedis, free_port  # noqa: PLC0415
     from flywheel.engine.convert import build_tiny_model  # noqa: PLC0415
 
+    without_triton()  # the tiny model's build imports torch; Triton's exit-time leak report off
     py = sys.executable
     stub = f"http://127.0.0.1:{(port := free_port())}"
     proc = _start(procs, work, "stub", [py, "bench/peers/stub_upstream.py", "--port", str(port)])

@@ -14,23 +14,31 @@
    micro-batches (the AdamW step is the same for all three), ratios to padded.
 4. Shared prompts (a GRPO step: `--groups` x `--group-size` samples, one prompt per group):
    forward + backward seconds of the micro-batches, padded against `layout =
-   "shared_prefix"` (each group's prompt run once), and the peak RSS of each.
+   "shared_prefix"` (each group's prompt run once: one packed pass per micro-batch) and its
+   key/value-cache path (`shared_prefix_cache`, what micro-batches over 1024 positions use),
+   and the peak RSS of each; `--compare-rev REV` adds REV's padded and shared_prefix.
 
     .venv/bin/python bench/trainer.py                     # both parts, T = 512 2048 8192
     .venv/bin/python bench/trainer.py --part logprobs --lengths 512 2048
     .venv/bin/python bench/trainer.py --part step --samples 8 --prompt 64 --completion 64
     .venv/bin/python bench/trainer.py --part layout --samples 8 --prompt 16 --completion 256
     .venv/bin/python bench/trainer.py --part prefix --prompt 44 --completion 32 --spread 8
+    .venv/bin/python bench/trainer.py --part prefix --prompt 44 --replies 2,2,3,3,4,6,12,32 \
+        --repeats 3 --rounds 2 --compare-rev REV      # the demo's shapes, against REV's code
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 VOCAB, HIDDEN = 49152, 576
 
@@ -52,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--completion", type=int, default=64, help="sampled tokens per sample")
     p.add_argument("--repeats", type=int, default=1, help="timed steps after the warm-up")
     p.add_argument("--spread", type=int, default=16, help="part 3: longest / shortest completion")
+    p.add_argument(
+        "--replies",
+        default="",
+        help="part 4: completion lengths, comma-separated, used in turn (e.g. the demo's mix "
+        "2,2,3,3,4,6,12,32); default: --completion / --spread .. --completion",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="part 4: interleaved rounds (median)")
+    p.add_argument("--compare-rev", default="", help="part 4: also run git revision REV's code")
     p.add_argument("--groups", type=int, default=4, help="part 4: groups sharing a prompt")
     p.add_argument("--group-size", type=int, default=8, help="part 4: samples per group")
     p.add_argument(
@@ -98,9 +114,9 @@ def logprob_child(variant: str, length: int, chunk: int) -> dict:
     return {"seconds": seconds, "peak_mib": max_rss_mib() - base, "value": float(total)}
 
 
-def run_child(args: list[str]) -> dict:
+def run_child(args: list[str], env: dict[str, str] | None = None) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, *args], check=True, capture_output=True, text=True
+        [sys.executable, __file__, *args], check=True, capture_output=True, text=True, env=env
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -239,16 +255,24 @@ def prefix_child(args: argparse.Namespace, layout: str) -> dict:
     from flywheel.trainer.step import StepConfig, prepare_batch
     from flywheel.trainer.weights import load_model
 
+    if layout == "shared_prefix_cache":  # the prompt's key/value cache path at every size
+        import flywheel.trainer.shared_prefix_packed as one_pass
+
+        one_pass.PACKED_MAX_TOKENS = 0
+        layout = "shared_prefix"
     torch.manual_seed(0)
     model = load_model(resolve_model_path(args.model))
     vocab = model.config.vocab_size
     shortest = max(args.completion // args.spread, 1)
+    replies = [int(x) for x in args.replies.split(",")] if args.replies else []
     groups = []
     for g in range(args.groups):
         prompt = torch.randint(1, vocab, (args.prompt,)).tolist()
         members = []
         for i in range(args.group_size):
             completion = shortest + (args.completion - shortest) * i // max(args.group_size - 1, 1)
+            if replies:  # the mix, rotated per group so groups differ
+                completion = replies[(i + 3 * g) % len(replies)]
             source = FakeSource(vocab, 1, args.prompt, completion, seed=100 * g + i)
             sample = source.read(1, 0)[0].sample
             sample.token_ids[: args.prompt] = prompt
@@ -272,21 +296,49 @@ def child_args(args: argparse.Namespace, *names: str) -> list[str]:
     return out + ([f"--model={args.model}"] if args.model else [])
 
 
+def exported_services(rev: str) -> str:
+    """`services/` of git revision `rev`, exported to a temporary folder (its path)."""
+    folder = tempfile.mkdtemp(prefix="flywheel-rev-")
+    archive = subprocess.run(["git", "archive", rev, "services"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return str(Path(folder) / "services")
+
+
 def bench_prefix(args: argparse.Namespace) -> None:
-    common = child_args(args, "groups", "group_size", "prompt", "completion", "repeats", "spread")
-    rows = {v: run_child(["--child", f"prefix:{v}", *common]) for v in ("padded", "shared_prefix")}
-    base = rows["padded"]
+    common = child_args(
+        args, "groups", "group_size", "prompt", "completion", "repeats", "spread", "replies"
+    )
+    variants = [("padded", None), ("shared_prefix", None), ("shared_prefix_cache", None)]
+    if args.compare_rev:  # interleaved with this tree's, same shapes
+        old = exported_services(args.compare_rev)
+        variants = [
+            ("padded", None),
+            ("padded", old),
+            ("shared_prefix", None),
+            ("shared_prefix", old),
+            ("shared_prefix_cache", None),
+        ]
+    rows: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for layout, services in variants:
+            name = layout + (f" @{args.compare_rev}" if services else "")
+            env = os.environ | ({"PYTHONPATH": services} if services else {})
+            row = run_child(["--child", f"prefix:{layout}", *common], env)
+            rows.setdefault(name, []).append(row)
+    base = statistics.median(r["step_s"] for r in rows["padded"])
+    mix = args.replies or f"{max(args.completion // args.spread, 1)}..{args.completion}"
     print(
         f"\nshared prompts, {args.model or 'SmolLM2-135M-Instruct'}: {args.groups} groups x "
         f"{args.group_size} samples, prompt {args.prompt} tokens shared in a group, completions "
-        f"{max(args.completion // args.spread, 1)}..{args.completion} tokens, micro-batch = "
-        f"group, fp32, {base['threads']} threads"
+        f"{mix} tokens, micro-batch = group, fp32, {rows['padded'][0]['threads']} threads; "
+        f"median of {args.rounds} interleaved rounds (each the fastest of {args.repeats} steps)"
     )
-    print(f"{'layout':>14}{'fwd+bwd s':>11}{'time ratio':>12}{'peak RSS MiB':>14}{'loss':>12}")
-    for name, row in rows.items():
+    print(f"{'layout':>28}{'fwd+bwd s':>11}{'x padded':>10}{'peak RSS MiB':>14}{'loss':>12}")
+    for name, runs in rows.items():
+        seconds = statistics.median(r["step_s"] for r in runs)
         print(
-            f"{name:>14}{row['step_s']:>11.2f}{row['step_s'] / base['step_s']:>11.2f}x"
-            f"{row['peak_mib']:>14.0f}{row['loss']:>12.6f}"
+            f"{name:>28}{seconds:>11.2f}{seconds / base:>9.2f}x"
+            f"{max(r['peak_mib'] for r in runs):>14.0f}{runs[0]['loss']:>12.6f}"
         )
 
 

@@ -14,9 +14,9 @@ Targets (each a real process on loopback; the same chat request body for all):
 - flywheel-session: the same through a pre-created session's base_url (the turn is recorded in
   Redis: lock, stitch, save; nothing is published until finish).
 Per target and concurrency: requests/s and p50/p99 latency over `--requests` requests after a
-warm-up, best of `--rounds` interleaved rounds; then ratios against LiteLLM and the
-pass-through. The stub answers instantly, so latency is the proxies' own cost (plus the
-client's, equal for all). Prints a table and writes JSON to `--out`.
+warm-up, best of `--rounds` interleaved rounds; then ratios of flywheel and flywheel-session
+against LiteLLM and the pass-through. The stub answers instantly, so latency is the proxies'
+own cost (plus the client's, equal for all). Prints a table and writes JSON to `--out`.
 """
 
 from __future__ import annotations
@@ -95,10 +95,12 @@ def _wait(url: str, timeout_s: float, proc: subprocess.Popen) -> None:
 def start_targets(procs: Procs, work: Path, with_litellm: bool) -> dict[str, str]:
     """Start every target; returns name -> base URL (Redis is kept in `procs.redis`)."""
     from flywheel.core.auth import KeyStore  # noqa: PLC0415
+    from flywheel.core.cpu_libs import without_triton  # noqa: PLC0415
     from flywheel.core.redis_client import connect  # noqa: PLC0415
     from flywheel.core.redis_server import LocalRedis  # noqa: PLC0415
     from flywheel.engine.convert import build_tiny_model  # noqa: PLC0415
 
+    without_triton()  # the tiny model's build imports torch; Triton's exit-time leak report off
     py = sys.executable
     stub_port = _port()
     stub = procs.start(
@@ -263,15 +265,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['p99_ms']:>8.2f} {r['errors']:>6}"
             )
     print("\nratios (flywheel / peer; req/s > 1 and latency < 1 favour flywheel)")
-    for peer in ("litellm", "passthrough"):
-        if peer not in results:
-            continue
-        for level in LEVELS:
-            f, p = results["flywheel"][level], results[peer][level]
-            print(
-                f"  vs {peer:11} c={level:<3} req/s x{f['rps'] / p['rps']:.2f}  "
-                f"p50 x{f['p50_ms'] / p['p50_ms']:.2f}  p99 x{f['p99_ms'] / p['p99_ms']:.2f}"
-            )
+    for ours in ("flywheel", "flywheel-session"):
+        for peer in ("litellm", "passthrough"):
+            if peer not in results or ours not in results:
+                continue
+            for level in LEVELS:
+                f, p = results[ours][level], results[peer][level]
+                print(
+                    f"  {ours:16} vs {peer:11} c={level:<3} req/s x{f['rps'] / p['rps']:.2f}  "
+                    f"p50 x{f['p50_ms'] / p['p50_ms']:.2f}  p99 x{f['p99_ms'] / p['p99_ms']:.2f}"
+                )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"machine": machine, "requests": args.requests, "results": results}, indent=2)

@@ -274,6 +274,11 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"x{a / b:.2f}" if a is not None and b else "-"
 
 
+def score(value: float | None) -> str:
+    """A reward window with 3 decimals; "-" for none (the demo's first5/last5 under 10 steps)."""
+    return f"{value:.3f}" if value is not None else "-"
+
+
 def seconds(value: float | None) -> str:
     return f"{value:.0f}" if value is not None else "-"
 
@@ -298,8 +303,8 @@ def report(results: list[dict[str, Any]]) -> None:
             name = "trl*" if s.get("earlier") else side
             print(
                 f"{r['seed']:>4} {name:9} {seconds(s['time_to_target_s']):>15} "
-                f"{s['peak_rss_mib']:>12.0f} {s['minutes']:>8.1f} {s['first5']:>6.3f} "
-                f"{s['last5']:>6.3f} {s['eval_before']:>8.3f} {s['eval_after']:>8.3f}"
+                f"{s['peak_rss_mib']:>12.0f} {s['minutes']:>8.1f} {score(s['first5']):>6} "
+                f"{score(s['last5']):>6} {s['eval_before']:>8.3f} {s['eval_after']:>8.3f}"
             )
         fw, trl = r["flywheel"], r["trl"]
         print(

@@ -63,6 +63,12 @@ CHAT = [
     ({"model": "m", "messages": [USER], "max_tokens": True}, False),
     ({"model": "m", "messages": [USER], "n": "1"}, False),
     ({"model": "m", "messages": [USER], "min_tokens": False}, False),  # neutral 0, not false
+    ({"model": "m", "messages": [USER], "temperature": 1}, True),
+    ({"model": "m", "messages": [USER], "temperature": 0.5}, True),
+    ({"model": "m", "messages": [USER], "temperature": "0.5"}, False),  # numbers are strict
+    ({"model": "m", "messages": [USER], "top_p": True}, False),
+    ({"model": "m", "messages": [USER], "frequency_penalty": "0"}, False),
+    ({"model": "m", "messages": [USER], "presence_penalty": False}, False),
     ({"model": "m", "messages": [USER], "stop": ["a", "b", "c", "d"]}, True),
     ({"model": "m", "messages": [USER], "stop": ["a", "b", "c", "d", "e"]}, False),  # OpenAI: 4
 ]
@@ -77,6 +83,8 @@ COMPLETIONS = [
     ({"model": "m", "prompt": "a", "echo": True}, False),
     ({"model": "m", "prompt": "a", "max_tokens": "4"}, False),
     ({"model": "m", "prompt": [1, True]}, False),
+    ({"model": "m", "prompt": "a", "temperature": "0.5"}, False),
+    ({"model": "m", "prompt": "a", "top_p": 1}, True),
 ]
 
 
@@ -134,3 +142,17 @@ def test_document_declares_every_path_parameter_and_the_limits(app_and_doc):
     # A cap of the whole window never fits (the prompt has at least one token): 2048 - 1.
     assert {"type": "integer", "minimum": 1, "maximum": 2047} in chat["max_tokens"]["anyOf"]
     assert chat["messages"]["maxItems"] == 1024  # gateway.security.max_messages
+
+
+def test_decimal_fields_are_documented_as_numbers(app_and_doc):
+    _, doc = app_and_doc
+    schemas = doc["components"]["schemas"]
+    for name, fields in [
+        ("ChatCompletionRequest", ("temperature", "top_p", "min_p")),
+        ("CompletionRequest", ("temperature", "top_p", "min_p")),
+        ("ResponsesRequest", ("temperature", "top_p", "min_p")),
+        ("MessagesRequest", ("temperature", "top_p")),
+    ]:
+        for field in fields:
+            types = [s.get("type") for s in schemas[name]["properties"][field]["anyOf"]]
+            assert types == ["number", "null"], (name, field, types)

@@ -86,8 +86,8 @@ class CompletionRequest(StreamOptionsNeedStream):
     prompt: Annotated[str | list[str] | list[shapes.Int] | list[list[shapes.Int]], PROMPT]
     max_tokens: int | None = Field(None, ge=1)
     """Completion tokens; OpenAI's default is 16."""
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: shapes.Number | None = Field(None, ge=0, le=2)
+    top_p: shapes.Number | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
     best_of: Annotated[int | None, WithJsonSchema(shapes.nullable({"const": 1}))] = Field(
         None, ge=1, le=16
@@ -102,11 +102,11 @@ class CompletionRequest(StreamOptionsNeedStream):
     user: str | None = None
     echo: Annotated[StrictBool | None, shapes.neutral(False)] = None
     suffix: Annotated[str | None, shapes.neutral("")] = None
-    frequency_penalty: Annotated[float | None, shapes.neutral(0)] = None
-    presence_penalty: Annotated[float | None, shapes.neutral(0)] = None
-    logit_bias: Annotated[dict[str, float] | None, shapes.neutral({})] = None
+    frequency_penalty: Annotated[shapes.Number | None, shapes.neutral(0)] = None
+    presence_penalty: Annotated[shapes.Number | None, shapes.neutral(0)] = None
+    logit_bias: Annotated[dict[str, shapes.Number] | None, shapes.neutral({})] = None
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
+    min_p: shapes.Number | None = Field(None, ge=0, le=1)
 
     @field_validator("max_tokens", "n", "best_of", "seed", "logprobs", "top_k", mode="before")
     @classmethod

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, WithJsonSchema
+from pydantic import BeforeValidator, StrictFloat, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 NULL: dict[str, Any] = {"type": "null"}
@@ -43,6 +43,12 @@ Int = Annotated[int, BeforeValidator(integer)]
 bounds (`Field(ge=1)`) stays `int` and names itself in its model's `mode="before"` validator
 that calls `integer`: bounds after a `BeforeValidator` would not reach the document as
 `minimum`/`maximum`."""
+
+Number = StrictFloat
+"""A JSON number, integer or decimal (1 reads as 1.0): a string ("0.5") or a boolean is refused
+as the wrong type (`float_type`, "expected a decimal, but got a string instead"), where pydantic's
+lax mode would read them as 0.5 and 1.0. Bounds (`Field(ge=0)`) keep their place in the document
+as `minimum`/`maximum`."""
 
 
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:

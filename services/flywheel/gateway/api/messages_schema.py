@@ -288,8 +288,8 @@ class MessagesRequest(ConversationRequest):
     """`POST /v1/messages` body."""
 
     max_tokens: int = Field(ge=1)
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: shapes.Number | None = Field(None, ge=0, le=1)
+    top_p: shapes.Number | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1, le=shapes.TOP_K_MAX)
     """Sampling fields of Anthropic's API before the SDK dropped them (send them with
     `extra_body`); unset: temperature 1, the whole vocabulary."""

@@ -93,8 +93,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: Annotated[str | dict[str, Any] | None, shapes.RESPONSES_TOOL_CHOICE] = None
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: shapes.Number | None = Field(None, ge=0, le=2)
+    top_p: shapes.Number | None = Field(None, gt=0, le=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
@@ -130,7 +130,7 @@ class ResponsesRequest(BaseModel):
     context_management: Annotated[Any, shapes.neutral([])] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body), as for chat.
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
+    min_p: shapes.Number | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
 
     @field_validator("max_output_tokens", "top_logprobs", "top_k", "seed", mode="before")

@@ -201,8 +201,8 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     """Required, as in OpenAI's API (a body without it is a 400 naming `model`); with
     `gateway.served_model_names` set it must be one of them."""
     messages: Annotated[list[ChatMessage], shapes.CHAT_MESSAGES] = Field(min_length=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: shapes.Number | None = Field(None, ge=0, le=2)
+    top_p: shapes.Number | None = Field(None, gt=0, le=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: Stop | None = None
@@ -233,9 +233,9 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     moderation: Any = None
     modalities: list[Literal["text"]] | None = None
     # Changes sampling: neutral values only (see _NEUTRAL).
-    frequency_penalty: Annotated[float | None, shapes.neutral(0)] = None
-    presence_penalty: Annotated[float | None, shapes.neutral(0)] = None
-    logit_bias: Annotated[dict[str, float] | None, shapes.neutral({})] = None
+    frequency_penalty: Annotated[shapes.Number | None, shapes.neutral(0)] = None
+    presence_penalty: Annotated[shapes.Number | None, shapes.neutral(0)] = None
+    logit_bias: Annotated[dict[str, shapes.Number] | None, shapes.neutral({})] = None
     prediction: Annotated[Any, shapes.ONLY_NULL] = None
     audio: Annotated[Any, shapes.ONLY_NULL] = None
     web_search_options: Annotated[Any, shapes.ONLY_NULL] = None
@@ -243,8 +243,8 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
     function_call: Annotated[Any, shapes.ONLY_NULL] = None
     # SGLang extensions accepted as top-level keys (the SDK's extra_body).
     top_k: Annotated[int | None, shapes.TOP_K] = Field(None, ge=-1, le=shapes.TOP_K_MAX)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: Annotated[float | None, shapes.neutral(1)] = None
+    min_p: shapes.Number | None = Field(None, ge=0, le=1)
+    repetition_penalty: Annotated[shapes.Number | None, shapes.neutral(1)] = None
     min_tokens: Annotated[shapes.Int | None, shapes.neutral(0)] = None
     ignore_eos: Annotated[StrictBool | None, shapes.neutral(False)] = None
     stop_token_ids: Annotated[list[shapes.Int] | None, shapes.neutral([])] = None
@@ -425,7 +425,7 @@ class NextState(ChatMessage):
 class SessionFinish(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    reward: float | None = None
+    reward: shapes.Number | None = None
     """Outcome reward posted by the environment; combined with the others by the reward service."""
     next_state: Annotated[NextState | None, shapes.NEXT_STATE] = None
     """Live mode: what followed the last turn (e.g. the user's final reply), if anything."""
@@ -434,7 +434,7 @@ class SessionFinish(BaseModel):
 class RewardPost(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    reward: float
+    reward: shapes.Number
     """The environment's reward; stored as `rewards[name]` of the session's next Sample."""
     name: str = Field("outcome", pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
     """Reward component name (the reward service weights components by name)."""

@@ -1,7 +1,8 @@
 """A session id in the URL is the segment as sent: `GET /v1/sessions/a%2Fb` names the id "a/b",
 which is no session id (1-128 letters, digits and `_ . : -`), and gets a 400 saying so, not
 "session a not found" from the decoded path cut at its slash; a percent-encoded valid id still
-names its session (fake engine, real Redis and tokenizer)."""
+names its session. On a Messages path the 400 is in Anthropic's error format (fake engine, real
+Redis and tokenizer)."""
 
 import pytest
 
@@ -33,6 +34,21 @@ def test_an_encoded_invalid_session_id_is_a_400_about_that_id(
     named = "a/b" if "%2" in path.lower() and "%20" not in path else "a b"
     assert f"'{named}'" in error["message"], error
     assert "session a not found" not in error["message"]
+    assert engine.prompts == []
+
+
+@pytest.mark.parametrize("tail", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_an_encoded_invalid_session_id_on_messages_is_an_anthropic_400(
+    redis_client, prefix, renderer, tail
+):
+    client, engine = _client(redis_client, prefix, renderer)
+    client.post("/v1/sessions", json={"session_id": "a"})
+    body = {"model": "m", "max_tokens": 8, "messages": U}
+    resp = client.post(f"/s/a%2Fb{tail}", json=body)
+    assert resp.status_code == 400, resp.text
+    answer = resp.json()
+    assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    assert "'a/b'" in answer["error"]["message"], answer
     assert engine.prompts == []
 
 

@@ -3,7 +3,8 @@
 The rest of the gateway answers errors in OpenAI's format (core/http_errors.py), from the
 routes, FastAPI's validation and the security middleware (keys, limits, body checks) alike.
 `AnthropicErrors`, the outermost middleware, rewrites those answers on the Messages paths
-(`/v1/messages` and every path under it, and their `/s/<id>/` forms): same status, same
+(`/v1/messages` and every path under it, and their `/s/<id>/` forms, the id read from the raw
+path as the security middleware reads it: `messages_request`): same status, same
 message, Anthropic's error type for the status (`error_type`). Every other path and every
 successful answer passes through untouched (a stream's body is never read).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -58,6 +60,21 @@ def is_messages_path(path: str) -> bool:
     return path in PATHS or path.startswith("/v1/messages/")
 
 
+def messages_request(scope: Scope) -> bool:
+    """Whether a request's path is a Messages path (`is_messages_path`). A session id in the raw
+    path is one segment however it is encoded: `/s/a%2Fb/v1/messages` (decoded `/s/a/b/v1/...`)
+    is a Messages path under the session id "a/b", which the security middleware refuses."""
+    if is_messages_path(scope["path"]):
+        return True
+    raw = scope.get("raw_path")
+    if not raw or b"%" not in raw:
+        return False  # the decoded path is the raw one
+    segments = raw.split(b"?", 1)[0].decode("latin-1").split("/")
+    if len(segments) < 4 or segments[:2] != ["", "s"]:
+        return False
+    return is_messages_path("/" + "/".join(unquote(s) for s in segments[3:]))
+
+
 def _message_of(body: bytes) -> str:
     try:
         data = json.loads(body)
@@ -78,7 +95,7 @@ class AnthropicErrors:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not is_messages_path(scope["path"]):
+        if scope["type"] != "http" or not messages_request(scope):
             await self.app(scope, receive, send)
             return
         start: Message | None = None

@@ -10,6 +10,7 @@ instead of a 502, so SDK clients that retry a 503 after Retry-After wait for it.
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import aiohttp
@@ -29,22 +30,36 @@ def is_refused(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientConnectorError)
 
 
+RESET_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+"""A connection the engine's side dropped: what a call in flight sees when the engine exits."""
+
+
 def describe(exc: BaseException) -> str:
-    """One phrase for a failed engine call, e.g. "connection refused: the engine is not running
-    (stopped, or starting again)" for `ClientConnectorError(..., ConnectionRefusedError(111,
-    ...))`; an exception of another kind as `Type: message`."""
+    """One phrase in words for a failed engine call, e.g. "connection refused: the engine is not
+    running (stopped, or starting again)" for `ClientConnectorError(..., ConnectionRefusedError(
+    111, ...))`, "the engine reset the connection (did it exit?)" for `ClientOSError(104,
+    'Connection reset by peer')`. No exception's type name or repr: the phrase reaches the
+    client; an exception of a kind not named here is logged with its repr."""
     if isinstance(exc, aiohttp.ClientConnectorError):
         if isinstance(exc.os_error, ConnectionRefusedError):
             reason = "connection refused"
         else:
-            reason = f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+            reason = f"cannot connect ({exc.os_error.strerror or 'no reason given'})"
         return f"{reason}: the engine is not running (stopped, or starting again)"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "no connection within the timeout: the engine is unreachable"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "the engine closed the connection before answering (did it exit?)"
     if isinstance(exc, aiohttp.ClientPayloadError):
         return "the engine's answer broke off before its end (did it exit?)"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError) or (
+        isinstance(exc, OSError) and exc.errno in RESET_ERRNOS
+    ):
+        return "the engine reset the connection (did it exit?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"the connection to the engine failed ({exc.strerror})"
+    log.warning("engine call failed: %r", exc)
+    return "the call to the engine failed (the gateway's log has the details)"
 
 
 def unavailable_error(refusals: list[str]) -> EngineUnavailableError:

@@ -339,7 +339,7 @@ def unknown_env_sections(
     whose SECTION is not a section of `model` (pydantic-settings reads only the names of known
     fields, so `FLYWHEEL_GATWAY__PORT` would otherwise change nothing without a word). Only
     names with the nested delimiter after the prefix are settings; other `FLYWHEEL_*`
-    variables (`FLYWHEEL_CONFIG`, `FLYWHEEL_PEERS_DIR`, ...) are not looked at.
+    variables (`FLYWHEEL_CONFIG`, `FLYWHEEL_STATEDIR`, ...) are `unknown_env_variables`'.
 
     Args:
         model: the settings class (`FlywheelSettings`); its section fields are the known names.
@@ -370,6 +370,92 @@ COMPOSE_VARIABLES = frozenset(
 """Variables docker-compose.yml reads itself (and passes on as `FLYWHEEL_TEACHER__ENABLED`,
 ...): a shell may export them for `docker compose up`, so they are not taken for misspelled
 settings."""
+
+
+READ_VARIABLES = COMPOSE_VARIABLES | {
+    "FLYWHEEL_API_KEY",  # flywheel demo --api-key
+    "FLYWHEEL_CACHE",  # converted models (core.paths)
+    "FLYWHEEL_CONFIG",  # the config file
+    "FLYWHEEL_CONTAINER_TESTS",  # make compose-test
+    "FLYWHEEL_DASHBOARD_PNG",  # the dashboard test's screenshot
+    "FLYWHEEL_INSTANCE",  # the stack's nonce, set for its children
+    "FLYWHEEL_LOG_JSON",  # JSON log lines
+    "FLYWHEEL_MODEL",  # docker-compose.yml
+    "FLYWHEEL_PEERS_DIR",  # bench/peers
+    "FLYWHEEL_STREAM_PREFIX",  # docker-compose.yml
+    "FLYWHEEL_TAG",  # docker-compose.yml and the image build
+}
+"""`FLYWHEEL_*` variables that are no setting but are read as they are (by flywheel, the
+compose file, the benchmarks or the tests): never taken for misspelled settings."""
+
+
+def setting_variables(model: Any, prefix: str = "FLYWHEEL_", delimiter: str = "__") -> list[str]:
+    """Every variable that sets a setting of `model`: `FLYWHEEL_STATE_DIR`, `FLYWHEEL_GATEWAY`
+    (a whole section as JSON), `FLYWHEEL_GATEWAY__PORT`, `FLYWHEEL_TRAINER__OPTIM__LR`, ..."""
+    names: list[str] = []
+
+    def walk(annotation: Any, head: list[str]) -> None:
+        fields = getattr(_settings_class(annotation), "model_fields", None)
+        if not isinstance(fields, dict):
+            return
+        for name, field in fields.items():
+            names.append(prefix + delimiter.join([*head, name]).upper())
+            walk(field.annotation, [*head, name])
+
+    walk(model, [])
+    return sorted(names)
+
+
+def unknown_env_variables(
+    model: Any,
+    environ: Mapping[str, str] | None = None,
+    prefix: str = "FLYWHEEL_",
+    delimiter: str = "__",
+    read: frozenset[str] | set[str] = READ_VARIABLES,
+) -> str:
+    """Why a `FLYWHEEL_*` variable without the nested delimiter would be ignored: one line per
+    variable that is neither a top-level setting of `model` (`FLYWHEEL_STATE_DIR`, or a section
+    as JSON: `FLYWHEEL_GATEWAY`) nor one of `read`, naming the closest variable that is (by
+    `difflib`), else the top-level settings and `read`. `FLYWHEEL_<SECTION>__...` names are
+    left to `unknown_env_sections` and the settings' own check.
+
+    Example: FLYWHEEL_STATEDIR -> "  FLYWHEEL_STATEDIR: not read (no setting has this name);
+    did you mean FLYWHEEL_STATE_DIR?".
+
+    Returns:
+        "" when there is none, else the lines to show.
+    """
+    import difflib  # noqa: PLC0415
+
+    environ = os.environ if environ is None else environ
+    fields = getattr(model, "model_fields", {})
+    lines = []
+    candidates: dict[str, str] | None = None
+    for name in sorted(environ):
+        upper = name.upper()
+        rest = upper[len(prefix) :]
+        if not upper.startswith(prefix) or name in read or delimiter in rest:
+            continue
+        if rest.lower() in fields:
+            continue
+        if candidates is None:
+            known = [*setting_variables(model, prefix, delimiter), *sorted(read)]
+            candidates = {variable[len(prefix) :]: variable for variable in known}
+        close = (
+            [rest]  # the right name in the wrong case
+            if rest in candidates
+            else difflib.get_close_matches(rest, list(candidates), n=3, cutoff=0.6)
+        )
+        if close:
+            hint = f"did you mean {' or '.join(candidates[c] for c in close)}?"
+        else:
+            top = sorted(prefix + field.upper() for field in fields)
+            hint = (
+                f"settings are {prefix}<SECTION>{delimiter}<FIELD> or one of "
+                f"{', '.join(top)}; other variables read: {', '.join(sorted(read))}"
+            )
+        lines.append(f"  {name}: not read (no setting has this name); {hint}")
+    return "\n".join(lines)
 
 
 def single_underscore_settings(

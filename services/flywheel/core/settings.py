@@ -30,6 +30,7 @@ from flywheel.core.config_files import (  # noqa: F401  (re-exported for callers
     read_config_file,
     single_underscore_settings,
     unknown_env_sections,
+    unknown_env_variables,
     unknown_file_sections,
 )
 from flywheel.core.engine_settings import EngineSettings
@@ -521,6 +522,12 @@ def load_settings(
         raise ConfigFileError(
             "FLYWHEEL_<SECTION>__<FIELD> variables name no known settings section (a "
             f"misspelling would otherwise be ignored); fix or unset these:\n{unknown}"
+        )
+    not_read = unknown_env_variables(FlywheelSettings)
+    if not_read:
+        raise ConfigFileError(
+            "FLYWHEEL_ variables that name no setting are not read (a misspelling would "
+            f"otherwise be ignored); rename or unset these:\n{not_read}"
         )
     path = config_file or os.environ.get("FLYWHEEL_CONFIG") or None
     data: dict[str, Any] = {}

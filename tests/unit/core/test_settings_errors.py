@@ -5,10 +5,15 @@ settings of its section, by `flywheel config show` and `flywheel up` alike."""
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
+from flywheel.core.config_files import READ_VARIABLES
+from flywheel.core.settings import load_settings
 from flywheel.ops.cli import main
+from flywheel.ops.demo_cli import API_KEY_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +102,62 @@ def test_a_moved_setting_in_the_file_still_names_the_file(tmp_path, monkeypatch)
     monkeypatch.setenv("FLYWHEEL_TRAINER__OPTIM__WEIGHT_DECAY", "0.1")  # valid: not the cause
     message = _refusal("config", "show", "--config", "a.toml")
     assert "  trainer in a.toml: " in message, message
+
+
+@pytest.mark.parametrize(
+    ("name", "fixed"),
+    [
+        ("FLYWHEEL_STATEDIR", "FLYWHEEL_STATE_DIR"),
+        ("FLYWHEEL_LOGLEVEL", "FLYWHEEL_LOG_LEVEL"),
+        ("FLYWHEEL_CONFIG_FILE", "FLYWHEEL_CONFIG"),
+        ("flywheel_cache", "FLYWHEEL_CACHE"),
+    ],
+)
+@pytest.mark.parametrize("command", [["status"], ["config", "show"]])
+def test_a_variable_that_names_no_setting_is_refused_with_the_closest_name(
+    monkeypatch, tmp_path, name, fixed, command
+):
+    """FLYWHEEL_STATEDIR=/some/dir would otherwise run on .flywheel without a word."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(name, str(tmp_path / "state"))
+    message = _refusal(*command)
+    assert f"{name}: not read (no setting has this name); did you mean {fixed}?" in message
+    assert not (tmp_path / "state").exists() and not (tmp_path / ".flywheel").exists()
+
+
+def test_a_variable_like_no_name_lists_the_settings_and_the_variables_read(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_XYZZY", "1")
+    message = _refusal("config", "show")
+    assert "FLYWHEEL_XYZZY: not read (no setting has this name); settings are " in message
+    assert "FLYWHEEL_<SECTION>__<FIELD> or one of FLYWHEEL_ENGINE, " in message
+    assert "FLYWHEEL_STATE_DIR" in message and "other variables read: FLYWHEEL_API_KEY" in message
+
+
+def _variables_read_outside_settings() -> set[str]:
+    """The FLYWHEEL_ names read from the environment as they are (os.environ, ${...}) by the
+    code, the compose file, the images, the benchmarks and the tests."""
+    root = Path(__file__).resolve().parents[3]
+    read = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\(|\$\{?)["']?(FLYWHEEL_\w+)""")
+    files = [root / "docker-compose.yml", root / "Makefile"]
+    for folder in ("services", "bench", "deploy", "tools", "tests"):
+        files += [
+            p
+            for p in (root / folder).rglob("*")
+            if p.is_file() and (p.suffix in {".py", ".sh", ".yml", ".yaml"} or "Docker" in p.name)
+        ]
+    names = {m for p in files for m in read.findall(p.read_text(errors="replace"))}
+    return {n for n in names if "__" not in n} | {API_KEY_ENV}
+
+
+def test_every_variable_read_outside_the_settings_is_accepted(monkeypatch, tmp_path):
+    """FLYWHEEL_CONFIG, FLYWHEEL_CACHE, the compose file's FLYWHEEL_MODEL, ... are read as they
+    are: none of them is refused, and the top-level settings still take effect."""
+    names = _variables_read_outside_settings()
+    assert {"FLYWHEEL_CONFIG", "FLYWHEEL_CACHE", "FLYWHEEL_MODEL"} <= names
+    for name in sorted(names - {"FLYWHEEL_CONFIG"}):
+        monkeypatch.setenv(name, "x")
+    monkeypatch.setenv("FLYWHEEL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("FLYWHEEL_LOG_LEVEL", "DEBUG")
+    settings = load_settings()
+    assert settings.state_dir == str(tmp_path / "state") and settings.log_level == "DEBUG"
+    assert names <= READ_VARIABLES

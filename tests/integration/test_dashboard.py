@@ -50,7 +50,7 @@ def _chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
         if os.environ.get("CI"):
-            pytest.fail("chromium is missing: `make setup` installs it (apt)")
+            pytest.fail("chromium is missing: `make test` installs it (apt, make system-tools)")
         pytest.skip("chromium is not installed here (make system-tools)")
     return exe
 

@@ -2,7 +2,8 @@
 quietly (one line, "N in-flight episodes cancelled"), never logged one by one as the server's
 failures while the demo stops its own stack; the interrupt message names the stack's folder, its
 size and the command that deletes it. A real SIGINT over real HTTP (the stub gateway and engine
-of test_demo_interrupt, its chat turns slowed so episodes are mid-turn); the fake stack's stop
+of test_demo_interrupt, its chat turns after the interrupt held until the stack stops, so the
+episodes are mid-turn however late the main thread handles the signal); the fake stack's stop
 shuts the stub down, as stopping the real stack takes the gateway away."""
 
 from __future__ import annotations
@@ -23,13 +24,20 @@ from .test_demo_interrupt import _Stub, stub  # noqa: F401 (the stub gateway fix
 
 
 class _SlowStub(_Stub):
-    """`_Stub` whose chat turns take 1.5 s: the interrupt finds episodes mid-turn."""
+    """`_Stub` whose chat turns after the interrupt (those of step 2) are held until `released`
+    is set (the stack's stop): the interrupt finds those episodes mid-turn, however long the
+    main thread takes to handle it. A fixed delay would not do: a process starved of CPU may
+    handle the signal after the episodes have ended, leaving nothing to cancel."""
 
     interrupt_at = 5  # step 2's first session (step 1 has 4)
+    released = threading.Event()
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path.endswith("/chat/completions"):
-            time.sleep(1.5)
+            with self.lock:
+                interrupted = type(self).training_sessions >= self.interrupt_at
+            if interrupted:
+                self.released.wait(60)  # bounded: a demo that never stops fails, not hangs
         super().do_POST()
 
 
@@ -37,6 +45,8 @@ def test_ctrl_c_cancels_in_flight_episodes_quietly_and_names_the_stack_folder(
     monkeypatch, tmp_path, stub, capsys
 ):
     _SlowStub.training_sessions = 0
+    _SlowStub.released.clear()
+    before = set(threading.enumerate())  # other tests' threads are not this demo's episodes
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
@@ -58,13 +68,14 @@ def test_ctrl_c_cancels_in_flight_episodes_quietly_and_names_the_stack_folder(
         def stop(self) -> None:  # the gateway goes away, as the real stack's does
             server.shutdown()
             server.server_close()
+            _SlowStub.released.set()  # the held chat turns end
 
     monkeypatch.setattr(stack_module, "Stack", FakeStack)
     monkeypatch.setattr(cli, "_cuda_available", lambda: False)
     out = tmp_path / "demo"
     argv = ["demo", "--new-stack", "--out", str(out), "--steps", "5"]
     assert cli.main([*argv, "--problems-per-step", "1", "--group-size", "4"]) == 130
-    for thread in threading.enumerate():  # the episodes' workers end (the interpreter waits)
+    for thread in set(threading.enumerate()) - before:  # the episodes' workers end
         if thread.name.startswith("demo-episode"):
             thread.join(30)
             assert not thread.is_alive(), "an in-flight episode did not end"

@@ -4,7 +4,13 @@
 `shutdown(wait=False)`: a demo stopped by Ctrl-C or SIGTERM, its summary written, would still
 wait for every episode blocked in a request to the gateway (a generation, up to the client's
 600 s timeout). These workers are daemon threads: once the demo's main thread is done, the
-process exits, and the episodes' connections close with it."""
+process exits, and the episodes' connections close with it.
+
+The main thread waits for an episode in slices of `SIGNAL_CHECK_S`: the OS may hand a Ctrl-C or
+SIGTERM to any thread of the process, and when a worker takes it, Python only runs the handler
+once the main thread executes Python code again; an unbounded wait would hold the interrupt
+until that episode ended (minutes for a generation), and its in-flight episodes would no longer
+be in flight to cancel."""
 
 from __future__ import annotations
 
@@ -12,13 +18,17 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 P = TypeVar("P")
 R = TypeVar("R")
 
 _Job = tuple[Future[Any], Callable[[Any], Any], Any]
+
+SIGNAL_CHECK_S = 0.2
+"""The longest the main thread waits for an episode without running Python code, so a signal
+another thread took is handled within it."""
 
 
 class EpisodePool:
@@ -62,6 +72,8 @@ class EpisodePool:
         futures = [self.submit(fn, item) for item in items]
         try:
             for future in futures:
+                while not future.done():  # wakes to run the handler of a signal (module doc)
+                    wait([future], timeout=SIGNAL_CHECK_S)
                 yield future.result()
         finally:
             for future in futures:

@@ -427,6 +427,9 @@ class SuperviseSettings(Section):
     """Seconds over which `max_restarts` counts a service's restarts."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # logging's, uvicorn knows them
+
+
 class FlywheelSettings(BaseSettings):
     """All settings of one deployment. Sections are read by the service they name."""
 
@@ -448,8 +451,16 @@ class FlywheelSettings(BaseSettings):
     supervise: SuperviseSettings = Field(default_factory=SuperviseSettings)
     """How `flywheel up` restarts a crashed service of the local stack."""
     log_level: str = "INFO"
+    """DEBUG, INFO, WARNING, ERROR or CRITICAL, in any case (read as upper case)."""
     state_dir: str = ".flywheel"
     """Local state (Redis data, checkpoints, logs) of `flywheel up`."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _known_log_level(cls, value: Any) -> str:
+        if (level := str(value).strip().upper()) not in LOG_LEVELS:
+            raise ValueError(f"not a log level; use one of {', '.join(LOG_LEVELS)}")
+        return level
 
     @classmethod
     def settings_customise_sources(

@@ -161,3 +161,22 @@ def test_every_variable_read_outside_the_settings_is_accepted(monkeypatch, tmp_p
     settings = load_settings()
     assert settings.state_dir == str(tmp_path / "state") and settings.log_level == "DEBUG"
     assert names <= READ_VARIABLES
+
+
+def test_a_log_level_in_lower_case_is_read_in_upper_case(monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_LOG_LEVEL", "debug")
+    assert load_settings().log_level == "DEBUG"
+    monkeypatch.delenv("FLYWHEEL_LOG_LEVEL")
+    assert load_settings(log_level="Warning").log_level == "WARNING"
+
+
+def test_an_unknown_log_level_is_refused_naming_the_variable_or_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLYWHEEL_LOG_LEVEL", "verbose")
+    message = _refusal("config", "show")
+    assert "log_level in FLYWHEEL_LOG_LEVEL: " in message, message
+    assert "DEBUG, INFO, WARNING, ERROR, CRITICAL (got 'verbose')" in message, message
+    monkeypatch.delenv("FLYWHEEL_LOG_LEVEL")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.toml").write_text('log_level = "LOUD"\n')
+    message = _refusal("up", "--config", "a.toml")
+    assert "log_level in a.toml: " in message and "(got 'LOUD')" in message, message

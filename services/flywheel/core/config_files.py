@@ -117,8 +117,9 @@ def describe_validation_error(
     lines = []
     for err in exc.errors():
         parts = [str(p) for p in err["loc"]]
+        msg = str(err["msg"]).removeprefix("Value error, ")  # a check's own ValueError
         if not parts:
-            lines.append(f"  {err['msg']}")
+            lines.append(f"  {msg}")
             continue
         loc = ".".join(parts)
         env = _env_name(parts)
@@ -147,7 +148,7 @@ def describe_validation_error(
         got = "" if isinstance(err.get("input"), dict) else f" (got {err['input']!r})"
         if SECRET_KEY.search(parts[-1]):
             got = ""
-        lines.append(f"  {loc} {where}: {err['msg']}{got}")
+        lines.append(f"  {loc} {where}: {msg}{got}")
     return "\n".join(lines)
 
 

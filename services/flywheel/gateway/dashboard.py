@@ -21,6 +21,7 @@ directly. `install()` also registers the stream gauges
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import REGISTRY
 
+from flywheel.core.auth import KeyStore
 from flywheel.core.codec import decode_sample
 from flywheel.core.errors import ContractError
 from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
@@ -205,19 +207,36 @@ class DashboardData:
 
 LOGIN_PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>Flywheel dashboard</title>
 <style>body{font:15px system-ui,sans-serif;margin:4em auto;max-width:28em}input{width:100%;
-padding:.5em;margin:.5em 0}</style></head><body><h1>Flywheel dashboard</h1>
-<p>This gateway requires an <b>admin</b> API key.</p>
+padding:.5em;margin:.5em 0}.error{color:#b00020}</style></head><body><h1>Flywheel dashboard</h1>
+<p>This gateway requires an <b>admin</b> API key.</p><!--error-->
 <form method="post" action="/dashboard/login"><input type="password" name="key"
 placeholder="fwk-..." autofocus><button type="submit">Open the dashboard</button></form>
 </body></html>"""
+NOT_VALID = "that key is not valid (unknown or revoked); paste an admin key (fwk-...)"
+NOT_ADMIN = (
+    "that key is not an admin key: the dashboard needs an admin key "
+    "(create one with `flywheel keys create --role admin`)"
+)
+
+
+def login_page(error: str = "") -> bytes:
+    """The key form; `error` shown above it (HTML-escaped)."""
+    shown = f'\n<p class="error" role="alert">{html.escape(error)}</p>' if error else ""
+    return LOGIN_PAGE.replace("<!--error-->", shown).encode()
 
 
 class DashboardLogin:
     """ASGI middleware outside the security middleware, for /dashboard paths only: cookie ->
-    bearer header, `POST /dashboard/login` -> cookie, and a key form instead of the page's 401."""
+    bearer header, `POST /dashboard/login` -> cookie, and a key form instead of the page's 401
+    or 403.
 
-    def __init__(self, app: Any):
+    Args:
+        keys: the gateway's key store; the key typed into the form is checked against it.
+    """
+
+    def __init__(self, app: Any, keys: KeyStore):
         self.app = app
+        self.keys = keys
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -225,7 +244,7 @@ class DashboardLogin:
             await self.app(scope, receive, send)
             return
         if path == "/dashboard/login" and scope["method"] == "POST":
-            await self._login(receive, send)
+            await self._login(scope, receive, send)
             return
         headers = list(scope.get("headers", []))
         if not any(k == b"authorization" for k, _ in headers):
@@ -238,30 +257,22 @@ class DashboardLogin:
             return
         replaced = False
 
-        async def send_login_on_401(message: dict) -> None:
+        async def send_login_on_refusal(message: dict) -> None:
             nonlocal replaced
-            if message["type"] == "http.response.start" and message["status"] == 401:
+            if message["type"] == "http.response.start" and message["status"] in (401, 403):
                 replaced = True
-                body = LOGIN_PAGE.encode()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [
-                            (b"content-type", b"text/html; charset=utf-8"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"set-cookie", f"{COOKIE}=; Path=/dashboard; Max-Age=0".encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                status = message["status"]
+                if status == 401:
+                    await _send_page(send, 401, "", [_expired_cookie()])
+                else:  # a valid key of another role
+                    await _send_page(send, 403, NOT_ADMIN)
                 return
             if not replaced:
                 await send(message)
 
-        await self.app(scope, receive, send_login_on_401)
+        await self.app(scope, receive, send_login_on_refusal)
 
-    async def _login(self, receive: Any, send: Any) -> None:
+    async def _login(self, scope: dict, receive: Any, send: Any) -> None:
         body = b""
         while True:
             message = await receive()
@@ -269,6 +280,13 @@ class DashboardLogin:
             if not message.get("more_body") or len(body) > 4096:
                 break
         key = (parse_qs(body.decode("utf-8", "replace")).get("key") or [""])[0].strip()
+        record = await asyncio.to_thread(self.keys.verify, key) if key else None
+        if record is None:
+            await _send_page(send, 401, NOT_VALID, [_expired_cookie()])
+            return
+        if record.role != "admin":
+            await _send_page(send, 403, NOT_ADMIN, [_expired_cookie()])
+            return
         cookie = SimpleCookie()
         cookie[COOKIE] = key
         morsel = cookie[
@@ -289,6 +307,24 @@ class DashboardLogin:
             }
         )
         await send({"type": "http.response.body", "body": b""})
+
+
+def _expired_cookie() -> tuple[bytes, bytes]:
+    return (b"set-cookie", f"{COOKIE}=; Path=/dashboard; Max-Age=0".encode())
+
+
+async def _send_page(
+    send: Any, status: int, error: str, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    body = login_page(error)
+    headers = [
+        (b"content-type", b"text/html; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        *extra,
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _cookie(headers: list[tuple[bytes, bytes]], name: str) -> str:
@@ -362,7 +398,7 @@ def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -
     metrics_path = Path(metrics_file) if metrics_file else None
     data = DashboardData(deps.sessions.client, streams, metrics_path, decode)
     app.include_router(dashboard_router(data))
-    app.add_middleware(DashboardLogin)
+    app.add_middleware(DashboardLogin, keys=KeyStore(deps.sessions.client, deps.sessions.prefix))
     if _collector is not None:  # a second app in one process (tests): the newest one reports
         REGISTRY.unregister(_collector)
     _collector = StreamStatsCollector(deps.sessions.client, streams)

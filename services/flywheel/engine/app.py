@@ -161,7 +161,9 @@ async def _body(request: Request) -> dict[str, Any]:
 
 
 def create_app(deps: EngineDeps) -> FastAPI:
-    app = FastAPI(title="flywheel engine", version=flywheel_version())
+    app = FastAPI(  # no Host-built redirect for a trailing slash: a 404
+        title="flywheel engine", version=flywheel_version(), redirect_slashes=False
+    )
     app.state.deps = deps
 
     @app.exception_handler(_BadRequest)

@@ -64,7 +64,9 @@ def create_app(deps: GatewayDeps) -> FastAPI:
             if close is not None:  # the engine pool's HTTP connections
                 await close()
 
-    app = FastAPI(title="Flywheel gateway", lifespan=lifespan)
+    # redirect_slashes=False: a path with a trailing slash is a 404 in the API's error format,
+    # never a redirect whose location is built from the request's Host header (an open redirect)
+    app = FastAPI(title="Flywheel gateway", lifespan=lifespan, redirect_slashes=False)
     http_errors.install(app)
     app.state.deps = deps
     app.add_middleware(HotPath, deps=deps)  # chat completions (hot_path.py), inside security

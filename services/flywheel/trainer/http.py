@@ -14,7 +14,9 @@ from flywheel.trainer.telemetry import TrainerStatus
 
 
 def create_app(status: TrainerStatus) -> FastAPI:
-    app = FastAPI(title="flywheel trainer", docs_url=None, redoc_url=None)
+    app = FastAPI(  # no Host-built redirect for a trailing slash: a 404
+        title="flywheel trainer", docs_url=None, redoc_url=None, redirect_slashes=False
+    )
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

@@ -36,6 +36,27 @@ class ServiceHealth:
     target: str
     healthy: bool
     detail: str
+    slow: bool = False
+    """It accepted the connection but did not answer in time (busy, e.g. an engine under
+    load): shown as "slow", not DOWN, and not out of service for the exit code."""
+
+
+def http_error_words(exc: httpx.HTTPError, timeout_s: float) -> str:
+    """What went wrong with a request, in words rather than the exception's class name."""
+    text = str(exc)
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"no connection within {timeout_s:g} s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout_s:g} s (busy?)"
+    if isinstance(exc, httpx.ConnectError):
+        if "refused" in text.lower():
+            return "connection refused"
+        if "name or service not known" in text.lower() or "nodename" in text.lower():
+            return "host not found"
+        return f"cannot connect ({text or 'no reason given'})"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "closed the connection without an answer"
+    return f"request failed ({text or 'no reason given'})"
 
 
 def service_targets(
@@ -116,6 +137,11 @@ def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceH
                     health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
                 )
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    words = f"no answer within {timeout_s:g} s (busy?)"
+                    return ServiceHealth(name, target, False, words, slow=True)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    return ServiceHealth(name, target, False, "not reachable (not listening?)")
                 return ServiceHealth(name, target, False, exc.code().name)
         ok = reply.status == health_pb2.HealthCheckResponse.SERVING
         return ServiceHealth(
@@ -124,7 +150,8 @@ def probe(name: str, kind: str, target: str, timeout_s: float = 3.0) -> ServiceH
     try:
         r = httpx.get(target, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        return ServiceHealth(name, target, False, type(exc).__name__)
+        slow = isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout)
+        return ServiceHealth(name, target, False, http_error_words(exc, timeout_s), slow=slow)
     return ServiceHealth(name, target, r.status_code == 200, f"HTTP {r.status_code}")
 
 
@@ -132,11 +159,22 @@ def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> int | None:
     """The weight version an engine serves, in the trainer's numbering (`/model_info`, or
     `/get_model_info` on older SGLang; SGLang's initial label "default" is 0, as `flywheel
     engines list` shows it); None when the engine does not answer."""
+    version = served_weight_version(base_url, timeout_s)
+    return None if isinstance(version, str) else version
+
+
+def served_weight_version(base_url: str, timeout_s: float = 3.0) -> int | None | str:
+    """`engine_weight_version`, or "slow" when the engine accepted the connection but did not
+    answer within `timeout_s` (busy)."""
     from flywheel.core.versions import parse_weight_version  # noqa: PLC0415
 
     for path in ("/model_info", "/get_model_info"):
         try:
             r = httpx.get(base_url.rstrip("/") + path, timeout=timeout_s)
+        except httpx.ConnectTimeout:
+            return None
+        except httpx.TimeoutException:
+            return "slow"
         except httpx.HTTPError:
             return None
         if r.status_code == 200:
@@ -147,13 +185,16 @@ def engine_weight_version(base_url: str, timeout_s: float = 3.0) -> int | None:
     return None
 
 
-def engine_state(version: int | None, fleet_version: int) -> str:
-    """An engine's state as far as the CLI can tell: `down` (no answer), `pending` (serves an
+def engine_state(version: int | str | None, fleet_version: int) -> str:
+    """An engine's state as far as the CLI can tell: `down` (no answer), `slow` (connected but
+    no answer in time: busy), `pending` (serves an
     older version than the fleet's: a joined or restarted engine is routed no request until the
     trainer pushes it the fleet's weights; one in service shows so briefly while a push reaches
     it) or `in_service`."""
     if version is None:
         return "down"
+    if isinstance(version, str):
+        return "slow"
     return "pending" if version < fleet_version else "in_service"
 
 
@@ -196,11 +237,12 @@ class StatusReport:
 
     @property
     def healthy(self) -> bool:
-        """Redis and every service answer, and an engine is in service."""
+        """Redis and every service answer (or are only slow to), and an engine is in service
+        (or only slow to answer)."""
         return (
             self.redis_ok
-            and all(s.healthy for s in self.services)
-            and any(e["state"] == "in_service" for e in self.engines)
+            and all(s.healthy or s.slow for s in self.services)
+            and any(e["state"] in ("in_service", "slow") for e in self.engines)
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -247,13 +289,13 @@ def collect_status(settings: FlywheelSettings, state: dict[str, str] | None = No
         redis_ok, redis_error = False, str(exc)
     engines = []
     for url, source in sources.items():
-        version = engine_weight_version(url)
+        version = served_weight_version(url)
         engines.append(
             {
                 "url": url,
                 "source": source,
                 "state": engine_state(version, fleet_version),
-                "weight_version": version,
+                "weight_version": None if isinstance(version, str) else version,
             }
         )
     trainer_host = settings.trainer.host
@@ -301,6 +343,7 @@ def render(report: StatusReport) -> Any:
     from rich.text import Text  # noqa: PLC0415
 
     ok, bad = Text("healthy", style="green"), Text("DOWN", style="bold red")
+    slow = Text("slow", style="yellow")
     services = Table(title="services", title_justify="left", expand=False)
     for col in ("service", "address", "health", "detail"):
         services.add_column(col)
@@ -311,7 +354,7 @@ def render(report: StatusReport) -> Any:
         report.redis_error or "PING",
     )
     for s in report.services:
-        services.add_row(s.name, s.target, ok if s.healthy else bad, s.detail)
+        services.add_row(s.name, s.target, ok if s.healthy else slow if s.slow else bad, s.detail)
 
     streams = Table(title="streams", title_justify="left")
     for col in ("stream", "length", "group", "consumers", "lag", "pending"):
@@ -347,14 +390,18 @@ def render(report: StatusReport) -> Any:
     )
     for col in ("engine", "source", "state", "weight version"):
         engines.add_column(col, justify="right" if col == "weight version" else "left")
-    styles = {"in_service": "green", "pending": "yellow", "down": "bold red"}
+    styles = {"in_service": "green", "pending": "yellow", "slow": "yellow", "down": "bold red"}
     for e in report.engines:
         version = e["weight_version"]
         engines.add_row(
             e["url"],
             e["source"],
             Text(e["state"], style=styles.get(e["state"], "")),
-            "no answer" if version is None else str(version),
+            "no answer in time"
+            if e["state"] == "slow"
+            else "no answer"
+            if version is None
+            else str(version),
         )
     if not report.engines:
         engines.add_row("-", "-", Text("no engine in the fleet", style="bold red"), "-")

@@ -6,7 +6,7 @@
 - The JSON endpoints return exactly what the trainer logged and the streams hold; advantages
   are the group-normalized rewards; the gateway's /metrics carries the stream gauges.
 - With API keys in use, the page needs an admin key: a key form instead of the page, 403 for an
-  agent key, and an HttpOnly cookie after logging in with an admin key.
+  agent key, and an HttpOnly cookie holding a login token after logging in with an admin key.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def test_with_api_keys_the_dashboard_needs_an_admin_key(ops_stack):  # noqa: F81
             f"{gw}/dashboard/api/curves", headers={"Authorization": f"Bearer {agent}"}
         )
         assert forbidden.status_code == 403
-        assert httpx.get(f"{gw}/dashboard/api/curves", cookies={COOKIE: agent}).status_code == 403
+        # The cookie holds a login token: a key put there is no login.
+        assert httpx.get(f"{gw}/dashboard/api/curves", cookies={COOKIE: admin}).status_code == 401
 
         login = httpx.post(f"{gw}/dashboard/login", data={"key": admin})
         assert login.status_code == 303 and login.headers["location"] == "/dashboard"

@@ -10,10 +10,13 @@ Plain HTML + one JS file (gateway/static/), fed by JSON endpoints:
 - `GET /dashboard/api/streams`: length, lag and pending of every stream and consumer group.
 
 Access: the security middleware lets only admin keys reach /dashboard*. Browsers cannot send a
-bearer header on navigation, so an outer middleware (`DashboardLogin`) answers a 401 on the page
-with a small key form, stores the key from `POST /dashboard/login` in an HttpOnly, SameSite=Strict
-cookie scoped to /dashboard, and turns that cookie back into `Authorization: Bearer` for
-/dashboard requests. With authentication off (a loopback gateway with no keys) the page opens
+bearer header on navigation, so an outer middleware (`DashboardLogin`) answers the page's 401 or
+403 with a small key form (saying why: the key is not valid, or not an admin key), checks the
+key from `POST /dashboard/login` and opens a login (`DashboardSessions`, in Redis with a TTL):
+the HttpOnly, SameSite=Strict cookie scoped to /dashboard (Secure over https) holds a random
+token, never the key. For /dashboard requests the token is turned back into
+`Authorization: Bearer`, so a revoked key ends its logins; `POST /dashboard/logout` deletes
+the login. With authentication off (a loopback gateway with no keys) the page opens
 directly. `install()` also registers the stream gauges
 (flywheel.core.stream_stats.StreamStatsCollector) on the gateway's /metrics.
 """
@@ -21,10 +24,12 @@ directly. `install()` also registers the stream gauges
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import html
 import json
 import logging
 import math
+import secrets
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -34,13 +39,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+import redis
 from fastapi import APIRouter, Depends, FastAPI, Query
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import REGISTRY
 
-from flywheel.core.auth import KeyStore
+from flywheel.core.auth import KeyStore, hash_key
 from flywheel.core.codec import decode_sample
 from flywheel.core.errors import ContractError
+from flywheel.core.http_errors import redis_unavailable
 from flywheel.core.settings import FlywheelSettings, StreamSettings, load_settings
 from flywheel.core.stream_stats import StreamStatsCollector, stream_stats
 from flywheel.core.streams import FIELD
@@ -48,7 +55,10 @@ from flywheel.gateway.access.principal import require_role
 
 log = logging.getLogger(__name__)
 
-COOKIE = "flywheel_dashboard_key"
+COOKIE = "flywheel_dashboard_session"
+"""Holds a random login token (`DashboardSessions`), never the key."""
+LOGIN_TTL_S = 8 * 3600
+"""How long a dashboard login lasts (in Redis and in the browser)."""
 CURVE_PREFIXES = ("reward/mean", "reward/std", "loss/", "kl/", "entropy/mean")
 """Trainer metrics (JSONL keys) the curves endpoint returns."""
 CONTEXT_TOKENS = 48
@@ -225,33 +235,93 @@ def login_page(error: str = "") -> bytes:
     return LOGIN_PAGE.replace("<!--error-->", shown).encode()
 
 
+class DashboardSessions:
+    """Dashboard logins in Redis, shared by every gateway replica.
+
+    The browser's cookie holds a random token (`secrets.token_urlsafe(32)`); Redis holds, under
+    `<prefix>:dashboard:login:<sha256(token)>` with a TTL, the admin key's id and the key sealed
+    with that token (XOR with SHAKE-256 of the token). Neither the cookie nor Redis alone yields
+    the key; with both, the request is authenticated with the key as any bearer request is, so a
+    revoked key ends its dashboard logins at once.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str, ttl_s: int = LOGIN_TTL_S):
+        self.client = client
+        self.prefix = prefix
+        self.ttl_s = ttl_s
+
+    def _name(self, token: str) -> str:
+        return f"{self.prefix}:dashboard:login:{hash_key(token)}"
+
+    def open(self, secret: str, key_id: str) -> str:
+        """Store a login for `secret` (an admin key, id `key_id`); returns the cookie's token."""
+        token = secrets.token_urlsafe(32)
+        sealed = _seal(secret.encode(), token).hex()
+        record = json.dumps({"key_id": key_id, "sealed": sealed})
+        self.client.set(self._name(token), record, ex=self.ttl_s)
+        return token
+
+    def key(self, token: str) -> str:
+        """The key a login token stands for; "" when it is unknown, expired or logged out."""
+        raw = self.client.get(self._name(token)) if token else None
+        if raw is None:
+            return ""
+        try:
+            sealed = bytes.fromhex(json.loads(raw)["sealed"])
+            return _seal(sealed, token).decode()
+        except (ValueError, KeyError, TypeError):
+            return ""
+
+    def close(self, token: str) -> None:
+        """End a login (logout, or its key was refused)."""
+        if token:
+            self.client.delete(self._name(token))
+
+
+def _seal(data: bytes, token: str) -> bytes:
+    """XOR with a SHAKE-256 stream of the token (its own inverse)."""
+    pad = hashlib.shake_256(b"flywheel-dashboard-login:" + token.encode()).digest(len(data))
+    return bytes(a ^ b for a, b in zip(data, pad, strict=True))
+
+
 class DashboardLogin:
-    """ASGI middleware outside the security middleware, for /dashboard paths only: cookie ->
-    bearer header, `POST /dashboard/login` -> cookie, and a key form instead of the page's 401
-    or 403.
+    """ASGI middleware outside the security middleware, for /dashboard paths only: login cookie
+    -> bearer header, `POST /dashboard/login` -> login cookie, `POST /dashboard/logout`, and a
+    key form instead of the page's 401 or 403.
 
     Args:
         keys: the gateway's key store; the key typed into the form is checked against it.
+        logins: where logins are kept (`DashboardSessions`).
     """
 
-    def __init__(self, app: Any, keys: KeyStore):
+    def __init__(self, app: Any, keys: KeyStore, logins: DashboardSessions):
         self.app = app
         self.keys = keys
+        self.logins = logins
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or not path.startswith("/dashboard"):
             await self.app(scope, receive, send)
             return
-        if path == "/dashboard/login" and scope["method"] == "POST":
-            await self._login(scope, receive, send)
-            return
         headers = list(scope.get("headers", []))
-        if not any(k == b"authorization" for k, _ in headers):
-            key = _cookie(headers, COOKIE)
-            if key:
-                bearer = (b"authorization", f"Bearer {key}".encode())
-                scope = dict(scope, headers=[*headers, bearer])
+        token = _cookie(headers, COOKIE)
+        try:
+            if path == "/dashboard/login" and scope["method"] == "POST":
+                await self._login(scope, receive, send)
+                return
+            if path == "/dashboard/logout" and scope["method"] == "POST":
+                await asyncio.to_thread(self.logins.close, token)
+                await _send_redirect(send, _expired_cookie())
+                return
+            if token and not any(k == b"authorization" for k, _ in headers):
+                key = await asyncio.to_thread(self.logins.key, token)
+                if key:
+                    bearer = (b"authorization", f"Bearer {key}".encode())
+                    scope = dict(scope, headers=[*headers, bearer])
+        except redis.RedisError as exc:
+            await redis_unavailable(exc)(scope, receive, send)
+            return
         if path != "/dashboard":
             await self.app(scope, receive, send)
             return
@@ -262,7 +332,8 @@ class DashboardLogin:
             if message["type"] == "http.response.start" and message["status"] in (401, 403):
                 replaced = True
                 status = message["status"]
-                if status == 401:
+                if status == 401:  # no key, or the login's key was revoked
+                    await asyncio.to_thread(self.logins.close, token)
                     await _send_page(send, 401, "", [_expired_cookie()])
                 else:  # a valid key of another role
                     await _send_page(send, 403, NOT_ADMIN)
@@ -287,26 +358,26 @@ class DashboardLogin:
         if record.role != "admin":
             await _send_page(send, 403, NOT_ADMIN, [_expired_cookie()])
             return
+        token = await asyncio.to_thread(self.logins.open, key, record.key_id)
         cookie = SimpleCookie()
-        cookie[COOKIE] = key
+        cookie[COOKIE] = token
         morsel = cookie[
             COOKIE
-        ]  # typeshed's Morsel.update takes str values only; httponly is a flag
+        ]  # typeshed's Morsel.update takes str values only; httponly/secure are flags
         morsel["path"] = "/dashboard"
+        morsel["max-age"] = str(self.logins.ttl_s)
         morsel["httponly"] = True
         morsel["samesite"] = "Strict"
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 303,
-                "headers": [
-                    (b"location", b"/dashboard"),
-                    (b"content-length", b"0"),
-                    (b"set-cookie", cookie[COOKIE].OutputString().encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": b""})
+        if scope.get("scheme") == "https":  # uvicorn sets it from a trusted proxy's headers
+            morsel["secure"] = True
+        await _send_redirect(send, (b"set-cookie", morsel.OutputString().encode()))
+
+
+async def _send_redirect(send: Any, cookie: tuple[bytes, bytes]) -> None:
+    """303 to the dashboard page, setting or expiring the login cookie."""
+    headers = [(b"location", b"/dashboard"), (b"content-length", b"0"), cookie]
+    await send({"type": "http.response.start", "status": 303, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _expired_cookie() -> tuple[bytes, bytes]:
@@ -398,7 +469,9 @@ def install(app: FastAPI, deps: Any, settings: FlywheelSettings | None = None) -
     metrics_path = Path(metrics_file) if metrics_file else None
     data = DashboardData(deps.sessions.client, streams, metrics_path, decode)
     app.include_router(dashboard_router(data))
-    app.add_middleware(DashboardLogin, keys=KeyStore(deps.sessions.client, deps.sessions.prefix))
+    client, prefix = deps.sessions.client, deps.sessions.prefix
+    logins = DashboardSessions(client, prefix)
+    app.add_middleware(DashboardLogin, keys=KeyStore(client, prefix), logins=logins)
     if _collector is not None:  # a second app in one process (tests): the newest one reports
         REGISTRY.unregister(_collector)
     _collector = StreamStatsCollector(deps.sessions.client, streams)

@@ -2,8 +2,8 @@
 
 Body: `{"error": {"message", "type", "param", "code"}}`; status from the PlatformError class,
 400 for validation errors (as OpenAI and SGLang answer them), worded as OpenAI words them
-(core/validation_messages.py; on the Messages routes as Anthropic does: "max_tokens: Field
-required").
+(core/validation_messages.py; on the Messages routes a missing or unknown field as Anthropic
+words it: "max_tokens: Field required").
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.core.errors import PlatformError, RetryLaterError
-from flywheel.core.validation_messages import openai_message
+from flywheel.core.validation_messages import anthropic_message, openai_message
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +130,8 @@ def install(app: FastAPI) -> None:
                 error_body(not_json(ctype), "invalid_request_error"), status_code=400
             )
         param = param_of(first.get("loc", ()))
-        if (
-            "/v1/messages" in request.url.path
-        ):  # Anthropic's own words: "max_tokens: Field required"
-            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        if "/v1/messages" in request.url.path:  # "max_tokens: Field required", as Anthropic
+            message = anthropic_message(first, param)
         elif param == "model" and first.get("type") == "missing":
             message = MISSING_MODEL
         else:

@@ -139,3 +139,27 @@ def openai_message(error: Mapping[str, Any], param: str | None) -> str:
         shown = f"'{value}'" if isinstance(value, str) else _shown(value)
         return f"Invalid value: {shown}. Supported values are: {ctx['expected']}."
     return f"{name}: {msg}"
+
+
+ANTHROPIC_WORDS = {"missing": "Field required", "extra_forbidden": "Extra inputs are not permitted"}
+"""The reasons Anthropic's API gives after the field for a missing or an unknown field
+("max_tokens: Field required")."""
+
+
+def anthropic_message(error: Mapping[str, Any], param: str | None) -> str:
+    """Anthropic's message for the pydantic `error` about body field `param` (None: the body):
+    "<param>: Field required" for a missing field and "<param>: Extra inputs are not permitted"
+    for an unknown one, as Anthropic's API words them; every other error in the words of
+    `openai_message` (never pydantic's "Input should be ..." or "Value error, ").
+
+    Examples:
+        missing (param "max_tokens") -> "max_tokens: Field required"
+        int_parsing, input "abc" (param "max_tokens") -> "Invalid type for 'max_tokens':
+            expected an integer, but got a string instead."
+        value_error, msg "Value error, block 0 has type 'image'" (param "messages[0].content")
+            -> "messages[0].content: block 0 has type 'image'"
+    """
+    kind = str(error.get("type", ""))
+    if kind in ANTHROPIC_WORDS:
+        return f"{param or 'body'}: {ANTHROPIC_WORDS[kind]}"
+    return openai_message(error, param)

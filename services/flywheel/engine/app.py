@@ -176,7 +176,7 @@ def create_app(deps: EngineDeps) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _error(str(exc.errors()))
+        return _error(validation_message(exc))
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request, d: Deps) -> Response:

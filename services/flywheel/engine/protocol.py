@@ -261,6 +261,7 @@ def validation_message(exc: Exception) -> str:
         parts = []
         for e in errors():
             loc = ".".join(str(p) for p in e.get("loc", ()))
-            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+            msg = str(e.get("msg")).removeprefix("Value error, ")  # a check's own ValueError
+            parts.append(f"{loc}: {msg}" if loc else msg)
         return "; ".join(parts)
     return str(exc)

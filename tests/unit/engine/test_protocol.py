@@ -8,7 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError
-from flywheel.engine.protocol import GenerateRequest, SamplingParams, dumps, expand_generate
+from flywheel.engine.protocol import (
+    GenerateRequest,
+    SamplingParams,
+    dumps,
+    expand_generate,
+    validation_message,
+)
 
 
 def expand(**body):
@@ -96,3 +102,21 @@ def test_known_keys_at_neutral_values_are_accepted():
 def test_dumps_writes_non_finite_floats_as_null_like_orjson():
     out = json.loads(dumps({"a": [float("-inf"), 1.5, float("nan")], "b": (1, float("inf"))}))
     assert out == {"a": [None, 1.5, None], "b": [1, None]}
+
+
+def test_validation_message_gives_a_checks_own_words_without_pydantics_prefix():
+    from pydantic import BaseModel, field_validator  # noqa: PLC0415
+
+    class Body(BaseModel):
+        n: int
+
+        @field_validator("n")
+        @classmethod
+        def _positive(cls, n: int) -> int:
+            if n < 1:
+                raise ValueError("n must be at least 1")
+            return n
+
+    with pytest.raises(ValidationError) as caught:
+        Body.model_validate({"n": 0})
+    assert validation_message(caught.value) == "n: n must be at least 1"

@@ -57,7 +57,8 @@ def test_a_non_number_is_an_anthropic_400_naming_the_field(redis_client, prefix,
         assert resp.status_code == 400, resp.text
         answer = resp.json()
         assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
-        assert answer["error"]["message"].startswith(next(iter(extra))), answer
+        message = answer["error"]["message"]
+        assert message.startswith(f"Invalid type for '{next(iter(extra))}'"), answer
     assert engine.prompts == []
 
 

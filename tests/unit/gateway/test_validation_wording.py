@@ -140,15 +140,17 @@ def test_openai_routes_word_validation_errors_as_openai(
 
 
 def test_messages_answers_in_anthropic_error_json_with_a_field_path(redis_client, prefix, renderer):
-    """Anthropic's API words these "<field>: <reason>" (e.g. "max_tokens: Field required") in
-    its own error JSON; the field is a path, never a tuple."""
+    """Anthropic's error JSON, the field a path, never a tuple, the reason in words (a missing
+    field as Anthropic's API words it: "max_tokens: Field required")."""
     client, engine = _client(redis_client, prefix, renderer)
     resp = client.post("/v1/messages", json={**CHAT, "max_tokens": "abc"})
     assert resp.status_code == 400
     body = resp.json()
     assert set(body) == {"type", "error"} and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
-    assert body["error"]["message"].startswith("max_tokens: ")
+    assert body["error"]["message"] == (
+        "Invalid type for 'max_tokens': expected an integer, but got a string instead."
+    )
     assert "('body'" not in resp.text and "loc" not in body["error"]
     assert engine.prompts == []
 

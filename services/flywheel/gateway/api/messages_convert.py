@@ -39,6 +39,7 @@ from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.core.http_errors import param_of
+from flywheel.core.validation_messages import anthropic_message
 from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.messages_schema import (
     ConversationRequest,
@@ -251,8 +252,7 @@ def chat_request(body: ConversationRequest, *, sampling: bool = True) -> ChatCom
     except ValidationError as exc:
         first = exc.errors()[0]
         param = param_of(("body", *first["loc"]))
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise InvalidRequestError(f"{param or 'body'}: {message}", param=param) from None
+        raise InvalidRequestError(anthropic_message(first, param), param=param) from None
     if sampling:
         assert isinstance(body, MessagesRequest)
         if body.stop_sequences:  # Anthropic's own bound (32), not chat's 4 stop strings

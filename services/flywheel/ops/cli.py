@@ -26,6 +26,7 @@ from flywheel.ops.demo_cli import (
     add_demo_arguments,
     demo_folder,
     demo_options,
+    missing_folders,
     out_problem,
     replace_stack_folder,
     stack_folder_note,
@@ -81,18 +82,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a flag the task would not use
         print(f"flywheel demo: {exc}", file=sys.stderr)
         return 2
+    settings = _settings(args)  # a bad setting is refused before --out is created
+    created = missing_folders(out)
     if problem := out_problem(out):
         print(f"flywheel demo: --out {out} {problem}; pass another folder", file=sys.stderr)
         return 2
-    with demo_folder(out) as refusal:  # held until the demo's stack has stopped
+    with demo_folder(out, created) as refusal:  # held until the demo's stack has stopped
         if refusal:
             print(refusal, file=sys.stderr)
             return 2
-        return _demo_in(args, out, DemoRunner, cfg, started)
+        return _demo_in(args, settings, out, DemoRunner, cfg, started)
 
 
 def _demo_in(
     args: argparse.Namespace,
+    settings: FlywheelSettings,
     out: Path,
     DemoRunner: type[DemoRunnerT],  # noqa: N803 (a class)
     cfg: DemoConfig,
@@ -102,7 +106,6 @@ def _demo_in(
     stack of its own that it starts in `<out>/stack` and stops."""
     from flywheel.ops.stack import Stack, running_stack  # noqa: PLC0415
 
-    settings = _settings(args)
     state = running_stack(settings.state_dir) if not args.new_stack else None
     if state:
         print(f"using the running stack at {state['gateway']}")
@@ -184,6 +187,8 @@ def _demo_in(
                 runner.draw_timeline()
             except Exception as exc:  # noqa: BLE001 (the demo's own outcome comes first)
                 print(f"flywheel: timeline.png not redrawn: {exc}", file=sys.stderr)
+            if not interrupted:  # what the demo's stack leaves on disk, as interrupted
+                print(stack_folder_note(stack_dir))
 
 
 AGENT_GROUP_WAIT_S = 3600.0
@@ -248,8 +253,8 @@ def _run_demo(runner, started: float) -> int:  # noqa: ANN001
         print(f"wrote {', '.join(runner.interrupted['files'])}")
         return 1
     print(
-        f"wrote {runner.out / 'metrics.jsonl'}, {runner.out / 'reward_curve.png'} and "
-        f"{runner.out / 'timeline.png'}"
+        f"wrote {runner.out / 'metrics.jsonl'}, {runner.out / 'reward_curve.png'}, "
+        f"{runner.out / 'timeline.png'} and {runner.out / 'summary.json'}"
     )
     print(learning_verdict(summary))
     return 0

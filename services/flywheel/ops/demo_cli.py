@@ -187,30 +187,73 @@ DEMO_LOCK = "demo.lock"
 """File in `--out` that a running demo holds an exclusive lock on (its process id inside)."""
 
 
+def missing_folders(out: Path) -> list[Path]:
+    """`out` and those of its parents that do not exist yet, deepest first: what `out_problem`
+    creates, and `demo_folder` removes again when the demo leaves nothing in them."""
+    missing = []
+    for folder in (out, *out.parents):
+        if folder.exists() or folder.is_symlink():
+            break
+        missing.append(folder)
+    return missing
+
+
 @contextlib.contextmanager
-def demo_folder(out: Path) -> Iterator[str | None]:
+def demo_folder(out: Path, created: list[Path] | tuple[()] = ()) -> Iterator[str | None]:
     """Hold `out`'s demo lock (`<out>/demo.lock`, released by the OS when the process dies)
     while the block runs, so a second demo with the same `--out` neither deletes this one's
     stack folder nor truncates its files. Yields None; or, holding nothing, the line refusing
     the demo when another demo holds the lock or a stack runs from `<out>/stack` (its
-    `stack.lock` held, as `Stack` holds it from its start to its stop)."""
-    fd = os.open(out / DEMO_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    `stack.lock` held, as `Stack` holds it from its start to its stop). Afterwards deletes the
+    lock file while it is still this demo's, and the `created` folders (`missing_folders`)
+    the demo left empty (refused before it started)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        yield _busy_refusal(out, f"a demo (process {holder}) is running with --out {out}")
-        return
+        with _held_lock(out) as refusal:
+            yield refusal
+    finally:
+        for folder in created:
+            with contextlib.suppress(OSError):  # not empty: the demo wrote its files there
+                folder.rmdir()
+
+
+@contextlib.contextmanager
+def _held_lock(out: Path) -> Iterator[str | None]:
+    """`demo_folder`'s lock: taken on the file `<out>/demo.lock` names (again when another
+    demo deleted it meanwhile), deleted at the end while it is still the one held."""
+    path = out / DEMO_LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            yield _busy_refusal(out, f"a demo (process {holder}) is running with --out {out}")
+            return
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # the demo that held it deleted it on its way out: lock the new one
     try:
         if _stack_running(out / "stack"):
             yield _busy_refusal(out, f"a stack is running from {out / 'stack'}")
-            return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield None
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield None
     finally:
+        if _same_file(fd, path):
+            path.unlink()
         os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the open file `fd`."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _stack_running(stack_dir: Path) -> bool:

@@ -225,7 +225,7 @@ def test_the_out_of_a_demo_that_ended_is_used_again(tmp_path, monkeypatch, capsy
     code = cli.main(["demo", "--new-stack", "--out", str(out), "--steps", "2"])
     assert code == 0, capsys.readouterr().err
     assert calls == ["init", "start", "stop"]
-    assert Path(out / "demo.lock").read_text() == f"{os.getpid()}\n"
+    assert not Path(out / "demo.lock").exists()  # deleted by the demo that held it
 
 
 _SUMMARY = {"first5": 0.2, "last5": 0.8, "eval_before": 0.5, "eval_after": 0.9, "steps": 2}

@@ -18,7 +18,7 @@ def test_the_previous_stack_folder_is_named_with_its_size_before_it_is_deleted(
 
     _settings, _runner, out = run_demo_cli(monkeypatch, tmp_path)
 
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "stack folder" in ln]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "previous run's" in ln]
     assert lines == [
         f"flywheel demo: deleting the previous run's stack folder {out / 'stack'} "
         "(2.5 MB: Redis data, checkpoints, logs)"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from flywheel.core.settings import FlywheelSettings, load_settings_or_exit
 from flywheel.ops import engines_cli
+from flywheel.ops.cli_parser import CliParser
 from flywheel.ops.demo_cli import (
     add_demo_arguments,
     demo_folder,
@@ -434,25 +435,6 @@ def _cuda_available() -> bool:
     return done.stdout.strip() == "1"
 
 
-class _Parser(argparse.ArgumentParser):
-    """An `ArgumentParser` whose subcommands refuse arguments they do not know with their own
-    usage (`flywheel up --bogus` shows `usage: flywheel up ...`), not the top-level one that
-    argparse shows for whatever a subcommand leaves over."""
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        """Parse `args`; the innermost parser that is left arguments it does not know exits.
-
-        Raises:
-            SystemExit: exit status 2, this parser's usage and `unrecognized arguments: ...`.
-        """
-        parsed, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}")
-        return parsed, extras
-
-
 STATE_DIR_HELP = (
     "The stack's state (Redis data, checkpoints, logs, its running-stack file) is in the "
     "state dir: `state_dir` in the settings file, or env FLYWHEEL_STATE_DIR (default "
@@ -462,10 +444,10 @@ STATE_DIR_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = CliParser(
         prog="flywheel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    common = _Parser(add_help=False)
+    common = CliParser(add_help=False)
     common.add_argument("--config", default=None, help="settings file (YAML, TOML or JSON)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(

@@ -107,6 +107,26 @@ def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys, argv, usa
     assert f"{usage.removeprefix('usage: ').strip()}: error: unrecognized arguments: --bogus" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog", "subcommands"),
+    [
+        (["config"], "flywheel config", "show"),
+        (["keys"], "flywheel keys", "create, list, mark, revoke, reopen"),
+        (["engines"], "flywheel engines", "list, add, remove"),
+    ],
+)
+def test_a_command_without_its_subcommand_shows_its_usage_and_subcommands(
+    capsys, argv, prog, subcommands
+):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.startswith(f"usage: {prog} [-h] {{"), err
+    assert f"{prog}: error: name a subcommand: {subcommands}" in err, err
+    assert "_command" not in err and "arguments are required" not in err, err
+
+
 def test_config_show_refuses_algorithm_params_that_up_refuses(tmp_path, capsys):
     path = tmp_path / "bad.toml"
     path.write_text(

@@ -159,7 +159,7 @@ class AlgorithmSettings(Section):
             if name not in known:
                 raise ValueError(
                     f"unknown {info.field_name} part {name!r}; choose from "
-                    f"{sorted(known)} (`flywheel algorithms list`)"
+                    f"{', '.join(sorted(known))} (`flywheel algorithms list`)"
                 )
         return value
 

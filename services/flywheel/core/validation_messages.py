@@ -4,7 +4,8 @@
 the body field `param` (OpenAI's form, "messages[0].role") into the sentence OpenAI's API answers
 for it, e.g. {"type": "int_parsing", "input": "abc"} for max_tokens -> "Invalid type for
 'max_tokens': expected an integer, but got a string instead." Error types it does not know keep
-pydantic's sentence after the field (`"<param>: <msg>"`), as do validators' own messages.
+pydantic's sentence after the field (`"<param>: <msg>"`, without pydantic's "Value error, "), as
+do validators' own messages (one that starts with the field's name is given as it is).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ BOUNDS = {
 """pydantic's bound error -> (OpenAI's words, the comparison, the bound's key in `ctx`)."""
 
 
+BODY_NOT_OBJECT = "the request body must be a JSON object"
+"""The message for a request without a body (or a null one)."""
+
+
 def json_type(value: Any) -> str:
     """The JSON type of a decoded value in OpenAI's words: "a string", "an integer", "a decimal",
     "a boolean", "an array", "an object" or "null"."""
@@ -61,8 +66,9 @@ def json_type(value: Any) -> str:
     return "an object"
 
 
-def _shown(value: Any) -> str:
-    """A value as the request wrote it (JSON), cut to 60 characters."""
+def shown(value: Any) -> str:
+    """A value as the request wrote it (JSON), cut to 60 characters: a message shows a client's
+    value so, never as a Python repr. Example: {"type": "any"} -> '{"type": "any"}'."""
     try:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
@@ -70,11 +76,20 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def one_of(values: Any) -> str:
+    """Names in words, each quoted: ["a", "b", "c"] -> "'a', 'b' or 'c'"."""
+    quoted = [f"'{v}'" for v in values]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else "".join(quoted)
+
+
 def _number(value: Any) -> str:
-    """A bound or input number as JSON writes it: 2.0 -> "2", 0.5 -> "0.5"."""
+    """A bound or input number as JSON writes it: 2.0 -> "2", 0.5 -> "0.5"; a query parameter's
+    text as it was written ("0" -> "0")."""
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return _shown(value)
+    if isinstance(value, str):
+        return value
+    return shown(value)
 
 
 def openai_message(error: Mapping[str, Any], param: str | None) -> str:
@@ -97,6 +112,8 @@ def openai_message(error: Mapping[str, Any], param: str | None) -> str:
     ctx = error.get("ctx") or {}
     name = param or "body"
     msg = str(error.get("msg", "invalid request")).removeprefix("Value error, ")
+    if kind == "missing" and param is None:
+        return BODY_NOT_OBJECT
     if kind == "missing":
         return f"Missing required parameter: '{name}'."
     if kind == "extra_forbidden":
@@ -136,8 +153,15 @@ def openai_message(error: Mapping[str, Any], param: str | None) -> str:
             f"length {len(value)} instead."
         )
     if kind in ("literal_error", "enum") and "expected" in ctx:
-        shown = f"'{value}'" if isinstance(value, str) else _shown(value)
-        return f"Invalid value: {shown}. Supported values are: {ctx['expected']}."
+        given = f"'{value}'" if isinstance(value, str) else shown(value)
+        return f"Invalid value: {given}. Supported values are: {ctx['expected']}."
+    if "expected_types" in ctx:  # a union's own error (a Discriminator's custom_error_context)
+        return (
+            f"Invalid type for '{name}': expected {ctx['expected_types']}, but got "
+            f"{json_type(value)} instead."
+        )
+    if msg.startswith((f"{name} ", f"{name}[", f"{name}:")):
+        return msg  # a check's message that names the field already
     return f"{name}: {msg}"
 
 
@@ -160,6 +184,6 @@ def anthropic_message(error: Mapping[str, Any], param: str | None) -> str:
             -> "messages[0].content: block 0 has type 'image'"
     """
     kind = str(error.get("type", ""))
-    if kind in ANTHROPIC_WORDS:
+    if kind in ANTHROPIC_WORDS and param is not None:
         return f"{param or 'body'}: {ANTHROPIC_WORDS[kind]}"
     return openai_message(error, param)

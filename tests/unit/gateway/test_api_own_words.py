@@ -24,8 +24,8 @@ def _anthropic_message(client, body):
 @pytest.mark.parametrize(
     ("body", "shown"),
     [
-        ({"tool_choice": {"type": "tool", "name": "add"}}, "{'type': 'tool', 'name': 'add'}"),
-        ({"tool_choice": {"type": "any"}}, "{'type': 'any'}"),
+        ({"tool_choice": {"type": "tool", "name": "add"}}, '{"type": "tool", "name": "add"}'),
+        ({"tool_choice": {"type": "any"}}, '{"type": "any"}'),
         ({"tool_choice": {"type": "tool", "name": "mul"}, "tools": [ADD]}, "tool 'mul'"),
     ],
 )
@@ -55,7 +55,7 @@ def test_messages_server_tool_is_refused_as_a_server_tool(redis_client, prefix, 
     [
         (
             {"tool_choice": {"type": "function", "name": "add"}},
-            "{'type': 'function', 'name': 'add'}",
+            '{"type": "function", "name": "add"}',
         ),
         ({"tool_choice": "required"}, "'required'"),
         ({"tool_choice": {"type": "function", "name": "mul"}, "tools": [RESPONSES_ADD]}, "'mul'"),

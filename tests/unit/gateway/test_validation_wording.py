@@ -188,9 +188,14 @@ def test_messages_answers_in_anthropic_error_json_with_a_field_path(redis_client
         (
             {"type": "value_error", "msg": "Value error, stop must hold at most 4 strings"},
             "stop",
-            "stop: stop must hold at most 4 strings",
+            "stop must hold at most 4 strings",
         ),
-        ({"type": "missing"}, None, "Missing required parameter: 'body'."),
+        ({"type": "missing"}, None, "the request body must be a JSON object"),
+        (
+            {"type": "value_error", "msg": "Value error, at most 4 strings"},
+            "stop",
+            "stop: at most 4 strings",
+        ),
     ],
 )
 def test_openai_message_worked_examples(error, param, message):

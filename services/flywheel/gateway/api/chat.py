@@ -18,6 +18,7 @@ from flywheel.core.errors import (
     InvalidRequestError,
     NotFoundError,
 )
+from flywheel.core.validation_messages import one_of
 from flywheel.gateway.api import incremental
 from flywheel.gateway.api.disconnect import Receive, unless_disconnected
 from flywheel.gateway.api.json_text import dumps
@@ -160,7 +161,7 @@ async def serve(
     turn_type = (turn_type or "main").lower()
     if turn_type not in turns.TURN_TYPES:
         raise InvalidRequestError(
-            f"X-Turn-Type must be one of {list(turns.TURN_TYPES)}, got {turn_type!r}",
+            f"X-Turn-Type must be one of {one_of(turns.TURN_TYPES)}, got {turn_type!r}",
             param="X-Turn-Type",
         )
     if session_id is None:

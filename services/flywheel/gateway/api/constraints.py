@@ -40,6 +40,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.core.validation_messages import shown
 
 ANY_OBJECT = {"type": "object"}
 """Arguments schema of a tool that declares no parameters, and json_object's schema."""
@@ -139,9 +140,10 @@ def check_choice_tools(choice: Any, names: Sequence[str | None], name: str | Non
     Raises:
         InvalidRequestError (param `tool_choice`): no tools, or `name` not among `names`.
     """
+    given = f"'{choice}'" if isinstance(choice, str) else shown(choice)
     if not names:
         raise InvalidRequestError(
-            f"tool_choice {choice!r} needs tools: give the functions the model must call",
+            f"tool_choice {given} needs tools: give the functions the model must call",
             param="tool_choice",
         )
     if name is not None and name not in names:

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from flywheel.core.errors import InvalidRequestError
 from flywheel.core.http_errors import param_of
-from flywheel.core.validation_messages import anthropic_message
+from flywheel.core.validation_messages import anthropic_message, shown
 from flywheel.gateway.api.constraints import check_schemas
 from flywheel.gateway.api.messages_schema import (
     ConversationRequest,
@@ -202,11 +202,11 @@ def check_tool_choice(body: MessagesRequest) -> None:
     choice = body.tool_choice
     if choice is None or choice.type in ("auto", "none"):
         return
-    shown = {"type": "tool", "name": choice.name} if choice.type == "tool" else {"type": "any"}
+    given = {"type": "tool", "name": choice.name} if choice.type == "tool" else {"type": "any"}
     names = [tool.name for tool in body.tools or []]
     if not names:
         raise InvalidRequestError(
-            f"tool_choice: {shown} needs tools: give the tools the model must call",
+            f"tool_choice: {shown(given)} needs tools: give the tools the model must call",
             param="tool_choice",
         )
     if choice.type == "tool" and choice.name not in names:

@@ -18,13 +18,16 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
+    Tag,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
 )
 
+from flywheel.core.validation_messages import one_of
 from flywheel.gateway.api import json_shapes as shapes
 
 RESPONSE_ID_PATTERN = re.compile(r"resp_[A-Za-z0-9]{1,64}")
@@ -64,6 +67,12 @@ _WHY = {
 }
 
 
+def _str_or_list(v: Any) -> str | None:
+    """The `input` branch a value takes: "str", "list", or None (neither: one error naming
+    both)."""
+    return "str" if isinstance(v, str) else "list" if isinstance(v, list) else None
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses` body (see the module docstring for the field policy)."""
 
@@ -81,7 +90,16 @@ class ResponsesRequest(BaseModel):
 
     model: str
     """Required, as in OpenAI's API (a body without it is a 400 naming `model`)."""
-    input: Annotated[str | list[dict[str, Any]], shapes.RESPONSES_INPUT]
+    input: Annotated[
+        Annotated[str, Tag("str")] | Annotated[list[dict[str, Any]], Tag("list")],
+        Discriminator(
+            _str_or_list,
+            custom_error_type="input_type",
+            custom_error_message="input must be a string or an array of input items",
+            custom_error_context={"expected_types": "a string or an array of input items"},
+        ),
+        shapes.RESPONSES_INPUT,
+    ]
     """A user message's text, or items: messages, function_call, function_call_output,
     reasoning (responses_translate.py)."""
     instructions: str | None = None
@@ -171,7 +189,9 @@ class ResponsesRequest(BaseModel):
     def _include(cls, v: list[str] | None) -> list[str] | None:
         for i, value in enumerate(v or []):
             if value not in INCLUDABLE:
-                raise ValueError(f"include[{i}] {value!r} is not one of {sorted(INCLUDABLE)}")
+                raise ValueError(
+                    f"include[{i}] {value!r} is not one of {one_of(sorted(INCLUDABLE))}"
+                )
         return v
 
     @field_validator(*_NEUTRAL, mode="after")

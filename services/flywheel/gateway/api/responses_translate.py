@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.core.validation_messages import one_of, shown
 from flywheel.gateway.api.constraints import check_choice_tools
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 
@@ -136,7 +137,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise InvalidRequestError(
-                    f"{where}.role must be one of {list(ROLES)}, got {role!r}",
+                    f"{where}.role must be one of {one_of(ROLES)}, got {shown(role)}",
                     param=f"{where}.role",
                 )
             text = _text(item.get("content"), f"{where}.content", refusal=role == "assistant")
@@ -205,7 +206,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
             raise InvalidRequestError(
                 f"tools[{i}]: tool type {kind!r} is not supported; this gateway samples the "
                 "model and runs no built-in tools; declare a function tool "
-                "({'type': 'function', 'name', 'parameters'}) and run it yourself",
+                '({"type": "function"} with a "name" and "parameters") and run it yourself',
                 param=f"tools[{i}].type",
             )
         if not isinstance(tool.get("name"), str):
@@ -226,8 +227,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise InvalidRequestError(
-        f"tool_choice {choice!r} is not supported; use 'auto', 'none', 'required' or "
-        "{'type': 'function', 'name': ...}",
+        f"tool_choice {shown(choice)} is not supported; use 'auto', 'none', 'required' or "
+        '{"type": "function", "name": ...}',
         param="tool_choice",
     )
 

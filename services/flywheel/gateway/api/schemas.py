@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
 )
 
+from flywheel.core.validation_messages import shown
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.constraints import grammar_params
 
@@ -79,8 +80,8 @@ def check_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fn = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(fn, dict):
             raise ValueError(
-                f"tool call {i} must be {{'type': 'function', 'function': "
-                "{'name': ..., 'arguments': ...}}"
+                f'tool call {i} must be {{"type": "function", "function": '
+                '{"name": ..., "arguments": ...}}'
             )
         if not isinstance(fn.get("name"), str) or not isinstance(
             fn.get("arguments", ""), str | dict | None
@@ -283,8 +284,9 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
                 or not isinstance(fn.get("parameters", {}), dict | None)
             ):
                 raise ValueError(
-                    f"tool {i} must be {{'type': 'function', 'function': {{'name': "
-                    "str, 'description'?: str, 'parameters'?: JSON schema}}"
+                    f'tool {i} must be {{"type": "function", "function": {{"name": '
+                    'a string, "description" (optional): a string, "parameters" (optional): '
+                    "a JSON schema}}"
                 )
         return v
 
@@ -303,7 +305,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
                 return v
         raise ValueError(
             "tool_choice must be 'auto', 'none', 'required' or "
-            f"{{'type': 'function', 'function': {{'name': ...}}}}, got {v!r}"
+            f'{{"type": "function", "function": {{"name": ...}}}}, got {shown(v)}'
         )
 
     @field_validator("top_k")

@@ -76,6 +76,12 @@ def shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def quoted(value: Any) -> str:
+    """A client's value in a message: a string in single quotes, anything else as JSON (`shown`).
+    Examples: "image" -> "'image'", {"a": 1} -> '{"a": 1}'."""
+    return f"'{value}'" if isinstance(value, str) else shown(value)
+
+
 def one_of(values: Any) -> str:
     """Names in words, each quoted: ["a", "b", "c"] -> "'a', 'b' or 'c'"."""
     quoted = [f"'{v}'" for v in values]

@@ -71,3 +71,29 @@ def test_input_items_limit_is_a_number_in_the_message(redis_client, prefix, rend
     created = client.post("/v1/responses", json={"model": "m", "input": "hi"}).json()
     message = _error(client.get(f"/v1/responses/{created['id']}/input_items?limit=0"))
     assert "but got 0 instead" in message, message
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("/v1/chat/completions", {"messages": U, "logit_bias": {"50256": -100}}, '{"50256": -100'),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"1": 5}}, '{"1": 5'),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": {"a": 1}}]}]},
+            '{"a": 1}',
+        ),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": ["x"]}]}]}, '["x"]'),
+        (
+            "/v1/messages",
+            {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": ["x"]}]}]},
+            '{"type": ["x"]}',
+        ),
+    ],
+)
+def test_a_non_string_value_is_shown_as_json(redis_client, prefix, renderer, path, body, words):
+    client, engine = _client(redis_client, prefix, renderer)
+    message = _error(client.post(path, json={"model": "m", **body}))
+    assert words in message, message
+    assert "=" not in message, message
+    assert engine.prompts == []

@@ -25,6 +25,7 @@ from prometheus_client import Counter
 from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, WithJsonSchema, field_validator
 
 from flywheel.core.errors import InvalidRequestError
+from flywheel.core.validation_messages import shown
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.request_rules import served_models
 from flywheel.gateway.api.schemas import Stop, StreamOptionsNeedStream, sglang_sampling
@@ -118,7 +119,7 @@ class CompletionRequest(StreamOptionsNeedStream):
     def _neutral(cls, v: Any, info: ValidationInfo) -> Any:
         assert info.field_name is not None  # set for a field validator
         if v not in _NEUTRAL[info.field_name]:
-            raise ValueError(f"{info.field_name}={v!r} is not supported; leave it unset")
+            raise ValueError(f"{info.field_name} is not supported (got {shown(v)}); leave it unset")
         return v
 
     @field_validator("prompt")

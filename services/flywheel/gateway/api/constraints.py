@@ -40,7 +40,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from flywheel.core.errors import InvalidRequestError
-from flywheel.core.validation_messages import shown
+from flywheel.core.validation_messages import quoted
 
 ANY_OBJECT = {"type": "object"}
 """Arguments schema of a tool that declares no parameters, and json_object's schema."""
@@ -140,7 +140,7 @@ def check_choice_tools(choice: Any, names: Sequence[str | None], name: str | Non
     Raises:
         InvalidRequestError (param `tool_choice`): no tools, or `name` not among `names`.
     """
-    given = f"'{choice}'" if isinstance(choice, str) else shown(choice)
+    given = quoted(choice)
     if not names:
         raise InvalidRequestError(
             f"tool_choice {given} needs tools: give the functions the model must call",

@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from flywheel.core.validation_messages import shown
 from flywheel.gateway.api import json_shapes as shapes
 
 
@@ -112,9 +113,8 @@ def _refuse_unreadable(blocks: Any) -> Any:
 
 
 def _brief(value: Any) -> str:
-    """`value`'s repr, cut to 80 characters (for error messages)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """`value` as JSON, cut to 60 characters (for error messages)."""
+    return shown(value)
 
 
 def _content_kind(v: Any) -> str | None:

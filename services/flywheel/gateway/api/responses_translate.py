@@ -35,7 +35,7 @@ import os
 from typing import Any
 
 from flywheel.core.errors import InvalidRequestError
-from flywheel.core.validation_messages import one_of, shown
+from flywheel.core.validation_messages import one_of, quoted, shown
 from flywheel.gateway.api.constraints import check_choice_tools
 from flywheel.gateway.api.responses_schema import ResponsesRequest
 
@@ -73,7 +73,7 @@ def _text(content: Any, where: str, *, refusal: bool) -> str:
         key = "refusal" if (refusal and kind == "refusal") else "text"
         if kind not in TEXT_PARTS and key != "refusal":
             raise InvalidRequestError(
-                f"{where}[{k}] has type {kind!r}; this model reads text only "
+                f"{where}[{k}] has type {quoted(kind)}; this model reads text only "
                 f"(parts of type {', '.join(map(repr, TEXT_PARTS))})",
                 param=f"{where}[{k}].type",
             )
@@ -181,7 +181,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(open_turn)
         else:
             raise InvalidRequestError(
-                f"{where}: item type {kind!r} is not supported; this gateway serves "
+                f"{where}: item type {quoted(kind)} is not supported; this gateway serves "
                 f"{', '.join(ITEM_TYPES)} items (item_reference: send the item itself)",
                 param=f"{where}.type",
             )
@@ -204,7 +204,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         kind = tool.get("type")
         if kind != "function":
             raise InvalidRequestError(
-                f"tools[{i}]: tool type {kind!r} is not supported; this gateway samples the "
+                f"tools[{i}]: tool type {quoted(kind)} is not supported; this gateway samples the "
                 "model and runs no built-in tools; declare a function tool "
                 '({"type": "function"} with a "name" and "parameters") and run it yourself',
                 param=f"tools[{i}].type",

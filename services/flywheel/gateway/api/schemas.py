@@ -20,7 +20,7 @@ from pydantic import (
     field_validator,
 )
 
-from flywheel.core.validation_messages import shown
+from flywheel.core.validation_messages import quoted, shown
 from flywheel.gateway.api import json_shapes as shapes
 from flywheel.gateway.api.constraints import grammar_params
 
@@ -61,7 +61,7 @@ def check_parts(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         key = "refusal" if kind == "refusal" else "text"
         if kind not in (*TEXT_PARTS, "refusal"):
             raise ValueError(
-                f"content part {i} has type {kind!r}; this model reads text only "
+                f"content part {i} has type {quoted(kind)}; this model reads text only "
                 f"(parts of type {', '.join(map(repr, TEXT_PARTS))})"
             )
         if not isinstance(part.get(key), str):
@@ -321,7 +321,8 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         kind = (v or {}).get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
             raise ValueError(
-                f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'"
+                f"response_format type {quoted(kind)} is not one of 'text', 'json_object' or "
+                "'json_schema'"
             )
         return v
 
@@ -331,7 +332,7 @@ class ChatCompletionRequest(StreamOptionsNeedStream):
         assert info.field_name is not None  # set for a field validator
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError(
-                f"{info.field_name}={v!r} is not supported by the engine; leave it unset"
+                f"{info.field_name} is not supported by the engine (got {shown(v)}); leave it unset"
             )
         return v
 

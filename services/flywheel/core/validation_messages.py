@@ -84,8 +84,8 @@ def quoted(value: Any) -> str:
 
 def one_of(values: Any) -> str:
     """Names in words, each quoted: ["a", "b", "c"] -> "'a', 'b' or 'c'"."""
-    quoted = [f"'{v}'" for v in values]
-    return ", ".join(quoted[:-1]) + " or " + quoted[-1] if len(quoted) > 1 else "".join(quoted)
+    names = [f"'{v}'" for v in values]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def _number(value: Any) -> str:
@@ -159,8 +159,7 @@ def openai_message(error: Mapping[str, Any], param: str | None) -> str:
             f"length {len(value)} instead."
         )
     if kind in ("literal_error", "enum") and "expected" in ctx:
-        given = f"'{value}'" if isinstance(value, str) else shown(value)
-        return f"Invalid value: {given}. Supported values are: {ctx['expected']}."
+        return f"Invalid value: {quoted(value)}. Supported values are: {ctx['expected']}."
     if "expected_types" in ctx:  # a union's own error (a Discriminator's custom_error_context)
         return (
             f"Invalid type for '{name}': expected {ctx['expected_types']}, but got "

@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 from fastapi import FastAPI
@@ -53,6 +52,7 @@ from flywheel.gateway.access.limits import Lease, RedisLimiter
 from flywheel.gateway.access.principal import ANONYMOUS, LOCAL_ADMIN, Principal
 from flywheel.gateway.api.schemas import SESSION_ID_PATTERN
 from flywheel.gateway.session.owner import REQUEST_OWNER, REQUEST_TRAIN, not_for_this_key
+from flywheel.gateway.session.raw_path import raw_path_session
 from flywheel.gateway.session.store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -463,17 +463,10 @@ def _check_path_session(scope: dict) -> None:
     Raises:
         InvalidRequestError: 400 (param `session_id`): not 1-128 letters, digits and `_ . : -`.
     """
-    raw = scope.get("raw_path")
-    if not raw or b"%" not in raw:
-        return  # the decoded path is the raw one: its segments are what the routes see
-    parts = raw.split(b"?", 1)[0].split(b"/")
-    if len(parts) > 2 and parts[1] == b"s":
-        segment = parts[2]
-    elif len(parts) > 3 and parts[1:3] == [b"v1", b"sessions"]:
-        segment = parts[3]
-    else:
-        return
-    session_id = unquote(segment.decode("latin-1"))
+    named = raw_path_session(scope)
+    if named is None:
+        return  # no session in the URL, or the decoded path is the raw one
+    session_id = named[0]
     if not SESSION_ID_PATTERN.fullmatch(session_id):
         REJECTED.labels("bad_session_id").inc()
         raise InvalidRequestError(

@@ -51,6 +51,12 @@ lax mode would read them as 0.5 and 1.0. Bounds (`Field(ge=0)`) keep their place
 as `minimum`/`maximum`."""
 
 
+def str_or_list(value: Any) -> str | None:
+    """The branch of a "string or array" field a value takes (a `Discriminator`'s tag): "str",
+    "list", or None for neither, so the error is the field's one message naming both."""
+    return "str" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
 def nullable(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` or JSON null."""
     return {"anyOf": [schema, NULL]}

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
+
+from flywheel.gateway.session.raw_path import raw_path_session
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -66,13 +67,8 @@ def messages_request(scope: Scope) -> bool:
     is a Messages path under the session id "a/b", which the security middleware refuses."""
     if is_messages_path(scope["path"]):
         return True
-    raw = scope.get("raw_path")
-    if not raw or b"%" not in raw:
-        return False  # the decoded path is the raw one
-    segments = raw.split(b"?", 1)[0].decode("latin-1").split("/")
-    if len(segments) < 4 or segments[:2] != ["", "s"]:
-        return False
-    return is_messages_path("/" + "/".join(unquote(s) for s in segments[3:]))
+    named = raw_path_session(scope)
+    return named is not None and scope["path"].startswith("/s/") and is_messages_path(named[1])
 
 
 def _message_of(body: bytes) -> str:

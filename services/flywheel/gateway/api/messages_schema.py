@@ -97,7 +97,7 @@ def _refuse_unreadable(blocks: Any) -> Any:
         if not isinstance(kind, str):
             raise ValueError(
                 f"block {i} must be an object with a 'type' among "
-                f"{', '.join(map(repr, READABLE))}; got {_brief(block)}"
+                f"{', '.join(map(repr, READABLE))}; got {shown(block)}"
             )
         if kind == "redacted_thinking":
             raise ValueError(
@@ -110,11 +110,6 @@ def _refuse_unreadable(blocks: Any) -> Any:
                 f"{', '.join(map(repr, READABLE))})"
             )
     return blocks
-
-
-def _brief(value: Any) -> str:
-    """`value` as JSON, cut to 60 characters (for error messages)."""
-    return shown(value)
 
 
 def _content_kind(v: Any) -> str | None:

@@ -67,12 +67,6 @@ _WHY = {
 }
 
 
-def _str_or_list(v: Any) -> str | None:
-    """The `input` branch a value takes: "str", "list", or None (neither: one error naming
-    both)."""
-    return "str" if isinstance(v, str) else "list" if isinstance(v, list) else None
-
-
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses` body (see the module docstring for the field policy)."""
 
@@ -93,7 +87,7 @@ class ResponsesRequest(BaseModel):
     input: Annotated[
         Annotated[str, Tag("str")] | Annotated[list[dict[str, Any]], Tag("list")],
         Discriminator(
-            _str_or_list,
+            shapes.str_or_list,
             custom_error_type="input_type",
             custom_error_message="input must be a string or an array of input items",
             custom_error_context={"expected_types": "a string or an array of input items"},

@@ -28,14 +28,10 @@ SESSION_ID_PATTERN = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 """Session ids a client may choose (URL prefix, `X-Session-Id`, `POST /v1/sessions`)."""
 
 
-def _str_or_list(v: Any) -> str | None:
-    return "str" if isinstance(v, str) else "list" if isinstance(v, list) else None
-
-
 Stop = Annotated[
     Annotated[str, Tag("str")] | Annotated[list[str], Tag("list"), Field(max_length=4)],
     Discriminator(
-        _str_or_list,
+        shapes.str_or_list,
         custom_error_type="stop_type",
         custom_error_message="stop must be a string or an array of up to 4 strings",
     ),
